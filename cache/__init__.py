@@ -1,0 +1,1 @@
+"""Functional KV-cache state: a pytree plus pure, jit-compiled functions."""

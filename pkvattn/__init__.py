@@ -1,0 +1,29 @@
+"""pkvattn: paged attention and a functional KV cache for JAX on NVIDIA GPUs.
+
+Dimension glossary (used in every shape comment):
+
+| name | meaning |
+|---|---|
+| `num_tokens` | static length of a ragged token batch (padded) |
+| `batch_size` | sequences in the step |
+| `num_qo_heads`, `num_kv_heads`, `group_size` | heads; q head `h` reads kv head `h // group_size` |
+| `head_dim` | features per head (64, 128, 256) |
+| `num_pages`, `page_size` | pages in a pool; tokens per page |
+| `max_pages` | width of a page table |
+| `q_indptr` | `i32[batch_size + 1]`, cu_seqlens of the new (query) tokens |
+| `kv_lens` | `i32[batch_size]`, tokens in the cache including the new ones |
+| `window_left` | key `j` visible to query at `i` iff `i - window_left <= j <= i`; -1 = none |
+
+Einsum letters: `b` batch, `t` token, `h` q-head, `k` kv-head, `g` group, `s` kv
+token, `d` head_dim.
+"""
+
+from pkvattn.attention import merge_state as merge_state
+from pkvattn.attention import paged_decode as paged_decode
+from pkvattn.attention import paged_prefill as paged_prefill
+
+__all__ = [
+    "merge_state",
+    "paged_decode",
+    "paged_prefill",
+]

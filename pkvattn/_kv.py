@@ -1,0 +1,143 @@
+"""Normalises the three kv_cache formats into one view the kernels consume.
+
+Formats (see ../shared/DESIGN.md, "KV pool and page tables: one mechanism"):
+  pair:       `(k_pages, v_pages)`, each `[num_pages, page_size, num_kv_heads, head_dim]`,
+              with a shared table `i32[batch_size, max_pages]` (vLLM / FlashInfer NHD).
+  pool:       one `[num_pages, page_size, num_kv_heads, head_dim]` pool with a split
+              table `i32[batch_size, 2, max_pages]` (TensorRT-LLM: row 0 = K page, row 1 = V page).
+  flashinfer: `[num_pages, 2, page_size, num_kv_heads, head_dim]` with a shared table:
+              the split case with K at page `2p` and V at `2p + 1` after a free reshape.
+
+Every format becomes `KVView(k_pool, v_pool, k_table, v_table)`, where the kernels read
+K block `i` of sequence `b` at `k_pool[k_table[b, i]]` and V at `v_pool[v_table[b, i]]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pkvattn import _checks
+
+Format = Literal["pair", "pool", "flashinfer"]
+
+SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVView:
+  k_pool: jax.Array   # [num_pages', page_size, num_kv_heads, head_dim]
+  v_pool: jax.Array   # [num_pages', page_size, num_kv_heads, head_dim] (may be k_pool)
+  k_table: jax.Array  # i32[batch_size, max_pages]
+  v_table: jax.Array  # i32[batch_size, max_pages]
+  fmt: Format
+
+  @property
+  def same_pool(self) -> bool:
+    return self.fmt != "pair"
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pool.shape[1]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k_pool.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pool.shape[3]
+
+
+def detect_format(kv_cache) -> Format:
+  """Returns the format of `kv_cache`, raising ValueError if it fits none."""
+  if isinstance(kv_cache, (tuple, list)):
+    if len(kv_cache) != 2:
+      raise ValueError(
+          "Invalid kv_cache: expected a pair (k_pages, v_pages), got a "
+          f"sequence of length {len(kv_cache)}")
+    return "pair"
+  ndim = getattr(kv_cache, "ndim", None)
+  if ndim == 4:
+    return "pool"
+  if ndim == 5:
+    if kv_cache.shape[1] != 2:
+      raise ValueError(
+          "Invalid shape of kv_cache: expected [num_pages, 2, page_size, "
+          f"num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    return "flashinfer"
+  raise ValueError(
+      "Invalid kv_cache: expected (k_pages, v_pages), a 4-D pool with a split "
+      "table, or a 5-D [num_pages, 2, page_size, num_kv_heads, head_dim] cache; "
+      f"got {type(kv_cache).__name__} with ndim={ndim}")
+
+
+def make_view(kv_cache, page_table) -> KVView:
+  """Validates `kv_cache` against `page_table` and returns the normalised view.
+
+  Raises:
+    ValueError: the format does not fit the table (a 4-D pool needs a split
+      table `[batch_size, 2, max_pages]`, the pair and the 5-D cache a shared
+      `[batch_size, max_pages]` one), mismatched K/V shapes or dtypes, an
+      unsupported `page_size` / `head_dim` / dtype, or a non-integer table.
+  """
+  fmt = detect_format(kv_cache)
+  _checks.check_int(page_table, "page_table")
+  _checks.check_ndim(page_table, (2, 3), "page_table")
+  if fmt == "pool":
+    if page_table.ndim != 3 or page_table.shape[1] != 2:
+      raise ValueError(
+          "Invalid shape of page_table: a single 4-D kv_cache pool needs a split "
+          "table, expected (batch_size, 2, max_pages), got "
+          f"{tuple(page_table.shape)}")
+    pool = kv_cache
+    _check_pool(pool, "kv_cache")
+    table = page_table.astype(jnp.int32)
+    return KVView(pool, pool, table[:, 0], table[:, 1], fmt)
+  if page_table.ndim != 2:
+    raise ValueError(
+        f"Invalid shape of page_table: kv_cache format {fmt!r} needs a shared "
+        f"table, expected (batch_size, max_pages), got {tuple(page_table.shape)}")
+  table = page_table.astype(jnp.int32)
+  if fmt == "pair":
+    k_pages, v_pages = kv_cache
+    _check_pool(k_pages, "k_pages")
+    _checks.check_shape(v_pages, k_pages.shape, "v_pages")
+    _checks.check_same_dtype(v_pages, k_pages, "v_pages", "k_pages")
+    return KVView(k_pages, v_pages, table, table, fmt)
+  # flashinfer: [num_pages, 2, ...] -> [2 * num_pages, ...] is a free reshape.
+  n, _, ps, h, d = kv_cache.shape
+  pool = kv_cache.reshape(2 * n, ps, h, d)
+  _check_pool(pool, "kv_cache")
+  k_table = jnp.where(table >= 0, 2 * table, -1)
+  v_table = jnp.where(table >= 0, 2 * table + 1, -1)
+  return KVView(pool, pool, k_table, v_table, fmt)
+
+
+def rebuild(view: KVView, k_pool, v_pool=None):
+  """Returns updated pools in the format `view` came from."""
+  if view.fmt == "pair":
+    return (k_pool, v_pool)
+  if view.fmt == "pool":
+    return k_pool
+  n2, ps, h, d = k_pool.shape
+  return k_pool.reshape(n2 // 2, 2, ps, h, d)
+
+
+def _check_pool(pool, name: str) -> None:
+  _checks.check_ndim(pool, (4,), name)
+  _checks.check_dtype(pool, SUPPORTED_DTYPES, name)
+  _, page_size, _, head_dim = pool.shape
+  if page_size not in SUPPORTED_PAGE_SIZES:
+    raise ValueError(
+        f"Invalid page_size of {name}: expected one of {SUPPORTED_PAGE_SIZES}, "
+        f"got {page_size}")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(
+        f"Invalid head_dim of {name}: expected one of {SUPPORTED_HEAD_DIMS}, "
+        f"got {head_dim}")

@@ -1,0 +1,230 @@
+"""Public paged attention ops: `paged_decode`, `paged_prefill`, `merge_state`.
+
+Thin layer: trace-time checks, kv_cache format normalisation (`_kv.make_view`), and
+dispatch between the Pallas kernels (`impl="pallas"`) and the pure-jnp reference
+(`impl="xla"`). Semantics follow FlashInfer (see `pallas_kernels/reference.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pkvattn import _checks
+from pkvattn import _kv
+from pkvattn.pallas_kernels import reference
+from pkvattn.types import Implementation
+
+
+def _resolve_impl(impl: Implementation | None) -> str:
+  if impl is None:
+    return "pallas" if _checks.is_gpu() else "xla"
+  _checks.check_choice(impl, ("pallas", "xla"), "impl")
+  return impl
+
+
+def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q):
+  _checks.check_ndim(q, (3,), name_q)
+  _checks.check_dtype(q, _kv.SUPPORTED_DTYPES, name_q)
+  _checks.check_same_dtype(view.k_pool, q, "kv_cache", name_q)
+  num_qo_heads, head_dim = q.shape[1], q.shape[2]
+  if head_dim != view.head_dim:
+    raise ValueError(
+        f"Invalid head_dim of {name_q}: expected {view.head_dim} (the head_dim "
+        f"of kv_cache), got {head_dim}")
+  _checks.check_heads(num_qo_heads, view.num_kv_heads)
+  _checks.check_int(kv_lens, "kv_lens")
+  _checks.check_shape(kv_lens, (batch_size,), "kv_lens")
+  if view.k_table.shape[0] != batch_size:
+    raise ValueError(
+        f"Invalid shape of page_table: expected batch_size={batch_size} rows, "
+        f"got {view.k_table.shape[0]}")
+  if sinks is not None:
+    _checks.check_shape(sinks, (num_qo_heads,), "sinks")
+
+
+def _statics(head_dim, sm_scale, window_left, logits_soft_cap):
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  if not isinstance(window_left, int) or window_left < -1:
+    raise ValueError(
+        f"Invalid window_left: expected an int >= -1 (-1 = no window), got "
+        f"{window_left!r}")
+  if logits_soft_cap is not None and logits_soft_cap <= 0:
+    logits_soft_cap = None
+  return float(sm_scale), window_left, (
+      None if logits_soft_cap is None else float(logits_soft_cap))
+
+
+def paged_decode(
+    q: jax.Array,           # [batch_size, num_qo_heads, head_dim]
+    kv_cache,               # see below
+    page_table: jax.Array,  # i32[batch_size, max_pages] | i32[batch_size, 2, max_pages]
+    kv_lens: jax.Array,     # i32[batch_size]
+    *,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_qo_heads]
+    return_lse: bool = False,
+    impl: Implementation | None = None,
+):
+  """One-token-per-sequence attention over a paged KV cache (FlashInfer decode).
+
+  For sequence `b` and query head `h`, the query sits at position
+  `kv_lens[b] - 1` and attends to keys `0 .. kv_lens[b] - 1` of kv head
+  `h // group_size` (within the window, if any).
+
+  Args:
+    q: `[batch_size, num_qo_heads, head_dim]`; bf16, f16 or f32.
+    kv_cache: one of
+      * `(k_pages, v_pages)`, each `[num_pages, page_size, num_kv_heads, head_dim]`,
+        with a shared `page_table` `i32[batch_size, max_pages]`;
+      * one pool `[num_pages, page_size, num_kv_heads, head_dim]` with a split
+        `page_table` `i32[batch_size, 2, max_pages]` (row 0 K pages, row 1 V
+        pages: TensorRT-LLM);
+      * FlashInfer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` with a
+        shared table.
+      Same dtype as `q`; `page_size` in {8, ..., 128}, `head_dim` in {64, 128, 256}.
+    page_table: page ids; entries past `cdiv(kv_lens[b], page_size)` or wholly
+      outside the window are never read and may be -1.
+    kv_lens: `i32[batch_size]`, tokens in the cache including the current one,
+      in `[0, max_pages * page_size]`.
+    sm_scale: static; defaults to `1 / sqrt(head_dim)`.
+    window_left: static; key `j` is visible iff `kv_lens[b] - 1 - window_left
+      <= j`; -1 = no window (FlashInfer).
+    logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits; None = off.
+    sinks: optional `f32[num_qo_heads]`, a per-head logit that joins the
+      softmax denominator only (gpt-oss).
+    return_lse: also return `lse f32[batch_size, num_qo_heads]`, natural-log
+      sum-exp over visible keys (sink excluded).
+    impl: "pallas" (GPU kernel; interpret mode elsewhere), "xla" (pure jnp), or
+      None (pallas on GPU, xla elsewhere).
+
+  Returns:
+    `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
+    `return_lse`. Sequences with `kv_lens[b] == 0` give zeros and `lse = -inf`.
+
+  Raises:
+    ValueError: shapes, dtypes, table/kv_cache format mismatch, heads not
+      divisible, unsupported head_dim / page_size (at trace time).
+
+  Example:
+    >>> q = jnp.zeros((2, 8, 64), jnp.float32)
+    >>> k = v = jnp.ones((4, 8, 2, 64), jnp.float32)
+    >>> out = paged_decode(q, (k, v), jnp.array([[0, 1], [2, 3]]),
+    ...                    jnp.array([9, 3]), impl="xla")
+    >>> out.shape
+    (2, 8, 64)
+  """
+  view = _kv.make_view(kv_cache, page_table)
+  _common_checks(q, view, kv_lens, sinks, q.shape[0], "q")
+  sm_scale, window_left, logits_soft_cap = _statics(
+      q.shape[-1], sm_scale, window_left, logits_soft_cap)
+  impl = _resolve_impl(impl)
+  kv_lens = kv_lens.astype(jnp.int32)
+  if impl == "xla":
+    out, lse = reference.paged_decode_reference(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
+        sm_scale=sm_scale, window_left=window_left,
+        logits_soft_cap=logits_soft_cap)
+  else:
+    from pkvattn.pallas_kernels import paged_decode as kernel
+    out, lse = kernel.paged_decode(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
+        sm_scale=sm_scale, window_left=window_left,
+        logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu())
+  return (out, lse) if return_lse else out
+
+
+def paged_prefill(
+    q: jax.Array,           # [num_tokens, num_qo_heads, head_dim]
+    kv_cache,
+    page_table: jax.Array,  # i32[batch_size, max_pages] | i32[batch_size, 2, max_pages]
+    q_indptr: jax.Array,    # i32[batch_size + 1]
+    kv_lens: jax.Array,     # i32[batch_size]
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_qo_heads]
+    return_lse: bool = False,
+    impl: Implementation | None = None,
+):
+  """Ragged-batch attention of new tokens over a paged KV cache (FlashInfer prefill).
+
+  `q[q_indptr[b]:q_indptr[b+1]]` are sequence `b`'s new tokens, which occupy
+  its LAST `q_len` positions: token `i` of them sits at position
+  `kv_lens[b] - q_len + i`. Handles mixed batches (decode rows with q_len 1
+  beside long prompts), chunked prefill over a cached prefix, and multi-token
+  decode. Tokens at or past `q_indptr[-1]` are padding.
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
+    kv_cache, page_table: as in `paged_decode`.
+    q_indptr: `i32[batch_size + 1]`, non-decreasing, `q_indptr[0] == 0`,
+      `q_indptr[-1] <= num_tokens` (cu_seqlens).
+    kv_lens: `i32[batch_size]`, tokens including the new ones;
+      `kv_lens[b] >= q_len[b]`.
+    causal: static; False lets every new token see all `kv_lens[b]` keys.
+    sm_scale, window_left, logits_soft_cap, sinks, return_lse, impl: as in
+      `paged_decode`; the window is relative to each query's position.
+
+  Returns:
+    `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
+    tokens), and `lse f32[num_tokens, num_qo_heads]` if `return_lse`.
+
+  Raises:
+    ValueError: as `paged_decode`, plus `q_indptr` not `[batch_size + 1]`.
+  """
+  view = _kv.make_view(kv_cache, page_table)
+  batch_size = view.k_table.shape[0]
+  _common_checks(q, view, kv_lens, sinks, batch_size, "q")
+  _checks.check_int(q_indptr, "q_indptr")
+  _checks.check_shape(q_indptr, (batch_size + 1,), "q_indptr")
+  sm_scale, window_left, logits_soft_cap = _statics(
+      q.shape[-1], sm_scale, window_left, logits_soft_cap)
+  impl = _resolve_impl(impl)
+  kv_lens = kv_lens.astype(jnp.int32)
+  q_indptr = q_indptr.astype(jnp.int32)
+  if impl == "xla":
+    out, lse = reference.paged_prefill_reference(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
+        kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap)
+  else:
+    from pkvattn.pallas_kernels import paged_prefill as kernel
+    out, lse = kernel.paged_prefill(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
+        kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap,
+        interpret=not _checks.is_gpu())
+  return (out, lse) if return_lse else out
+
+
+def merge_state(
+    out_a: jax.Array,  # [..., num_qo_heads, head_dim]
+    lse_a: jax.Array,  # f32[..., num_qo_heads]
+    out_b: jax.Array,  # [..., num_qo_heads, head_dim]
+    lse_b: jax.Array,  # f32[..., num_qo_heads]
+):
+  """Combines two attention states over disjoint key sets (FlashInfer `merge_state`).
+
+  `out = (exp(lse_a) out_a + exp(lse_b) out_b) / (exp(lse_a) + exp(lse_b))`,
+  `lse = logaddexp(lse_a, lse_b)`, computed stably in f32. Where both lse are
+  -inf the output is zeros and lse is -inf.
+
+  Returns:
+    `(out [..., num_qo_heads, head_dim] in out_a.dtype, lse f32[..., num_qo_heads])`.
+
+  Raises:
+    ValueError: shapes of the two states differ, or lse shape is not
+      `out.shape[:-1]`.
+  """
+  _checks.check_shape(out_b, out_a.shape, "out_b")
+  _checks.check_shape(lse_a, out_a.shape[:-1], "lse_a")
+  _checks.check_shape(lse_b, out_a.shape[:-1], "lse_b")
+  return reference.merge_state_reference(out_a, lse_a, out_b, lse_b)
