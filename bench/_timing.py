@@ -1,0 +1,118 @@
+"""Shared timing and roof helpers for the GPU benchmarks.
+
+Units: times in milliseconds (`*_ms`), bandwidth in decimal GB/s / TB/s (1e9 / 1e12
+bytes per second), compute in TFLOP/s (1e12 FLOP per second).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2):
+  """Times `fn(*args)` with block_until_ready around each call.
+
+  Returns dict(compile_ms, median_ms, p10_ms, p90_ms). The first call (compile +
+  run) is reported separately as `compile_ms`. Each sample times a batch of
+  back-to-back calls so short kernels are not dominated by host overhead.
+  """
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  compile_ms = (time.perf_counter() - t0) * 1e3
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  # Calibrate the inner repeat so one sample lasts >= ~2 ms.
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  one = max(time.perf_counter() - t0, 1e-6)
+  inner = max(1, int(2e-3 / one))
+  samples = []
+  start = time.perf_counter()
+  while len(samples) < iters or time.perf_counter() - start < min_time_s:
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) * 1e3 / inner)
+    if len(samples) > 10 * iters:
+      break
+  samples.sort()
+  return dict(
+      compile_ms=compile_ms,
+      median_ms=statistics.median(samples),
+      p10_ms=float(np.percentile(samples, 10)),
+      p90_ms=float(np.percentile(samples, 90)),
+  )
+
+
+def copy_roof_gbps(num_bytes: int = 2 << 30) -> float:
+  """Measured device copy bandwidth, read + write bytes counted, decimal GB/s."""
+  n = num_bytes // 2
+  x = jax.random.normal(jax.random.key(0), (n // 2,), jnp.float32).astype(jnp.bfloat16)
+  x = jnp.concatenate([x, x])
+  f = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+  t = time_fn(f, x)
+  return 2 * x.size * x.dtype.itemsize / (t["median_ms"] * 1e-3) / 1e9
+
+
+def matmul_roof_tflops(n: int = 8192) -> float:
+  """Measured bf16 matmul rate on random data, TFLOP/s."""
+  ka, kb = jax.random.split(jax.random.key(1))
+  a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+  b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+  f = jax.jit(lambda a, b: a @ b)
+  t = time_fn(f, a, b)
+  return 2 * n**3 / (t["median_ms"] * 1e-3) / 1e12
+
+
+def environment() -> dict:
+  dev = jax.devices()[0]
+  return dict(
+      device=getattr(dev, "device_kind", str(dev)),
+      platform=dev.platform,
+      jax_version=jax.__version__,
+      python=platform.python_version(),
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  )
+
+
+def write_results(name: str, rows: list[dict], extra: dict | None = None,
+                  out_dirs=("bench/results",)) -> list[str]:
+  """Writes `{environment, extra, rows}` as JSON to each dir (and $OUT if set)."""
+  payload = dict(environment(), **(extra or {}), rows=rows)
+  paths = []
+  dirs = list(out_dirs)
+  if os.environ.get("OUT"):
+    dirs.append(os.environ["OUT"])
+  for d in dirs:
+    os.makedirs(d, exist_ok=True)
+    p = os.path.join(d, f"{name}.json")
+    with open(p, "w") as f:
+      json.dump(payload, f, indent=1, default=float)
+    paths.append(p)
+  return paths
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+  widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+  print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+  for r in rows:
+    print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, float):
+    return f"{v:.4g}"
+  return str(v)
