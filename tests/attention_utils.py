@@ -1,0 +1,150 @@
+"""Shared builders and an independent numpy oracle for the attention tests.
+
+`make_paged` builds a paged KV cache in any of the three formats from random
+contiguous K/V, with shuffled page ids, -1 in unused table entries, and NaN in
+every page a sequence does not own and in every row past `kv_lens[b]` of its
+last page. `dense_attention` is the tests' own float64 numpy reference (it does
+not use pallas_kernels/reference.py, which is itself under test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+ATOL = {
+    np.dtype(jnp.float32): 2e-5,
+    np.dtype(jnp.bfloat16): 2e-2,
+    np.dtype(jnp.float16): 3e-3,
+}
+RTOL = {k: v for k, v in ATOL.items()}
+
+FORMATS = ("pair", "pool", "flashinfer")
+
+
+@dataclasses.dataclass
+class Paged:
+  kv_cache: object          # format-specific
+  page_table: np.ndarray    # i32[B, P] or i32[B, 2, P]
+  k: list                   # per sequence f32[kv_len, Hkv, D] (contiguous truth)
+  v: list
+  kv_lens: np.ndarray       # i32[B]
+
+
+def make_paged(rng: np.random.Generator, kv_lens, *, page_size, num_kv_heads,
+               head_dim, dtype, fmt, max_pages=None, extra_pages=3) -> Paged:
+  kv_lens = np.asarray(kv_lens, np.int32)
+  b = len(kv_lens)
+  need = [-(-int(n) // page_size) for n in kv_lens]
+  if max_pages is None:
+    max_pages = max(max(need), 1)
+  # Split format uses separate K and V pages out of one pool; the others one id per block.
+  per_block = 2 if fmt == "pool" else 1
+  total = sum(need) * per_block + extra_pages
+  ids = rng.permutation(total).astype(np.int32)
+  shape = (total, page_size, num_kv_heads, head_dim)
+  np_dtype = np.float32
+  k_pool = np.full(shape, np.nan, np_dtype)
+  v_pool = np.full(shape, np.nan, np_dtype)
+  if fmt == "pool":
+    table = np.full((b, 2, max_pages), -1, np.int32)
+  else:
+    table = np.full((b, max_pages), -1, np.int32)
+  ks, vs = [], []
+  cursor = 0
+  for i, n in enumerate(kv_lens):
+    k = rng.standard_normal((n, num_kv_heads, head_dim)).astype(np_dtype)
+    v = rng.standard_normal((n, num_kv_heads, head_dim)).astype(np_dtype)
+    # Round through the storage dtype so the oracle sees what the kernel sees.
+    k = np.asarray(jnp.asarray(k, dtype).astype(jnp.float32))
+    v = np.asarray(jnp.asarray(v, dtype).astype(jnp.float32))
+    ks.append(k)
+    vs.append(v)
+    for blk in range(need[i]):
+      rows = slice(blk * page_size, min((blk + 1) * page_size, n))
+      r = rows.stop - rows.start
+      if fmt == "pool":
+        kp, vp = ids[cursor], ids[cursor + 1]
+        cursor += 2
+        table[i, 0, blk], table[i, 1, blk] = kp, vp
+      else:
+        kp = vp = ids[cursor]
+        cursor += 1
+        table[i, blk] = kp
+      k_pool[kp, :r] = k[rows]
+      v_pool[vp, :r] = v[rows]
+  if fmt == "pool":
+    # K and V pages live in one pool: merge (they never overlap).
+    pool = np.where(np.isnan(k_pool), v_pool, k_pool)
+    kv_cache = jnp.asarray(pool, dtype)
+  elif fmt == "pair":
+    kv_cache = (jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype))
+  else:
+    kv_cache = jnp.asarray(np.stack([k_pool, v_pool], axis=1), dtype)
+  return Paged(kv_cache, table, ks, vs, kv_lens)
+
+
+def dense_attention(q, k, v, q_positions, kv_len, *, causal=True,
+                    window_left=-1, sm_scale, logits_soft_cap=None, sinks=None):
+  """float64 oracle for one sequence.
+
+  q f32[T, Hq, D]; k, v f32[kv_len, Hkv, D]; q_positions i[T].
+  Returns (out f64[T, Hq, D], lse f64[T, Hq]); rows with no visible key are
+  zeros / -inf.
+  """
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)[:kv_len]
+  v = np.asarray(v, np.float64)[:kv_len]
+  t, hq, d = q.shape
+  hkv = k.shape[1]
+  g = hq // hkv
+  kh = np.repeat(k, g, axis=1)  # [S, Hq, D]
+  vh = np.repeat(v, g, axis=1)
+  s = np.einsum("thd,shd->ths", q, kh) * sm_scale
+  if logits_soft_cap:
+    s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+  j = np.arange(kv_len)[None, :]
+  i = np.asarray(q_positions)[:, None]
+  mask = np.ones((t, kv_len), bool)
+  if causal:
+    mask &= j <= i
+  if window_left >= 0:
+    mask &= j >= i - window_left
+  mask = mask[:, None, :]
+  s = np.where(mask, s, -np.inf)
+  m = s.max(axis=-1, initial=-np.inf)
+  if sinks is not None:
+    m = np.maximum(m, np.asarray(sinks, np.float64)[None, :])
+  m = np.where(np.isfinite(m), m, 0.0)
+  p = np.where(mask, np.exp(s - m[..., None]), 0.0)
+  den = p.sum(-1)
+  with np.errstate(divide="ignore"):
+    lse = np.where(den > 0, np.log(den) + m, -np.inf)
+  if sinks is not None:
+    den = den + np.exp(np.asarray(sinks, np.float64)[None, :] - m)
+  out = np.einsum("ths,shd->thd", p, vh) / np.where(den > 0, den, 1.0)[..., None]
+  return out, lse
+
+
+def assert_close(actual, expected, dtype, what=""):
+  actual = np.asarray(jnp.asarray(actual).astype(jnp.float32), np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  assert not np.isnan(actual).any(), f"NaN in {what}"
+  atol = ATOL[np.dtype(dtype)]
+  np.testing.assert_allclose(actual, expected, atol=atol, rtol=RTOL[np.dtype(dtype)],
+                             err_msg=what)
+
+
+def assert_lse_close(actual, expected, dtype, what="lse"):
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape
+  both_inf = np.isneginf(actual) & np.isneginf(expected)
+  assert (np.isneginf(actual) == np.isneginf(expected)).all(), what
+  atol = 10 * ATOL[np.dtype(dtype)]
+  np.testing.assert_allclose(np.where(both_inf, 0, actual),
+                             np.where(both_inf, 0, expected), atol=atol,
+                             rtol=1e-3, err_msg=what)
