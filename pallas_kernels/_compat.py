@@ -1,0 +1,41 @@
+"""Version shims for Pallas-Triton across jax 0.10.2 .. 0.12.
+
+Pallas-Triton is deprecated since jax 0.11.0 but still shipped; a GPU
+`pallas_call` without explicit Triton compiler params goes to Mosaic GPU, so
+every kernel passes `triton_params(...)`. The deprecation warning is filtered
+here, around our own calls only (`suppress_triton_deprecation`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from jax.experimental import pallas as pl
+
+try:  # jax >= 0.10: jax.experimental.pallas.triton
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+  pltriton = None
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2):
+  """Triton compiler params for `pl.pallas_call(compiler_params=...)`."""
+  if pltriton is not None and hasattr(pltriton, "CompilerParams"):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  from jax.experimental.pallas import gpu as plgpu  # pragma: no cover
+  return plgpu.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@contextlib.contextmanager
+def suppress_triton_deprecation():
+  """Silences only the Pallas-Triton deprecation warning."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=FutureWarning)
+    yield
+
+
+__all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation"]
