@@ -1,0 +1,284 @@
+"""Tests for the pure SWA scratch-reuse parts (`cache/window.py`, issue 5)."""
+
+from __future__ import annotations
+
+import itertools
+
+import chex
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn.cache import window
+
+
+def brute_force_plan(history_len, capacity, page_size, window_left, num_layers,
+                     max_rewind_len=0):
+  """Enumerates blocks and future queries: which new blocks are stale for all.
+
+  Independent of `window.swa_scratch_plan`: a block is new when the chunk writes one
+  of its tokens and it holds no history token; it is stale for the query at `p` when
+  every token `t` of it has `t < p - window_left`; scratch = new blocks stale for every
+  query `p` in `[capacity - max_rewind_len, ...)` (enumerated up to a horizon past the
+  end of the chunk).
+  """
+  num_blocks = -(-capacity // page_size) + 1
+  tokens = np.arange(num_blocks * page_size).reshape(num_blocks, page_size)
+  touched = ((tokens >= history_len) & (tokens < capacity)).any(axis=1)
+  holds_history = (tokens < history_len).any(axis=1)
+  new_blocks = np.flatnonzero(touched & ~holds_history)
+  first_query = max(capacity - max_rewind_len, 0)
+  queries = np.arange(first_query, capacity + 2 * page_size + 1)
+  if window_left < 0:  # full attention: nothing ever leaves the window
+    stale = np.zeros((queries.size, new_blocks.size), bool)
+  else:
+    stale = (tokens[new_blocks][None, :, :]
+             < (queries - window_left)[:, None, None]).all(axis=2)
+  scratch = new_blocks[stale.all(axis=0)]
+  num_scratch = int(scratch.size)
+  num_normal = int(new_blocks.size) - num_scratch
+  num_scratch_slots = -(-num_scratch // num_layers)
+  first_new = int(new_blocks[0]) if new_blocks.size else -(-history_len // page_size)
+  return dict(
+      scratch_blocks=[int(b) for b in scratch],
+      new_blocks=[int(b) for b in new_blocks],
+      first_new=first_new,
+      num_scratch_blocks=num_scratch,
+      num_normal_blocks=num_normal,
+      num_scratch_slots=num_scratch_slots,
+      num_step_slots=num_scratch_slots + num_normal,
+  )
+
+
+def assert_plan_matches(history_len, capacity, page_size, window_left, num_layers,
+                        max_rewind_len=0):
+  actual = window.swa_scratch_plan(history_len, capacity, page_size, window_left,
+                                   num_layers, max_rewind_len)
+  expected = brute_force_plan(history_len, capacity, page_size, window_left,
+                              num_layers, max_rewind_len)
+  args = (history_len, capacity, page_size, window_left, num_layers, max_rewind_len)
+  assert list(range(actual.first_new_block, actual.end_new_block)) == (
+      expected["new_blocks"]), args
+  assert list(range(actual.scratch_first, actual.scratch_last)) == (
+      expected["scratch_blocks"]), args
+  for name in ("num_scratch_blocks", "num_normal_blocks", "num_scratch_slots",
+               "num_step_slots"):
+    assert getattr(actual, name) == expected[name], (name, args)
+  return actual
+
+
+@pytest.mark.parametrize("window_left,scratch,normal,slots", [
+    (127, 28, 4, 5),   # 128-token window incl. the current token: -84%
+    (129, 27, 5, 6),   # the PR text's figure: -81%
+    (-1, 0, 32, 32),   # full attention: no scratch
+])
+def test_issue_figures(window_left, scratch, normal, slots):
+  plan = assert_plan_matches(0, 1024, 32, window_left, 32)
+  assert (plan.num_scratch_blocks, plan.num_normal_blocks,
+          plan.num_step_slots) == (scratch, normal, slots)
+  assert plan.num_scratch_slots == (1 if scratch else 0)
+  assert (plan.scratch_first, plan.scratch_last) == (0, scratch)
+
+
+@pytest.mark.parametrize(
+    "history_len,capacity,page_size,window_left,num_layers,max_rewind_len", [
+        (0, 1024, 32, 127, 32, 0),
+        (0, 1000, 32, 127, 32, 0),       # partial last block
+        (100, 1124, 32, 127, 32, 0),     # partial first block holds history: not new
+        (96, 1120, 32, 127, 32, 0),      # history ends on a block boundary
+        (1024, 2048, 32, 127, 32, 0),    # second chunk: history blocks not in plan
+        (0, 1024, 32, 127, 32, 64),      # rewindable drafts keep two more blocks
+        (0, 1024, 32, 127, 32, 1024),    # everything may be rolled back: no scratch
+        (0, 1024, 32, 127, 32, 5000),    # rewind past the start: no scratch
+        (500, 530, 16, 7, 4, 0),         # window smaller than the chunk
+        (0, 256, 16, 1000, 4, 0),        # window larger than the chunk: no scratch
+        (3000, 3100, 64, 2000, 8, 0),    # history only is stale: nothing new is
+        (0, 4096, 8, 0, 3, 0),           # window_left 0: only the current token
+        (0, 4096, 128, 511, 5, 0),       # page_size 128
+        (7, 7, 16, 3, 2, 0),             # empty chunk
+        (0, 1, 8, 0, 1, 0),              # single token
+        (0, 33, 32, 0, 32, 0),           # the last block is partial
+        (33, 100, 16, 10, 2, 3),         # partial first block + rewind
+    ])
+def test_table_vs_brute_force(history_len, capacity, page_size, window_left,
+                              num_layers, max_rewind_len):
+  assert_plan_matches(history_len, capacity, page_size, window_left, num_layers,
+                      max_rewind_len)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    history_len=st.integers(0, 400),
+    chunk_len=st.integers(0, 400),
+    page_size=st.sampled_from([8, 16, 32, 64, 128]),
+    window_left=st.integers(-1, 500),
+    num_layers=st.integers(1, 40),
+    max_rewind_len=st.one_of(st.just(0), st.integers(0, 300)),
+)
+def test_hypothesis_vs_brute_force(history_len, chunk_len, page_size, window_left,
+                                   num_layers, max_rewind_len):
+  assert_plan_matches(history_len, history_len + chunk_len, page_size, window_left,
+                      num_layers, max_rewind_len)
+
+
+def _random_cases(seed, n):
+  rng = np.random.default_rng(seed)
+  history_len = rng.integers(0, 3000, n)
+  capacity = history_len + rng.integers(0, 3000, n)
+  window_left = rng.integers(-1, 1500, n)
+  window_left[::7] = -1
+  max_rewind_len = np.where(rng.random(n) < 0.5, 0, rng.integers(0, 200, n))
+  return [x.astype(np.int32) for x in (history_len, capacity, window_left,
+                                        max_rewind_len)]
+
+
+@pytest.mark.parametrize("page_size,num_layers", [(16, 32), (32, 5)])
+def test_jit_and_vmap_match_python(page_size, num_layers):
+  chex.clear_trace_counter()  # the counter is keyed by code: reset per parameter
+  plan_fn = chex.assert_max_traces(n=1)(
+      lambda h, c, w, r: window.swa_scratch_plan(h, c, page_size, w, num_layers, r))
+  batched = jax.jit(plan_fn)
+  mapped = jax.jit(jax.vmap(
+      lambda h, c, w, r: window.swa_scratch_plan(h, c, page_size, w, num_layers, r)))
+  for seed in (0, 1):  # different values, same shapes: no retrace
+    cases = _random_cases(seed, 64)
+    actual = batched(*cases)
+    actual_vmap = mapped(*cases)
+    chex.assert_trees_all_equal(actual, actual_vmap)
+    chex.assert_shape(list(actual), (64,))
+    for field in actual:
+      assert field.dtype == jnp.int32
+    for b in range(64):
+      expected = window.swa_scratch_plan(
+          *(int(x[b]) for x in cases[:2]), page_size, int(cases[2][b]), num_layers,
+          int(cases[3][b]))
+      assert tuple(int(f[b]) for f in actual) == tuple(expected), b
+
+
+def test_jnp_broadcasts_scalar_window():
+  plan = window.swa_scratch_plan(jnp.array([0, 0, 100]), jnp.array([1024, 1024, 1124]),
+                                 32, 127, 32)
+  assert plan.num_step_slots.tolist() == [5, 5, 6]  # block 3 holds history: 27 + 5
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(history_len=10, capacity=5), "capacity"),
+    (dict(history_len=-1), "history_len"),
+    (dict(window_left=-2), "window_left"),
+    (dict(max_rewind_len=-1), "max_rewind_len"),
+    (dict(page_size=0), "page_size"),
+    (dict(num_layers=0), "num_layers"),
+    (dict(page_size=jnp.int32(16)), "page_size"),
+])
+def test_invalid_arguments(kwargs, match):
+  args = dict(history_len=0, capacity=64, page_size=16, window_left=15, num_layers=4)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    window.swa_scratch_plan(**args)
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 7])
+def test_subpage_converter_never_collides(L):
+  num_blocks = 3 * L + 2
+  for l in range(L):
+    used = [window.scratch_subpage(i, l, L) for i in range(num_blocks)]
+    assert len(set(used)) == num_blocks, (L, l)  # injective for a fixed layer
+    assert all(0 <= s < L for _, s in used)
+    assert max(p for p, _ in used) == -(-num_blocks // L) - 1  # cdiv(n, L) slots
+  for i in range(num_blocks):  # Latin square: a block's L layers use L sub-pages
+    assert sorted(window.scratch_subpage(i, l, L)[1] for l in range(L)) == list(
+        range(L))
+
+
+def test_subpage_converter_jnp_matches_python():
+  i, l = np.meshgrid(np.arange(40), np.arange(6), indexing="ij")
+  slot_pos, subpage = jax.jit(window.scratch_subpage, static_argnums=2)(i, l, 6)
+  for a, b in itertools.product(range(40), range(6)):
+    assert (int(slot_pos[a, b]), int(subpage[a, b])) == window.scratch_subpage(a, b, 6)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3, 4])
+def test_scratch_page_indices_single_group(num_layers):
+  max_blocks = 3 * num_layers + 1
+  scratch_slots = jnp.array([[9, 2, 5, window.NULL_PAGE], [4, 7, 1, 0]], jnp.int32)
+  num_scratch = jnp.array([2 * num_layers + 1, max_blocks], jnp.int32)
+  fn = jax.jit(lambda layer: window.scratch_page_indices(
+      scratch_slots, num_scratch, layer, num_layers=num_layers,
+      max_scratch_blocks=max_blocks))
+  for layer in range(num_layers):
+    pages = np.asarray(fn(layer))
+    chex.assert_shape(pages, (2, 2, max_blocks))
+    for b in range(2):
+      n = int(num_scratch[b])
+      k, v = pages[b, 0], pages[b, 1]
+      assert (k[n:] == window.NULL_PAGE).all() and (v[n:] == window.NULL_PAGE).all()
+      assert (v[:n] == k[:n] + 1).all() and (k[:n] % 2 == 0).all()
+      assert len(set(k[:n].tolist())) == n  # no two scratch blocks of a layer collide
+      for i in range(n):
+        slot_pos, subpage = window.scratch_subpage(i, layer, num_layers)
+        slot = int(scratch_slots[b, slot_pos])
+        assert k[i] == (slot * num_layers + subpage) * 2
+
+
+def test_scratch_page_indices_mixed_groups():
+  # Gemma-2-like: even layers SWA, odd layers global; one slot space of 6 layers.
+  groups = window.layer_groups([63, -1] * 3, 6)
+  swa = groups[0]
+  scratch_slots = jnp.array([3, 8], jnp.int32)
+  pages_of = jax.jit(lambda layer: window.scratch_page_indices(
+      scratch_slots, 6, layer, num_layers=6, group_layers=swa.layers,
+      max_scratch_blocks=6))
+  for layer in range(6):
+    pages = np.asarray(pages_of(layer))
+    if layer % 2:  # global layer: never scratch
+      assert (pages == window.NULL_PAGE).all()
+      continue
+    k = pages[0]
+    assert len(set(k.tolist())) == 6
+    pool_layers = (k // 2) % 6
+    assert set(pool_layers.tolist()) <= set(swa.layers)  # only SWA layers' pages
+
+
+def test_per_layer_page_indices():
+  slots = jnp.array([[3, window.NULL_PAGE]], jnp.int32)
+  pages = window.per_layer_page_indices(slots, jnp.int32(2), 4)
+  assert pages.tolist() == [[[(3 * 4 + 2) * 2, (3 * 4 + 2) * 2 + 1], [-1, -1]]]
+
+
+def test_layer_groups_alternating_gives_global_layers_no_scratch():
+  layer_windows = [127, -1] * 4
+  groups = window.layer_groups(layer_windows, 8)
+  assert [(g.window_left, g.layers) for g in groups] == [
+      (127, (0, 2, 4, 6)), (-1, (1, 3, 5, 7))]
+  swa_plan, full_plan = window.group_scratch_plans(groups, 0, 1024, 32)
+  assert swa_plan.num_scratch_blocks == 28
+  assert swa_plan.num_scratch_slots == 7  # 28 blocks / 4 sub-pages per slot
+  assert full_plan.num_scratch_blocks == 0 and full_plan.num_normal_blocks == 32
+  off = window.group_scratch_plans(groups, 0, 1024, 32, enable_swa_scratch_reuse=False)
+  assert all(p.num_scratch_blocks == 0 for p in off)
+  group_of_layer, index_in_group, group_num_layers = window.layer_group_tables(groups)
+  assert group_of_layer.tolist() == [0, 1] * 4
+  assert index_in_group.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+  assert group_num_layers.tolist() == [4] * 8
+
+
+def test_layer_groups_none_and_errors():
+  (group,) = window.layer_groups(None, 3)
+  assert group.layers == (0, 1, 2) and not group.is_swa
+  with pytest.raises(ValueError, match="layer_windows"):
+    window.layer_groups([1, 2], 3)
+  with pytest.raises(ValueError, match=r"layer_windows\[1\]"):
+    window.layer_groups([1, -5, 2], 3)
+
+
+def test_page_index_mode():
+  P = window.PageIndexMode
+  assert window.check_page_index_mode("per_layer", True) is P.PER_LAYER
+  assert window.check_page_index_mode(P.SHARED, False) is P.SHARED
+  with pytest.raises(ValueError, match="PER_LAYER.*scratch"):
+    window.check_page_index_mode(P.SHARED, True)
+  with pytest.raises(ValueError, match="page_index_mode"):
+    window.check_page_index_mode("bogus", False)
