@@ -211,3 +211,105 @@ def merge_state_reference(out_a, lse_a, out_b, lse_b):
   wb = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)[..., None]
   out = wa * out_a.astype(jnp.float32) + wb * out_b.astype(jnp.float32)
   return out.astype(out_a.dtype), lse
+
+
+# ----------------------------------------------------------------------------
+# RoPE and paged K/V append (issue 3). `inv_freq f32[rotary_dim // 2]` is the
+# per-pair inverse frequency (scaling already applied, see pkvattn.rope); the
+# first `rotary_dim = 2 * len(inv_freq)` features of each head are rotated,
+# the rest pass through.
+# ----------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions, inv_freq):
+  """`i32[num_tokens]` x `f32[rotary_dim // 2]` -> (cos, sin) f32[num_tokens, rotary_dim // 2].
+
+  The angle `positions * inv_freq` is formed in f32 (as transformers does).
+  """
+  angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(
+      jnp.float32)[None, :]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_reference(
+    x,          # [num_tokens, num_heads, head_dim]
+    positions,  # i32[num_tokens]
+    inv_freq,   # f32[rotary_dim // 2]
+    *,
+    interleaved: bool,
+):
+  """Rotates the first `rotary_dim` features of every head; f32 math, x.dtype out.
+
+  `interleaved=False` is GPT-NeoX / Llama (`rotate_half`: pair `(i, i + half)`),
+  `interleaved=True` is GPT-J (pair `(2i, 2i + 1)`).
+  """
+  half = inv_freq.shape[0]
+  rot = 2 * half
+  cos, sin = rope_cos_sin(positions, inv_freq)
+  cos, sin = cos[:, None, :], sin[:, None, :]
+  xf = x.astype(jnp.float32)
+  xr, xp = xf[..., :rot], xf[..., rot:]
+  if interleaved:
+    x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = jnp.stack([o1, o2], axis=-1).reshape(xr.shape)
+  else:
+    x1, x2 = xr[..., :half], xr[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return jnp.concatenate([out, xp], axis=-1).astype(x.dtype)
+
+
+def append_rows(
+    batch_indices,  # i32[num_tokens]
+    positions,      # i32[num_tokens]
+    table,          # i32[batch_size, max_pages]
+    page_size: int,
+    num_pages: int,
+):
+  """Flat pool row `page * page_size + position % page_size` of every token.
+
+  Tokens with `batch_indices < 0`, a position outside the table, or a table
+  entry `< 0` get row `num_pages * page_size`: one past the end, so a
+  `mode="drop"` scatter (or a masked kernel store) skips them. Never a negative
+  row: jnp indexing would wrap it.
+  """
+  batch_size, max_pages = table.shape
+  num_rows = num_pages * page_size
+  b = batch_indices.astype(jnp.int32)
+  p = positions.astype(jnp.int32)
+  block = p // page_size
+  valid = (b >= 0) & (b < batch_size) & (p >= 0) & (block < max_pages)
+  page = table[jnp.clip(b, 0, batch_size - 1), jnp.clip(block, 0, max_pages - 1)]
+  valid &= (page >= 0) & (page < num_pages)
+  return jnp.where(valid, page * page_size + p % page_size, num_rows).astype(
+      jnp.int32)
+
+
+def append_paged_kv_reference(
+    k,              # [num_tokens, num_kv_heads, head_dim]
+    v,              # [num_tokens, num_kv_heads, head_dim]
+    batch_indices,  # i32[num_tokens]
+    positions,      # i32[num_tokens]
+    k_pool,         # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,         # [num_pages, page_size, num_kv_heads, head_dim] | None
+    k_table,        # i32[batch_size, max_pages]
+    v_table,        # i32[batch_size, max_pages]
+):
+  """Scatters token rows into the pool(s); `v_pool=None` = V shares `k_pool`.
+
+  Returns `(k_pool, v_pool)` (`v_pool` is None when shared). The reshape to
+  flat rows is free and the scatter is `mode="drop"`, so under donation XLA
+  updates the pool in place.
+  """
+  n, ps, h, d = k_pool.shape
+  k_rows = append_rows(batch_indices, positions, k_table, ps, n)
+  v_rows = append_rows(batch_indices, positions, v_table, ps, n)
+  flat = k_pool.reshape(n * ps, h, d)
+  if v_pool is None:
+    rows = jnp.concatenate([k_rows, v_rows])
+    vals = jnp.concatenate([k, v]).astype(k_pool.dtype)
+    return flat.at[rows].set(vals, mode="drop").reshape(k_pool.shape), None
+  k_pool = flat.at[k_rows].set(k.astype(k_pool.dtype), mode="drop")
+  v_pool = v_pool.reshape(n * ps, h, d).at[v_rows].set(
+      v.astype(v_pool.dtype), mode="drop")
+  return k_pool.reshape(n, ps, h, d), v_pool.reshape(n, ps, h, d)

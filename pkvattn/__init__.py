@@ -21,8 +21,22 @@ token, `d` head_dim.
 from pkvattn.attention import merge_state as merge_state
 from pkvattn.attention import paged_decode as paged_decode
 from pkvattn.attention import paged_prefill as paged_prefill
+from pkvattn.rope import Llama3RopeScaling as Llama3RopeScaling
+from pkvattn.rope import LinearRopeScaling as LinearRopeScaling
+from pkvattn.rope import RopeConfig as RopeConfig
+from pkvattn.rope import append_paged_kv as append_paged_kv
+from pkvattn.rope import apply_rope as apply_rope
+from pkvattn.rope import apply_rope_and_append as apply_rope_and_append
+from pkvattn.rope import get_batch_indices_positions as get_batch_indices_positions
 
 __all__ = [
+    "Llama3RopeScaling",
+    "LinearRopeScaling",
+    "RopeConfig",
+    "append_paged_kv",
+    "apply_rope",
+    "apply_rope_and_append",
+    "get_batch_indices_positions",
     "merge_state",
     "paged_decode",
     "paged_prefill",

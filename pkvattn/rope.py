@@ -1,0 +1,422 @@
+"""Rotary position embeddings, fused with appending K/V into a paged cache.
+
+RoPE follows Hugging Face transformers: for pair `i` of a head's first
+`rotary_dim` features, `angle = position * inv_freq[i]` with
+`inv_freq[i] = theta ** (-2i / rotary_dim)` (then scaled, see
+`Llama3RopeScaling` / `LinearRopeScaling`), and
+
+  out_a = x_a cos(angle) - x_b sin(angle)
+  out_b = x_b cos(angle) + x_a sin(angle)
+
+where the pair `(a, b)` is `(i, i + rotary_dim / 2)` for `style="neox"`
+(`rotate_half`, Llama / Mistral / Qwen2 / Gemma) and `(2i, 2i + 1)` for
+`style="gptj"` (interleaved, GPT-J `rotate_every_two`). Features past
+`rotary_dim` pass through. Angles, sin and cos are f32; the result is cast
+back to the input dtype.
+
+Appending (TensorRT-LLM `qkv_preprocessing`): token `t` of sequence
+`b = batch_indices[t]` at position `p = positions[t]` is written to row
+`p % page_size` of block `p // page_size`: K into page `page_table[b, 0, block]`
+and V into `page_table[b, 1, block]` for a split table, both into
+`page_table[b, block]` of their pools for a shared table. Padding tokens
+(`batch_indices[t] == -1`) write nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pkvattn import _checks
+from pkvattn import _kv
+from pkvattn.pallas_kernels import reference
+from pkvattn.types import Implementation
+
+RopeStyle = Literal["neox", "gptj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama 3.1 frequency scaling (transformers `rope_type="llama3"`).
+
+  With `wavelen = 2 pi / inv_freq`, `low = original_max_position_embeddings /
+  low_freq_factor`, `high = original_max_position_embeddings / high_freq_factor`:
+  wavelengths above `low` are divided by `factor`, below `high` kept, and in
+  between interpolated with `smooth = (original_max_position_embeddings /
+  wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`:
+  `(1 - smooth) * inv_freq / factor + smooth * inv_freq`.
+  """
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.factor <= 0:
+      raise ValueError(f"Invalid factor: expected > 0, got {self.factor}")
+    if not self.high_freq_factor > self.low_freq_factor > 0:
+      raise ValueError(
+          "Invalid low_freq_factor/high_freq_factor: expected 0 < low < high, "
+          f"got {self.low_freq_factor=}, {self.high_freq_factor=}")
+    if self.original_max_position_embeddings <= 0:
+      raise ValueError(
+          "Invalid original_max_position_embeddings: expected > 0, got "
+          f"{self.original_max_position_embeddings}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Linear position interpolation (transformers `rope_type="linear"`): `inv_freq / factor`."""
+  factor: float
+
+  def __post_init__(self):
+    if self.factor <= 0:
+      raise ValueError(f"Invalid factor: expected > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  """Static RoPE configuration; frozen and hashable, so usable as a jit static arg.
+
+  Attributes:
+    theta: base wavelength (`rope_theta`), > 0.
+    style: "neox" (rotate halves) or "gptj" (interleaved pairs).
+    rotary_dim: features rotated per head, even; None = all of `head_dim`.
+      Must be <= head_dim (checked when applied).
+    scaling: None, `Llama3RopeScaling(...)` or `LinearRopeScaling(factor)`.
+
+  Example:
+    >>> rope = RopeConfig(theta=500000.0, scaling=Llama3RopeScaling())
+    >>> rope.inv_freq(128).shape
+    (64,)
+  """
+  theta: float = 10000.0
+  style: RopeStyle = "neox"
+  rotary_dim: int | None = None
+  scaling: Llama3RopeScaling | LinearRopeScaling | None = None
+
+  def __post_init__(self):
+    _checks.check_choice(self.style, ("neox", "gptj"), "style")
+    if not self.theta > 0:
+      raise ValueError(f"Invalid theta: expected > 0, got {self.theta}")
+    if self.rotary_dim is not None and (
+        int(self.rotary_dim) != self.rotary_dim or self.rotary_dim <= 0
+        or self.rotary_dim % 2):
+      raise ValueError(
+          f"Invalid rotary_dim: expected a positive even int or None, got "
+          f"{self.rotary_dim!r}")
+    if self.scaling is not None and not isinstance(
+        self.scaling, (Llama3RopeScaling, LinearRopeScaling)):
+      raise ValueError(
+          "Invalid scaling: expected None, Llama3RopeScaling or "
+          f"LinearRopeScaling, got {type(self.scaling).__name__}")
+
+  def get_rotary_dim(self, head_dim: int) -> int:
+    """`rotary_dim` resolved against `head_dim`; ValueError if it does not fit."""
+    rot = head_dim if self.rotary_dim is None else int(self.rotary_dim)
+    if rot > head_dim or rot % 2:
+      raise ValueError(
+          f"Invalid rotary_dim: expected an even int <= head_dim={head_dim}, "
+          f"got {rot}")
+    return rot
+
+  def inv_freq(self, head_dim: int) -> np.ndarray:
+    """Scaled inverse frequencies, `f32[rotary_dim // 2]` (a host constant).
+
+    Computed in f64 and rounded to f32 once; transformers computes the same
+    formula in f32, so entries can differ from its table by 1 ulp.
+    """
+    rot = self.get_rotary_dim(head_dim)
+    inv = 1.0 / (float(self.theta) ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    s = self.scaling
+    if isinstance(s, LinearRopeScaling):
+      inv = inv / s.factor
+    elif isinstance(s, Llama3RopeScaling):
+      old = float(s.original_max_position_embeddings)
+      low_wavelen = old / s.low_freq_factor
+      high_wavelen = old / s.high_freq_factor
+      wavelen = 2 * math.pi / inv
+      scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+      smooth = (old / wavelen - s.low_freq_factor) / (
+          s.high_freq_factor - s.low_freq_factor)
+      smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+      medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+      inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+  @classmethod
+  def from_hf_config(cls, config: Mapping[str, Any] | Any,
+                     style: RopeStyle = "neox") -> "RopeConfig":
+    """Builds a RopeConfig from a transformers config (dict or config object).
+
+    Reads `rope_theta` (default 10000), `rope_scaling` or the newer
+    `rope_parameters` (`rope_type`/`type` in "default", "llama3", "linear"),
+    `partial_rotary_factor` (default 1) and `head_dim` (default
+    `hidden_size // num_attention_heads`, needed only for partial rotary).
+
+    Raises:
+      NotImplementedError: another `rope_type` (yarn, dynamic, longrope, ...).
+    """
+    if not isinstance(config, Mapping):
+      config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    prf = float(params.get("partial_rotary_factor",
+                           config.get("partial_rotary_factor", 1.0)) or 1.0)
+    rotary_dim = None
+    if prf != 1.0:
+      head_dim = config.get("head_dim") or (
+          config["hidden_size"] // config["num_attention_heads"])
+      rotary_dim = int(head_dim * prf)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+      scaling = None
+    elif rope_type == "linear":
+      scaling = LinearRopeScaling(float(params["factor"]))
+    elif rope_type == "llama3":
+      scaling = Llama3RopeScaling(
+          factor=float(params["factor"]),
+          low_freq_factor=float(params["low_freq_factor"]),
+          high_freq_factor=float(params["high_freq_factor"]),
+          original_max_position_embeddings=int(
+              params["original_max_position_embeddings"]))
+    else:
+      raise NotImplementedError(f"Unsupported rope_type: {rope_type!r}")
+    return cls(theta=theta, style=style, rotary_dim=rotary_dim, scaling=scaling)
+
+
+def _check_rope(rope) -> None:
+  if not isinstance(rope, RopeConfig):
+    raise ValueError(
+        f"Invalid rope: expected a RopeConfig, got {type(rope).__name__}")
+
+
+def _check_tokens(x, name: str, num_tokens: int | None, head_dim: int | None):
+  _checks.check_ndim(x, (3,), name)
+  _checks.check_dtype(x, _kv.SUPPORTED_DTYPES, name)
+  _checks.check_shape(x, (num_tokens, None, head_dim), name)
+
+
+def _check_index(x, name: str, num_tokens: int):
+  _checks.check_int(x, name)
+  _checks.check_shape(x, (num_tokens,), name)
+
+
+def apply_rope(
+    q: jax.Array,          # [num_tokens, num_qo_heads, head_dim]
+    k: jax.Array,          # [num_tokens, num_kv_heads, head_dim]
+    positions: jax.Array,  # i32[num_tokens]
+    rope: RopeConfig,
+) -> tuple[jax.Array, jax.Array]:
+  """Applies RoPE to q and k (pure jnp; XLA fuses it).
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
+    k: `[num_tokens, num_kv_heads, head_dim]`; any supported dtype.
+    positions: `i32[num_tokens]`, token positions (any integer, >= 0 in use).
+    rope: static `RopeConfig`.
+
+  Returns:
+    `(q, k)` rotated, same shapes and dtypes as the inputs.
+
+  Raises:
+    ValueError: ranks, dtypes, head_dim mismatch, positions not
+      `[num_tokens]`, rotary_dim > head_dim.
+
+  Example:
+    >>> q = jnp.ones((3, 4, 64)); k = jnp.ones((3, 2, 64))
+    >>> q2, k2 = apply_rope(q, k, jnp.arange(3), RopeConfig())
+    >>> q2.shape, k2.shape
+    ((3, 4, 64), (3, 2, 64))
+  """
+  _check_rope(rope)
+  _check_tokens(q, "q", None, None)
+  num_tokens, _, head_dim = q.shape
+  _check_tokens(k, "k", num_tokens, head_dim)
+  _check_index(positions, "positions", num_tokens)
+  inv_freq = jnp.asarray(rope.inv_freq(head_dim))
+  interleaved = rope.style == "gptj"
+  return (reference.rope_reference(q, positions, inv_freq, interleaved=interleaved),
+          reference.rope_reference(k, positions, inv_freq, interleaved=interleaved))
+
+
+def _resolve_impl(impl: Implementation | None) -> str:
+  if impl is None:
+    return "pallas" if _checks.is_gpu() else "xla"
+  _checks.check_choice(impl, ("pallas", "xla"), "impl")
+  return impl
+
+
+def _append_checks(k, v, batch_indices, positions, view: _kv.KVView):
+  _check_tokens(k, "k", None, view.head_dim)
+  num_tokens = k.shape[0]
+  _checks.check_shape(k, (num_tokens, view.num_kv_heads, view.head_dim), "k")
+  _checks.check_shape(v, k.shape, "v")
+  _checks.check_dtype(v, _kv.SUPPORTED_DTYPES, "v")
+  _check_index(batch_indices, "batch_indices", num_tokens)
+  _check_index(positions, "positions", num_tokens)
+
+
+def _rows(view: _kv.KVView, batch_indices, positions):
+  n = view.k_pool.shape[0]
+  ps = view.page_size
+  k_rows = reference.append_rows(batch_indices, positions, view.k_table, ps, n)
+  v_rows = reference.append_rows(batch_indices, positions, view.v_table, ps, n)
+  return k_rows, v_rows
+
+
+def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
+         interleaved: bool, impl: str):
+  """Shared body: returns (q_rotated or None, kv_cache in the caller's format)."""
+  if impl == "xla":
+    if inv_freq is not None:
+      inv = jnp.asarray(inv_freq)
+      q = reference.rope_reference(q, positions, inv, interleaved=interleaved)
+      k = reference.rope_reference(k, positions, inv, interleaved=interleaved)
+    k_pool, v_pool = reference.append_paged_kv_reference(
+        k, v, batch_indices, positions, view.k_pool,
+        None if view.same_pool else view.v_pool, view.k_table, view.v_table)
+    return q, _kv.rebuild(view, k_pool, v_pool)
+  from pkvattn.pallas_kernels import rope_append as kernel
+  k_rows, v_rows = _rows(view, batch_indices, positions)
+  q, k_pool, v_pool = kernel.rope_append(
+      q, k, v, positions, k_rows, v_rows,
+      None if inv_freq is None else jnp.asarray(inv_freq),
+      view.k_pool, None if view.same_pool else view.v_pool,
+      interleaved=interleaved, interpret=not _checks.is_gpu())
+  return q, _kv.rebuild(view, k_pool, v_pool)
+
+
+def append_paged_kv(
+    k: jax.Array,              # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,              # [num_tokens, num_kv_heads, head_dim]
+    batch_indices: jax.Array,  # i32[num_tokens]
+    positions: jax.Array,      # i32[num_tokens]
+    kv_cache,                  # see pkvattn.paged_decode
+    page_table: jax.Array,     # i32[batch_size, max_pages] | i32[batch_size, 2, max_pages]
+    *,
+    impl: Implementation | None = None,
+):
+  """Writes each token's K and V row into the paged cache.
+
+  Token `t` with `b = batch_indices[t]`, `p = positions[t]` goes to row
+  `p % page_size` of block `p // page_size` (K via the K table, V via the V
+  table). Tokens with `b == -1`, a block past `max_pages` or a table entry
+  `< 0` are not written. Two tokens writing the same row: unspecified winner.
+
+  Args:
+    k, v: `[num_tokens, num_kv_heads, head_dim]`; cast to the cache dtype.
+    batch_indices: `i32[num_tokens]`, sequence of each token, -1 = padding.
+    positions: `i32[num_tokens]`, position of each token in its sequence.
+    kv_cache: `(k_pages, v_pages)` with a shared table, one 4-D pool with a
+      split table `[batch_size, 2, max_pages]`, or FlashInfer's
+      `[num_pages, 2, page_size, num_kv_heads, head_dim]` with a shared table.
+    page_table: page ids (see `kv_cache`).
+    impl: "pallas" (kernel; interpret mode off GPU), "xla" (`.at[].set`,
+      `mode="drop"`), None (pallas on GPU, xla elsewhere).
+
+  Returns:
+    The updated kv_cache in the format it came in. Donate it
+    (`jax.jit(..., donate_argnums=...)`) to update in place: both impls alias
+    the pool, so no pool copy is made.
+
+  Raises:
+    ValueError: shapes, dtypes, table/kv_cache format mismatch.
+  """
+  view = _kv.make_view(kv_cache, page_table)
+  _append_checks(k, v, batch_indices, positions, view)
+  _, kv_cache = _run(None, k, v, batch_indices, positions, view, None, False,
+                     _resolve_impl(impl))
+  return kv_cache
+
+
+def apply_rope_and_append(
+    q: jax.Array,              # [num_tokens, num_qo_heads, head_dim]
+    k: jax.Array,              # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,              # [num_tokens, num_kv_heads, head_dim]
+    batch_indices: jax.Array,  # i32[num_tokens]
+    positions: jax.Array,      # i32[num_tokens]
+    kv_cache,
+    page_table: jax.Array,     # i32[batch_size, max_pages] | i32[batch_size, 2, max_pages]
+    rope: RopeConfig,
+    *,
+    impl: Implementation | None = None,
+):
+  """RoPE on q and k, then K/V appended to the paged cache, in one pass.
+
+  Equivalent to `q, k = apply_rope(q, k, positions, rope)` followed by
+  `append_paged_kv(k, v, batch_indices, positions, kv_cache, page_table)`;
+  `impl="pallas"` is one kernel that reads q, k, v once and writes rotated q
+  and the cache rows, aliasing the pool(s).
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
+    k, v: `[num_tokens, num_kv_heads, head_dim]`.
+    batch_indices, positions, kv_cache, page_table, impl: as `append_paged_kv`.
+    rope: static `RopeConfig`.
+
+  Returns:
+    `(q_rotated [num_tokens, num_qo_heads, head_dim] in q.dtype, kv_cache)`.
+    Rows of padding tokens in `q_rotated` are rotated as if at their position.
+
+  Raises:
+    ValueError: as `append_paged_kv` and `apply_rope`.
+    NotImplementedError: `impl="pallas"` with a config the kernel lacks
+      (non-power-of-two head splits; see `pallas_kernels.rope_append`).
+
+  Example:
+    >>> q = jnp.ones((2, 4, 64)); k = v = jnp.ones((2, 2, 64))
+    >>> cache = (jnp.zeros((3, 8, 2, 64)), jnp.zeros((3, 8, 2, 64)))
+    >>> q, cache = apply_rope_and_append(
+    ...     q, k, v, jnp.array([0, -1]), jnp.array([9, 0]), cache,
+    ...     jnp.array([[2, 0]]), RopeConfig(), impl="xla")
+    >>> float(cache[1][0, 1, 0, 0])  # block 1 of seq 0 is page 0, row 9 % 8
+    1.0
+  """
+  _check_rope(rope)
+  view = _kv.make_view(kv_cache, page_table)
+  _check_tokens(q, "q", None, view.head_dim)
+  _append_checks(k, v, batch_indices, positions, view)
+  _checks.check_shape(q, (k.shape[0], None, view.head_dim), "q")
+  _checks.check_heads(q.shape[1], k.shape[1])
+  inv_freq = rope.inv_freq(view.head_dim)
+  return _run(q, k, v, batch_indices, positions, view, inv_freq,
+              rope.style == "gptj", _resolve_impl(impl))
+
+
+def get_batch_indices_positions(
+    q_indptr: jax.Array,  # i32[batch_size + 1]
+    kv_lens: jax.Array,   # i32[batch_size]
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Sequence index and position of every token of a ragged batch (FlashInfer helper).
+
+  Token `t` in `[q_indptr[b], q_indptr[b+1])` belongs to sequence `b` at
+  position `kv_lens[b] - q_len[b] + (t - q_indptr[b])` (`kv_lens` includes the
+  new tokens). Tokens at or past `q_indptr[-1]` get batch index -1, position 0.
+
+  Args:
+    q_indptr: `i32[batch_size + 1]`, non-decreasing cu_seqlens, `[0] == 0`.
+    kv_lens: `i32[batch_size]`, tokens per sequence including the new ones.
+    num_tokens: static, padded token count.
+
+  Returns:
+    `(batch_indices i32[num_tokens], positions i32[num_tokens])`.
+
+  Raises:
+    ValueError: non-integer inputs or `q_indptr` not `[batch_size + 1]`.
+  """
+  _checks.check_int(kv_lens, "kv_lens")
+  _checks.check_ndim(kv_lens, (1,), "kv_lens")
+  _checks.check_int(q_indptr, "q_indptr")
+  _checks.check_shape(q_indptr, (kv_lens.shape[0] + 1,), "q_indptr")
+  if int(num_tokens) != num_tokens or num_tokens < 0:
+    raise ValueError(f"Invalid num_tokens: expected an int >= 0, got {num_tokens!r}")
+  return reference.token_metadata(q_indptr.astype(jnp.int32),
+                                  kv_lens.astype(jnp.int32), int(num_tokens))
