@@ -103,11 +103,11 @@ def swa_scratch_plan(
   Semantics (issue 5). The chunk writes tokens `history_len .. capacity - 1`. Its *new*
   blocks are the blocks those tokens touch, minus a partial block that already holds
   history tokens (that block is owned by the sequence already, so it is not new):
-  `[cdiv(history_len, page_size), cdiv(capacity, page_size))`. A block is *stale* for the
-  query at position `p` when all its tokens are `< p - window_left`. Scratch blocks are
-  the new blocks stale for every query at or after `capacity - max_rewind_len` (all
-  future queries; the last `max_rewind_len` tokens of the chunk may be rolled back and
-  re-queried, e.g. speculative drafts). Staleness only grows with `p`, so the binding
+  `[cdiv(history_len, page_size), cdiv(capacity, page_size))`. A block is *stale*
+  for the query at position `p` when all its tokens are `< p - window_left`. Scratch
+  blocks are the new blocks stale for every query at or after
+  `capacity - max_rewind_len` (all future queries; the last `max_rewind_len` tokens
+  of the chunk may be rolled back and re-queried, e.g. speculative drafts). Staleness only grows with `p`, so the binding
   query is `P = capacity - max_rewind_len`: block `b` is scratch iff it is new and
   `(b + 1) * page_size <= P - window_left`, i.e. `b < floor((P - window_left) /
   page_size)`. The stale blocks are therefore always the oldest new blocks.
@@ -396,7 +396,7 @@ def scratch_subpage(block_pos, layer_in_group, group_num_layers):
 
 
 def scratch_page_indices(
-    scratch_slots,        # i32[*batch, max_scratch_slots]: physical ids of the step's scratch slots
+    scratch_slots,        # i32[*batch, max_scratch_slots]: the step's scratch slot ids
     num_scratch_blocks,   # int | i32[*batch]
     layer,                # int | i32[]: model layer (traced ok)
     *,
