@@ -107,10 +107,12 @@ def swa_scratch_plan(
   for the query at position `p` when all its tokens are `< p - window_left`. Scratch
   blocks are the new blocks stale for every query at or after
   `capacity - max_rewind_len` (all future queries; the last `max_rewind_len` tokens
-  of the chunk may be rolled back and re-queried, e.g. speculative drafts). Staleness only grows with `p`, so the binding
-  query is `P = capacity - max_rewind_len`: block `b` is scratch iff it is new and
-  `(b + 1) * page_size <= P - window_left`, i.e. `b < floor((P - window_left) /
-  page_size)`. The stale blocks are therefore always the oldest new blocks.
+  of the chunk may be rolled back and re-queried, e.g. speculative drafts).
+  Staleness only grows with `p`, so the binding query is
+  `P = capacity - max_rewind_len`: block `b` is scratch iff it is new and
+  `(b + 1) * page_size <= P - window_left`, i.e.
+  `b < floor((P - window_left) / page_size)`. The stale blocks are therefore always
+  the oldest new blocks.
 
   Slots for the step: each scratch slot carries `num_layers` sub-pages per role, so it
   serves `num_layers` scratch blocks for the layer now running:
