@@ -1,0 +1,411 @@
+"""Flax building blocks: a paged attention layer for nnx and linen, and a bare hook.
+
+Everything here runs one *step* of a ragged token batch (vLLM / FlashInfer style):
+`num_tokens` new tokens from `batch_size` sequences, flattened into one axis, with
+an `AttentionPlan` that says which sequence each token belongs to, at which
+position, and where its sequence's pages are. The layer
+
+1. projects `x [num_tokens, hidden_size]` to q, k, v (optional bias),
+2. applies RoPE to q and k and appends k, v into the paged pool
+   (`pkvattn.apply_rope_and_append`, in place when the pool is donated),
+3. runs `pkvattn.paged_prefill` (which serves prefill, chunked prefill and decode
+   rows in one mixed batch), and
+4. projects back with `o_proj`,
+
+returning `(out [num_tokens, hidden_size], kv_cache)`. The pool is threaded
+functionally: pass the returned pool to the next layer / step, and donate it
+under `jax.jit(..., donate_argnums=...)` so XLA updates it in place.
+
+Three front ends share one functional core (`attention_block`):
+
+* `PagedAttention` (flax.nnx), `LinenPagedAttention` (flax.linen): drop-in
+  self-attention layers; parameters are `q_proj/k_proj/v_proj/o_proj` with
+  `kernel [in, out]` (and `bias [out]`), Flax's `Linear`/`Dense` layout.
+* `PagedAttentionFn`: a callable with Flax's `attention_fn` signature, for
+  `nnx.MultiHeadAttention(attention_fn=...)` / `nn.MultiHeadDotProductAttention`;
+  the updated pool is left on its `kv_cache` attribute.
+* `paged_attention(q, k, v, kv_cache, plan, ...)`: the bare op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from pkvattn import _checks
+from pkvattn import attention as _attention
+from pkvattn.types import Implementation
+
+from pkvattn.rope import append_paged_kv as _append_paged_kv
+from pkvattn.rope import apply_rope_and_append as _apply_rope_and_append
+from pkvattn.rope import get_batch_indices_positions as _get_batch_indices_positions
+
+__all__ = [
+    "AttentionPlan",
+    "AttentionSpec",
+    "LinenPagedAttention",
+    "PagedAttention",
+    "PagedAttentionFn",
+    "attention_block",
+    "layer_page_tables",
+    "paged_attention",
+]
+
+
+@struct.dataclass
+class AttentionPlan:
+  """Per-step metadata shared by every attention layer (FlashInfer's "plan").
+
+  For a single layer, `page_table` is that layer's table; for a model it may
+  carry a leading `num_layers` axis (`for_layer(l)` slices it), each layer's
+  indices already offset into the one multi-layer pool (TensorRT-LLM PER_LAYER).
+  """
+  page_table: jax.Array     # i32[batch_size, 2, max_pages] | i32[batch_size, max_pages]
+  #                           (models: i32[num_layers, batch_size, 2, max_pages])
+  q_indptr: jax.Array       # i32[batch_size + 1], cu_seqlens of the new tokens
+  kv_lens: jax.Array        # i32[batch_size], tokens in cache incl. the new ones
+  batch_indices: jax.Array  # i32[num_tokens], -1 for padding tokens
+  positions: jax.Array      # i32[num_tokens]
+
+  @classmethod
+  def create(
+      cls,
+      page_table: jax.Array,  # i32[..., batch_size, 2, max_pages] | i32[..., batch_size, max_pages]
+      q_indptr: jax.Array,    # i32[batch_size + 1]
+      kv_lens: jax.Array,     # i32[batch_size]
+      num_tokens: int,
+  ) -> "AttentionPlan":
+    """Builds a plan, deriving `batch_indices`/`positions` from the lengths.
+
+    Args:
+      page_table: page ids into the pool (split `[.., batch_size, 2, max_pages]`
+        for a single 4-D pool, shared `[.., batch_size, max_pages]` for the
+        pair / FlashInfer formats); -1 where there is no page.
+      q_indptr: `i32[batch_size + 1]`, `q_indptr[0] == 0`, non-decreasing,
+        `q_indptr[-1] <= num_tokens`.
+      kv_lens: `i32[batch_size]`, tokens including this step's.
+      num_tokens: static length of the (padded) token batch.
+
+    Returns:
+      The plan; tokens at or past `q_indptr[-1]` get batch index -1.
+    """
+    q_indptr = jnp.asarray(q_indptr, jnp.int32)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    _checks.check_shape(q_indptr, (kv_lens.shape[0] + 1,), "q_indptr")
+    batch_indices, positions = _get_batch_indices_positions(
+        q_indptr, kv_lens, num_tokens)
+    return cls(jnp.asarray(page_table, jnp.int32), q_indptr, kv_lens,
+               batch_indices.astype(jnp.int32), positions.astype(jnp.int32))
+
+  @property
+  def num_tokens(self) -> int:
+    return self.batch_indices.shape[0]
+
+  @property
+  def batch_size(self) -> int:
+    return self.kv_lens.shape[0]
+
+  def for_layer(self, layer) -> "AttentionPlan":
+    """The plan with `page_table[layer]` (layer may be traced, e.g. in `lax.scan`)."""
+    return self.replace(page_table=self.page_table[layer])
+
+
+def layer_page_tables(
+    slot_table: jax.Array,  # i32[batch_size, max_pages]
+    num_layers: int,
+) -> jax.Array:             # i32[num_layers, batch_size, 2, max_pages]
+  """Per-layer split tables into a multi-layer pool from a SHARED slot table.
+
+  A slot holds one block of every layer, K and V; the pool is
+  `[num_slots * num_layers * 2, page_size, num_kv_heads, head_dim]` and block `i`
+  of layer `l` lives at `(slot * num_layers + l) * 2 + {0: K, 1: V}` (the
+  layout of `pkvattn.cache.page_table`). Entries where `slot_table < 0` stay -1.
+  """
+  layers = jnp.arange(num_layers, dtype=jnp.int32)[:, None, None, None]
+  role = jnp.arange(2, dtype=jnp.int32)[None, None, :, None]
+  slots = slot_table.astype(jnp.int32)[None, :, None, :]
+  return jnp.where(slots >= 0, (slots * num_layers + layers) * 2 + role, -1)
+
+
+def paged_attention(
+    q: jax.Array,  # [num_tokens, num_qo_heads, head_dim]
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache,      # any pkvattn kv_cache format (see `paged_prefill`)
+    plan: AttentionPlan,
+    *,
+    rope=None,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    impl: Implementation | None = None,
+):
+  """RoPE + in-place append of `k`, `v`, then paged attention of `q`.
+
+  Args:
+    q, k, v: this step's tokens (before RoPE), `q.dtype == kv_cache.dtype`.
+    kv_cache: the pool; `plan.page_table` must fit its format.
+    plan: an `AttentionPlan` with this layer's `page_table`.
+    rope: a `pkvattn.RopeConfig`, or None for no rotary embedding.
+    sm_scale: static; defaults to `1 / sqrt(head_dim)`.
+    window_left: static; key `j` visible to query `i` iff `i - window_left <= j`;
+      -1 = full attention (HF `sliding_window = W` is `window_left = W - 1`).
+    logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits.
+    impl: "pallas", "xla" or None (pallas on GPU, xla elsewhere).
+
+  Returns:
+    `(out [num_tokens, num_qo_heads, head_dim] in q.dtype, kv_cache)`; padding
+    tokens give zeros and write nothing.
+
+  Raises:
+    ValueError: shapes, dtypes or table/cache format mismatch (trace time).
+  """
+  _checks.check_ndim(q, (3,), "q")
+  _checks.check_shape(k, (q.shape[0], None, q.shape[2]), "k")
+  _checks.check_shape(v, k.shape, "v")
+  _checks.check_shape(plan.batch_indices, (q.shape[0],), "plan.batch_indices")
+  if rope is None:
+    kv_cache = _append_paged_kv(k, v, plan.batch_indices, plan.positions,
+                                kv_cache, plan.page_table, impl=impl)
+  else:
+    q, kv_cache = _apply_rope_and_append(
+        q, k, v, plan.batch_indices, plan.positions, kv_cache, plan.page_table,
+        rope, impl=impl)
+  out = _attention.paged_prefill(
+      q, kv_cache, plan.page_table, plan.q_indptr, plan.kv_lens, causal=True,
+      sm_scale=sm_scale, window_left=window_left,
+      logits_soft_cap=logits_soft_cap, impl=impl)
+  return out, kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """Static configuration of one attention layer (hashable: a jit static)."""
+  num_qo_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: Any = None                     # pkvattn.RopeConfig | None
+  sm_scale: float | None = None        # None = 1 / sqrt(head_dim)
+  window_left: int = -1                # -1 = full attention
+  logits_soft_cap: float | None = None
+  use_qkv_bias: bool = False
+  use_o_bias: bool = False
+
+  def __post_init__(self):
+    _checks.check_heads(self.num_qo_heads, self.num_kv_heads)
+
+
+def _dense(p, x, dtype):
+  y = jnp.dot(x.astype(dtype), p["kernel"].astype(dtype))
+  if "bias" in p:
+    y = y + p["bias"].astype(dtype)
+  return y
+
+
+def attention_block(
+    params,        # {"q_proj"|"k_proj"|"v_proj"|"o_proj": {"kernel": [in, out], "bias"?: [out]}}
+    x: jax.Array,  # [num_tokens, hidden_size]
+    kv_cache,
+    plan: AttentionPlan,
+    spec: AttentionSpec,
+    *,
+    impl: Implementation | None = None,
+    dtype=None,
+):
+  """Projections + `paged_attention`: the functional core of the Flax layers.
+
+  Args:
+    params: kernels `q_proj [hidden_size, num_qo_heads * head_dim]`,
+      `k_proj`/`v_proj [hidden_size, num_kv_heads * head_dim]`,
+      `o_proj [num_qo_heads * head_dim, hidden_size]`, optional biases.
+    x: `[num_tokens, hidden_size]`.
+    kv_cache: the pool, dtype = `dtype` (default `x.dtype`).
+    plan: this layer's plan.
+    spec: static layer configuration.
+    impl: attention / rope implementation.
+    dtype: compute dtype; defaults to `x.dtype`.
+
+  Returns:
+    `(out [num_tokens, hidden_size], kv_cache)`.
+  """
+  dtype = dtype or x.dtype
+  t = x.shape[0]
+  d = spec.head_dim
+  q = _dense(params["q_proj"], x, dtype).reshape(t, spec.num_qo_heads, d)
+  k = _dense(params["k_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+  v = _dense(params["v_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+  out, kv_cache = paged_attention(
+      q, k, v, kv_cache, plan, rope=spec.rope, sm_scale=spec.sm_scale,
+      window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,
+      impl=impl)
+  out = _dense(params["o_proj"], out.reshape(t, spec.num_qo_heads * d), dtype)
+  return out, kv_cache
+
+
+class PagedAttention(nnx.Module):
+  """Paged self-attention layer for flax.nnx.
+
+  Example:
+    >>> layer = PagedAttention(128, 2, 1, 64, rngs=nnx.Rngs(0))
+    >>> pool = jnp.zeros((8, 8, 1, 64))        # 8 pages of 8 tokens
+    >>> plan = AttentionPlan.create(jnp.array([[[0, 2], [1, 3]]]),
+    ...                             jnp.array([0, 5]), jnp.array([5]), 8)
+    >>> out, pool = layer(jnp.ones((8, 128)), pool, plan)
+    >>> out.shape
+    (8, 128)
+  """
+
+  def __init__(
+      self,
+      hidden_size: int,
+      num_qo_heads: int,
+      num_kv_heads: int,
+      head_dim: int,
+      *,
+      rope=None,
+      use_qkv_bias: bool = False,
+      use_o_bias: bool = False,
+      sm_scale: float | None = None,
+      window_left: int = -1,
+      logits_soft_cap: float | None = None,
+      impl: Implementation | None = None,
+      dtype=None,
+      param_dtype=jnp.float32,
+      kernel_init=nnx.initializers.lecun_normal(),
+      rngs: nnx.Rngs,
+  ):
+    self.spec = AttentionSpec(num_qo_heads, num_kv_heads, head_dim, rope,
+                              sm_scale, window_left, logits_soft_cap,
+                              use_qkv_bias, use_o_bias)
+    self.impl = impl
+    self.dtype = dtype
+    kw = dict(param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+    self.q_proj = nnx.Linear(hidden_size, num_qo_heads * head_dim,
+                             use_bias=use_qkv_bias, **kw)
+    self.k_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim,
+                             use_bias=use_qkv_bias, **kw)
+    self.v_proj = nnx.Linear(hidden_size, num_kv_heads * head_dim,
+                             use_bias=use_qkv_bias, **kw)
+    self.o_proj = nnx.Linear(num_qo_heads * head_dim, hidden_size,
+                             use_bias=use_o_bias, **kw)
+
+  def __call__(
+      self,
+      x: jax.Array,  # [num_tokens, hidden_size]
+      kv_cache,      # pool, e.g. [num_pages, page_size, num_kv_heads, head_dim]
+      plan: AttentionPlan,
+  ):
+    """Returns `(out [num_tokens, hidden_size], kv_cache)` (see `attention_block`)."""
+    params = {}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      lin = getattr(self, name)
+      params[name] = {"kernel": lin.kernel[...]}
+      if lin.bias is not None:
+        params[name]["bias"] = lin.bias[...]
+    return attention_block(params, x, kv_cache, plan, self.spec,
+                           impl=self.impl, dtype=self.dtype)
+
+
+class LinenPagedAttention(nn.Module):
+  """Paged self-attention layer for flax.linen (same semantics as `PagedAttention`).
+
+  Example:
+    >>> layer = LinenPagedAttention(128, 2, 1, 64)
+    >>> pool = jnp.zeros((8, 8, 1, 64))
+    >>> plan = AttentionPlan.create(jnp.array([[[0, 2], [1, 3]]]),
+    ...                             jnp.array([0, 5]), jnp.array([5]), 8)
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((8, 128)), pool, plan)
+    >>> out, pool = layer.apply(variables, jnp.ones((8, 128)), pool, plan)
+  """
+  hidden_size: int
+  num_qo_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: Any = None
+  use_qkv_bias: bool = False
+  use_o_bias: bool = False
+  sm_scale: float | None = None
+  window_left: int = -1
+  logits_soft_cap: float | None = None
+  impl: Implementation | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(
+      self,
+      x: jax.Array,  # [num_tokens, hidden_size]
+      kv_cache,
+      plan: AttentionPlan,
+  ):
+    """Returns `(out [num_tokens, hidden_size], kv_cache)`."""
+    spec = AttentionSpec(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                         self.rope, self.sm_scale, self.window_left,
+                         self.logits_soft_cap, self.use_qkv_bias,
+                         self.use_o_bias)
+    dense = lambda feats, bias, name: nn.Dense(
+        feats, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, name=name)
+    t, d = x.shape[0], self.head_dim
+    q = dense(self.num_qo_heads * d, self.use_qkv_bias, "q_proj")(x)
+    k = dense(self.num_kv_heads * d, self.use_qkv_bias, "k_proj")(x)
+    v = dense(self.num_kv_heads * d, self.use_qkv_bias, "v_proj")(x)
+    out, kv_cache = paged_attention(
+        q.reshape(t, spec.num_qo_heads, d), k.reshape(t, spec.num_kv_heads, d),
+        v.reshape(t, spec.num_kv_heads, d), kv_cache, plan, rope=spec.rope,
+        sm_scale=spec.sm_scale, window_left=spec.window_left,
+        logits_soft_cap=spec.logits_soft_cap, impl=self.impl)
+    out = dense(self.hidden_size, self.use_o_bias, "o_proj")(
+        out.reshape(t, spec.num_qo_heads * d))
+    return out, kv_cache
+
+
+class PagedAttentionFn:
+  """A Flax `attention_fn` hook backed by the paged cache.
+
+  Flax's attention modules call `attention_fn(query, key, value, bias=None,
+  mask=None, **kwargs)` with `query [..., num_tokens, num_qo_heads, head_dim]`
+  (leading batch dims must flatten to one ragged token axis, e.g. `[1, T, H,
+  D]`). This object appends `key`/`value` to its pool, attends through the
+  plan, and keeps the updated pool on `self.kv_cache` (read it back in the same
+  trace, e.g. at the end of your jitted step). `mask`/`bias` are ignored: the
+  plan defines the (causal, windowed) visibility. Dropout is not supported.
+
+  Example:
+    >>> hook = PagedAttentionFn(pool, plan)
+    >>> mha = nnx.MultiHeadAttention(2, 128, qkv_features=128, decode=False,
+    ...                              attention_fn=hook, rngs=nnx.Rngs(0))
+    >>> out = mha(x[None])           # x: [num_tokens, 128]
+    >>> pool = hook.kv_cache
+  """
+
+  def __init__(self, kv_cache, plan: AttentionPlan, *, rope=None,
+               sm_scale: float | None = None, window_left: int = -1,
+               logits_soft_cap: float | None = None,
+               impl: Implementation | None = None):
+    self.kv_cache = kv_cache
+    self.plan = plan
+    self.rope = rope
+    self.sm_scale = sm_scale
+    self.window_left = window_left
+    self.logits_soft_cap = logits_soft_cap
+    self.impl = impl
+
+  def __call__(self, query, key, value, bias=None, mask=None, **kwargs):
+    del bias, mask
+    if kwargs.get("dropout_rate", 0.0) and not kwargs.get("deterministic", True):
+      raise NotImplementedError("PagedAttentionFn does not support dropout")
+    lead = query.shape[:-2]
+    flat = lambda a: a.reshape(-1, *a.shape[-2:])
+    out, self.kv_cache = paged_attention(
+        flat(query), flat(key), flat(value), self.kv_cache, self.plan,
+        rope=self.rope, sm_scale=self.sm_scale, window_left=self.window_left,
+        logits_soft_cap=self.logits_soft_cap, impl=self.impl)
+    return out.reshape(*lead, *out.shape[-2:])

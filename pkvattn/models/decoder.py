@@ -1,0 +1,256 @@
+"""A Llama-family decoder over the multi-layer paged pool.
+
+One config covers Llama 2/3 (Llama 3 RoPE scaling), Mistral (sliding window),
+Qwen2 (qkv bias) and Gemma 2 (alternating local/global layers, attention and
+final logit soft caps, sandwich norms, `(1 + w)` RMSNorm, embeddings scaled by
+`sqrt(hidden_size)`, `query_pre_attn_scalar`, tanh-GeGLU).
+
+Layers run under `lax.scan` over stacked parameters. All layers share ONE pool
+`[num_slots * num_layers * 2, page_size, num_kv_heads, head_dim]`; layer `l`
+only gets its own page table (`plan.page_table[l]`, indices already offset by
+the layer, TensorRT-LLM's PER_LAYER mode), so no layer's cache is ever sliced
+out and copied. Models whose layers differ in window (Gemma 2) scan over the
+repeating period of layers (2 for Gemma 2), unrolled inside the scan body, so
+every attention call keeps a static `window_left`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pkvattn import _checks
+from pkvattn.flax import AttentionPlan
+from pkvattn.flax import AttentionSpec
+from pkvattn.flax import attention_block
+from pkvattn.types import Implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Static architecture of a decoder (hashable; a jit static argument)."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_qo_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: Any                                 # pkvattn.RopeConfig
+  rms_norm_eps: float = 1e-6
+  norm_plus_one: bool = False               # Gemma: x * (1 + w)
+  qkv_bias: bool = False                    # Qwen2; Llama attention_bias
+  o_bias: bool = False                      # Llama attention_bias
+  mlp_bias: bool = False
+  activation: str = "silu"                  # "silu" | "gelu_tanh"
+  tie_word_embeddings: bool = False
+  embed_scale: float | None = None          # Gemma: sqrt(hidden_size)
+  sm_scale: float | None = None             # None = 1 / sqrt(head_dim)
+  layer_windows: tuple[int, ...] = ()       # window_left per layer; () = all -1
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
+  sandwich_norms: bool = False              # Gemma 2 post-attn / pre+post-mlp norms
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  max_position_embeddings: int = 8192
+  model_type: str = "llama"
+
+  def __post_init__(self):
+    _checks.check_heads(self.num_qo_heads, self.num_kv_heads)
+    _checks.check_choice(self.activation, ("silu", "gelu_tanh"), "activation")
+    if self.layer_windows and len(self.layer_windows) != self.num_layers:
+      raise ValueError(
+          f"Invalid layer_windows: expected {self.num_layers} entries, got "
+          f"{len(self.layer_windows)}")
+
+  @property
+  def windows(self) -> tuple[int, ...]:
+    """`window_left` of every layer (-1 = full attention)."""
+    return self.layer_windows or (-1,) * self.num_layers
+
+  @property
+  def has_sliding_window(self) -> bool:
+    return any(w >= 0 for w in self.windows)
+
+  @property
+  def layer_period(self) -> int:
+    """Smallest p dividing num_layers with windows[i] == windows[i % p]."""
+    w = self.windows
+    for p in range(1, self.num_layers + 1):
+      if self.num_layers % p == 0 and all(w[i] == w[i % p] for i in range(len(w))):
+        return p
+    return self.num_layers
+
+  def attention_spec(self, layer: int) -> AttentionSpec:
+    return AttentionSpec(
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, rope=self.rope,
+        sm_scale=self.sm_scale, window_left=self.windows[layer],
+        logits_soft_cap=self.attn_logit_softcap, use_qkv_bias=self.qkv_bias,
+        use_o_bias=self.o_bias)
+
+  def pool_shape(self, num_slots: int, page_size: int) -> tuple[int, ...]:
+    """Shape of the multi-layer pool for `num_slots` slots."""
+    return (num_slots * self.num_layers * 2, page_size, self.num_kv_heads,
+            self.head_dim)
+
+
+def init_params(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32,
+                scale: float = 0.02):
+  """Random parameters (normal * `scale`; norms at their identity value).
+
+  Returns the parameter tree used by `forward`: `embed [vocab, hidden]`,
+  `layers` (each leaf with a leading `num_layers` axis), `final_norm [hidden]`
+  and, unless tied, `lm_head [hidden, vocab]`.
+  """
+  L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+  qd, kd = cfg.num_qo_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  keys = iter(jax.random.split(key, 32))
+
+  def normal(*shape):
+    return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+  def dense(fan_in, fan_out, bias):
+    p = {"kernel": normal(L, fan_in, fan_out)}
+    if bias:
+      p["bias"] = normal(L, fan_out)
+    return p
+
+  norm_init = 0.0 if cfg.norm_plus_one else 1.0
+  norm = lambda *s: jnp.full(s, norm_init, dtype)
+  layers = {
+      "attn": {"q_proj": dense(H, qd, cfg.qkv_bias),
+               "k_proj": dense(H, kd, cfg.qkv_bias),
+               "v_proj": dense(H, kd, cfg.qkv_bias),
+               "o_proj": dense(qd, H, cfg.o_bias)},
+      "mlp": {"gate_proj": dense(H, I, cfg.mlp_bias),
+              "up_proj": dense(H, I, cfg.mlp_bias),
+              "down_proj": dense(I, H, cfg.mlp_bias)},
+      "attn_norm": norm(L, H),
+      "mlp_norm": norm(L, H),
+  }
+  if cfg.sandwich_norms:
+    layers["post_attn_norm"] = norm(L, H)
+    layers["post_mlp_norm"] = norm(L, H)
+  params = {"embed": normal(cfg.vocab_size, H), "layers": layers,
+            "final_norm": norm(H)}
+  if not cfg.tie_word_embeddings:
+    params["lm_head"] = normal(H, cfg.vocab_size)
+  return params
+
+
+def rms_norm(x, w, eps: float, plus_one: bool):
+  """HF RMSNorm: statistics in f32; Llama casts before `* w`, Gemma after `(1 + w)`."""
+  xf = x.astype(jnp.float32)
+  xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+  return w * xf.astype(x.dtype)
+
+
+def _dense(p, x):
+  y = jnp.dot(x, p["kernel"].astype(x.dtype))
+  if "bias" in p:
+    y = y + p["bias"].astype(x.dtype)
+  return y
+
+
+def _mlp(p, x, activation):
+  act = jax.nn.silu if activation == "silu" else (
+      lambda a: jax.nn.gelu(a, approximate=True))
+  return _dense(p["down_proj"], act(_dense(p["gate_proj"], x)) * _dense(p["up_proj"], x))
+
+
+def decoder_layer(lp, x, kv_cache, plan: AttentionPlan, cfg: DecoderConfig,
+                  layer: int, impl: Implementation | None):
+  """One pre-norm block. `layer` is static (it picks the window)."""
+  norm = lambda h, w: rms_norm(h, w, cfg.rms_norm_eps, cfg.norm_plus_one)
+  h = norm(x, lp["attn_norm"])
+  a, kv_cache = attention_block(lp["attn"], h, kv_cache, plan,
+                                cfg.attention_spec(layer), impl=impl)
+  if cfg.sandwich_norms:
+    a = norm(a, lp["post_attn_norm"])
+  x = x + a
+  m = _mlp(lp["mlp"], norm(x, lp["mlp_norm"]), cfg.activation)
+  if cfg.sandwich_norms:
+    m = norm(m, lp["post_mlp_norm"])
+  return x + m, kv_cache
+
+
+def forward(
+    params,
+    cfg: DecoderConfig,
+    tokens: jax.Array,    # i32[num_tokens]
+    kv_cache: jax.Array,  # [num_slots * num_layers * 2, page_size, num_kv_heads, head_dim]
+    plan: AttentionPlan,  # page_table i32[num_layers, batch_size, 2, max_pages]
+    *,
+    logits_indices: jax.Array | None = None,  # i32[n]
+    impl: Implementation | None = None,
+):
+  """Runs the decoder on one ragged token batch, appending its K/V to the pool.
+
+  Args:
+    params: tree from `init_params` / `load_hf_checkpoint` (its dtype is the
+      compute dtype; the pool must have the same dtype).
+    cfg: static architecture.
+    tokens: `i32[num_tokens]` token ids; padding tokens (plan batch index -1)
+      may hold any id.
+    kv_cache: the multi-layer pool.
+    plan: the step plan with one split page table per layer.
+    logits_indices: token rows whose logits to return (e.g. each sequence's
+      last new token, `q_indptr[1:] - 1`); None = all tokens.
+    impl: attention implementation.
+
+  Returns:
+    `(logits f32[n or num_tokens, vocab_size], kv_cache)`.
+
+  Raises:
+    ValueError: `plan.page_table` is not `[num_layers, batch_size, 2, max_pages]`,
+      or other shape mismatches (trace time).
+  """
+  L, p = cfg.num_layers, cfg.layer_period
+  _checks.check_shape(plan.page_table, (L, plan.batch_size, 2, None),
+                      "plan.page_table")
+  _checks.check_shape(tokens, (plan.num_tokens,), "tokens")
+  dtype = params["embed"].dtype
+  x = jnp.take(params["embed"], tokens, axis=0)
+  if cfg.embed_scale is not None:
+    # HF Gemma multiplies by the normalizer cast to the activation dtype.
+    x = x * jnp.asarray(cfg.embed_scale, dtype)
+
+  grouped = jax.tree.map(lambda a: a.reshape(L // p, p, *a.shape[1:]),
+                         params["layers"])
+  tables = plan.page_table.reshape(L // p, p, *plan.page_table.shape[1:])
+
+  def body(carry, xs):
+    h, pool = carry
+    lp, tbl = xs
+    for j in range(p):
+      h, pool = decoder_layer(jax.tree.map(lambda a: a[j], lp), h, pool,
+                              plan.replace(page_table=tbl[j]), cfg, j, impl)
+    return (h, pool), None
+
+  (x, kv_cache), _ = lax.scan(body, (x, kv_cache), (grouped, tables))
+  if logits_indices is not None:
+    x = jnp.take(x, logits_indices, axis=0)
+  x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+  head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+  logits = jnp.dot(x, head.astype(x.dtype),
+                   preferred_element_type=jnp.float32)
+  if cfg.final_logit_softcap:
+    c = cfg.final_logit_softcap
+    logits = c * jnp.tanh(logits / c)
+  return logits, kv_cache
+
+
+def param_count(params) -> int:
+  return int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))
+
+
+def gemma_embed_scale(hidden_size: int) -> float:
+  return math.sqrt(hidden_size)
