@@ -1,0 +1,274 @@
+"""Fused RoPE + paged K/V append: one Pallas (Triton) pass over the tokens.
+
+TensorRT-LLM's `qkv_preprocessing` (PR #11667) as a Pallas kernel. The grid is
+`(token tiles, head splits)`; program `(i, j)` owns `block_tokens` tokens and
+`1 / num_splits` of the q and kv heads. It computes the tile's cos/sin once
+(f32, from `positions * inv_freq`), then for each of its heads reads q / k / v
+once, rotates q and k in f32, stores the rotated q, and scatters the k and v
+rows into the pool at per-token rows `page * page_size + position % page_size`
+(precomputed by the wrapper, `reference.append_rows`; one past the end = skip).
+
+Writes are masked stores through int-array indices, so a skipped token touches
+no memory on the GPU. In interpret mode the masked lanes write back what they
+read, which is why a skipped token's row is out of range (dropped) rather than
+clamped (it could race a real write to the clamped row). The pool(s) are
+aliased to the outputs (`input_output_aliases`), so under a donated jit the
+pool is updated in place.
+
+Every index is an int array (never a strided `pl.ds`): that form lowers to
+Triton and also discharges in interpret mode, which rejects mixed slice/array
+and strided indexers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels._compat import pl
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Launch config. `block_tokens` a power of two; `num_splits` divides both head counts."""
+  block_tokens: int = 32
+  num_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
+
+  @staticmethod
+  def default_for(num_tokens: int, num_qo_heads: int,
+                  num_kv_heads: int) -> "Config":
+    """Big batches: 32-token tiles, all heads per program (cos/sin computed once
+    per tile). Small batches: 16-token tiles and heads split across programs
+    until ~512 programs fill the GPU."""
+    block_tokens = 32 if num_tokens >= 8192 else 16
+    tiles = -(-num_tokens // block_tokens)
+    splits = 1
+    while (tiles * splits < 512 and num_kv_heads % (2 * splits) == 0
+           and (num_qo_heads == 0 or num_qo_heads % (2 * splits) == 0)):
+      splits *= 2
+    return Config(block_tokens=block_tokens, num_splits=splits,
+                  num_warps=4 if block_tokens >= 32 else 2)
+
+
+def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
+                        num_kv_heads, head_dim, half, block_tokens, num_splits,
+                        interleaved, rotate, has_q, same_pool):
+  # Unpack: inputs, then outputs (the aliased pool inputs are unused: the
+  # outputs are the same buffers).
+  refs = list(refs)
+  pos_ref = refs.pop(0)      # i32[num_tokens]
+  k_rows_ref = refs.pop(0)   # i32[num_tokens]
+  v_rows_ref = refs.pop(0)   # i32[num_tokens]
+  inv_ref = refs.pop(0) if rotate else None  # f32[half]
+  q_ref = refs.pop(0) if has_q else None     # [num_tokens, num_qo_heads, head_dim]
+  k_ref = refs.pop(0)        # [num_tokens, num_kv_heads, head_dim]
+  v_ref = refs.pop(0)        # [num_tokens, num_kv_heads, head_dim]
+  refs.pop(0)                # k pool (aliased input)
+  if not same_pool:
+    refs.pop(0)              # v pool (aliased input)
+  q_out_ref = refs.pop(0) if has_q else None  # [num_tokens, num_qo_heads, head_dim]
+  k_pool_ref = refs.pop(0)   # [num_rows, num_kv_heads, head_dim]
+  v_pool_ref = k_pool_ref if same_pool else refs.pop(0)
+
+  i = pl.program_id(0)
+  j = pl.program_id(1)
+  tok = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+  valid = tok < num_tokens
+  tok_ld = jnp.minimum(tok, num_tokens - 1)
+  tok_st = jnp.where(valid, tok, num_tokens)  # out of range = dropped
+  rot = 2 * half
+
+  if rotate:
+    pos = pos_ref[tok_ld]
+    inv = inv_ref[jnp.arange(half, dtype=jnp.int32)]
+    angles = pos.astype(jnp.float32)[:, None] * inv[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    ar = jnp.arange(half, dtype=jnp.int32)
+    if interleaved:
+      c1, c2 = 2 * ar, 2 * ar + 1
+    else:
+      c1, c2 = ar, half + ar
+    c1, c2 = c1[None, :], c2[None, :]
+    cp = (rot + jnp.arange(head_dim - rot, dtype=jnp.int32))[None, :] if (
+        head_dim > rot) else None
+  call = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+
+  def full_mask(m, width):
+    return jnp.broadcast_to(m[:, None], (block_tokens, width))
+
+  def rotate_head(src_ref, dst_ref, h, rows_ld, rows_st, mask):
+    """Reads head h of the tile's tokens from src, writes rotated to dst rows."""
+    r_ld, r_st = rows_ld[:, None], rows_st[:, None]
+    x1 = src_ref[r_ld, h, c1].astype(jnp.float32)
+    x2 = src_ref[r_ld, h, c2].astype(jnp.float32)
+    dt = dst_ref.dtype
+    m = full_mask(mask, half)
+    _compat.pltriton.store(dst_ref.at[r_st, h, c1],
+                           (x1 * cos - x2 * sin).astype(dt), mask=m)
+    _compat.pltriton.store(dst_ref.at[r_st, h, c2],
+                           (x2 * cos + x1 * sin).astype(dt), mask=m)
+    if cp is not None:
+      xp = src_ref[r_ld, h, cp]
+      _compat.pltriton.store(dst_ref.at[r_st, h, cp], xp.astype(dt),
+                             mask=full_mask(mask, head_dim - rot))
+
+  def copy_head(src_ref, dst_ref, h, rows_ld, rows_st, mask):
+    x = src_ref[rows_ld[:, None], h, call]
+    _compat.pltriton.store(dst_ref.at[rows_st[:, None], h, call],
+                           x.astype(dst_ref.dtype),
+                           mask=full_mask(mask, head_dim))
+
+  if has_q:
+    hq_per = num_qo_heads // num_splits
+
+    def q_body(hh, carry):
+      rotate_head(q_ref, q_out_ref, j * hq_per + hh, tok_ld, tok_st, valid)
+      return carry
+
+    lax.fori_loop(0, hq_per, q_body, 0)
+
+  k_rows = k_rows_ref[tok_ld]
+  v_rows = v_rows_ref[tok_ld]
+  k_ok = valid & (k_rows < num_rows)
+  v_ok = valid & (v_rows < num_rows)
+  k_st = jnp.where(k_ok, k_rows, num_rows)
+  v_st = jnp.where(v_ok, v_rows, num_rows)
+  hkv_per = num_kv_heads // num_splits
+
+  def kv_body(hh, carry):
+    h = j * hkv_per + hh
+    if rotate:
+      rotate_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
+    else:
+      copy_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
+    copy_head(v_ref, v_pool_ref, h, tok_ld, v_st, v_ok)
+    return carry
+
+  lax.fori_loop(0, hkv_per, kv_body, 0)
+
+
+def check_supported(num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                    rotary_dim: int | None, config: Config) -> None:
+  """Raises NotImplementedError for configs this kernel does not lower."""
+  if not _is_pow2(head_dim):
+    raise NotImplementedError(f"rope_append kernel needs a power-of-two {head_dim=}")
+  if rotary_dim is not None:
+    half = rotary_dim // 2
+    if not _is_pow2(half) or (rotary_dim < head_dim
+                              and not _is_pow2(head_dim - rotary_dim)):
+      raise NotImplementedError(
+          f"rope_append kernel needs rotary_dim / 2 and head_dim - rotary_dim "
+          f"to be powers of two, got {rotary_dim=}, {head_dim=}")
+  if not _is_pow2(config.block_tokens):
+    raise NotImplementedError(
+        f"block_tokens must be a power of two, got {config.block_tokens}")
+  if num_kv_heads % config.num_splits or num_qo_heads % config.num_splits:
+    raise NotImplementedError(
+        f"num_splits={config.num_splits} must divide {num_qo_heads=} and "
+        f"{num_kv_heads=}")
+
+
+def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
+                      v_pool, *, interleaved, config, interpret):
+  num_tokens, num_kv_heads, head_dim = k.shape
+  num_pages, page_size = k_pool.shape[:2]
+  num_rows = num_pages * page_size
+  has_q = q is not None
+  rotate = inv_freq is not None
+  same_pool = v_pool is None
+  num_qo_heads = q.shape[1] if has_q else 0
+  half = inv_freq.shape[0] if rotate else 0
+  check_supported(num_qo_heads, num_kv_heads, head_dim,
+                  2 * half if rotate else None, config)
+
+  flat_k = k_pool.reshape(num_rows, num_kv_heads, head_dim)
+  inputs = [positions.astype(jnp.int32), k_rows.astype(jnp.int32),
+            v_rows.astype(jnp.int32)]
+  if rotate:
+    inputs.append(inv_freq.astype(jnp.float32))
+  if has_q:
+    inputs.append(q)
+  inputs += [k, v, flat_k]
+  out_shape = []
+  if has_q:
+    out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+  out_shape.append(jax.ShapeDtypeStruct(flat_k.shape, flat_k.dtype))
+  aliases = {len(inputs) - 1: len(out_shape) - 1}
+  if not same_pool:
+    flat_v = v_pool.reshape(num_rows, num_kv_heads, head_dim)
+    inputs.append(flat_v)
+    out_shape.append(jax.ShapeDtypeStruct(flat_v.shape, flat_v.dtype))
+    aliases[len(inputs) - 1] = len(out_shape) - 1
+
+  num_tiles = -(-num_tokens // config.block_tokens)
+  kernel = functools.partial(
+      _rope_append_kernel, num_tokens=num_tokens, num_rows=num_rows,
+      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+      head_dim=head_dim, half=half, block_tokens=config.block_tokens,
+      num_splits=config.num_splits, interleaved=interleaved, rotate=rotate,
+      has_q=has_q, same_pool=same_pool)
+  name = (f"rope_append_bt{config.block_tokens}_s{config.num_splits}"
+          f"_{'gptj' if interleaved else 'neox'}{'' if rotate else '_norope'}")
+  with _compat.suppress_triton_deprecation():
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(num_tiles, config.num_splits),
+        input_output_aliases=aliases,
+        compiler_params=_compat.triton_params(
+            num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+  outs = list(outs)
+  q_out = outs.pop(0) if has_q else None
+  k_pool = outs.pop(0).reshape(num_pages, page_size, num_kv_heads, head_dim)
+  if not same_pool:
+    v_pool = outs.pop(0).reshape(num_pages, page_size, num_kv_heads, head_dim)
+  return q_out, k_pool, v_pool
+
+
+def rope_append(
+    q,          # [num_tokens, num_qo_heads, head_dim] | None (append only)
+    k,          # [num_tokens, num_kv_heads, head_dim]
+    v,          # [num_tokens, num_kv_heads, head_dim]
+    positions,  # i32[num_tokens]
+    k_rows,     # i32[num_tokens], flat K row per token; >= num_rows = skip
+    v_rows,     # i32[num_tokens], flat V row per token; >= num_rows = skip
+    inv_freq,   # f32[rotary_dim // 2] | None (no rotation)
+    k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None (= k_pool)
+    *,
+    interleaved: bool = False,
+    config: Config | None = None,
+    interpret: bool = False,
+):
+  """Rotates q and k (if `inv_freq`), writes k and v rows into the pool(s).
+
+  Returns `(q_rotated or None, k_pool, v_pool or None)`. The pools are aliased
+  to the outputs; call inside a jit that donates them to update in place.
+  Not jitted here, so the aliasing composes with the caller's donation.
+
+  Raises:
+    NotImplementedError: non-power-of-two head_dim / rotary pieces, or a
+      config whose splits do not divide the head counts.
+  """
+  if config is None:
+    config = Config.default_for(k.shape[0], 0 if q is None else q.shape[1],
+                                k.shape[1])
+  if k.shape[0] == 0:
+    return q, k_pool, v_pool
+  return _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq,
+                           k_pool, v_pool, interleaved=interleaved,
+                           config=config, interpret=interpret)
