@@ -1,0 +1,357 @@
+"""Paged decode benchmark: pkvattn pallas / xla vs JAX `paged_attention` vs copy roof.
+
+Run on a GPU:  `python -m bench.bench_decode [--quick]`
+Plot locally:  `python -m bench.bench_decode --plot bench/results/decode_<device>.json`
+
+Specs: Llama-3-8B heads (32 qo, 8 kv, head_dim 128), bf16, every sequence at
+full length S (shuffled pages, a few NaN-poisoned spare pages in the pool).
+Before timing, each spec is checked against the f32 reference on the same
+inputs, and a GPU correctness sweep on small NaN-poisoned caches (all formats,
+GQA 1/4/8, pages 16/64, window, soft cap, sinks) runs first.
+
+Bytes moved (decimal units, `achieved_tbps = bytes_moved / median_s / 1e12`):
+  `bytes_moved = q + touched K/V pages + out`
+  `= B*Hq*D*2 + 2 * sum_b(cdiv(kv_len_b, page_size) * page_size) * Hkv*D*2 + B*Hq*D*2`.
+The copy roof counts read + write bytes of a 2 GiB device copy.
+`speedup_vs_xla = median_ms[xla] / median_ms[impl]` (>1 = faster than xla).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import _timing
+from pkvattn.pallas_kernels import paged_decode as kernel
+from pkvattn.pallas_kernels import reference
+
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+SPECS = {
+    "llama3_8b_decode_b64_s4096_p16": dict(batch_size=64, seq_len=4096, page_size=16),
+    "llama3_8b_decode_b64_s4096_p64": dict(batch_size=64, seq_len=4096, page_size=64),
+    "llama3_8b_decode_b8_s16384_p16": dict(batch_size=8, seq_len=16384, page_size=16),
+    "llama3_8b_decode_b256_s1024_p16": dict(batch_size=256, seq_len=1024, page_size=16),
+}
+SPARE_PAGES = 8
+
+
+def make_inputs(batch_size, seq_len, page_size, dtype=jnp.bfloat16, seed=0):
+  """Shared-table pair cache with shuffled page ids and NaN spare pages."""
+  pages_per_seq = seq_len // page_size
+  num_pages = batch_size * pages_per_seq + SPARE_PAGES
+  kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+  shape = (num_pages, page_size, NUM_KV_HEADS, HEAD_DIM)
+  k_pages = jax.random.normal(kk, shape, dtype)
+  v_pages = jax.random.normal(kv, shape, dtype)
+  perm = jax.random.permutation(kp, num_pages).astype(jnp.int32)
+  table = perm[:batch_size * pages_per_seq].reshape(batch_size, pages_per_seq)
+  spare = perm[batch_size * pages_per_seq:]
+  k_pages = k_pages.at[spare].set(jnp.nan)
+  v_pages = v_pages.at[spare].set(jnp.nan)
+  q = jax.random.normal(kq, (batch_size, NUM_QO_HEADS, HEAD_DIM), dtype)
+  kv_lens = jnp.full((batch_size,), seq_len, jnp.int32)
+  return q, k_pages, v_pages, table, kv_lens
+
+
+def bytes_moved(batch_size, kv_lens, page_size, itemsize=2):
+  touched = sum(-(-int(n) // page_size) * page_size for n in kv_lens)
+  q_out = 2 * batch_size * NUM_QO_HEADS * HEAD_DIM * itemsize
+  return q_out + 2 * touched * NUM_KV_HEADS * HEAD_DIM * itemsize
+
+
+def rel_err(actual, expected):
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  if np.isnan(a).any():
+    return float("nan")
+  return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+def gpu_correctness():
+  """Small NaN-poisoned caches through the public API on the GPU kernel."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  import attention_utils as au  # pylint: disable=import-outside-toplevel
+  import pkvattn  # pylint: disable=import-outside-toplevel
+  rows = []
+  rng = np.random.default_rng(int(time.time()))
+  cases = [
+      dict(fmt="pair", g=4, ps=16, kw={}),
+      dict(fmt="pool", g=8, ps=16, kw=dict(window_left=37)),
+      dict(fmt="flashinfer", g=4, ps=64, kw=dict(logits_soft_cap=30.0)),
+      dict(fmt="pair", g=1, ps=8, kw=dict(sinks=True)),
+      dict(fmt="pair", g=8, ps=64, kw=dict(window_left=100, sinks=True,
+                                          logits_soft_cap=20.0)),
+      dict(fmt="pool", g=4, ps=128, kw={}),
+  ]
+  for dtype in (jnp.bfloat16, jnp.float16):
+    for c in cases:
+      ps, g, hkv = c["ps"], c["g"], 2
+      kv_lens = [0, 1, ps - 1, ps, ps + 1, 3 * ps + 5, 700, 1500]
+      p = au.make_paged(rng, kv_lens, page_size=ps, num_kv_heads=hkv,
+                        head_dim=128, dtype=dtype, fmt=c["fmt"])
+      q = rng.standard_normal((len(kv_lens), g * hkv, 128)).astype(np.float32)
+      qd = np.asarray(jnp.asarray(q, dtype).astype(jnp.float32))
+      kw = dict(c["kw"])
+      sinks = None
+      if kw.pop("sinks", False):
+        sinks = rng.standard_normal(g * hkv).astype(np.float32)
+        kw["sinks"] = jnp.asarray(sinks)
+      try:
+        out, lse = pkvattn.paged_decode(
+            jnp.asarray(qd, dtype), p.kv_cache, jnp.asarray(p.page_table),
+            jnp.asarray(p.kv_lens), return_lse=True, impl="pallas", **kw)
+        out2, _ = pkvattn.paged_decode(
+            jnp.asarray(qd, dtype), p.kv_cache, jnp.asarray(p.page_table),
+            jnp.asarray(p.kv_lens), return_lse=True, impl="pallas", **kw)
+        deterministic = bool(jnp.array_equal(out, out2))
+        ok = True
+        worst = 0.0
+        for b, n in enumerate(kv_lens):
+          exp, exp_lse = au.dense_attention(
+              qd[b:b + 1], p.k[b], p.v[b], [n - 1], n, sm_scale=128**-0.5,
+              window_left=kw.get("window_left", -1),
+              logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
+          try:
+            au.assert_close(out[b:b + 1], exp, dtype, f"b={b}")
+            au.assert_lse_close(lse[b], exp_lse[0], dtype)
+          except AssertionError as e:
+            ok = False
+            print("MISMATCH", c, dtype, b, str(e)[:300])
+          if n:
+            worst = max(worst, rel_err(out[b:b + 1], exp.astype(np.float32)))
+        rows.append(dict(case=str({k: v for k, v in c.items()}),
+                         dtype=jnp.dtype(dtype).name, ok=ok,
+                         deterministic=deterministic, worst_rel_err=worst))
+      except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        rows.append(dict(case=str(c), dtype=jnp.dtype(dtype).name, ok=False,
+                         error=traceback.format_exc()[-400:]))
+  return rows
+
+
+def pallas_configs(spec, quick):
+  b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
+  default = kernel.Config.default_for(
+      batch_size=b, num_kv_heads=NUM_KV_HEADS, page_size=ps,
+      max_pages=s // ps, head_dim=HEAD_DIM)
+  out = [("default", default)]
+  if quick:
+    return out
+  seen = {default}
+  for tokens in (64, 128):
+    ppb = max(1, tokens // ps)
+    for ks in sorted({max(1, default.k_splits // 2), default.k_splits,
+                      default.k_splits * 2}):
+      for warps, stages in ((4, 2), (4, 3), (8, 2)):
+        c = kernel.Config(ppb, ks, warps, stages)
+        if c not in seen:
+          seen.add(c)
+          out.append((f"ppb{ppb}_ks{ks}_w{warps}_s{stages}", c))
+  return out
+
+
+def jax_paged_attention_fn(**tuning):
+  from jax.experimental.pallas.ops.gpu import paged_attention as jpa  # pylint: disable=import-outside-toplevel
+  fn = jax.jit(lambda q, k, v, t, n: jpa.paged_attention(q, k, v, t, n, **tuning))
+  return fn
+
+
+def run_spec(name, spec, quick, time_budget_s):
+  rows = []
+  t_spec = time.perf_counter()
+  b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
+  q, k_pages, v_pages, table, kv_lens = make_inputs(b, s, ps)
+  nbytes = bytes_moved(b, np.asarray(kv_lens), ps)
+  scale = HEAD_DIM**-0.5
+  expected, _ = reference.paged_decode_reference(
+      q.astype(jnp.float32), k_pages.astype(jnp.float32),
+      v_pages.astype(jnp.float32), table, table, kv_lens, sm_scale=scale)
+  expected = jax.block_until_ready(expected)
+
+  def record(impl, config_name, fn, args, check=True):
+    try:
+      out = fn(*args)
+      out = out[0] if isinstance(out, tuple) else out
+      err = rel_err(out, expected) if check else None
+      ok = err is not None and err < 2e-2
+      t = _timing.time_fn(fn, *args, iters=10, min_time_s=0.1)
+      row = dict(spec=name, impl=impl, config=config_name, **spec,
+                 rel_err=err, correct=ok, bytes_moved=nbytes, **t,
+                 achieved_tbps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
+      if not ok:
+        row["achieved_tbps"] = None  # never report bandwidth of a wrong kernel
+      rows.append(row)
+      print(f"  {impl:10s} {config_name:24s} {t['median_ms']:.4f} ms "
+            f"{nbytes / (t['median_ms'] * 1e-3) / 1e12:.3f} TB/s err={err}",
+            flush=True)
+    except Exception:  # noqa: BLE001
+      print(f"  {impl} {config_name} FAILED")
+      traceback.print_exc()
+      rows.append(dict(spec=name, impl=impl, config=config_name, **spec,
+                       error=traceback.format_exc()[-600:]))
+
+  for cname, cfg in pallas_configs(spec, quick):
+    if time.perf_counter() - t_spec > time_budget_s and cname != "default":
+      print("  (sweep cut by time budget)")
+      break
+    fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
+        q, k, v, t, t, n, sm_scale=scale, config=cfg))
+    record("pallas", cname, fn, (q, k_pages, v_pages, table, kv_lens))
+
+  xla = jax.jit(lambda q, k, v, t, n: reference.paged_decode_reference(
+      q, k, v, t, t, n, sm_scale=scale)[0])
+  record("xla", "reference", xla, (q, k_pages, v_pages, table, kv_lens))
+
+  # JAX paged_attention: head-major pages, transposed outside the timed region;
+  # it does not scale q, so pass q * sm_scale. Its spare NaN pages are unread.
+  kh = jnp.transpose(k_pages, (2, 0, 1, 3))
+  vh = jnp.transpose(v_pages, (2, 0, 1, 3))
+  qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+  tunings = [("defaults", {})]
+  pages = s // ps
+  for ppcb, ks, w, st in ((4, 8, 4, 1), (8, 8, 4, 1), (4, 16, 4, 1),
+                          (2, 8, 4, 1), (4, 4, 4, 1), (8, 16, 4, 2)):
+    if pages % ks == 0 and (pages // ks) % min(ppcb, pages // ks) == 0:
+      tunings.append((f"ppcb{ppcb}_ks{ks}_w{w}_s{st}",
+                      dict(pages_per_compute_block=ppcb, k_splits=ks,
+                           num_warps=w, num_stages=st)))
+  if quick:
+    tunings = tunings[:2]
+  for tname, tune in tunings:
+    record("jax_paged_attention", tname, jax_paged_attention_fn(**tune),
+           (qs, kh, vh, table, kv_lens))
+  del kh, vh
+  return rows
+
+
+def hlo_copy_check():
+  """Counts pool-sized copies/transposes in the compiled public decode (all formats)."""
+  import pkvattn  # pylint: disable=import-outside-toplevel
+  res = {}
+  q, k, v, table, n = make_inputs(8, 1024, 16)
+  pool = jnp.concatenate([k, v])
+  fi = jnp.stack([k, v], axis=1)
+  split = jnp.stack([table, table + k.shape[0]], axis=1)
+  for fmt, cache, tbl in (("pair", (k, v), table), ("pool", pool, split),
+                          ("flashinfer", fi, table)):
+    f = jax.jit(lambda q, c, t, n: pkvattn.paged_decode(q, c, t, n,
+                                                        impl="pallas"))
+    txt = f.lower(q, cache, tbl, n).compile().as_text()
+    big = [ln for ln in txt.splitlines()
+           if ("copy" in ln or "transpose" in ln) and
+           (f"[{k.shape[0]}," in ln or f"[{2 * k.shape[0]}," in ln or
+            f"[{k.shape[0]},2," in ln)]
+    res[fmt] = len(big)
+    if big:
+      print(fmt, "pool-sized copies:", big[:3])
+  return res
+
+
+def plot(path):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  with open(path) as f:
+    data = json.load(f)
+  rows = [r for r in data["rows"] if r.get("achieved_tbps")]
+  specs = list(dict.fromkeys(r["spec"] for r in rows))
+  series = {
+      "pkvattn pallas (best)": lambda r: r["impl"] == "pallas",
+      "pkvattn pallas (default)": lambda r: r["impl"] == "pallas" and r["config"] == "default",
+      "pkvattn xla": lambda r: r["impl"] == "xla",
+      "JAX paged_attention (defaults)": lambda r: r["impl"] == "jax_paged_attention" and r["config"] == "defaults",
+      "JAX paged_attention (best)": lambda r: r["impl"] == "jax_paged_attention",
+  }
+  fig, ax = plt.subplots(figsize=(10, 4.5))
+  width = 0.8 / (len(series) + 1)
+  for i, (label, sel) in enumerate(series.items()):
+    vals = [max([r["achieved_tbps"] for r in rows if r["spec"] == s and sel(r)],
+                default=0.0) for s in specs]
+    ax.bar(np.arange(len(specs)) + i * width, vals, width, label=label)
+  roof = data.get("copy_roof_tbps")
+  if roof:
+    ax.axhline(roof, color="k", ls="--", lw=1, label=f"copy roof {roof:.2f} TB/s")
+    ax.axhline(0.85 * roof, color="gray", ls=":", lw=1, label="0.85 x roof")
+  ax.set_xticks(np.arange(len(specs)) + 0.4 - width / 2)
+  ax.set_xticklabels([s.replace("llama3_8b_decode_", "") for s in specs])
+  ax.set_ylabel("KV bandwidth, TB/s (decimal)")
+  ax.set_title(f"Paged decode, Llama-3-8B heads, bf16 — {data['device']} "
+               f"({data['date'][:10]})")
+  ax.legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  out = os.path.splitext(path)[0] + ".png"
+  fig.savefig(out, dpi=120)
+  print("wrote", out)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--plot", default=None)
+  ap.add_argument("--specs", default=",".join(SPECS))
+  ap.add_argument("--spec-budget-s", type=float, default=60.0)
+  args = ap.parse_args()
+  if args.plot:
+    plot(args.plot)
+    return
+  env = _timing.environment()
+  print(env, flush=True)
+  t0 = time.perf_counter()
+  correctness = gpu_correctness()
+  print(f"correctness ({time.perf_counter() - t0:.0f}s):")
+  _timing.print_table(correctness, ["case", "dtype", "ok", "deterministic",
+                                    "worst_rel_err"])
+  hlo = {}
+  try:
+    hlo = hlo_copy_check()
+    print("pool-sized copies in compiled HLO:", hlo)
+  except Exception:  # noqa: BLE001
+    traceback.print_exc()
+  roof = _timing.copy_roof_gbps() / 1e3
+  print(f"copy roof {roof:.3f} TB/s", flush=True)
+  rows = []
+  for name in args.specs.split(","):
+    print(name, flush=True)
+    rows += run_spec(name, SPECS[name], args.quick, args.spec_budget_s)
+  for r in rows:
+    if r.get("achieved_tbps"):
+      r["fraction_of_copy_roof"] = r["achieved_tbps"] / roof
+  for name in args.specs.split(","):
+    xla = [r for r in rows if r["spec"] == name and r["impl"] == "xla"
+           and "median_ms" in r]
+    for r in rows:
+      if r["spec"] == name and xla and "median_ms" in r:
+        r["speedup_vs_xla"] = xla[0]["median_ms"] / r["median_ms"]
+  device = env["device"].replace(" ", "_")
+  _timing.write_results(f"decode_{device}", rows, extra=dict(
+      copy_roof_tbps=roof, gpu_correctness=correctness, hlo_pool_copies=hlo))
+  summary = []
+  for name in args.specs.split(","):
+    def best(impl, config=None, name=name):
+      c = [r for r in rows if r["spec"] == name and r["impl"] == impl
+           and r.get("achieved_tbps") and (config is None or r["config"] == config)]
+      return max(c, key=lambda r: r["achieved_tbps"], default=None)
+    for label, r in (("pallas best", best("pallas")),
+                     ("pallas default", best("pallas", "default")),
+                     ("xla", best("xla")),
+                     ("jax_pa defaults", best("jax_paged_attention", "defaults")),
+                     ("jax_pa best", best("jax_paged_attention"))):
+      if r:
+        summary.append(dict(spec=name.replace("llama3_8b_decode_", ""),
+                            impl=label, config=r["config"],
+                            ms=r["median_ms"], tbps=r["achieved_tbps"],
+                            x_roof=r["achieved_tbps"] / roof))
+  print(f"\ncopy roof {roof:.3f} TB/s on {env['device']}")
+  _timing.print_table(summary, ["spec", "impl", "config", "ms", "tbps", "x_roof"])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,369 @@
+"""Paged decode attention (one query token per sequence), Pallas GPU / Triton.
+
+Algorithm: flash-decoding (Dao et al., "Flash-Decoding for long-context
+inference", 2023; FlashAttention-2, Dao 2023, section 3.1 for the online
+softmax). The visible pages of each sequence are split into `k_splits`
+contiguous ranges; program `(b, k, s)` of the grid walks split `s` of sequence
+`b` for kv head `k`, `pages_per_block` pages per step (`lax.fori_loop` with a
+dynamic trip count), gathering the page ids from the page table in the kernel.
+The whole GQA group of kv head `k` is packed into the M dimension of both dots
+(`q [group_padded, head_dim] @ K^T`, `P @ V`), padded to 16 rows, so every K/V
+byte is read once per kv head, not once per query head. Each split writes a
+normalised partial output and its log-sum-exp; a small jnp step combines the
+splits by LSE and adds the sinks to the denominator (FlashInfer `merge_state`).
+
+Memory: K/V pages are read through masked gathers, so rows past `kv_lens[b]`,
+outside the window, or in pages past the split's end are never loaded (they may
+be NaN or belong to another sequence), and table entries outside the visible
+page range `[first_visible_page, cdiv(kv_len, page_size))` are never read.
+Decode is memory-bound: the kernel's job is to stream the touched K/V bytes at
+close to the copy bandwidth.
+
+Layouts (see `pkvattn/_kv.py`): K block `i` of sequence `b` is
+`k_pool[k_table[b, i]]`, V block `i` is `v_pool[v_table[b, i]]`; pools are NHD
+`[num_pages, page_size, num_kv_heads, head_dim]`; the pools may be one array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pkvattn.pallas_kernels._compat import pl
+from pkvattn.pallas_kernels._compat import pltriton
+from pkvattn.pallas_kernels._compat import suppress_triton_deprecation
+from pkvattn.pallas_kernels._compat import triton_params
+
+# Finite stand-in for -inf inside the kernel: with -inf, a block whose rows are
+# all masked gives `exp(-inf - (-inf)) = NaN` in the online-softmax rescale.
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+_LOG2E = math.log2(math.e)
+_NUM_SMS = 132  # H100 / H200; only steers the split heuristic.
+_SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static tiling of the decode kernel.
+
+  Attributes:
+    pages_per_block: pages gathered per loop step (power of two); one step
+      covers `pages_per_block * page_size` tokens.
+    k_splits: flash-decoding splits of each sequence's visible pages.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining stages of the page loop.
+  """
+  pages_per_block: int
+  k_splits: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("pages_per_block", "k_splits"):
+      v = getattr(self, name)
+      if v < 1 or v & (v - 1):
+        raise ValueError(f"Invalid {name}: expected a power of two >= 1, got {v}")
+
+  @classmethod
+  def default_for(cls, *, batch_size: int, num_kv_heads: int, page_size: int,
+                  max_pages: int, head_dim: int,
+                  num_sms: int = _NUM_SMS) -> "Config":
+    """Heuristic config for one decode call (static shapes only).
+
+    * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
+      small pages are gathered several at a time.
+    * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
+      about 4 per SM, but each split keeps >= 2 steps of the longest
+      sequence, so short contexts are not split into empty programs.
+    """
+    block_tokens = 32 if head_dim > 128 else 64
+    pages_per_block = max(1, block_tokens // page_size)
+    programs = batch_size * num_kv_heads
+    want = _next_pow2(max(1, -(-4 * num_sms // programs)))
+    max_steps = max(1, -(-max_pages // pages_per_block))
+    cap = _next_pow2(max(1, max_steps // 2))
+    if cap > max_steps // 2 and cap > 1:
+      cap //= 2
+    k_splits = max(1, min(want, cap, 64))
+    return cls(pages_per_block=pages_per_block, k_splits=k_splits,
+               num_warps=4, num_stages=2)
+
+
+def _paged_decode_kernel(
+    kv_lens_ref,   # i32[batch_size] (whole array)
+    k_table_ref,   # i32[max_pages] (row b)
+    v_table_ref,   # i32[max_pages] (row b)
+    q_ref,         # [group_padded, head_dim]
+    k_pool_ref,    # [num_pages, page_size, <kv head k>, head_dim]
+    v_pool_ref,    # [num_pages, page_size, <kv head k>, head_dim]
+    o_ref,         # f32[group_padded, head_dim]
+    lse_ref,       # f32[group_padded]
+    *,
+    sm_scale: float,
+    window_left: int,
+    logits_soft_cap: float | None,
+    pages_per_block: int,
+    k_splits: int,
+    group_size: int,
+):
+  b = pl.program_id(0)
+  split = pl.program_id(2)
+  page_size = k_pool_ref.shape[1]
+  head_dim = q_ref.shape[-1]
+  group_padded = q_ref.shape[0]
+  block_k = pages_per_block * page_size
+
+  kv_len = kv_lens_ref[b]
+  lo = jnp.int32(0)
+  if window_left >= 0:
+    lo = jnp.maximum(kv_len - 1 - window_left, 0)
+  first_page = lo // page_size
+  end_page = (kv_len + page_size - 1) // page_size
+  num_pages = jnp.maximum(end_page - first_page, 0)
+  # Pages per split, rounded up to whole steps so splits start on step edges.
+  steps = (num_pages + pages_per_block - 1) // pages_per_block
+  steps_per_split = (steps + k_splits - 1) // k_splits
+  split_start = first_page + split * steps_per_split * pages_per_block
+  split_end = jnp.minimum(split_start + steps_per_split * pages_per_block,
+                          end_page)
+  num_steps = jnp.maximum(
+      (split_end - split_start + pages_per_block - 1) // pages_per_block, 0)
+
+  q = q_ref[...]
+  precision = (lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+  # exp2 with log2(e) folded into the scale; with a soft cap the cap applies to
+  # the sm_scale'd logits first (FlashInfer), then log2(e).
+  qk_scale = sm_scale if logits_soft_cap is not None else sm_scale * _LOG2E
+  page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
+  row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
+
+  def body(step, carry):
+    acc, m_prev, l_prev = carry
+    page0 = split_start + step * pages_per_block
+    page_idx = page0 + lax.iota(jnp.int32, pages_per_block)
+    page_ok = page_idx < split_end
+    k_ids = pltriton.load(k_table_ref.at[pl.ds(page0, pages_per_block)],
+                          mask=page_ok, other=0)
+    v_ids = pltriton.load(v_table_ref.at[pl.ds(page0, pages_per_block)],
+                          mask=page_ok, other=0)
+    tok = (page0 + page_iota) * page_size + row_iota  # [ppb, page_size]
+    tok_ok = (tok < kv_len) & (tok >= lo) & (page0 + page_iota < split_end)
+    # Gather with one int index per dim, all of shape [block_k, head_dim] (the
+    # form both the Triton lowering and interpret mode accept).
+    shape = (block_k, head_dim)
+    rows = jnp.broadcast_to(row_iota.reshape(block_k, 1), shape)
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    load_mask = jnp.broadcast_to(tok_ok.reshape(block_k, 1), shape)
+
+    def gather(pool_ref, ids):
+      ids = jnp.broadcast_to(ids[:, None], (pages_per_block, page_size))
+      ids = jnp.broadcast_to(ids.reshape(block_k, 1), shape)
+      return pltriton.load(pool_ref.at[ids, rows, cols], mask=load_mask,
+                           other=0.0)
+
+    k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
+    v = gather(v_pool_ref, v_ids)
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)  # [G, block_k]
+    s = s * qk_scale
+    if logits_soft_cap is not None:
+      s = (logits_soft_cap * _LOG2E) * jnp.tanh(s * (1.0 / logits_soft_cap))
+    s = jnp.where(tok_ok.reshape(1, block_k), s, DEFAULT_MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=-1))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = l_prev * alpha + p.sum(axis=-1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision,
+                         preferred_element_type=jnp.float32)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_next, l_next
+
+  acc = jnp.zeros((group_padded, head_dim), jnp.float32)
+  m = jnp.full((group_padded,), DEFAULT_MASK_VALUE, jnp.float32)
+  l = jnp.zeros((group_padded,), jnp.float32)
+  acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
+
+  has = l > 0.0
+  l_safe = jnp.where(has, l, 1.0)
+  out = acc / l_safe[:, None]
+  lse = jnp.where(has, (m + jnp.log2(l_safe)) * (1.0 / _LOG2E), -jnp.inf)
+  rows = lax.iota(jnp.int32, group_padded)
+  row_ok = rows < group_size
+  pltriton.store(o_ref, out.astype(o_ref.dtype),
+                 mask=jnp.broadcast_to(row_ok[:, None], out.shape))
+  pltriton.store(lse_ref, lse, mask=row_ok)
+
+
+def _paged_decode_call(
+    q,         # [batch_size, num_kv_heads, group_padded, head_dim]
+    k_pool,    # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,    # [num_pages', page_size, num_kv_heads, head_dim]
+    k_table,   # i32[batch_size, max_pages]
+    v_table,   # i32[batch_size, max_pages]
+    kv_lens,   # i32[batch_size]
+    *,
+    group_size: int,
+    sm_scale: float,
+    window_left: int,
+    logits_soft_cap: float | None,
+    config: Config,
+    interpret: bool,
+):
+  """Per-split partial attention.
+
+  Returns `(o f32[batch_size, num_kv_heads, k_splits, group_padded, head_dim],
+  lse f32[batch_size, num_kv_heads, k_splits, group_padded])`; only the first
+  `group_size` rows are written, and empty splits give `o = 0, lse = -inf`.
+  """
+  batch_size, num_kv_heads, group_padded, head_dim = q.shape
+  _, page_size, _, _ = k_pool.shape
+  max_pages = k_table.shape[1]
+  ks = config.k_splits
+  kernel = functools.partial(
+      _paged_decode_kernel, sm_scale=sm_scale, window_left=window_left,
+      logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
+      k_splits=ks, group_size=group_size)
+  pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
+      (n, page_size, None, head_dim), lambda b, k, s: (0, 0, k, 0))
+  name = (f"paged_decode_g{group_padded}_d{head_dim}_ps{page_size}"
+          f"_ppb{config.pages_per_block}_ks{ks}_w{config.num_warps}"
+          f"_s{config.num_stages}")
+  return pl.pallas_call(
+      kernel,
+      grid=(batch_size, num_kv_heads, ks),
+      in_specs=[
+          pl.BlockSpec((batch_size,), lambda b, k, s: (0,)),
+          pl.BlockSpec((None, max_pages), lambda b, k, s: (b, 0)),
+          pl.BlockSpec((None, max_pages), lambda b, k, s: (b, 0)),
+          pl.BlockSpec((None, None, group_padded, head_dim),
+                       lambda b, k, s: (b, k, 0, 0)),
+          pool_spec(k_pool.shape[0]),
+          pool_spec(v_pool.shape[0]),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, group_padded, head_dim),
+                       lambda b, k, s: (b, k, s, 0, 0)),
+          pl.BlockSpec((None, None, None, group_padded),
+                       lambda b, k, s: (b, k, s, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct(
+              (batch_size, num_kv_heads, ks, group_padded, head_dim),
+              jnp.float32),
+          jax.ShapeDtypeStruct((batch_size, num_kv_heads, ks, group_padded),
+                               jnp.float32),
+      ],
+      compiler_params=triton_params(config.num_warps, config.num_stages),
+      interpret=interpret,
+      name=name,
+  )(kv_lens, k_table, v_table, q, k_pool, v_pool)
+
+
+def _combine(o, lse, sinks, group_size):
+  """LSE-combine of the splits; sinks join the denominator only.
+
+  o f32[B, Hkv, S, Gp, D], lse f32[B, Hkv, S, Gp], sinks f32[Hkv, G] | None.
+  Returns (out f32[B, Hkv, G, D], lse f32[B, Hkv, G]).
+  """
+  o = o[..., :group_size, :]
+  lse = lse[..., :group_size]
+  m = jnp.max(lse, axis=2)  # [B, Hkv, G]
+  if sinks is not None:
+    m = jnp.maximum(m, sinks[None])
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe[:, :, None]), 0.0)
+  den = jnp.sum(w, axis=2)
+  out = jnp.sum(w[..., None] * jnp.where(w[..., None] > 0, o, 0.0), axis=2)
+  lse_total = jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m_safe,
+                        -jnp.inf)
+  if sinks is not None:
+    den = den + jnp.exp(sinks[None] - m_safe)
+  out = out / jnp.where(den > 0, den, 1.0)[..., None]
+  return out, lse_total
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "window_left", "logits_soft_cap", "interpret",
+                     "config"))
+def paged_decode(
+    q,          # [batch_size, num_qo_heads, head_dim]
+    k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,     # [num_pages', page_size, num_kv_heads, head_dim]
+    k_table,    # i32[batch_size, max_pages]
+    v_table,    # i32[batch_size, max_pages]
+    kv_lens,    # i32[batch_size]
+    sinks=None,  # f32[num_qo_heads] | None
+    *,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+    config: Config | None = None,
+):
+  """Flash-decoding over a paged KV cache (see the module docstring).
+
+  Args:
+    q: `[batch_size, num_qo_heads, head_dim]`, bf16 / f16 / f32.
+    k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype of
+      `q` (may be the same array; their `num_pages` may differ).
+    k_table, v_table: `i32[batch_size, max_pages]`; block `i` of sequence `b`
+      is `k_pool[k_table[b, i]]` / `v_pool[v_table[b, i]]`. Only entries in
+      `[first visible page, cdiv(kv_lens[b], page_size))` are read.
+    kv_lens: `i32[batch_size]`, tokens including the current one; the query
+      sits at position `kv_lens[b] - 1`.
+    sinks: optional `f32[num_qo_heads]` logits joining the denominator only.
+    sm_scale: static softmax scale applied to `q . k`.
+    window_left: static; keys `j >= kv_lens[b] - 1 - window_left` only; -1 = all.
+    logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits; None = off.
+    interpret: static; Pallas interpret mode (CPU tests).
+    config: static `Config`; None = `Config.default_for(...)`.
+
+  Returns:
+    `(out [batch_size, num_qo_heads, head_dim] q.dtype,
+    lse f32[batch_size, num_qo_heads])`, natural-log LSE over visible keys,
+    sink excluded; `kv_lens[b] == 0` gives zeros and `-inf`.
+
+  Raises:
+    NotImplementedError: head_dim not in {64, 128, 256} or a page_size that is
+      not a power of two in [8, 128].
+  """
+  batch_size, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  if head_dim not in _SUPPORTED_HEAD_DIMS:
+    raise NotImplementedError(f"paged_decode kernel: unsupported {head_dim=}")
+  if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
+    raise NotImplementedError(f"paged_decode kernel: unsupported {page_size=}")
+  group_size = num_qo_heads // num_kv_heads
+  group_padded = max(16, _next_pow2(group_size))
+  max_pages = k_table.shape[1]
+  if config is None:
+    config = Config.default_for(
+        batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
+        max_pages=max_pages, head_dim=head_dim)
+  qg = q.reshape(batch_size, num_kv_heads, group_size, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_padded - group_size), (0, 0)))
+  with suppress_triton_deprecation():
+    o, lse = _paged_decode_call(
+        qg, k_pool, v_pool, k_table.astype(jnp.int32),
+        v_table.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        group_size=group_size, sm_scale=float(sm_scale),
+        window_left=int(window_left), logits_soft_cap=logits_soft_cap,
+        config=config, interpret=interpret)
+  sk = None
+  if sinks is not None:
+    sk = sinks.astype(jnp.float32).reshape(num_kv_heads, group_size)
+  out, lse = _combine(o, lse, sk, group_size)
+  return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
+          lse.reshape(batch_size, num_qo_heads))
