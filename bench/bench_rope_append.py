@@ -20,9 +20,11 @@ Run: `PYTHONUNBUFFERED=1 python -m bench.bench_rope_append`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -134,9 +136,66 @@ def check(fn, expected, inputs, num_pages):
   return ok, err_q
 
 
+def api_checks():
+  """Public API, impl="pallas" vs impl="xla", small random inputs, all formats.
+
+  NaN-poisoned caches: written rows must match, all others stay NaN.
+  Returns a list of (case, ok, max_err) rows.
+  """
+  out = []
+  rng = np.random.default_rng(1)
+  t, hq, hkv, d, ps, n = 37, 8, 2, 128, 16, 24
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    for style, rot in (("neox", None), ("gptj", None), ("neox", 64)):
+      rope = pkvattn.RopeConfig(theta=10000.0, style=style, rotary_dim=rot)
+      q = jnp.asarray(rng.standard_normal((t, hq, d)), dtype)
+      k = jnp.asarray(rng.standard_normal((t, hkv, d)), dtype)
+      v = jnp.asarray(rng.standard_normal((t, hkv, d)), dtype)
+      bi = jnp.asarray([0] * 20 + [1] * 13 + [-1] * 4, jnp.int32)
+      pos = jnp.asarray(list(range(7, 27)) + list(range(30, 43)) + [0] * 4,
+                        jnp.int32)
+      perm = rng.permutation(n)
+      for fmt in ("pair", "pool", "flashinfer"):
+        if fmt == "pair":
+          cache = (jnp.full((n, ps, hkv, d), jnp.nan, dtype),) * 2
+          table = jnp.asarray(perm[:6].reshape(2, 3), jnp.int32)
+        elif fmt == "pool":
+          cache = jnp.full((n, ps, hkv, d), jnp.nan, dtype)
+          table = jnp.asarray(perm[:12].reshape(2, 2, 3), jnp.int32)
+        else:
+          cache = jnp.full((n // 2, 2, ps, hkv, d), jnp.nan, dtype)
+          table = jnp.asarray(rng.permutation(n // 2)[:6].reshape(2, 3),
+                              jnp.int32)
+        res = {}
+        for impl in ("xla", "pallas"):
+          f = jax.jit(functools.partial(pkvattn.apply_rope_and_append,
+                                        rope=rope, impl=impl))
+          res[impl] = f(q, k, v, bi, pos, cache, table)
+        ok, err = True, 0.0
+        for a, e in zip(jax.tree.leaves(res["pallas"]), jax.tree.leaves(res["xla"])):
+          a = np.asarray(a.astype(jnp.float32))
+          e = np.asarray(e.astype(jnp.float32))
+          ok &= bool(np.array_equal(np.isnan(a), np.isnan(e)))
+          m = ~np.isnan(e)
+          err = max(err, float(np.max(np.abs(a[m] - e[m]))))
+        ok &= err <= (1e-5 if dtype == jnp.float32 else 2e-2)
+        case = f"{jnp.dtype(dtype).name}_{style}_rot{rot}_{fmt}"
+        out.append(dict(case=case, ok=ok, max_err=err))
+        if not ok:
+          print("API CHECK FAILED", case, err, flush=True)
+  print(f"api checks: {sum(r['ok'] for r in out)}/{len(out)} ok", flush=True)
+  return out
+
+
 def main():
   env = _timing.environment()
   print(env, flush=True)
+  try:
+    api = api_checks()
+  except Exception:  # keep the timing run alive; the traceback says why
+    api = [dict(case="api_checks", ok=False, max_err=None,
+                error=traceback.format_exc()[-2000:])]
+    print(api[0]["error"], flush=True)
   roof = _timing.copy_roof_gbps()
   print(f"copy roof {roof:.1f} GB/s", flush=True)
   rows = []
@@ -169,7 +228,8 @@ def main():
         tm = _timing.time_fn(step)
         del state
       except Exception as e:  # report and go on: one bad config must not hide the rest
-        print(f"{spec} {name} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        print(f"{spec} {name} FAILED: {type(e).__name__}: "
+              f"{traceback.format_exc()[-1500:]}", flush=True)
         continue
       gbps = bytes_moved / (tm["median_ms"] * 1e-3) / 1e9
       row = dict(spec=spec, impl=name, correct=ok, max_err_q=err, **hlo, **tm,
@@ -182,12 +242,13 @@ def main():
       row["speedup_vs_xla"] = xla_ms / row["median_ms"] if xla_ms else None
       rows.append(row)
   paths = _timing.write_results("rope_append", rows,
-                                extra=dict(copy_roof_gbps=roof))
+                                extra=dict(copy_roof_gbps=roof,
+                                           api_checks=api))
   print("wrote", paths)
   _timing.print_table(rows, ["spec", "impl", "correct", "has_alias",
                              "pool_copies", "median_ms", "achieved_gbps",
                              "frac_of_copy_roof", "speedup_vs_xla"])
-  if not all(r["correct"] for r in rows):
+  if not all(r["correct"] for r in rows) or not all(r["ok"] for r in api):
     sys.exit(1)
 
 
