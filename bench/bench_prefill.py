@@ -1,0 +1,426 @@
+"""Paged prefill benchmark (GPU): correctness first, then TFLOP/s against peers.
+
+Run on the GPU machine from the repository root:
+  PYTHONPATH=$PWD python bench/bench_prefill.py [--quick]
+
+Specs (Llama-3-8B attention: 32 qo heads, 8 kv heads, head_dim 128, bf16,
+page_size 16 unless named):
+  causal_b4_s4096_p16, causal_b4_s4096_p64, causal_b1_s16384_p16: full causal
+    prefill (q_len = kv_len = S);
+  mixed_2x2048_64x4096: one engine step: 2 prompts of 2048 tokens + 64
+    decode rows (q_len 1) at kv_len 4096.
+
+FLOPs: the issue's convention, causal prefill = `2 * S**2 * head_dim *
+num_qo_heads` per sequence (QK^T and PV over the causal half, 2 FLOPs per
+multiply-add). For the mixed batch: `4 * head_dim * num_qo_heads * pairs`,
+with `pairs` the exact number of visible (query, key) pairs (the same
+convention: it gives ~2 S^2 D H for a causal prompt).
+
+Peers, timed on the same K/V made contiguous: cuDNN
+(`jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`), JAX's
+contiguous Pallas `mha` (`jax.experimental.pallas.ops.gpu.attention.mha`, at its
+defaults and at block_q=128, block_k=64, num_warps=4, num_stages=2; it has no
+GQA, so K/V are repeated to 32 heads, which does not change its FLOPs), the
+pkvattn xla reference where it fits, and the bf16 matmul roof. Before timing,
+each spec is checked: the whole output against cuDNN, and the last tokens
+(the most expensive tiles) against the f32 xla reference.
+
+Writes bench/results/prefill_<device>.json (and $OUT/…) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "tests"))
+
+from bench import _timing  # noqa: E402
+from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
+from pkvattn.pallas_kernels import plan as plan_lib  # noqa: E402
+from pkvattn.pallas_kernels import reference  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = jnp.bfloat16
+
+
+# --------------------------------------------------------------------------
+# Correctness on small random inputs with NaN-poisoned pages (tests' builder).
+# --------------------------------------------------------------------------
+
+def check_small(seed: int = 0) -> list[dict]:
+  from attention_utils import dense_attention, make_paged
+  from pkvattn._kv import make_view
+  rng = np.random.default_rng(seed)
+  cases = [
+      dict(name="g4_p16_mixed", hkv=8, g=4, d=128, ps=16,
+           kv=[700, 1, 300, 17, 64], ql=[700, 1, 50, 8, 1], kw={}),
+      dict(name="g8_p64_window_sinks", hkv=2, g=8, d=128, ps=64,
+           kv=[900, 130, 5], ql=[600, 3, 5], kw=dict(window_left=100),
+           sinks=True),
+      dict(name="g4_p16_softcap_noncausal", hkv=4, g=4, d=128, ps=16,
+           kv=[400, 33], ql=[100, 33], kw=dict(logits_soft_cap=30.0,
+                                               causal=False)),
+      dict(name="g1_p8_d64", hkv=4, g=1, d=64, ps=8, kv=[333, 9], ql=[333, 2],
+           kw={}),
+      dict(name="g2_p32_d256_window", hkv=2, g=2, d=256, ps=32, kv=[500, 40],
+           ql=[200, 40], kw=dict(window_left=63)),
+      dict(name="g8_p16_chunked", hkv=1, g=8, d=128, ps=16, kv=[1500, 777],
+           ql=[256, 7], kw={}),
+  ]
+  rows = []
+  for c in cases:
+    p = make_paged(rng, c["kv"], page_size=c["ps"], num_kv_heads=c["hkv"],
+                   head_dim=c["d"], dtype=DTYPE, fmt="pool")
+    hq = c["hkv"] * c["g"]
+    t = sum(c["ql"]) + 5  # 5 padding tokens
+    q = jnp.asarray(rng.standard_normal((t, hq, c["d"])), DTYPE)
+    qi = np.concatenate([[0], np.cumsum(c["ql"])]).astype(np.int32)
+    sinks = (rng.standard_normal(hq).astype(np.float32) * 2
+             if c.get("sinks") else None)
+    view = make_view(p.kv_cache, jnp.asarray(p.page_table))
+    kw = dict(causal=True, window_left=-1, logits_soft_cap=None)
+    kw.update(c["kw"])
+    sm_scale = 1 / math.sqrt(c["d"])
+    out, lse = pp.paged_prefill(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+        jnp.asarray(qi), jnp.asarray(p.kv_lens),
+        None if sinks is None else jnp.asarray(sinks), sm_scale=sm_scale, **kw)
+    out = np.asarray(out.astype(jnp.float32))
+    lse = np.asarray(lse)
+    qf = np.asarray(q.astype(jnp.float32))
+    errs, lerrs = [], []
+    for b, (n, ql) in enumerate(zip(c["kv"], c["ql"])):
+      exp, exp_lse = dense_attention(
+          qf[qi[b]:qi[b + 1]], p.k[b], p.v[b], np.arange(n - ql, n), n,
+          causal=kw["causal"], window_left=kw["window_left"],
+          sm_scale=sm_scale, logits_soft_cap=kw["logits_soft_cap"],
+          sinks=sinks)
+      got = out[qi[b]:qi[b + 1]]
+      errs.append(float(np.abs(got - exp).max()))
+      lerrs.append(float(np.abs(lse[qi[b]:qi[b + 1]] - exp_lse).max()))
+    pad_ok = bool((out[qi[-1]:] == 0).all() and np.isneginf(lse[qi[-1]:]).all())
+    ok = (not np.isnan(out).any() and max(errs) < 2e-2 and max(lerrs) < 2e-2
+          and pad_ok)
+    rows.append(dict(case=c["name"], max_abs_err=max(errs),
+                     max_lse_err=max(lerrs), padding_zero=pad_ok, ok=ok))
+  return rows
+
+
+# --------------------------------------------------------------------------
+# Big specs.
+# --------------------------------------------------------------------------
+
+def build_spec(key, q_lens, kv_lens, page_size):
+  """Random q and contiguous K/V, scattered into a shuffled paged pool.
+
+  Returns dict with q [T, HQ, D], k/v contiguous lists, pool [N, ps, HKV, D]
+  (split table: K and V pages in one pool), k_table/v_table, q_indptr,
+  kv_lens.
+  """
+  batch_size = len(kv_lens)
+  kq, kk, kv_, kp = jax.random.split(key, 4)
+  t = int(sum(q_lens))
+  q = jax.random.normal(kq, (t, HQ, D), jnp.float32).astype(DTYPE)
+  s_max = int(max(kv_lens))
+  max_pages = -(-s_max // page_size)
+  k = jax.random.normal(kk, (batch_size, max_pages * page_size, HKV, D),
+                        jnp.float32).astype(DTYPE)
+  v = jax.random.normal(kv_, (batch_size, max_pages * page_size, HKV, D),
+                        jnp.float32).astype(DTYPE)
+  num_pages = 2 * batch_size * max_pages + 7
+  perm = jax.random.permutation(kp, num_pages)[:2 * batch_size * max_pages]
+  ids = perm.reshape(batch_size, 2, max_pages).astype(jnp.int32)
+  pool = jnp.full((num_pages, page_size, HKV, D), jnp.nan, DTYPE)
+  kb = k.reshape(batch_size * max_pages, page_size, HKV, D)
+  vb = v.reshape(batch_size * max_pages, page_size, HKV, D)
+  pool = pool.at[ids[:, 0].reshape(-1)].set(kb).at[ids[:, 1].reshape(-1)].set(vb)
+  # -1 past each sequence's pages (never read).
+  need = -(-np.asarray(kv_lens) // page_size)
+  col = np.arange(max_pages)[None, :]
+  valid = jnp.asarray(col < need[:, None])
+  k_table = jnp.where(valid, ids[:, 0], -1)
+  v_table = jnp.where(valid, ids[:, 1], -1)
+  qi = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return dict(q=q, k=k, v=v, pool=pool, k_table=k_table, v_table=v_table,
+              q_indptr=jnp.asarray(qi), kv_lens=jnp.asarray(kv_lens, jnp.int32),
+              q_lens=list(q_lens), kv_list=list(kv_lens))
+
+
+def visible_pairs(q_lens, kv_lens):
+  total = 0
+  for ql, kl in zip(q_lens, kv_lens):
+    pos = np.arange(kl - ql, kl)
+    total += int(np.sum(pos + 1))
+  return total
+
+
+def rel_err(a, b):
+  a = np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b).astype(jnp.float32), np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
+             rows, checks):
+  sm_scale = 1 / math.sqrt(D)
+  sp = build_spec(jax.random.key(hash(name) % 2**31), q_lens, kv_lens,
+                  page_size)
+  is_prompt = all(ql == kl for ql, kl in zip(q_lens, kv_lens)) and len(
+      set(q_lens)) == 1
+  if is_prompt:
+    s = q_lens[0]
+    flops = 2 * s * s * D * HQ * len(q_lens)  # the issue's formula
+  else:
+    flops = 4 * D * HQ * visible_pairs(q_lens, kv_lens)
+
+  def pallas_fn(cfg):
+    @jax.jit
+    def f(q, pool, kt, vt, qi, kl):
+      return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None,
+                              causal=True, sm_scale=sm_scale, config=cfg)[0]
+    return f
+
+  args = (sp["q"], sp["pool"], sp["k_table"], sp["v_table"], sp["q_indptr"],
+          sp["kv_lens"])
+
+  # --- correctness: reference on the last tokens of sequence 0.
+  default_cfg = configs[0]
+  out = pallas_fn(default_cfg)(*args)
+  out = jax.block_until_ready(out)
+  n_chk = min(128, q_lens[0])
+  kl0 = kv_lens[0]
+  ql0 = q_lens[0]
+  sub_qi = jnp.asarray([0, n_chk], jnp.int32)
+  sub_q = sp["q"][ql0 - n_chk:ql0]
+  ref_out, _ = reference.paged_prefill_reference(
+      sub_q.astype(jnp.float32), sp["pool"].astype(jnp.float32),
+      sp["pool"].astype(jnp.float32), sp["k_table"][:1], sp["v_table"][:1],
+      sub_qi, sp["kv_lens"][:1], None, causal=True, sm_scale=sm_scale,
+      chunk=8)
+  err_ref = rel_err(out[ql0 - n_chk:ql0], ref_out)
+  nan_free = not bool(jnp.isnan(out.astype(jnp.float32)).any())
+  checks.append(dict(spec=name, check="last tokens vs f32 xla reference",
+                     rel_err=err_ref, ok=err_ref < 1e-2 and nan_free))
+
+  # --- peers on contiguous K/V.
+  cud_fn = None
+  if is_prompt:
+    b = len(q_lens)
+    s = q_lens[0]
+    qc = sp["q"].reshape(b, s, HQ, D)
+    kc = sp["k"][:, :s]
+    vc = sp["v"][:, :s]
+
+    @jax.jit
+    def cud_fn(qc, kc, vc):
+      return jax.nn.dot_product_attention(qc, kc, vc, is_causal=True,
+                                          scale=sm_scale,
+                                          implementation="cudnn")
+    cud_args = (qc, kc, vc)
+    try:
+      cud_out = jax.block_until_ready(cud_fn(*cud_args))
+      err = rel_err(out.reshape(b, s, HQ, D), cud_out)
+      checks.append(dict(spec=name, check="all tokens vs cuDNN contiguous",
+                         rel_err=err, ok=err < 1e-2))
+    except Exception as e:  # noqa: BLE001
+      print("cudnn failed:", repr(e)[:300])
+      cud_fn = None
+  else:
+    # Mixed batch: cuDNN on the prompts + cuDNN on the decode rows (2 calls).
+    prompts = [i for i, (ql, kl) in enumerate(zip(q_lens, kv_lens)) if ql == kl]
+    decodes = [i for i, ql in enumerate(q_lens) if ql == 1]
+    sp_len = q_lens[prompts[0]]
+    dk = kv_lens[decodes[0]]
+    qi = np.asarray(sp["q_indptr"])
+    qp = jnp.concatenate([sp["q"][qi[i]:qi[i + 1]] for i in prompts]).reshape(
+        len(prompts), sp_len, HQ, D)
+    kp = sp["k"][jnp.asarray(prompts), :sp_len]
+    vp = sp["v"][jnp.asarray(prompts), :sp_len]
+    qd = jnp.stack([sp["q"][qi[i]] for i in decodes])[:, None]
+    kd = sp["k"][jnp.asarray(decodes), :dk]
+    vd = sp["v"][jnp.asarray(decodes), :dk]
+
+    @jax.jit
+    def cud_fn(qp, kp, vp, qd, kd, vd):
+      a = jax.nn.dot_product_attention(qp, kp, vp, is_causal=True,
+                                       scale=sm_scale, implementation="cudnn")
+      b_ = jax.nn.dot_product_attention(qd, kd, vd, is_causal=False,
+                                        scale=sm_scale, implementation="cudnn")
+      return a, b_
+    cud_args = (qp, kp, vp, qd, kd, vd)
+    try:
+      a, b_ = jax.block_until_ready(cud_fn(*cud_args))
+      err = rel_err(out[qi[decodes[0]]], b_[0, 0])
+      checks.append(dict(spec=name, check="decode row vs cuDNN", rel_err=err,
+                         ok=err < 1e-2))
+    except Exception as e:  # noqa: BLE001
+      print("cudnn failed:", repr(e)[:300])
+      cud_fn = None
+
+  def add(impl, fn, fargs, cfg=None):
+    try:
+      t = _timing.time_fn(fn, *fargs, iters=10, min_time_s=0.1)
+    except Exception as e:  # noqa: BLE001
+      print(f"{name} {impl} failed: {repr(e)[:400]}")
+      return None
+    row = dict(spec=name, impl=impl, page_size=page_size, **t,
+               tflops=flops / (t["median_ms"] * 1e-3) / 1e12)
+    if cfg is not None:
+      row["config"] = dict(block_q=cfg.block_q, block_k=cfg.block_k,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    rows.append(row)
+    print(f"  {name:28s} {impl:34s} {t['median_ms']:8.3f} ms "
+          f"{row['tflops']:7.1f} TFLOP/s", flush=True)
+    return row
+
+  best = None
+  for i, cfg in enumerate(configs):
+    tag = (f"pallas bq{cfg.block_q} bk{cfg.block_k} w{cfg.num_warps} "
+           f"s{cfg.num_stages}" + (" (default)" if i == 0 else ""))
+    r = add(tag, pallas_fn(cfg), args, cfg)
+    if r is not None and (best is None or r["median_ms"] < best["median_ms"]):
+      best = r
+  if best is not None:
+    rows.append(dict(best, impl="pallas best"))
+  if cud_fn is not None:
+    add("cudnn contiguous", cud_fn, cud_args)
+  if with_mha and is_prompt:
+    from jax.experimental.pallas.ops.gpu import attention as jax_attn
+    kr = jnp.repeat(kc, HQ // HKV, axis=2)
+    vr = jnp.repeat(vc, HQ // HKV, axis=2)
+    mha_default = jax.jit(lambda q, k, v: jax_attn.mha(
+        q, k, v, None, sm_scale=sm_scale, causal=True))
+    bs = jax_attn.BlockSizes(block_q=128, block_k=64)
+    mha_best = jax.jit(lambda q, k, v: jax_attn.mha(
+        q, k, v, None, sm_scale=sm_scale, causal=True, block_sizes=bs,
+        num_warps=4, num_stages=2))
+    add("jax pallas mha (defaults)", mha_default, (qc, kr, vr))
+    add("jax pallas mha (128/64/w4/s2)", mha_best, (qc, kr, vr))
+  if with_xla:
+    @jax.jit
+    def xla_fn(q, pool, kt, vt, qi, kl):
+      return reference.paged_prefill_reference(
+          q, pool, pool, kt, vt, qi, kl, None, causal=True,
+          sm_scale=sm_scale)[0]
+    add("pkvattn xla", xla_fn, args)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--specs", default="all")
+  ap.add_argument("--no-plot", action="store_true")
+  a = ap.parse_args()
+  env = _timing.environment()
+  print(env, flush=True)
+  t0 = time.time()
+  checks = [dict(check="small", **r) for r in check_small()]
+  for c in checks:
+    print(c, flush=True)
+  print(f"small checks {time.time() - t0:.1f}s", flush=True)
+  C = pp.Config
+  default = C.default_for(group_size=HQ // HKV, head_dim=D, page_size=16,
+                          dtype=DTYPE)
+  sweep = [default, C(32, 128, 8, 2), C(32, 64, 8, 3), C(16, 64, 4, 2),
+           C(32, 32, 4, 3), C(64, 64, 8, 2), C(32, 128, 4, 2)]
+  if a.quick:
+    sweep = sweep[:3]
+  rows = []
+  roofs = dict(matmul_roof_tflops=_timing.matmul_roof_tflops(),
+               copy_roof_gbps=_timing.copy_roof_gbps())
+  print(roofs, flush=True)
+  specs = [
+      ("causal_b4_s4096_p16", [4096] * 4, [4096] * 4, 16, True),
+      ("causal_b1_s16384_p16", [16384], [16384], 16, False),
+      ("causal_b4_s4096_p64", [4096] * 4, [4096] * 4, 64, False),
+      ("mixed_2x2048_64x4096_p16", [2048] * 2 + [1] * 64,
+       [2048] * 2 + [4096] * 64, 16, True),
+  ]
+  if a.specs != "all":
+    keep = a.specs.split(",")
+    specs = [s for s in specs if any(k in s[0] for k in keep)]
+  for name, ql, kl, ps, xla in specs:
+    t1 = time.time()
+    run_spec(name, ql, kl, ps, sweep if "p64" not in name else sweep[:3],
+             with_xla=xla, with_mha=True, rows=rows, checks=checks)
+    print(f"{name}: {time.time() - t1:.1f}s", flush=True)
+  # Ratios.
+  summary = []
+  for name, *_ in specs:
+    by = {r["impl"]: r for r in rows if r["spec"] == name}
+    best = by.get("pallas best")
+    dflt = next((r for r in rows if r["spec"] == name and
+                 r["impl"].endswith("(default)")), None)
+    s = dict(spec=name)
+    for k, r in (("best", best), ("default", dflt)):
+      if r is None:
+        continue
+      s[f"pallas_{k}_tflops"] = r["tflops"]
+      if "cudnn contiguous" in by:
+        s[f"{k}_vs_cudnn"] = r["tflops"] / by["cudnn contiguous"]["tflops"]
+      if "jax pallas mha (128/64/w4/s2)" in by:
+        s[f"{k}_vs_mha_best"] = (
+            r["tflops"] / by["jax pallas mha (128/64/w4/s2)"]["tflops"])
+      if "pkvattn xla" in by:
+        s[f"speedup_vs_xla_{k}"] = by["pkvattn xla"]["median_ms"] / r["median_ms"]
+    summary.append(s)
+  dev = env["device"].replace(" ", "_")
+  paths = _timing.write_results(
+      f"prefill_{dev}", rows,
+      extra=dict(roofs, checks=checks, summary=summary,
+                 flops_convention="causal prefill 2*S^2*head_dim*num_qo_heads "
+                 "per sequence (issue 2); mixed: 4*head_dim*num_qo_heads*"
+                 "visible_pairs"))
+  print("wrote", paths)
+  if not a.no_plot:
+    try:
+      plot(rows, specs, dev, roofs)
+    except Exception as e:  # noqa: BLE001
+      print("plot failed:", repr(e)[:200])
+  print()
+  _timing.print_table([c for c in checks], ["spec", "case", "check", "rel_err",
+                                            "max_abs_err", "ok"])
+  print()
+  _timing.print_table(rows, ["spec", "impl", "median_ms", "tflops"])
+  print()
+  _timing.print_table(summary, list(summary[0].keys()) if summary else [])
+
+
+def plot(rows, specs, dev, roofs):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  impls = ["pallas best", "cudnn contiguous", "jax pallas mha (defaults)",
+           "jax pallas mha (128/64/w4/s2)", "pkvattn xla"]
+  names = [s[0] for s in specs]
+  fig, ax = plt.subplots(figsize=(10, 4.5))
+  w = 0.16
+  for i, impl in enumerate(impls):
+    vals = [next((r["tflops"] for r in rows if r["spec"] == n and
+                  r["impl"] == impl), 0.0) for n in names]
+    ax.bar(np.arange(len(names)) + (i - 2) * w, vals, w, label=impl)
+  ax.axhline(roofs["matmul_roof_tflops"], color="k", ls="--", lw=0.8,
+             label="bf16 matmul roof")
+  ax.set_xticks(np.arange(len(names)))
+  ax.set_xticklabels(names, fontsize=8)
+  ax.set_ylabel("TFLOP/s")
+  ax.set_title(f"paged prefill, Llama-3-8B heads (32/8/128) bf16, {dev}")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  for d in ["bench/results"] + ([os.environ["OUT"]] if os.environ.get("OUT")
+                                else []):
+    fig.savefig(os.path.join(d, f"prefill_{dev}.png"), dpi=110)
+
+
+if __name__ == "__main__":
+  main()

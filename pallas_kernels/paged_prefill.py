@@ -1,0 +1,352 @@
+"""Paged prefill attention: ragged new tokens over a paged KV cache (Pallas-Triton).
+
+Algorithm: FlashAttention-2 forward (Dao 2023, arXiv:2307.08691, Algorithm 1
+and Section 3.1: online softmax, un-normalised accumulator rescaled once at the
+end, causal tiles skipped and masks applied only where a tile crosses the
+diagonal) with FlashInfer's paged, ragged addressing:
+
+* A query tile is `block_q` consecutive new tokens of ONE sequence times the
+  GQA group of one kv head, packed into the M dimension of the dot
+  (`M = block_q * group_pad`, `group_pad = next_pow2(group_size)`). So a KV
+  tile loaded once serves the whole group, and a decode row (q_len 1) still
+  fills `group_size` rows of the MMA.
+* The grid is static, `(num_kv_heads, num_tokens // block_q + batch_size + 1)`;
+  the tile -> (sequence, first token) map is the plan (`pallas_kernels.plan`),
+  computed once per step from `q_indptr` / `kv_lens`. Padding tokens past
+  `q_indptr[-1]` are a pseudo-sequence with no keys, so their rows are written
+  as zeros; unused tiles do nothing.
+* Each program walks KV tiles of `block_k` tokens from the first block any of
+  its rows can see (window) to the last (causality, `kv_len`). Page ids are
+  gathered from the table ref per key (`table[b, j // page_size]`), K/V rows
+  from the pools by index (`pool[page, j % page_size, kv_head, :]`). The walk
+  has three `fori_loop`s: masked edge tiles before, unmasked interior tiles,
+  masked edge tiles after (diagonal / `kv_len` / window start). Edge loads are
+  masked to the tile's visible key range, so a table entry outside it (maybe
+  -1) and a stale row past `kv_len` (maybe NaN) are never read.
+* Softmax runs in base 2 (`exp2`, logits pre-multiplied by log2(e)); the
+  optional soft cap is applied to the natural-scale logits first; sinks join
+  the denominator at the end only; `lse` is returned in natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import plan as plan_lib
+from pkvattn.pallas_kernels._compat import pl
+from pkvattn.pallas_kernels._compat import pltriton as plgpu
+
+# Finite, not -inf: a row whose keys in a tile are all masked would otherwise
+# compute exp2(-inf - (-inf)) = NaN in the running max / rescale.
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Tile sizes and Triton launch parameters of the prefill kernel.
+
+  Attributes:
+    block_q: new tokens per query tile; `block_q * next_pow2(group_size)` rows
+      go into the M dimension of the dots (power of two, >= 16).
+    block_k: keys per KV tile (power of two, >= 16); need not align to pages.
+    num_warps, num_stages: Triton launch parameters.
+  """
+  block_q: int = 16
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  @classmethod
+  def default_for(cls, *, group_size: int, head_dim: int, page_size: int,
+                  dtype) -> "Config":
+    """Heuristic: 128 query rows per tile (64 for head_dim 256), 64-key tiles.
+
+    128 x 64 with 4 warps and 2 stages is the best tuning of JAX's contiguous
+    Pallas `mha` on H100/H200 at head_dim 128; f32 halves the tiles to stay in
+    shared memory.
+    """
+    del page_size
+    group_pad = pl.next_power_of_2(group_size)
+    rows = 128 if head_dim <= 128 else 64
+    if jnp.dtype(dtype).itemsize >= 4:
+      rows //= 2
+    block_q = max(1, rows // group_pad)
+    block_k = 64 if head_dim <= 128 else 32
+    return cls(block_q=block_q, block_k=block_k, num_warps=4, num_stages=2)
+
+  def validate(self, group_size: int) -> None:
+    rows = self.block_q * pl.next_power_of_2(group_size)
+    for name, v in (("block_q", self.block_q), ("block_k", self.block_k)):
+      if v < 1 or v & (v - 1):
+        raise ValueError(f"Invalid {name}: expected a power of two, got {v}")
+    if rows < 16 or self.block_k < 16:
+      raise NotImplementedError(
+          f"Triton dots need >= 16 rows per operand: block_q * group_pad = "
+          f"{rows}, block_k = {self.block_k}")
+
+
+def _paged_prefill_kernel(
+    tiles_ref,     # i32[num_tiles, NUM_FIELDS]
+    q_ref,         # [num_tokens, num_qo_heads, head_dim]
+    k_pool_ref,    # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool_ref,    # [num_pages, page_size, num_kv_heads, head_dim]
+    k_table_ref,   # i32[batch_size, max_pages]
+    v_table_ref,   # i32[batch_size, max_pages]
+    *rest,         # [sinks_ref f32[num_qo_heads]], o_ref, lse_ref
+    block_q: int,
+    block_k: int,
+    group_size: int,
+    causal: bool,
+    sm_scale: float,
+    window_left: int,
+    logits_soft_cap: float | None,
+    has_sinks: bool,
+):
+  if has_sinks:
+    sinks_ref, o_ref, lse_ref = rest
+  else:
+    sinks_ref = None
+    o_ref, lse_ref = rest
+  page_size = k_pool_ref.shape[1]
+  max_pages = k_table_ref.shape[1]
+  head_dim = q_ref.shape[2]
+  group_pad = pl.next_power_of_2(group_size)
+  rows = block_q * group_pad
+
+  kv_head = pl.program_id(0)
+  tile = pl.program_id(1)
+  seq = tiles_ref[tile, plan_lib.SEQ]
+  q_start = tiles_ref[tile, plan_lib.Q_START]
+  q_end = tiles_ref[tile, plan_lib.Q_END]
+  kv_len = tiles_ref[tile, plan_lib.KV_LEN]
+  pos_offset = tiles_ref[tile, plan_lib.POS_OFFSET]
+
+  # Row r of the tile is token q_start + r // group_pad, head g = r % group_pad.
+  r = jnp.arange(rows, dtype=jnp.int32)
+  token = q_start + r // group_pad
+  g = r % group_pad
+  row_ok = (token < q_end) & (g < group_size)
+  token = jnp.where(row_ok, token, 0)
+  head = kv_head * group_size + jnp.minimum(g, group_size - 1)
+  # Every index is an int array (no slices): one addressing form that both the
+  # Triton lowering and interpret mode accept for masked gathers.
+  d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+  q = plgpu.load(q_ref.at[token[:, None], head[:, None], d],
+                 mask=row_ok[:, None], other=0.0)
+  q_pos = token + pos_offset  # [rows]; rows past q_end are never stored
+
+  # Key ranges in tokens: [kv_lo, kv_hi) is what any row of the tile can see;
+  # [full_lo, full_hi) is what every row sees (tiles inside need no mask).
+  pos_min = q_start + pos_offset
+  pos_max = jnp.minimum(q_start + block_q, q_end) - 1 + pos_offset
+  if causal:
+    kv_hi = jnp.minimum(kv_len, pos_max + 1)
+    full_hi = jnp.minimum(kv_len, pos_min + 1)
+  else:
+    kv_hi = kv_len
+    full_hi = kv_len
+  if window_left >= 0:
+    kv_lo = jnp.maximum(pos_min - window_left, 0)
+    full_lo = jnp.maximum(pos_max - window_left, 0)
+  else:
+    kv_lo = jnp.int32(0)
+    full_lo = jnp.int32(0)
+  lo_blk = kv_lo // block_k
+  hi_blk = jnp.where(kv_hi > kv_lo, (kv_hi + block_k - 1) // block_k, lo_blk)
+  u_lo = (full_lo + block_k - 1) // block_k
+  u_hi = full_hi // block_k
+  has_full = u_lo < u_hi
+  mid_lo = jnp.where(has_full, u_lo, hi_blk)
+  mid_hi = jnp.where(has_full, u_hi, hi_blk)
+
+  qk_scale = sm_scale * _LOG2E
+
+  def body(blk, carry, masked: bool):
+    acc, m_prev, l_prev = carry
+    j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    page_idx = j // page_size
+    slot = j % page_size
+    if masked:
+      ld = (j >= kv_lo) & (j < kv_hi)
+      page_idx = jnp.where(ld, page_idx, 0)
+      k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ld, other=0)
+      v_page = plgpu.load(v_table_ref.at[seq, page_idx], mask=ld, other=0)
+      k = plgpu.load(k_pool_ref.at[k_page[:, None], slot[:, None], kv_head, d],
+                     mask=ld[:, None], other=0.0)
+    else:
+      k_page = k_table_ref[seq, page_idx]
+      v_page = v_table_ref[seq, page_idx]
+      k = k_pool_ref[k_page[:, None], slot[:, None], kv_head, d]
+    s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
+    if logits_soft_cap is not None:
+      s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
+          logits_soft_cap * _LOG2E)
+    else:
+      s = s * qk_scale
+    if masked:
+      vis = (j[None, :] >= kv_lo) & (j[None, :] < kv_len)
+      if causal:
+        vis &= j[None, :] <= q_pos[:, None]
+      if window_left >= 0:
+        vis &= j[None, :] >= q_pos[:, None] - window_left
+      s = jnp.where(vis, s, DEFAULT_MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    if masked:
+      p = jnp.where(vis, p, 0.0)
+    l_next = l_prev * alpha + jnp.sum(p, axis=1)
+    if masked:
+      v = plgpu.load(v_pool_ref.at[v_page[:, None], slot[:, None], kv_head, d],
+                     mask=ld[:, None], other=0.0)
+    else:
+      v = v_pool_ref[v_page[:, None], slot[:, None], kv_head, d]
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return acc, m_next, l_next
+
+  carry = (jnp.zeros((rows, head_dim), jnp.float32),
+           jnp.full((rows,), -jnp.inf, jnp.float32),
+           jnp.zeros((rows,), jnp.float32))
+  masked_body = functools.partial(body, masked=True)
+  carry = lax.fori_loop(lo_blk, mid_lo, masked_body, carry)
+  carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False),
+                        carry)
+  acc, m, l = lax.fori_loop(mid_hi, hi_blk, masked_body, carry)
+
+  if has_sinks:
+    sink = sinks_ref[head] * _LOG2E  # f32[rows], base 2
+    m_all = jnp.maximum(m, sink)
+    keep = jnp.exp2(m - m_all)
+    denom = l * keep + jnp.exp2(sink - m_all)
+    out = acc * (keep / denom)[:, None]
+  else:
+    out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]
+  lse = jnp.where(l > 0.0, (m + jnp.log2(jnp.where(l > 0.0, l, 1.0))) * _LN2,
+                  -jnp.inf)
+  plgpu.store(o_ref.at[token[:, None], head[:, None], d], out.astype(o_ref.dtype),
+              mask=row_ok[:, None])
+  plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
+
+
+def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles, *,
+                        config: Config, causal, sm_scale, window_left,
+                        logits_soft_cap, interpret):
+  num_tokens, num_qo_heads, head_dim = q.shape
+  num_kv_heads = k_pool.shape[2]
+  group_size = num_qo_heads // num_kv_heads
+  num_tiles = tiles.shape[0]
+  kernel = functools.partial(
+      _paged_prefill_kernel, block_q=config.block_q, block_k=config.block_k,
+      group_size=group_size, causal=causal, sm_scale=sm_scale,
+      window_left=window_left, logits_soft_cap=logits_soft_cap,
+      has_sinks=sinks is not None)
+  args = [tiles, q, k_pool, v_pool, k_table, v_table]
+  if sinks is not None:
+    args.append(sinks.astype(jnp.float32))
+  name = (f"paged_prefill_bq{config.block_q}_bk{config.block_k}"
+          f"_g{group_size}_w{config.num_warps}_s{config.num_stages}")
+  with _compat.suppress_triton_deprecation():
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_tiles),
+        out_shape=[
+            jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((num_tokens, num_qo_heads), jnp.float32),
+        ],
+        compiler_params=_compat.triton_params(config.num_warps,
+                                              config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+  return out, lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "sm_scale", "window_left", "logits_soft_cap",
+                     "interpret", "config"))
+def paged_prefill(
+    q: jax.Array,         # [num_tokens, num_qo_heads, head_dim]
+    k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
+    k_table: jax.Array,   # i32[batch_size, max_pages]
+    v_table: jax.Array,   # i32[batch_size, max_pages]
+    q_indptr: jax.Array,  # i32[batch_size + 1]
+    kv_lens: jax.Array,   # i32[batch_size]
+    sinks: jax.Array | None = None,  # f32[num_qo_heads]
+    *,
+    causal: bool = True,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+    config: Config | None = None,
+    plan: plan_lib.PrefillPlan | None = None,
+):
+  """Ragged prefill attention over a paged KV cache (the `impl="pallas"` path).
+
+  Semantics are `reference.paged_prefill_reference`: token `t` of sequence `b`
+  (`q_indptr[b] <= t < q_indptr[b+1]`) sits at position
+  `kv_lens[b] - q_len_b + (t - q_indptr[b])` and sees key `j` iff
+  `j < kv_lens[b]`, `j <= pos` (causal) and `j >= pos - window_left`
+  (window_left >= 0). K block `i` of sequence `b` is `k_pool[k_table[b, i]]`,
+  V block `i` is `v_pool[v_table[b, i]]` (k_pool and v_pool may be one array).
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
+    k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype of
+      `q`; page_size a power of two.
+    k_table, v_table: `i32[batch_size, max_pages]`; entries outside a
+      sequence's visible key range are never read (may be -1).
+    q_indptr: `i32[batch_size + 1]`, cu_seqlens; tokens past `q_indptr[-1]`
+      are padding and give zeros / `lse = -inf`.
+    kv_lens: `i32[batch_size]`, tokens including the new ones.
+    sinks: optional `f32[num_qo_heads]` logits joining the denominator only.
+    causal, sm_scale, window_left, logits_soft_cap: static, as in the public
+      `pkvattn.paged_prefill`.
+    interpret: static; run in Pallas interpret mode (CPU tests).
+    config: static `Config`; default `Config.default_for(...)`.
+    plan: optional `PrefillPlan` from `plan.plan_prefill` with the same
+      `block_q` and `num_tokens` (computed here when None); pass one plan to
+      every layer of a step to compute the schedule once.
+
+  Returns:
+    `(out [num_tokens, num_qo_heads, head_dim] q.dtype,
+      lse f32[num_tokens, num_qo_heads])`, natural-log lse, sink excluded.
+
+  Raises:
+    ValueError: a plan built for a different block_q / num_tokens / batch.
+    NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
+  """
+  num_tokens, num_qo_heads, head_dim = q.shape
+  num_kv_heads = k_pool.shape[2]
+  group_size = num_qo_heads // num_kv_heads
+  if config is None:
+    config = Config.default_for(group_size=group_size, head_dim=head_dim,
+                                page_size=k_pool.shape[1], dtype=q.dtype)
+  config.validate(group_size)
+  if plan is None:
+    plan = plan_lib.plan_prefill(
+        q_indptr, kv_lens, num_tokens=num_tokens, block_q=config.block_q,
+        causal=causal, window_left=window_left)
+  elif (plan.block_q, plan.num_tokens, plan.batch_size) != (
+      config.block_q, num_tokens, kv_lens.shape[0]):
+    raise ValueError(
+        f"Invalid plan: built for (block_q, num_tokens, batch_size) = "
+        f"{(plan.block_q, plan.num_tokens, plan.batch_size)}, expected "
+        f"{(config.block_q, num_tokens, kv_lens.shape[0])}")
+  return _paged_prefill_call(
+      q, k_pool, v_pool, k_table.astype(jnp.int32), v_table.astype(jnp.int32),
+      sinks, plan.tiles, config=config, causal=causal, sm_scale=sm_scale,
+      window_left=window_left, logits_soft_cap=logits_soft_cap,
+      interpret=interpret)

@@ -1,0 +1,119 @@
+"""Scheduling metadata for the paged prefill kernel (FlashInfer's plan/run split).
+
+The prefill kernel's grid is static (no dynamic grid on Pallas-Triton), bounded
+by `num_tokens // block_q + batch_size + 1` query tiles per kv head. A query
+tile is `block_q` consecutive new tokens of ONE sequence; the padding tokens
+past `q_indptr[-1]` form one extra pseudo-sequence with `kv_len = 0`, so their
+tiles write zeros (and `lse = -inf`) and no output row is left unwritten.
+
+Which tile belongs to which sequence depends only on `q_indptr`, `kv_lens`
+and the static `num_tokens` / `block_q`, so it is computed once per step with
+a few small jnp ops (cumsum + searchsorted) and reused by every layer.
+
+Tiles are ordered longest-first (by the number of visible keys, an LPT
+schedule as in FlashInfer / FA3): under causal masking the last query tile of
+a prompt does `S / block_q` times the work of the first, and launching the
+heavy tiles first keeps the tail of the launch short. Decode rows of a mixed
+batch (one token, long KV) sort by their KV length beside the prompt tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+# Columns of `PrefillPlan.tiles`.
+SEQ, Q_START, Q_END, KV_LEN, POS_OFFSET = range(5)
+NUM_FIELDS = 5
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tiles"],
+    meta_fields=["block_q", "num_tokens", "batch_size"])
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+  """Per-step schedule of the prefill kernel; a pytree (block_q etc. static).
+
+  `tiles[i]` describes grid tile `i` (already in launch order):
+    SEQ:        row of the page table (0 for the padding pseudo-sequence);
+    Q_START:    first token of the tile in `q` (global index);
+    Q_END:      one past the sequence's last token (rows at or past it are
+                masked; `Q_END <= Q_START` marks an unused tile);
+    KV_LEN:     tokens in the sequence's cache (0 for padding / unused);
+    POS_OFFSET: position of token `t` is `t + POS_OFFSET`.
+  """
+  tiles: jax.Array  # i32[num_tokens // block_q + batch_size + 1, NUM_FIELDS]
+  block_q: int
+  num_tokens: int
+  batch_size: int
+
+  @property
+  def num_tiles(self) -> int:
+    return self.tiles.shape[0]
+
+
+def max_tiles(num_tokens: int, batch_size: int, block_q: int) -> int:
+  """Static grid bound: sum_b cdiv(q_len_b, block_q) over batch_size + 1 sequences."""
+  return num_tokens // block_q + batch_size + 1
+
+
+def plan_prefill(
+    q_indptr: jax.Array,  # i32[batch_size + 1]
+    kv_lens: jax.Array,   # i32[batch_size]
+    *,
+    num_tokens: int,
+    block_q: int,
+    causal: bool = True,
+    window_left: int = -1,
+) -> PrefillPlan:
+  """Builds the tile schedule of one step (jit-compatible, no host sync).
+
+  Args:
+    q_indptr: `i32[batch_size + 1]`, cu_seqlens of the new tokens,
+      `q_indptr[-1] <= num_tokens`.
+    kv_lens: `i32[batch_size]`, tokens including the new ones.
+    num_tokens: static, rows of `q`.
+    block_q: static, tokens per query tile (must match the kernel config).
+    causal, window_left: static; only used to estimate each tile's work for
+      the longest-first order (correctness does not depend on them).
+
+  Returns:
+    A `PrefillPlan` with `tiles i32[num_tokens // block_q + batch_size + 1, 5]`.
+  """
+  batch_size = kv_lens.shape[0]
+  q_indptr = q_indptr.astype(jnp.int32)
+  kv_lens = kv_lens.astype(jnp.int32)
+  total = jnp.minimum(q_indptr[-1], num_tokens)
+  # Sequence `batch_size` is the padding pseudo-sequence [total, num_tokens).
+  starts = jnp.concatenate([q_indptr[:-1], total[None]])
+  ends = jnp.concatenate([jnp.minimum(q_indptr[1:], num_tokens),
+                          jnp.full((1,), num_tokens, jnp.int32)])
+  lens = jnp.maximum(ends - starts, 0)
+  kvs = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
+  n_tiles = (lens + block_q - 1) // block_q
+  cum = jnp.cumsum(n_tiles)
+  num = max_tiles(num_tokens, batch_size, block_q)
+  i = jnp.arange(num, dtype=jnp.int32)
+  seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+  used = i < cum[-1]
+  seq = jnp.minimum(seq, batch_size)
+  local = i - (cum[seq] - n_tiles[seq])
+  q_start = starts[seq] + local * block_q
+  q_end = jnp.where(used, ends[seq], q_start)
+  kv_len = jnp.where(used, kvs[seq], 0)
+  pos_offset = kvs[seq] - lens[seq] - starts[seq]
+  table_row = jnp.where(seq < batch_size, seq, 0)
+  # Work estimate: visible keys of the tile's widest row range.
+  pos_min = q_start + pos_offset
+  pos_max = jnp.minimum(q_start + block_q, q_end) - 1 + pos_offset
+  hi = jnp.minimum(kv_len, pos_max + 1) if causal else kv_len
+  lo = jnp.maximum(pos_min - window_left, 0) if window_left >= 0 else 0
+  work = jnp.where(used, jnp.maximum(hi - lo, 0), -1)
+  order = jnp.argsort(-work, stable=True)
+  tiles = jnp.stack([table_row, q_start, q_end, kv_len, pos_offset], axis=1)
+  return PrefillPlan(tiles[order].astype(jnp.int32), block_q, num_tokens,
+                     batch_size)
