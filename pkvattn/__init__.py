@@ -18,9 +18,11 @@ Einsum letters: `b` batch, `t` token, `h` q-head, `k` kv-head, `g` group, `s` kv
 token, `d` head_dim.
 """
 
+from pkvattn import cache as cache
 from pkvattn.attention import merge_state as merge_state
 from pkvattn.attention import paged_decode as paged_decode
 from pkvattn.attention import paged_prefill as paged_prefill
+from pkvattn.copy_pages import copy_pages as copy_pages
 from pkvattn.rope import Llama3RopeScaling as Llama3RopeScaling
 from pkvattn.rope import LinearRopeScaling as LinearRopeScaling
 from pkvattn.rope import RopeConfig as RopeConfig
@@ -36,6 +38,8 @@ __all__ = [
     "append_paged_kv",
     "apply_rope",
     "apply_rope_and_append",
+    "cache",
+    "copy_pages",
     "get_batch_indices_positions",
     "merge_state",
     "paged_decode",

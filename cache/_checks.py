@@ -1,0 +1,37 @@
+"""Trace-time argument checks for `cache` (the format of `pkvattn/_checks.py`).
+
+Kept local so that `cache` depends on jax/numpy only, never on `pkvattn`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_shape(x, expected: Sequence[int | None], name: str) -> None:
+  """Raises ValueError unless `x.shape` matches `expected` (`None` = any)."""
+  shape = tuple(np.shape(x))
+  ok = len(shape) == len(expected) and all(
+      e is None or e == s for e, s in zip(expected, shape))
+  if not ok:
+    shown = tuple("*" if e is None else e for e in expected)
+    raise ValueError(f"Invalid shape of {name}: expected {shown}, got {shape}")
+
+
+def check_ndim(x, ndims: Sequence[int], name: str) -> None:
+  """Raises ValueError unless `x.ndim` is one of `ndims`."""
+  if np.ndim(x) not in ndims:
+    raise ValueError(
+        f"Invalid rank of {name}: expected ndim in {tuple(ndims)}, got "
+        f"{np.ndim(x)} (shape {tuple(np.shape(x))})")
+
+
+def check_int(x, name: str) -> None:
+  """Raises ValueError unless `x` has an integer dtype."""
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(
+        f"Invalid dtype of {name}: expected an integer dtype, got {dtype}")

@@ -1,0 +1,638 @@
+"""Pure, vectorised cache operations: claim_batch, extend, commit, release, fork.
+
+Every function is `f(state, ...) -> (state, result)` (`commit` and `release`
+return the state only), jitted once per `CacheConfig` (the config is a static
+field of the state pytree) and free of host syncs and Python loops over
+requests: per-request work is masks, `cumsum`, one sort or binary search over
+the slots, and masked scatters.
+
+Common rules:
+  * `seq_ids` entries equal to `NULL_SEQ = -1` are padding: `ok=False`, no
+    effect. So are ids out of `[0, max_seqs)`, ids that appear more than once in
+    one call (every occurrence is refused), and ids in the wrong liveness
+    (claiming a live id, extending a dead one).
+  * Admission is all-or-nothing per request and first come, first served in
+    batch order: request `r` is granted iff the blocks needed by the valid
+    requests `0..r` fit in the supply (free + evictable slots). Once one does
+    not fit, later ones are refused too (no head-of-line skipping), and a
+    refused request holds nothing afterwards.
+  * New blocks come from free slots (lowest index first), then from evicting
+    cached slots (published, unreferenced), least recently released first
+    (ties: lowest index). Evicted slots leave the prefix cache.
+
+Prefix-cache verification. A published slot stores its key, tokens, scope and
+its parent slot with that parent's publication generation. A request's block
+`i` matches slot `c_i` only if `c_i` holds the block's key, the very same
+tokens and scope, and its parent is `c_{i-1}` at the generation it had when
+`c_i` was published (`-1` for block 0). Keys only find candidates; a collision
+or an orphan (parent evicted and reused) never matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks
+
+from . import hashing
+from .state import CacheState
+
+_I32_MAX = jnp.iinfo(jnp.int32).max
+
+
+class ClaimResult(NamedTuple):
+  ok: jax.Array                 # bool[n], admitted
+  num_reused_tokens: jax.Array  # i32[n], prompt tokens served by the prefix cache
+  num_new_blocks: jax.Array     # i32[n], blocks allocated for the rest
+  num_missed_blocks: jax.Array  # i32[n], reusable-position blocks not found
+
+
+class ExtendResult(NamedTuple):
+  ok: jax.Array              # bool[n], grown (num_new_tokens == 0 counts as ok)
+  num_new_blocks: jax.Array  # i32[n], blocks allocated at page boundaries
+
+
+class ForkResult(NamedTuple):
+  ok: jax.Array         # bool[n], child created
+  src_pages: jax.Array  # i32[n * num_layers * 2], pool pages to copy, -1 = none
+  dst_pages: jax.Array  # i32[n * num_layers * 2], destinations, -1 = none
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def _oob_scatter_index(mask, idx, size):
+  """Index for a masked `.at[...].xxx(mode="drop")`: `size` drops the entry."""
+  return jnp.where(mask, idx, size)
+
+
+def _check_ids(x, name):
+  _checks.check_int(x, name)
+  _checks.check_ndim(x, (1,), name)
+
+
+def _select(state: CacheState, seq_ids, want_live: bool):
+  """Clipped row indices and the validity mask of a batch of sequence ids."""
+  max_seqs = state.config.max_seqs
+  seq_ids = seq_ids.astype(jnp.int32)
+  in_range = (seq_ids >= 0) & (seq_ids < max_seqs)
+  idx = jnp.where(in_range, seq_ids, 0)
+  same = (seq_ids[:, None] == seq_ids[None, :]) & in_range[None, :]
+  unique = jnp.sum(same, axis=1) == 1
+  live = state.seq_live[idx]
+  valid = in_range & unique & (live if want_live else ~live)
+  return idx, valid
+
+
+def _supply(state: CacheState, protected):
+  """(free mask, evictable mask) of the slots; `protected` slots never evicted."""
+  unref = state.slot_refcount == 0
+  free = unref & ~state.slot_published
+  evictable = unref & state.slot_published & ~protected
+  return free, evictable
+
+
+def _take_slots(state: CacheState, ranks, total, protected):
+  """Allocates the blocks numbered by `ranks` (vectorised, no serial scan).
+
+  Block `g` (a rank in `[0, total)`) gets the `g`-th slot in allocation order:
+  free slots by index, then evictable slots by (last release, index). Evicted
+  slots are removed from the prefix cache. Callers guarantee `total <= supply`.
+
+  This is the single allocation primitive; a scratch-slot path (SWA) can call
+  it with its own ranks.
+
+  Args:
+    state: the cache state.
+    ranks: `i32[...]`, the allocation rank of each wanted block, -1 = none.
+    total: `i32[]`, number of ranks in use (`max(ranks) + 1`).
+    protected: `bool[num_slots]`, slots that must not be evicted.
+
+  Returns:
+    `(state, slots)`: `slots i32[...]` like `ranks`, -1 where `ranks < 0`. The
+    slots' refcounts are NOT updated (callers add their owners).
+  """
+  num_slots = state.num_slots
+  free, evictable = _supply(state, protected)
+  free_cs = jnp.cumsum(free.astype(jnp.int32))
+  num_free = free_cs[-1]
+  want = ranks >= 0
+
+  def from_free():
+    return jnp.searchsorted(free_cs, ranks + 1, side="left").astype(jnp.int32)
+
+  def with_eviction():
+    lru = jnp.where(evictable, state.slot_last_use, _I32_MAX)
+    order = jnp.argsort(lru, stable=True).astype(jnp.int32)
+    evict_idx = jnp.clip(ranks - num_free, 0, num_slots - 1)
+    return jnp.where(ranks < num_free, from_free(), order[evict_idx])
+
+  slots = jax.lax.cond(total > num_free, with_eviction, from_free)
+  slots = jnp.where(want, slots, -1)
+  evicted = want & (ranks >= num_free)
+  state = _unpublish(state, jnp.where(evicted, slots, -1))
+  return state, slots
+
+
+def _unpublish(state: CacheState, slots):
+  """Removes `slots` (any shape, -1 = skip) from the prefix cache."""
+  num_slots = state.num_slots
+  mask = slots >= 0
+  s = jnp.clip(slots, 0)
+  table = state.hash_table
+  flat = table.reshape(-1)
+  pos = state.slot_hash_pos[s]
+  flat = flat.at[_oob_scatter_index(mask & (pos >= 0), pos, flat.size)].set(
+      -1, mode="drop")
+  drop = _oob_scatter_index(mask, s, num_slots)
+  return _replace(
+      state,
+      hash_table=flat.reshape(table.shape),
+      slot_published=state.slot_published.at[drop].set(False, mode="drop"),
+      slot_hash_pos=state.slot_hash_pos.at[drop].set(-1, mode="drop"),
+  )
+
+
+def _replace(state, **kw):
+  return dataclasses.replace(state, **kw)
+
+
+def _find(state: CacheState, keys):
+  """Slot in the hash table holding exactly `keys` (`u32[..., 2]`), else -1."""
+  cfg = state.config
+  bucket = (keys[..., 0] & jnp.uint32(cfg.num_buckets - 1)).astype(jnp.int32)
+  ways = state.hash_table[bucket]  # [..., hash_ways]
+  s = jnp.clip(ways, 0)
+  match = ((ways >= 0)
+           & (state.slot_key[s, 0] == keys[..., None, 0])
+           & (state.slot_key[s, 1] == keys[..., None, 1]))
+  return jnp.max(jnp.where(match, ways, -1), axis=-1), bucket, ways
+
+
+def _block_view(tokens, page_size, num_blocks):
+  n = tokens.shape[0]
+  return tokens[:, :num_blocks * page_size].reshape(n, num_blocks, page_size)
+
+
+def _content_ok(state, cand, blocks, scope):
+  """Candidate slot holds these tokens and this scope (`[n, num_blocks]`)."""
+  c = jnp.clip(cand, 0)
+  tok_ok = jnp.all(state.slot_tokens[c] == blocks, axis=-1)
+  return (cand >= 0) & tok_ok & (state.slot_scope[c] == scope[:, None])
+
+
+def _parent_ok(state, cand, parent, parent_gen):
+  """Candidate's recorded parent (and its generation) equal the given ones."""
+  c = jnp.clip(cand, 0)
+  return ((state.slot_parent[c] == parent)
+          & ((parent < 0) | (state.slot_parent_gen[c] == parent_gen)))
+
+
+def _leading_run(mask):
+  """`mask[r, i]` and all before it in row r (`bool[n, k]`)."""
+  return jnp.cumprod(mask.astype(jnp.int32), axis=1).astype(bool)
+
+
+def _shift_right(x, fill):
+  pad = jnp.full(x.shape[:1] + (1,), fill, x.dtype)
+  return jnp.concatenate([pad, x[:, :-1]], axis=1)
+
+
+@jax.jit
+def claim_batch(
+    state: CacheState,
+    seq_ids: jax.Array,                   # i32[n]
+    tokens: jax.Array,                    # i32[n, max_len]
+    lengths: jax.Array,                   # i32[n]
+    reuse_scope: jax.Array | None = None,  # i32[n]
+) -> tuple[CacheState, ClaimResult]:
+  """Admits a batch of new sequences with prefix reuse (two-phase claim).
+
+  Phase 1 matches every valid request's prompt against the prefix cache (whole
+  blocks, chain-verified, see the module docstring) and protects every matched
+  block. Phase 2 allocates the remaining blocks, evicting only unprotected
+  cached blocks, least recently released first, so one request's allocation
+  never evicts a block that a later request in the same batch reuses.
+
+  Reuse rule: at least the last prompt token is always computed, so the engine
+  gets its logits. At most `(lengths[r] - 1) // page_size` whole blocks are
+  reused; a prompt that is entirely cached recomputes its last block.
+
+  Args:
+    state: the cache state.
+    seq_ids: `i32[n]`, ids to create, in `[0, max_seqs)` and not live; -1 =
+      padding.
+    tokens: `i32[n, max_len]`, prompts; entries past `lengths[r]` are ignored.
+    lengths: `i32[n]`, prompt tokens, `0 <= lengths[r] <= min(max_len,
+      max_pages * page_size)`; the sequence reserves this many tokens.
+    reuse_scope: `i32[n]` salt (tenant / adapter); blocks are shared only
+      within one scope. `None` = scope 0 for all.
+
+  Returns:
+    `(state, ClaimResult)` with, per request, `ok`, `num_reused_tokens` (a
+    multiple of page_size), `num_new_blocks`, `num_missed_blocks` (blocks at
+    reusable positions, `(lengths - 1) // page_size`, not found). All zero
+    where `ok` is False; the state is unchanged for those requests.
+
+  Raises:
+    ValueError: shapes or dtypes of the arguments (trace time).
+  """
+  cfg = state.config
+  ps = cfg.page_size
+  _check_ids(seq_ids, "seq_ids")
+  n = seq_ids.shape[0]
+  _checks.check_int(tokens, "tokens")
+  _checks.check_shape(tokens, (n, None), "tokens")
+  _checks.check_int(lengths, "lengths")
+  _checks.check_shape(lengths, (n,), "lengths")
+  if reuse_scope is None:
+    scope = jnp.zeros((n,), jnp.int32)
+  else:
+    _checks.check_int(reuse_scope, "reuse_scope")
+    _checks.check_shape(reuse_scope, (n,), "reuse_scope")
+    scope = reuse_scope.astype(jnp.int32)
+  max_len = tokens.shape[1]
+  tokens = tokens.astype(jnp.int32)
+  lengths = lengths.astype(jnp.int32)
+
+  idx, valid = _select(state, seq_ids, want_live=False)
+  valid &= (lengths >= 0) & (lengths <= min(max_len, cfg.max_seq_len))
+  lengths = jnp.where(valid, lengths, 0)
+  num_blocks = _cdiv(lengths, ps)
+  matchable = jnp.where(lengths > 0, (lengths - 1) // ps, 0)
+
+  # Phase 1: match and protect.
+  nbt = min(max_len // ps, cfg.max_pages)
+  if nbt > 0:
+    blocks = _block_view(tokens, ps, nbt)
+    keys = hashing.block_keys(blocks, scope)
+    cand, _, _ = _find(state, keys)
+    prev = _shift_right(cand, -1)
+    first = jnp.arange(nbt)[None, :] == 0
+    prev_gen = state.slot_gen[jnp.clip(prev, 0)]
+    chain_ok = jnp.where(first, True, prev >= 0) & _parent_ok(
+        state, cand, jnp.where(first, -1, prev), prev_gen)
+    verified = _content_ok(state, cand, blocks, scope) & chain_ok
+    in_reach = jnp.arange(nbt)[None, :] < matchable[:, None]
+    matched = _leading_run(verified & in_reach) & valid[:, None]
+    reused = jnp.sum(matched, axis=1, dtype=jnp.int32)
+  else:
+    cand = jnp.zeros((n, 0), jnp.int32)
+    matched = jnp.zeros((n, 0), bool)
+    reused = jnp.zeros((n,), jnp.int32)
+  protected = jnp.zeros((state.num_slots,), bool).at[
+      _oob_scatter_index(matched, cand, state.num_slots)].set(True, mode="drop")
+
+  # Phase 2: all-or-nothing, first come first served.
+  need = jnp.where(valid, num_blocks - reused, 0)
+  free, evictable = _supply(state, protected)
+  supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
+  ok = valid & (jnp.cumsum(need) <= supply)
+  need = jnp.where(ok, need, 0)
+  offset = jnp.cumsum(need) - need
+  pos = jnp.arange(cfg.max_pages)[None, :]
+  new_mask = ok[:, None] & (pos >= reused[:, None]) & (pos < num_blocks[:, None])
+  ranks = jnp.where(new_mask, offset[:, None] + pos - reused[:, None], -1)
+  state, new_slots = _take_slots(state, ranks, jnp.sum(need), protected)
+
+  row = jnp.where(new_mask, new_slots, -1)
+  if nbt > 0:
+    keep = matched & ok[:, None]
+    row = row.at[:, :nbt].set(jnp.where(keep, cand, row[:, :nbt]))
+  owners = _oob_scatter_index(row >= 0, row, state.num_slots)
+  row_idx = _oob_scatter_index(ok, idx, cfg.max_seqs)
+  reused = jnp.where(ok, reused, 0)
+  state = _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
+      seq_slots=state.seq_slots.at[row_idx].set(row, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(lengths, mode="drop"),
+      seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
+      seq_scope=state.seq_scope.at[row_idx].set(scope, mode="drop"),
+      num_lookups=state.num_lookups + jnp.sum(jnp.where(ok, matchable, 0)),
+      num_hits=state.num_hits + jnp.sum(reused),
+  )
+  return state, ClaimResult(
+      ok=ok,
+      num_reused_tokens=reused * ps,
+      num_new_blocks=need,
+      num_missed_blocks=jnp.where(ok, matchable - reused, 0),
+  )
+
+
+@jax.jit
+def extend(
+    state: CacheState,
+    seq_ids: jax.Array,         # i32[n]
+    num_new_tokens: jax.Array,  # i32[n]
+) -> tuple[CacheState, ExtendResult]:
+  """Grows live sequences by `num_new_tokens`, allocating blocks at page boundaries.
+
+  Used every decode step (one token) and for chunked prefill. Requests are
+  all-or-nothing and first come, first served (module docstring).
+
+  Args:
+    state: the cache state.
+    seq_ids: `i32[n]`, live ids; -1 = padding.
+    num_new_tokens: `i32[n]`, `>= 0`; the new length must stay within
+      `max_pages * page_size`.
+
+  Returns:
+    `(state, ExtendResult(ok, num_new_blocks))`; refused requests leave their
+    sequence unchanged.
+
+  Raises:
+    ValueError: shapes or dtypes of the arguments (trace time).
+  """
+  cfg = state.config
+  ps = cfg.page_size
+  _check_ids(seq_ids, "seq_ids")
+  n = seq_ids.shape[0]
+  _checks.check_int(num_new_tokens, "num_new_tokens")
+  _checks.check_shape(num_new_tokens, (n,), "num_new_tokens")
+  num_new_tokens = num_new_tokens.astype(jnp.int32)
+  idx, valid = _select(state, seq_ids, want_live=True)
+  old_len = state.seq_lens[idx]
+  valid &= (num_new_tokens >= 0) & (num_new_tokens <= cfg.max_seq_len - old_len)
+  new_len = old_len + jnp.where(valid, num_new_tokens, 0)
+  old_blocks = _cdiv(old_len, ps)
+  need = jnp.where(valid, _cdiv(new_len, ps) - old_blocks, 0)
+  free, evictable = _supply(state, jnp.zeros((state.num_slots,), bool))
+  supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
+  ok = valid & (jnp.cumsum(need) <= supply)
+  need = jnp.where(ok, need, 0)
+  offset = jnp.cumsum(need) - need
+  pos = jnp.arange(cfg.max_pages)[None, :]
+  rel = pos - old_blocks[:, None]
+  new_mask = (rel >= 0) & (rel < need[:, None])
+  ranks = jnp.where(new_mask, offset[:, None] + rel, -1)
+  state, new_slots = _take_slots(
+      state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
+  rows = state.seq_slots[idx]
+  rows = jnp.where(new_mask, new_slots, rows)
+  owners = _oob_scatter_index(new_mask, new_slots, state.num_slots)
+  row_idx = _oob_scatter_index(ok, idx, cfg.max_seqs)
+  state = _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
+      seq_slots=state.seq_slots.at[row_idx].set(rows, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(new_len, mode="drop"),
+  )
+  return state, ExtendResult(ok=ok, num_new_blocks=need)
+
+
+@jax.jit
+def commit(
+    state: CacheState,
+    seq_ids: jax.Array,  # i32[n]
+    tokens: jax.Array,   # i32[n, max_len]
+    lengths: jax.Array,  # i32[n]
+) -> CacheState:
+  """Publishes the full blocks of live sequences for prefix reuse.
+
+  For sequence `r`, blocks `i < min(lengths[r], seq_lens, max_len) //
+  page_size` are considered. Its leading blocks that are already published
+  (reused at claim, or committed before) are skipped; from the first
+  unpublished one, blocks are published in order until one cannot be:
+    * a published slot with the same key is identical (same tokens, scope,
+      parent and parent generation): it already serves this prefix;
+    * an earlier considered block of this call has the same key or the same
+      slot (first in row-major order wins);
+    * its hash bucket is full.
+  A published slot with the same key that is not identical (an orphan whose
+  parent was evicted, or a hash collision) is replaced: it leaves the cache.
+
+  Args:
+    state: the cache state.
+    seq_ids: `i32[n]`, live ids; -1 = padding; invalid or duplicated ids are
+      ignored.
+    tokens: `i32[n, max_len]`, each sequence's tokens from position 0.
+    lengths: `i32[n]`, tokens whose KV has been written (only those blocks are
+      published; the caller vouches that `tokens` are what was written).
+
+  Returns:
+    The new state.
+
+  Raises:
+    ValueError: shapes or dtypes of the arguments (trace time).
+  """
+  cfg = state.config
+  ps = cfg.page_size
+  _check_ids(seq_ids, "seq_ids")
+  n = seq_ids.shape[0]
+  _checks.check_int(tokens, "tokens")
+  _checks.check_shape(tokens, (n, None), "tokens")
+  _checks.check_int(lengths, "lengths")
+  _checks.check_shape(lengths, (n,), "lengths")
+  max_len = tokens.shape[1]
+  nbt = min(max_len // ps, cfg.max_pages)
+  if nbt == 0:
+    return state
+  idx, valid = _select(state, seq_ids, want_live=True)
+  valid &= lengths >= 0
+  length = jnp.minimum(lengths.astype(jnp.int32), state.seq_lens[idx])
+  num_full = jnp.where(valid, jnp.minimum(length, max_len) // ps, 0)
+  blocks = _block_view(tokens.astype(jnp.int32), ps, nbt)
+  scope = state.seq_scope[idx]
+  own = state.seq_slots[idx, :nbt]                           # [n, nbt]
+  pos = jnp.arange(nbt)[None, :]
+  in_range = pos < num_full[:, None]
+  own_pub = state.slot_published[jnp.clip(own, 0)] & (own >= 0)
+  done = jnp.sum(_leading_run(own_pub & in_range), axis=1)   # [n]
+  # A published slot past the done run only arises after a hash collision
+  # replaced an entry; never re-publish it (it stops the run).
+  consider = in_range & (pos >= done[:, None]) & ~own_pub
+
+  keys = hashing.block_keys(blocks, scope)
+  existing, bucket, ways = _find(state, keys)
+  parent = jnp.where(pos == 0, -1, _shift_right(own, -1))
+  prev_gen = state.slot_gen[jnp.clip(parent, 0)]
+  # A parent published in this call gets generation + 1.
+  parent_gen = jnp.where(
+      parent < 0, 0, prev_gen + _shift_right(consider, False).astype(jnp.int32))
+  identical = (_content_ok(state, existing, blocks, scope)
+               & _parent_ok(state, existing, parent, parent_gen))
+
+  # Row-major first occurrence of each key and each slot among considered blocks.
+  size = n * nbt
+  flat = jnp.arange(size, dtype=jnp.int32).reshape(n, nbt)
+  cons_f = consider.reshape(-1)
+  k0 = keys[..., 0].reshape(-1)
+  k1 = keys[..., 1].reshape(-1)
+  bkt = jnp.where(cons_f, bucket.reshape(-1), cfg.num_buckets)
+  perm = jnp.lexsort((flat.reshape(-1), k1, k0, bkt))
+  s_k0, s_k1, s_b, s_cons = k0[perm], k1[perm], bkt[perm], cons_f[perm]
+  same_prev = jnp.concatenate([
+      jnp.zeros((1,), bool),
+      (s_k0[1:] == s_k0[:-1]) & (s_k1[1:] == s_k1[:-1]) & s_cons[:-1]])
+  key_dup = jnp.zeros((size,), bool).at[perm].set(same_prev & s_cons)
+  key_dup = key_dup.reshape(n, nbt)
+  first_of_slot = jnp.full((state.num_slots,), size, jnp.int32).at[
+      _oob_scatter_index(consider, own, state.num_slots)].min(flat, mode="drop")
+  slot_dup = first_of_slot[jnp.clip(own, 0)] != flat
+
+  candidate = consider & ~identical & ~key_dup & ~slot_dup
+  fresh = candidate & (existing < 0)
+  # Rank of each fresh block among the fresh blocks of its bucket.
+  s_fresh = fresh.reshape(-1)[perm].astype(jnp.int32)
+  excl = jnp.cumsum(s_fresh) - s_fresh
+  seg_start = jnp.searchsorted(s_b, s_b, side="left")
+  rank = jnp.zeros((size,), jnp.int32).at[perm].set(excl - excl[seg_start])
+  rank = rank.reshape(n, nbt)
+  free_way = ways < 0
+  nth = jnp.cumsum(free_way.astype(jnp.int32), axis=-1)
+  way = jnp.argmax(free_way & (nth == rank[..., None] + 1), axis=-1)
+  has_way = rank < jnp.sum(free_way, axis=-1)
+  block_ok = candidate & ((existing >= 0) | has_way)
+  # Publish the leading run of publishable blocks after the done ones.
+  publish = _leading_run(jnp.where(consider, block_ok, pos < done[:, None]))
+  publish &= consider
+
+  hash_pos = jnp.where(
+      existing >= 0, state.slot_hash_pos[jnp.clip(existing, 0)],
+      bucket * cfg.hash_ways + way)
+  state = _unpublish(state, jnp.where(publish & (existing >= 0), existing, -1))
+  s = _oob_scatter_index(publish, own, state.num_slots)
+  flat_table = state.hash_table.reshape(-1)
+  flat_table = flat_table.at[
+      _oob_scatter_index(publish, hash_pos, flat_table.size)].set(
+          own, mode="drop")
+  state = _replace(
+      state,
+      hash_table=flat_table.reshape(state.hash_table.shape),
+      slot_hash_pos=state.slot_hash_pos.at[s].set(hash_pos, mode="drop"),
+      slot_published=state.slot_published.at[s].set(True, mode="drop"),
+      slot_key=state.slot_key.at[s].set(keys, mode="drop"),
+      slot_tokens=state.slot_tokens.at[s].set(blocks, mode="drop"),
+      slot_scope=state.slot_scope.at[s].set(
+          jnp.broadcast_to(scope[:, None], s.shape), mode="drop"),
+      slot_parent=state.slot_parent.at[s].set(parent, mode="drop"),
+      slot_parent_gen=state.slot_parent_gen.at[s].set(parent_gen, mode="drop"),
+      slot_gen=state.slot_gen.at[s].add(1, mode="drop"),
+  )
+  return state
+
+
+@jax.jit
+def release(
+    state: CacheState,
+    seq_ids: jax.Array,  # i32[n]
+) -> CacheState:
+  """Ends live sequences: drops their block references.
+
+  A block whose last reference goes becomes free (private) or cached
+  (published; it stays reusable until evicted, least recently released
+  first). Invalid, padding (-1) or duplicated ids are ignored.
+
+  Args:
+    state: the cache state.
+    seq_ids: `i32[n]`, live ids to end.
+
+  Returns:
+    The new state (`clock` advances by one).
+  """
+  cfg = state.config
+  _check_ids(seq_ids, "seq_ids")
+  idx, valid = _select(state, seq_ids, want_live=True)
+  rows = state.seq_slots[idx]
+  owned = (rows >= 0) & valid[:, None]
+  s = _oob_scatter_index(owned, rows, state.num_slots)
+  row_idx = _oob_scatter_index(valid, idx, cfg.max_seqs)
+  return _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[s].add(-1, mode="drop"),
+      slot_last_use=state.slot_last_use.at[s].set(state.clock, mode="drop"),
+      seq_slots=state.seq_slots.at[row_idx].set(-1, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(0, mode="drop"),
+      seq_live=state.seq_live.at[row_idx].set(False, mode="drop"),
+      seq_scope=state.seq_scope.at[row_idx].set(0, mode="drop"),
+      clock=state.clock + 1,
+  )
+
+
+@jax.jit
+def fork(
+    state: CacheState,
+    parent_ids: jax.Array,  # i32[n]
+    child_ids: jax.Array,   # i32[n]
+) -> tuple[CacheState, ForkResult]:
+  """Creates child sequences sharing their parent's blocks (beam search, n > 1).
+
+  The child gets the parent's length and scope. Full blocks are shared by
+  reference count (read-only: nobody writes into a full block). The partial
+  last block, if any, is copied into a new slot (copy-on-write); apply the
+  returned copies to the KV pool with `pkvattn.copy_pages(kv_cache,
+  res.src_pages, res.dst_pages)` before the child's next write.
+
+  Args:
+    state: the cache state.
+    parent_ids: `i32[n]`, live ids (may repeat: several children per parent).
+    child_ids: `i32[n]`, new ids, not live, unique, not among `parent_ids`;
+      -1 = padding.
+
+  Returns:
+    `(state, ForkResult(ok, src_pages, dst_pages))`. The copies cover every
+    layer, K and V: entry `(r * num_layers + layer) * 2 + kv` is pool page
+    `(slot * num_layers + layer) * 2 + kv` of the parent's partial block
+    (src) and of the child's new slot (dst); -1 where request `r` copies
+    nothing. Admission is all-or-nothing, first come first served.
+
+  Raises:
+    ValueError: shapes or dtypes of the arguments (trace time).
+  """
+  cfg = state.config
+  ps = cfg.page_size
+  nl = cfg.num_layers
+  _check_ids(parent_ids, "parent_ids")
+  n = parent_ids.shape[0]
+  _check_ids(child_ids, "child_ids")
+  _checks.check_shape(child_ids, (n,), "child_ids")
+  parent_ids = parent_ids.astype(jnp.int32)
+  child_ids = child_ids.astype(jnp.int32)
+  pidx = jnp.clip(parent_ids, 0, cfg.max_seqs - 1)
+  p_ok = ((parent_ids >= 0) & (parent_ids < cfg.max_seqs)
+          & state.seq_live[pidx])
+  cidx, c_ok = _select(state, child_ids, want_live=False)
+  is_parent = jnp.any(
+      (child_ids[:, None] == parent_ids[None, :]) & p_ok[None, :], axis=1)
+  valid = p_ok & c_ok & ~is_parent
+  length = state.seq_lens[pidx]
+  num_full = length // ps
+  partial = (length % ps) != 0
+  need = (valid & partial).astype(jnp.int32)
+  free, evictable = _supply(state, jnp.zeros((state.num_slots,), bool))
+  supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
+  ok = valid & (jnp.cumsum(need) <= supply)
+  need = jnp.where(ok, need, 0)
+  ranks = jnp.where(need > 0, jnp.cumsum(need) - 1, -1)
+  state, new_slot = _take_slots(
+      state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
+  parent_rows = state.seq_slots[pidx]
+  pos = jnp.arange(cfg.max_pages)[None, :]
+  shared = (pos < num_full[:, None]) & ok[:, None]
+  row = jnp.where(shared, parent_rows, -1)
+  row = jnp.where((pos == num_full[:, None]) & (need[:, None] > 0),
+                  new_slot[:, None], row)
+  owners = _oob_scatter_index(row >= 0, row, state.num_slots)
+  row_idx = _oob_scatter_index(ok, cidx, cfg.max_seqs)
+  state = _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
+      seq_slots=state.seq_slots.at[row_idx].set(row, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(length, mode="drop"),
+      seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
+      seq_scope=state.seq_scope.at[row_idx].set(
+          state.seq_scope[pidx], mode="drop"),
+  )
+  src_slot = jnp.take_along_axis(
+      parent_rows, jnp.clip(num_full, 0, cfg.max_pages - 1)[:, None], axis=1)[:, 0]
+  sub = jnp.arange(nl * 2, dtype=jnp.int32)[None, :]   # layer * 2 + kv
+  copy = need[:, None] > 0
+  src = jnp.where(copy, src_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)
+  dst = jnp.where(copy, new_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)
+  return state, ForkResult(ok=ok, src_pages=src, dst_pages=dst)

@@ -1,0 +1,74 @@
+"""Chained 64-bit block keys for the prefix cache, computed in parallel.
+
+A block's key chains its parent's key, its own tokens and the request's
+`reuse_scope` (tenant / adapter salt), as in vLLM's and TensorRT-LLM's block
+hashes. A serial chain over `max_pages` blocks would be `max_pages` dependent
+steps on the device; instead each block contributes an affine map
+`x -> a_i * x + b_i (mod 2**32)` (`a_i` odd, both mixed from the block's
+tokens), and the chain value after block `i` is the composition of the maps of
+blocks `0..i` applied to a scope-derived seed. Affine maps compose
+associatively, so `lax.associative_scan` gives every prefix key in
+`log2(num_blocks)` elementwise steps. A final murmur3 mix spreads the bits.
+
+Two independent 32-bit lanes make a 64-bit key. Keys only speed up the lookup:
+a match is always verified against the stored tokens, scope and parent block
+(see `cache/alloc.py`), so a collision can cost reuse but never correctness.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_LANE_SALTS = (0x9E3779B9, 0x7F4A7C15)
+_A_SALT = 0x632BE5AB
+_B_SALT = 0x2545F491
+
+
+def fmix32(h: jax.Array) -> jax.Array:  # u32[...]
+  """murmur3's 32-bit finaliser (a bijection on u32 with good avalanche)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _compose(earlier, later):
+  a1, b1 = earlier
+  a2, b2 = later
+  return a2 * a1, a2 * b1 + b2
+
+
+def block_keys(
+    block_tokens: jax.Array,  # i32[n, num_blocks, page_size]
+    scope: jax.Array,         # i32[n]
+) -> jax.Array:               # u32[n, num_blocks, 2]
+  """Chained keys of every block prefix of `n` token rows.
+
+  Args:
+    block_tokens: `i32[n, num_blocks, page_size]`, row `r`'s tokens cut into
+      blocks (block `i` holds tokens `i*page_size .. (i+1)*page_size - 1`).
+    scope: `i32[n]`, the reuse scope of each row; different scopes give
+      unrelated keys.
+
+  Returns:
+    `u32[n, num_blocks, 2]`: key of block `i` of row `r`, a function of the
+    scope and of all tokens of blocks `0..i` (not of padding past them).
+  """
+  n, num_blocks, page_size = block_tokens.shape
+  tok = block_tokens.astype(jnp.uint32)
+  pos = jnp.arange(page_size, dtype=jnp.uint32)
+  keys = []
+  for salt in _LANE_SALTS:
+    # Per-block digest: order-sensitive sum of mixed (token, position) pairs.
+    pos_mix = fmix32(pos * jnp.uint32(0x01000193) + jnp.uint32(salt))
+    digest = fmix32(jnp.sum(fmix32(tok ^ pos_mix), axis=-1, dtype=jnp.uint32)
+                    + jnp.uint32(salt))
+    a = fmix32(digest ^ jnp.uint32(_A_SALT)) | jnp.uint32(1)
+    b = fmix32(digest ^ jnp.uint32(_B_SALT))
+    if num_blocks:
+      a, b = jax.lax.associative_scan(_compose, (a, b), axis=1)
+    seed = fmix32(scope.astype(jnp.uint32) ^ jnp.uint32(salt))[:, None]
+    keys.append(fmix32(a * seed + b))
+  return jnp.stack(keys, axis=-1).reshape(n, num_blocks, 2)

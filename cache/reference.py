@@ -1,0 +1,314 @@
+"""Slow, loop-based model of the cache semantics: the test oracle, never used in jit.
+
+Mirrors `cache/alloc.py` rule by rule with plain Python lists and dicts, so
+that a random sequence of operations can be run through both and compared
+slot for slot. Where the device code uses a 64-bit chained hash, this model
+uses the exact key `(scope, all tokens up to the end of the block)`, so it
+describes the behaviour of a collision-free hash. It assumes no hash bucket
+overflows (`hash_ways >= num_slots` guarantees that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .state import CacheConfig
+
+
+@dataclasses.dataclass
+class _Seq:
+  slots: list[int]
+  length: int
+  scope: int
+
+
+class ReferenceCache:
+  """Pure-Python cache with the same operations and results as `cache.alloc`."""
+
+  def __init__(self, config: CacheConfig):
+    if config.hash_ways < config.num_slots:
+      raise ValueError(
+          "ReferenceCache models no bucket overflow: expected hash_ways >= "
+          f"num_slots={config.num_slots}, got {config.hash_ways}")
+    self.cfg = config
+    n = config.num_slots
+    self.refcount = [0] * n
+    self.last_use = [0] * n
+    self.published = [False] * n
+    self.key: list[tuple | None] = [None] * n
+    self.tokens: list[tuple | None] = [None] * n
+    self.scope = [0] * n
+    self.parent = [-1] * n
+    self.parent_gen = [0] * n
+    self.gen = [0] * n
+    self.seqs: dict[int, _Seq] = {}
+    self.clock = 0
+    self.num_lookups = 0
+    self.num_hits = 0
+
+  # --- helpers -------------------------------------------------------------
+  def _ids(self, ids, want_live):
+    ids = [int(x) for x in ids]
+    in_range = [0 <= x < self.cfg.max_seqs for x in ids]
+    out = []
+    for x, ok in zip(ids, in_range):
+      count = sum(1 for y, o in zip(ids, in_range) if o and y == x)
+      out.append(ok and count == 1 and ((x in self.seqs) == want_live))
+    return ids, out
+
+  def _find(self, key):
+    for s in range(self.cfg.num_slots):
+      if self.published[s] and self.key[s] == key:
+        return s
+    return -1
+
+  def _supply(self, protected=()):
+    free = [s for s in range(self.cfg.num_slots)
+            if self.refcount[s] == 0 and not self.published[s]]
+    evictable = sorted(
+        (s for s in range(self.cfg.num_slots)
+         if self.refcount[s] == 0 and self.published[s] and s not in protected),
+        key=lambda s: (self.last_use[s], s))
+    return free, evictable
+
+  def _unpublish(self, s):
+    self.published[s] = False
+
+  def _take(self, count, protected=()):
+    free, evictable = self._supply(protected)
+    order = free + evictable
+    assert count <= len(order)
+    taken = order[:count]
+    for s in taken:
+      if self.published[s]:
+        self._unpublish(s)
+    return taken
+
+  def _block_key(self, toks, scope, i):
+    ps = self.cfg.page_size
+    return (scope, tuple(toks[:(i + 1) * ps]))
+
+  # --- operations ----------------------------------------------------------
+  def claim_batch(self, seq_ids, tokens, lengths, reuse_scope=None):
+    """Returns dict of lists: ok, num_reused_tokens, num_new_blocks, num_missed_blocks."""
+    cfg, ps = self.cfg, self.cfg.page_size
+    tokens = np.asarray(tokens).tolist()
+    n = len(tokens)
+    max_len = len(tokens[0]) if n else 0
+    scopes = [0] * n if reuse_scope is None else [int(x) for x in reuse_scope]
+    ids, valid = self._ids(seq_ids, want_live=False)
+    lengths = [int(x) for x in lengths]
+    valid = [v and 0 <= L <= min(max_len, cfg.max_seq_len)
+             for v, L in zip(valid, lengths)]
+    matched: list[list[int]] = []
+    for r in range(n):
+      run = []
+      if valid[r]:
+        L = lengths[r]
+        matchable = (L - 1) // ps if L > 0 else 0
+        prev = -1
+        for i in range(matchable):
+          key = self._block_key(tokens[r], scopes[r], i)
+          c = self._find(key)
+          if c < 0 or self.tokens[c] != tuple(tokens[r][i * ps:(i + 1) * ps]):
+            break
+          if self.scope[c] != scopes[r] or self.parent[c] != prev:
+            break
+          if prev >= 0 and self.parent_gen[c] != self.gen[prev]:
+            break
+          run.append(c)
+          prev = c
+      matched.append(run)
+    protected = {s for run in matched for s in run}
+    free, evictable = self._supply(protected)
+    supply = len(free) + len(evictable)
+    need = [(-(-lengths[r] // ps) - len(matched[r])) if valid[r] else 0
+            for r in range(n)]
+    ok, cum = [], 0
+    for r in range(n):
+      cum += need[r]
+      ok.append(valid[r] and cum <= supply)
+    total = sum(need[r] for r in range(n) if ok[r])
+    taken = self._take(total, protected)
+    res = dict(ok=ok, num_reused_tokens=[0] * n, num_new_blocks=[0] * n,
+               num_missed_blocks=[0] * n)
+    off = 0
+    for r in range(n):
+      if not ok[r]:
+        continue
+      L = lengths[r]
+      new = taken[off:off + need[r]]
+      off += need[r]
+      slots = matched[r] + new
+      for s in slots:
+        self.refcount[s] += 1
+      self.seqs[ids[r]] = _Seq(slots, L, scopes[r])
+      matchable = (L - 1) // ps if L > 0 else 0
+      self.num_lookups += matchable
+      self.num_hits += len(matched[r])
+      res["num_reused_tokens"][r] = len(matched[r]) * ps
+      res["num_new_blocks"][r] = need[r]
+      res["num_missed_blocks"][r] = matchable - len(matched[r])
+    return res
+
+  def extend(self, seq_ids, num_new_tokens):
+    cfg, ps = self.cfg, self.cfg.page_size
+    ids, valid = self._ids(seq_ids, want_live=True)
+    add = [int(x) for x in num_new_tokens]
+    n = len(ids)
+    valid = [v and 0 <= a <= cfg.max_seq_len - self.seqs[i].length
+             for v, i, a in zip(valid, ids, add)]
+    need = [(-(-(self.seqs[ids[r]].length + add[r]) // ps)
+             - -(-self.seqs[ids[r]].length // ps)) if valid[r] else 0
+            for r in range(n)]
+    supply = sum(len(x) for x in self._supply())
+    ok, cum = [], 0
+    for r in range(n):
+      cum += need[r]
+      ok.append(valid[r] and cum <= supply)
+    taken = self._take(sum(need[r] for r in range(n) if ok[r]))
+    off = 0
+    for r in range(n):
+      if ok[r]:
+        seq = self.seqs[ids[r]]
+        new = taken[off:off + need[r]]
+        off += need[r]
+        for s in new:
+          self.refcount[s] += 1
+        seq.slots = seq.slots + new
+        seq.length += add[r]
+    return dict(ok=ok, num_new_blocks=[need[r] if ok[r] else 0
+                                       for r in range(n)])
+
+  def commit(self, seq_ids, tokens, lengths):
+    cfg, ps = self.cfg, self.cfg.page_size
+    tokens = np.asarray(tokens).tolist()
+    max_len = len(tokens[0]) if tokens else 0
+    nbt = min(max_len // ps, cfg.max_pages)
+    if nbt == 0:
+      return
+    ids, valid = self._ids(seq_ids, want_live=True)
+    lengths = [int(x) for x in lengths]
+    seen_keys, seen_slots = set(), set()
+    plans = []
+    for r in range(len(ids)):
+      if not (valid[r] and lengths[r] >= 0):
+        continue
+      seq = self.seqs[ids[r]]
+      num_full = min(lengths[r], seq.length, max_len) // ps
+      own = seq.slots
+      done = 0
+      while done < num_full and self.published[own[done]]:
+        done += 1
+      considered = [i for i in range(done, num_full)
+                    if not self.published[own[i]]]
+      ok_block = {}
+      for i in considered:
+        key = self._block_key(tokens[r], seq.scope, i)
+        existing = self._find(key)
+        parent = own[i - 1] if i > 0 else -1
+        parent_gen = (self.gen[parent] + (1 if (i - 1) in considered else 0)
+                      if parent >= 0 else 0)
+        identical = (
+            existing >= 0
+            and self.tokens[existing] == tuple(tokens[r][i * ps:(i + 1) * ps])
+            and self.scope[existing] == seq.scope
+            and self.parent[existing] == parent
+            and (parent < 0 or self.parent_gen[existing] == parent_gen))
+        dup = key in seen_keys or own[i] in seen_slots
+        seen_keys.add(key)
+        seen_slots.add(own[i])
+        ok_block[i] = (not identical and not dup, key, existing, parent,
+                       parent_gen)
+      for i in range(done, num_full):
+        if i not in ok_block or not ok_block[i][0]:
+          break
+        plans.append((r, i, own[i]) + ok_block[i][1:])
+    for r, i, s, key, existing, parent, parent_gen in plans:
+      if existing >= 0:
+        self._unpublish(existing)
+      self.published[s] = True
+      self.key[s] = key
+      self.tokens[s] = tuple(tokens[r][i * ps:(i + 1) * ps])
+      self.scope[s] = self.seqs[ids[r]].scope
+      self.parent[s] = parent
+      self.parent_gen[s] = parent_gen
+      self.gen[s] += 1
+
+  def release(self, seq_ids):
+    ids, valid = self._ids(seq_ids, want_live=True)
+    for x, v in zip(ids, valid):
+      if v:
+        for s in self.seqs.pop(x).slots:
+          self.refcount[s] -= 1
+          self.last_use[s] = self.clock
+    self.clock += 1
+
+  def fork(self, parent_ids, child_ids):
+    """Returns dict: ok, copies (list of (src_slot, dst_slot) per request or None)."""
+    cfg, ps = self.cfg, self.cfg.page_size
+    pids = [int(x) for x in parent_ids]
+    cids, c_ok = self._ids(child_ids, want_live=False)
+    p_ok = [0 <= p < cfg.max_seqs and p in self.seqs for p in pids]
+    live_parents = {p for p, o in zip(pids, p_ok) if o}
+    valid = [po and co and c not in live_parents
+             for po, co, c in zip(p_ok, c_ok, cids)]
+    n = len(pids)
+    need = [int(valid[r] and self.seqs[pids[r]].length % ps != 0)
+            for r in range(n)]
+    supply = sum(len(x) for x in self._supply())
+    ok, cum = [], 0
+    for r in range(n):
+      cum += need[r]
+      ok.append(valid[r] and cum <= supply)
+    taken = self._take(sum(need[r] for r in range(n) if ok[r]))
+    copies = [None] * n
+    off = 0
+    for r in range(n):
+      if not ok[r]:
+        continue
+      par = self.seqs[pids[r]]
+      nf = par.length // ps
+      slots = par.slots[:nf]
+      if need[r]:
+        new = taken[off]
+        off += 1
+        copies[r] = (par.slots[nf], new)
+        slots = slots + [new]
+      for s in slots:
+        self.refcount[s] += 1
+      self.seqs[cids[r]] = _Seq(list(slots), par.length, par.scope)
+    return dict(ok=ok, copies=copies)
+
+  # --- views ---------------------------------------------------------------
+  def seq_row(self, sid) -> list[int]:
+    slots = self.seqs[sid].slots if sid in self.seqs else []
+    return slots + [-1] * (self.cfg.max_pages - len(slots))
+
+  def page_table(self, seq_ids, layer, split=True):
+    nl = self.cfg.num_layers
+    out = []
+    for sid in seq_ids:
+      row = self.seq_row(int(sid)) if 0 <= sid < self.cfg.max_seqs else (
+          [-1] * self.cfg.max_pages)
+      shared = [s * nl + layer if s >= 0 else -1 for s in row]
+      if split:
+        out.append([[2 * q if q >= 0 else -1 for q in shared],
+                    [2 * q + 1 if q >= 0 else -1 for q in shared]])
+      else:
+        out.append(shared)
+    return np.asarray(out, np.int32)
+
+  def stats(self):
+    n = self.cfg.num_slots
+    free = sum(1 for s in range(n)
+               if self.refcount[s] == 0 and not self.published[s])
+    cached = sum(1 for s in range(n)
+                 if self.refcount[s] == 0 and self.published[s])
+    return dict(num_free=free, num_cached=cached,
+                num_used=sum(1 for s in range(n) if self.refcount[s] > 0),
+                num_published=sum(self.published),
+                num_live_seqs=len(self.seqs), num_lookups=self.num_lookups,
+                num_hits=self.num_hits)

@@ -1,0 +1,135 @@
+"""Host-side check of every cache-state invariant (tests and debug mode only).
+
+Data-dependent checks never run in the jitted path; `validate(state)` pulls the
+state to the host and raises with the list of broken invariants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .state import CacheState
+
+
+class CacheInvariantError(ValueError):
+  """Raised by `validate` with one line per broken invariant."""
+
+
+def validate(state: CacheState) -> None:
+  """Checks every invariant of `state`; raises `CacheInvariantError` if any fails.
+
+  Checked:
+    * array shapes and dtypes against the config;
+    * live rows hold exactly `cdiv(seq_lens, page_size)` blocks, all valid slot
+      ids, no slot twice in a row; dead rows are empty with length 0;
+    * `slot_refcount[s]` equals the number of live (sequence, block) entries
+      holding `s` (so free + used + cached = num_slots holds by construction,
+      and no unreferenced slot is in any table);
+    * a slot held by more than one entry, or published, is a full block in
+      every row holding it (read-only: no holder ever writes into it);
+    * the prefix-cache index: every table entry is a published slot whose
+      `slot_hash_pos` points back at it and whose key hashes to that bucket;
+      every published slot is in the table exactly once; no two published
+      slots share a key; parents are valid slot ids or -1;
+    * counters are non-negative and hits <= lookups.
+
+  Raises:
+    CacheInvariantError: listing every violated invariant.
+  """
+  cfg = state.config
+  f = {k: np.asarray(v) for k, v in vars(state).items() if k != "config"}
+  errors: list[str] = []
+  ns, ps, mp, ms = cfg.num_slots, cfg.page_size, cfg.max_pages, cfg.max_seqs
+  expected = dict(
+      slot_refcount=((ns,), np.int32), slot_last_use=((ns,), np.int32),
+      slot_published=((ns,), np.bool_), slot_key=((ns, 2), np.uint32),
+      slot_tokens=((ns, ps), np.int32), slot_scope=((ns,), np.int32),
+      slot_parent=((ns,), np.int32), slot_parent_gen=((ns,), np.int32),
+      slot_gen=((ns,), np.int32), slot_hash_pos=((ns,), np.int32),
+      hash_table=((cfg.num_buckets, cfg.hash_ways), np.int32),
+      seq_slots=((ms, mp), np.int32), seq_lens=((ms,), np.int32),
+      seq_live=((ms,), np.bool_), seq_scope=((ms,), np.int32),
+      clock=((), np.int32), num_lookups=((), np.int32),
+      num_hits=((), np.int32))
+  for name, (shape, dtype) in expected.items():
+    a = f[name]
+    if a.shape != shape or a.dtype != dtype:
+      errors.append(f"{name}: expected {dtype.__name__}{list(shape)}, got "
+                    f"{a.dtype}{list(a.shape)}")
+  if errors:
+    raise CacheInvariantError("\n".join(errors))
+
+  owners = np.zeros(ns, np.int64)
+  holders: dict[int, list[tuple[int, int]]] = {}
+  for sid in range(ms):
+    row, length, live = f["seq_slots"][sid], int(f["seq_lens"][sid]), bool(
+        f["seq_live"][sid])
+    if not live:
+      if (row != -1).any() or length != 0:
+        errors.append(f"seq {sid}: dead but holds blocks or length {length}")
+      continue
+    nb = -(-length // ps)
+    if not 0 <= length <= cfg.max_seq_len:
+      errors.append(f"seq {sid}: length {length} out of [0, {cfg.max_seq_len}]")
+      continue
+    held = row[:nb]
+    if (held < 0).any() or (held >= ns).any():
+      errors.append(f"seq {sid}: invalid slot in its first {nb} blocks: {row}")
+    if (row[nb:] != -1).any():
+      errors.append(f"seq {sid}: blocks past cdiv(len, page_size)={nb}: {row}")
+    if len(set(held.tolist())) != len(held):
+      errors.append(f"seq {sid}: a slot appears twice: {row}")
+    for pos, s in enumerate(held.tolist()):
+      if 0 <= s < ns:
+        owners[s] += 1
+        holders.setdefault(s, []).append((sid, pos))
+  bad = np.nonzero(owners != f["slot_refcount"])[0]
+  for s in bad[:10]:
+    errors.append(f"slot {s}: refcount {f['slot_refcount'][s]} but "
+                  f"{owners[s]} holders {holders.get(int(s), [])}")
+  for s, hs in holders.items():
+    if len(hs) > 1 or f["slot_published"][s]:
+      for sid, pos in hs:
+        if pos >= int(f["seq_lens"][sid]) // ps:
+          errors.append(
+              f"slot {s}: shared or published but the partial block {pos} of "
+              f"seq {sid} (length {f['seq_lens'][sid]})")
+
+  table = f["hash_table"]
+  flat = table.reshape(-1)
+  pub = f["slot_published"]
+  seen = np.zeros(ns, np.int64)
+  for p, s in enumerate(flat.tolist()):
+    if s < 0:
+      continue
+    if s >= ns:
+      errors.append(f"hash_table[{p}] = {s} is not a slot id")
+      continue
+    seen[s] += 1
+    if not pub[s]:
+      errors.append(f"hash_table[{p}] = slot {s}, which is not published")
+    if f["slot_hash_pos"][s] != p:
+      errors.append(f"slot {s}: slot_hash_pos {f['slot_hash_pos'][s]} but in "
+                    f"hash_table[{p}]")
+    bucket = int(f["slot_key"][s, 0]) & (cfg.num_buckets - 1)
+    if p // cfg.hash_ways != bucket:
+      errors.append(f"slot {s}: key bucket {bucket} but stored in bucket "
+                    f"{p // cfg.hash_ways}")
+  for s in np.nonzero(pub & (seen != 1))[0][:10]:
+    errors.append(f"slot {s}: published but in the hash table {seen[s]} times")
+  for s in np.nonzero(~pub & (f["slot_hash_pos"] != -1))[0][:10]:
+    errors.append(f"slot {s}: unpublished with slot_hash_pos "
+                  f"{f['slot_hash_pos'][s]}")
+  keys = [tuple(k) for k in f["slot_key"][pub].tolist()]
+  if len(set(keys)) != len(keys):
+    errors.append("two published slots share a key")
+  parents = f["slot_parent"][pub]
+  if ((parents < -1) | (parents >= ns)).any():
+    errors.append(f"published slot with an invalid parent: {parents}")
+  if f["num_lookups"] < 0 or f["num_hits"] < 0 or (
+      f["num_hits"] > f["num_lookups"]):
+    errors.append(f"counters: lookups {f['num_lookups']}, hits {f['num_hits']}")
+  if (f["slot_refcount"] < 0).any():
+    errors.append("negative refcount")
+  if errors:
+    raise CacheInvariantError("\n".join(errors))
