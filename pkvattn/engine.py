@@ -1,0 +1,612 @@
+"""A continuous-batching generation engine over the paged pool and the functional cache.
+
+Each `step()`:
+
+1. **Host scheduling** (plain Python over a few dozen requests): every running
+   request gets a row of the step's ragged batch: decode rows feed their last
+   sampled token (1 token), prefill rows feed the next chunk of their prompt
+   under a static token budget (`max_num_tokens`, chunked prefill), all in ONE
+   mixed batch. Waiting requests are admitted while rows are free.
+2. **One jitted device step** (`_device_step`; the pool, the cache state and
+   the token buffer are donated and carried through):
+   `commit` (publish the full blocks of prompts finished last step, and of
+   sequences ending) → `release` (finished / preempted) → per-layer page tables
+   → model forward (every layer runs `paged_prefill` on the mixed batch) →
+   sampling (greedy / temperature / top-k / top-p, seeded per request) →
+   `extend` by one token for rows that keep decoding (reserving the slot the
+   next token needs) → `claim_batch` for the admitted requests (prefix reuse,
+   two-phase). Admitted requests start their prefill in the next step, from
+   `num_reused_tokens`.
+3. **Host bookkeeping** of the results (one device→host transfer per step):
+   append sampled tokens, stop on EOS / `max_new_tokens`, and when the pool is
+   full (an `extend` or a claim refused) the request waits, or is preempted
+   and later recomputed from its prompt + generated tokens (vLLM's recompute
+   preemption), never failed.
+
+Row `r` of the batch is always sequence id `r` of the cache, so the page tables
+are the cache's tables for `seq_ids = arange(max_seqs)`, rows without tokens
+this step simply have `q_len = 0`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pkvattn import _checks
+from pkvattn import attention as _attention
+from pkvattn import cache as _cache
+from pkvattn.flax import AttentionPlan
+from pkvattn.models import Model
+from pkvattn.models import decoder as _decoder
+from pkvattn.sampling import SamplingParams
+from pkvattn.sampling import sample as _sample
+from pkvattn.types import Implementation
+
+__all__ = ["Engine", "EngineConfig", "Request", "SamplingParams"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static sizes of the engine (one jit compile per config).
+
+  Attributes:
+    page_size: tokens per KV block.
+    num_slots: slots in the pool (a slot = one block of every layer, K and V).
+    max_seqs: rows of the step batch = sequences running at once.
+    max_num_tokens: token budget of one step (the static `num_tokens`); decode
+      rows take one token each, prefill chunks share the rest. `>= max_seqs`.
+    max_model_len: prompt + generated tokens of one request at most.
+    max_admit: claims per step; None = `max_seqs`.
+    enable_prefix_reuse: publish full blocks (`commit`) so later prompts with
+      the same prefix reuse them.
+    enable_swa_scratch_reuse: passed to the cache (issue 5) for models with
+      sliding-window layers; scratch blocks are handled by `claim_batch` /
+      `extend` and `page_table`. The engine then prefills a prompt in one step.
+    impl: attention / rope implementation ("pallas", "xla", None = auto).
+    hash_ways: prefix-cache hash-table associativity.
+  """
+  page_size: int = 16
+  num_slots: int = 256
+  max_seqs: int = 8
+  max_num_tokens: int = 256
+  max_model_len: int = 1024
+  max_admit: int | None = None
+  enable_prefix_reuse: bool = True
+  enable_swa_scratch_reuse: bool = False
+  impl: Implementation | None = None
+  hash_ways: int = 8
+
+  def __post_init__(self):
+    for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
+                 "max_model_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Invalid {name}: expected a positive int, got {value!r}")
+    if self.max_num_tokens < self.max_seqs:
+      raise ValueError(
+          f"Invalid max_num_tokens: expected >= max_seqs={self.max_seqs}, got "
+          f"{self.max_num_tokens}")
+    if self.impl is not None:
+      _checks.check_choice(self.impl, ("pallas", "xla"), "impl")
+
+  @property
+  def max_pages(self) -> int:
+    return -(-self.max_model_len // self.page_size)
+
+  @property
+  def num_admit(self) -> int:
+    return self.max_admit or self.max_seqs
+
+
+@dataclasses.dataclass
+class Request:
+  """A generation request and its progress (host side)."""
+  request_id: int
+  prompt: list[int]
+  params: SamplingParams
+  stop_ids: frozenset
+  output: list[int] = dataclasses.field(default_factory=list)
+  status: str = "waiting"        # waiting | prefill | decode | finished
+  seq_id: int = -1
+  num_computed: int = 0          # tokens whose KV is in the cache
+  num_reused: int = 0            # prompt tokens served by the prefix cache
+  finish_reason: str | None = None
+  num_preemptions: int = 0
+  first_token_step: int | None = None
+
+  @property
+  def tokens(self) -> list[int]:
+    """What the cache must hold before the next sample: prompt + generated."""
+    return self.prompt + self.output
+
+  @property
+  def done(self) -> bool:
+    return self.status == "finished"
+
+
+@struct.dataclass
+class _StepInputs:
+  tokens: jax.Array         # i32[max_num_tokens]
+  q_indptr: jax.Array       # i32[max_seqs + 1]
+  kv_lens: jax.Array        # i32[max_seqs]
+  sample_rows: jax.Array    # bool[max_seqs]
+  temperature: jax.Array    # f32[max_seqs]
+  top_k: jax.Array          # i32[max_seqs]
+  top_p: jax.Array          # f32[max_seqs]
+  seeds: jax.Array          # u32[max_seqs]
+  gen_index: jax.Array      # i32[max_seqs]
+  commit_ids: jax.Array     # i32[max_seqs], -1 = none
+  commit_lens: jax.Array    # i32[max_seqs]
+  release_ids: jax.Array    # i32[max_seqs], -1 = none
+  extend_ids: jax.Array     # i32[max_seqs], -1 = none
+  admit_ids: jax.Array      # i32[num_admit], -1 = none
+  admit_tokens: jax.Array   # i32[num_admit, max_model_len]
+  admit_lens: jax.Array     # i32[num_admit]
+
+
+@struct.dataclass
+class _StepOutputs:
+  sampled: jax.Array        # i32[max_seqs]
+  extend_ok: jax.Array      # bool[max_seqs]
+  claim_ok: jax.Array       # bool[num_admit]
+  claim_reused: jax.Array   # i32[num_admit]
+  used_slots: jax.Array     # i32[], slots referenced by live sequences
+
+
+def _layer_tables(state, num_layers: int, max_seqs: int):
+  """`i32[num_layers, max_seqs, 2, max_pages]`: each layer's split table."""
+  seq_ids = jnp.arange(max_seqs, dtype=jnp.int32)
+  return jnp.stack([_cache.page_table(state, seq_ids, layer, split=True)
+                    for layer in range(num_layers)])
+
+
+def _cache_ops_before(state, seq_tokens, inp: _StepInputs, prefix_reuse: bool):
+  if prefix_reuse:
+    state = _cache.commit(state, inp.commit_ids, seq_tokens, inp.commit_lens)
+  return _cache.release(state, inp.release_ids)
+
+
+def _cache_ops_after(state, inp: _StepInputs):
+  ones = jnp.ones_like(inp.extend_ids)
+  state, ext = _cache.extend(state, inp.extend_ids, ones)
+  state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
+                                    inp.admit_lens)
+  return state, ext, claim
+
+
+def _write_tokens(seq_tokens, inp: _StepInputs, plan: AttentionPlan):
+  """Records fed tokens and admitted prompts in the per-sequence token buffer."""
+  rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
+                   seq_tokens.shape[0])
+  seq_tokens = seq_tokens.at[rows, plan.positions].set(inp.tokens, mode="drop")
+  admit_rows = jnp.where(inp.admit_ids >= 0, inp.admit_ids, seq_tokens.shape[0])
+  return seq_tokens.at[admit_rows].set(inp.admit_tokens, mode="drop")
+
+
+def _device_step(params, pool, state, seq_tokens, inp: _StepInputs, *,
+                 model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+  state = _cache_ops_before(state, seq_tokens, inp, cfg.enable_prefix_reuse)
+  tables = _layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
+  plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
+                              cfg.max_num_tokens)
+  last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
+  logits, pool = _decoder.forward(params, model_cfg, inp.tokens, pool, plan,
+                                  logits_indices=last, impl=cfg.impl)
+  sampled = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
+                    inp.gen_index)
+  sampled = jnp.where(inp.sample_rows, sampled, -1)
+  seq_tokens = _write_tokens(seq_tokens, inp, plan)
+  state, ext, claim = _cache_ops_after(state, inp)
+  out = _StepOutputs(
+      sampled=sampled, extend_ok=ext.ok, claim_ok=claim.ok,
+      claim_reused=claim.num_reused_tokens,
+      used_slots=jnp.sum(state.slot_refcount > 0, dtype=jnp.int32))
+  return pool, state, seq_tokens, out
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_step(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+  """One compiled step per (model config, engine config), shared by engines."""
+  return jax.jit(
+      functools.partial(_device_step, model_cfg=model_cfg, cfg=cfg),
+      donate_argnums=(1, 2, 3))
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one engine's life (host side)."""
+  num_steps: int = 0
+  prompt_tokens: int = 0        # prompt tokens of admitted claims
+  reused_tokens: int = 0        # of those, served by the prefix cache
+  prefill_tokens: int = 0       # prompt tokens computed
+  decode_tokens: int = 0        # tokens fed as decode rows
+  generated_tokens: int = 0     # tokens sampled
+  prefill_time_s: float = 0.0   # wall time of steps that carried prefill tokens
+  decode_time_s: float = 0.0    # wall time of decode-only steps
+  host_time_s: float = 0.0      # host scheduling + result handling
+  compile_time_s: float = 0.0   # first step (trace + compile + run)
+  peak_used_slots: int = 0
+  slots_saved_by_scratch: int | None = None  # reported once issue 5's cache does
+  num_preemptions: int = 0
+  num_refused_claims: int = 0
+
+  @property
+  def prefix_hit_rate(self) -> float:
+    return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+  @property
+  def prefill_tokens_per_s(self) -> float:
+    return self.prefill_tokens / self.prefill_time_s if self.prefill_time_s else 0.0
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(prefix_hit_rate=self.prefix_hit_rate,
+             prefill_tokens_per_s=self.prefill_tokens_per_s,
+             decode_tokens_per_s=self.decode_tokens_per_s)
+    return d
+
+
+class Engine:
+  """Continuous-batching generation with paged attention and prefix reuse.
+
+  Example:
+    >>> from pkvattn.models import load_model
+    >>> engine = Engine(load_model("tiny-llama"), EngineConfig(page_size=8))
+    >>> outs = engine.generate([[256, 72, 105]], SamplingParams(max_new_tokens=4))
+    >>> len(outs[0])
+    4
+  """
+
+  def __init__(self, model: Model, config: EngineConfig = EngineConfig(),
+               *, pool_dtype=None):
+    self.model = model
+    self.config = config
+    mcfg = model.cfg
+    self.cache_config = _cache.CacheConfig(
+        num_slots=config.num_slots, page_size=config.page_size,
+        num_layers=mcfg.num_layers, max_seqs=config.max_seqs,
+        max_pages=config.max_pages, hash_ways=config.hash_ways,
+        layer_windows=tuple(mcfg.windows),
+        enable_swa_scratch_reuse=bool(
+            config.enable_swa_scratch_reuse and mcfg.has_sliding_window))
+    dtype = pool_dtype or jax.tree.leaves(model.params)[0].dtype
+    self.pool = jnp.zeros(mcfg.pool_shape(config.num_slots, config.page_size),
+                          dtype)
+    self.state = _cache.init_cache(self.cache_config)
+    self.seq_tokens = jnp.zeros((config.max_seqs, config.max_model_len),
+                                jnp.int32)
+    self._step_fn = _jitted_step(mcfg, config)
+    self._requests: dict[int, Request] = {}
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._running: list[Request] = []       # admitted, in admission order
+    self._free_rows = list(range(config.max_seqs))
+    self._to_release: list[tuple[int, int]] = []   # (row, committed len)
+    self._to_commit: list[tuple[int, int]] = []    # (row, len)
+    self._next_id = 0
+    self._default_stop = frozenset(mcfg.eos_token_ids)
+    self.stats = EngineStats()
+    self.last_inputs: _StepInputs | None = None
+
+  # ------------------------------------------------------------------ API
+  def add_request(self, prompt: Sequence[int],
+                  params: SamplingParams = SamplingParams()) -> int:
+    """Queues a request; returns its id.
+
+    Raises:
+      ValueError: empty prompt, or prompt + max_new_tokens over max_model_len,
+        or token ids outside the vocabulary.
+    """
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+      raise ValueError("Invalid prompt: expected at least one token, got none")
+    total = len(prompt) + params.max_new_tokens
+    if total > self.config.max_model_len:
+      raise ValueError(
+          f"Invalid request: len(prompt) + max_new_tokens = {total} exceeds "
+          f"max_model_len={self.config.max_model_len}")
+    if (self.cache_config.enable_swa_scratch_reuse
+        and total > self.config.max_num_tokens):
+      # Scratch blocks live for one step only, so a prompt (or a recompute of
+      # prompt + output) must be prefilled in a single step.
+      raise ValueError(
+          f"Invalid request: with SWA scratch reuse, len(prompt) + "
+          f"max_new_tokens = {total} must fit max_num_tokens="
+          f"{self.config.max_num_tokens}")
+    if min(prompt) < 0 or max(prompt) >= self.model.cfg.vocab_size:
+      raise ValueError(
+          f"Invalid prompt: token ids must be in [0, {self.model.cfg.vocab_size}),"
+          f" got range [{min(prompt)}, {max(prompt)}]")
+    if params.stop_token_ids is not None:
+      stop = frozenset(params.stop_token_ids)
+    else:
+      stop = frozenset() if params.ignore_eos else self._default_stop
+    req = Request(self._next_id, prompt, params, stop)
+    self._next_id += 1
+    self._requests[req.request_id] = req
+    self._waiting.append(req)
+    return req.request_id
+
+  def get_request(self, request_id: int) -> Request:
+    return self._requests[request_id]
+
+  def has_unfinished(self) -> bool:
+    return bool(self._waiting or self._running)
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               progress: Callable[[int], Any] | None = None) -> list[list[int]]:
+    """Runs all prompts to completion; returns generated ids per prompt.
+
+    `progress(n)` is called after each step with the tokens generated in it.
+    """
+    if isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while self.has_unfinished():
+      n = self.step()
+      if progress is not None:
+        progress(n)
+    return [self._requests[i].output for i in ids]
+
+  # ----------------------------------------------------------------- step
+  def _schedule(self):
+    cfg = self.config
+    S, T, A = cfg.max_seqs, cfg.max_num_tokens, cfg.num_admit
+    tokens = np.zeros(T, np.int32)
+    q_lens = np.zeros(S, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    sample_rows = np.zeros(S, bool)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    gen_index = np.zeros(S, np.int32)
+    extend_ids = np.full(S, -1, np.int32)
+    rows = []   # (request, q_len, samples)
+    budget = T
+    # Decode rows first (one token each), then prefill chunks in arrival order.
+    order = ([r for r in self._running if r.status == "decode"]
+             + [r for r in self._running if r.status == "prefill"])
+    cursor = 0
+    for req in order:
+      todo = req.tokens
+      if req.status == "decode":
+        feed = todo[req.num_computed:req.num_computed + 1]
+      else:
+        remaining = len(todo) - req.num_computed
+        chunk = remaining if self.cache_config.enable_swa_scratch_reuse else min(
+            remaining, budget)
+        if chunk > budget or chunk <= 0:
+          continue
+        feed = todo[req.num_computed:req.num_computed + chunk]
+      n = len(feed)
+      if n > budget:
+        continue
+      budget -= n
+      r = req.seq_id
+      q_lens[r] = n
+      kv_lens[r] = req.num_computed + n
+      samples = req.num_computed + n == len(todo)
+      rows.append((req, n, samples))
+      if samples:
+        sample_rows[r] = True
+        sp = req.params
+        temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+        seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
+        gen_index[r] = len(req.output)
+        if len(req.output) + 1 < sp.max_new_tokens:
+          extend_ids[r] = r
+    # Tokens are laid out in row order (q_indptr is cu_seqlens over rows).
+    q_indptr = np.zeros(S + 1, np.int32)
+    q_indptr[1:] = np.cumsum(q_lens)
+    by_row = {req.seq_id: (req, n) for req, n, _ in rows}
+    for r, (req, n) in sorted(by_row.items()):
+      tokens[q_indptr[r]:q_indptr[r] + n] = req.tokens[
+          req.num_computed:req.num_computed + n]
+
+    # Admissions: while rows are free and the prefill backlog is short.
+    admit_ids = np.full(A, -1, np.int32)
+    admit_tokens = np.zeros((A, cfg.max_model_len), np.int32)
+    admit_lens = np.zeros(A, np.int32)
+    admitted = []
+    backlog = sum(len(r.tokens) - r.num_computed for r in self._running
+                  if r.status == "prefill")
+    while (self._waiting and self._free_rows and len(admitted) < A
+           and backlog < 2 * T):
+      req = self._waiting.popleft()
+      row = self._free_rows.pop(0)
+      req.seq_id = row
+      toks = req.tokens
+      i = len(admitted)
+      admit_ids[i] = row
+      admit_tokens[i, :len(toks)] = toks
+      admit_lens[i] = len(toks)
+      admitted.append(req)
+      backlog += len(toks)
+
+    commit_ids = np.full(S, -1, np.int32)
+    commit_lens = np.zeros(S, np.int32)
+    release_ids = np.full(S, -1, np.int32)
+    for i, (row, n) in enumerate(self._to_commit + self._to_release):
+      if i < S:  # each row appears at most once per step
+        commit_ids[i], commit_lens[i] = row, n
+    for i, (row, _) in enumerate(self._to_release):
+      release_ids[i] = row
+    inputs = _StepInputs(
+        tokens=tokens, q_indptr=q_indptr, kv_lens=kv_lens,
+        sample_rows=sample_rows, temperature=temperature, top_k=top_k,
+        top_p=top_p, seeds=seeds, gen_index=gen_index, commit_ids=commit_ids,
+        commit_lens=commit_lens, release_ids=release_ids,
+        extend_ids=extend_ids, admit_ids=admit_ids, admit_tokens=admit_tokens,
+        admit_lens=admit_lens)
+    return inputs, rows, admitted
+
+  def step(self) -> int:
+    """Runs one engine step; returns the number of tokens sampled in it.
+
+    Raises:
+      RuntimeError: a waiting request can never be admitted (its prompt needs
+        more slots than the whole pool has).
+    """
+    t0 = time.perf_counter()
+    inputs, rows, admitted = self._schedule()
+    released = self._to_release
+    self._to_release, self._to_commit = [], []
+    for row, _ in released:
+      self._free_rows.append(row)
+    self._free_rows.sort()
+    self.last_inputs = inputs
+    t1 = time.perf_counter()
+    first = self.stats.num_steps == 0
+    self.pool, self.state, self.seq_tokens, out = self._step_fn(
+        self.model.params, self.pool, self.state, self.seq_tokens,
+        jax.tree.map(jnp.asarray, inputs))
+    out = jax.tree.map(np.asarray, out)  # the one device -> host sync
+    t2 = time.perf_counter()
+
+    num_sampled = 0
+    has_prefill = False
+    for req, n, samples in rows:
+      if req.status == "prefill":
+        has_prefill = True
+        self.stats.prefill_tokens += n
+      else:
+        self.stats.decode_tokens += n
+      req.num_computed += n
+      if not samples:
+        continue
+      r = req.seq_id
+      if req.status == "prefill":
+        req.status = "decode"
+        if self.config.enable_prefix_reuse:
+          self._to_commit.append((r, req.num_computed))
+      token = int(out.sampled[r])
+      req.output.append(token)
+      num_sampled += 1
+      self.stats.generated_tokens += 1
+      if req.first_token_step is None:
+        req.first_token_step = self.stats.num_steps
+      if (token in req.stop_ids and not req.params.ignore_eos) or len(
+          req.output) >= req.params.max_new_tokens:
+        req.status = "finished"
+        req.finish_reason = "stop" if token in req.stop_ids else "length"
+        self._finish(req)
+      elif not out.extend_ok[r]:
+        self._preempt(req)
+    refused = []
+    for i, req in enumerate(admitted):
+      if out.claim_ok[i]:
+        req.status = "prefill"
+        self.stats.prompt_tokens += len(req.tokens)
+        req.num_reused = int(out.claim_reused[i])
+        req.num_computed = req.num_reused
+        self.stats.reused_tokens += req.num_reused
+        self._running.append(req)
+      else:  # out of slots: back to the queue front, in arrival order
+        self.stats.num_refused_claims += 1
+        self._free_rows.append(req.seq_id)
+        req.seq_id = -1
+        refused.append(req)
+    self._waiting.extendleft(reversed(refused))
+    self._free_rows.sort()
+    if refused and not rows and not self._running and not self._to_release:
+      raise RuntimeError(
+          f"Request {refused[0].request_id} needs "
+          f"{-(-len(refused[0].tokens) // self.config.page_size)} slots but the "
+          f"pool has only num_slots={self.config.num_slots}")
+    self.stats.peak_used_slots = max(self.stats.peak_used_slots,
+                                     int(out.used_slots))
+    self.stats.num_steps += 1
+    t3 = time.perf_counter()
+    self.stats.host_time_s += (t1 - t0) + (t3 - t2)
+    if first:
+      self.stats.compile_time_s += t2 - t1
+    elif has_prefill:
+      self.stats.prefill_time_s += t3 - t0
+    elif rows:
+      self.stats.decode_time_s += t3 - t0
+    return num_sampled
+
+  def _finish(self, req: Request):
+    self._running.remove(req)
+    self._to_release.append((req.seq_id, req.num_computed))
+
+  def _preempt(self, req: Request):
+    """Out of slots for the next token: free the sequence, recompute later."""
+    self._running.remove(req)
+    self._to_release.append((req.seq_id, req.num_computed))
+    req.status = "waiting"
+    req.seq_id = -1
+    req.num_computed = 0
+    req.num_preemptions += 1
+    self.stats.num_preemptions += 1
+    self._waiting.appendleft(req)
+
+  # -------------------------------------------------------------- profile
+  def profile(self, iters: int = 10) -> dict:
+    """Times the last step's pieces on copies of the current state (GPU runs).
+
+    Returns milliseconds per step for `step` (the whole jitted step),
+    `attention` (every layer's `paged_prefill` on the step's plan, q random),
+    `bookkeeping` (commit / release / page tables / extend / claim) and
+    `rest = step - attention - bookkeeping` (projections, MLP, RoPE + append,
+    sampling). Nothing here changes the engine's state.
+    """
+    if self.last_inputs is None:
+      raise ValueError("Invalid call: profile() needs at least one step() first")
+    cfg, mcfg = self.config, self.model.cfg
+    inp = jax.tree.map(jnp.asarray, self.last_inputs)
+
+    def bookkeeping(state, seq_tokens, inp):
+      state = _cache_ops_before(state, seq_tokens, inp, cfg.enable_prefix_reuse)
+      tables = _layer_tables(state, mcfg.num_layers, cfg.max_seqs)
+      state, ext, claim = _cache_ops_after(state, inp)
+      return state, tables, ext.ok, claim.ok
+
+    def attention_only(pool, state, inp):
+      tables = _layer_tables(state, mcfg.num_layers, cfg.max_seqs)
+      q = jnp.ones((cfg.max_num_tokens, mcfg.num_qo_heads, mcfg.head_dim),
+                   pool.dtype)
+      acc = jnp.zeros((), jnp.float32)
+      for layer in range(mcfg.num_layers):
+        spec = mcfg.attention_spec(layer)
+        o = _attention.paged_prefill(
+            q, pool, tables[layer], inp.q_indptr, inp.kv_lens,
+            sm_scale=spec.sm_scale, window_left=spec.window_left,
+            logits_soft_cap=spec.logits_soft_cap, impl=cfg.impl)
+        acc = acc + o[0, 0, 0].astype(jnp.float32)
+        q = q + o * 0  # keep the layers sequential, as in the model
+      return acc
+
+    step = jax.jit(functools.partial(_device_step, model_cfg=mcfg, cfg=cfg))
+    fns = {
+        "step": (step, (self.model.params, self.pool, self.state,
+                        self.seq_tokens, inp)),
+        "bookkeeping": (jax.jit(bookkeeping), (self.state, self.seq_tokens, inp)),
+        "attention": (jax.jit(attention_only), (self.pool, self.state, inp)),
+    }
+    result = {}
+    for name, (fn, args) in fns.items():
+      jax.block_until_ready(fn(*args))
+      times = []
+      for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+      result[f"{name}_ms"] = float(np.median(times))
+    result["rest_ms"] = (result["step_ms"] - result["attention_ms"]
+                         - result["bookkeeping_ms"])
+    return result

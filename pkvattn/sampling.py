@@ -1,0 +1,84 @@
+"""Token sampling for the engine: greedy, temperature, top-k, top-p, seeded per row.
+
+Randomness is per request and per generated index (`fold_in(key(seed), index)`),
+so a request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request generates.
+
+  Attributes:
+    max_new_tokens: tokens to generate at most (>= 1).
+    temperature: 0 = greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the `top_k` most likely tokens; 0 = all.
+    top_p: keep the smallest set of most likely tokens whose probability
+      reaches `top_p` (nucleus); 1.0 = all.
+    seed: the request's random seed.
+    stop_token_ids: tokens that end generation (kept in the output); None =
+      the model's EOS ids.
+    ignore_eos: generate exactly `max_new_tokens`.
+  """
+  max_new_tokens: int = 32
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_token_ids: tuple[int, ...] | None = None
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(
+          f"Invalid max_new_tokens: expected >= 1, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(
+          f"Invalid temperature: expected >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"Invalid top_k: expected >= 0, got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"Invalid top_p: expected in (0, 1], got {self.top_p}")
+
+
+def sample(
+    logits: jax.Array,       # f32[batch_size, vocab_size]
+    temperature: jax.Array,  # f32[batch_size], 0 = greedy
+    top_k: jax.Array,        # i32[batch_size], 0 = off
+    top_p: jax.Array,        # f32[batch_size], 1 = off
+    seeds: jax.Array,        # u32[batch_size]
+    indices: jax.Array,      # i32[batch_size], generated-token index (rng stream)
+) -> jax.Array:              # i32[batch_size]
+  """Samples one token per row; rows with `temperature == 0` take the argmax.
+
+  The sort over the vocabulary runs only when some row samples (`lax.cond`).
+  """
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def stochastic(_):
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    rank = jnp.arange(vocab)[None, :]
+    keep = (before < top_p[:, None]) & (
+        (top_k[:, None] <= 0) | (rank < top_k[:, None]))
+    keep = keep | (rank == 0)
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(
+        lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
+    choice = jax.vmap(jax.random.categorical)(keys, masked)
+    token = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(temperature > 0, token.astype(jnp.int32), greedy)
+
+  return lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
