@@ -320,6 +320,9 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--specs", default="all")
   ap.add_argument("--no-plot", action="store_true")
+  ap.add_argument("--configs", default="",
+                  help="';'-separated block_q,block_k,warps,stages[,prefetch"
+                  "[,ignore_table]] overriding the sweep (first = default)")
   a = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
@@ -335,6 +338,11 @@ def main():
            C(32, 32, 4, 3), C(64, 64, 8, 2), C(32, 128, 4, 2)]
   if a.quick:
     sweep = sweep[:3]
+  if a.configs:
+    sweep = []
+    for c in a.configs.split(";"):
+      v = [int(x) for x in c.split(",")]
+      sweep.append(C(*v[:4], *(bool(x) for x in v[4:])))
   rows = []
   roofs = dict(matmul_roof_tflops=_timing.matmul_roof_tflops(),
                copy_roof_gbps=_timing.copy_roof_gbps())

@@ -60,11 +60,17 @@ class Config:
       go into the M dimension of the dots (power of two, >= 16).
     block_k: keys per KV tile (power of two, >= 16); need not align to pages.
     num_warps, num_stages: Triton launch parameters.
+    prefetch_pages: load block i+1's page ids during block i (carried), so
+      K/V addresses never wait on a table load in their own iteration.
+    debug_ignore_table: timing diagnostic only (wrong results): address K/V
+      as if the tables were the identity, to measure the cost of the gather.
   """
   block_q: int = 16
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  prefetch_pages: bool = True
+  debug_ignore_table: bool = False
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int, page_size: int,
@@ -111,6 +117,8 @@ def _paged_prefill_kernel(
     window_left: int,
     logits_soft_cap: float | None,
     has_sinks: bool,
+    prefetch_pages: bool,
+    debug_ignore_table: bool,
 ):
   if has_sinks:
     sinks_ref, o_ref, lse_ref = rest
@@ -171,22 +179,36 @@ def _paged_prefill_kernel(
 
   qk_scale = sm_scale * _LOG2E
 
-  def body(blk, carry, masked: bool):
-    acc, m_prev, l_prev = carry
+  def load_pages(blk):
+    """Page ids of KV block `blk`, masked to the tile's visible key range."""
     j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    page_idx = j // page_size
-    slot = j % page_size
-    if masked:
-      ld = (j >= kv_lo) & (j < kv_hi)
-      page_idx = jnp.where(ld, page_idx, 0)
-      k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ld, other=0)
-      v_page = plgpu.load(v_table_ref.at[seq, page_idx], mask=ld, other=0)
-      k = plgpu.load(k_pool_ref.at[k_page[:, None], slot[:, None], kv_head, d],
-                     mask=ld[:, None], other=0.0)
+    if debug_ignore_table:  # timing diagnostic only: identity tables
+      kp = seq * max_pages + j // page_size
+      return kp, kp + k_table_ref.shape[0] * max_pages
+    ld = (j >= kv_lo) & (j < kv_hi)
+    page_idx = jnp.where(ld, j // page_size, 0)
+    k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ld, other=0)
+    v_page = plgpu.load(v_table_ref.at[seq, page_idx], mask=ld, other=0)
+    return k_page, v_page
+
+  def body(blk, carry, masked: bool):
+    if prefetch_pages:
+      acc, m_prev, l_prev, k_page, v_page = carry
     else:
-      k_page = k_table_ref[seq, page_idx]
-      v_page = v_table_ref[seq, page_idx]
-      k = k_pool_ref[k_page[:, None], slot[:, None], kv_head, d]
+      acc, m_prev, l_prev = carry
+      k_page, v_page = load_pages(blk)
+    j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    slot = (j % page_size)[:, None]
+    if masked:
+      ld = ((j >= kv_lo) & (j < kv_hi))[:, None]
+      k = plgpu.load(k_pool_ref.at[k_page[:, None], slot, kv_head, d],
+                     mask=ld, other=0.0)
+    else:
+      k = k_pool_ref[k_page[:, None], slot, kv_head, d]
+    if prefetch_pages:
+      # Next block's page ids now, so the next K/V loads do not wait on a
+      # dependent table load inside their own iteration.
+      k_next, v_next = load_pages(blk + 1)
     s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
     if logits_soft_cap is not None:
       s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
@@ -207,21 +229,26 @@ def _paged_prefill_kernel(
       p = jnp.where(vis, p, 0.0)
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     if masked:
-      v = plgpu.load(v_pool_ref.at[v_page[:, None], slot[:, None], kv_head, d],
-                     mask=ld[:, None], other=0.0)
+      v = plgpu.load(v_pool_ref.at[v_page[:, None], slot, kv_head, d],
+                     mask=ld, other=0.0)
     else:
-      v = v_pool_ref[v_page[:, None], slot[:, None], kv_head, d]
+      v = v_pool_ref[v_page[:, None], slot, kv_head, d]
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    if prefetch_pages:
+      return acc, m_next, l_next, k_next, v_next
     return acc, m_next, l_next
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
+  if prefetch_pages:
+    carry += load_pages(lo_blk)
   masked_body = functools.partial(body, masked=True)
   carry = lax.fori_loop(lo_blk, mid_lo, masked_body, carry)
   carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False),
                         carry)
-  acc, m, l = lax.fori_loop(mid_hi, hi_blk, masked_body, carry)
+  carry = lax.fori_loop(mid_hi, hi_blk, masked_body, carry)
+  acc, m, l = carry[:3]
 
   if has_sinks:
     sink = sinks_ref[head] * _LOG2E  # f32[rows], base 2
@@ -249,7 +276,8 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles, *,
       _paged_prefill_kernel, block_q=config.block_q, block_k=config.block_k,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
-      has_sinks=sinks is not None)
+      has_sinks=sinks is not None, prefetch_pages=config.prefetch_pages,
+      debug_ignore_table=config.debug_ignore_table)
   args = [tiles, q, k_pool, v_pool, k_table, v_table]
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
