@@ -83,13 +83,15 @@ class Config:
     * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
       small pages are gathered several at a time.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
-      about 4 per SM, but each split keeps >= 2 steps of the longest
-      sequence, so short contexts are not split into empty programs.
+      about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
+      traffic once the SMs are busy), but each split keeps >= 2 steps of the
+      longest sequence, so short contexts are not split into empty programs.
+      With one split the kernel writes the final output itself (no combine).
     """
     block_tokens = 32 if head_dim > 128 else 64
     pages_per_block = max(1, block_tokens // page_size)
     programs = batch_size * num_kv_heads
-    want = _next_pow2(max(1, -(-4 * num_sms // programs)))
+    want = _next_pow2(max(1, -(-2 * num_sms // programs)))
     max_steps = max(1, -(-max_pages // pages_per_block))
     cap = _next_pow2(max(1, max_steps // 2))
     if cap > max_steps // 2 and cap > 1:
@@ -103,11 +105,13 @@ def _paged_decode_kernel(
     kv_lens_ref,   # i32[batch_size] (whole array)
     k_table_ref,   # i32[max_pages] (row b)
     v_table_ref,   # i32[max_pages] (row b)
-    q_ref,         # [group_padded, head_dim]
+    q_ref,         # [num_qo_heads, head_dim] (row b)
+    sinks_ref,     # f32[num_qo_heads] | None
     k_pool_ref,    # [num_pages, page_size, <kv head k>, head_dim]
-    v_pool_ref,    # [num_pages, page_size, <kv head k>, head_dim]
-    o_ref,         # f32[group_padded, head_dim]
-    lse_ref,       # f32[group_padded]
+    v_pool_ref,    # [num_pages', page_size, <kv head k>, head_dim]
+    o_ref,         # final: [num_qo_heads, head_dim] q.dtype (row b);
+                   # else f32[group_padded, head_dim] (split s of head k)
+    lse_ref,       # final: f32[num_qo_heads]; else f32[group_padded]
     *,
     sm_scale: float,
     window_left: int,
@@ -115,13 +119,26 @@ def _paged_decode_kernel(
     pages_per_block: int,
     k_splits: int,
     group_size: int,
+    group_padded: int,
 ):
   b = pl.program_id(0)
+  kv_head = pl.program_id(1)
   split = pl.program_id(2)
   page_size = k_pool_ref.shape[1]
   head_dim = q_ref.shape[-1]
-  group_padded = q_ref.shape[0]
   block_k = pages_per_block * page_size
+  final = k_splits == 1
+
+  # Rows of this kv head's query group inside q[b]; rows >= group_size are
+  # padding (masked: never loaded or stored).
+  group_row = lax.iota(jnp.int32, group_padded)
+  row_ok = group_row < group_size
+  head_rows = kv_head * group_size + group_row
+  q_shape = (group_padded, head_dim)
+  q_rows = jnp.broadcast_to(head_rows[:, None], q_shape)
+  q_cols = lax.broadcasted_iota(jnp.int32, q_shape, 1)
+  q_mask = jnp.broadcast_to(row_ok[:, None], q_shape)
+  q = pltriton.load(q_ref.at[q_rows, q_cols], mask=q_mask, other=0.0)
 
   kv_len = kv_lens_ref[b]
   lo = jnp.int32(0)
@@ -139,7 +156,6 @@ def _paged_decode_kernel(
   num_steps = jnp.maximum(
       (split_end - split_start + pages_per_block - 1) // pages_per_block, 0)
 
-  q = q_ref[...]
   precision = (lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
   # exp2 with log2(e) folded into the scale; with a soft cap the cap applies to
   # the sm_scale'd logits first (FlashInfer), then log2(e).
@@ -196,47 +212,93 @@ def _paged_decode_kernel(
 
   has = l > 0.0
   l_safe = jnp.where(has, l, 1.0)
-  out = acc / l_safe[:, None]
+  # m is in log2 units (log2(e) folded into the logits).
   lse = jnp.where(has, (m + jnp.log2(l_safe)) * (1.0 / _LOG2E), -jnp.inf)
-  rows = lax.iota(jnp.int32, group_padded)
-  row_ok = rows < group_size
-  pltriton.store(o_ref, out.astype(o_ref.dtype),
-                 mask=jnp.broadcast_to(row_ok[:, None], out.shape))
-  pltriton.store(lse_ref, lse, mask=row_ok)
+  if not final:
+    out = acc / l_safe[:, None]
+    pltriton.store(o_ref, out.astype(o_ref.dtype), mask=q_mask)
+    pltriton.store(lse_ref, lse, mask=row_ok)
+    return
+  den = l
+  if sinks_ref is not None:
+    # The sink joins the denominator only (gpt-oss): rescale to a common max.
+    sink = pltriton.load(sinks_ref.at[head_rows], mask=row_ok, other=0.0)
+    sink = sink.astype(jnp.float32) * _LOG2E
+    m_all = jnp.maximum(m, sink)
+    alpha = jnp.exp2(m - m_all)
+    acc = acc * alpha[:, None]
+    den = l * alpha + jnp.exp2(sink - m_all)
+  den = jnp.where(den > 0.0, den, 1.0)
+  out = acc / den[:, None]
+  pltriton.store(o_ref.at[q_rows, q_cols], out.astype(o_ref.dtype),
+                 mask=q_mask)
+  pltriton.store(lse_ref.at[head_rows], lse, mask=row_ok)
 
 
 def _paged_decode_call(
-    q,         # [batch_size, num_kv_heads, group_padded, head_dim]
+    q,         # [batch_size, num_qo_heads, head_dim]
+    sinks,     # f32[num_qo_heads] | None
     k_pool,    # [num_pages, page_size, num_kv_heads, head_dim]
     v_pool,    # [num_pages', page_size, num_kv_heads, head_dim]
     k_table,   # i32[batch_size, max_pages]
     v_table,   # i32[batch_size, max_pages]
     kv_lens,   # i32[batch_size]
     *,
-    group_size: int,
     sm_scale: float,
     window_left: int,
     logits_soft_cap: float | None,
     config: Config,
     interpret: bool,
 ):
-  """Per-split partial attention.
+  """Runs the kernel.
 
-  Returns `(o f32[batch_size, num_kv_heads, k_splits, group_padded, head_dim],
-  lse f32[batch_size, num_kv_heads, k_splits, group_padded])`; only the first
-  `group_size` rows are written, and empty splits give `o = 0, lse = -inf`.
+  With `config.k_splits == 1` returns the final `(out [batch_size,
+  num_qo_heads, head_dim] q.dtype, lse f32[batch_size, num_qo_heads])` (sinks
+  applied). Otherwise returns per-split partials `(o f32[batch_size,
+  num_kv_heads, k_splits, group_padded, head_dim], lse f32[batch_size,
+  num_kv_heads, k_splits, group_padded])`, normalised per split, of which
+  only the first `group_size` rows are written; empty splits give `o = 0,
+  lse = -inf`; sinks are left to `_combine`.
   """
-  batch_size, num_kv_heads, group_padded, head_dim = q.shape
-  _, page_size, _, _ = k_pool.shape
+  batch_size, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  group_size = num_qo_heads // num_kv_heads
+  group_padded = max(16, _next_pow2(group_size))
   max_pages = k_table.shape[1]
   ks = config.k_splits
+  final = ks == 1
+  if not final:
+    sinks = None
   kernel = functools.partial(
       _paged_decode_kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
-      k_splits=ks, group_size=group_size)
+      k_splits=ks, group_size=group_size, group_padded=group_padded)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, head_dim), lambda b, k, s: (0, 0, k, 0))
-  name = (f"paged_decode_g{group_padded}_d{head_dim}_ps{page_size}"
+  if final:
+    out_specs = [
+        pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
+        pl.BlockSpec((None, num_qo_heads), lambda b, k, s: (b, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), q.dtype),
+        jax.ShapeDtypeStruct((batch_size, num_qo_heads), jnp.float32),
+    ]
+  else:
+    out_specs = [
+        pl.BlockSpec((None, None, None, group_padded, head_dim),
+                     lambda b, k, s: (b, k, s, 0, 0)),
+        pl.BlockSpec((None, None, None, group_padded),
+                     lambda b, k, s: (b, k, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct(
+            (batch_size, num_kv_heads, ks, group_padded, head_dim),
+            jnp.float32),
+        jax.ShapeDtypeStruct((batch_size, num_kv_heads, ks, group_padded),
+                             jnp.float32),
+    ]
+  name = (f"paged_decode_g{group_size}_d{head_dim}_ps{page_size}"
           f"_ppb{config.pages_per_block}_ks{ks}_w{config.num_warps}"
           f"_s{config.num_stages}")
   return pl.pallas_call(
@@ -246,28 +308,18 @@ def _paged_decode_call(
           pl.BlockSpec((batch_size,), lambda b, k, s: (0,)),
           pl.BlockSpec((None, max_pages), lambda b, k, s: (b, 0)),
           pl.BlockSpec((None, max_pages), lambda b, k, s: (b, 0)),
-          pl.BlockSpec((None, None, group_padded, head_dim),
-                       lambda b, k, s: (b, k, 0, 0)),
+          pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
+          None if sinks is None else pl.BlockSpec((num_qo_heads,),
+                                                  lambda b, k, s: (0,)),
           pool_spec(k_pool.shape[0]),
           pool_spec(v_pool.shape[0]),
       ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, group_padded, head_dim),
-                       lambda b, k, s: (b, k, s, 0, 0)),
-          pl.BlockSpec((None, None, None, group_padded),
-                       lambda b, k, s: (b, k, s, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct(
-              (batch_size, num_kv_heads, ks, group_padded, head_dim),
-              jnp.float32),
-          jax.ShapeDtypeStruct((batch_size, num_kv_heads, ks, group_padded),
-                               jnp.float32),
-      ],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=triton_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name=name,
-  )(kv_lens, k_table, v_table, q, k_pool, v_pool)
+  )(kv_lens, k_table, v_table, q, sinks, k_pool, v_pool)
 
 
 def _combine(o, lse, sinks, group_size):
@@ -346,24 +398,22 @@ def paged_decode(
   if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
     raise NotImplementedError(f"paged_decode kernel: unsupported {page_size=}")
   group_size = num_qo_heads // num_kv_heads
-  group_padded = max(16, _next_pow2(group_size))
   max_pages = k_table.shape[1]
   if config is None:
     config = Config.default_for(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim)
-  qg = q.reshape(batch_size, num_kv_heads, group_size, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_padded - group_size), (0, 0)))
+  if sinks is not None:
+    sinks = sinks.astype(jnp.float32)
   with suppress_triton_deprecation():
     o, lse = _paged_decode_call(
-        qg, k_pool, v_pool, k_table.astype(jnp.int32),
+        q, sinks, k_pool, v_pool, k_table.astype(jnp.int32),
         v_table.astype(jnp.int32), kv_lens.astype(jnp.int32),
-        group_size=group_size, sm_scale=float(sm_scale),
-        window_left=int(window_left), logits_soft_cap=logits_soft_cap,
-        config=config, interpret=interpret)
-  sk = None
-  if sinks is not None:
-    sk = sinks.astype(jnp.float32).reshape(num_kv_heads, group_size)
+        sm_scale=float(sm_scale), window_left=int(window_left),
+        logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
+  if config.k_splits == 1:
+    return o, lse
+  sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
           lse.reshape(batch_size, num_qo_heads))
