@@ -17,7 +17,8 @@ pool is updated in place.
 
 Every index is an int array (never a strided `pl.ds`): that form lowers to
 Triton and also discharges in interpret mode, which rejects mixed slice/array
-and strided indexers.
+and strided indexers. Column ranges that are not powers of two (partial
+rotary, say rotary_dim 16 of 64 leaves 48) are split into power-of-two chunks.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ from pkvattn.pallas_kernels._compat import pl
 
 def _is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
+
+
+def _pow2_chunks(start: int, size: int) -> list[tuple[int, int]]:
+  """[start, start + size) as power-of-two (offset, length) pieces, largest first."""
+  out = []
+  while size > 0:
+    n = 1 << (size.bit_length() - 1)
+    out.append((start, n))
+    start, size = start + n, size - n
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,46 +99,53 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
   tok_ld = jnp.minimum(tok, num_tokens - 1)
   tok_st = jnp.where(valid, tok, num_tokens)  # out of range = dropped
   rot = 2 * half
-
+  # Triton tensors need power-of-two dims: split the rotated half and the
+  # pass-through tail into power-of-two column chunks (static).
+  half_chunks = _pow2_chunks(0, half)
+  pass_chunks = _pow2_chunks(rot, head_dim - rot)
   if rotate:
-    pos = pos_ref[tok_ld]
-    inv = inv_ref[jnp.arange(half, dtype=jnp.int32)]
-    angles = pos.astype(jnp.float32)[:, None] * inv[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    ar = jnp.arange(half, dtype=jnp.int32)
-    if interleaved:
-      c1, c2 = 2 * ar, 2 * ar + 1
-    else:
-      c1, c2 = ar, half + ar
-    c1, c2 = c1[None, :], c2[None, :]
-    cp = (rot + jnp.arange(head_dim - rot, dtype=jnp.int32))[None, :] if (
-        head_dim > rot) else None
-  call = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    pos = pos_ref[tok_ld].astype(jnp.float32)
+    trig = []
+    for start, size in half_chunks:
+      ar = start + jnp.arange(size, dtype=jnp.int32)
+      angles = pos[:, None] * inv_ref[ar][None, :]
+      if interleaved:
+        c1, c2 = 2 * ar, 2 * ar + 1
+      else:
+        c1, c2 = ar, half + ar
+      trig.append((c1[None, :], c2[None, :], jnp.cos(angles), jnp.sin(angles),
+                   size))
+  call = [((start + jnp.arange(size, dtype=jnp.int32))[None, :], size)
+          for start, size in _pow2_chunks(0, head_dim)]
 
   def full_mask(m, width):
     return jnp.broadcast_to(m[:, None], (block_tokens, width))
 
+  def copy_cols(src_ref, dst_ref, h, r_ld, r_st, mask, chunks):
+    for cols, size in chunks:
+      x = src_ref[r_ld, h, cols]
+      _compat.pltriton.store(dst_ref.at[r_st, h, cols], x.astype(dst_ref.dtype),
+                             mask=full_mask(mask, size))
+
   def rotate_head(src_ref, dst_ref, h, rows_ld, rows_st, mask):
     """Reads head h of the tile's tokens from src, writes rotated to dst rows."""
     r_ld, r_st = rows_ld[:, None], rows_st[:, None]
-    x1 = src_ref[r_ld, h, c1].astype(jnp.float32)
-    x2 = src_ref[r_ld, h, c2].astype(jnp.float32)
     dt = dst_ref.dtype
-    m = full_mask(mask, half)
-    _compat.pltriton.store(dst_ref.at[r_st, h, c1],
-                           (x1 * cos - x2 * sin).astype(dt), mask=m)
-    _compat.pltriton.store(dst_ref.at[r_st, h, c2],
-                           (x2 * cos + x1 * sin).astype(dt), mask=m)
-    if cp is not None:
-      xp = src_ref[r_ld, h, cp]
-      _compat.pltriton.store(dst_ref.at[r_st, h, cp], xp.astype(dt),
-                             mask=full_mask(mask, head_dim - rot))
+    for c1, c2, cos, sin, size in trig:
+      x1 = src_ref[r_ld, h, c1].astype(jnp.float32)
+      x2 = src_ref[r_ld, h, c2].astype(jnp.float32)
+      m = full_mask(mask, size)
+      _compat.pltriton.store(dst_ref.at[r_st, h, c1],
+                             (x1 * cos - x2 * sin).astype(dt), mask=m)
+      _compat.pltriton.store(dst_ref.at[r_st, h, c2],
+                             (x2 * cos + x1 * sin).astype(dt), mask=m)
+    copy_cols(src_ref, dst_ref, h, r_ld, r_st, mask,
+              [((s + jnp.arange(n, dtype=jnp.int32))[None, :], n)
+               for s, n in pass_chunks])
 
   def copy_head(src_ref, dst_ref, h, rows_ld, rows_st, mask):
-    x = src_ref[rows_ld[:, None], h, call]
-    _compat.pltriton.store(dst_ref.at[rows_st[:, None], h, call],
-                           x.astype(dst_ref.dtype),
-                           mask=full_mask(mask, head_dim))
+    copy_cols(src_ref, dst_ref, h, rows_ld[:, None], rows_st[:, None], mask,
+              call)
 
   if has_q:
     hq_per = num_qo_heads // num_splits
@@ -158,18 +176,9 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
   lax.fori_loop(0, hkv_per, kv_body, 0)
 
 
-def check_supported(num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                    rotary_dim: int | None, config: Config) -> None:
+def check_supported(num_qo_heads: int, num_kv_heads: int,
+                    config: Config) -> None:
   """Raises NotImplementedError for configs this kernel does not lower."""
-  if not _is_pow2(head_dim):
-    raise NotImplementedError(f"rope_append kernel needs a power-of-two {head_dim=}")
-  if rotary_dim is not None:
-    half = rotary_dim // 2
-    if not _is_pow2(half) or (rotary_dim < head_dim
-                              and not _is_pow2(head_dim - rotary_dim)):
-      raise NotImplementedError(
-          f"rope_append kernel needs rotary_dim / 2 and head_dim - rotary_dim "
-          f"to be powers of two, got {rotary_dim=}, {head_dim=}")
   if not _is_pow2(config.block_tokens):
     raise NotImplementedError(
         f"block_tokens must be a power of two, got {config.block_tokens}")
@@ -189,8 +198,7 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
   same_pool = v_pool is None
   num_qo_heads = q.shape[1] if has_q else 0
   half = inv_freq.shape[0] if rotate else 0
-  check_supported(num_qo_heads, num_kv_heads, head_dim,
-                  2 * half if rotate else None, config)
+  check_supported(num_qo_heads, num_kv_heads, config)
 
   flat_k = k_pool.reshape(num_rows, num_kv_heads, head_dim)
   inputs = [positions.astype(jnp.int32), k_rows.astype(jnp.int32),
@@ -261,8 +269,8 @@ def rope_append(
   Not jitted here, so the aliasing composes with the caller's donation.
 
   Raises:
-    NotImplementedError: non-power-of-two head_dim / rotary pieces, or a
-      config whose splits do not divide the head counts.
+    NotImplementedError: a config whose `num_splits` does not divide the head
+      counts, or `block_tokens` not a power of two.
   """
   if config is None:
     config = Config.default_for(k.shape[0], 0 if q is None else q.shape[1],

@@ -247,8 +247,10 @@ def apply_rope(
 
 
 def _resolve_impl(impl: Implementation | None) -> str:
+  """"pallas" / "xla" as named; None -> "auto" on GPU (pallas, falling back to
+  xla on NotImplementedError), "xla" elsewhere."""
   if impl is None:
-    return "pallas" if _checks.is_gpu() else "xla"
+    return "auto" if _checks.is_gpu() else "xla"
   _checks.check_choice(impl, ("pallas", "xla"), "impl")
   return impl
 
@@ -285,12 +287,18 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
     return q, _kv.rebuild(view, k_pool, v_pool)
   from pkvattn.pallas_kernels import rope_append as kernel
   k_rows, v_rows = _rows(view, batch_indices, positions)
-  q, k_pool, v_pool = kernel.rope_append(
-      q, k, v, positions, k_rows, v_rows,
-      None if inv_freq is None else jnp.asarray(inv_freq),
-      view.k_pool, None if view.same_pool else view.v_pool,
-      interleaved=interleaved, interpret=not _checks.is_gpu())
-  return q, _kv.rebuild(view, k_pool, v_pool)
+  try:
+    q_out, k_pool, v_pool = kernel.rope_append(
+        q, k, v, positions, k_rows, v_rows,
+        None if inv_freq is None else jnp.asarray(inv_freq),
+        view.k_pool, None if view.same_pool else view.v_pool,
+        interleaved=interleaved, interpret=not _checks.is_gpu())
+  except NotImplementedError:
+    if impl == "pallas":  # named explicitly: re-raise
+      raise
+    return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
+                "xla")
+  return q_out, _kv.rebuild(view, k_pool, v_pool)
 
 
 def append_paged_kv(
