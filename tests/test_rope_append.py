@@ -377,3 +377,27 @@ def test_append_errors():
   with pytest.raises(ValueError, match="impl"):
     pkvattn.append_paged_kv(k, k, bi, pos, pair, jnp.zeros((1, 4), jnp.int32),
                             impl="triton")
+
+
+@pytest.mark.parametrize("interleaved,rot", [(False, 128), (True, 64)])
+def test_kernel_lowers_to_triton(interleaved, rot):
+  """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): catches
+  indexers or ops the Triton lowering rejects without a GPU. Checks the pool
+  outputs alias the pool operands."""
+  from jax import export
+  from pkvattn.pallas_kernels import rope_append as kernel
+  t, hq, hkv, d, ps, n = 64, 8, 2, 128, 16, 32
+  sds = jax.ShapeDtypeStruct
+  args = [sds((t, hq, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16),
+          sds((t, hkv, d), jnp.bfloat16), sds((t,), jnp.int32),
+          sds((t,), jnp.int32), sds((t,), jnp.int32), sds((rot // 2,), jnp.float32),
+          sds((n, ps, hkv, d), jnp.bfloat16), sds((n, ps, hkv, d), jnp.bfloat16)]
+  f = functools.partial(kernel.rope_append, interleaved=interleaved,
+                        interpret=False)
+  exp = export.export(
+      jax.jit(f, donate_argnums=(7, 8)), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call(
+          "__gpu$xla.gpu.triton")])(*args)
+  text = exp.mlir_module()
+  assert "xla.gpu.triton" in text
+  assert text.count("output_operand_alias<") == 2
