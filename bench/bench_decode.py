@@ -186,7 +186,7 @@ def pallas_configs(spec, quick):
   if quick:
     return out
   seen = {default}
-  for tokens in (32, 64, 128):
+  for tokens in (64, 128):
     ppb = max(1, tokens // ps)
     for ks in sorted({max(1, default.k_splits // 2), default.k_splits,
                       default.k_splits * 2}):
@@ -222,7 +222,7 @@ def run_spec(name, spec, quick, time_budget_s):
       out = out[0] if isinstance(out, tuple) else out
       err = rel_err(out, expected) if check else None
       ok = err is not None and err < 2e-2
-      t = _timing.time_fn(fn, *args, iters=10, min_time_s=0.1)
+      t = _timing.time_fn(fn, *args, iters=30, min_time_s=0.3)
       row = dict(spec=name, impl=impl, config=config_name, **spec,
                  rel_err=err, correct=ok, bytes_moved=nbytes, **t,
                  achieved_tbps=nbytes / (t["median_ms"] * 1e-3) / 1e12)
@@ -245,6 +245,14 @@ def run_spec(name, spec, quick, time_budget_s):
     fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
         q, k, v, t, t, n, sm_scale=scale, config=cfg))
     record("pallas", cname, fn, (q, k_pages, v_pages, table, kv_lens))
+
+  # The default again, last: its spread between the two timings is the noise.
+  cfg = kernel.Config.default_for(
+      batch_size=b, num_kv_heads=NUM_KV_HEADS, page_size=ps, max_pages=s // ps,
+      head_dim=HEAD_DIM)
+  fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
+      q, k, v, t, t, n, sm_scale=scale, config=cfg))
+  record("pallas", "default_repeat", fn, (q, k_pages, v_pages, table, kv_lens))
 
   xla = jax.jit(lambda q, k, v, t, n: reference.paged_decode_reference(
       q, k, v, t, t, n, sm_scale=scale)[0])
@@ -390,6 +398,7 @@ def main():
       return max(c, key=lambda r: r["achieved_tbps"], default=None)
     for label, r in (("pallas best", best("pallas")),
                      ("pallas default", best("pallas", "default")),
+                     ("pallas default again", best("pallas", "default_repeat")),
                      ("xla", best("xla")),
                      ("jax_pa defaults", best("jax_paged_attention", "defaults")),
                      ("jax_pa best", best("jax_paged_attention"))):
