@@ -19,6 +19,7 @@ The copy roof counts read + write bytes of a 2 GiB device copy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -253,6 +254,11 @@ def run_spec(name, spec, quick, time_budget_s):
   fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
       q, k, v, t, t, n, sm_scale=scale, config=cfg))
   record("pallas", "default_repeat", fn, (q, k_pages, v_pages, table, kv_lens))
+  cfg = dataclasses.replace(cfg, kv_eviction="evict_first")
+  fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
+      q, k, v, t, t, n, sm_scale=scale, config=cfg))
+  record("pallas", "default_evict_first", fn,
+         (q, k_pages, v_pages, table, kv_lens))
 
   xla = jax.jit(lambda q, k, v, t, n: reference.paged_decode_reference(
       q, k, v, t, t, n, sm_scale=scale)[0])

@@ -62,11 +62,14 @@ class Config:
     k_splits: flash-decoding splits of each sequence's visible pages.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages of the page loop.
+    kv_eviction: L2 eviction hint for the streamed K/V loads
+      (`"evict_first"` or None); K/V are read once, so they need not linger.
   """
   pages_per_block: int
   k_splits: int
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 3
+  kv_eviction: str | None = None
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits"):
@@ -124,6 +127,7 @@ def _paged_decode_kernel(
     k_splits: int,
     group_size: int,
     group_padded: int,
+    kv_eviction: str | None,
 ):
   b = pl.program_id(0)
   kv_head = pl.program_id(1)
@@ -189,7 +193,7 @@ def _paged_decode_kernel(
       ids = jnp.broadcast_to(ids[:, None], (pages_per_block, page_size))
       ids = jnp.broadcast_to(ids.reshape(block_k, 1), shape)
       return pltriton.load(pool_ref.at[ids, rows, cols], mask=load_mask,
-                           other=0.0)
+                           other=0.0, eviction_policy=kv_eviction)
 
     k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
     v = gather(v_pool_ref, v_ids)
@@ -276,7 +280,8 @@ def _paged_decode_call(
   kernel = functools.partial(
       _paged_decode_kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
-      k_splits=ks, group_size=group_size, group_padded=group_padded)
+      k_splits=ks, group_size=group_size, group_padded=group_padded,
+      kv_eviction=config.kv_eviction)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, head_dim), lambda b, k, s: (0, 0, k, 0))
   if final:
@@ -304,7 +309,8 @@ def _paged_decode_call(
     ]
   name = (f"paged_decode_g{group_size}_d{head_dim}_ps{page_size}"
           f"_ppb{config.pages_per_block}_ks{ks}_w{config.num_warps}"
-          f"_s{config.num_stages}")
+          f"_s{config.num_stages}"
+          f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
   return pl.pallas_call(
       kernel,
       grid=(batch_size, num_kv_heads, ks),
