@@ -31,6 +31,7 @@ Writes bench/results/prefill_<device>.json (and $OUT/…) and a PNG.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -40,9 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "tests"))
+# Appended, not prepended: an installed `pkvattn` (with its mapped
+# `pkvattn.pallas_kernels` / `pkvattn.cache`) must win over the bare folder.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(_ROOT)
+sys.path.append(os.path.join(_ROOT, "tests"))
 
 from bench import _timing  # noqa: E402
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
@@ -276,8 +279,7 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     row = dict(spec=name, impl=impl, page_size=page_size, **t,
                tflops=flops / (t["median_ms"] * 1e-3) / 1e12)
     if cfg is not None:
-      row["config"] = dict(block_q=cfg.block_q, block_k=cfg.block_k,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+      row["config"] = dataclasses.asdict(cfg)
     rows.append(row)
     print(f"  {name:28s} {impl:34s} {t['median_ms']:8.3f} ms "
           f"{row['tflops']:7.1f} TFLOP/s", flush=True)
@@ -285,10 +287,25 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
 
   best = None
   for i, cfg in enumerate(configs):
+    diag = cfg.debug_ignore_table
     tag = (f"pallas bq{cfg.block_q} bk{cfg.block_k} w{cfg.num_warps} "
-           f"s{cfg.num_stages}" + (" (default)" if i == 0 else ""))
-    r = add(tag, pallas_fn(cfg), args, cfg)
-    if r is not None and (best is None or r["median_ms"] < best["median_ms"]):
+           f"s{cfg.num_stages}" + (" 1loop" if cfg.single_loop else "")
+           + ("" if cfg.longest_first else " tokenorder")
+           + (f" short{cfg.short_block_q}")
+           + (" DIAG-no-table(wrong)" if diag else "")
+           + (" (default)" if i == 0 else ""))
+    fn = pallas_fn(cfg)
+    ok = True
+    if i > 0 and not diag:  # every config must match the checked default
+      err = rel_err(fn(*args), out)
+      ok = err < 1e-2
+      if not ok:
+        print(f"  {tag}: mismatch vs default, rel_err={err:.3g}")
+    r = add(tag, fn, args, cfg)
+    if r is None:
+      continue
+    r["matches_default"] = ok
+    if ok and not diag and (best is None or r["median_ms"] < best["median_ms"]):
       best = r
   if best is not None:
     rows.append(dict(best, impl="pallas best"))
@@ -321,8 +338,8 @@ def main():
   ap.add_argument("--specs", default="all")
   ap.add_argument("--no-plot", action="store_true")
   ap.add_argument("--configs", default="",
-                  help="';'-separated block_q,block_k,warps,stages[,prefetch"
-                  "[,ignore_table]] overriding the sweep (first = default)")
+                  help="';'-separated positional Config ints (block_q,block_k,"
+                  "warps,stages,...) overriding every sweep (first = default)")
   a = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
@@ -334,15 +351,25 @@ def main():
   C = pp.Config
   default = C.default_for(group_size=HQ // HKV, head_dim=D, page_size=16,
                           dtype=DTYPE)
-  sweep = [default, C(32, 128, 8, 2), C(32, 64, 8, 3), C(16, 64, 4, 2),
-           C(32, 32, 4, 3), C(64, 64, 8, 2), C(32, 128, 4, 2)]
+  R = dataclasses.replace
+  sweeps = {
+      "causal": [default, R(default, single_loop=True),
+                 R(default, longest_first=False),
+                 R(default, debug_ignore_table=True),
+                 R(default, block_k=32), R(default, num_stages=3),
+                 R(default, block_q=64, num_warps=8),
+                 R(default, block_k=128, num_warps=8),
+                 R(default, block_k=16, num_stages=3)],
+      "p64": [default, R(default, num_stages=3), R(default, block_k=32),
+              R(default, block_q=64, num_warps=8)],
+      "mixed": [default, R(default, short_block_q=0),
+                R(default, block_k=128, num_warps=8)],
+  }
   if a.quick:
-    sweep = sweep[:3]
+    sweeps = {k: v[:3] for k, v in sweeps.items()}
   if a.configs:
-    sweep = []
-    for c in a.configs.split(";"):
-      v = [int(x) for x in c.split(",")]
-      sweep.append(C(*v[:4], *(bool(x) for x in v[4:])))
+    over = [C(*[int(x) for x in c.split(",")]) for c in a.configs.split(";")]
+    sweeps = {k: over for k in sweeps}
   rows = []
   roofs = dict(matmul_roof_tflops=_timing.matmul_roof_tflops(),
                copy_roof_gbps=_timing.copy_roof_gbps())
@@ -359,7 +386,9 @@ def main():
     specs = [s for s in specs if any(k in s[0] for k in keep)]
   for name, ql, kl, ps, xla in specs:
     t1 = time.time()
-    run_spec(name, ql, kl, ps, sweep if "p64" not in name else sweep[:3],
+    kind = ("mixed" if "mixed" in name else "p64" if "p64" in name
+            else "causal")
+    run_spec(name, ql, kl, ps, sweeps[kind],
              with_xla=xla, with_mha=True, rows=rows, checks=checks)
     print(f"{name}: {time.time() - t1:.1f}s", flush=True)
   # Ratios.

@@ -60,8 +60,13 @@ class Config:
       go into the M dimension of the dots (power of two, >= 16).
     block_k: keys per KV tile (power of two, >= 16); need not align to pages.
     num_warps, num_stages: Triton launch parameters.
-    prefetch_pages: load block i+1's page ids during block i (carried), so
-      K/V addresses never wait on a table load in their own iteration.
+    single_loop: one KV loop that masks every tile (as JAX's `mha`) instead
+      of masked edge loops around an unmasked interior loop.
+    longest_first: plan order of the query tiles (see `plan.plan_prefill`).
+    short_block_q: > 0 runs sequences with q_len <= short_block_q (decode
+      rows of a mixed batch, multi-token decode) in a second launch with
+      tiles of `short_block_q` tokens (`short_block_q * group_pad >= 16`
+      rows) instead of `block_q`; 0 = one launch.
     debug_ignore_table: timing diagnostic only (wrong results): address K/V
       as if the tables were the identity, to measure the cost of the gather.
   """
@@ -69,7 +74,9 @@ class Config:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
-  prefetch_pages: bool = True
+  single_loop: bool = False
+  longest_first: bool = True
+  short_block_q: int = 0
   debug_ignore_table: bool = False
 
   @classmethod
@@ -88,13 +95,23 @@ class Config:
       rows //= 2
     block_q = max(1, rows // group_pad)
     block_k = 64 if head_dim <= 128 else 32
-    return cls(block_q=block_q, block_k=block_k, num_warps=4, num_stages=2)
+    short_block_q = max(8, 16 // group_pad)
+    if short_block_q >= block_q:
+      short_block_q = 0
+    return cls(block_q=block_q, block_k=block_k, num_warps=4, num_stages=2,
+               short_block_q=short_block_q)
 
   def validate(self, group_size: int) -> None:
     rows = self.block_q * pl.next_power_of_2(group_size)
     for name, v in (("block_q", self.block_q), ("block_k", self.block_k)):
       if v < 1 or v & (v - 1):
         raise ValueError(f"Invalid {name}: expected a power of two, got {v}")
+    short = self.short_block_q
+    if short and (short & (short - 1) or
+                  short * pl.next_power_of_2(group_size) < 16):
+      raise NotImplementedError(
+          f"Invalid short_block_q={short}: expected a power of two with "
+          f"short_block_q * group_pad >= 16")
     if rows < 16 or self.block_k < 16:
       raise NotImplementedError(
           f"Triton dots need >= 16 rows per operand: block_q * group_pad = "
@@ -117,7 +134,7 @@ def _paged_prefill_kernel(
     window_left: int,
     logits_soft_cap: float | None,
     has_sinks: bool,
-    prefetch_pages: bool,
+    single_loop: bool,
     debug_ignore_table: bool,
 ):
   if has_sinks:
@@ -179,36 +196,51 @@ def _paged_prefill_kernel(
 
   qk_scale = sm_scale * _LOG2E
 
-  def load_pages(blk):
-    """Page ids of KV block `blk`, masked to the tile's visible key range."""
+  within_page = block_k <= page_size
+
+  def load_kv(blk, masked: bool):
+    """K, V [block_k, head_dim] of KV block `blk` (zeros outside [kv_lo, kv_hi))."""
     j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    if debug_ignore_table:  # timing diagnostic only: identity tables
-      kp = seq * max_pages + j // page_size
-      return kp, kp + k_table_ref.shape[0] * max_pages
-    ld = (j >= kv_lo) & (j < kv_hi)
-    page_idx = jnp.where(ld, j // page_size, 0)
-    k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ld, other=0)
-    v_page = plgpu.load(v_table_ref.at[seq, page_idx], mask=ld, other=0)
-    return k_page, v_page
+    ld = ((j >= kv_lo) & (j < kv_hi))[:, None] if masked else None
+    if within_page:
+      # One page per block: a scalar table read and strided [block_k, D] loads.
+      first = blk * block_k
+      page_idx = first // page_size
+      rows_idx = pl.ds(first % page_size, block_k)
+      if debug_ignore_table:  # timing diagnostic only: identity tables
+        k_page = seq * max_pages + page_idx
+        v_page = k_page + k_table_ref.shape[0] * max_pages
+      else:
+        k_page = k_table_ref[seq, page_idx]
+        v_page = v_table_ref[seq, page_idx]
+      k_at = k_pool_ref.at[k_page, rows_idx, kv_head, :]
+      v_at = v_pool_ref.at[v_page, rows_idx, kv_head, :]
+    else:
+      # Several pages per block: gather a page id per key.
+      page_idx = j // page_size
+      if debug_ignore_table:
+        k_page = seq * max_pages + page_idx
+        v_page = k_page + k_table_ref.shape[0] * max_pages
+      elif masked:
+        ok = (j >= kv_lo) & (j < kv_hi)
+        page_idx = jnp.where(ok, page_idx, 0)
+        k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ok, other=0)
+        v_page = plgpu.load(v_table_ref.at[seq, page_idx], mask=ok, other=0)
+      else:
+        k_page = k_table_ref[seq, page_idx]
+        v_page = v_table_ref[seq, page_idx]
+      slot = (j % page_size)[:, None]
+      k_at = k_pool_ref.at[k_page[:, None], slot, kv_head, d]
+      v_at = v_pool_ref.at[v_page[:, None], slot, kv_head, d]
+    if masked:
+      return (plgpu.load(k_at, mask=ld, other=0.0),
+              lambda: plgpu.load(v_at, mask=ld, other=0.0))
+    return plgpu.load(k_at), lambda: plgpu.load(v_at)
 
   def body(blk, carry, masked: bool):
-    if prefetch_pages:
-      acc, m_prev, l_prev, k_page, v_page = carry
-    else:
-      acc, m_prev, l_prev = carry
-      k_page, v_page = load_pages(blk)
+    acc, m_prev, l_prev = carry
+    k, load_v = load_kv(blk, masked)
     j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    slot = (j % page_size)[:, None]
-    if masked:
-      ld = ((j >= kv_lo) & (j < kv_hi))[:, None]
-      k = plgpu.load(k_pool_ref.at[k_page[:, None], slot, kv_head, d],
-                     mask=ld, other=0.0)
-    else:
-      k = k_pool_ref[k_page[:, None], slot, kv_head, d]
-    if prefetch_pages:
-      # Next block's page ids now, so the next K/V loads do not wait on a
-      # dependent table load inside their own iteration.
-      k_next, v_next = load_pages(blk + 1)
     s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
     if logits_soft_cap is not None:
       s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
@@ -228,27 +260,26 @@ def _paged_prefill_kernel(
     if masked:
       p = jnp.where(vis, p, 0.0)
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    if masked:
-      v = plgpu.load(v_pool_ref.at[v_page[:, None], slot, kv_head, d],
-                     mask=ld, other=0.0)
-    else:
-      v = v_pool_ref[v_page[:, None], slot, kv_head, d]
+    v = load_v()
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
-    if prefetch_pages:
-      return acc, m_next, l_next, k_next, v_next
     return acc, m_next, l_next
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32),
            jnp.zeros((rows,), jnp.float32))
-  if prefetch_pages:
-    carry += load_pages(lo_blk)
   masked_body = functools.partial(body, masked=True)
-  carry = lax.fori_loop(lo_blk, mid_lo, masked_body, carry)
-  carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False),
-                        carry)
-  carry = lax.fori_loop(mid_hi, hi_blk, masked_body, carry)
-  acc, m, l = carry[:3]
+  if single_loop:
+    carry = lax.fori_loop(lo_blk, hi_blk, masked_body, carry)
+  else:
+    if window_left >= 0:  # window edge: masked tiles before the interior
+      carry = lax.fori_loop(lo_blk, mid_lo, masked_body, carry)
+    else:  # lo_blk == 0 == mid_lo whenever an interior exists
+      mid_hi = jnp.where(has_full, u_hi, lo_blk)
+      mid_lo = lo_blk
+    carry = lax.fori_loop(mid_lo, mid_hi,
+                          functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(mid_hi, hi_blk, masked_body, carry)
+  acc, m, l = carry
 
   if has_sinks:
     sink = sinks_ref[head] * _LOG2E  # f32[rows], base 2
@@ -265,23 +296,29 @@ def _paged_prefill_kernel(
   plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
 
 
-def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles, *,
-                        config: Config, causal, sm_scale, window_left,
-                        logits_soft_cap, interpret):
+def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
+                        prev=None, *, block_q: int, config: Config, causal,
+                        sm_scale, window_left, logits_soft_cap, interpret):
+  """One launch over `tiles`; `prev=(out, lse)` are updated in place (aliased)."""
   num_tokens, num_qo_heads, head_dim = q.shape
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
   num_tiles = tiles.shape[0]
   kernel = functools.partial(
-      _paged_prefill_kernel, block_q=config.block_q, block_k=config.block_k,
+      _paged_prefill_kernel, block_q=block_q, block_k=config.block_k,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
-      has_sinks=sinks is not None, prefetch_pages=config.prefetch_pages,
+      has_sinks=sinks is not None, single_loop=config.single_loop,
       debug_ignore_table=config.debug_ignore_table)
   args = [tiles, q, k_pool, v_pool, k_table, v_table]
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
-  name = (f"paged_prefill_bq{config.block_q}_bk{config.block_k}"
+  aliases = {}
+  if prev is not None:
+    aliases = {len(args): 0, len(args) + 1: 1}
+    args.extend(prev)
+    kernel = functools.partial(_drop_aliased_inputs, kernel, num_inputs=len(args) - 2)
+  name = (f"paged_prefill_bq{block_q}_bk{config.block_k}"
           f"_g{group_size}_w{config.num_warps}_s{config.num_stages}")
   with _compat.suppress_triton_deprecation():
     out, lse = pl.pallas_call(
@@ -293,10 +330,16 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles, *,
         ],
         compiler_params=_compat.triton_params(config.num_warps,
                                               config.num_stages),
+        input_output_aliases=aliases,
         interpret=interpret,
         name=name,
     )(*args)
   return out, lse
+
+
+def _drop_aliased_inputs(kernel, *refs, num_inputs):
+  """Calls `kernel` without the two aliased (out, lse) input refs."""
+  return kernel(*refs[:num_inputs], *refs[num_inputs + 2:])
 
 
 @functools.partial(
@@ -366,15 +409,23 @@ def paged_prefill(
   if plan is None:
     plan = plan_lib.plan_prefill(
         q_indptr, kv_lens, num_tokens=num_tokens, block_q=config.block_q,
-        causal=causal, window_left=window_left)
-  elif (plan.block_q, plan.num_tokens, plan.batch_size) != (
-      config.block_q, num_tokens, kv_lens.shape[0]):
-    raise ValueError(
-        f"Invalid plan: built for (block_q, num_tokens, batch_size) = "
-        f"{(plan.block_q, plan.num_tokens, plan.batch_size)}, expected "
-        f"{(config.block_q, num_tokens, kv_lens.shape[0])}")
-  return _paged_prefill_call(
-      q, k_pool, v_pool, k_table.astype(jnp.int32), v_table.astype(jnp.int32),
-      sinks, plan.tiles, config=config, causal=causal, sm_scale=sm_scale,
-      window_left=window_left, logits_soft_cap=logits_soft_cap,
-      interpret=interpret)
+        causal=causal, window_left=window_left,
+        longest_first=config.longest_first,
+        short_block_q=config.short_block_q)
+  else:
+    got = (plan.block_q, plan.short_block_q, plan.num_tokens, plan.batch_size)
+    want = (config.block_q, config.short_block_q, num_tokens,
+            kv_lens.shape[0])
+    if got != want:
+      raise ValueError(
+          f"Invalid plan: built for (block_q, short_block_q, num_tokens, "
+          f"batch_size) = {got}, expected {want}")
+  call = functools.partial(
+      _paged_prefill_call, q, k_pool, v_pool, k_table.astype(jnp.int32),
+      v_table.astype(jnp.int32), sinks, config=config, causal=causal,
+      sm_scale=sm_scale, window_left=window_left,
+      logits_soft_cap=logits_soft_cap, interpret=interpret)
+  out = call(plan.tiles, block_q=config.block_q)
+  if plan.short_tiles is not None:
+    out = call(plan.short_tiles, out, block_q=config.short_block_q)
+  return out

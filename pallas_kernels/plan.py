@@ -32,11 +32,17 @@ NUM_FIELDS = 5
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tiles"],
-    meta_fields=["block_q", "num_tokens", "batch_size"])
+    data_fields=["tiles", "short_tiles"],
+    meta_fields=["block_q", "short_block_q", "num_tokens", "batch_size"])
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
   """Per-step schedule of the prefill kernel; a pytree (block_q etc. static).
+
+  With `short_block_q > 0`, sequences with `1 <= q_len <= short_block_q`
+  (decode rows, multi-token decode) are left out of `tiles` and get one tile
+  each in `short_tiles` (row b: sequence b, or an unused tile), run by a
+  second launch with `short_block_q` tokens per tile, so a decode row does
+  not pay for `block_q * group_pad` MMA rows.
 
   `tiles[i]` describes grid tile `i` (already in launch order):
     SEQ:        row of the page table (0 for the padding pseudo-sequence);
@@ -47,7 +53,9 @@ class PrefillPlan:
     POS_OFFSET: position of token `t` is `t + POS_OFFSET`.
   """
   tiles: jax.Array  # i32[num_tokens // block_q + batch_size + 1, NUM_FIELDS]
+  short_tiles: jax.Array | None  # i32[batch_size, NUM_FIELDS] | None
   block_q: int
+  short_block_q: int  # 0 = no short class
   num_tokens: int
   batch_size: int
 
@@ -69,6 +77,8 @@ def plan_prefill(
     block_q: int,
     causal: bool = True,
     window_left: int = -1,
+    longest_first: bool = True,
+    short_block_q: int = 0,
 ) -> PrefillPlan:
   """Builds the tile schedule of one step (jit-compatible, no host sync).
 
@@ -80,6 +90,9 @@ def plan_prefill(
     block_q: static, tokens per query tile (must match the kernel config).
     causal, window_left: static; only used to estimate each tile's work for
       the longest-first order (correctness does not depend on them).
+    longest_first: static; False keeps tiles in token order.
+    short_block_q: static; > 0 moves sequences with q_len <= short_block_q
+      into `short_tiles` (see `PrefillPlan`).
 
   Returns:
     A `PrefillPlan` with `tiles i32[num_tokens // block_q + batch_size + 1, 5]`.
@@ -94,7 +107,22 @@ def plan_prefill(
                           jnp.full((1,), num_tokens, jnp.int32)])
   lens = jnp.maximum(ends - starts, 0)
   kvs = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
-  n_tiles = (lens + block_q - 1) // block_q
+  short_tiles = None
+  if short_block_q > 0:
+    b = jnp.arange(batch_size, dtype=jnp.int32)
+    short = (lens[:-1] >= 1) & (lens[:-1] <= short_block_q)
+    s_start = starts[:-1]
+    short_tiles = jnp.stack([
+        b, s_start, jnp.where(short, ends[:-1], s_start),
+        jnp.where(short, kv_lens, 0), kv_lens - lens[:-1] - s_start], axis=1)
+    if longest_first:
+      short_tiles = short_tiles[jnp.argsort(
+          -jnp.where(short, kv_lens, -1), stable=True)]
+    short_tiles = short_tiles.astype(jnp.int32)
+    is_short = jnp.concatenate([short, jnp.zeros((1,), bool)])
+  else:
+    is_short = jnp.zeros((batch_size + 1,), bool)
+  n_tiles = jnp.where(is_short, 0, (lens + block_q - 1) // block_q)
   cum = jnp.cumsum(n_tiles)
   num = max_tiles(num_tokens, batch_size, block_q)
   i = jnp.arange(num, dtype=jnp.int32)
@@ -113,7 +141,8 @@ def plan_prefill(
   hi = jnp.minimum(kv_len, pos_max + 1) if causal else kv_len
   lo = jnp.maximum(pos_min - window_left, 0) if window_left >= 0 else 0
   work = jnp.where(used, jnp.maximum(hi - lo, 0), -1)
-  order = jnp.argsort(-work, stable=True)
   tiles = jnp.stack([table_row, q_start, q_end, kv_len, pos_offset], axis=1)
-  return PrefillPlan(tiles[order].astype(jnp.int32), block_q, num_tokens,
-                     batch_size)
+  if longest_first:
+    tiles = tiles[jnp.argsort(-work, stable=True)]
+  return PrefillPlan(tiles.astype(jnp.int32), short_tiles, block_q,
+                     short_block_q, num_tokens, batch_size)
