@@ -324,7 +324,7 @@ def plot(path):
       "JAX paged_attention (defaults)": lambda r: r["impl"] == "jax_paged_attention" and r["config"] == "defaults",
       "JAX paged_attention (best)": lambda r: r["impl"] == "jax_paged_attention",
   }
-  fig, ax = plt.subplots(figsize=(10, 4.5))
+  fig, ax = plt.subplots(figsize=(12, 4.5))
   width = 0.8 / (len(series) + 1)
   for i, (label, sel) in enumerate(series.items()):
     vals = [max([r["achieved_tbps"] for r in rows if r["spec"] == s and sel(r)],
@@ -344,7 +344,7 @@ def plot(path):
   ax.set_ylabel("KV bandwidth, TB/s (decimal)")
   ax.set_title(f"Paged decode, Llama-3-8B heads, bf16 — {data['device']} "
                f"({data['date'][:10]})")
-  ax.legend(fontsize=7, loc="lower right")
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   out = os.path.splitext(path)[0] + ".png"
   fig.savefig(out, dpi=120)
