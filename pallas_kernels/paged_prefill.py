@@ -161,7 +161,10 @@ def _paged_prefill_kernel(
   token = q_start + r // group_pad
   g = r % group_pad
   row_ok = (token < q_end) & (g < group_size)
-  token = jnp.where(row_ok, token, 0)
+  # Masked rows point one past the end: never touched on the GPU, and dropped
+  # (not written back) by interpret mode's scatter, where an in-bounds
+  # duplicate of a valid row could overwrite it with the stale value.
+  token = jnp.where(row_ok, token, q_ref.shape[0])
   head = kv_head * group_size + jnp.minimum(g, group_size - 1)
   # Every index is an int array (no slices): one addressing form that both the
   # Triton lowering and interpret mode accept for masked gathers.

@@ -1,0 +1,249 @@
+"""paged_prefill: xla path and the Pallas kernel (interpret mode) vs the float64 oracle.
+
+Each case combines several features (format, group size, page size, edge
+lengths, window / soft cap / sinks, mixed batches with decode rows, chunked
+prefill over a cached prefix, multi-token decode, padding tokens, causal=False)
+so the matrix is covered without its full product. The xla path runs the
+whole list (fast); the interpret-mode kernel runs a chosen subset plus
+direct-config cases that reach each code path of the kernel (page-gather vs
+within-page loads, short-tile launch, single loop, token order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pkvattn
+from attention_utils import (assert_close, assert_lse_close, dense_attention,
+                             make_paged)
+from pkvattn import _kv
+from pkvattn.pallas_kernels import paged_prefill as kernel
+from pkvattn.pallas_kernels import plan as plan_lib
+
+HEAD_DIM = 64
+NUM_KV_HEADS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  fmt: str
+  group_size: int
+  page_size: int
+  kv_lens: tuple
+  q_lens: tuple
+  num_padding: int = 0
+  causal: bool = True
+  window_left: int = -1
+  logits_soft_cap: float | None = None
+  sinks: bool = False
+  dtype: object = jnp.float32
+
+  def __str__(self):
+    return self.name
+
+
+def _edge(ps):
+  return (1, ps - 1, ps, ps + 1)
+
+
+CASES = [
+    # Full prompts at the edge lengths {1, ps-1, ps, ps+1, max}.
+    Case("prompts_edges_pair_g1_p8", "pair", 1, 8, (1, 7, 8, 9, 37),
+         (1, 7, 8, 9, 37)),
+    Case("prompts_edges_pool_g4_p16", "pool", 4, 16, (1, 15, 16, 17, 40),
+         (1, 15, 16, 17, 40), num_padding=3),
+    # Mixed batch: decode rows (q_len 1) beside prompts, chunked prefill over a
+    # cached prefix, multi-token decode (q_len <= 8), padding tokens.
+    Case("mixed_flashinfer_g8_p8", "flashinfer", 8, 8, (33, 1, 20, 9),
+         (12, 1, 1, 5), num_padding=4),
+    Case("mixed_pair_g4_p16_window", "pair", 4, 16, (50, 17, 3, 31),
+         (20, 1, 3, 8), window_left=9),
+    Case("chunked_pool_g8_p16_softcap", "pool", 8, 16, (45, 16), (13, 2),
+         logits_soft_cap=5.0, num_padding=2),
+    Case("decode_only_pair_g4_p8_sinks", "pair", 4, 8, (9, 1, 24, 7),
+         (1, 1, 1, 1), sinks=True),
+    Case("window_sinks_flashinfer_g1_p16", "flashinfer", 1, 16, (40, 33),
+         (40, 6), window_left=15, sinks=True),
+    Case("noncausal_pool_g4_p8", "pool", 4, 8, (19, 8, 26), (5, 8, 1),
+         causal=False, num_padding=2),
+    Case("noncausal_window_pair_g8_p16", "pair", 8, 16, (30, 17), (9, 17),
+         causal=False, window_left=4),
+    Case("bf16_mixed_pool_g4_p16", "pool", 4, 16, (48, 1, 17), (30, 1, 4),
+         window_left=20, logits_soft_cap=8.0, sinks=True, num_padding=1,
+         dtype=jnp.bfloat16),
+    Case("f16_prompts_pair_g8_p8", "pair", 8, 8, (23, 8), (23, 3),
+         dtype=jnp.float16),
+]
+# The interpret-mode kernel runs on this subset (it is ~100x slower on CPU).
+KERNEL_CASES = [CASES[i] for i in (1, 2, 3, 4, 5, 6, 7, 9)]
+
+
+def _build(case: Case, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  p = make_paged(rng, case.kv_lens, page_size=case.page_size,
+                 num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                 dtype=case.dtype, fmt=case.fmt, extra_pages=2)
+  num_qo_heads = NUM_KV_HEADS * case.group_size
+  num_tokens = sum(case.q_lens) + case.num_padding
+  q = rng.standard_normal((num_tokens, num_qo_heads, HEAD_DIM))
+  q = jnp.asarray(q, case.dtype)
+  q_indptr = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
+  sinks = (rng.standard_normal(num_qo_heads).astype(np.float32)
+           if case.sinks else None)
+  return p, q, q_indptr, sinks
+
+
+def _expected(case: Case, p, q, q_indptr, sinks):
+  qf = np.asarray(q.astype(jnp.float32))
+  outs, lses = [], []
+  for b, (n, ql) in enumerate(zip(case.kv_lens, case.q_lens)):
+    out, lse = dense_attention(
+        qf[q_indptr[b]:q_indptr[b + 1]], p.k[b], p.v[b],
+        np.arange(n - ql, n), n, causal=case.causal,
+        window_left=case.window_left, sm_scale=1 / np.sqrt(HEAD_DIM),
+        logits_soft_cap=case.logits_soft_cap, sinks=sinks)
+    outs.append(out)
+    lses.append(lse)
+  hq = q.shape[1]
+  outs.append(np.zeros((case.num_padding, hq, HEAD_DIM)))
+  lses.append(np.full((case.num_padding, hq), -np.inf))
+  return np.concatenate(outs), np.concatenate(lses)
+
+
+def _public(case, p, q, q_indptr, sinks, impl, **kw):
+  return pkvattn.paged_prefill(
+      q, p.kv_cache, jnp.asarray(p.page_table), jnp.asarray(q_indptr),
+      jnp.asarray(p.kv_lens), causal=case.causal,
+      window_left=case.window_left, logits_soft_cap=case.logits_soft_cap,
+      sinks=None if sinks is None else jnp.asarray(sinks), return_lse=True,
+      impl=impl, **kw)
+
+
+def _check(case, out, lse, expected_out, expected_lse):
+  assert out.shape == expected_out.shape and out.dtype == case.dtype
+  assert lse.shape == expected_lse.shape and lse.dtype == jnp.float32
+  assert_close(out, expected_out, case.dtype, case.name)
+  assert_lse_close(lse, expected_lse, case.dtype, case.name + " lse")
+  pad = slice(sum(case.q_lens), None)
+  assert (np.asarray(out[pad].astype(jnp.float32)) == 0).all()
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_xla_matches_oracle(case):
+  p, q, q_indptr, sinks = _build(case)
+  out, lse = _public(case, p, q, q_indptr, sinks, "xla")
+  _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel_interpret_matches_oracle(case):
+  p, q, q_indptr, sinks = _build(case, seed=1)
+  out, lse = _public(case, p, q, q_indptr, sinks, "pallas")
+  _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
+
+
+def _direct(case, p, q, q_indptr, sinks, config, plan=None):
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  return kernel.paged_prefill(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(q_indptr), jnp.asarray(p.kv_lens),
+      None if sinks is None else jnp.asarray(sinks), causal=case.causal,
+      sm_scale=1 / np.sqrt(HEAD_DIM), window_left=case.window_left,
+      logits_soft_cap=case.logits_soft_cap, interpret=True, config=config,
+      plan=plan)
+
+
+# Configs that reach each kernel path: (case, config).
+_C = kernel.Config
+CONFIG_CASES = [
+    # block_k == page_size: one page per KV tile (strided loads, scalar table
+    # read); single loop that masks every tile; token-order plan.
+    (Case("within_page_1loop_pair_g4_p16", "pair", 4, 16, (40, 17, 1),
+          (40, 3, 1), num_padding=2),
+     _C(block_q=4, block_k=16, single_loop=True, longest_first=False,
+        short_block_q=0)),
+    # block_k < page_size: half pages; window edge loops; short-tile launch.
+    (Case("half_page_window_pool_g8_p32", "pool", 8, 32, (70, 1, 33),
+          (20, 1, 2), window_left=21, sinks=True),
+     _C(block_q=4, block_k=16, short_block_q=2)),
+    # Several pages per KV tile (gather path), G=1 with 16-token tiles.
+    (Case("gather_flashinfer_g1_p8", "flashinfer", 1, 8, (60, 5), (35, 5),
+          num_padding=3),
+     _C(block_q=16, block_k=32, short_block_q=0)),
+]
+
+
+@pytest.mark.parametrize("case,config", CONFIG_CASES,
+                         ids=[c.name for c, _ in CONFIG_CASES])
+def test_kernel_configs_match_oracle(case, config):
+  p, q, q_indptr, sinks = _build(case, seed=2)
+  out, lse = _direct(case, p, q, q_indptr, sinks, config)
+  _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
+
+
+def test_plan_reuse_and_determinism():
+  case = CASES[2]
+  p, q, q_indptr, sinks = _build(case, seed=3)
+  hq = q.shape[1]
+  config = _C.default_for(group_size=hq // NUM_KV_HEADS, head_dim=HEAD_DIM,
+                          page_size=case.page_size, dtype=case.dtype)
+  plan = jax.jit(
+      plan_lib.plan_prefill,
+      static_argnames=("num_tokens", "block_q", "causal", "window_left",
+                       "longest_first", "short_block_q"))(
+          jnp.asarray(q_indptr), jnp.asarray(p.kv_lens),
+          num_tokens=q.shape[0], block_q=config.block_q,
+          short_block_q=config.short_block_q)
+  a = _direct(case, p, q, q_indptr, sinks, config, plan)
+  b = _direct(case, p, q, q_indptr, sinks, config, plan)
+  c = _direct(case, p, q, q_indptr, sinks, config)
+  for x, y in ((a, b), (a, c)):
+    np.testing.assert_array_equal(np.asarray(x[0]), np.asarray(y[0]))
+    np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y[1]))
+  _check(case, *a, *_expected(case, p, q, q_indptr, sinks))
+  bad = dataclasses.replace(config, block_q=config.block_q * 2)
+  with pytest.raises(ValueError, match="Invalid plan"):
+    _direct(case, p, q, q_indptr, sinks, bad, plan)
+
+
+def test_plan_covers_every_token_once():
+  q_lens = np.array([5, 1, 0, 17, 2, 9])
+  kv_lens = q_lens + np.array([3, 40, 0, 0, 7, 1])
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  num_tokens = int(q_indptr[-1]) + 6
+  for short in (0, 2):
+    plan = plan_lib.plan_prefill(
+        jnp.asarray(q_indptr), jnp.asarray(kv_lens, jnp.int32),
+        num_tokens=num_tokens, block_q=4, short_block_q=short)
+    seen = np.zeros(num_tokens, int)
+    groups = [(np.asarray(plan.tiles), 4)]
+    if short:
+      groups.append((np.asarray(plan.short_tiles), short))
+    for tiles, bq in groups:
+      for seq, start, end, kv, off in tiles:
+        rows = np.arange(start, min(start + bq, end))
+        seen[rows] += 1
+        for t in rows:
+          if t < q_indptr[-1]:
+            b = np.searchsorted(q_indptr[1:], t, side="right")
+            assert seq == b and kv == kv_lens[b]
+            assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
+          else:
+            assert kv == 0
+    np.testing.assert_array_equal(seen, 1)
+    assert plan.num_tiles == plan_lib.max_tiles(num_tokens, len(q_lens), 4)
+
+
+def test_config_validation():
+  with pytest.raises(NotImplementedError):
+    _C(block_q=2, block_k=64).validate(group_size=4)  # 8 rows < 16
+  with pytest.raises(ValueError):
+    _C(block_q=24, block_k=64).validate(group_size=1)
+  _C.default_for(group_size=6, head_dim=128, page_size=16,
+                 dtype=jnp.bfloat16).validate(group_size=6)
