@@ -171,7 +171,10 @@ def _layer_tables(state, num_layers: int, max_seqs: int):
 
 def _cache_ops_before(state, seq_tokens, inp: _StepInputs, prefix_reuse: bool):
   if prefix_reuse:
-    state = _cache.commit(state, inp.commit_ids, seq_tokens, inp.commit_lens)
+    # commit reads tokens[i] for seq_ids[i]: gather each committed row's tokens.
+    rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
+    state = _cache.commit(state, inp.commit_ids, seq_tokens[rows],
+                          inp.commit_lens)
   return _cache.release(state, inp.release_ids)
 
 
@@ -440,9 +443,11 @@ class Engine:
     commit_ids = np.full(S, -1, np.int32)
     commit_lens = np.zeros(S, np.int32)
     release_ids = np.full(S, -1, np.int32)
-    for i, (row, n) in enumerate(self._to_commit + self._to_release):
-      if i < S:  # each row appears at most once per step
-        commit_ids[i], commit_lens[i] = row, n
+    commits = {}  # one entry per row: a duplicated id would void the commit
+    for row, n in self._to_commit + self._to_release:
+      commits[row] = max(n, commits.get(row, 0))
+    for i, (row, n) in enumerate(sorted(commits.items())):
+      commit_ids[i], commit_lens[i] = row, n
     for i, (row, _) in enumerate(self._to_release):
       release_ids[i] = row
     inputs = _StepInputs(

@@ -1,0 +1,166 @@
+"""Engine behaviour on the built-in tiny model (CPU, xla path, f32).
+
+Parity with transformers lives in test_models_hf.py; here: a full pool
+(requests wait / are preempted and recomputed, outputs unchanged), stop tokens,
+seeded sampling independent of batch composition, one compile for all steps,
+donation of the pool, and the sampler itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn import cache
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.models import load_model
+from pkvattn.sampling import sample
+
+# One engine config shared by most tests, so the step compiles once per module.
+CFG = EngineConfig(page_size=8, num_slots=40, max_seqs=4, max_num_tokens=32,
+                   max_model_len=64)
+# 8 slots x 8 tokens: the requests of `_prompts()` (up to 20 + 16 tokens = 5
+# slots each) cannot all run at once.
+SMALL_POOL = EngineConfig(page_size=8, num_slots=8, max_seqs=4,
+                          max_num_tokens=32, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_model("tiny-llama")
+
+
+def _prompts(n=6, seed=0):
+  rng = np.random.default_rng(seed)
+  shared = rng.integers(0, 256, 12).tolist()
+  return [([256] + shared if i % 2 else [256]) + rng.integers(
+      0, 256, int(rng.integers(1, 20))).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model):
+  engine = Engine(model, CFG)
+  prompts = _prompts()
+  out = engine.generate(prompts, SamplingParams(max_new_tokens=16,
+                                                ignore_eos=True))
+  assert engine._step_fn._cache_size() == 1  # one compile for every step
+  cache.validate(engine.state)
+  return prompts, out, engine
+
+
+def test_generate_shapes_and_stats(greedy_reference):
+  prompts, out, engine = greedy_reference
+  assert [len(o) for o in out] == [16] * len(prompts)
+  st = engine.stats
+  assert st.generated_tokens == 16 * len(prompts)
+  assert st.prefill_tokens + st.reused_tokens == sum(map(len, prompts))
+  assert st.reused_tokens > 0  # later odd prompts reuse the shared 12+1 tokens
+  assert 0 < st.peak_used_slots <= CFG.num_slots
+  assert not engine.has_unfinished()
+
+
+def test_full_pool_waits_and_preempts_with_same_output(model, greedy_reference):
+  prompts, expected, _ = greedy_reference
+  # Claims are refused and decodes preempted; outputs must not change.
+  engine = Engine(model, SMALL_POOL)
+  out = engine.generate(prompts, SamplingParams(max_new_tokens=16,
+                                                ignore_eos=True))
+  assert out == expected
+  assert engine.stats.num_preemptions + engine.stats.num_refused_claims > 0
+  assert engine.stats.peak_used_slots <= 8
+  cache.validate(engine.state)
+
+
+def test_prompt_larger_than_pool_raises(model):
+  engine = Engine(model, SMALL_POOL)
+  engine.add_request(list(range(70)), SamplingParams(max_new_tokens=4))
+  with pytest.raises(RuntimeError, match="slots"):
+    while engine.has_unfinished():
+      engine.step()
+
+
+def test_stop_token_ends_request(model, greedy_reference):
+  prompts, expected, _ = greedy_reference
+  engine = Engine(model, CFG)
+  stop = expected[0][3]
+  first = expected[0].index(stop)
+  rid = engine.add_request(prompts[0], SamplingParams(
+      max_new_tokens=16, stop_token_ids=(stop,)))
+  while engine.has_unfinished():
+    engine.step()
+  req = engine.get_request(rid)
+  assert req.output == expected[0][:first + 1]
+  assert req.finish_reason == "stop"
+
+
+def test_sampling_is_seeded_per_request(model):
+  prompts = _prompts(4, seed=3)
+  sp = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.95,
+                      seed=7, ignore_eos=True)
+  alone = Engine(model, CFG).generate([prompts[0]], sp)[0]
+  crowd = Engine(model, CFG).generate(prompts, [sp] + [
+      SamplingParams(max_new_tokens=8, temperature=0.7, seed=i) for i in range(3)])
+  assert crowd[0] == alone
+  other_seed = Engine(model, CFG).generate(
+      [prompts[0]], SamplingParams(max_new_tokens=8, temperature=1.0, seed=8,
+                                   ignore_eos=True))[0]
+  assert other_seed != alone
+
+
+def test_pool_is_donated(model):
+  engine = Engine(model, CFG)
+  engine.add_request([256, 1, 2, 3], SamplingParams(max_new_tokens=2))
+  old_pool, old_state = engine.pool, engine.state
+  engine.step()
+  assert old_pool.is_deleted()
+  assert old_state.slot_refcount.is_deleted()
+
+
+def test_invalid_requests(model):
+  engine = Engine(model, CFG)
+  with pytest.raises(ValueError, match="max_model_len"):
+    engine.add_request(list(range(60)), SamplingParams(max_new_tokens=8))
+  with pytest.raises(ValueError, match="prompt"):
+    engine.add_request([], SamplingParams())
+  with pytest.raises(ValueError, match="token ids"):
+    engine.add_request([100000], SamplingParams())
+  with pytest.raises(ValueError, match="max_num_tokens"):
+    EngineConfig(max_seqs=8, max_num_tokens=4)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=-1.0)
+
+
+def test_sampler():
+  sample_fn = jax.jit(sample)
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)),
+                       jnp.float32)
+  greedy = np.argmax(np.asarray(logits), -1)
+  zeros = jnp.zeros(4, jnp.int32)
+  seeds = jnp.arange(4, dtype=jnp.uint32)
+  # Greedy rows, top_k = 1 and a tiny top_p all give the argmax.
+  for temp, k, p in ((0.0, 0, 1.0), (1.0, 1, 1.0), (1.0, 0, 1e-6)):
+    out = sample_fn(logits, jnp.full(4, temp), jnp.full(4, k, jnp.int32),
+                 jnp.full(4, p), seeds, zeros)
+    np.testing.assert_array_equal(np.asarray(out), greedy)
+  # top_k = 3: always one of the 3 best; deterministic for a seed and index.
+  out = [np.asarray(sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32),
+                           jnp.ones(4), seeds, jnp.full(4, i, jnp.int32)))
+         for i in range(20)]
+  top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+  assert all(np.isin(o[b], top3[b]) for o in out for b in range(4))
+  assert len({tuple(o) for o in out}) > 1
+  again = sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32), jnp.ones(4),
+                 seeds, jnp.full(4, 5, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(again), out[5])
+
+
+def test_profile_reports_split(model):
+  engine = Engine(model, CFG)
+  engine.add_request([256, 5, 6, 7, 8], SamplingParams(max_new_tokens=3))
+  engine.step()
+  engine.step()
+  prof = engine.profile(iters=2)
+  assert set(prof) == {"step_ms", "attention_ms", "bookkeeping_ms", "rest_ms"}
+  assert all(prof[k] > 0 for k in ("step_ms", "attention_ms", "bookkeeping_ms"))
