@@ -353,17 +353,15 @@ def main():
                           dtype=DTYPE)
   R = dataclasses.replace
   sweeps = {
-      "causal": [default, R(default, single_loop=True),
-                 R(default, longest_first=False),
-                 R(default, debug_ignore_table=True),
-                 R(default, block_k=32), R(default, num_stages=3),
-                 R(default, block_q=64, num_warps=8),
-                 R(default, block_k=128, num_warps=8),
-                 R(default, block_k=16, num_stages=3)],
-      "p64": [default, R(default, num_stages=3), R(default, block_k=32),
-              R(default, block_q=64, num_warps=8)],
-      "mixed": [default, R(default, short_block_q=0),
-                R(default, block_k=128, num_warps=8)],
+      "causal": [default, R(default, block_q=32, block_k=128),
+                 R(default, block_q=32, num_warps=4),
+                 R(default, longest_first=False), R(default, num_stages=3)],
+      "p64": [default, R(default, num_stages=3),
+              R(default, block_q=32, num_warps=4, num_stages=3)],
+      "mixed": [default, R(default, short_num_stages=3),
+                R(default, short_block_k=64),
+                R(default, short_num_warps=4, short_num_stages=3),
+                R(default, short_block_q=0)],
   }
   if a.quick:
     sweeps = {k: v[:3] for k, v in sweeps.items()}

@@ -77,29 +77,35 @@ class Config:
   single_loop: bool = False
   longest_first: bool = True
   short_block_q: int = 0
+  short_block_k: int = 128
+  short_num_warps: int = 8
+  short_num_stages: int = 2
   debug_ignore_table: bool = False
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int, page_size: int,
                   dtype) -> "Config":
-    """Heuristic: 128 query rows per tile (64 for head_dim 256), 64-key tiles.
+    """Heuristic from the H200 sweep (bench/results/prefill_NVIDIA_H200.json).
 
-    128 x 64 with 4 warps and 2 stages is the best tuning of JAX's contiguous
-    Pallas `mha` on H100/H200 at head_dim 128; f32 halves the tiles to stay in
-    shared memory.
+    256 query rows (tokens x group) per tile, 64-key tiles, 8 warps, 2 stages
+    at head_dim <= 128 (128 rows and 32-key tiles at head_dim 256; halved
+    again for f32 to stay in shared memory). Decode rows and multi-token
+    decode (q_len <= 8) go to the short launch with 128-key tiles.
     """
     del page_size
     group_pad = pl.next_power_of_2(group_size)
-    rows = 128 if head_dim <= 128 else 64
+    rows = 256 if head_dim <= 128 else 128
+    block_k = 64 if head_dim <= 128 else 32
+    short_block_k = 128 if head_dim <= 128 else 64
     if jnp.dtype(dtype).itemsize >= 4:
       rows //= 2
+      short_block_k //= 2
     block_q = max(1, rows // group_pad)
-    block_k = 64 if head_dim <= 128 else 32
     short_block_q = max(8, 16 // group_pad)
     if short_block_q >= block_q:
       short_block_q = 0
-    return cls(block_q=block_q, block_k=block_k, num_warps=4, num_stages=2,
-               short_block_q=short_block_q)
+    return cls(block_q=block_q, block_k=block_k, num_warps=8, num_stages=2,
+               short_block_q=short_block_q, short_block_k=short_block_k)
 
   def validate(self, group_size: int) -> None:
     rows = self.block_q * pl.next_power_of_2(group_size)
@@ -112,6 +118,11 @@ class Config:
       raise NotImplementedError(
           f"Invalid short_block_q={short}: expected a power of two with "
           f"short_block_q * group_pad >= 16")
+    if short and (self.short_block_k < 16 or
+                  self.short_block_k & (self.short_block_k - 1)):
+      raise ValueError(
+          f"Invalid short_block_k: expected a power of two >= 16, got "
+          f"{self.short_block_k}")
     if rows < 16 or self.block_k < 16:
       raise NotImplementedError(
           f"Triton dots need >= 16 rows per operand: block_q * group_pad = "
@@ -300,7 +311,8 @@ def _paged_prefill_kernel(
 
 
 def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
-                        prev=None, *, block_q: int, config: Config, causal,
+                        prev=None, *, block_q: int, block_k: int,
+                        num_warps: int, num_stages: int, config: Config, causal,
                         sm_scale, window_left, logits_soft_cap, interpret):
   """One launch over `tiles`; `prev=(out, lse)` are updated in place (aliased)."""
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -308,7 +320,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
   group_size = num_qo_heads // num_kv_heads
   num_tiles = tiles.shape[0]
   kernel = functools.partial(
-      _paged_prefill_kernel, block_q=block_q, block_k=config.block_k,
+      _paged_prefill_kernel, block_q=block_q, block_k=block_k,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, single_loop=config.single_loop,
@@ -321,8 +333,8 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
     aliases = {len(args): 0, len(args) + 1: 1}
     args.extend(prev)
     kernel = functools.partial(_drop_aliased_inputs, kernel, num_inputs=len(args) - 2)
-  name = (f"paged_prefill_bq{block_q}_bk{config.block_k}"
-          f"_g{group_size}_w{config.num_warps}_s{config.num_stages}")
+  name = (f"paged_prefill_bq{block_q}_bk{block_k}"
+          f"_g{group_size}_w{num_warps}_s{num_stages}")
   with _compat.suppress_triton_deprecation():
     out, lse = pl.pallas_call(
         kernel,
@@ -331,8 +343,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
             jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim), q.dtype),
             jax.ShapeDtypeStruct((num_tokens, num_qo_heads), jnp.float32),
         ],
-        compiler_params=_compat.triton_params(config.num_warps,
-                                              config.num_stages),
+        compiler_params=_compat.triton_params(num_warps, num_stages),
         input_output_aliases=aliases,
         interpret=interpret,
         name=name,
@@ -428,7 +439,11 @@ def paged_prefill(
       v_table.astype(jnp.int32), sinks, config=config, causal=causal,
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, interpret=interpret)
-  out = call(plan.tiles, block_q=config.block_q)
+  out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
+             num_warps=config.num_warps, num_stages=config.num_stages)
   if plan.short_tiles is not None:
-    out = call(plan.short_tiles, out, block_q=config.short_block_q)
+    out = call(plan.short_tiles, out, block_q=config.short_block_q,
+               block_k=config.short_block_k,
+               num_warps=config.short_num_warps,
+               num_stages=config.short_num_stages)
   return out
