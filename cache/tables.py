@@ -19,13 +19,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks
 
 from .state import NULL_PAGE, CacheState
 
 
-@functools.partial(jax.jit, static_argnames=("split",))
 def page_table(
     state: CacheState,
     seq_ids: jax.Array,  # i32[n]
@@ -64,16 +64,22 @@ def page_table(
   cfg = state.config
   _checks.check_int(seq_ids, "seq_ids")
   _checks.check_ndim(seq_ids, (1,), "seq_ids")
-  if isinstance(layer, int) and not 0 <= layer < cfg.num_layers:
+  if isinstance(layer, (int, np.integer)) and not 0 <= layer < cfg.num_layers:
     raise ValueError(
         f"Invalid layer: expected 0 <= layer < {cfg.num_layers}, got {layer}")
+  return _page_table(state, seq_ids, jnp.asarray(layer, jnp.int32), split)
+
+
+@functools.partial(jax.jit, static_argnames=("split",))
+def _page_table(state: CacheState, seq_ids, layer, split):
+  cfg = state.config
   seq_ids = seq_ids.astype(jnp.int32)
   ok = (seq_ids >= 0) & (seq_ids < cfg.max_seqs)
   idx = jnp.where(ok, seq_ids, 0)
   ok &= state.seq_live[idx]
   slots = jnp.where(ok[:, None], state.seq_slots[idx], NULL_PAGE)
   has = slots >= 0
-  shared = slots * cfg.num_layers + jnp.asarray(layer, jnp.int32)
+  shared = slots * cfg.num_layers + layer
   if not split:
     return jnp.where(has, shared, NULL_PAGE)
   k = jnp.where(has, 2 * shared, NULL_PAGE)

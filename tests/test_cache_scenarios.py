@@ -1,0 +1,275 @@
+"""Hand-built cache scenarios: two-phase claims, all-or-nothing, scopes, collisions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn import cache
+from pkvattn.cache import hashing
+
+PS = 4
+
+
+def _cfg(**kw):
+  base = dict(num_slots=8, page_size=PS, num_layers=2, max_seqs=8,
+              max_pages=6, hash_ways=8)
+  base.update(kw)
+  return cache.CacheConfig(**base)
+
+
+def _tok(rows, width=24):
+  out = np.zeros((len(rows), width), np.int32)
+  for r, row in enumerate(rows):
+    out[r, :len(row)] = row
+  return jnp.asarray(out)
+
+
+def _claim(state, ids, prompts, lengths=None, scopes=None):
+  lengths = [len(p) for p in prompts] if lengths is None else lengths
+  return cache.claim_batch(
+      state, jnp.asarray(ids, jnp.int32), _tok(prompts), jnp.asarray(
+          lengths, jnp.int32),
+      None if scopes is None else jnp.asarray(scopes, jnp.int32))
+
+
+def _commit(state, ids, prompts):
+  return cache.commit(state, jnp.asarray(ids, jnp.int32), _tok(prompts),
+                      jnp.asarray([len(p) for p in prompts], jnp.int32))
+
+
+def _release(state, ids):
+  return cache.release(state, jnp.asarray(ids, jnp.int32))
+
+
+def _rand(seed, n):
+  return np.random.default_rng(seed).integers(1, 1000, n).tolist()
+
+
+def _setup_cached(cfg):
+  """A (9 tokens, 2 blocks published) and C (8 tokens, 2 published) released:
+  slots 0, 1 (A, released first) and 3, 4 (C) cached, 2 free; then H holds 2
+  fresh slots. Returns (state, prompt_a)."""
+  a, c, h = _rand(1, 9), _rand(2, 8), _rand(3, 8)
+  st = cache.init_cache(cfg)
+  st, res = _claim(st, [0], [a])
+  st = _commit(st, [0], [a])
+  st, _ = _claim(st, [1], [c])
+  st = _commit(st, [1], [c])
+  st = _release(st, [0])
+  st = _release(st, [1])
+  st, _ = _claim(st, [2], [h])
+  cache.validate(st)
+  s = cache.stats(st)
+  assert (int(s["num_free"]), int(s["num_cached"]), int(s["num_used"])) == (
+      2, 4, 2)
+  return st, a
+
+
+def test_batched_claim_protects_matched_blocks():
+  cfg = _cfg()
+  st0, a = _setup_cached(cfg)
+  x = _rand(4, 12)  # needs 3 blocks: 2 free + 1 eviction
+
+  # One at a time: X evicts A's least recently released block; B loses reuse.
+  st, rx = _claim(st0, [3], [x])
+  st, rb = _claim(st, [4], [a])
+  assert bool(rx.ok[0]) and bool(rb.ok[0])
+  assert int(rb.num_reused_tokens[0]) == 0
+  cache.validate(st)
+
+  # Batched: phase 1 protects A's blocks for B, X evicts C's instead.
+  st, res = _claim(st0, [3, 4], [x, a])
+  cache.validate(st)
+  np.testing.assert_array_equal(res.ok, [True, True])
+  np.testing.assert_array_equal(res.num_reused_tokens, [0, 8])
+  np.testing.assert_array_equal(res.num_new_blocks, [3, 1])
+  np.testing.assert_array_equal(res.num_missed_blocks, [2, 0])
+  row_b = np.asarray(st.seq_slots[4])
+  np.testing.assert_array_equal(row_b[:2], [0, 1])
+  assert not set(np.asarray(st.seq_slots[3])[:3].tolist()) & {0, 1}
+
+
+def test_lru_evicts_least_recently_released_first():
+  cfg = _cfg()
+  st0, a = _setup_cached(cfg)
+  # 2 free, then A's blocks (released at clock 0) before C's (clock 1).
+  st, res = _claim(st0, [3], [_rand(5, 12)])
+  assert bool(res.ok[0])
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[3])[:3], [6, 7, 0])
+  assert not bool(st.slot_published[0]) and bool(st.slot_published[1])
+
+
+def test_out_of_pages_is_all_or_nothing_first_come_first_served():
+  cfg = _cfg()
+  st0 = cache.init_cache(cfg)
+  prompts = [_rand(1, 16), _rand(2, 20), _rand(3, 4)]  # 4 + 5 + 1 blocks > 8
+  st, res = _claim(st0, [0, 1, 2], prompts)
+  cache.validate(st)
+  np.testing.assert_array_equal(res.ok, [True, False, False])
+  np.testing.assert_array_equal(res.num_new_blocks, [4, 0, 0])
+  assert not bool(st.seq_live[1]) and not bool(st.seq_live[2])
+  np.testing.assert_array_equal(st.seq_slots[1], -1)
+  assert int(cache.stats(st)["num_free"]) == 4
+  # extend: the first request fits, the second would need 5 more blocks.
+  st, ext = cache.extend(st, jnp.array([0, -1], jnp.int32),
+                         jnp.array([24, 0], jnp.int32))
+  np.testing.assert_array_equal(ext.ok, [False, False])
+  st, ext = cache.extend(st, jnp.array([0], jnp.int32), jnp.array([8], jnp.int32))
+  np.testing.assert_array_equal(ext.num_new_blocks, [2])
+  cache.validate(st)
+
+
+def test_invalid_requests_leave_state_unchanged():
+  cfg = _cfg()
+  st0, _ = _claim(cache.init_cache(cfg), [0], [_rand(1, 5)])
+  p = _rand(2, 6)
+  cases = [
+      ([0], [p], None),                 # id already live
+      ([8], [p], None),                 # id out of range
+      ([-1], [p], None),                # padding
+      ([3, 3], [p, p], None),           # duplicate ids
+      ([3], [p], [25]),                 # over max_pages * page_size = 24
+      ([3], [p], [-1]),                 # negative length
+  ]
+  for ids, prompts, lengths in cases:
+    st, res = _claim(st0, ids, prompts, lengths)
+    assert not np.asarray(res.ok).any(), (ids, lengths)
+    assert int(np.asarray(res.num_new_blocks).sum()) == 0
+    chex.assert_trees_all_equal(st, st0)
+  st, res = cache.extend(st0, jnp.array([1, 9, 0, 0], jnp.int32),
+                         jnp.array([1, 1, 1, 1], jnp.int32))
+  assert not np.asarray(res.ok).any()  # dead, out of range, duplicated
+  chex.assert_trees_all_equal(st, st0)
+  st, fr = cache.fork(st0, jnp.array([0, 1], jnp.int32),
+                      jnp.array([0, 2], jnp.int32))  # live child, dead parent
+  assert not np.asarray(fr.ok).any()
+  assert (np.asarray(fr.src_pages) == -1).all()
+  chex.assert_trees_all_equal(st, st0)
+
+
+def test_reuse_scope_isolation_and_last_token_rule():
+  cfg = _cfg(num_slots=16, hash_ways=16)
+  p = _rand(7, 12)  # exactly 3 blocks
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [p], scopes=[1])
+  st = _commit(st, [0], [p])
+  st, res = _claim(st, [1, 2, 3], [p, p, p + [5]], scopes=[2, 1, 1])
+  cache.validate(st)
+  # Other scope: nothing. Same scope, fully cached prompt: the last block is
+  # recomputed so the last token gets logits. One more token: all 3 reused.
+  np.testing.assert_array_equal(res.num_reused_tokens, [0, 8, 12])
+  np.testing.assert_array_equal(res.num_missed_blocks, [2, 0, 0])
+  row0 = np.asarray(st.seq_slots[0])
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[3])[:3], row0[:3])
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[2])[:2], row0[:2])
+  assert np.asarray(st.seq_slots[2])[2] != row0[2]
+  s = cache.stats(st)
+  assert int(s["num_hits"]) == 5 and int(s["num_lookups"]) == 2 + 2 + 2 + 3
+  # A shared published block has refcount = number of holders.
+  assert int(st.slot_refcount[row0[0]]) == 3
+
+
+def test_forced_key_collision_is_never_reused(monkeypatch):
+  def constant_keys(block_tokens, scope):
+    n, nb, _ = block_tokens.shape
+    return jnp.zeros((n, nb, 2), jnp.uint32)
+
+  monkeypatch.setattr(hashing, "block_keys", constant_keys)
+  # A config used by no other test, so the jitted ops trace the patched hash
+  # (and nothing else ever reuses those traces).
+  cfg = _cfg(num_slots=16, hash_ways=16, max_seqs=9)
+  blk = _rand(9, 4)
+  a = blk + blk + _rand(10, 2)  # two identical blocks: same key, same tokens
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [a])
+  st = _commit(st, [0], [a])
+  cache.validate(st)
+  assert int(jnp.sum(st.slot_published)) == 1  # block 1 collides in-batch
+  # Block 1 of `a` finds block 0's slot by key with equal tokens, but its
+  # parent differs: only block 0 is reused.
+  st, res = _claim(st, [1], [a])
+  assert int(res.num_reused_tokens[0]) == 4
+  # Different tokens under the same key: no reuse at all.
+  st, res = _claim(st, [2], [_rand(11, 9)])
+  assert int(res.num_reused_tokens[0]) == 0
+  # Different scope, same tokens: no reuse.
+  st, res = _claim(st, [3], [a], scopes=[5])
+  assert int(res.num_reused_tokens[0]) == 0
+  cache.validate(st)
+  st = _release(st, [2, 3])
+  # A colliding publication replaces the old entry instead of aliasing it.
+  other = _rand(12, 9)
+  st, _ = _claim(st, [4], [other])
+  st = _commit(st, [4], [other])
+  cache.validate(st)
+  st, res = _claim(st, [5], [a])
+  assert int(res.num_reused_tokens[0]) == 0
+  st, res = _claim(st, [6], [other])
+  assert int(res.num_reused_tokens[0]) == 4
+  cache.validate(st)
+
+
+def test_page_table_traced_layer_in_scan():
+  cfg = _cfg(num_layers=3)
+  st, _ = _claim(cache.init_cache(cfg), [0, 1], [_rand(1, 9), _rand(2, 3)])
+  ids = jnp.array([1, -1, 0, 7], jnp.int32)
+
+  def body(carry, layer):
+    return carry, (cache.page_table(st, ids, layer),
+                   cache.page_table(st, ids, layer, split=False))
+
+  _, (split, shared) = jax.lax.scan(body, 0, jnp.arange(3))
+  chex.assert_shape(split, (3, 4, 2, cfg.max_pages))
+  chex.assert_shape(shared, (3, 4, cfg.max_pages))
+  chex.assert_type(split, jnp.int32)
+  rows = np.asarray(st.seq_slots)[[1, 0, 0, 0]]
+  rows[1] = rows[3] = -1
+  for layer in range(3):
+    q = np.where(rows >= 0, rows * 3 + layer, -1)
+    np.testing.assert_array_equal(shared[layer], q)
+    np.testing.assert_array_equal(split[layer, :, 0], np.where(q >= 0, 2 * q, -1))
+    np.testing.assert_array_equal(split[layer, :, 1],
+                                  np.where(q >= 0, 2 * q + 1, -1))
+    np.testing.assert_array_equal(cache.page_table(st, ids, layer), split[layer])
+  with pytest.raises(ValueError, match="layer"):
+    cache.page_table(st, ids, 3)
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="num_slots"):
+    _cfg(num_slots=0)
+  with pytest.raises(ValueError, match="layer_windows"):
+    _cfg(layer_windows=(-1,))
+  with pytest.raises(ValueError, match="hash_buckets"):
+    _cfg(hash_buckets=3)
+  st = cache.init_cache(_cfg())
+  with pytest.raises(ValueError, match="tokens"):
+    cache.claim_batch(st, jnp.zeros((2,), jnp.int32), jnp.zeros((3, 8), jnp.int32),
+                      jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match="lengths"):
+    cache.claim_batch(st, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 8), jnp.int32),
+                      jnp.zeros((2,), jnp.float32))
+
+
+def test_block_keys_chain_and_scope():
+  rng = np.random.default_rng(0)
+  toks = jnp.asarray(rng.integers(0, 50, (3, 5, PS)), jnp.int32)
+  toks = toks.at[1].set(toks[0]).at[2].set(toks[0]).at[2, 1, 0].add(1)
+  keys = np.asarray(hashing.block_keys(toks, jnp.array([0, 0, 0], jnp.int32)))
+  np.testing.assert_array_equal(keys[0], keys[1])
+  # Changing block 1 changes the keys of blocks 1.. (chained), not block 0.
+  np.testing.assert_array_equal(keys[2, 0], keys[0, 0])
+  assert (keys[2, 1:] != keys[0, 1:]).any(axis=-1).all()
+  other = np.asarray(hashing.block_keys(toks, jnp.array([1, 1, 1], jnp.int32)))
+  assert (other[0] != keys[0]).any(axis=-1).all()
+  # Matches a serial fold of the same affine chain (associative scan check).
+  serial = np.stack([np.asarray(hashing.block_keys(toks[:, :i + 1],
+                                                   jnp.zeros((3,), jnp.int32)))[:, i]
+                     for i in range(5)], axis=1)
+  np.testing.assert_array_equal(serial, keys)
