@@ -31,6 +31,7 @@ Writes bench/results/prefill_<device>.json (and $OUT/…) and a PNG.
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import math
 import os
@@ -53,6 +54,7 @@ from pkvattn.pallas_kernels import plan as plan_lib  # noqa: E402
 from pkvattn.pallas_kernels import reference  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+ROUNDS = 2
 DTYPE = jnp.bfloat16
 
 
@@ -270,28 +272,20 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
       print("cudnn failed:", repr(e)[:300])
       cud_fn = None
 
-  def add(impl, fn, fargs, cfg=None):
-    try:
-      t = _timing.time_fn(fn, *fargs, iters=10, min_time_s=0.1)
-    except Exception as e:  # noqa: BLE001
-      print(f"{name} {impl} failed: {repr(e)[:400]}")
-      return None
-    row = dict(spec=name, impl=impl, page_size=page_size, **t,
-               tflops=flops / (t["median_ms"] * 1e-3) / 1e12)
-    if cfg is not None:
-      row["config"] = dataclasses.asdict(cfg)
-    rows.append(row)
-    print(f"  {name:28s} {impl:34s} {t['median_ms']:8.3f} ms "
-          f"{row['tflops']:7.1f} TFLOP/s", flush=True)
-    return row
+  # Collect every timed callable first, then time them in ROUNDS interleaved
+  # rounds and keep the fastest round's median: the shared GPU's clocks drift
+  # by 10-20% over a run, and interleaving keeps the ratios fair.
+  entries = []  # (impl, fn, args, cfg, extra)
 
-  best = None
   for i, cfg in enumerate(configs):
     diag = cfg.debug_ignore_table
     tag = (f"pallas bq{cfg.block_q} bk{cfg.block_k} w{cfg.num_warps} "
            f"s{cfg.num_stages}" + (" 1loop" if cfg.single_loop else "")
            + ("" if cfg.longest_first else " tokenorder")
-           + (f" short{cfg.short_block_q}")
+           + ("" if cfg.heads_outer else " headsinner")
+           + (f" short{cfg.short_block_q}/bk{cfg.short_block_k}"
+              f"/w{cfg.short_num_warps}/s{cfg.short_num_stages}"
+              if cfg.short_block_q else " noshort")
            + (" DIAG-no-table(wrong)" if diag else "")
            + (" (default)" if i == 0 else ""))
     fn = pallas_fn(cfg)
@@ -301,16 +295,24 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
       ok = err < 1e-2
       if not ok:
         print(f"  {tag}: mismatch vs default, rel_err={err:.3g}")
-    r = add(tag, fn, args, cfg)
-    if r is None:
-      continue
-    r["matches_default"] = ok
-    if ok and not diag and (best is None or r["median_ms"] < best["median_ms"]):
-      best = r
-  if best is not None:
-    rows.append(dict(best, impl="pallas best"))
+    entries.append((tag, fn, args, cfg, dict(matches_default=ok,
+                                             diagnostic=diag)))
+  # The default again with the plan computed outside (as once per step, reused
+  # by every layer): the kernel time alone.
+  plan = jax.jit(functools.partial(
+      plan_lib.plan_prefill, num_tokens=int(sum(q_lens)),
+      block_q=default_cfg.block_q, short_block_q=default_cfg.short_block_q,
+      causal=True))(sp["q_indptr"], sp["kv_lens"])
+
+  @jax.jit
+  def planned(q, pool, kt, vt, qi, kl, plan):
+    return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None, causal=True,
+                            sm_scale=sm_scale, config=default_cfg,
+                            plan=plan)[0]
+  entries.append(("pallas default, plan reused (kernel only)", planned,
+                  args + (plan,), default_cfg, dict(diagnostic=True)))
   if cud_fn is not None:
-    add("cudnn contiguous", cud_fn, cud_args)
+    entries.append(("cudnn contiguous", cud_fn, cud_args, None, {}))
   if with_mha and is_prompt:
     from jax.experimental.pallas.ops.gpu import attention as jax_attn
     kr = jnp.repeat(kc, HQ // HKV, axis=2)
@@ -321,15 +323,49 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     mha_best = jax.jit(lambda q, k, v: jax_attn.mha(
         q, k, v, None, sm_scale=sm_scale, causal=True, block_sizes=bs,
         num_warps=4, num_stages=2))
-    add("jax pallas mha (defaults)", mha_default, (qc, kr, vr))
-    add("jax pallas mha (128/64/w4/s2)", mha_best, (qc, kr, vr))
-  if with_xla:
+    entries.append(("jax pallas mha (defaults)", mha_default, (qc, kr, vr),
+                    None, {}))
+    entries.append(("jax pallas mha (128/64/w4/s2)", mha_best, (qc, kr, vr),
+                    None, {}))
+  timings = {}
+  for rnd in range(ROUNDS):
+    for impl, fn, fargs, _, _ in entries:
+      try:
+        t = _timing.time_fn(fn, *fargs, iters=10, min_time_s=0.1)
+      except Exception as e:  # noqa: BLE001
+        print(f"{name} {impl} failed: {repr(e)[:400]}")
+        continue
+      timings.setdefault(impl, []).append(t)
+  if with_xla:  # slow: one round
     @jax.jit
     def xla_fn(q, pool, kt, vt, qi, kl):
       return reference.paged_prefill_reference(
           q, pool, pool, kt, vt, qi, kl, None, causal=True,
           sm_scale=sm_scale)[0]
-    add("pkvattn xla", xla_fn, args)
+    timings["pkvattn xla"] = [_timing.time_fn(xla_fn, *args, iters=3,
+                                              min_time_s=0.0)]
+    entries.append(("pkvattn xla", None, None, None, {}))
+  best = None
+  for impl, _, _, cfg, extra in entries:
+    if impl not in timings:
+      continue
+    ts = timings[impl]
+    t = dict(min(ts, key=lambda x: x["median_ms"]))
+    t["round_medians_ms"] = [x["median_ms"] for x in ts]
+    row = dict(spec=name, impl=impl, page_size=page_size, **t,
+               tflops=flops / (t["median_ms"] * 1e-3) / 1e12, **extra)
+    if cfg is not None:
+      row["config"] = dataclasses.asdict(cfg)
+    rows.append(row)
+    print(f"  {name:28s} {impl:60s} {t['median_ms']:8.3f} ms "
+          f"{row['tflops']:7.1f} TFLOP/s  rounds {t['round_medians_ms']}",
+          flush=True)
+    if (impl.startswith("pallas bq") and extra.get("matches_default")
+        and not extra.get("diagnostic")
+        and (best is None or row["median_ms"] < best["median_ms"])):
+      best = row
+  if best is not None:
+    rows.append(dict(best, impl="pallas best", best_of=best["impl"]))
 
 
 def main():
@@ -353,14 +389,15 @@ def main():
                           dtype=DTYPE)
   R = dataclasses.replace
   sweeps = {
-      "causal": [default, R(default, block_q=32, block_k=128),
+      "causal": [default, R(default, heads_outer=False),
                  R(default, block_q=32, num_warps=4),
+                 R(default, block_q=32, block_k=128),
                  R(default, longest_first=False), R(default, num_stages=3)],
-      "p64": [default, R(default, num_stages=3),
-              R(default, block_q=32, num_warps=4, num_stages=3)],
-      "mixed": [default, R(default, short_num_stages=3),
+      "p64": [default, R(default, heads_outer=False),
+              R(default, num_stages=3)],
+      "mixed": [default, R(default, heads_outer=False),
+                R(default, short_num_stages=3),
                 R(default, short_block_k=64),
-                R(default, short_num_warps=4, short_num_stages=3),
                 R(default, short_block_q=0)],
   }
   if a.quick:

@@ -63,6 +63,11 @@ class Config:
     single_loop: one KV loop that masks every tile (as JAX's `mha`) instead
       of masked edge loops around an unmasked interior loop.
     longest_first: plan order of the query tiles (see `plan.plan_prefill`).
+    heads_outer: launch order. True: the tile index varies fastest, so the
+      programs resident at once are (mostly) tiles of ONE kv head, whose K/V
+      (`batch * kv_len * head_dim * 4` bytes) stay in L2 while every tile of
+      the head re-reads them; False: the kv heads of one tile run together,
+      and the working set is every head's K/V (larger than L2 at 4 x 4096).
     short_block_q: > 0 runs sequences with q_len <= short_block_q (decode
       rows of a mixed batch, multi-token decode) in a second launch with
       tiles of `short_block_q` tokens (`short_block_q * group_pad >= 16`
@@ -76,6 +81,7 @@ class Config:
   num_stages: int = 2
   single_loop: bool = False
   longest_first: bool = True
+  heads_outer: bool = True
   short_block_q: int = 0
   short_block_k: int = 128
   short_num_warps: int = 8
@@ -146,6 +152,7 @@ def _paged_prefill_kernel(
     logits_soft_cap: float | None,
     has_sinks: bool,
     single_loop: bool,
+    heads_outer: bool,
     debug_ignore_table: bool,
 ):
   if has_sinks:
@@ -159,8 +166,10 @@ def _paged_prefill_kernel(
   group_pad = pl.next_power_of_2(group_size)
   rows = block_q * group_pad
 
-  kv_head = pl.program_id(0)
-  tile = pl.program_id(1)
+  if heads_outer:
+    tile, kv_head = pl.program_id(0), pl.program_id(1)
+  else:
+    kv_head, tile = pl.program_id(0), pl.program_id(1)
   seq = tiles_ref[tile, plan_lib.SEQ]
   q_start = tiles_ref[tile, plan_lib.Q_START]
   q_end = tiles_ref[tile, plan_lib.Q_END]
@@ -324,6 +333,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, single_loop=config.single_loop,
+      heads_outer=config.heads_outer,
       debug_ignore_table=config.debug_ignore_table)
   args = [tiles, q, k_pool, v_pool, k_table, v_table]
   if sinks is not None:
@@ -338,7 +348,8 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
   with _compat.suppress_triton_deprecation():
     out, lse = pl.pallas_call(
         kernel,
-        grid=(num_kv_heads, num_tiles),
+        grid=((num_tiles, num_kv_heads) if config.heads_outer else
+              (num_kv_heads, num_tiles)),
         out_shape=[
             jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim), q.dtype),
             jax.ShapeDtypeStruct((num_tokens, num_qo_heads), jnp.float32),
