@@ -97,7 +97,11 @@ def main(argv=None) -> int:
       max_num_tokens=max(args.max_num_tokens, args.max_seqs),
       max_model_len=max_model_len, impl=args.impl,
       enable_prefix_reuse=not args.no_prefix_reuse,
-      enable_swa_scratch_reuse=args.swa_scratch_reuse)
+      enable_swa_scratch_reuse=args.swa_scratch_reuse,
+      # On a CPU one compile beats a second, decode-sized one; on a GPU the
+      # decode bucket pays off at once.
+      token_buckets=None if jax.default_backend() == "gpu" else (
+          max(args.max_num_tokens, args.max_seqs),))
   engine = Engine(model, config)
   load_s = time.perf_counter() - t0
 

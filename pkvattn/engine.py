@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax import lax
 
 from pkvattn import _checks
 from pkvattn import attention as _attention
@@ -73,6 +74,10 @@ class EngineConfig:
       `extend` and `page_table`. The engine then prefills a prompt in one step.
     impl: attention / rope implementation ("pallas", "xla", None = auto).
     hash_ways: prefix-cache hash-table associativity.
+    token_buckets: padded step sizes; a step runs at the smallest bucket that
+      holds its tokens (one compile per bucket, like CUDA-graph capture sizes).
+      None = `(max_seqs, max_num_tokens)`: decode-only steps stop paying for
+      the prefill budget.
   """
   page_size: int = 16
   num_slots: int = 256
@@ -84,6 +89,7 @@ class EngineConfig:
   enable_swa_scratch_reuse: bool = False
   impl: Implementation | None = None
   hash_ways: int = 8
+  token_buckets: tuple[int, ...] | None = None
 
   def __post_init__(self):
     for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
@@ -97,6 +103,18 @@ class EngineConfig:
           f"{self.max_num_tokens}")
     if self.impl is not None:
       _checks.check_choice(self.impl, ("pallas", "xla"), "impl")
+    if self.token_buckets is not None and any(
+        int(b) <= 0 for b in self.token_buckets):
+      raise ValueError(
+          f"Invalid token_buckets: expected positive sizes, got "
+          f"{self.token_buckets}")
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    """Sorted step sizes, the last one `max_num_tokens`."""
+    sizes = self.token_buckets or (self.max_seqs,)
+    return tuple(sorted({min(int(b), self.max_num_tokens) for b in sizes}
+                        | {self.max_num_tokens}))
 
   @property
   def max_pages(self) -> int:
@@ -135,7 +153,7 @@ class Request:
 
 @struct.dataclass
 class _StepInputs:
-  tokens: jax.Array         # i32[max_num_tokens]
+  tokens: jax.Array         # i32[num_tokens], num_tokens one of cfg.buckets
   q_indptr: jax.Array       # i32[max_seqs + 1]
   kv_lens: jax.Array        # i32[max_seqs]
   sample_rows: jax.Array    # bool[max_seqs]
@@ -170,19 +188,35 @@ def _layer_tables(state, num_layers: int, max_seqs: int):
 
 
 def _cache_ops_before(state, seq_tokens, inp: _StepInputs, prefix_reuse: bool):
+  # Most steps commit and release nothing: skip those ops (lax.cond) so the
+  # decode steps pay only for `extend` and the page tables.
   if prefix_reuse:
-    # commit reads tokens[i] for seq_ids[i]: gather each committed row's tokens.
-    rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
-    state = _cache.commit(state, inp.commit_ids, seq_tokens[rows],
-                          inp.commit_lens)
-  return _cache.release(state, inp.release_ids)
+    def do_commit(state):
+      # commit reads tokens[i] for seq_ids[i]: gather each committed row.
+      rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
+      return _cache.commit(state, inp.commit_ids, seq_tokens[rows],
+                           inp.commit_lens)
+    state = lax.cond(jnp.any(inp.commit_ids >= 0), do_commit, lambda s: s,
+                     state)
+  return lax.cond(jnp.any(inp.release_ids >= 0),
+                  lambda s: _cache.release(s, inp.release_ids), lambda s: s,
+                  state)
 
 
 def _cache_ops_after(state, inp: _StepInputs):
   ones = jnp.ones_like(inp.extend_ids)
   state, ext = _cache.extend(state, inp.extend_ids, ones)
-  state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
-                                    inp.admit_lens)
+
+  def do_claim(state):
+    return _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
+                              inp.admit_lens)
+
+  def no_claim(state):
+    zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
+    return state, _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
+
+  state, claim = lax.cond(jnp.any(inp.admit_ids >= 0), do_claim, no_claim,
+                          state)
   return state, ext, claim
 
 
@@ -200,7 +234,7 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs, *,
   state = _cache_ops_before(state, seq_tokens, inp, cfg.enable_prefix_reuse)
   tables = _layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
   plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
-                              cfg.max_num_tokens)
+                              inp.tokens.shape[0])
   last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
   logits, pool = _decoder.forward(params, model_cfg, inp.tokens, pool, plan,
                                   logits_indices=last, impl=cfg.impl)
@@ -218,7 +252,9 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs, *,
 
 @functools.lru_cache(maxsize=32)
 def _jitted_step(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
-  """One compiled step per (model config, engine config), shared by engines."""
+  """One jitted step per (model config, engine config), shared by engines.
+
+  It compiles once per token bucket (the only shape that varies)."""
   return jax.jit(
       functools.partial(_device_step, model_cfg=model_cfg, cfg=cfg),
       donate_argnums=(1, 2, 3))
@@ -236,7 +272,7 @@ class EngineStats:
   prefill_time_s: float = 0.0   # wall time of steps that carried prefill tokens
   decode_time_s: float = 0.0    # wall time of decode-only steps
   host_time_s: float = 0.0      # host scheduling + result handling
-  compile_time_s: float = 0.0   # first step (trace + compile + run)
+  compile_time_s: float = 0.0   # first step per bucket (trace + compile + run)
   peak_used_slots: int = 0
   slots_saved_by_scratch: int | None = None  # reported once issue 5's cache does
   num_preemptions: int = 0
@@ -302,6 +338,7 @@ class Engine:
     self._default_stop = frozenset(mcfg.eos_token_ids)
     self.stats = EngineStats()
     self.last_inputs: _StepInputs | None = None
+    self._seen_buckets: set[int] = set()
 
   # ------------------------------------------------------------------ API
   def add_request(self, prompt: Sequence[int],
@@ -415,6 +452,8 @@ class Engine:
     # Tokens are laid out in row order (q_indptr is cu_seqlens over rows).
     q_indptr = np.zeros(S + 1, np.int32)
     q_indptr[1:] = np.cumsum(q_lens)
+    bucket = next(b for b in cfg.buckets if b >= q_indptr[-1])
+    tokens = tokens[:bucket]
     by_row = {req.seq_id: (req, n) for req, n, _ in rows}
     for r, (req, n) in sorted(by_row.items()):
       tokens[q_indptr[r]:q_indptr[r] + n] = req.tokens[
@@ -475,7 +514,9 @@ class Engine:
     self._free_rows.sort()
     self.last_inputs = inputs
     t1 = time.perf_counter()
-    first = self.stats.num_steps == 0
+    # The first step at each bucket size compiles; keep it out of tokens/s.
+    first = inputs.tokens.shape[0] not in self._seen_buckets
+    self._seen_buckets.add(inputs.tokens.shape[0])
     self.pool, self.state, self.seq_tokens, out = self._step_fn(
         self.model.params, self.pool, self.state, self.seq_tokens,
         jax.tree.map(jnp.asarray, inputs))
@@ -583,7 +624,7 @@ class Engine:
 
     def attention_only(pool, state, inp):
       tables = _layer_tables(state, mcfg.num_layers, cfg.max_seqs)
-      q = jnp.ones((cfg.max_num_tokens, mcfg.num_qo_heads, mcfg.head_dim),
+      q = jnp.ones((inp.tokens.shape[0], mcfg.num_qo_heads, mcfg.head_dim),
                    pool.dtype)
       acc = jnp.zeros((), jnp.float32)
       for layer in range(mcfg.num_layers):

@@ -24,7 +24,8 @@ CFG = EngineConfig(page_size=8, num_slots=40, max_seqs=4, max_num_tokens=32,
 # 8 slots x 8 tokens: the requests of `_prompts()` (up to 20 + 16 tokens = 5
 # slots each) cannot all run at once.
 SMALL_POOL = EngineConfig(page_size=8, num_slots=8, max_seqs=4,
-                          max_num_tokens=32, max_model_len=128)
+                          max_num_tokens=32, max_model_len=128,
+                          token_buckets=(32,))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,9 @@ def greedy_reference(model):
   prompts = _prompts()
   out = engine.generate(prompts, SamplingParams(max_new_tokens=16,
                                                 ignore_eos=True))
-  assert engine._step_fn._cache_size() == 1  # one compile for every step
+  # One compile per token bucket (decode-only steps: 4 tokens; others: 32).
+  assert CFG.buckets == (4, 32)
+  assert engine._step_fn._cache_size() == 2
   cache.validate(engine.state)
   return prompts, out, engine
 

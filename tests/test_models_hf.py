@@ -171,7 +171,7 @@ def test_greedy_generation_matches_hf(case, variant):
   page_size, reuse = GEN_CASES[case.kind][variant]
   engine = Engine(case.model, EngineConfig(
       page_size=page_size, num_slots=48, max_seqs=4, max_num_tokens=32,
-      max_model_len=80, enable_prefix_reuse=reuse))
+      max_model_len=80, enable_prefix_reuse=reuse, token_buckets=(32,)))
   sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
   prompts = case.prompts
   # Two requests start; the rest arrive while those decode (the shared-prefix
