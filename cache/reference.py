@@ -3,7 +3,8 @@
 Mirrors `cache/alloc.py` rule by rule with plain Python lists and dicts, so
 that a random sequence of operations can be run through both and compared
 slot for slot. Where the device code uses a 64-bit chained hash, this model
-uses the exact key `(scope, all tokens up to the end of the block)`, so it
+uses an exact key (a nested tuple of the scope and all tokens up to the end
+of the block), so it
 describes the behaviour of a collision-free hash. It assumes no hash bucket
 overflows (`hash_ways >= num_slots` guarantees that).
 """
@@ -44,6 +45,7 @@ class ReferenceCache:
     self.parent_gen = [0] * n
     self.gen = [0] * n
     self.seqs: dict[int, _Seq] = {}
+    self.index: dict[tuple, int] = {}  # key -> published slot (keys are unique)
     self.clock = 0
     self.num_lookups = 0
     self.num_hits = 0
@@ -59,10 +61,7 @@ class ReferenceCache:
     return ids, out
 
   def _find(self, key):
-    for s in range(self.cfg.num_slots):
-      if self.published[s] and self.key[s] == key:
-        return s
-    return -1
+    return self.index.get(key, -1)
 
   def _supply(self, protected=()):
     free = [s for s in range(self.cfg.num_slots)
@@ -75,6 +74,8 @@ class ReferenceCache:
 
   def _unpublish(self, s):
     self.published[s] = False
+    if self.index.get(self.key[s]) == s:
+      del self.index[self.key[s]]
 
   def _take(self, count, protected=()):
     free, evictable = self._supply(protected)
@@ -86,9 +87,15 @@ class ReferenceCache:
         self._unpublish(s)
     return taken
 
-  def _block_key(self, toks, scope, i):
+  def _block_keys(self, toks, scope, num_blocks):
+    """Exact chained keys: key_i = (key_{i-1}, tokens of block i), key_-1 =
+    scope. Equal keys <=> equal scope and equal tokens up to the block end."""
     ps = self.cfg.page_size
-    return (scope, tuple(toks[:(i + 1) * ps]))
+    keys, key = [], (scope,)
+    for i in range(num_blocks):
+      key = (key, tuple(toks[i * ps:(i + 1) * ps]))
+      keys.append(key)
+    return keys
 
   # --- operations ----------------------------------------------------------
   def claim_batch(self, seq_ids, tokens, lengths, reuse_scope=None):
@@ -109,9 +116,9 @@ class ReferenceCache:
         L = lengths[r]
         matchable = (L - 1) // ps if L > 0 else 0
         prev = -1
+        keys = self._block_keys(tokens[r], scopes[r], matchable)
         for i in range(matchable):
-          key = self._block_key(tokens[r], scopes[r], i)
-          c = self._find(key)
+          c = self._find(keys[i])
           if c < 0 or self.tokens[c] != tuple(tokens[r][i * ps:(i + 1) * ps]):
             break
           if self.scope[c] != scopes[r] or self.parent[c] != prev:
@@ -205,8 +212,9 @@ class ReferenceCache:
       considered = [i for i in range(done, num_full)
                     if not self.published[own[i]]]
       ok_block = {}
+      keys = self._block_keys(tokens[r], seq.scope, num_full)
       for i in considered:
-        key = self._block_key(tokens[r], seq.scope, i)
+        key = keys[i]
         existing = self._find(key)
         parent = own[i - 1] if i > 0 else -1
         parent_gen = (self.gen[parent] + (1 if (i - 1) in considered else 0)
@@ -231,6 +239,7 @@ class ReferenceCache:
         self._unpublish(existing)
       self.published[s] = True
       self.key[s] = key
+      self.index[key] = s
       self.tokens[s] = tuple(tokens[r][i * ps:(i + 1) * ps])
       self.scope[s] = self.seqs[ids[r]].scope
       self.parent[s] = parent

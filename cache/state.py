@@ -39,10 +39,13 @@ class CacheConfig:
     max_pages: blocks per sequence; the capacity of one sequence is
       `max_pages * page_size` tokens.
     hash_ways: entries per bucket of the prefix-cache hash table. A block whose
-      bucket is full is simply not published (never unsafe). With
-      `hash_ways >= num_slots` no bucket can overflow.
+      bucket is full is simply not published (never unsafe; the rest of its
+      sequence's chain is not published either). With `hash_ways >=
+      num_slots` no bucket can overflow.
     hash_buckets: buckets (a power of two); `None` picks the smallest power of
-      two `>= 2 * num_slots / hash_ways` (load factor <= 1/2).
+      two `>= 4 * num_slots / hash_ways` (load factor <= 1/4: with 16 ways, a
+      bucket overflows with probability ~1e-6 even when every slot is
+      published).
     layer_windows: reserved for SWA scratch reuse (issue 5): `window_left` per
       layer, -1 = full attention; `None` = all layers full attention.
     enable_swa_scratch_reuse: reserved for issue 5.
@@ -54,7 +57,7 @@ class CacheConfig:
   num_layers: int
   max_seqs: int
   max_pages: int
-  hash_ways: int = 8
+  hash_ways: int = 16
   hash_buckets: int | None = None
   layer_windows: tuple[int, ...] | None = None
   enable_swa_scratch_reuse: bool = False
@@ -92,7 +95,7 @@ class CacheConfig:
   def num_buckets(self) -> int:
     if self.hash_buckets is not None:
       return self.hash_buckets
-    want = max(1, -(-2 * self.num_slots // self.hash_ways))
+    want = max(1, -(-4 * self.num_slots // self.hash_ways))
     return 1 << (want - 1).bit_length()
 
   @property
