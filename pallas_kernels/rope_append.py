@@ -50,11 +50,21 @@ def _pow2_chunks(start: int, size: int) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Launch config. `block_tokens` a power of two; `num_splits` divides both head counts."""
+  """Launch config.
+
+  Attributes:
+    block_tokens: tokens per program, a power of two.
+    num_splits: programs per token tile over the heads; divides both head
+      counts (each program: `1 / num_splits` of the q heads and kv heads).
+    num_warps, num_stages: Triton launch parameters.
+    one_head: overrides `num_splits`: `num_qo_heads + num_kv_heads` programs per
+      tile, each rotating one q head or appending one kv head.
+  """
   block_tokens: int = 32
   num_splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
+  one_head: bool = False
 
   @staticmethod
   def default_for(num_tokens: int, num_qo_heads: int,
@@ -77,7 +87,7 @@ class Config:
 
 def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
                         num_kv_heads, head_dim, half, block_tokens, num_splits,
-                        interleaved, rotate, has_q, same_pool):
+                        one_head, interleaved, rotate, has_q, same_pool):
   # Unpack: inputs, then outputs (the aliased pool inputs are unused: the
   # outputs are the same buffers).
   refs = list(refs)
@@ -150,6 +160,32 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     copy_cols(src_ref, dst_ref, h, rows_ld[:, None], rows_st[:, None], mask,
               call)
 
+  def kv_head(h):
+    k_rows = k_rows_ref[tok_ld]
+    v_rows = v_rows_ref[tok_ld]
+    k_ok = valid & (k_rows < num_rows)
+    v_ok = valid & (v_rows < num_rows)
+    k_st = jnp.where(k_ok, k_rows, num_rows)
+    v_st = jnp.where(v_ok, v_rows, num_rows)
+    if rotate:
+      rotate_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
+    else:
+      copy_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
+    copy_head(v_ref, v_pool_ref, h, tok_ld, v_st, v_ok)
+
+  if one_head:
+    # Program j owns q head j (j < num_qo_heads) or kv head j - num_qo_heads:
+    # the most programs, one short dependency chain each (small batches).
+    if has_q:
+      @pl.when(j < num_qo_heads)
+      def _():
+        rotate_head(q_ref, q_out_ref, j, tok_ld, tok_st, valid)
+
+    @pl.when(j >= num_qo_heads)
+    def _():
+      kv_head(j - num_qo_heads)
+    return
+
   if has_q:
     hq_per = num_qo_heads // num_splits
 
@@ -159,21 +195,10 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
 
     lax.fori_loop(0, hq_per, q_body, 0)
 
-  k_rows = k_rows_ref[tok_ld]
-  v_rows = v_rows_ref[tok_ld]
-  k_ok = valid & (k_rows < num_rows)
-  v_ok = valid & (v_rows < num_rows)
-  k_st = jnp.where(k_ok, k_rows, num_rows)
-  v_st = jnp.where(v_ok, v_rows, num_rows)
   hkv_per = num_kv_heads // num_splits
 
   def kv_body(hh, carry):
-    h = j * hkv_per + hh
-    if rotate:
-      rotate_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
-    else:
-      copy_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
-    copy_head(v_ref, v_pool_ref, h, tok_ld, v_st, v_ok)
+    kv_head(j * hkv_per + hh)
     return carry
 
   lax.fori_loop(0, hkv_per, kv_body, 0)
@@ -185,7 +210,8 @@ def check_supported(num_qo_heads: int, num_kv_heads: int,
   if not _is_pow2(config.block_tokens):
     raise NotImplementedError(
         f"block_tokens must be a power of two, got {config.block_tokens}")
-  if num_kv_heads % config.num_splits or num_qo_heads % config.num_splits:
+  if not config.one_head and (num_kv_heads % config.num_splits
+                              or num_qo_heads % config.num_splits):
     raise NotImplementedError(
         f"num_splits={config.num_splits} must divide {num_qo_heads=} and "
         f"{num_kv_heads=}")
@@ -227,15 +253,18 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
       _rope_append_kernel, num_tokens=num_tokens, num_rows=num_rows,
       num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
       head_dim=head_dim, half=half, block_tokens=config.block_tokens,
-      num_splits=config.num_splits, interleaved=interleaved, rotate=rotate,
+      num_splits=config.num_splits, one_head=config.one_head,
+      interleaved=interleaved, rotate=rotate,
       has_q=has_q, same_pool=same_pool)
-  name = (f"rope_append_bt{config.block_tokens}_s{config.num_splits}"
+  head_programs = (num_qo_heads + num_kv_heads if config.one_head
+                   else config.num_splits)
+  name = (f"rope_append_bt{config.block_tokens}_s{head_programs}"
           f"_{'gptj' if interleaved else 'neox'}{'' if rotate else '_norope'}")
   with _compat.suppress_triton_deprecation():
     outs = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
-        grid=(num_tiles, config.num_splits),
+        grid=(num_tiles, head_programs),
         input_output_aliases=aliases,
         compiler_params=_compat.triton_params(
             num_warps=config.num_warps, num_stages=config.num_stages),

@@ -379,8 +379,9 @@ def test_append_errors():
                             impl="triton")
 
 
-@pytest.mark.parametrize("interleaved,rot", [(False, 128), (True, 64)])
-def test_kernel_lowers_to_triton(interleaved, rot):
+@pytest.mark.parametrize("interleaved,rot,one_head",
+                         [(False, 128, False), (True, 64, True)])
+def test_kernel_lowers_to_triton(interleaved, rot, one_head):
   """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): catches
   indexers or ops the Triton lowering rejects without a GPU. Checks the pool
   outputs alias the pool operands."""
@@ -393,6 +394,7 @@ def test_kernel_lowers_to_triton(interleaved, rot):
           sds((t,), jnp.int32), sds((t,), jnp.int32), sds((rot // 2,), jnp.float32),
           sds((n, ps, hkv, d), jnp.bfloat16), sds((n, ps, hkv, d), jnp.bfloat16)]
   f = functools.partial(kernel.rope_append, interleaved=interleaved,
+                        config=kernel.Config(16, 2, 2, one_head=one_head),
                         interpret=False)
   exp = export.export(
       jax.jit(f, donate_argnums=(7, 8)), platforms=["cuda"],
@@ -401,3 +403,26 @@ def test_kernel_lowers_to_triton(interleaved, rot):
   text = exp.mlir_module()
   assert "xla.gpu.triton" in text
   assert text.count("output_operand_alias<") == 2
+
+
+def test_kernel_one_head_config_matches_xla():
+  """Both program layouts of the kernel (head loop / one head per program)."""
+  from pkvattn.pallas_kernels import reference
+  from pkvattn.pallas_kernels import rope_append as kernel
+  rng = np.random.default_rng(5)
+  t, hq, hkv, d, ps, n = 21, 4, 2, 64, 8, 16
+  q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)
+             for h in (hq, hkv, hkv))
+  pos = jnp.asarray(rng.permutation(n * ps)[:t], jnp.int32)
+  rows = jnp.where(jnp.arange(t) % 5 == 4, n * ps, pos)  # every 5th skipped
+  inv = jnp.asarray(pkvattn.RopeConfig().inv_freq(d))
+  pools = (jnp.full((n, ps, hkv, d), jnp.nan), jnp.full((n, ps, hkv, d), jnp.nan))
+  expected = (reference.rope_reference(q, pos, inv, interleaved=False),
+              *reference.append_paged_kv_reference(
+                  reference.rope_reference(k, pos, inv, interleaved=False), v,
+                  jnp.where(rows < n * ps, 0, -1), pos, *pools,
+                  jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n, dtype=jnp.int32)[None]))
+  for cfg in (kernel.Config(8, 2, 1), kernel.Config(16, 1, 1, one_head=True)):
+    actual = kernel.rope_append(q, k, v, pos, rows, rows, inv, *pools,
+                                config=cfg, interpret=True)
+    chex.assert_trees_all_close(actual, expected, atol=2e-5)
