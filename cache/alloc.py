@@ -122,9 +122,16 @@ def _take_slots(state: CacheState, ranks, total, protected):
   free_cs = jnp.cumsum(free.astype(jnp.int32))
   num_free = free_cs[-1]
   want = ranks >= 0
+  # The first `k` free slots in index order, by one scatter (no search loop:
+  # a while loop costs a host round trip per iteration on GPU).
+  k = max(1, min(num_slots, ranks.size))
+  free_rank = free_cs - 1
+  free_list = jnp.full((k,), -1, jnp.int32).at[
+      _oob_scatter_index(free & (free_rank < k), free_rank, k)].set(
+          jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
 
   def from_free():
-    return jnp.searchsorted(free_cs, ranks + 1, side="left").astype(jnp.int32)
+    return free_list[jnp.clip(ranks, 0, k - 1)]
 
   def with_eviction():
     lru = jnp.where(evictable, state.slot_last_use, _I32_MAX)
