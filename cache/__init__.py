@@ -21,6 +21,9 @@ from .state import init_cache as init_cache
 from .state import stats as stats
 from .tables import page_table as page_table
 from .validate import validate as validate
+from .window import PageIndexMode as PageIndexMode
+from .window import SwaScratchPlan as SwaScratchPlan
+from .window import swa_scratch_plan as swa_scratch_plan
 
 __all__ = [
     "CacheConfig",
@@ -30,6 +33,8 @@ __all__ = [
     "ForkResult",
     "NULL_PAGE",
     "NULL_SEQ",
+    "PageIndexMode",
+    "SwaScratchPlan",
     "claim_batch",
     "commit",
     "extend",
@@ -38,5 +43,6 @@ __all__ = [
     "page_table",
     "release",
     "stats",
+    "swa_scratch_plan",
     "validate",
 ]
