@@ -22,6 +22,7 @@ from pkvattn import cache as cache
 from pkvattn.attention import merge_state as merge_state
 from pkvattn.attention import paged_decode as paged_decode
 from pkvattn.attention import paged_prefill as paged_prefill
+from pkvattn.attention import plan_prefill as plan_prefill
 from pkvattn.copy_pages import copy_pages as copy_pages
 from pkvattn.rope import Llama3RopeScaling as Llama3RopeScaling
 from pkvattn.rope import LinearRopeScaling as LinearRopeScaling
@@ -44,4 +45,5 @@ __all__ = [
     "merge_state",
     "paged_decode",
     "paged_prefill",
+    "plan_prefill",
 ]

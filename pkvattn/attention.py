@@ -153,6 +153,7 @@ def paged_prefill(
     sinks: jax.Array | None = None,  # f32[num_qo_heads]
     return_lse: bool = False,
     impl: Implementation | None = None,
+    plan=None,
 ):
   """Ragged-batch attention of new tokens over a paged KV cache (FlashInfer prefill).
 
@@ -172,13 +173,18 @@ def paged_prefill(
     causal: static; False lets every new token see all `kv_lens[b]` keys.
     sm_scale, window_left, logits_soft_cap, sinks, return_lse, impl: as in
       `paged_decode`; the window is relative to each query's position.
+    plan: optional `plan_prefill(...)` result for this step's `q_indptr` /
+      `kv_lens` (FlashInfer's plan/run split): computed once, reused by every
+      layer; used by the pallas kernel, ignored by the xla path. None = the
+      kernel plans for itself.
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
     tokens), and `lse f32[num_tokens, num_qo_heads]` if `return_lse`.
 
   Raises:
-    ValueError: as `paged_decode`, plus `q_indptr` not `[batch_size + 1]`.
+    ValueError: as `paged_decode`, plus `q_indptr` not `[batch_size + 1]`,
+      or a `plan` made for another shape or dtype.
   """
   view = _kv.make_view(kv_cache, page_table)
   batch_size = view.k_table.shape[0]
@@ -201,8 +207,66 @@ def paged_prefill(
         q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
         kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
         window_left=window_left, logits_soft_cap=logits_soft_cap,
-        interpret=not _checks.is_gpu())
+        interpret=not _checks.is_gpu(), plan=plan)
   return (out, lse) if return_lse else out
+
+
+def plan_prefill(
+    q_indptr: jax.Array,  # i32[batch_size + 1]
+    kv_lens: jax.Array,   # i32[batch_size]
+    *,
+    num_tokens: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+    causal: bool = True,
+    window_left: int = -1,
+):
+  """Schedule of one step's `paged_prefill` calls (FlashInfer's plan/run split).
+
+  Which query tile belongs to which sequence, the short-tile class of decode
+  rows, and the longest-first launch order depend only on `q_indptr`,
+  `kv_lens` (and the static shapes), so compute them once per step and pass
+  the result as `paged_prefill(..., plan=...)` to every layer. Cheap jnp ops,
+  jit-compatible, no host sync.
+
+  Args:
+    q_indptr: `i32[batch_size + 1]`, as in `paged_prefill`.
+    kv_lens: `i32[batch_size]`, as in `paged_prefill`.
+    num_tokens: static, `q.shape[0]` of the calls it serves.
+    num_qo_heads, num_kv_heads, head_dim, dtype: static, those of `q` (they
+      choose the kernel's tile size).
+    causal, window_left: static; only steer the launch order.
+
+  Returns:
+    A `PrefillPlan` pytree (`pkvattn.pallas_kernels.plan`).
+
+  Raises:
+    ValueError: heads not divisible, or `q_indptr` / `kv_lens` shapes.
+
+  Example:
+    >>> plan = plan_prefill(jnp.array([0, 5, 6]), jnp.array([5, 9]),
+    ...                     num_tokens=8, num_qo_heads=8, num_kv_heads=2,
+    ...                     head_dim=64)
+    >>> plan.block_q
+    64
+  """
+  from pkvattn.pallas_kernels import paged_prefill as kernel
+  from pkvattn.pallas_kernels import plan as plan_lib
+  _checks.check_heads(num_qo_heads, num_kv_heads)
+  _checks.check_int(kv_lens, "kv_lens")
+  _checks.check_ndim(kv_lens, (1,), "kv_lens")
+  _checks.check_int(q_indptr, "q_indptr")
+  _checks.check_shape(q_indptr, (kv_lens.shape[0] + 1,), "q_indptr")
+  config = kernel.Config.default_for(
+      group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
+      page_size=None, dtype=dtype)
+  return plan_lib.plan_prefill(
+      jnp.asarray(q_indptr, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+      num_tokens=num_tokens, block_q=config.block_q, causal=causal,
+      window_left=window_left, longest_first=config.longest_first,
+      short_block_q=config.short_block_q)
 
 
 def merge_state(

@@ -247,3 +247,24 @@ def test_config_validation():
     _C(block_q=24, block_k=64).validate(group_size=1)
   _C.default_for(group_size=6, head_dim=128, page_size=16,
                  dtype=jnp.bfloat16).validate(group_size=6)
+
+
+def test_public_plan_reused_across_layers():
+  """`pkvattn.plan_prefill` once, then `paged_prefill(plan=...)` per layer."""
+  case = CASES[3]
+  p, q, q_indptr, sinks = _build(case, seed=4)
+  num_tokens, num_qo_heads, _ = q.shape
+  plan = pkvattn.plan_prefill(
+      jnp.asarray(q_indptr), jnp.asarray(p.kv_lens), num_tokens=num_tokens,
+      num_qo_heads=num_qo_heads, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+      dtype=case.dtype, window_left=case.window_left)
+  expected = _expected(case, p, q, q_indptr, sinks)
+  for impl in ("pallas", "xla"):  # xla ignores the plan
+    out, lse = _public(case, p, q, q_indptr, sinks, impl, plan=plan)
+    _check(case, out, lse, *expected)
+  other = pkvattn.plan_prefill(
+      jnp.asarray(q_indptr), jnp.asarray(p.kv_lens),
+      num_tokens=num_tokens + 1, num_qo_heads=num_qo_heads,
+      num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=case.dtype)
+  with pytest.raises(ValueError, match="Invalid plan"):
+    _public(case, p, q, q_indptr, sinks, "pallas", plan=other)
