@@ -410,7 +410,8 @@ def commit(
       parent and parent generation): it already serves this prefix;
     * an earlier considered block of this call has the same key or the same
       slot (first in row-major order wins);
-    * its hash bucket is full.
+    * its hash bucket has no free way left (free ways go to this call's new
+      keys in row-major order).
   A published slot with the same key that is not identical (an orphan whose
   parent was evicted, or a hash collision) is replaced: it leaves the cache.
 
@@ -471,9 +472,8 @@ def commit(
   cons_f = consider.reshape(-1)
   k0 = keys[..., 0].reshape(-1)
   k1 = keys[..., 1].reshape(-1)
-  bkt = jnp.where(cons_f, bucket.reshape(-1), cfg.num_buckets)
-  perm = jnp.lexsort((flat.reshape(-1), k1, k0, bkt))
-  s_k0, s_k1, s_b, s_cons = k0[perm], k1[perm], bkt[perm], cons_f[perm]
+  perm = jnp.lexsort((flat.reshape(-1), k1, k0, ~cons_f))
+  s_k0, s_k1, s_cons = k0[perm], k1[perm], cons_f[perm]
   same_prev = jnp.concatenate([
       jnp.zeros((1,), bool),
       (s_k0[1:] == s_k0[:-1]) & (s_k1[1:] == s_k1[:-1]) & s_cons[:-1]])
@@ -485,11 +485,16 @@ def commit(
 
   candidate = consider & ~identical & ~key_dup & ~slot_dup
   fresh = candidate & (existing < 0)
-  # Rank of each fresh block among the fresh blocks of its bucket.
-  s_fresh = fresh.reshape(-1)[perm].astype(jnp.int32)
-  excl = jnp.cumsum(s_fresh) - s_fresh
-  seg_start = jnp.searchsorted(s_b, s_b, side="left")
-  rank = jnp.zeros((size,), jnp.int32).at[perm].set(excl - excl[seg_start])
+  # Rank of each fresh block among the fresh blocks of its bucket, in
+  # row-major order (so chain heads and earlier requests get the free ways).
+  f_bkt = jnp.where(fresh.reshape(-1), bucket.reshape(-1), cfg.num_buckets)
+  perm2 = jnp.lexsort((flat.reshape(-1), f_bkt))
+  s_fb = f_bkt[perm2]
+  is_start = jnp.concatenate([jnp.ones((1,), bool), s_fb[1:] != s_fb[:-1]])
+  seg_start = jax.lax.cummax(
+      jnp.where(is_start, jnp.arange(size, dtype=jnp.int32), 0), axis=0)
+  rank = jnp.zeros((size,), jnp.int32).at[perm2].set(
+      jnp.arange(size, dtype=jnp.int32) - seg_start)
   rank = rank.reshape(n, nbt)
   free_way = ways < 0
   nth = jnp.cumsum(free_way.astype(jnp.int32), axis=-1)

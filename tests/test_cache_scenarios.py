@@ -273,3 +273,20 @@ def test_block_keys_chain_and_scope():
                                                    jnp.zeros((3,), jnp.int32)))[:, i]
                      for i in range(5)], axis=1)
   np.testing.assert_array_equal(serial, keys)
+
+
+def test_full_hash_bucket_only_skips_publication():
+  cfg = _cfg(num_slots=16, hash_ways=2, hash_buckets=1)
+  p, q = _rand(20, 12), _rand(21, 12)
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0, 1], [p, q])
+  st = _commit(st, [0, 1], [p, q])  # 6 full blocks, room for 2 entries
+  cache.validate(st)
+  assert int(jnp.sum(st.slot_published)) == 2
+  # Seq 0's first two blocks won the two ways; its chain stops there and seq
+  # 1 publishes nothing.
+  np.testing.assert_array_equal(st.slot_published[st.seq_slots[0, :3]],
+                                [True, True, False])
+  st, res = _claim(st, [2, 3], [p + [1], q + [1]])
+  np.testing.assert_array_equal(res.num_reused_tokens, [8, 0])
+  cache.validate(st)
