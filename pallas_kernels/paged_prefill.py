@@ -10,19 +10,26 @@ diagonal) with FlashInfer's paged, ragged addressing:
   (`M = block_q * group_pad`, `group_pad = next_pow2(group_size)`). So a KV
   tile loaded once serves the whole group, and a decode row (q_len 1) still
   fills `group_size` rows of the MMA.
-* The grid is static, `(num_kv_heads, num_tokens // block_q + batch_size + 1)`;
-  the tile -> (sequence, first token) map is the plan (`pallas_kernels.plan`),
-  computed once per step from `q_indptr` / `kv_lens`. Padding tokens past
-  `q_indptr[-1]` are a pseudo-sequence with no keys, so their rows are written
-  as zeros; unused tiles do nothing.
+* The grid is static, `(num_kv_heads, num_tokens // block_q + batch_size + 1)`
+  (no dynamic grid on Pallas-Triton); the tile -> (sequence, first token) map
+  is the plan (`pallas_kernels.plan`, FlashInfer's plan/run split), computed
+  once per step from `q_indptr` / `kv_lens`, heaviest tiles first. Padding
+  tokens past `q_indptr[-1]` are a pseudo-sequence with no keys, so their rows
+  are written as zeros; unused tiles do nothing.
+* Sequences with `q_len <= short_block_q` (decode rows of a mixed batch,
+  multi-token decode) run in a second launch with `short_block_q`-token tiles
+  that updates the first launch's outputs in place (`input_output_aliases`),
+  so a decode row costs ~`group_size` MMA rows, not `block_q * group_pad`.
 * Each program walks KV tiles of `block_k` tokens from the first block any of
-  its rows can see (window) to the last (causality, `kv_len`). Page ids are
-  gathered from the table ref per key (`table[b, j // page_size]`), K/V rows
-  from the pools by index (`pool[page, j % page_size, kv_head, :]`). The walk
-  has three `fori_loop`s: masked edge tiles before, unmasked interior tiles,
-  masked edge tiles after (diagonal / `kv_len` / window start). Edge loads are
-  masked to the tile's visible key range, so a table entry outside it (maybe
-  -1) and a stale row past `kv_len` (maybe NaN) are never read.
+  its rows can see (window) to the last (causality, `kv_len`). With
+  `block_k <= page_size` a tile lies in one page: one scalar table read and
+  strided loads `pool[page, rows, kv_head, :]`; otherwise a page id is
+  gathered per key (`table[b, j // page_size]`) and K/V rows by index. The
+  walk is `fori_loop`s over masked edge tiles (window start; only with a
+  window), unmasked interior tiles, and masked edge tiles (diagonal /
+  `kv_len`). Edge loads are masked to the tile's visible key range, so a
+  table entry outside it (maybe -1) and a stale row past `kv_len` (maybe NaN)
+  are never read.
 * Softmax runs in base 2 (`exp2`, logits pre-multiplied by log2(e)); the
   optional soft cap is applied to the natural-scale logits first; sinks join
   the denominator at the end only; `lse` is returned in natural log.
@@ -72,8 +79,6 @@ class Config:
       rows of a mixed batch, multi-token decode) in a second launch with
       tiles of `short_block_q` tokens (`short_block_q * group_pad >= 16`
       rows) instead of `block_q`; 0 = one launch.
-    debug_ignore_table: timing diagnostic only (wrong results): address K/V
-      as if the tables were the identity, to measure the cost of the gather.
   """
   block_q: int = 16
   block_k: int = 64
@@ -86,7 +91,6 @@ class Config:
   short_block_k: int = 128
   short_num_warps: int = 8
   short_num_stages: int = 2
-  debug_ignore_table: bool = False
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
@@ -153,7 +157,6 @@ def _paged_prefill_kernel(
     has_sinks: bool,
     single_loop: bool,
     heads_outer: bool,
-    debug_ignore_table: bool,
 ):
   if has_sinks:
     sinks_ref, o_ref, lse_ref = rest
@@ -161,7 +164,6 @@ def _paged_prefill_kernel(
     sinks_ref = None
     o_ref, lse_ref = rest
   page_size = k_pool_ref.shape[1]
-  max_pages = k_table_ref.shape[1]
   head_dim = q_ref.shape[2]
   group_pad = pl.next_power_of_2(group_size)
   rows = block_q * group_pad
@@ -222,7 +224,10 @@ def _paged_prefill_kernel(
   within_page = block_k <= page_size
 
   def load_kv(blk, masked: bool):
-    """K, V [block_k, head_dim] of KV block `blk` (zeros outside [kv_lo, kv_hi))."""
+    """K [block_k, head_dim] of block `blk` and a thunk loading its V.
+
+    With `masked`, keys outside [kv_lo, kv_hi) load as zeros (never read).
+    """
     j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
     ld = ((j >= kv_lo) & (j < kv_hi))[:, None] if masked else None
     if within_page:
@@ -230,21 +235,14 @@ def _paged_prefill_kernel(
       first = blk * block_k
       page_idx = first // page_size
       rows_idx = pl.ds(first % page_size, block_k)
-      if debug_ignore_table:  # timing diagnostic only: identity tables
-        k_page = seq * max_pages + page_idx
-        v_page = k_page + k_table_ref.shape[0] * max_pages
-      else:
-        k_page = k_table_ref[seq, page_idx]
-        v_page = v_table_ref[seq, page_idx]
+      k_page = k_table_ref[seq, page_idx]
+      v_page = v_table_ref[seq, page_idx]
       k_at = k_pool_ref.at[k_page, rows_idx, kv_head, :]
       v_at = v_pool_ref.at[v_page, rows_idx, kv_head, :]
     else:
       # Several pages per block: gather a page id per key.
       page_idx = j // page_size
-      if debug_ignore_table:
-        k_page = seq * max_pages + page_idx
-        v_page = k_page + k_table_ref.shape[0] * max_pages
-      elif masked:
+      if masked:
         ok = (j >= kv_lo) & (j < kv_hi)
         page_idx = jnp.where(ok, page_idx, 0)
         k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ok, other=0)
@@ -314,8 +312,8 @@ def _paged_prefill_kernel(
     out = acc / jnp.where(l > 0.0, l, 1.0)[:, None]
   lse = jnp.where(l > 0.0, (m + jnp.log2(jnp.where(l > 0.0, l, 1.0))) * _LN2,
                   -jnp.inf)
-  plgpu.store(o_ref.at[token[:, None], head[:, None], d], out.astype(o_ref.dtype),
-              mask=row_ok[:, None])
+  plgpu.store(o_ref.at[token[:, None], head[:, None], d],
+              out.astype(o_ref.dtype), mask=row_ok[:, None])
   plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
 
 
@@ -323,7 +321,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
                         prev=None, *, block_q: int, block_k: int,
                         num_warps: int, num_stages: int, config: Config, causal,
                         sm_scale, window_left, logits_soft_cap, interpret):
-  """One launch over `tiles`; `prev=(out, lse)` are updated in place (aliased)."""
+  """One launch over `tiles`; `prev=(out, lse)` is updated in place (aliased)."""
   num_tokens, num_qo_heads, head_dim = q.shape
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
@@ -333,8 +331,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, single_loop=config.single_loop,
-      heads_outer=config.heads_outer,
-      debug_ignore_table=config.debug_ignore_table)
+      heads_outer=config.heads_outer)
   args = [tiles, q, k_pool, v_pool, k_table, v_table]
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
@@ -342,7 +339,8 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
   if prev is not None:
     aliases = {len(args): 0, len(args) + 1: 1}
     args.extend(prev)
-    kernel = functools.partial(_drop_aliased_inputs, kernel, num_inputs=len(args) - 2)
+    kernel = functools.partial(_drop_aliased_inputs, kernel,
+                               num_inputs=len(args) - 2)
   name = (f"paged_prefill_bq{block_q}_bk{block_k}"
           f"_g{group_size}_w{num_warps}_s{num_stages}")
   with _compat.suppress_triton_deprecation():

@@ -65,7 +65,7 @@ class PrefillPlan:
 
 
 def max_tiles(num_tokens: int, batch_size: int, block_q: int) -> int:
-  """Static grid bound: sum_b cdiv(q_len_b, block_q) over batch_size + 1 sequences."""
+  """Static grid bound of sum_b cdiv(q_len_b, block_q) (+ padding sequence)."""
   return num_tokens // block_q + batch_size + 1
 
 
