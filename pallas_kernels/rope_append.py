@@ -71,12 +71,13 @@ class Config:
                   num_kv_heads: int) -> "Config":
     """Big batches: 128-token tiles, 8 warps, all heads per program (cos/sin
     once per tile); on an H200 (2026-11-21, Llama-3-8B heads, 65536 tokens)
-    that measured 0.61 ms vs 0.62-0.75 ms for 16/32/64-token tiles. Small
-    batches: 16-token tiles with the heads split across programs until ~512
-    programs fill the GPU."""
+    that measured 0.58-0.61 ms vs 0.62-0.75 ms for 16/32/64-token tiles.
+    Small batches: 8-token tiles with the heads split across programs until
+    ~512 programs fill the GPU (256 decode tokens: 6 us vs 9-16 us for 16/32
+    token tiles or one head per program; bench/results/rope_append.json)."""
     if num_tokens >= 8192:
       return Config(block_tokens=128, num_splits=1, num_warps=8)
-    block_tokens = 16
+    block_tokens = 8
     tiles = -(-num_tokens // block_tokens)
     splits = 1
     while (tiles * splits < 512 and num_kv_heads % (2 * splits) == 0
