@@ -88,7 +88,8 @@ class Config:
 
 def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
                         num_kv_heads, head_dim, half, block_tokens, num_splits,
-                        one_head, interleaved, rotate, has_q, same_pool):
+                        one_head, interleaved, rotate, has_q, same_pool,
+                        fused):
   # Unpack: inputs, then outputs (the aliased pool inputs are unused: the
   # outputs are the same buffers).
   refs = list(refs)
@@ -96,9 +97,15 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
   k_rows_ref = refs.pop(0)   # i32[num_tokens]
   v_rows_ref = refs.pop(0)   # i32[num_tokens]
   inv_ref = refs.pop(0) if rotate else None  # f32[half]
-  q_ref = refs.pop(0) if has_q else None     # [num_tokens, num_qo_heads, head_dim]
-  k_ref = refs.pop(0)        # [num_tokens, num_kv_heads, head_dim]
-  v_ref = refs.pop(0)        # [num_tokens, num_kv_heads, head_dim]
+  if fused:
+    # [num_tokens, num_qo_heads + 2 * num_kv_heads, head_dim]: q, k, v heads.
+    q_ref = k_ref = v_ref = refs.pop(0)
+    k_off, v_off = num_qo_heads, num_qo_heads + num_kv_heads
+  else:
+    q_ref = refs.pop(0) if has_q else None     # [num_tokens, num_qo_heads, head_dim]
+    k_ref = refs.pop(0)        # [num_tokens, num_kv_heads, head_dim]
+    v_ref = refs.pop(0)        # [num_tokens, num_kv_heads, head_dim]
+    k_off = v_off = 0
   refs.pop(0)                # k pool (aliased input)
   if not same_pool:
     refs.pop(0)              # v pool (aliased input)
@@ -135,31 +142,32 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
   def full_mask(m, width):
     return jnp.broadcast_to(m[:, None], (block_tokens, width))
 
-  def copy_cols(src_ref, dst_ref, h, r_ld, r_st, mask, chunks):
+  def copy_cols(src_ref, dst_ref, h, src_off, r_ld, r_st, mask, chunks):
     for cols, size in chunks:
-      x = src_ref[r_ld, h, cols]
+      x = src_ref[r_ld, h + src_off, cols]
       _compat.pltriton.store(dst_ref.at[r_st, h, cols], x.astype(dst_ref.dtype),
                              mask=full_mask(mask, size))
 
-  def rotate_head(src_ref, dst_ref, h, rows_ld, rows_st, mask):
-    """Reads head h of the tile's tokens from src, writes rotated to dst rows."""
+  def rotate_head(src_ref, dst_ref, h, src_off, rows_ld, rows_st, mask):
+    """Reads head h (+ src_off) of the tile's tokens from src, writes it
+    rotated to head h of the dst rows."""
     r_ld, r_st = rows_ld[:, None], rows_st[:, None]
     dt = dst_ref.dtype
     for c1, c2, cos, sin, size in trig:
-      x1 = src_ref[r_ld, h, c1].astype(jnp.float32)
-      x2 = src_ref[r_ld, h, c2].astype(jnp.float32)
+      x1 = src_ref[r_ld, h + src_off, c1].astype(jnp.float32)
+      x2 = src_ref[r_ld, h + src_off, c2].astype(jnp.float32)
       m = full_mask(mask, size)
       _compat.pltriton.store(dst_ref.at[r_st, h, c1],
                              (x1 * cos - x2 * sin).astype(dt), mask=m)
       _compat.pltriton.store(dst_ref.at[r_st, h, c2],
                              (x2 * cos + x1 * sin).astype(dt), mask=m)
-    copy_cols(src_ref, dst_ref, h, r_ld, r_st, mask,
+    copy_cols(src_ref, dst_ref, h, src_off, r_ld, r_st, mask,
               [((s + jnp.arange(n, dtype=jnp.int32))[None, :], n)
                for s, n in pass_chunks])
 
-  def copy_head(src_ref, dst_ref, h, rows_ld, rows_st, mask):
-    copy_cols(src_ref, dst_ref, h, rows_ld[:, None], rows_st[:, None], mask,
-              call)
+  def copy_head(src_ref, dst_ref, h, src_off, rows_ld, rows_st, mask):
+    copy_cols(src_ref, dst_ref, h, src_off, rows_ld[:, None], rows_st[:, None],
+              mask, call)
 
   def kv_head(h):
     k_rows = k_rows_ref[tok_ld]
@@ -169,10 +177,10 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     k_st = jnp.where(k_ok, k_rows, num_rows)
     v_st = jnp.where(v_ok, v_rows, num_rows)
     if rotate:
-      rotate_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
+      rotate_head(k_ref, k_pool_ref, h, k_off, tok_ld, k_st, k_ok)
     else:
-      copy_head(k_ref, k_pool_ref, h, tok_ld, k_st, k_ok)
-    copy_head(v_ref, v_pool_ref, h, tok_ld, v_st, v_ok)
+      copy_head(k_ref, k_pool_ref, h, k_off, tok_ld, k_st, k_ok)
+    copy_head(v_ref, v_pool_ref, h, v_off, tok_ld, v_st, v_ok)
 
   if one_head:
     # Program j owns q head j (j < num_qo_heads) or kv head j - num_qo_heads:
@@ -180,7 +188,7 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     if has_q:
       @pl.when(j < num_qo_heads)
       def _():
-        rotate_head(q_ref, q_out_ref, j, tok_ld, tok_st, valid)
+        rotate_head(q_ref, q_out_ref, j, 0, tok_ld, tok_st, valid)
 
     @pl.when(j >= num_qo_heads)
     def _():
@@ -191,7 +199,7 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     hq_per = num_qo_heads // num_splits
 
     def q_body(hh, carry):
-      rotate_head(q_ref, q_out_ref, j * hq_per + hh, tok_ld, tok_st, valid)
+      rotate_head(q_ref, q_out_ref, j * hq_per + hh, 0, tok_ld, tok_st, valid)
       return carry
 
     lax.fori_loop(0, hq_per, q_body, 0)
@@ -219,14 +227,21 @@ def check_supported(num_qo_heads: int, num_kv_heads: int,
 
 
 def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
-                      v_pool, *, interleaved, config, interpret):
+                      v_pool, *, interleaved, config, interpret, qkv=None):
+  """`qkv` given (q, k, v None): one [num_tokens, num_qo_heads + 2 *
+  num_kv_heads, head_dim] input, `q` then stands for its shape only."""
+  fused = qkv is not None
+  if fused:
+    q, num_qo_heads_fused = None, qkv.shape[1] - 2 * k_pool.shape[2]
+    k = jax.ShapeDtypeStruct((qkv.shape[0], k_pool.shape[2], qkv.shape[2]),
+                             qkv.dtype)
   num_tokens, num_kv_heads, head_dim = k.shape
   num_pages, page_size = k_pool.shape[:2]
   num_rows = num_pages * page_size
-  has_q = q is not None
+  has_q = q is not None or fused
   rotate = inv_freq is not None
   same_pool = v_pool is None
-  num_qo_heads = q.shape[1] if has_q else 0
+  num_qo_heads = (num_qo_heads_fused if fused else q.shape[1]) if has_q else 0
   half = inv_freq.shape[0] if rotate else 0
   check_supported(num_qo_heads, num_kv_heads, config)
 
@@ -235,12 +250,17 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
             v_rows.astype(jnp.int32)]
   if rotate:
     inputs.append(inv_freq.astype(jnp.float32))
-  if has_q:
-    inputs.append(q)
-  inputs += [k, v, flat_k]
+  if fused:
+    inputs += [qkv, flat_k]
+  else:
+    if has_q:
+      inputs.append(q)
+    inputs += [k, v, flat_k]
   out_shape = []
   if has_q:
-    out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (num_tokens, num_qo_heads, head_dim),
+        qkv.dtype if fused else q.dtype))
   out_shape.append(jax.ShapeDtypeStruct(flat_k.shape, flat_k.dtype))
   aliases = {len(inputs) - 1: len(out_shape) - 1}
   if not same_pool:
@@ -256,10 +276,11 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
       head_dim=head_dim, half=half, block_tokens=config.block_tokens,
       num_splits=config.num_splits, one_head=config.one_head,
       interleaved=interleaved, rotate=rotate,
-      has_q=has_q, same_pool=same_pool)
+      has_q=has_q, same_pool=same_pool, fused=fused)
   head_programs = (num_qo_heads + num_kv_heads if config.one_head
                    else config.num_splits)
-  name = (f"rope_append_bt{config.block_tokens}_s{head_programs}"
+  name = (f"rope_append{'_qkv' if fused else ''}_bt{config.block_tokens}"
+          f"_s{head_programs}"
           f"_{'gptj' if interleaved else 'neox'}{'' if rotate else '_norope'}")
   with _compat.suppress_triton_deprecation():
     outs = pl.pallas_call(
@@ -313,3 +334,37 @@ def rope_append(
   return _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq,
                            k_pool, v_pool, interleaved=interleaved,
                            config=config, interpret=interpret)
+
+
+def rope_append_qkv(
+    qkv,        # [num_tokens, (num_qo_heads + 2 * num_kv_heads) * head_dim]
+    positions,  # i32[num_tokens]
+    k_rows,     # i32[num_tokens]
+    v_rows,     # i32[num_tokens]
+    inv_freq,   # f32[rotary_dim // 2]
+    k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None (= k_pool)
+    *,
+    interleaved: bool = False,
+    config: Config | None = None,
+    interpret: bool = False,
+):
+  """`rope_append` on TensorRT-LLM's fused qkv layout (q heads, k heads, v heads).
+
+  The [num_tokens, heads * head_dim] -> [num_tokens, heads, head_dim] reshape is
+  free, and the kernel reads the three parts of each row in place (slicing q,
+  k, v out first would copy them). Returns `(q_rotated [num_tokens,
+  num_qo_heads, head_dim], k_pool, v_pool or None)`.
+  """
+  num_tokens = qkv.shape[0]
+  num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+  heads = qkv.shape[1] // head_dim
+  num_qo_heads = heads - 2 * num_kv_heads
+  qkv = qkv.reshape(num_tokens, heads, head_dim)
+  if config is None:
+    config = Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
+  if num_tokens == 0:
+    return qkv[:, :num_qo_heads], k_pool, v_pool
+  return _rope_append_call(None, None, None, positions, k_rows, v_rows,
+                           inv_freq, k_pool, v_pool, interleaved=interleaved,
+                           config=config, interpret=interpret, qkv=qkv)

@@ -30,6 +30,7 @@ from pkvattn.rope import RopeConfig as RopeConfig
 from pkvattn.rope import append_paged_kv as append_paged_kv
 from pkvattn.rope import apply_rope as apply_rope
 from pkvattn.rope import apply_rope_and_append as apply_rope_and_append
+from pkvattn.rope import apply_rope_and_append_qkv as apply_rope_and_append_qkv
 from pkvattn.rope import get_batch_indices_positions as get_batch_indices_positions
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "append_paged_kv",
     "apply_rope",
     "apply_rope_and_append",
+    "apply_rope_and_append_qkv",
     "cache",
     "copy_pages",
     "get_batch_indices_positions",

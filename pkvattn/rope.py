@@ -398,6 +398,69 @@ def apply_rope_and_append(
               rope.style == "gptj", _resolve_impl(impl))
 
 
+def apply_rope_and_append_qkv(
+    qkv: jax.Array,            # [num_tokens, (num_qo_heads + 2 * num_kv_heads) * head_dim]
+    batch_indices: jax.Array,  # i32[num_tokens]
+    positions: jax.Array,      # i32[num_tokens]
+    kv_cache,
+    page_table: jax.Array,     # i32[batch_size, max_pages] | i32[batch_size, 2, max_pages]
+    rope: RopeConfig,
+    *,
+    impl: Implementation | None = None,
+):
+  """`apply_rope_and_append` on a fused qkv projection (TensorRT-LLM layout).
+
+  Each row of `qkv` holds the q heads, then the k heads, then the v heads,
+  `head_dim` features each; `num_kv_heads` and `head_dim` come from
+  `kv_cache`, `num_qo_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads`.
+  The Pallas kernel reads the row in place; slicing q, k, v apart first
+  would copy them.
+
+  Returns:
+    `(q_rotated [num_tokens, num_qo_heads, head_dim] in qkv.dtype, kv_cache)`.
+
+  Raises:
+    ValueError: `qkv.shape[1]` not `(num_qo_heads + 2 * num_kv_heads) *
+      head_dim` with `num_qo_heads` a positive multiple of `num_kv_heads`, and
+      as `apply_rope_and_append`.
+  """
+  _check_rope(rope)
+  view = _kv.make_view(kv_cache, page_table)
+  _checks.check_ndim(qkv, (2,), "qkv")
+  _checks.check_dtype(qkv, _kv.SUPPORTED_DTYPES, "qkv")
+  num_tokens, width = qkv.shape
+  hkv, d = view.num_kv_heads, view.head_dim
+  num_qo_heads = width // d - 2 * hkv
+  if width % d or num_qo_heads <= 0:
+    raise ValueError(
+        f"Invalid shape of qkv: expected (num_tokens, (num_qo_heads + 2 * "
+        f"{hkv}) * {d}), got {tuple(qkv.shape)}")
+  _checks.check_heads(num_qo_heads, hkv)
+  _check_index(batch_indices, "batch_indices", num_tokens)
+  _check_index(positions, "positions", num_tokens)
+  inv_freq = rope.inv_freq(d)
+  interleaved = rope.style == "gptj"
+  impl = _resolve_impl(impl)
+  heads = qkv.reshape(num_tokens, num_qo_heads + 2 * hkv, d)
+  if impl != "xla":
+    from pkvattn.pallas_kernels import rope_append as kernel
+    k_rows, v_rows = _rows(view, batch_indices, positions)
+    try:
+      q_out, k_pool, v_pool = kernel.rope_append_qkv(
+          qkv, positions, k_rows, v_rows, jnp.asarray(inv_freq), view.k_pool,
+          None if view.same_pool else view.v_pool, interleaved=interleaved,
+          interpret=not _checks.is_gpu())
+      return q_out, _kv.rebuild(view, k_pool, v_pool)
+    except NotImplementedError:
+      if impl == "pallas":
+        raise
+  q = heads[:, :num_qo_heads]
+  k = heads[:, num_qo_heads:num_qo_heads + hkv]
+  v = heads[:, num_qo_heads + hkv:]
+  return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
+              "xla")
+
+
 def get_batch_indices_positions(
     q_indptr: jax.Array,  # i32[batch_size + 1]
     kv_lens: jax.Array,   # i32[batch_size]

@@ -379,9 +379,10 @@ def test_append_errors():
                             impl="triton")
 
 
-@pytest.mark.parametrize("interleaved,rot,one_head",
-                         [(False, 128, False), (True, 64, True)])
-def test_kernel_lowers_to_triton(interleaved, rot, one_head):
+@pytest.mark.parametrize("interleaved,rot,one_head,fused",
+                         [(False, 128, False, False), (True, 64, True, False),
+                          (False, 128, False, True)])
+def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused):
   """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): catches
   indexers or ops the Triton lowering rejects without a GPU. Checks the pool
   outputs alias the pool operands."""
@@ -396,8 +397,15 @@ def test_kernel_lowers_to_triton(interleaved, rot, one_head):
   f = functools.partial(kernel.rope_append, interleaved=interleaved,
                         config=kernel.Config(16, 2, 2, one_head=one_head),
                         interpret=False)
+  if fused:  # one [t, (hq + 2 hkv) * d] input replaces q, k, v
+    args = [sds((t, (hq + 2 * hkv) * d), jnp.bfloat16)] + args[3:]
+    f = functools.partial(kernel.rope_append_qkv, interleaved=interleaved,
+                          interpret=False)
+    donate = (5, 6)
+  else:
+    donate = (7, 8)
   exp = export.export(
-      jax.jit(f, donate_argnums=(7, 8)), platforms=["cuda"],
+      jax.jit(f, donate_argnums=donate), platforms=["cuda"],
       disabled_checks=[export.DisabledSafetyCheck.custom_call(
           "__gpu$xla.gpu.triton")])(*args)
   text = exp.mlir_module()
@@ -426,3 +434,34 @@ def test_kernel_one_head_config_matches_xla():
     actual = kernel.rope_append(q, k, v, pos, rows, rows, inv, *pools,
                                 config=cfg, interpret=True)
     chex.assert_trees_all_close(actual, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl,fmt", [("xla", "pair"), ("pallas", "pool"),
+                                      ("pallas", "flashinfer")])
+def test_apply_rope_and_append_qkv(impl, fmt):
+  """Fused qkv rows give what the split q, k, v give (numpy oracle)."""
+  rng = np.random.default_rng(6)
+  ps, max_pages, hq, hkv, d, dtype = 8, 4, 4, 2, 64, jnp.bfloat16
+  rope = ROPES[1] if fmt == "flashinfer" else ROPES[0]
+  bi, pos = ragged_batch(rng, ps, max_pages)
+  t = len(bi)
+  qkv = jnp.asarray(rng.standard_normal((t, (hq + 2 * hkv) * d)), dtype)
+  heads = np.asarray(qkv.astype(jnp.float32)).reshape(t, hq + 2 * hkv, d)
+  q, k, v = heads[:, :hq], heads[:, hq:hq + hkv], heads[:, hq + hkv:]
+  cache, table, tables = make_cache(rng, fmt, 32, ps, hkv, d, dtype, 3, max_pages)
+  inv = np_inv_freq(d, rope.theta, rope.rotary_dim, rope.scaling)
+  k_exp = np.asarray(jnp.asarray(np_rope(k, pos, inv, rope.style),
+                                 jnp.float32).astype(dtype).astype(jnp.float32))
+  expected = expected_pools(fmt, cache, k_exp, v, bi, pos, tables)
+  f = jax.jit(functools.partial(pkvattn.apply_rope_and_append_qkv, rope=rope,
+                                impl=impl), donate_argnums=3)
+  actual_q, actual_cache = f(qkv, jnp.asarray(bi), jnp.asarray(pos), cache, table)
+  chex.assert_shape(actual_q, (t, hq, d))
+  chex.assert_type(actual_q, dtype)
+  np.testing.assert_allclose(np.asarray(actual_q.astype(jnp.float32)),
+                             np_rope(q, pos, inv, rope.style),
+                             atol=3 * ATOL[dtype], rtol=0)
+  assert_pools(actual_cache, fmt, expected, atol=3 * ATOL[dtype])
+  with pytest.raises(ValueError, match="qkv"):
+    pkvattn.apply_rope_and_append_qkv(qkv[:, :-1], jnp.asarray(bi),
+                                      jnp.asarray(pos), actual_cache, table, rope)
