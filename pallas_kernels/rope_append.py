@@ -13,7 +13,9 @@ no memory on the GPU. In interpret mode the masked lanes write back what they
 read, which is why a skipped token's row is out of range (dropped) rather than
 clamped (it could race a real write to the clamped row). The pool(s) are
 aliased to the outputs (`input_output_aliases`), so under a donated jit the
-pool is updated in place.
+pool is updated in place. `rope_append_qkv` takes TensorRT-LLM's fused
+`[num_tokens, (num_qo_heads + 2 * num_kv_heads) * head_dim]` rows instead and
+reads the q, k and v heads of each row in place (one ref, head offsets).
 
 Every index is an int array (never a strided `pl.ds`): that form lowers to
 Triton and also discharges in interpret mode, which rejects mixed slice/array
