@@ -40,22 +40,17 @@ def _prompts(n=6, seed=0):
       0, 256, int(rng.integers(1, 20))).tolist() for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def greedy_reference(model):
-  engine = Engine(model, CFG)
+def test_greedy_batching_full_pool_and_stop_tokens(model):
+  # (One test, so the reference run is made once under pytest -n 2.)
   prompts = _prompts()
-  out = engine.generate(prompts, SamplingParams(max_new_tokens=16,
-                                                ignore_eos=True))
+  sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+  engine = Engine(model, CFG)
+  expected = engine.generate(prompts, sp)
   # One compile per token bucket (decode-only steps: 4 tokens; others: 32).
   assert CFG.buckets == (4, 32)
   assert engine._step_fn._cache_size() == 2
   cache.validate(engine.state)
-  return prompts, out, engine
-
-
-def test_generate_shapes_and_stats(greedy_reference):
-  prompts, out, engine = greedy_reference
-  assert [len(o) for o in out] == [16] * len(prompts)
+  assert [len(o) for o in expected] == [16] * len(prompts)
   st = engine.stats
   assert st.generated_tokens == 16 * len(prompts)
   assert st.prefill_tokens + st.reused_tokens == sum(map(len, prompts))
@@ -63,17 +58,25 @@ def test_generate_shapes_and_stats(greedy_reference):
   assert 0 < st.peak_used_slots <= CFG.num_slots
   assert not engine.has_unfinished()
 
+  # A full pool: claims are refused and decodes preempted (recomputed later
+  # from prompt + output, partly from the prefix cache); outputs must not
+  # change, and no slot may be shared by mistake.
+  small = Engine(model, SMALL_POOL)
+  assert small.generate(prompts, sp) == expected
+  assert small.stats.num_preemptions > 0 and small.stats.num_refused_claims > 0
+  assert small.stats.peak_used_slots <= SMALL_POOL.num_slots
+  cache.validate(small.state)
 
-def test_full_pool_waits_and_preempts_with_same_output(model, greedy_reference):
-  prompts, expected, _ = greedy_reference
-  # Claims are refused and decodes preempted; outputs must not change.
-  engine = Engine(model, SMALL_POOL)
-  out = engine.generate(prompts, SamplingParams(max_new_tokens=16,
-                                                ignore_eos=True))
-  assert out == expected
-  assert engine.stats.num_preemptions + engine.stats.num_refused_claims > 0
-  assert engine.stats.peak_used_slots <= 8
-  cache.validate(engine.state)
+  # A stop token ends the request at its first occurrence (kept in output).
+  stop = expected[0][3]
+  first = expected[0].index(stop)
+  rid = small.add_request(prompts[0], SamplingParams(max_new_tokens=16,
+                                                     stop_token_ids=(stop,)))
+  while small.has_unfinished():
+    small.step()
+  req = small.get_request(rid)
+  assert req.output == expected[0][:first + 1]
+  assert req.finish_reason == "stop"
 
 
 def test_prompt_larger_than_pool_raises(model):
@@ -82,20 +85,6 @@ def test_prompt_larger_than_pool_raises(model):
   with pytest.raises(RuntimeError, match="slots"):
     while engine.has_unfinished():
       engine.step()
-
-
-def test_stop_token_ends_request(model, greedy_reference):
-  prompts, expected, _ = greedy_reference
-  engine = Engine(model, CFG)
-  stop = expected[0][3]
-  first = expected[0].index(stop)
-  rid = engine.add_request(prompts[0], SamplingParams(
-      max_new_tokens=16, stop_token_ids=(stop,)))
-  while engine.has_unfinished():
-    engine.step()
-  req = engine.get_request(rid)
-  assert req.output == expected[0][:first + 1]
-  assert req.finish_reason == "stop"
 
 
 def test_sampling_is_seeded_per_request(model):

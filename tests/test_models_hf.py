@@ -86,11 +86,9 @@ class Case:
   expected: list
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "gemma2"])
-def case(request, tmp_path_factory):
-  kind = request.param
+def _case(kind, tmp_path):
   hf = _hf_model(kind)
-  path = tmp_path_factory.mktemp(kind)
+  path = tmp_path / kind
   hf.save_pretrained(path)
   model = load_model(str(path))
   prompts = _prompts()
@@ -103,7 +101,7 @@ def case(request, tmp_path_factory):
   return Case(kind, hf, model, prompts, expected)
 
 
-def test_config_mapping(case):
+def _check_config_mapping(case):
   cfg = case.model.cfg
   hf_cfg = case.hf.config
   assert cfg.num_layers == 2 and cfg.head_dim == 64
@@ -124,7 +122,7 @@ def test_config_mapping(case):
     assert cfg.rope.scaling.original_max_position_embeddings == 32
 
 
-def test_prefill_logits_match_hf(case):
+def _check_prefill_logits(case):
   m, prompts = case.model, case.prompts
   lens = [len(p) for p in prompts]
   page_size, max_pages = 8, 8
@@ -164,11 +162,7 @@ GEN_CASES = {
 }
 
 
-@pytest.mark.parametrize("variant", [0, 1])
-def test_greedy_generation_matches_hf(case, variant):
-  if variant >= len(GEN_CASES[case.kind]):
-    pytest.skip("combination not run for this model")
-  page_size, reuse = GEN_CASES[case.kind][variant]
+def _check_greedy_generation(case, page_size, reuse):
   engine = Engine(case.model, EngineConfig(
       page_size=page_size, num_slots=48, max_seqs=4, max_num_tokens=32,
       max_model_len=80, enable_prefix_reuse=reuse, token_buckets=(32,)))
@@ -184,8 +178,20 @@ def test_greedy_generation_matches_hf(case, variant):
     engine.step()
   actual = [engine.get_request(i).output for i in ids]
   for b, (a, e) in enumerate(zip(actual, case.expected)):
-    assert a == e, f"{case.kind} prompt {b}: {a} != {e}"
+    assert a == e, (f"{case.kind} page_size={page_size} prefix_reuse={reuse} "
+                    f"prompt {b}: {a} != {e}")
   if reuse:
     assert engine.stats.reused_tokens >= 2 * page_size
   else:
     assert engine.stats.reused_tokens == 0
+
+
+# One test per model, so that under `pytest -n 2` each model's transformers
+# reference is built once (module fixtures are per xdist worker).
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2"])
+def test_matches_transformers(kind, tmp_path):
+  case = _case(kind, tmp_path)
+  _check_config_mapping(case)
+  _check_prefill_logits(case)
+  for page_size, reuse in GEN_CASES[kind]:
+    _check_greedy_generation(case, page_size, reuse)
