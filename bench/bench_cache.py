@@ -22,7 +22,6 @@ Usage: python bench/bench_cache.py [--small]  (or python -m bench.bench_cache)  
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -137,7 +136,7 @@ def run(small: bool) -> list[dict]:
 
   def check_extend(st, rf):
     new_st, res = cache.extend(st, jnp.asarray(ids), jnp.asarray(one))
-    rf = copy.deepcopy(rf)
+    rf = rf.copy()
     want = rf.extend(ids, one)
     assert np.asarray(res.ok).tolist() == want["ok"]
     got_rows = np.asarray(new_st.seq_slots)[ids]
@@ -145,7 +144,7 @@ def run(small: bool) -> list[dict]:
     return int(np.asarray(res.num_new_blocks).sum())
 
   new_blocks = check_extend(state, ref)
-  ref_ms = _time_ref(lambda r: r.extend(ids, one), lambda: copy.deepcopy(ref), 3)
+  ref_ms = _time_ref(lambda r: r.extend(ids, one), lambda: ref.copy(), 3)
   rows.append(_row("extend_free", cache.extend,
                    (state, jnp.asarray(ids), jnp.asarray(one)), ref_ms,
                    dict(batch=nd, new_blocks=new_blocks,
@@ -169,7 +168,7 @@ def run(small: bool) -> list[dict]:
   st_now = cache.stats(state)
   assert int(st_now["num_free"]) == 0, st_now
   new_blocks = check_extend(state, ref)
-  ref_ms = _time_ref(lambda r: r.extend(ids, one), lambda: copy.deepcopy(ref), 3)
+  ref_ms = _time_ref(lambda r: r.extend(ids, one), lambda: ref.copy(), 3)
   rows.append(_row("extend_evict", cache.extend,
                    (state, jnp.asarray(ids), jnp.asarray(one)), ref_ms,
                    dict(batch=nd, new_blocks=new_blocks,
@@ -197,13 +196,13 @@ def run(small: bool) -> list[dict]:
   args = (state, jnp.asarray(claim_ids), jnp.asarray(prompts),
           jnp.asarray(full_len))
   _, res = cache.claim_batch(*args)
-  want = copy.deepcopy(ref).claim_batch(claim_ids, prompts, full_len)
+  want = ref.copy().claim_batch(claim_ids, prompts, full_len)
   assert np.asarray(res.ok).tolist() == want["ok"]
   assert np.asarray(res.num_reused_tokens).tolist() == want["num_reused_tokens"]
   reused = int(np.asarray(res.num_reused_tokens).sum()) // ps
   total = int(np.asarray(res.num_new_blocks).sum()) + reused
   ref_ms = _time_ref(lambda r: r.claim_batch(claim_ids, prompts, full_len),
-                     lambda: copy.deepcopy(ref), 3)
+                     lambda: ref.copy(), 3)
   rows.append(_row("claim_half_hit", cache.claim_batch, args, ref_ms,
                    dict(batch=npr, prompt_len=plen, reused_blocks=reused,
                         total_blocks=total, num_slots=cfg.num_slots,

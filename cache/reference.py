@@ -11,6 +11,7 @@ overflows (`hash_ways >= num_slots` guarantees that).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -49,6 +50,17 @@ class ReferenceCache:
     self.clock = 0
     self.num_lookups = 0
     self.num_hits = 0
+
+  def copy(self) -> "ReferenceCache":
+    """An independent copy (keys and tokens are immutable tuples: shared)."""
+    out = copy.copy(self)
+    for name in ("refcount", "last_use", "published", "key", "tokens", "scope",
+                 "parent", "parent_gen", "gen"):
+      setattr(out, name, list(getattr(self, name)))
+    out.seqs = {k: _Seq(list(v.slots), v.length, v.scope)
+                for k, v in self.seqs.items()}
+    out.index = dict(self.index)
+    return out
 
   # --- helpers -------------------------------------------------------------
   def _ids(self, ids, want_live):
