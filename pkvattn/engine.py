@@ -416,17 +416,21 @@ class Engine:
     gen_index = np.zeros(S, np.int32)
     extend_ids = np.full(S, -1, np.int32)
     rows = []   # (request, q_len, samples)
+    feeds = {}  # row -> tokens fed this step
     budget = T
     # Decode rows first (one token each), then prefill chunks in arrival order.
     order = ([r for r in self._running if r.status == "decode"]
              + [r for r in self._running if r.status == "prefill"])
-    cursor = 0
     for req in order:
-      todo = req.tokens
       if req.status == "decode":
-        feed = todo[req.num_computed:req.num_computed + 1]
+        # All but the last sampled token are in the cache: feed that one.
+        feed, total = req.output[-1:], req.num_computed + 1
       else:
-        remaining = len(todo) - req.num_computed
+        todo = req.tokens
+        total = len(todo)
+        remaining = total - req.num_computed
+        # With SWA scratch reuse a prompt is prefilled in one step (scratch
+        # blocks live for one step); otherwise chunked under the budget.
         chunk = remaining if self.cache_config.enable_swa_scratch_reuse else min(
             remaining, budget)
         if chunk > budget or chunk <= 0:
@@ -437,9 +441,10 @@ class Engine:
         continue
       budget -= n
       r = req.seq_id
+      feeds[r] = feed
       q_lens[r] = n
       kv_lens[r] = req.num_computed + n
-      samples = req.num_computed + n == len(todo)
+      samples = req.num_computed + n == total
       rows.append((req, n, samples))
       if samples:
         sample_rows[r] = True
@@ -454,10 +459,8 @@ class Engine:
     q_indptr[1:] = np.cumsum(q_lens)
     bucket = next(b for b in cfg.buckets if b >= q_indptr[-1])
     tokens = tokens[:bucket]
-    by_row = {req.seq_id: (req, n) for req, n, _ in rows}
-    for r, (req, n) in sorted(by_row.items()):
-      tokens[q_indptr[r]:q_indptr[r] + n] = req.tokens[
-          req.num_computed:req.num_computed + n]
+    for r, feed in feeds.items():
+      tokens[q_indptr[r]:q_indptr[r] + len(feed)] = feed
 
     # Admissions: while rows are free and the prefill backlog is short.
     admit_ids = np.full(A, -1, np.int32)
