@@ -129,7 +129,9 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
   def get(name):
     for prefix in ("model.", "", "language_model.model."):
       if prefix + name in tensors:
-        return np.asarray(tensors[prefix + name], dtype=np.float32)
+        # Stays in the checkpoint dtype (bf16 via ml_dtypes): no f32 copy of
+        # the whole model on the host.
+        return np.asarray(tensors[prefix + name])
     raise ValueError(f"Invalid checkpoint: missing weight {name!r} in {path!r}")
 
   def stack(fmt, transpose):
@@ -165,7 +167,7 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
   if not cfg.tie_word_embeddings:
     if "lm_head.weight" in tensors:
       params["lm_head"] = jnp.asarray(
-          np.asarray(tensors["lm_head.weight"], np.float32).T, dtype)
+          np.asarray(tensors["lm_head.weight"]).T, dtype)
     else:  # some checkpoints tie without saying so
       cfg = _replace(cfg, tie_word_embeddings=True)
   return cfg, params
