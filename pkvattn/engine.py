@@ -522,8 +522,8 @@ class Engine:
     self._seen_buckets.add(inputs.tokens.shape[0])
     self.pool, self.state, self.seq_tokens, out = self._step_fn(
         self.model.params, self.pool, self.state, self.seq_tokens,
-        jax.tree.map(jnp.asarray, inputs))
-    out = jax.tree.map(np.asarray, out)  # the one device -> host sync
+        jax.device_put(inputs))
+    out = jax.device_get(out)  # the one device -> host sync
     t2 = time.perf_counter()
 
     num_sampled = 0
