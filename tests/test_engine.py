@@ -156,3 +156,15 @@ def test_profile_reports_split(model):
   prof = engine.profile(iters=2)
   assert set(prof) == {"step_ms", "attention_ms", "bookkeeping_ms", "rest_ms"}
   assert all(prof[k] > 0 for k in ("step_ms", "attention_ms", "bookkeeping_ms"))
+
+
+def test_builtin_gemma2_model_runs():
+  model = load_model("tiny-gemma2")
+  assert model.cfg.windows == (31, -1) and model.cfg.sandwich_norms
+  engine = Engine(model, EngineConfig(page_size=8, num_slots=16, max_seqs=2,
+                                      max_num_tokens=48, max_model_len=64,
+                                      token_buckets=(48,)))
+  prompt = model.tokenizer.encode("A prompt longer than the 32-token window.")
+  out = engine.generate([prompt], SamplingParams(max_new_tokens=4,
+                                                 ignore_eos=True))
+  assert len(out[0]) == 4 and all(0 <= t < model.cfg.vocab_size for t in out[0])

@@ -90,6 +90,7 @@ def _case(kind, tmp_path):
   hf = _hf_model(kind)
   path = tmp_path / kind
   hf.save_pretrained(path)
+  _save_word_tokenizer(path)
   model = load_model(str(path))
   prompts = _prompts()
   expected = []
@@ -99,6 +100,17 @@ def _case(kind, tmp_path):
                         do_sample=False, eos_token_id=None, pad_token_id=0)
     expected.append(out[0, len(p):].tolist())
   return Case(kind, hf, model, prompts, expected)
+
+
+def _save_word_tokenizer(path):
+  """A word-level tokenizer.json over VOCAB words (`w0`..), BOS `w1` prepended."""
+  from tokenizers import Tokenizer, models, pre_tokenizers, processors
+  vocab = {f"w{i}": i for i in range(VOCAB)}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.post_processor = processors.TemplateProcessing(
+      single="w1 $A", special_tokens=[("w1", 1)])
+  tok.save(str(path / "tokenizer.json"))
 
 
 def _check_config_mapping(case):
@@ -117,6 +129,8 @@ def _check_config_mapping(case):
   else:
     assert cfg.windows == (-1, -1)
   assert cfg.qkv_bias == (case.kind == "qwen2")
+  assert case.model.tokenizer.encode("w5 w7") == [1, 5, 7]
+  assert case.model.tokenizer.decode([5, 7]) == "w5 w7"
   if case.kind == "llama":
     assert cfg.rope.scaling is not None
     assert cfg.rope.scaling.original_max_position_embeddings == 32
