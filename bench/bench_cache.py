@@ -14,11 +14,13 @@ device work), for `extend` also per call when 16 calls run inside one jit as in
 an engine step (`in_jit_ms`: no dispatch, and state updates in place as in a
 donated engine step; `median_ms` also pays for copying the updated state
 fields, since a repeated call cannot donate its input), on the host CPU backend
-(`cpu_median_ms`), and the slow pure-Python model (`reference_ms`). Targets on an H200: extend <= 0.05 ms, claim <= 1 ms.
+(`cpu_median_ms`), and the slow pure-Python model (`reference_ms`). Targets
+on an H200: extend <= 0.05 ms, claim <= 1 ms.
 Before timing, the device result is checked against the reference model on the
 same inputs.
 
-Usage: python bench/bench_cache.py [--small]  (or python -m bench.bench_cache)   (--small: tiny sizes, CPU smoke)
+Usage: python bench/bench_cache.py [--small]   (or python -m bench.bench_cache)
+  --small: tiny sizes, a quick CPU smoke run.
 """
 
 from __future__ import annotations

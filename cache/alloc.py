@@ -1,4 +1,4 @@
-"""Pure, vectorised cache operations: claim_batch, extend, commit, release, fork.
+"""Pure, vectorised cache ops: claim_batch, extend, commit, release, fork.
 
 Every function is `f(state, ...) -> (state, result)` (`commit` and `release`
 return the state only), jitted once per `CacheConfig` (the config is a static
@@ -46,7 +46,7 @@ _I32_MAX = jnp.iinfo(jnp.int32).max
 
 class ClaimResult(NamedTuple):
   ok: jax.Array                 # bool[n], admitted
-  num_reused_tokens: jax.Array  # i32[n], prompt tokens served by the prefix cache
+  num_reused_tokens: jax.Array  # i32[n], prompt tokens served from the cache
   num_new_blocks: jax.Array     # i32[n], blocks allocated for the rest
   num_missed_blocks: jax.Array  # i32[n], reusable-position blocks not found
 
@@ -90,7 +90,7 @@ def _select(state: CacheState, seq_ids, want_live: bool):
 
 
 def _supply(state: CacheState, protected):
-  """(free mask, evictable mask) of the slots; `protected` slots never evicted."""
+  """(free, evictable) slot masks; `protected` slots are never evictable."""
   unref = state.slot_refcount == 0
   free = unref & ~state.slot_published
   evictable = unref & state.slot_published & ~protected
@@ -303,7 +303,8 @@ def claim_batch(
   need = jnp.where(ok, need, 0)
   offset = jnp.cumsum(need) - need
   pos = jnp.arange(cfg.max_pages)[None, :]
-  new_mask = ok[:, None] & (pos >= reused[:, None]) & (pos < num_blocks[:, None])
+  new_mask = (ok[:, None] & (pos >= reused[:, None])
+              & (pos < num_blocks[:, None]))
   ranks = jnp.where(new_mask, offset[:, None] + pos - reused[:, None], -1)
   state, new_slots = _take_slots(state, ranks, jnp.sum(need), protected)
 
@@ -338,7 +339,7 @@ def extend(
     seq_ids: jax.Array,         # i32[n]
     num_new_tokens: jax.Array,  # i32[n]
 ) -> tuple[CacheState, ExtendResult]:
-  """Grows live sequences by `num_new_tokens`, allocating blocks at page boundaries.
+  """Grows live sequences by `num_new_tokens`, allocating blocks as needed.
 
   Used every decode step (one token) and for chunked prefill. Requests are
   all-or-nothing and first come, first served (module docstring).
@@ -466,7 +467,7 @@ def commit(
   identical = (_content_ok(state, existing, blocks, scope)
                & _parent_ok(state, existing, parent, parent_gen))
 
-  # Row-major first occurrence of each key and each slot among considered blocks.
+  # Row-major first occurrence of each key and slot among considered blocks.
   size = n * nbt
   flat = jnp.arange(size, dtype=jnp.int32).reshape(n, nbt)
   cons_f = consider.reshape(-1)
@@ -642,7 +643,8 @@ def fork(
           state.seq_scope[pidx], mode="drop"),
   )
   src_slot = jnp.take_along_axis(
-      parent_rows, jnp.clip(num_full, 0, cfg.max_pages - 1)[:, None], axis=1)[:, 0]
+      parent_rows, jnp.clip(num_full, 0, cfg.max_pages - 1)[:, None],
+      axis=1)[:, 0]
   sub = jnp.arange(nl * 2, dtype=jnp.int32)[None, :]   # layer * 2 + kv
   copy = need[:, None] > 0
   src = jnp.where(copy, src_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)

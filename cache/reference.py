@@ -1,4 +1,4 @@
-"""Slow, loop-based model of the cache semantics: the test oracle, never used in jit.
+"""Slow, loop-based model of the cache semantics: the test oracle (never jitted).
 
 Mirrors `cache/alloc.py` rule by rule with plain Python lists and dicts, so
 that a random sequence of operations can be run through both and compared
@@ -111,7 +111,7 @@ class ReferenceCache:
 
   # --- operations ----------------------------------------------------------
   def claim_batch(self, seq_ids, tokens, lengths, reuse_scope=None):
-    """Returns dict of lists: ok, num_reused_tokens, num_new_blocks, num_missed_blocks."""
+    """Returns lists ok, num_reused_tokens, num_new_blocks, num_missed_blocks."""
     cfg, ps = self.cfg, self.cfg.page_size
     tokens = np.asarray(tokens).tolist()
     n = len(tokens)
@@ -268,7 +268,7 @@ class ReferenceCache:
     self.clock += 1
 
   def fork(self, parent_ids, child_ids):
-    """Returns dict: ok, copies (list of (src_slot, dst_slot) per request or None)."""
+    """Returns dict ok, copies ((src_slot, dst_slot) or None per request)."""
     cfg, ps = self.cfg, self.cfg.page_size
     pids = [int(x) for x in parent_ids]
     cids, c_ok = self._ids(child_ids, want_live=False)

@@ -68,7 +68,8 @@ class CacheConfig:
                  "max_pages", "hash_ways"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"Invalid {name}: expected a positive int, got {value!r}")
+        raise ValueError(
+            f"Invalid {name}: expected a positive int, got {value!r}")
     if self.hash_buckets is not None and (
         self.hash_buckets <= 0 or self.hash_buckets & (self.hash_buckets - 1)):
       raise ValueError(
@@ -77,8 +78,8 @@ class CacheConfig:
     if self.layer_windows is not None:
       if len(self.layer_windows) != self.num_layers:
         raise ValueError(
-            f"Invalid layer_windows: expected {self.num_layers} entries (one per "
-            f"layer), got {len(self.layer_windows)}")
+            f"Invalid layer_windows: expected {self.num_layers} entries (one "
+            f"per layer), got {len(self.layer_windows)}")
       if any(w < -1 for w in self.layer_windows):
         raise ValueError(
             "Invalid layer_windows: expected window_left >= -1 per layer, got "
@@ -129,20 +130,20 @@ class CacheState:
   slot_key: jax.Array         # u32[num_slots, 2], chained key when published
   slot_tokens: jax.Array      # i32[num_slots, page_size], tokens when published
   slot_scope: jax.Array       # i32[num_slots], reuse_scope when published
-  slot_parent: jax.Array      # i32[num_slots], previous block's slot, -1 = first
-  slot_parent_gen: jax.Array  # i32[num_slots], slot_gen of the parent when published
+  slot_parent: jax.Array      # i32[num_slots], parent block's slot, -1 = first
+  slot_parent_gen: jax.Array  # i32[num_slots], parent's slot_gen at publication
   slot_gen: jax.Array         # i32[num_slots], bumped on every publication
   slot_hash_pos: jax.Array    # i32[num_slots], flat index in hash_table, -1
   # --- prefix-cache index: set-associative table key -> slot ---
   hash_table: jax.Array       # i32[num_buckets, hash_ways], slot or -1
   # --- per sequence ---
   seq_slots: jax.Array        # i32[max_seqs, max_pages], slot per block or -1
-  seq_lens: jax.Array         # i32[max_seqs], tokens reserved (claimed + extended)
+  seq_lens: jax.Array         # i32[max_seqs], tokens reserved (claim + extend)
   seq_live: jax.Array         # bool[max_seqs]
   seq_scope: jax.Array        # i32[max_seqs], reuse_scope of the sequence
   # --- counters ---
   clock: jax.Array            # i32[], bumped by every release
-  num_lookups: jax.Array      # i32[], prefix blocks looked up by admitted claims
+  num_lookups: jax.Array      # i32[], prefix blocks looked up (admitted claims)
   num_hits: jax.Array         # i32[], of those, blocks reused
 
   @property

@@ -32,7 +32,7 @@ def page_table(
     layer,               # int or i32[] (may be traced, e.g. inside lax.scan)
     split: bool = True,
 ) -> jax.Array:          # i32[n, 2, max_pages] | i32[n, max_pages]
-  """The page table of `seq_ids` for one layer, as the attention kernels read it.
+  """The page table of `seq_ids` for one layer, as the kernels read it.
 
   Args:
     state: the cache state.

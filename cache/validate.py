@@ -16,7 +16,7 @@ class CacheInvariantError(ValueError):
 
 
 def validate(state: CacheState) -> None:
-  """Checks every invariant of `state`; raises `CacheInvariantError` if any fails.
+  """Checks every invariant of `state`; raises CacheInvariantError if one fails.
 
   Checked:
     * array shapes and dtypes against the config;
