@@ -78,6 +78,12 @@ class EngineConfig:
       holds its tokens (one compile per bucket, like CUDA-graph capture sizes).
       None = `(max_seqs, max_num_tokens)`: decode-only steps stop paying for
       the prefill budget.
+    decode_steps: when every running request is decoding and nothing waits
+      for a free row, run this many decode iterations in one device call
+      (`lax.scan`: tokens fed back, stop tokens, max lengths and `extend`
+      checked on device; vLLM's multi-step scheduling). 1 = off. Amortises
+      the host's per-step work; a request finishing mid-burst frees its row
+      only at the end of the burst.
   """
   page_size: int = 16
   num_slots: int = 256
@@ -90,6 +96,7 @@ class EngineConfig:
   impl: Implementation | None = None
   hash_ways: int = 8
   token_buckets: tuple[int, ...] | None = None
+  decode_steps: int = 1
 
   def __post_init__(self):
     for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
@@ -103,6 +110,9 @@ class EngineConfig:
           f"{self.max_num_tokens}")
     if self.impl is not None:
       _checks.check_choice(self.impl, ("pallas", "xla"), "impl")
+    if not isinstance(self.decode_steps, int) or self.decode_steps < 1:
+      raise ValueError(
+          f"Invalid decode_steps: expected an int >= 1, got {self.decode_steps!r}")
     if self.token_buckets is not None and any(
         int(b) <= 0 for b in self.token_buckets):
       raise ValueError(
@@ -260,6 +270,81 @@ def _jitted_step(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
       donate_argnums=(1, 2, 3))
 
 
+MAX_STOP_IDS = 8  # stop tokens per request handled on device in a burst
+
+
+@struct.dataclass
+class _BurstInputs:
+  active: jax.Array         # bool[max_seqs], rows decoding in this burst
+  last: jax.Array           # i32[max_seqs], last sampled token (fed first)
+  computed: jax.Array       # i32[max_seqs], tokens in the cache (= its position)
+  remaining: jax.Array      # i32[max_seqs], tokens the request may still emit
+  stop_ids: jax.Array       # i32[max_seqs, MAX_STOP_IDS], -1 = none
+  temperature: jax.Array    # f32[max_seqs]
+  top_k: jax.Array          # i32[max_seqs]
+  top_p: jax.Array          # f32[max_seqs]
+  seeds: jax.Array          # u32[max_seqs]
+  gen_index: jax.Array      # i32[max_seqs]
+
+
+@struct.dataclass
+class _BurstOutputs:
+  tokens: jax.Array         # i32[decode_steps, max_seqs], -1 = row idle
+  preempted: jax.Array      # bool[max_seqs], extend refused: out of slots
+  used_slots: jax.Array     # i32[], peak over the burst
+
+
+def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs, *,
+                         model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+  """`cfg.decode_steps` decode iterations; each is `_device_step` restricted to
+  decode rows, with the sampled token fed back on device."""
+  S = cfg.max_seqs
+  rows = jnp.arange(S, dtype=jnp.int32)
+
+  def one(carry, _):
+    pool, state, seq_tokens, active, last, computed, remaining, gen, pre, peak = carry
+    q_lens = active.astype(jnp.int32)
+    q_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
+    tokens = jnp.zeros((S,), jnp.int32).at[
+        jnp.where(active, q_indptr[:-1], S)].set(last, mode="drop")
+    kv_lens = jnp.where(active, computed + 1, 0)
+    tables = _layer_tables(state, model_cfg.num_layers, S)
+    plan = AttentionPlan.create(tables, q_indptr, kv_lens, S)
+    logits, pool = _decoder.forward(
+        params, model_cfg, tokens, pool, plan,
+        logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl)
+    tok = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, gen)
+    seq_tokens = seq_tokens.at[jnp.where(active, rows, S), computed].set(
+        last, mode="drop")
+    step = active.astype(jnp.int32)
+    computed, gen, remaining = computed + step, gen + step, remaining - step
+    stop = jnp.any(tok[:, None] == inp.stop_ids, axis=1) | (remaining <= 0)
+    need = active & ~stop
+    state, ext = _cache.extend(state, jnp.where(need, rows, -1),
+                               jnp.ones((S,), jnp.int32))
+    pre = pre | (need & ~ext.ok)
+    emitted = jnp.where(active, tok, -1)
+    last = jnp.where(active, tok, last)
+    peak = jnp.maximum(peak, jnp.sum(state.slot_refcount > 0, dtype=jnp.int32))
+    carry = (pool, state, seq_tokens, need & ext.ok, last, computed, remaining,
+             gen, pre, peak)
+    return carry, emitted
+
+  carry = (pool, state, seq_tokens, inp.active, inp.last, inp.computed,
+           inp.remaining, inp.gen_index, jnp.zeros((S,), bool),
+           jnp.zeros((), jnp.int32))
+  carry, emitted = lax.scan(one, carry, None, length=cfg.decode_steps)
+  pool, state, seq_tokens = carry[:3]
+  return pool, state, seq_tokens, _BurstOutputs(emitted, carry[8], carry[9])
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_burst(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+  return jax.jit(
+      functools.partial(_device_decode_burst, model_cfg=model_cfg, cfg=cfg),
+      donate_argnums=(1, 2, 3))
+
+
 @dataclasses.dataclass
 class EngineStats:
   """Counters of one engine's life (host side)."""
@@ -328,6 +413,7 @@ class Engine:
     self.seq_tokens = jnp.zeros((config.max_seqs, config.max_model_len),
                                 jnp.int32)
     self._step_fn = _jitted_step(mcfg, config)
+    self._burst_fn = _jitted_burst(mcfg, config)
     self._requests: dict[int, Request] = {}
     self._waiting: collections.deque[Request] = collections.deque()
     self._running: list[Request] = []       # admitted, in admission order
@@ -508,6 +594,8 @@ class Engine:
       RuntimeError: a waiting request can never be admitted (its prompt needs
         more slots than the whole pool has).
     """
+    if self._burst_eligible():
+      return self._burst()
     t0 = time.perf_counter()
     inputs, rows, admitted = self._schedule()
     released = self._to_release
@@ -589,6 +677,78 @@ class Engine:
       self.stats.decode_time_s += t3 - t0
     return num_sampled
 
+  def _burst_eligible(self) -> bool:
+    """Multi-step decode applies when nothing but decoding can happen."""
+    if self.config.decode_steps <= 1 or not self._running:
+      return False
+    if self._to_release or self._to_commit or (self._waiting and self._free_rows):
+      return False
+    return all(r.status == "decode" and len(r.stop_ids) <= MAX_STOP_IDS
+               for r in self._running)
+
+  def _burst(self) -> int:
+    """`decode_steps` decode iterations in one device call (see EngineConfig)."""
+    t0 = time.perf_counter()
+    S = self.config.max_seqs
+    active = np.zeros(S, bool)
+    last = np.zeros(S, np.int32)
+    computed = np.zeros(S, np.int32)
+    remaining = np.zeros(S, np.int32)
+    stop_ids = np.full((S, MAX_STOP_IDS), -1, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    gen_index = np.zeros(S, np.int32)
+    for req in self._running:
+      r, sp = req.seq_id, req.params
+      active[r] = True
+      last[r] = req.output[-1]
+      computed[r] = req.num_computed
+      remaining[r] = sp.max_new_tokens - len(req.output)
+      stops = [] if sp.ignore_eos else sorted(req.stop_ids)
+      stop_ids[r, :len(stops)] = stops
+      temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+      seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
+      gen_index[r] = len(req.output)
+    inputs = _BurstInputs(active, last, computed, remaining, stop_ids,
+                          temperature, top_k, top_p, seeds, gen_index)
+    t1 = time.perf_counter()
+    first = "burst" not in self._seen_buckets
+    self._seen_buckets.add("burst")
+    self.pool, self.state, self.seq_tokens, out = self._burst_fn(
+        self.model.params, self.pool, self.state, self.seq_tokens,
+        jax.device_put(inputs))
+    out = jax.device_get(out)
+    t2 = time.perf_counter()
+    num_sampled = 0
+    for req in list(self._running):
+      r = req.seq_id
+      toks = [int(t) for t in out.tokens[:, r] if t >= 0]
+      req.output.extend(toks)
+      req.num_computed += len(toks)
+      num_sampled += len(toks)
+      token = req.output[-1]
+      stopped = token in req.stop_ids and not req.params.ignore_eos
+      if stopped or len(req.output) >= req.params.max_new_tokens:
+        req.status = "finished"
+        req.finish_reason = "stop" if stopped else "length"
+        self._finish(req)
+      elif out.preempted[r]:
+        self._preempt(req)
+    self.stats.decode_tokens += num_sampled
+    self.stats.generated_tokens += num_sampled
+    self.stats.peak_used_slots = max(self.stats.peak_used_slots,
+                                     int(out.used_slots))
+    self.stats.num_steps += self.config.decode_steps
+    t3 = time.perf_counter()
+    self.stats.host_time_s += (t1 - t0) + (t3 - t2)
+    if first:
+      self.stats.compile_time_s += t2 - t1
+    else:
+      self.stats.decode_time_s += t3 - t0
+    return num_sampled
+
   def _finish(self, req: Request):
     self._running.remove(req)
     self._to_release.append((req.seq_id, req.num_computed))
@@ -608,16 +768,25 @@ class Engine:
   def profile(self, iters: int = 10) -> dict:
     """Times the last step's pieces on copies of the current state (GPU runs).
 
+    While the engine decodes in bursts (`decode_steps > 1`) the step profiled
+    is one decode step of the running batch.
+
     Returns milliseconds per step for `step` (the whole jitted step),
     `attention` (every layer's `paged_prefill` on the step's plan, q random),
     `bookkeeping` (commit / release / page tables / extend / claim) and
     `rest = step - attention - bookkeeping` (projections, MLP, RoPE + append,
     sampling). Nothing here changes the engine's state.
     """
-    if self.last_inputs is None:
+    if self._burst_eligible():
+      # Decoding in bursts: profile one decode step of the current batch
+      # (`_schedule` admits, commits and releases nothing in this state).
+      last_inputs = self._schedule()[0]
+    elif self.last_inputs is None:
       raise ValueError("Invalid call: profile() needs at least one step() first")
+    else:
+      last_inputs = self.last_inputs
     cfg, mcfg = self.config, self.model.cfg
-    inp = jax.tree.map(jnp.asarray, self.last_inputs)
+    inp = jax.tree.map(jnp.asarray, last_inputs)
 
     def bookkeeping(state, seq_tokens, inp):
       state = _cache_ops_before(state, seq_tokens, inp, cfg.enable_prefix_reuse)

@@ -8,6 +8,8 @@ donation of the pool, and the sampler itself.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,16 +69,27 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
   assert small.stats.peak_used_slots <= SMALL_POOL.num_slots
   cache.validate(small.state)
 
-  # A stop token ends the request at its first occurrence (kept in output).
+  # Multi-step decode (bursts of 4 on device) under the same full pool.
+  burst = Engine(model, dataclasses.replace(SMALL_POOL, decode_steps=4))
+  assert burst.generate(prompts, sp) == expected
+  assert burst.stats.num_preemptions > 0
+  cache.validate(burst.state)
+
+  # A stop token ends the request at its first occurrence (kept in output),
+  # in single steps and in bursts.
   stop = expected[0][3]
   first = expected[0].index(stop)
   rid = small.add_request(prompts[0], SamplingParams(max_new_tokens=16,
                                                      stop_token_ids=(stop,)))
   while small.has_unfinished():
     small.step()
-  req = small.get_request(rid)
-  assert req.output == expected[0][:first + 1]
-  assert req.finish_reason == "stop"
+  rid2 = burst.add_request(prompts[0], SamplingParams(max_new_tokens=16,
+                                                      stop_token_ids=(stop,)))
+  while burst.has_unfinished():
+    burst.step()
+  for req in (small.get_request(rid), burst.get_request(rid2)):
+    assert req.output == expected[0][:first + 1]
+    assert req.finish_reason == "stop"
 
 
 def test_prompt_larger_than_pool_raises(model):
