@@ -82,7 +82,8 @@ def _run(model, cfg: EngineConfig, prompts, new_tokens, profile: bool):
   row = dict(
       impl=cfg.impl, num_prompts=len(prompts), prompt_len=len(prompts[0]),
       new_tokens=new_tokens, page_size=cfg.page_size, num_slots=cfg.num_slots,
-      max_num_tokens=cfg.max_num_tokens, steps=st.num_steps,
+      max_num_tokens=cfg.max_num_tokens, decode_steps=cfg.decode_steps,
+      steps=st.num_steps,
       prefill_tokens=st.prefill_tokens, decode_tokens=st.decode_tokens,
       prefill_tok_s=st.prefill_tokens_per_s,
       decode_tok_s=st.decode_tokens_per_s,
@@ -133,6 +134,10 @@ def main(argv=None):
   ap.add_argument("--new-tokens", type=int, default=None)
   ap.add_argument("--page-size", type=int, default=16)
   ap.add_argument("--max-num-tokens", type=int, default=None)
+  ap.add_argument("--decode-steps", type=int, default=None,
+                  help="decode iterations per device call once all requests "
+                       "decode (EngineConfig.decode_steps; 1 = one per call; "
+                       "default 8, --small 4)")
   ap.add_argument("--no-profile", action="store_true")
   args = ap.parse_args(argv)
 
@@ -140,7 +145,8 @@ def main(argv=None):
   mcfg = SMALL if small else LLAMA_3_2_1B
   num_prompts = args.num_prompts or (4 if small else 64)
   prompt_len = args.prompt_len or (48 if small else 1024)
-  new_tokens = args.new_tokens or (8 if small else 256)
+  new_tokens = args.new_tokens or (16 if small else 256)
+  decode_steps = args.decode_steps or (4 if small else 8)
   budget = args.max_num_tokens or (64 if small else 4096)
   impls = (args.impls or ("xla" if small else "pallas,xla")).split(",")
   dtype = jnp.float32 if small and jax.default_backend() == "cpu" else jnp.bfloat16
@@ -169,7 +175,7 @@ def main(argv=None):
         page_size=args.page_size, num_slots=num_prompts * blocks + 8,
         max_seqs=num_prompts, max_num_tokens=max(budget, num_prompts),
         max_model_len=blocks * args.page_size, impl=impl,
-        enable_prefix_reuse=False)
+        enable_prefix_reuse=False, decode_steps=decode_steps)
     row, outputs[impl] = _run(model, cfg, prompts, new_tokens,
                               profile=not args.no_profile)
     rows.append(row)
