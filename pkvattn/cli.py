@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="sequences running at once")
   p.add_argument("--max-num-tokens", type=int, default=256,
                  help="token budget per step (chunked prefill + decode)")
+  p.add_argument("--decode-steps", type=int, default=None,
+                 help="decode iterations per device call once every request "
+                      "decodes (default: 8 on GPU, 1 elsewhere)")
   p.add_argument("--impl", choices=("pallas", "xla"), default=None,
                  help="attention implementation (default: pallas on GPU, xla "
                       "elsewhere)")
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
       max_model_len=max_model_len, impl=args.impl,
       enable_prefix_reuse=not args.no_prefix_reuse,
       enable_swa_scratch_reuse=args.swa_scratch_reuse,
+      decode_steps=args.decode_steps or (
+          8 if jax.default_backend() == "gpu" else 1),
       # On a CPU one compile beats a second, decode-sized one; on a GPU the
       # decode bucket pays off at once.
       token_buckets=None if jax.default_backend() == "gpu" else (
