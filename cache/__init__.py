@@ -11,6 +11,7 @@ from .alloc import ForkResult as ForkResult
 from .alloc import claim_batch as claim_batch
 from .alloc import commit as commit
 from .alloc import extend as extend
+from .alloc import finish_step as finish_step
 from .alloc import fork as fork
 from .alloc import release as release
 from .state import NULL_PAGE as NULL_PAGE
@@ -38,6 +39,7 @@ __all__ = [
     "claim_batch",
     "commit",
     "extend",
+    "finish_step",
     "fork",
     "init_cache",
     "page_table",

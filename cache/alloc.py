@@ -20,6 +20,26 @@ Common rules:
     cached slots (published, unreferenced), least recently released first
     (ties: lowest index). Evicted slots leave the prefix cache.
 
+SWA scratch reuse (issue 5; only when `config.swa_scratch_active`). A step
+grows a sequence from `history_len` to `capacity` tokens: `claim_batch` from
+the reused tokens to the prompt length, `extend` from the old to the new
+length. Per `window.swa_scratch_plan(history_len, capacity, page_size,
+config.scratch_window_left, num_layers, config.max_rewind_len)`, the step's
+oldest new blocks, which no query at or after `capacity - max_rewind_len` can
+see, are *scratch*: they get `cdiv(num_scratch_blocks, num_layers)` scratch
+slots (recorded in `seq_scratch_slots`, refcount 1 each) instead of one slot
+each, and `seq_slots` holds -1 for them. The other new blocks get slots as
+usual. Request `r`'s slots take allocation ranks `offset_r + j` for its
+scratch slots `j`, then the normal blocks in block order. `page_table` maps
+the scratch blocks of the running step to sub-pages of the scratch slots
+(`window.scratch_page_indices`). The scratch slots go back to the pool (free,
+never published) when the step ends: at the sequence's next `extend` (which
+retires the previous step's scratch of every valid listed sequence first,
+whether or not its growth is granted), at `finish_step`, or at `release`.
+`commit` never publishes a scratch block (nor, since chains start at block 0,
+any block after one). Later queries never see scratch blocks (they are out of
+the window), so the -1 entries are never read by the kernels.
+
 Prefix-cache verification. A published slot stores its key, tokens, scope and
 its parent slot with that parent's publication generation. A request's block
 `i` matches slot `c_i` only if `c_i` holds the block's key, the very same
@@ -39,6 +59,7 @@ import jax.numpy as jnp
 from . import _checks
 
 from . import hashing
+from . import window
 from .state import CacheState
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
@@ -47,13 +68,15 @@ _I32_MAX = jnp.iinfo(jnp.int32).max
 class ClaimResult(NamedTuple):
   ok: jax.Array                 # bool[n], admitted
   num_reused_tokens: jax.Array  # i32[n], prompt tokens served from the cache
-  num_new_blocks: jax.Array     # i32[n], blocks allocated for the rest
+  num_new_blocks: jax.Array     # i32[n], slots allocated for the rest (with
+  #                               scratch: normal blocks + scratch slots)
   num_missed_blocks: jax.Array  # i32[n], reusable-position blocks not found
 
 
 class ExtendResult(NamedTuple):
   ok: jax.Array              # bool[n], grown (num_new_tokens == 0 counts as ok)
-  num_new_blocks: jax.Array  # i32[n], blocks allocated at page boundaries
+  num_new_blocks: jax.Array  # i32[n], slots allocated at page boundaries
+  #                            (with scratch: normal blocks + scratch slots)
 
 
 class ForkResult(NamedTuple):
@@ -210,6 +233,97 @@ def _shift_right(x, fill):
   return jnp.concatenate([pad, x[:, :-1]], axis=1)
 
 
+def _retire_scratch(state: CacheState, idx, mask):
+  """Ends the running step's scratch of rows `idx[mask]`: slots to the pool.
+
+  Scratch slots are never published, so they become free; `slot_last_use` is
+  left alone (it orders cached slots only). No-op when scratch is inactive.
+  """
+  cfg = state.config
+  if not cfg.swa_scratch_active:
+    return state
+  slots = state.seq_scratch_slots[idx]                      # [n, max_scratch]
+  owned = mask[:, None] & (slots >= 0)
+  s = _oob_scatter_index(owned, slots, state.num_slots)
+  row = _oob_scatter_index(mask, idx, cfg.max_seqs)
+  return _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[s].add(-1, mode="drop"),
+      seq_scratch_slots=state.seq_scratch_slots.at[row].set(-1, mode="drop"),
+      seq_scratch_first=state.seq_scratch_first.at[row].set(0, mode="drop"),
+      seq_scratch_count=state.seq_scratch_count.at[row].set(0, mode="drop"),
+  )
+
+
+class _StepPlan(NamedTuple):
+  """Where a step's new blocks go (`[n]` each; scratch-free when inactive)."""
+  first_new: jax.Array      # i32[n], first new block
+  normal_first: jax.Array   # i32[n], first normal new block (= scratch end)
+  end_new: jax.Array        # i32[n], exclusive end of the new blocks
+  num_scratch: jax.Array    # i32[n], scratch blocks
+  scratch_slots: jax.Array  # i32[n], scratch slots for them
+
+
+def _step_plan(cfg, history_len, capacity) -> _StepPlan:
+  """The step's split into scratch and normal new blocks (module docstring)."""
+  ps = cfg.page_size
+  if not cfg.swa_scratch_active:
+    first = _cdiv(history_len, ps)
+    end = jnp.maximum(first, _cdiv(capacity, ps))
+    zero = jnp.zeros_like(first)
+    return _StepPlan(first, first, end, zero, zero)
+  plan = window.swa_scratch_plan(
+      history_len, capacity, ps, cfg.scratch_window_left, cfg.num_layers,
+      cfg.max_rewind_len)
+  return _StepPlan(plan.first_new_block, plan.scratch_last, plan.end_new_block,
+                   plan.num_scratch_blocks, plan.num_scratch_slots)
+
+
+def _step_ranks(cfg, plan: _StepPlan, ok, offset):
+  """Allocation ranks `i32[n, max_pages + max_scratch_slots]` of a step.
+
+  Columns `[0, max_pages)` are the sequence's normal new blocks (by block
+  position), the last `max_scratch_slots` columns its scratch slots; request
+  `r` uses ranks `offset[r] + j` for scratch slot `j`, then
+  `offset[r] + scratch_slots[r] + (b - normal_first[r])` for normal block `b`.
+  """
+  pos = jnp.arange(cfg.max_pages)[None, :]
+  normal = (ok[:, None] & (pos >= plan.normal_first[:, None])
+            & (pos < plan.end_new[:, None]))
+  normal_ranks = jnp.where(
+      normal, (offset + plan.scratch_slots)[:, None] + pos
+      - plan.normal_first[:, None], -1)
+  if not cfg.swa_scratch_active:
+    return normal, normal_ranks
+  j = jnp.arange(cfg.max_scratch_slots)[None, :]
+  scratch = ok[:, None] & (j < plan.scratch_slots[:, None])
+  scratch_ranks = jnp.where(scratch, offset[:, None] + j, -1)
+  return normal, jnp.concatenate([normal_ranks, scratch_ranks], axis=1)
+
+
+def _set_scratch(state: CacheState, row_idx, plan: _StepPlan, slots):
+  """Records the step's scratch and takes a reference on its slots.
+
+  `slots i32[n, max_pages + max_scratch_slots]` is `_take_slots`' result for
+  `_step_ranks`; its scratch columns are recorded for rows `row_idx` (the
+  out-of-range index `max_seqs` drops a row).
+  """
+  if not state.config.swa_scratch_active:
+    return state
+  slots = slots[:, state.config.max_pages:]
+  owners = _oob_scatter_index(slots >= 0, slots, state.num_slots)
+  return _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
+      seq_scratch_slots=state.seq_scratch_slots.at[row_idx].set(
+          slots, mode="drop"),
+      seq_scratch_first=state.seq_scratch_first.at[row_idx].set(
+          jnp.where(plan.num_scratch > 0, plan.first_new, 0), mode="drop"),
+      seq_scratch_count=state.seq_scratch_count.at[row_idx].set(
+          plan.num_scratch, mode="drop"),
+  )
+
+
 @jax.jit
 def claim_batch(
     state: CacheState,
@@ -242,7 +356,10 @@ def claim_batch(
 
   Returns:
     `(state, ClaimResult)` with, per request, `ok`, `num_reused_tokens` (a
-    multiple of page_size), `num_new_blocks`, `num_missed_blocks` (blocks at
+    multiple of page_size), `num_new_blocks` (slots taken: normal new blocks
+    plus, with SWA scratch active, the step's scratch slots; the prefill of
+    tokens `num_reused_tokens .. lengths` is the step, module docstring),
+    `num_missed_blocks` (blocks at
     reusable positions, `(lengths - 1) // page_size`, not found). All zero
     where `ok` is False; the state is unchanged for those requests.
 
@@ -270,7 +387,6 @@ def claim_batch(
   idx, valid = _select(state, seq_ids, want_live=False)
   valid &= (lengths >= 0) & (lengths <= min(max_len, cfg.max_seq_len))
   lengths = jnp.where(valid, lengths, 0)
-  num_blocks = _cdiv(lengths, ps)
   matchable = jnp.where(lengths > 0, (lengths - 1) // ps, 0)
 
   # Phase 1: match and protect.
@@ -295,20 +411,21 @@ def claim_batch(
   protected = jnp.zeros((state.num_slots,), bool).at[
       _oob_scatter_index(matched, cand, state.num_slots)].set(True, mode="drop")
 
-  # Phase 2: all-or-nothing, first come first served.
-  need = jnp.where(valid, num_blocks - reused, 0)
+  # Phase 2: all-or-nothing, first come first served. The step computes
+  # tokens reused .. length: with scratch active, its stale new blocks take
+  # scratch slots (module docstring).
+  plan = _step_plan(cfg, reused * ps, lengths)
+  need = jnp.where(
+      valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
   free, evictable = _supply(state, protected)
   supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
   ok = valid & (jnp.cumsum(need) <= supply)
   need = jnp.where(ok, need, 0)
   offset = jnp.cumsum(need) - need
-  pos = jnp.arange(cfg.max_pages)[None, :]
-  new_mask = (ok[:, None] & (pos >= reused[:, None])
-              & (pos < num_blocks[:, None]))
-  ranks = jnp.where(new_mask, offset[:, None] + pos - reused[:, None], -1)
-  state, new_slots = _take_slots(state, ranks, jnp.sum(need), protected)
+  new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
+  state, taken = _take_slots(state, ranks, jnp.sum(need), protected)
 
-  row = jnp.where(new_mask, new_slots, -1)
+  row = jnp.where(new_mask, taken[:, :cfg.max_pages], -1)
   if nbt > 0:
     keep = matched & ok[:, None]
     row = row.at[:, :nbt].set(jnp.where(keep, cand, row[:, :nbt]))
@@ -325,6 +442,7 @@ def claim_batch(
       num_lookups=state.num_lookups + jnp.sum(jnp.where(ok, matchable, 0)),
       num_hits=state.num_hits + jnp.sum(reused),
   )
+  state = _set_scratch(state, row_idx, plan, taken)
   return state, ClaimResult(
       ok=ok,
       num_reused_tokens=reused * ps,
@@ -342,7 +460,9 @@ def extend(
   """Grows live sequences by `num_new_tokens`, allocating blocks as needed.
 
   Used every decode step (one token) and for chunked prefill. Requests are
-  all-or-nothing and first come, first served (module docstring).
+  all-or-nothing and first come, first served (module docstring). With SWA
+  scratch active, every valid listed sequence's previous step ends first
+  (`finish_step`), then the step's stale new blocks take scratch slots.
 
   Args:
     state: the cache state.
@@ -351,8 +471,10 @@ def extend(
       `max_pages * page_size`.
 
   Returns:
-    `(state, ExtendResult(ok, num_new_blocks))`; refused requests leave their
-    sequence unchanged.
+    `(state, ExtendResult(ok, num_new_blocks))`; `num_new_blocks` counts the
+    slots taken (normal new blocks + scratch slots). Refused requests leave
+    their sequence unchanged (except that a valid one's previous scratch is
+    retired).
 
   Raises:
     ValueError: shapes or dtypes of the arguments (trace time).
@@ -365,22 +487,24 @@ def extend(
   _checks.check_shape(num_new_tokens, (n,), "num_new_tokens")
   num_new_tokens = num_new_tokens.astype(jnp.int32)
   idx, valid = _select(state, seq_ids, want_live=True)
+  # The previous step of every valid listed sequence is over: its scratch
+  # slots go back to the pool before this step allocates (module docstring).
+  state = _retire_scratch(state, idx, valid)
   old_len = state.seq_lens[idx]
   valid &= (num_new_tokens >= 0) & (num_new_tokens <= cfg.max_seq_len - old_len)
   new_len = old_len + jnp.where(valid, num_new_tokens, 0)
-  old_blocks = _cdiv(old_len, ps)
-  need = jnp.where(valid, _cdiv(new_len, ps) - old_blocks, 0)
+  plan = _step_plan(cfg, old_len, new_len)
+  need = jnp.where(
+      valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
   free, evictable = _supply(state, jnp.zeros((state.num_slots,), bool))
   supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
   ok = valid & (jnp.cumsum(need) <= supply)
   need = jnp.where(ok, need, 0)
   offset = jnp.cumsum(need) - need
-  pos = jnp.arange(cfg.max_pages)[None, :]
-  rel = pos - old_blocks[:, None]
-  new_mask = (rel >= 0) & (rel < need[:, None])
-  ranks = jnp.where(new_mask, offset[:, None] + rel, -1)
-  state, new_slots = _take_slots(
+  new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
+  state, taken = _take_slots(
       state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
+  new_slots = taken[:, :cfg.max_pages]
   rows = state.seq_slots[idx]
   rows = jnp.where(new_mask, new_slots, rows)
   owners = _oob_scatter_index(new_mask, new_slots, state.num_slots)
@@ -391,6 +515,7 @@ def extend(
       seq_slots=state.seq_slots.at[row_idx].set(rows, mode="drop"),
       seq_lens=state.seq_lens.at[row_idx].set(new_len, mode="drop"),
   )
+  state = _set_scratch(state, row_idx, plan, taken)
   return state, ExtendResult(ok=ok, num_new_blocks=need)
 
 
@@ -412,7 +537,10 @@ def commit(
     * an earlier considered block of this call has the same key or the same
       slot (first in row-major order wins);
     * its hash bucket has no free way left (free ways go to this call's new
-      keys in row-major order).
+      keys in row-major order);
+    * it is an SWA scratch block (no slot: -1 in the table). Its KV was
+      overwritten by later layers, so neither it nor any later block of the
+      sequence (whose chain needs it) is ever published.
   A published slot with the same key that is not identical (an orphan whose
   parent was evicted, or a hash collision) is replaced: it leaves the cache.
 
@@ -454,8 +582,9 @@ def commit(
   own_pub = state.slot_published[jnp.clip(own, 0)] & (own >= 0)
   done = jnp.sum(_leading_run(own_pub & in_range), axis=1)   # [n]
   # A published slot past the done run only arises after a hash collision
-  # replaced an entry; never re-publish it (it stops the run).
-  consider = in_range & (pos >= done[:, None]) & ~own_pub
+  # replaced an entry; never re-publish it (it stops the run). Nor a scratch
+  # block (-1 in the table): it stops the run too.
+  consider = in_range & (pos >= done[:, None]) & ~own_pub & (own >= 0)
 
   keys = hashing.block_keys(blocks, scope)
   existing, bucket, ways = _find(state, keys)
@@ -540,7 +669,8 @@ def release(
 
   A block whose last reference goes becomes free (private) or cached
   (published; it stays reusable until evicted, least recently released
-  first). Invalid, padding (-1) or duplicated ids are ignored.
+  first). Scratch slots of a running step are freed (`finish_step`).
+  Invalid, padding (-1) or duplicated ids are ignored.
 
   Args:
     state: the cache state.
@@ -552,6 +682,7 @@ def release(
   cfg = state.config
   _check_ids(seq_ids, "seq_ids")
   idx, valid = _select(state, seq_ids, want_live=True)
+  state = _retire_scratch(state, idx, valid)
   rows = state.seq_slots[idx]
   owned = (rows >= 0) & valid[:, None]
   s = _oob_scatter_index(owned, rows, state.num_slots)
@@ -566,6 +697,37 @@ def release(
       seq_scope=state.seq_scope.at[row_idx].set(0, mode="drop"),
       clock=state.clock + 1,
   )
+
+
+@jax.jit
+def finish_step(
+    state: CacheState,
+    seq_ids: jax.Array,  # i32[n]
+) -> CacheState:
+  """Ends the running step of live sequences: scratch slots return to the pool.
+
+  Call after the step's last layer has run (scratch KV is dead then). The
+  sequences keep their normal blocks; their scratch blocks stay -1 in
+  `seq_slots` (out of every later query's window, so never read) and
+  `page_table` no longer maps them. `extend` and `release` do the same for
+  the sequences they are given, so a caller that extends or releases every
+  sequence after each step needs no `finish_step`. No-op when scratch is
+  inactive or a sequence has no scratch; invalid, padding (-1) or duplicated
+  ids are ignored.
+
+  Args:
+    state: the cache state.
+    seq_ids: `i32[n]`, live ids.
+
+  Returns:
+    The new state.
+
+  Raises:
+    ValueError: `seq_ids` not an integer vector (trace time).
+  """
+  _check_ids(seq_ids, "seq_ids")
+  idx, valid = _select(state, seq_ids, want_live=True)
+  return _retire_scratch(state, idx, valid)
 
 
 @jax.jit

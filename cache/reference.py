@@ -7,6 +7,12 @@ uses an exact key (a nested tuple of the scope and all tokens up to the end
 of the block), so it
 describes the behaviour of a collision-free hash. It assumes no hash bucket
 overflows (`hash_ways >= num_slots` guarantees that).
+
+SWA scratch (issue 5) is modelled from its definition, not from
+`window.swa_scratch_plan`: a new block of a step is scratch when every one of
+its tokens is older than `P - window` for the first query `P = capacity -
+max_rewind_len` that may still come (staleness only grows with the query
+position), with the widest window of an all-SWA model.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ from .state import CacheConfig
 
 @dataclasses.dataclass
 class _Seq:
-  slots: list[int]
+  slots: list[int]       # slot per block, -1 for scratch blocks
   length: int
   scope: int
+  scratch: list[int] = dataclasses.field(default_factory=list)  # step's slots
+  scratch_first: int = 0  # first scratch block of the running step
+  scratch_count: int = 0  # scratch blocks of the running step
 
 
 class ReferenceCache:
@@ -57,7 +66,8 @@ class ReferenceCache:
     for name in ("refcount", "last_use", "published", "key", "tokens", "scope",
                  "parent", "parent_gen", "gen"):
       setattr(out, name, list(getattr(self, name)))
-    out.seqs = {k: _Seq(list(v.slots), v.length, v.scope)
+    out.seqs = {k: _Seq(list(v.slots), v.length, v.scope, list(v.scratch),
+                        v.scratch_first, v.scratch_count)
                 for k, v in self.seqs.items()}
     out.index = dict(self.index)
     return out
@@ -98,6 +108,25 @@ class ReferenceCache:
       if self.published[s]:
         self._unpublish(s)
     return taken
+
+  def _plan(self, history, capacity):
+    """(first new block, scratch blocks, scratch slots) of a step."""
+    cfg, ps = self.cfg, self.cfg.page_size
+    first = -(-history // ps)
+    end = max(first, -(-capacity // ps))
+    if not cfg.swa_scratch_active:
+      return first, 0, 0
+    window = max(cfg.layer_windows)
+    query = capacity - cfg.max_rewind_len  # the first query still to come
+    scratch = [b for b in range(first, end)
+               if all(t < query - window for t in range(b * ps, (b + 1) * ps))]
+    assert scratch == list(range(first, first + len(scratch)))
+    return first, len(scratch), -(-len(scratch) // cfg.num_layers)
+
+  def _retire(self, seq):
+    for s in seq.scratch:
+      self.refcount[s] -= 1
+    seq.scratch, seq.scratch_first, seq.scratch_count = [], 0, 0
 
   def _block_keys(self, toks, scope, num_blocks):
     """Exact chained keys: key_i = (key_{i-1}, tokens of block i), key_-1 =
@@ -143,7 +172,10 @@ class ReferenceCache:
     protected = {s for run in matched for s in run}
     free, evictable = self._supply(protected)
     supply = len(free) + len(evictable)
-    need = [(-(-lengths[r] // ps) - len(matched[r])) if valid[r] else 0
+    plans = [self._plan(len(matched[r]) * ps, lengths[r]) if valid[r] else None
+             for r in range(n)]
+    need = [(-(-lengths[r] // ps) - len(matched[r]) - plans[r][1]
+             + plans[r][2]) if valid[r] else 0
             for r in range(n)]
     ok, cum = [], 0
     for r in range(n):
@@ -160,10 +192,13 @@ class ReferenceCache:
       L = lengths[r]
       new = taken[off:off + need[r]]
       off += need[r]
-      slots = matched[r] + new
-      for s in slots:
+      first, num_scratch, num_scratch_slots = plans[r]
+      scratch, new = new[:num_scratch_slots], new[num_scratch_slots:]
+      slots = matched[r] + [-1] * num_scratch + new
+      for s in scratch + matched[r] + new:
         self.refcount[s] += 1
-      self.seqs[ids[r]] = _Seq(slots, L, scopes[r])
+      self.seqs[ids[r]] = _Seq(slots, L, scopes[r], scratch,
+                               first if num_scratch else 0, num_scratch)
       matchable = (L - 1) // ps if L > 0 else 0
       self.num_lookups += matchable
       self.num_hits += len(matched[r])
@@ -177,10 +212,17 @@ class ReferenceCache:
     ids, valid = self._ids(seq_ids, want_live=True)
     add = [int(x) for x in num_new_tokens]
     n = len(ids)
+    for i, v in zip(ids, valid):
+      if v:  # the previous step is over
+        self._retire(self.seqs[i])
     valid = [v and 0 <= a <= cfg.max_seq_len - self.seqs[i].length
              for v, i, a in zip(valid, ids, add)]
+    plans = [self._plan(self.seqs[ids[r]].length,
+                        self.seqs[ids[r]].length + add[r]) if valid[r] else None
+             for r in range(n)]
     need = [(-(-(self.seqs[ids[r]].length + add[r]) // ps)
-             - -(-self.seqs[ids[r]].length // ps)) if valid[r] else 0
+             - -(-self.seqs[ids[r]].length // ps) - plans[r][1]
+             + plans[r][2]) if valid[r] else 0
             for r in range(n)]
     supply = sum(len(x) for x in self._supply())
     ok, cum = [], 0
@@ -194,10 +236,14 @@ class ReferenceCache:
         seq = self.seqs[ids[r]]
         new = taken[off:off + need[r]]
         off += need[r]
-        for s in new:
+        first, num_scratch, num_scratch_slots = plans[r]
+        scratch, new = new[:num_scratch_slots], new[num_scratch_slots:]
+        for s in scratch + new:
           self.refcount[s] += 1
-        seq.slots = seq.slots + new
+        seq.slots = seq.slots + [-1] * num_scratch + new
         seq.length += add[r]
+        seq.scratch, seq.scratch_count = scratch, num_scratch
+        seq.scratch_first = first if num_scratch else 0
     return dict(ok=ok, num_new_blocks=[need[r] if ok[r] else 0
                                        for r in range(n)])
 
@@ -219,10 +265,12 @@ class ReferenceCache:
       num_full = min(lengths[r], seq.length, max_len) // ps
       own = seq.slots
       done = 0
-      while done < num_full and self.published[own[done]]:
+      while (done < num_full and own[done] >= 0
+             and self.published[own[done]]):
         done += 1
+      # Scratch blocks (-1) are never considered: they stop the run.
       considered = [i for i in range(done, num_full)
-                    if not self.published[own[i]]]
+                    if own[i] >= 0 and not self.published[own[i]]]
       ok_block = {}
       keys = self._block_keys(tokens[r], seq.scope, num_full)
       for i in considered:
@@ -262,9 +310,12 @@ class ReferenceCache:
     ids, valid = self._ids(seq_ids, want_live=True)
     for x, v in zip(ids, valid):
       if v:
-        for s in self.seqs.pop(x).slots:
-          self.refcount[s] -= 1
-          self.last_use[s] = self.clock
+        seq = self.seqs.pop(x)
+        self._retire(seq)
+        for s in seq.slots:
+          if s >= 0:
+            self.refcount[s] -= 1
+            self.last_use[s] = self.clock
     self.clock += 1
 
   def fork(self, parent_ids, child_ids):
@@ -299,22 +350,45 @@ class ReferenceCache:
         copies[r] = (par.slots[nf], new)
         slots = slots + [new]
       for s in slots:
-        self.refcount[s] += 1
+        if s >= 0:
+          self.refcount[s] += 1
       self.seqs[cids[r]] = _Seq(list(slots), par.length, par.scope)
     return dict(ok=ok, copies=copies)
+
+  def finish_step(self, seq_ids):
+    ids, valid = self._ids(seq_ids, want_live=True)
+    for x, v in zip(ids, valid):
+      if v:
+        self._retire(self.seqs[x])
 
   # --- views ---------------------------------------------------------------
   def seq_row(self, sid) -> list[int]:
     slots = self.seqs[sid].slots if sid in self.seqs else []
     return slots + [-1] * (self.cfg.max_pages - len(slots))
 
-  def page_table(self, seq_ids, layer, split=True):
+  def scratch_row(self, sid) -> tuple[list[int], int, int]:
+    """(scratch slots padded with -1, first scratch block, scratch blocks)."""
+    seq = self.seqs.get(sid, _Seq([], 0, 0))
+    width = self.cfg.max_scratch_slots
+    return (seq.scratch + [-1] * (width - len(seq.scratch)),
+            seq.scratch_first, seq.scratch_count)
+
+  def page_table(self, seq_ids, layer, split=True, mode="per_layer"):
     nl = self.cfg.num_layers
     out = []
     for sid in seq_ids:
-      row = self.seq_row(int(sid)) if 0 <= sid < self.cfg.max_seqs else (
+      sid = int(sid)
+      row = self.seq_row(sid) if 0 <= sid < self.cfg.max_seqs else (
           [-1] * self.cfg.max_pages)
+      if str(getattr(mode, "value", mode)) == "shared":
+        out.append(row)
+        continue
       shared = [s * nl + layer if s >= 0 else -1 for s in row]
+      if sid in self.seqs:  # the running step's scratch blocks: sub-pages
+        seq = self.seqs[sid]
+        for i in range(seq.scratch_count):
+          sub = (i % nl + layer) % nl
+          shared[seq.scratch_first + i] = seq.scratch[i // nl] * nl + sub
       if split:
         out.append([[2 * q if q >= 0 else -1 for q in shared],
                     [2 * q + 1 if q >= 0 else -1 for q in shared]])
@@ -331,5 +405,6 @@ class ReferenceCache:
     return dict(num_free=free, num_cached=cached,
                 num_used=sum(1 for s in range(n) if self.refcount[s] > 0),
                 num_published=sum(self.published),
+                num_scratch=sum(len(s.scratch) for s in self.seqs.values()),
                 num_live_seqs=len(self.seqs), num_lookups=self.num_lookups,
                 num_hits=self.num_hits)

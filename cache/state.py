@@ -13,6 +13,17 @@ Slot life cycle:
   cached  refcount 0, published: its key and tokens stay in the prefix cache
           until the slot is evicted, least recently released first.
 Conservation: free + used + cached = num_slots.
+
+SWA scratch reuse (issue 5, `cache/window.py`). With
+`enable_swa_scratch_reuse=True` and every layer sliding-window, `claim_batch`
+and `extend` give the step's *scratch* blocks (new blocks out of the window of
+every future query) to scratch slots: a scratch slot's `num_layers` sub-pages
+serve `num_layers` scratch blocks of the layer now running. They are recorded
+in `seq_scratch_*`, count as used (refcount 1, owner: the sequence), are never
+published, and return to the pool at the sequence's next `extend`, at
+`finish_step` or at `release`. Scratch blocks are `NULL_PAGE` in `seq_slots`,
+during the step and after it. See `CacheConfig.swa_scratch_active` for mixed
+models.
 """
 
 from __future__ import annotations
@@ -46,11 +57,27 @@ class CacheConfig:
       two `>= 4 * num_slots / hash_ways` (load factor <= 1/4: with 16 ways, a
       bucket overflows with probability ~1e-6 even when every slot is
       published).
-    layer_windows: reserved for SWA scratch reuse (issue 5): `window_left` per
-      layer, -1 = full attention; `None` = all layers full attention.
-    enable_swa_scratch_reuse: reserved for issue 5.
-    max_rewind_len: reserved for issue 5 (tokens of a chunk that may be rolled
-      back; never scratch).
+    layer_windows: `window_left` per layer (key `j` visible to the query at
+      `p` iff `p - window_left <= j <= p`), -1 = full attention; `None` = all
+      layers full attention.
+    enable_swa_scratch_reuse: SWA scratch reuse (issue 5): `claim_batch` and
+      `extend` put the step's new blocks that no future query can see into
+      scratch slots (`cache/window.py`). Only takes effect when
+      `swa_scratch_active` (every layer sliding-window).
+    max_rewind_len: tokens at the end of each step that may be rolled back
+      and re-queried (speculative drafts); blocks they can see are never
+      scratch. `>= 0`.
+
+  Mixed models (some layers global). One slot space serves every layer: a slot
+  holds one block of every layer. A block that is stale for the SWA layers is
+  still needed by the global layers, so its slot must stay and scratch would
+  save nothing; the scratch blocks of a step are therefore the blocks that
+  EVERY layer treats as scratch. With a global layer there are none (global
+  layers never get scratch blocks, and neither do the SWA layers: the saving
+  comes from all-SWA models only; separate slot spaces per layer group, which
+  `bench/swa_report.py` assumes for its Gemma-2 rows, are not implemented).
+  With several SWA windows, the widest one decides (`scratch_window_left`),
+  and the scratch slot's sub-pages are all `num_layers` layer pages of a slot.
   """
   num_slots: int
   page_size: int
@@ -91,6 +118,23 @@ class CacheConfig:
     if total >= 2**31:
       raise ValueError(
           f"num_slots * num_layers * 2 = {total} pool pages overflow int32")
+
+  @property
+  def swa_scratch_active(self) -> bool:
+    """Scratch reuse enabled and possible: every layer sliding-window."""
+    return bool(self.enable_swa_scratch_reuse
+                and self.layer_windows is not None
+                and all(w >= 0 for w in self.layer_windows))
+
+  @property
+  def scratch_window_left(self) -> int:
+    """`window_left` that decides scratch (the widest window), -1 = none."""
+    return max(self.layer_windows) if self.swa_scratch_active else -1
+
+  @property
+  def max_scratch_slots(self) -> int:
+    """Width of `seq_scratch_slots`: `cdiv(max_pages, num_layers)`."""
+    return -(-self.max_pages // self.num_layers)
 
   @property
   def num_buckets(self) -> int:
@@ -141,6 +185,10 @@ class CacheState:
   seq_lens: jax.Array         # i32[max_seqs], tokens reserved (claim + extend)
   seq_live: jax.Array         # bool[max_seqs]
   seq_scope: jax.Array        # i32[max_seqs], reuse_scope of the sequence
+  # --- SWA scratch of the running step (all -1 / 0 when scratch is off) ---
+  seq_scratch_slots: jax.Array  # i32[max_seqs, max_scratch_slots], slot or -1
+  seq_scratch_first: jax.Array  # i32[max_seqs], first scratch block (absolute)
+  seq_scratch_count: jax.Array  # i32[max_seqs], scratch blocks, 0 = none
   # --- counters ---
   clock: jax.Array            # i32[], bumped by every release
   num_lookups: jax.Array      # i32[], prefix blocks looked up (admitted claims)
@@ -187,6 +235,10 @@ def init_cache(config: CacheConfig) -> CacheState:
       seq_lens=jnp.zeros((c.max_seqs,), i32),
       seq_live=jnp.zeros((c.max_seqs,), bool),
       seq_scope=jnp.zeros((c.max_seqs,), i32),
+      seq_scratch_slots=jnp.full((c.max_seqs, c.max_scratch_slots), NULL_PAGE,
+                                 i32),
+      seq_scratch_first=jnp.zeros((c.max_seqs,), i32),
+      seq_scratch_count=jnp.zeros((c.max_seqs,), i32),
       clock=jnp.zeros((), i32),
       num_lookups=jnp.zeros((), i32),
       num_hits=jnp.zeros((), i32),
@@ -200,7 +252,8 @@ def stats(state: CacheState) -> dict[str, jax.Array]:
   Returns:
     dict of i32[] `num_slots`, `num_free` (refcount 0, unpublished),
     `num_used` (refcount > 0), `num_cached` (refcount 0, published),
-    `num_published` (all published, used or not), `num_live_seqs`,
+    `num_published` (all published, used or not), `num_scratch` (scratch
+    slots of running steps, part of `num_used`), `num_live_seqs`,
     `num_lookups` / `num_hits` (prefix blocks looked up / reused by admitted
     claims), and f32[] `hit_rate = num_hits / max(num_lookups, 1)`.
     `num_free + num_used + num_cached == num_slots`.
@@ -213,6 +266,7 @@ def stats(state: CacheState) -> dict[str, jax.Array]:
       num_used=jnp.sum(~unref, dtype=i32),
       num_cached=jnp.sum(unref & state.slot_published, dtype=i32),
       num_published=jnp.sum(state.slot_published, dtype=i32),
+      num_scratch=jnp.sum(state.seq_scratch_slots >= 0, dtype=i32),
       num_live_seqs=jnp.sum(state.seq_live, dtype=i32),
       num_lookups=state.num_lookups,
       num_hits=state.num_hits,

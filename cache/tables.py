@@ -11,6 +11,23 @@ slot `s`, in layer `layer` of a `num_layers`-layer model:
   `[num_slots * num_layers, 2, page_size, num_kv_heads, head_dim]` (which is
   the split pool after a free reshape: shared index `q` is split pages `2q`,
   `2q + 1`).
+Both are PER_LAYER page-index modes (TensorRT-LLM `PageIndexMode`): the layer is
+already in the index. `PageIndexMode.SHARED` gives the slot index `s` only, for
+callers that offset per layer themselves (e.g. a per-layer strided view
+`pool.reshape(num_slots, num_layers, 2, ...)[:, layer]`).
+
+SWA scratch (issue 5, `cache/alloc.py`). While a sequence's step has scratch
+blocks (`seq_scratch_count > 0`), its blocks `b` in `[seq_scratch_first,
+seq_scratch_first + seq_scratch_count)` map, for layer `l`, to sub-page `(i % L
++ l) % L` of scratch slot `seq_scratch_slots[i // L]` (`i = b -
+seq_scratch_first`, `L = num_layers`; `window.scratch_page_indices`), i.e. to
+the page of model layer `(i % L + l) % L` in that slot. Layers must run one
+after the other within the step (layer `l + 1` overwrites sub-pages that
+layer `l` used; `window.scratch_subpage` explains why that is safe). A SHARED
+slot index cannot express sub-pages, so SHARED is refused for a config whose
+scratch is active (`config.swa_scratch_active`): statically, because whether a
+given sequence has scratch is data-dependent and a SHARED caller could not
+handle it anyway.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import numpy as np
 from . import _checks
 
 from .state import NULL_PAGE, CacheState
+from .window import PageIndexMode, check_page_index_mode, scratch_page_indices
 
 
 def page_table(
@@ -31,6 +49,7 @@ def page_table(
     seq_ids: jax.Array,  # i32[n]
     layer,               # int or i32[] (may be traced, e.g. inside lax.scan)
     split: bool = True,
+    mode: PageIndexMode | str = PageIndexMode.PER_LAYER,
 ) -> jax.Array:          # i32[n, 2, max_pages] | i32[n, max_pages]
   """The page table of `seq_ids` for one layer, as the kernels read it.
 
@@ -41,15 +60,20 @@ def page_table(
       traced one is not (an out-of-range layer gives wrong pages).
     split: static. True: `i32[n, 2, max_pages]`, row 0 the K pages, row 1 the V
       pages of the single multi-layer pool. False: shared `i32[n, max_pages]`
-      indices `slot * num_layers + layer` (module docstring).
+      indices `slot * num_layers + layer` (module docstring). Ignored by SHARED.
+    mode: static `PageIndexMode` (or `"per_layer"` / `"shared"`). PER_LAYER
+      (default): the indices above; blocks of a running step's scratch range
+      point at scratch sub-pages (module docstring). SHARED: `i32[n,
+      max_pages]` slot ids (`layer` unused, still range-checked).
 
   Returns:
     The table, `NULL_PAGE = -1` wherever the sequence has no block (past
-    `cdiv(seq_lens, page_size)`).
+    `cdiv(seq_lens, page_size)`, and scratch blocks of finished steps).
 
   Raises:
-    ValueError: `seq_ids` not an integer vector, or a concrete `layer` out of
-      range.
+    ValueError: `seq_ids` not an integer vector, a concrete `layer` out of
+      range, an unknown `mode`, or SHARED while the config's scratch reuse is
+      active (`config.swa_scratch_active`: scratch needs PER_LAYER).
 
   Example:
     >>> from pkvattn import cache
@@ -67,11 +91,13 @@ def page_table(
   if isinstance(layer, (int, np.integer)) and not 0 <= layer < cfg.num_layers:
     raise ValueError(
         f"Invalid layer: expected 0 <= layer < {cfg.num_layers}, got {layer}")
-  return _page_table(state, seq_ids, jnp.asarray(layer, jnp.int32), split)
+  mode = check_page_index_mode(mode, cfg.swa_scratch_active)
+  return _page_table(state, seq_ids, jnp.asarray(layer, jnp.int32),
+                     split=bool(split), shared_mode=mode is PageIndexMode.SHARED)
 
 
-@functools.partial(jax.jit, static_argnames=("split",))
-def _page_table(state: CacheState, seq_ids, layer, split):
+@functools.partial(jax.jit, static_argnames=("split", "shared_mode"))
+def _page_table(state: CacheState, seq_ids, layer, split, shared_mode):
   cfg = state.config
   seq_ids = seq_ids.astype(jnp.int32)
   ok = (seq_ids >= 0) & (seq_ids < cfg.max_seqs)
@@ -79,9 +105,22 @@ def _page_table(state: CacheState, seq_ids, layer, split):
   ok &= state.seq_live[idx]
   slots = jnp.where(ok[:, None], state.seq_slots[idx], NULL_PAGE)
   has = slots >= 0
+  if shared_mode:
+    return slots
   shared = slots * cfg.num_layers + layer
-  if not split:
-    return jnp.where(has, shared, NULL_PAGE)
   k = jnp.where(has, 2 * shared, NULL_PAGE)
-  v = jnp.where(has, 2 * shared + 1, NULL_PAGE)
+  if cfg.swa_scratch_active:
+    # Scratch range of the running step: sub-pages of the scratch slots.
+    first = state.seq_scratch_first[idx]
+    count = jnp.where(ok, state.seq_scratch_count[idx], 0)
+    scratch_k = scratch_page_indices(
+        state.seq_scratch_slots[idx], count, layer,
+        num_layers=cfg.num_layers, max_scratch_blocks=cfg.max_pages)[:, 0]
+    i = jnp.arange(cfg.max_pages, dtype=jnp.int32)[None, :] - first[:, None]
+    in_scratch = (i >= 0) & (i < count[:, None])
+    k = jnp.where(in_scratch, jnp.take_along_axis(
+        scratch_k, jnp.clip(i, 0, cfg.max_pages - 1), axis=1), k)
+  if not split:
+    return jnp.where(k >= 0, k // 2, NULL_PAGE)
+  v = jnp.where(k >= 0, k + 1, NULL_PAGE)
   return jnp.stack([k, v], axis=1)

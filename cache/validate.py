@@ -22,6 +22,14 @@ def validate(state: CacheState) -> None:
     * array shapes and dtypes against the config;
     * live rows hold exactly `cdiv(seq_lens, page_size)` blocks, all valid slot
       ids, no slot twice in a row; dead rows are empty with length 0;
+    * SWA scratch: a -1 among a live row's blocks only when scratch is active
+      and the block is out of the window of every query the sequence can
+      still get (`(b + 1) * page_size <= seq_lens - max_rewind_len -
+      scratch_window_left`); a running step's scratch range lies in the
+      sequence's blocks and is -1 in its row; its `cdiv(count, num_layers)`
+      scratch slots are valid, distinct, each held by nobody else, never
+      published, and the unused entries are -1; no scratch when inactive or
+      dead;
     * `slot_refcount[s]` equals the number of live (sequence, block) entries
       holding `s` (so free + used + cached = num_slots holds by construction,
       and no unreferenced slot is in any table);
@@ -49,6 +57,8 @@ def validate(state: CacheState) -> None:
       hash_table=((cfg.num_buckets, cfg.hash_ways), np.int32),
       seq_slots=((ms, mp), np.int32), seq_lens=((ms,), np.int32),
       seq_live=((ms,), np.bool_), seq_scope=((ms,), np.int32),
+      seq_scratch_slots=((ms, cfg.max_scratch_slots), np.int32),
+      seq_scratch_first=((ms,), np.int32), seq_scratch_count=((ms,), np.int32),
       clock=((), np.int32), num_lookups=((), np.int32),
       num_hits=((), np.int32))
   for name, (shape, dtype) in expected.items():
@@ -64,22 +74,57 @@ def validate(state: CacheState) -> None:
   for sid in range(ms):
     row, length, live = f["seq_slots"][sid], int(f["seq_lens"][sid]), bool(
         f["seq_live"][sid])
+    scratch = f["seq_scratch_slots"][sid]
+    first, count = (int(f["seq_scratch_first"][sid]),
+                    int(f["seq_scratch_count"][sid]))
     if not live:
       if (row != -1).any() or length != 0:
         errors.append(f"seq {sid}: dead but holds blocks or length {length}")
+      if (scratch != -1).any() or count != 0 or first != 0:
+        errors.append(f"seq {sid}: dead but holds scratch {scratch}")
       continue
     nb = -(-length // ps)
     if not 0 <= length <= cfg.max_seq_len:
       errors.append(f"seq {sid}: length {length} out of [0, {cfg.max_seq_len}]")
       continue
-    held = row[:nb]
+    pos = np.arange(mp)
+    stale = ((pos + 1) * ps <= length - cfg.max_rewind_len
+             - cfg.scratch_window_left) & cfg.swa_scratch_active
+    held_mask = (pos < nb) & ~((row == -1) & stale)
+    held = row[held_mask]
     if (held < 0).any() or (held >= ns).any():
       errors.append(f"seq {sid}: invalid slot in its first {nb} blocks: {row}")
+    num_scratch_slots = -(-count // cfg.num_layers)
+    if count < 0 or (count > 0 and not cfg.swa_scratch_active):
+      errors.append(f"seq {sid}: scratch count {count} (scratch active: "
+                    f"{cfg.swa_scratch_active})")
+    elif count == 0:
+      if (scratch != -1).any() or first != 0:
+        errors.append(f"seq {sid}: no scratch blocks but scratch {scratch}, "
+                      f"first {first}")
+    else:
+      in_range = (pos >= first) & (pos < first + count)
+      if first < 0 or first + count > nb or (row[in_range] != -1).any():
+        errors.append(f"seq {sid}: scratch blocks [{first}, {first + count}) "
+                      f"not -1 blocks of its {nb}: {row}")
+      if (~stale[in_range]).any():
+        errors.append(f"seq {sid}: scratch blocks [{first}, {first + count}) "
+                      f"visible to a query at or after {length}")
+      used = scratch[:num_scratch_slots]
+      if ((used < 0).any() or (used >= ns).any()
+          or (scratch[num_scratch_slots:] != -1).any()
+          or len(set(used.tolist())) != len(used)):
+        errors.append(f"seq {sid}: expected {num_scratch_slots} distinct "
+                      f"scratch slots, got {scratch}")
+      for s in used.tolist():
+        if 0 <= s < ns:
+          owners[s] += 1
+          holders.setdefault(s, []).append((sid, -1))
     if (row[nb:] != -1).any():
       errors.append(f"seq {sid}: blocks past cdiv(len, page_size)={nb}: {row}")
     if len(set(held.tolist())) != len(held):
       errors.append(f"seq {sid}: a slot appears twice: {row}")
-    for pos, s in enumerate(held.tolist()):
+    for pos, s in zip(np.flatnonzero(held_mask).tolist(), held.tolist()):
       if 0 <= s < ns:
         owners[s] += 1
         holders.setdefault(s, []).append((sid, pos))
@@ -88,6 +133,9 @@ def validate(state: CacheState) -> None:
     errors.append(f"slot {s}: refcount {f['slot_refcount'][s]} but "
                   f"{owners[s]} holders {holders.get(int(s), [])}")
   for s, hs in holders.items():
+    if any(pos < 0 for _, pos in hs) and (len(hs) > 1 or f["slot_published"][s]):
+      errors.append(f"slot {s}: a scratch slot shared or published: {hs}")
+      continue
     if len(hs) > 1 or f["slot_published"][s]:
       for sid, pos in hs:
         if pos >= int(f["seq_lens"][sid]) // ps:
