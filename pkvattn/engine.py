@@ -187,6 +187,7 @@ class _StepOutputs:
   extend_ok: jax.Array      # bool[max_seqs]
   claim_ok: jax.Array       # bool[num_admit]
   claim_reused: jax.Array   # i32[num_admit]
+  claim_new_blocks: jax.Array  # i32[num_admit], slots taken (scratch: fewer)
   used_slots: jax.Array     # i32[], slots referenced by live sequences
 
 
@@ -256,6 +257,7 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs, *,
   out = _StepOutputs(
       sampled=sampled, extend_ok=ext.ok, claim_ok=claim.ok,
       claim_reused=claim.num_reused_tokens,
+      claim_new_blocks=claim.num_new_blocks,
       used_slots=jnp.sum(state.slot_refcount > 0, dtype=jnp.int32))
   return pool, state, seq_tokens, out
 
@@ -359,7 +361,9 @@ class EngineStats:
   host_time_s: float = 0.0      # host scheduling + result handling
   compile_time_s: float = 0.0   # first step per bucket (trace + compile + run)
   peak_used_slots: int = 0
-  slots_saved_by_scratch: int | None = None  # reported once issue 5's cache does
+  # Slot allocations that SWA scratch reuse avoided at admission (new blocks
+  # of the prompts minus slots taken); None when scratch is not active.
+  slots_saved_by_scratch: int | None = None
   num_preemptions: int = 0
   num_refused_claims: int = 0
 
@@ -423,6 +427,8 @@ class Engine:
     self._next_id = 0
     self._default_stop = frozenset(mcfg.eos_token_ids)
     self.stats = EngineStats()
+    if getattr(self.cache_config, "swa_scratch_active", False):
+      self.stats.slots_saved_by_scratch = 0
     self.last_inputs: _StepInputs | None = None
     self._seen_buckets: set[int] = set()
 
@@ -651,6 +657,11 @@ class Engine:
         req.num_reused = int(out.claim_reused[i])
         req.num_computed = req.num_reused
         self.stats.reused_tokens += req.num_reused
+        if self.stats.slots_saved_by_scratch is not None:
+          ps = self.config.page_size
+          wanted = -(-len(req.tokens) // ps) - req.num_reused // ps
+          self.stats.slots_saved_by_scratch += wanted - int(
+              out.claim_new_blocks[i])
         self._running.append(req)
       else:  # out of slots: back to the queue front, in arrival order
         self.stats.num_refused_claims += 1

@@ -166,20 +166,27 @@ def _check_prefill_logits(case):
     np.testing.assert_allclose(actual, expected, atol=1e-3, rtol=1e-3)
 
 
-# (page_size, prefix reuse) per model: both page sizes and both reuse settings
-# are covered for every model family, at one engine compile per combination.
+# (page_size, prefix reuse, SWA scratch reuse) per model: both page sizes and
+# both reuse settings are covered for every model family, at one engine
+# compile per combination. Scratch reuse applies to all-SWA models (Mistral);
+# on Gemma 2 (mixed local/global) the cache gives no scratch blocks, which
+# must not change the output either.
 GEN_CASES = {
-    "llama": [(8, True), (16, False)],
-    "mistral": [(16, True), (8, False)],
-    "qwen2": [(8, True)],
-    "gemma2": [(16, True), (8, False)],
+    "llama": [(8, True, False), (16, False, False)],
+    "mistral": [(16, True, False), (8, False, False), (8, True, True)],
+    "qwen2": [(8, True, False)],
+    "gemma2": [(16, True, True), (8, False, False)],
 }
 
 
-def _check_greedy_generation(case, page_size, reuse):
+def _check_greedy_generation(case, page_size, reuse, scratch=False):
+  # SWA scratch blocks live for one step, so with scratch reuse a prompt is
+  # prefilled in one step: the budget must hold the longest prompt + output.
+  budget = 80 if scratch else 32
   engine = Engine(case.model, EngineConfig(
-      page_size=page_size, num_slots=48, max_seqs=4, max_num_tokens=32,
-      max_model_len=80, enable_prefix_reuse=reuse, token_buckets=(32,)))
+      page_size=page_size, num_slots=48, max_seqs=4, max_num_tokens=budget,
+      max_model_len=80, enable_prefix_reuse=reuse, token_buckets=(budget,),
+      enable_swa_scratch_reuse=scratch))
   sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
   prompts = case.prompts
   # Two requests start; the rest arrive while those decode (the shared-prefix
@@ -193,8 +200,16 @@ def _check_greedy_generation(case, page_size, reuse):
   actual = [engine.get_request(i).output for i in ids]
   for b, (a, e) in enumerate(zip(actual, case.expected)):
     assert a == e, (f"{case.kind} page_size={page_size} prefix_reuse={reuse} "
-                    f"prompt {b}: {a} != {e}")
-  if reuse:
+                    f"scratch={scratch} prompt {b}: {a} != {e}")
+  if hasattr(engine.cache_config, "swa_scratch_active"):  # issue 5's cache
+    assert engine.cache_config.swa_scratch_active == (
+        scratch and case.kind == "mistral")
+  scratch_active = getattr(engine.cache_config, "swa_scratch_active", False)
+  if scratch_active:
+    # Scratch blocks are never published; here block 0 of every prompt is
+    # scratch (out of the 12-token window), so no prefix chain is reusable.
+    assert engine.stats.slots_saved_by_scratch > 0
+  elif reuse:
     assert engine.stats.reused_tokens >= 2 * page_size
   else:
     assert engine.stats.reused_tokens == 0
@@ -207,5 +222,5 @@ def test_matches_transformers(kind, tmp_path):
   case = _case(kind, tmp_path)
   _check_config_mapping(case)
   _check_prefill_logits(case)
-  for page_size, reuse in GEN_CASES[kind]:
-    _check_greedy_generation(case, page_size, reuse)
+  for page_size, reuse, scratch in GEN_CASES[kind]:
+    _check_greedy_generation(case, page_size, reuse, scratch)
