@@ -71,7 +71,9 @@ class EngineConfig:
       the same prefix reuse them.
     enable_swa_scratch_reuse: passed to the cache (issue 5) for models with
       sliding-window layers; scratch blocks are handled by `claim_batch` /
-      `extend` and `page_table`. The engine then prefills a prompt in one step.
+      `extend` and `page_table`. Where scratch is active (all layers SWA) the
+      engine prefills a prompt in one step, so `len(prompt) + max_new_tokens`
+      must fit `max_num_tokens`.
     impl: attention / rope implementation ("pallas", "xla", None = auto).
     hash_ways: prefix-cache hash-table associativity.
     token_buckets: padded step sizes; a step runs at the smallest bucket that
@@ -416,6 +418,10 @@ class Engine:
     self.state = _cache.init_cache(self.cache_config)
     self.seq_tokens = jnp.zeros((config.max_seqs, config.max_model_len),
                                 jnp.int32)
+    # Scratch blocks live for one step: with scratch active (all-SWA models
+    # in issue 5's cache) a prompt must be prefilled in one step.
+    self._scratch = bool(getattr(self.cache_config, "swa_scratch_active",
+                                 self.cache_config.enable_swa_scratch_reuse))
     self._step_fn = _jitted_step(mcfg, config)
     self._burst_fn = _jitted_burst(mcfg, config)
     self._requests: dict[int, Request] = {}
@@ -449,7 +455,7 @@ class Engine:
       raise ValueError(
           f"Invalid request: len(prompt) + max_new_tokens = {total} exceeds "
           f"max_model_len={self.config.max_model_len}")
-    if (self.cache_config.enable_swa_scratch_reuse
+    if (self._scratch
         and total > self.config.max_num_tokens):
       # Scratch blocks live for one step only, so a prompt (or a recompute of
       # prompt + output) must be prefilled in a single step.
@@ -523,7 +529,7 @@ class Engine:
         remaining = total - req.num_computed
         # With SWA scratch reuse a prompt is prefilled in one step (scratch
         # blocks live for one step); otherwise chunked under the budget.
-        chunk = remaining if self.cache_config.enable_swa_scratch_reuse else min(
+        chunk = remaining if self._scratch else min(
             remaining, budget)
         if chunk > budget or chunk <= 0:
           continue
