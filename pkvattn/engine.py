@@ -23,6 +23,11 @@ Each `step()`:
    and later recomputed from its prompt + generated tokens (vLLM's recompute
    preemption), never failed.
 
+Multi-step decode (`EngineConfig.decode_steps > 1`): when every running request
+is decoding and nothing waits for a free row, `decode_steps` decode iterations
+run in one device call (`lax.scan`, sampled tokens fed back on device, stop
+tokens / max lengths / `extend` checked on device), amortising the host work.
+
 Row `r` of the batch is always sequence id `r` of the cache, so the page tables
 are the cache's tables for `seq_ids = arange(max_seqs)`, rows without tokens
 this step simply have `q_len = 0`.
