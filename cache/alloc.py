@@ -724,6 +724,20 @@ def finish_step(
 
   Raises:
     ValueError: `seq_ids` not an integer vector (trace time).
+
+  Example:
+    >>> from pkvattn import cache
+    >>> cfg = cache.CacheConfig(num_slots=8, page_size=4, num_layers=2,
+    ...                         max_seqs=1, max_pages=4, layer_windows=(3, 3),
+    ...                         enable_swa_scratch_reuse=True)
+    >>> st = cache.init_cache(cfg)
+    >>> st, res = cache.claim_batch(st, jnp.array([0]), jnp.zeros((1, 16), int),
+    ...                             jnp.array([16]))
+    >>> int(res.num_new_blocks[0])  # blocks 0-2 stale: 2 scratch slots + 1
+    3
+    >>> st = cache.finish_step(st, jnp.array([0]))
+    >>> st.seq_slots[0].tolist(), int(cache.stats(st)["num_used"])
+    ([-1, -1, -1, 2], 1)
   """
   _check_ids(seq_ids, "seq_ids")
   idx, valid = _select(state, seq_ids, want_live=True)

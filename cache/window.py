@@ -29,6 +29,12 @@ Conventions (as in the rest of the project):
     slot `s`, layer `l`, role `r` (0 = K, 1 = V) lives at page
     `(s * num_layers + l) * 2 + r` (TensorRT-LLM PER_LAYER, split tables).
 
+The cache state uses these in `cache/alloc.py` (`claim_batch` / `extend` take the
+scratch path, `finish_step` ends it) and `cache/tables.py` (`page_table` maps a running
+step's scratch blocks to sub-pages). There one slot space serves every layer, so the
+scratch blocks of a step are those every layer treats as scratch: all-SWA models only
+(`CacheConfig` docstring).
+
 This module depends only on jax/numpy (the `cache` package never imports `pkvattn`).
 """
 
@@ -330,8 +336,8 @@ def check_page_index_mode(mode: PageIndexMode | str,
 
   Args:
     mode: static; a `PageIndexMode` or its value (`"per_layer"`, `"shared"`).
-    scratch_active: static; True when scratch reuse is enabled and some group is SWA
-      (e.g. `config.enable_swa_scratch_reuse and any(g.is_swa for g in groups)`).
+    scratch_active: static; True when the cache can hand out scratch blocks
+      (`CacheConfig.swa_scratch_active`: enabled and every layer SWA).
 
   Raises:
     ValueError: unknown mode, or SHARED while scratch is active.
