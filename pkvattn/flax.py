@@ -72,6 +72,10 @@ class AttentionPlan:
   kv_lens: jax.Array        # i32[batch_size], tokens in cache incl. the new ones
   batch_indices: jax.Array  # i32[num_tokens], -1 for padding tokens
   positions: jax.Array      # i32[num_tokens]
+  # Optional `pkvattn.plan_prefill(...)` result (the pallas kernel's tile
+  # schedule), computed once per step and shared by every layer; None = the
+  # kernel plans per call. Ignored by the xla path.
+  kernel_plan: Any = None
 
   @classmethod
   def create(
@@ -80,6 +84,7 @@ class AttentionPlan:
       q_indptr: jax.Array,    # i32[batch_size + 1]
       kv_lens: jax.Array,     # i32[batch_size]
       num_tokens: int,
+      kernel_plan: Any = None,
   ) -> "AttentionPlan":
     """Builds a plan, deriving `batch_indices`/`positions` from the lengths.
 
@@ -91,6 +96,8 @@ class AttentionPlan:
         `q_indptr[-1] <= num_tokens`.
       kv_lens: `i32[batch_size]`, tokens including this step's.
       num_tokens: static length of the (padded) token batch.
+      kernel_plan: optional `pkvattn.plan_prefill(q_indptr, kv_lens,
+        num_tokens=..., ...)` for the pallas kernel.
 
     Returns:
       The plan; tokens at or past `q_indptr[-1]` get batch index -1.
@@ -101,7 +108,8 @@ class AttentionPlan:
     batch_indices, positions = _get_batch_indices_positions(
         q_indptr, kv_lens, num_tokens)
     return cls(jnp.asarray(page_table, jnp.int32), q_indptr, kv_lens,
-               batch_indices.astype(jnp.int32), positions.astype(jnp.int32))
+               batch_indices.astype(jnp.int32), positions.astype(jnp.int32),
+               kernel_plan)
 
   @property
   def num_tokens(self) -> int:
@@ -180,7 +188,7 @@ def paged_attention(
   out = _attention.paged_prefill(
       q, kv_cache, plan.page_table, plan.q_indptr, plan.kv_lens, causal=True,
       sm_scale=sm_scale, window_left=window_left,
-      logits_soft_cap=logits_soft_cap, impl=impl)
+      logits_soft_cap=logits_soft_cap, impl=impl, plan=plan.kernel_plan)
   return out, kv_cache
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from pkvattn import _checks
+from pkvattn import attention as _attention
 from pkvattn.flax import AttentionPlan
 from pkvattn.flax import AttentionSpec
 from pkvattn.flax import attention_block
@@ -218,6 +219,13 @@ def forward(
                       "plan.page_table")
   _checks.check_shape(tokens, (plan.num_tokens,), "tokens")
   dtype = params["embed"].dtype
+  if plan.kernel_plan is None and _uses_pallas(impl):
+    # Plan once per step, run per layer (FlashInfer's plan/run split).
+    plan = plan.replace(kernel_plan=_attention.plan_prefill(
+        plan.q_indptr, plan.kv_lens, num_tokens=plan.num_tokens,
+        num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, dtype=kv_cache.dtype, causal=True,
+        window_left=max(cfg.windows)))
   x = jnp.take(params["embed"], tokens, axis=0)
   if cfg.embed_scale is not None:
     # HF Gemma multiplies by the normalizer cast to the activation dtype.
@@ -246,6 +254,10 @@ def forward(
     c = cfg.final_logit_softcap
     logits = c * jnp.tanh(logits / c)
   return logits, kv_cache
+
+
+def _uses_pallas(impl) -> bool:
+  return impl == "pallas" or (impl is None and _checks.is_gpu())
 
 
 def param_count(params) -> int:
