@@ -821,12 +821,20 @@ class Engine:
       q = jnp.ones((inp.tokens.shape[0], mcfg.num_qo_heads, mcfg.head_dim),
                    pool.dtype)
       acc = jnp.zeros((), jnp.float32)
+      kernel_plan = None
+      if _decoder._uses_pallas(cfg.impl):  # as the model does: one plan a step
+        kernel_plan = _attention.plan_prefill(
+            inp.q_indptr, inp.kv_lens, num_tokens=q.shape[0],
+            num_qo_heads=mcfg.num_qo_heads, num_kv_heads=mcfg.num_kv_heads,
+            head_dim=mcfg.head_dim, dtype=pool.dtype,
+            window_left=max(mcfg.windows))
       for layer in range(mcfg.num_layers):
         spec = mcfg.attention_spec(layer)
         o = _attention.paged_prefill(
             q, pool, tables[layer], inp.q_indptr, inp.kv_lens,
             sm_scale=spec.sm_scale, window_left=spec.window_left,
-            logits_soft_cap=spec.logits_soft_cap, impl=cfg.impl)
+            logits_soft_cap=spec.logits_soft_cap, impl=cfg.impl,
+            plan=kernel_plan)
         acc = acc + o[0, 0, 0].astype(jnp.float32)
         q = q + o * 0  # keep the layers sequential, as in the model
       return acc
