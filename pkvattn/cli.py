@@ -97,7 +97,10 @@ def main(argv=None) -> int:
   config = EngineConfig(
       page_size=args.page_size, num_slots=args.num_slots,
       max_seqs=min(args.max_seqs, len(prompts)),
-      max_num_tokens=max(args.max_num_tokens, args.max_seqs),
+      # With SWA scratch reuse a prompt (+ a recompute's output) is prefilled
+      # in one step, so the budget must hold the longest request.
+      max_num_tokens=max(args.max_num_tokens, args.max_seqs,
+                         longest if args.swa_scratch_reuse else 0),
       max_model_len=max_model_len, impl=args.impl,
       enable_prefix_reuse=not args.no_prefix_reuse,
       enable_swa_scratch_reuse=args.swa_scratch_reuse,
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
       # On a CPU one compile beats a second, decode-sized one; on a GPU the
       # decode bucket pays off at once.
       token_buckets=None if jax.default_backend() == "gpu" else (
-          max(args.max_num_tokens, args.max_seqs),))
+          max(args.max_num_tokens, args.max_seqs,
+              longest if args.swa_scratch_reuse else 0),))
   engine = Engine(model, config)
   load_s = time.perf_counter() - t0
 
