@@ -28,6 +28,12 @@ is decoding and nothing waits for a free row, `decode_steps` decode iterations
 run in one device call (`lax.scan`, sampled tokens fed back on device, stop
 tokens / max lengths / `extend` checked on device), amortising the host work.
 
+Shapes are static: the step is padded to a token bucket (`token_buckets`,
+default `(max_seqs, max_num_tokens)`: decode-only steps use the small one), so
+the step compiles once per bucket and never retraces on batch contents. With
+SWA scratch reuse active (issue 5's cache; all-SWA models) a prompt is
+prefilled in one step, because scratch blocks live for one step only.
+
 Row `r` of the batch is always sequence id `r` of the cache, so the page tables
 are the cache's tables for `seq_ids = arange(max_seqs)`, rows without tokens
 this step simply have `q_len = 0`.
