@@ -93,7 +93,8 @@ def page_table(
         f"Invalid layer: expected 0 <= layer < {cfg.num_layers}, got {layer}")
   mode = check_page_index_mode(mode, cfg.swa_scratch_active)
   return _page_table(state, seq_ids, jnp.asarray(layer, jnp.int32),
-                     split=bool(split), shared_mode=mode is PageIndexMode.SHARED)
+                     split=bool(split),
+                     shared_mode=mode is PageIndexMode.SHARED)
 
 
 @functools.partial(jax.jit, static_argnames=("split", "shared_mode"))

@@ -133,7 +133,8 @@ def validate(state: CacheState) -> None:
     errors.append(f"slot {s}: refcount {f['slot_refcount'][s]} but "
                   f"{owners[s]} holders {holders.get(int(s), [])}")
   for s, hs in holders.items():
-    if any(pos < 0 for _, pos in hs) and (len(hs) > 1 or f["slot_published"][s]):
+    scratch_holder = any(pos < 0 for _, pos in hs)
+    if scratch_holder and (len(hs) > 1 or f["slot_published"][s]):
       errors.append(f"slot {s}: a scratch slot shared or published: {hs}")
       continue
     if len(hs) > 1 or f["slot_published"][s]:

@@ -1,4 +1,4 @@
-"""SWA scratch reuse through the cache state (issue 5): claims, tables, end to end.
+"""SWA scratch reuse through the cache state (issue 5): claims, tables, e2e.
 
 The pure planning parts are in `tests/test_swa_plan.py`; here the scratch path
 of `claim_batch` / `extend` / `page_table` / `finish_step` / `commit`, a seeded
@@ -9,6 +9,7 @@ on vs off.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -69,13 +70,12 @@ def test_issue_figures_through_claim_batch(window_left, scratch, slots):
   table = np.asarray(cache.page_table(st, _i32([0]), 3))[0]
   assert (table[:, :scratch] == -1).all() and (table[:, scratch:] >= 0).all()
 
-  off = cache.init_cache(dataclass_replace_cfg(cfg, enable_swa_scratch_reuse=False))
+  off = cache.init_cache(_replace_cfg(cfg, enable_swa_scratch_reuse=False))
   off, res = cache.claim_batch(off, _i32([0]), _i32(prompt), _i32([1024]))
   assert int(res.num_new_blocks[0]) == 32 and _used(off) == 32
 
 
-def dataclass_replace_cfg(cfg, **kw):
-  import dataclasses
+def _replace_cfg(cfg, **kw):
   return dataclasses.replace(cfg, **kw)
 
 
@@ -129,8 +129,9 @@ def test_shared_mode_while_scratch_active_raises():
     cache.page_table(st, _i32([0]), 0, mode="bogus")
   # PER_LAYER by name works; without scratch, SHARED gives slot ids.
   cache.page_table(st, _i32([0]), 0, mode="per_layer")
-  off = cache.init_cache(dataclass_replace_cfg(cfg, enable_swa_scratch_reuse=False))
-  off, _ = cache.claim_batch(off, _i32([0]), _i32(np.zeros((1, 20))), _i32([20]))
+  off = cache.init_cache(_replace_cfg(cfg, enable_swa_scratch_reuse=False))
+  off, _ = cache.claim_batch(off, _i32([0]), _i32(np.zeros((1, 20))),
+                             _i32([20]))
   shared = cache.page_table(off, _i32([0, 1]), 1, mode="shared")
   chex.assert_shape(shared, (2, 8))
   np.testing.assert_array_equal(shared, np.asarray(off.seq_slots[:2]))
@@ -263,7 +264,8 @@ def _random_run(seed):
       state = cache.finish_step(state, _i32(ids))
       ref.finish_step(ids)
     else:
-      children = [int(x) for x in (list(rng.permutation(dead)[:3]) + [-1] * 3)[:3]]
+      children = list(rng.permutation(dead)[:3]) + [-1] * 3
+      children = [int(x) for x in children[:3]]
       state, res = cache.fork(state, _i32(ids), _i32(children))
       want = ref.fork(ids, children)
       assert np.asarray(res.ok).tolist() == want["ok"]
@@ -290,7 +292,9 @@ def _e2e_cfg(enable):
 
 def _weights():
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
-  n = lambda k, shape, fan: jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan)
+  def n(key, shape, fan_in):
+    return jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in)
+
   return dict(
       embed=n(keys[0], (64, _HIDDEN), 1.0),
       wq=n(keys[1], (_LAYERS, _HIDDEN, _QO * _D), _HIDDEN),
@@ -363,7 +367,7 @@ def _run_e2e(enable, prompts, chunks):
 
 def test_end_to_end_chunked_prefill_scratch_on_equals_off():
   rng = np.random.default_rng(1)
-  prompts = [rng.integers(0, 64, 160).tolist(), rng.integers(0, 64, 100).tolist()]
+  prompts = [rng.integers(0, 64, n).tolist() for n in (160, 100)]
   chunks = [(64, 40), (64, 60), (32, 0)]
   on, peak_on, scratch_on = _run_e2e(True, prompts, chunks)
   off, peak_off, scratch_off = _run_e2e(False, prompts, chunks)
