@@ -9,6 +9,7 @@ donation of the pool, and the sampler itself.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,13 @@ def test_pool_is_donated(model):
   engine.step()
   assert old_pool.is_deleted()
   assert old_state.slot_refcount.is_deleted()
+  # The compiled step aliases the pool and never copies it.
+  hlo = engine._step_fn.lower(
+      engine.model.params, engine.pool, engine.state, engine.seq_tokens,
+      jax.device_put(engine.last_inputs)).compile().as_text()
+  assert "input_output_alias" in hlo
+  pool_type = "f32[%s]" % ",".join(map(str, engine.pool.shape))
+  assert not re.search(re.escape(pool_type) + r"[^\n]*\bcopy\(", hlo)
 
 
 def test_invalid_requests(model):
