@@ -192,3 +192,22 @@ def test_plan_and_layer_errors():
                          jnp.array([3, 4]), 8)
   with pytest.raises(ValueError, match="num_qo_heads"):
     PagedAttention(HIDDEN, 3, 2, D, rngs=nnx.Rngs(0))
+
+
+def test_attention_fn_hook_in_linen_multihead_attention():
+  import flax.linen as nn
+  n = 10
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(1, n, HIDDEN)),
+                  jnp.float32)
+  mha = nn.MultiHeadDotProductAttention(num_heads=NKV, qkv_features=NKV * D)
+  variables = mha.init(jax.random.key(0), x)
+  expected = mha.apply(variables, x, mask=nn.make_causal_mask(jnp.ones((1, n))))
+  table, pool = _layout([n])
+  plan = AttentionPlan.create(table, np.array([0, n], np.int32),
+                              np.array([n], np.int32), n)
+  hook = PagedAttentionFn(pool, plan, impl="xla")
+  actual = nn.MultiHeadDotProductAttention(
+      num_heads=NKV, qkv_features=NKV * D, attention_fn=hook).apply(variables, x)
+  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected),
+                             atol=2e-5, rtol=2e-5)
+  assert (~np.isnan(np.asarray(hook.kv_cache)).all(axis=(1, 2, 3))).sum() == 4
