@@ -16,7 +16,9 @@ returning `(out [num_tokens, hidden_size], kv_cache)`. The pool is threaded
 functionally: pass the returned pool to the next layer / step, and donate it
 under `jax.jit(..., donate_argnums=...)` so XLA updates it in place.
 
-Three front ends share one functional core (`attention_block`):
+The front ends share one functional core, `paged_attention` (with the
+projections: `attention_block`, which the models in `pkvattn.models` run under
+`lax.scan`):
 
 * `PagedAttention` (flax.nnx), `LinenPagedAttention` (flax.linen): drop-in
   self-attention layers; parameters are `q_proj/k_proj/v_proj/o_proj` with
@@ -40,11 +42,10 @@ from flax import struct
 
 from pkvattn import _checks
 from pkvattn import attention as _attention
-from pkvattn.types import Implementation
-
 from pkvattn.rope import append_paged_kv as _append_paged_kv
 from pkvattn.rope import apply_rope_and_append as _apply_rope_and_append
 from pkvattn.rope import get_batch_indices_positions as _get_batch_indices_positions
+from pkvattn.types import Implementation
 
 __all__ = [
     "AttentionPlan",
