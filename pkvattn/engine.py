@@ -163,6 +163,7 @@ class Request:
   finish_reason: str | None = None
   num_preemptions: int = 0
   first_token_step: int | None = None
+  reuse_scope: int = 0           # prefix-cache scope (tenant / adapter salt)
 
   @property
   def tokens(self) -> list[int]:
@@ -192,6 +193,7 @@ class _StepInputs:
   admit_ids: jax.Array      # i32[num_admit], -1 = none
   admit_tokens: jax.Array   # i32[num_admit, max_model_len]
   admit_lens: jax.Array     # i32[num_admit]
+  admit_scope: jax.Array    # i32[num_admit], prefix-reuse scope (tenant salt)
 
 
 @struct.dataclass
@@ -233,7 +235,7 @@ def _cache_ops_after(state, inp: _StepInputs):
 
   def do_claim(state):
     return _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
-                              inp.admit_lens)
+                              inp.admit_lens, inp.admit_scope)
 
   def no_claim(state):
     zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
@@ -451,8 +453,12 @@ class Engine:
 
   # ------------------------------------------------------------------ API
   def add_request(self, prompt: Sequence[int],
-                  params: SamplingParams = SamplingParams()) -> int:
+                  params: SamplingParams = SamplingParams(),
+                  reuse_scope: int = 0) -> int:
     """Queues a request; returns its id.
+
+    `reuse_scope` salts the prefix cache (tenant / adapter): blocks are
+    reused only between requests of the same scope.
 
     Raises:
       ValueError: empty prompt, or prompt + max_new_tokens over max_model_len,
@@ -482,7 +488,8 @@ class Engine:
       stop = frozenset(params.stop_token_ids)
     else:
       stop = frozenset() if params.ignore_eos else self._default_stop
-    req = Request(self._next_id, prompt, params, stop)
+    req = Request(self._next_id, prompt, params, stop,
+                  reuse_scope=int(reuse_scope))
     self._next_id += 1
     self._requests[req.request_id] = req
     self._waiting.append(req)
@@ -575,6 +582,7 @@ class Engine:
     admit_ids = np.full(A, -1, np.int32)
     admit_tokens = np.zeros((A, cfg.max_model_len), np.int32)
     admit_lens = np.zeros(A, np.int32)
+    admit_scope = np.zeros(A, np.int32)
     admitted = []
     backlog = sum(len(r.tokens) - r.num_computed for r in self._running
                   if r.status == "prefill")
@@ -588,6 +596,7 @@ class Engine:
       admit_ids[i] = row
       admit_tokens[i, :len(toks)] = toks
       admit_lens[i] = len(toks)
+      admit_scope[i] = req.reuse_scope
       admitted.append(req)
       backlog += len(toks)
 
@@ -607,7 +616,7 @@ class Engine:
         top_p=top_p, seeds=seeds, gen_index=gen_index, commit_ids=commit_ids,
         commit_lens=commit_lens, release_ids=release_ids,
         extend_ids=extend_ids, admit_ids=admit_ids, admit_tokens=admit_tokens,
-        admit_lens=admit_lens)
+        admit_lens=admit_lens, admit_scope=admit_scope)
     return inputs, rows, admitted
 
   def step(self) -> int:

@@ -93,6 +93,24 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
     assert req.finish_reason == "stop"
 
 
+def test_prefix_reuse_respects_scope(model):
+  engine = Engine(model, CFG)
+  prompt = [256] + list(range(40, 60))  # 21 tokens: 2 full pages of 8
+  sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+
+  def run(scope):
+    rid = engine.add_request(prompt, sp, reuse_scope=scope)
+    while engine.has_unfinished():
+      engine.step()
+    return engine.get_request(rid)
+
+  first = run(scope=1)
+  assert first.num_reused == 0
+  assert run(scope=2).num_reused == 0   # another tenant: no reuse
+  again = run(scope=1)
+  assert again.num_reused == 16 and again.output == first.output
+
+
 def test_prompt_larger_than_pool_raises(model):
   engine = Engine(model, SMALL_POOL)
   engine.add_request(list(range(70)), SamplingParams(max_new_tokens=4))
