@@ -163,6 +163,10 @@ def paged_prefill(
   beside long prompts), chunked prefill over a cached prefix, and multi-token
   decode. Tokens at or past `q_indptr[-1]` are padding.
 
+  When `causal` and `num_tokens <= batch_size` (static: e.g. an engine's
+  decode-only step), every token runs as an independent decode row through
+  the split-K decode path (same result; `plan` is then unused).
+
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     kv_cache, page_table: as in `paged_decode`.
@@ -196,7 +200,11 @@ def paged_prefill(
   impl = _resolve_impl(impl)
   kv_lens = kv_lens.astype(jnp.int32)
   q_indptr = q_indptr.astype(jnp.int32)
-  if impl == "xla":
+  if causal and q.shape[0] <= batch_size:
+    out, lse = _prefill_as_decode(
+        q, view, q_indptr, kv_lens, sinks, impl=impl, sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap)
+  elif impl == "xla":
     out, lse = reference.paged_prefill_reference(
         q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
         kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
@@ -209,6 +217,35 @@ def paged_prefill(
         window_left=window_left, logits_soft_cap=logits_soft_cap,
         interpret=not _checks.is_gpu(), plan=plan)
   return (out, lse) if return_lse else out
+
+
+def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, *, impl,
+                       sm_scale, window_left, logits_soft_cap):
+  """Causal prefill of <= batch_size tokens, each token as one decode row.
+
+  Under causal masking token `t` (sequence `b`, position `p`) attends to keys
+  `0..p` of `b` within the window: exactly a decode query with `kv_len = p + 1`
+  over `b`'s table row. When the step has no more tokens than sequences (the
+  engine's decode-only steps, multi-token decode of a few rows), at most
+  `num_tokens` KV walks are done, and the split-K decode kernel keeps the GPU
+  busy where the prefill kernel has one short query tile per sequence.
+  Padding tokens get `kv_len = 0`: zeros and `lse = -inf`, as in prefill.
+  """
+  bidx, pos = reference.token_metadata(q_indptr, kv_lens, q.shape[0])
+  valid = bidx >= 0
+  rows = jnp.clip(bidx, 0)
+  tok_kv_lens = jnp.where(valid, pos + 1, 0).astype(jnp.int32)
+  k_table, v_table = view.k_table[rows], view.v_table[rows]
+  if impl == "xla":
+    return reference.paged_decode_reference(
+        q, view.k_pool, view.v_pool, k_table, v_table, tok_kv_lens, sinks,
+        sm_scale=sm_scale, window_left=window_left,
+        logits_soft_cap=logits_soft_cap)
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  return kernel.paged_decode(
+      q, view.k_pool, view.v_pool, k_table, v_table, tok_kv_lens, sinks,
+      sm_scale=sm_scale, window_left=window_left,
+      logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu())
 
 
 def plan_prefill(

@@ -22,3 +22,33 @@ def test_decode_xla_matches_oracle(fmt):
                                    sm_scale=1 / 8)
     assert_close(out[b:b + 1], exp, jnp.float32, f"b={b}")
     assert_lse_close(lse[b], exp_lse[0], jnp.float32)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_prefill_with_few_tokens_runs_as_decode_rows(impl):
+  """num_tokens <= batch_size takes the per-token decode route: same semantics."""
+  rng = np.random.default_rng()
+  kv_lens = np.array([9, 1, 17, 8, 16, 5], np.int32)
+  q_lens = np.array([1, 1, 2, 0, 1, 0], np.int32)  # a 2-token row, idle rows
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  num_tokens = 6  # == batch_size; one padding token past q_indptr[-1] = 5
+  p = make_paged(rng, kv_lens, page_size=8, num_kv_heads=2, head_dim=64,
+                 dtype=jnp.float32, fmt="pool")
+  q = rng.standard_normal((num_tokens, 8, 64)).astype(np.float32)
+  sinks = rng.standard_normal(8).astype(np.float32)
+  out, lse = pkvattn.paged_prefill(
+      jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table), jnp.asarray(q_indptr),
+      jnp.asarray(kv_lens), window_left=6, logits_soft_cap=5.0,
+      sinks=jnp.asarray(sinks), return_lse=True, impl=impl)
+  for b in range(len(kv_lens)):
+    lo, hi = q_indptr[b], q_indptr[b + 1]
+    if hi == lo:
+      continue
+    positions = kv_lens[b] - (hi - lo) + np.arange(hi - lo)
+    exp, exp_lse = dense_attention(q[lo:hi], p.k[b], p.v[b], positions, kv_lens[b],
+                                   window_left=6, sm_scale=1 / 8,
+                                   logits_soft_cap=5.0, sinks=sinks)
+    assert_close(out[lo:hi], exp, jnp.float32, f"b={b}")
+    assert_lse_close(lse[lo:hi], exp_lse, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out[q_indptr[-1]:]), 0.0)
+  assert np.isneginf(np.asarray(lse[q_indptr[-1]:])).all()
