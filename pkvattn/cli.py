@@ -5,6 +5,7 @@ Examples:
   pkvattn-generate --model tiny-gemma2 --prompt a --prompt b --max-new-tokens 16
   pkvattn-generate --model ~/ckpt/Llama-3.2-1B --dtype bfloat16 \
       --prompts-file prompts.txt --impl pallas
+  pkvattn-generate --model ~/ckpt/Llama-3.2-1B --tp 2   # 2 GPUs, tensor parallel
 
 `--model` takes a built-in name (tiny-llama, tiny-gemma2: random weights, a
 byte-level tokenizer, no files needed) or a local Hugging Face checkpoint
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                  default=None,
                  help="parameter / KV dtype (default: float32 on CPU, bfloat16 "
                       "on GPU)")
+  p.add_argument("--tp", type=int, default=1,
+                 help="tensor-parallel degree: shard heads and the KV pool "
+                      "over the first N devices (default: %(default)s)")
   p.add_argument("--no-prefix-reuse", action="store_true",
                  help="do not publish blocks for prefix reuse")
   p.add_argument("--swa-scratch-reuse", action="store_true",
@@ -111,7 +115,15 @@ def main(argv=None) -> int:
       token_buckets=None if jax.default_backend() == "gpu" else (
           max(args.max_num_tokens, args.max_seqs,
               longest if args.swa_scratch_reuse else 0),))
-  engine = Engine(model, config)
+  mesh = None
+  if args.tp != 1:
+    from pkvattn.parallel import make_mesh
+    try:
+      mesh = make_mesh(args.tp)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+  engine = Engine(model, config, mesh=mesh)
   load_s = time.perf_counter() - t0
 
   sp = [SamplingParams(max_new_tokens=args.max_new_tokens,
@@ -130,6 +142,7 @@ def main(argv=None) -> int:
   summary = dict(
       model=model.name, device=jax.devices()[0].device_kind, dtype=dtype,
       impl=args.impl or ("pallas" if jax.default_backend() == "gpu" else "xla"),
+      tp=args.tp,
       num_prompts=len(prompts), steps=st.num_steps,
       prompt_tokens=st.prompt_tokens, generated_tokens=st.generated_tokens,
       prefill_tokens_per_s=st.prefill_tokens_per_s,
@@ -149,7 +162,7 @@ def main(argv=None) -> int:
   saved = summary["slots_saved_by_scratch"]
   print(
       f"\nsummary: {summary['model']} on {summary['device']} "
-      f"({summary['impl']}, {dtype}), {len(prompts)} prompts, "
+      f"({summary['impl']}, {dtype}, tp={args.tp}), {len(prompts)} prompts, "
       f"{st.num_steps} steps\n"
       f"  prefill: {st.prefill_tokens} tokens, "
       f"{st.prefill_tokens_per_s:,.1f} tokens/s\n"

@@ -256,14 +256,16 @@ def _write_tokens(seq_tokens, inp: _StepInputs, plan: AttentionPlan):
 
 
 def _device_step(params, pool, state, seq_tokens, inp: _StepInputs, *,
-                 model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+                 model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
+                 mesh=None):
   state = _cache_ops_before(state, seq_tokens, inp, cfg.enable_prefix_reuse)
   tables = _layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
   plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
                               inp.tokens.shape[0])
   last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
   logits, pool = _decoder.forward(params, model_cfg, inp.tokens, pool, plan,
-                                  logits_indices=last, impl=cfg.impl)
+                                  logits_indices=last, impl=cfg.impl,
+                                  mesh=mesh)
   sampled = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
                     inp.gen_index)
   sampled = jnp.where(inp.sample_rows, sampled, -1)
@@ -278,12 +280,13 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs, *,
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_step(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
-  """One jitted step per (model config, engine config), shared by engines.
+def _jitted_step(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
+                 mesh=None):
+  """One jitted step per (model config, engine config, mesh), shared by engines.
 
   It compiles once per token bucket (the only shape that varies)."""
   return jax.jit(
-      functools.partial(_device_step, model_cfg=model_cfg, cfg=cfg),
+      functools.partial(_device_step, model_cfg=model_cfg, cfg=cfg, mesh=mesh),
       donate_argnums=(1, 2, 3))
 
 
@@ -312,7 +315,8 @@ class _BurstOutputs:
 
 
 def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs, *,
-                         model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+                         model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
+                         mesh=None):
   """`cfg.decode_steps` decode iterations; each is `_device_step` restricted to
   decode rows, with the sampled token fed back on device."""
   S = cfg.max_seqs
@@ -329,7 +333,8 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs, *,
     plan = AttentionPlan.create(tables, q_indptr, kv_lens, S)
     logits, pool = _decoder.forward(
         params, model_cfg, tokens, pool, plan,
-        logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl)
+        logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
+        mesh=mesh)
     tok = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, gen)
     seq_tokens = seq_tokens.at[jnp.where(active, rows, S), computed].set(
         last, mode="drop")
@@ -356,9 +361,11 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs, *,
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_burst(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig):
+def _jitted_burst(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
+                  mesh=None):
   return jax.jit(
-      functools.partial(_device_decode_burst, model_cfg=model_cfg, cfg=cfg),
+      functools.partial(_device_decode_burst, model_cfg=model_cfg, cfg=cfg,
+                        mesh=mesh),
       donate_argnums=(1, 2, 3))
 
 
@@ -411,10 +418,23 @@ class Engine:
     >>> outs = engine.generate([[256, 72, 105]], SamplingParams(max_new_tokens=4))
     >>> len(outs[0])
     4
+
+  Tensor parallel (`pkvattn.parallel`): pass `mesh=pkvattn.parallel.make_mesh(2)`
+  (a mesh with a "tp" axis). The model is laid out by
+  `pkvattn.parallel.shard_model` (heads / MLP columns sliced, kv heads
+  replicated when tp > num_kv_heads; `engine.model` is the sharded model),
+  the pool is sharded on its kv-head axis, and the cache state, token buffer
+  and step inputs are replicated; each step's forward runs under one
+  `shard_map`.
   """
 
   def __init__(self, model: Model, config: EngineConfig = EngineConfig(),
-               *, pool_dtype=None):
+               *, pool_dtype=None, mesh: jax.sharding.Mesh | None = None):
+    """Raises ValueError: the model's heads do not split over `mesh` ("tp")."""
+    self.mesh = mesh
+    if mesh is not None:
+      from pkvattn import parallel as _parallel  # parallel imports models
+      model = _parallel.shard_model(model, mesh)
     self.model = model
     self.config = config
     mcfg = model.cfg
@@ -426,17 +446,26 @@ class Engine:
         enable_swa_scratch_reuse=bool(
             config.enable_swa_scratch_reuse and mcfg.has_sliding_window))
     dtype = pool_dtype or jax.tree.leaves(model.params)[0].dtype
-    self.pool = jnp.zeros(mcfg.pool_shape(config.num_slots, config.page_size),
-                          dtype)
+    pool_shape = mcfg.pool_shape(config.num_slots, config.page_size)
     self.state = _cache.init_cache(self.cache_config)
     self.seq_tokens = jnp.zeros((config.max_seqs, config.max_model_len),
                                 jnp.int32)
+    self._inputs_sharding = None
+    if mesh is None:
+      self.pool = jnp.zeros(pool_shape, dtype)
+    else:
+      # Allocated sharded: no device ever holds the whole pool.
+      self.pool = jax.jit(lambda: jnp.zeros(pool_shape, dtype),
+                          out_shardings=_parallel.pool_sharding(mesh))()
+      self._inputs_sharding = _parallel.replicated(mesh)
+      self.state, self.seq_tokens = jax.device_put(
+          (self.state, self.seq_tokens), self._inputs_sharding)
     # Scratch blocks live for one step: with scratch active (all-SWA models
     # in issue 5's cache) a prompt must be prefilled in one step.
     self._scratch = bool(getattr(self.cache_config, "swa_scratch_active",
                                  self.cache_config.enable_swa_scratch_reuse))
-    self._step_fn = _jitted_step(mcfg, config)
-    self._burst_fn = _jitted_burst(mcfg, config)
+    self._step_fn = _jitted_step(mcfg, config, mesh)
+    self._burst_fn = _jitted_burst(mcfg, config, mesh)
     self._requests: dict[int, Request] = {}
     self._waiting: collections.deque[Request] = collections.deque()
     self._running: list[Request] = []       # admitted, in admission order
@@ -642,7 +671,7 @@ class Engine:
     self._seen_buckets.add(inputs.tokens.shape[0])
     self.pool, self.state, self.seq_tokens, out = self._step_fn(
         self.model.params, self.pool, self.state, self.seq_tokens,
-        jax.device_put(inputs))
+        jax.device_put(inputs, self._inputs_sharding))
     out = jax.device_get(out)  # the one device -> host sync
     t2 = time.perf_counter()
 
@@ -755,7 +784,7 @@ class Engine:
     self._seen_buckets.add("burst")
     self.pool, self.state, self.seq_tokens, out = self._burst_fn(
         self.model.params, self.pool, self.state, self.seq_tokens,
-        jax.device_put(inputs))
+        jax.device_put(inputs, self._inputs_sharding))
     out = jax.device_get(out)
     t2 = time.perf_counter()
     num_sampled = 0
@@ -813,7 +842,15 @@ class Engine:
     `bookkeeping` (commit / release / page tables / extend / claim) and
     `rest = step - attention - bookkeeping` (projections, MLP, RoPE + append,
     sampling). Nothing here changes the engine's state.
+
+    Raises:
+      NotImplementedError: the engine runs on a mesh (the split times
+        single-device pieces only).
     """
+    if self.mesh is not None:
+      raise NotImplementedError(
+          "Engine.profile() times a single-device step; got an engine with a "
+          "mesh")
     if self._burst_eligible():
       # Decoding in bursts: profile one decode step of the current batch
       # (`_schedule` admits, commits and releases nothing in this state).

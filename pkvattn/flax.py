@@ -226,6 +226,7 @@ def attention_block(
     *,
     impl: Implementation | None = None,
     dtype=None,
+    reduce_axis: str | None = None,
 ):
   """Projections + `paged_attention`: the functional core of the Flax layers.
 
@@ -239,6 +240,11 @@ def attention_block(
     spec: static layer configuration.
     impl: attention / rope implementation.
     dtype: compute dtype; defaults to `x.dtype`.
+    reduce_axis: static; for tensor parallelism under `shard_map` (Megatron):
+      `params` hold this shard's heads (q/k/v column slices, the matching
+      `o_proj` row slice) and the pool this shard's kv heads; the `o_proj`
+      partial products are accumulated in f32, `psum`-ed over this mesh axis,
+      and the `o_proj` bias is added once after the sum. None = one device.
 
   Returns:
     `(out [num_tokens, hidden_size], kv_cache)`.
@@ -253,8 +259,25 @@ def attention_block(
       q, k, v, kv_cache, plan, rope=spec.rope, sm_scale=spec.sm_scale,
       window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,
       impl=impl)
-  out = _dense(params["o_proj"], out.reshape(t, spec.num_qo_heads * d), dtype)
-  return out, kv_cache
+  out = out.reshape(t, spec.num_qo_heads * d)
+  if reduce_axis is None:
+    return _dense(params["o_proj"], out, dtype), kv_cache
+  return row_parallel_dense(params["o_proj"], out, reduce_axis, dtype), kv_cache
+
+
+def row_parallel_dense(p, x, axis: str, dtype):
+  """`x @ kernel` over a row (input-dim) shard, summed over mesh `axis`.
+
+  Partial products are accumulated and summed in f32, then cast to `dtype`,
+  so the result differs from the one-device dot only by f32 summation order.
+  The bias (replicated) is added once, after the sum.
+  """
+  y = jnp.dot(x.astype(dtype), p["kernel"].astype(dtype),
+              preferred_element_type=jnp.float32)
+  y = jax.lax.psum(y, axis).astype(dtype)
+  if "bias" in p:
+    y = y + p["bias"].astype(dtype)
+  return y
 
 
 class PagedAttention(nnx.Module):

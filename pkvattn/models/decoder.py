@@ -30,6 +30,7 @@ from pkvattn import attention as _attention
 from pkvattn.flax import AttentionPlan
 from pkvattn.flax import AttentionSpec
 from pkvattn.flax import attention_block
+from pkvattn.flax import row_parallel_dense
 from pkvattn.types import Implementation
 
 
@@ -161,23 +162,33 @@ def _dense(p, x):
   return y
 
 
-def _mlp(p, x, activation):
+def _mlp(p, x, activation, tp_axis: str | None = None):
   act = jax.nn.silu if activation == "silu" else (
       lambda a: jax.nn.gelu(a, approximate=True))
-  return _dense(p["down_proj"], act(_dense(p["gate_proj"], x)) * _dense(p["up_proj"], x))
+  h = act(_dense(p["gate_proj"], x)) * _dense(p["up_proj"], x)
+  if tp_axis is None:
+    return _dense(p["down_proj"], h)
+  # Megatron: gate/up are column shards, down a row shard, one psum.
+  return row_parallel_dense(p["down_proj"], h, tp_axis, x.dtype)
 
 
 def decoder_layer(lp, x, kv_cache, plan: AttentionPlan, cfg: DecoderConfig,
-                  layer: int, impl: Implementation | None):
-  """One pre-norm block. `layer` is static (it picks the window)."""
+                  layer: int, impl: Implementation | None,
+                  tp_axis: str | None = None):
+  """One pre-norm block. `layer` is static (it picks the window).
+
+  With `tp_axis` (inside `shard_map`), `cfg`, `lp` and `kv_cache` are this
+  shard's heads / MLP columns and the block runs two psums (o_proj, down_proj).
+  """
   norm = lambda h, w: rms_norm(h, w, cfg.rms_norm_eps, cfg.norm_plus_one)
   h = norm(x, lp["attn_norm"])
   a, kv_cache = attention_block(lp["attn"], h, kv_cache, plan,
-                                cfg.attention_spec(layer), impl=impl)
+                                cfg.attention_spec(layer), impl=impl,
+                                reduce_axis=tp_axis)
   if cfg.sandwich_norms:
     a = norm(a, lp["post_attn_norm"])
   x = x + a
-  m = _mlp(lp["mlp"], norm(x, lp["mlp_norm"]), cfg.activation)
+  m = _mlp(lp["mlp"], norm(x, lp["mlp_norm"]), cfg.activation, tp_axis)
   if cfg.sandwich_norms:
     m = norm(m, lp["post_mlp_norm"])
   return x + m, kv_cache
@@ -192,6 +203,8 @@ def forward(
     *,
     logits_indices: jax.Array | None = None,  # i32[n]
     impl: Implementation | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    tp_axis: str | None = None,
 ):
   """Runs the decoder on one ragged token batch, appending its K/V to the pool.
 
@@ -206,6 +219,14 @@ def forward(
     logits_indices: token rows whose logits to return (e.g. each sequence's
       last new token, `q_indptr[1:] - 1`); None = all tokens.
     impl: attention implementation.
+    mesh: static; a mesh with a tensor-parallel axis (`tp_axis`, default
+      "tp"): the whole forward runs under `shard_map` over it
+      (`pkvattn.parallel.tp_forward`); `params` / `kv_cache` must then be laid
+      out by `pkvattn.parallel.shard_model` (`cfg` its returned config).
+      None = one device.
+    tp_axis: static; with `mesh`, the tensor-parallel axis name (default
+      "tp"). Without `mesh`: set only inside `shard_map` (the per-shard body:
+      `cfg` / `params` / `kv_cache` are one shard, psum over this axis).
 
   Returns:
     `(logits f32[n or num_tokens, vocab_size], kv_cache)`.
@@ -214,6 +235,11 @@ def forward(
     ValueError: `plan.page_table` is not `[num_layers, batch_size, 2, max_pages]`,
       or other shape mismatches (trace time).
   """
+  if mesh is not None:
+    from pkvattn import parallel as _parallel  # parallel imports this module
+    return _parallel.tp_forward(params, cfg, tokens, kv_cache, plan, mesh,
+                                logits_indices=logits_indices, impl=impl,
+                                axis=tp_axis or _parallel.TP_AXIS)
   L, p = cfg.num_layers, cfg.layer_period
   _checks.check_shape(plan.page_table, (L, plan.batch_size, 2, None),
                       "plan.page_table")
@@ -240,7 +266,8 @@ def forward(
     lp, tbl = xs
     for j in range(p):
       h, pool = decoder_layer(jax.tree.map(lambda a: a[j], lp), h, pool,
-                              plan.replace(page_table=tbl[j]), cfg, j, impl)
+                              plan.replace(page_table=tbl[j]), cfg, j, impl,
+                              tp_axis)
     return (h, pool), None
 
   (x, kv_cache), _ = lax.scan(body, (x, kv_cache), (grouped, tables))

@@ -1,0 +1,368 @@
+"""Multi-device inference: tensor parallelism with `shard_map`, data parallelism with `pmap`.
+
+**Tensor parallel (TP), one mesh axis (default "tp").** The Pallas kernels are
+not sharding-aware, so (as tpu-inference does) the whole model forward runs
+under ONE `shard_map` over the tp axis, each device holding
+
+* its heads: q/k/v projections column-sliced by heads, `o_proj` row-sliced
+  (one psum after it per layer), the KV pool sliced on its `num_kv_heads`
+  axis (`[num_pages, page_size, num_kv_heads / tp, head_dim]` per device);
+  attention, RoPE + append run per shard on the local heads with the group
+  size unchanged;
+* its MLP columns (Megatron): gate/up column-sliced, down row-sliced (one
+  psum);
+* replicated: embeddings, norms, lm_head, biases of `o_proj` / `down_proj`
+  (added once after the psum), and the cache state / page tables / step
+  inputs (the bookkeeping is identical on every device, so it runs replicated
+  under `jit` outside the `shard_map`).
+
+The row-parallel products are accumulated and summed in f32 and rounded once
+(`pkvattn.flax.row_parallel_dense`), so tp=N differs from one device only by
+f32 summation order.
+
+**KV-head replication.** When `tp > num_kv_heads` and `tp % num_kv_heads ==
+0`, each kv head is replicated `tp / num_kv_heads` times (the k/v projection
+columns of head `k` are repeated, `shard_model` returns a config with
+`num_kv_heads = tp`): device `i` holds q heads
+`[i * num_qo_heads / tp, (i + 1) * num_qo_heads / tp)` and the one kv head they
+read, `i // (tp / num_kv_heads)`. The pool then holds `tp / num_kv_heads`
+copies of each kv head (per device: the size of one kv head's pool). Other
+head counts raise `ValueError`.
+
+**Data parallel.** `pmap_greedy_generate` is the `pmap` loop: one independent
+group of requests (own pool, own page tables) per device.
+
+**Multi-host.** Call `jax.distributed.initialize()` first on every host; then
+`jax.devices()` lists every host's devices and the same `make_mesh(tp)` /
+`Engine(..., mesh=mesh)` code runs SPMD on every host (no other transport).
+
+Example:
+  >>> mesh = make_mesh(2)                                  # doctest: +SKIP
+  >>> engine = Engine(load_model("tiny-llama"), EngineConfig(), mesh=mesh)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pkvattn.flax import AttentionPlan
+from pkvattn.flax import layer_page_tables
+from pkvattn.models import Model
+from pkvattn.models import decoder as _decoder
+from pkvattn.types import Implementation
+
+__all__ = [
+    "TP_AXIS",
+    "make_mesh",
+    "param_specs",
+    "pmap_greedy_generate",
+    "pool_sharding",
+    "pool_spec",
+    "replicated",
+    "shard_map",
+    "shard_model",
+    "shard_config",
+    "tp_config",
+    "tp_forward",
+    "tp_size",
+]
+
+TP_AXIS = "tp"
+
+
+def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
+  """`jax.shard_map` (newer jax) or `jax.experimental.shard_map` (older).
+
+  Replication checking is off: `pallas_call` inside the body carries no
+  replication rule, and the outputs we declare replicated (logits) are
+  replicated by construction (they follow a psum).
+  """
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+  from jax.experimental.shard_map import shard_map as _shard_map
+  return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                    check_rep=False)
+
+
+def make_mesh(tp: int, devices: Sequence[Any] | None = None,
+              axis: str = TP_AXIS) -> Mesh:
+  """A 1-D mesh of the first `tp` devices (all hosts' devices, multi-host).
+
+  Raises:
+    ValueError: `tp < 1` or more than the available devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if not isinstance(tp, int) or tp < 1 or tp > len(devices):
+    raise ValueError(
+        f"Invalid tp: expected an int in [1, {len(devices)}] (the devices "
+        f"available), got {tp!r}")
+  return Mesh(np.asarray(devices[:tp]), (axis,))
+
+
+def tp_size(mesh: Mesh, axis: str = TP_AXIS) -> int:
+  """Devices on the tensor-parallel axis of `mesh`.
+
+  Raises:
+    ValueError: `mesh` has no axis named `axis`.
+  """
+  if axis not in mesh.shape:
+    raise ValueError(
+        f"Invalid mesh: expected an axis named {axis!r}, got axes "
+        f"{tuple(mesh.axis_names)}")
+  return int(mesh.shape[axis])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def pool_spec(axis: str = TP_AXIS) -> P:
+  """Pool `[num_pages, page_size, num_kv_heads, head_dim]`: kv heads sharded."""
+  return P(None, None, axis, None)
+
+
+def pool_sharding(mesh: Mesh, axis: str = TP_AXIS) -> NamedSharding:
+  return NamedSharding(mesh, pool_spec(axis))
+
+
+def tp_config(cfg: _decoder.DecoderConfig, tp: int) -> _decoder.DecoderConfig:
+  """The global config for `tp` devices (kv heads replicated if `tp > num_kv_heads`).
+
+  Raises:
+    ValueError: `num_qo_heads % tp`, `intermediate_size % tp`, or
+      `num_kv_heads % tp` (when `tp <= num_kv_heads`) / `tp % num_kv_heads`
+      (when `tp > num_kv_heads`, replication) is not 0.
+  """
+  nq, nk = cfg.num_qo_heads, cfg.num_kv_heads
+  if nq % tp:
+    raise ValueError(f"{nq=} (num_qo_heads) must be divisible by {tp=}")
+  if cfg.intermediate_size % tp:
+    raise ValueError(
+        f"intermediate_size={cfg.intermediate_size} must be divisible by {tp=}")
+  if tp <= nk:
+    if nk % tp:
+      raise ValueError(
+          f"num_kv_heads={nk} must be divisible by {tp=} (or tp a multiple of "
+          f"num_kv_heads, which replicates each kv head tp / num_kv_heads "
+          f"times)")
+    return cfg
+  if tp % nk:
+    raise ValueError(
+        f"{tp=} > num_kv_heads={nk}: kv-head replication needs tp to be a "
+        f"multiple of num_kv_heads")
+  return dataclasses.replace(cfg, num_kv_heads=tp)
+
+
+def shard_config(cfg: _decoder.DecoderConfig, tp: int) -> _decoder.DecoderConfig:
+  """The per-device config inside `shard_map` (from a `tp_config` result)."""
+  return dataclasses.replace(
+      cfg, num_qo_heads=cfg.num_qo_heads // tp,
+      num_kv_heads=cfg.num_kv_heads // tp,
+      intermediate_size=cfg.intermediate_size // tp)
+
+
+def _replicate_kv_heads(params, cfg: _decoder.DecoderConfig, reps: int):
+  """Repeats each kv head's k/v projection columns `reps` times (head-major)."""
+  d, nk = cfg.head_dim, cfg.num_kv_heads
+
+  def rep(a):  # [..., nk * d] -> [..., nk * reps * d]
+    a = a.reshape(*a.shape[:-1], nk, 1, d)
+    a = jnp.broadcast_to(a, (*a.shape[:-2], reps, d))
+    return a.reshape(*a.shape[:-3], nk * reps * d)
+
+  attn = dict(params["layers"]["attn"])
+  for name in ("k_proj", "v_proj"):
+    attn[name] = jax.tree.map(rep, attn[name])
+  layers = dict(params["layers"], attn=attn)
+  return dict(params, layers=layers)
+
+
+# Sliced parameters: column-parallel (last axis) and row-parallel (axis -2).
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+def param_specs(params, axis: str = TP_AXIS):
+  """PartitionSpecs of a decoder parameter tree (layers stacked on axis 0).
+
+  Column-parallel `kernel [L, in, out]` → `P(None, None, axis)`, its bias
+  `[L, out]` → `P(None, axis)`; row-parallel `kernel [L, in, out]` →
+  `P(None, axis, None)`, its bias replicated; everything else replicated.
+  """
+  def spec(path, leaf):
+    names = [getattr(k, "key", None) for k in path]
+    if len(names) >= 2 and names[-2] in _COLUMN:
+      return P(*([None] * (leaf.ndim - 1)), axis)
+    if len(names) >= 2 and names[-2] in _ROW and names[-1] == "kernel":
+      return P(*([None] * (leaf.ndim - 2)), axis, None)
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_model(model: Model, mesh: Mesh, axis: str = TP_AXIS) -> Model:
+  """Lays a model out for tensor parallelism over `mesh[axis]`.
+
+  Returns a `Model` whose config is `tp_config(model.cfg, tp)` (kv heads
+  replicated if needed) and whose parameters are placed with `param_specs`.
+
+  Raises:
+    ValueError: see `tp_config`; `mesh` lacks `axis`.
+  """
+  tp = tp_size(mesh, axis)
+  cfg = tp_config(model.cfg, tp)
+  params = model.params
+  if cfg.num_kv_heads != model.cfg.num_kv_heads:
+    params = _replicate_kv_heads(params, model.cfg,
+                                 cfg.num_kv_heads // model.cfg.num_kv_heads)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                           param_specs(params, axis))
+  params = jax.device_put(params, shardings)
+  return dataclasses.replace(model, cfg=cfg, params=params)
+
+
+def tp_forward(
+    params,
+    cfg: _decoder.DecoderConfig,
+    tokens: jax.Array,    # i32[num_tokens], replicated
+    kv_cache: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim], kv heads sharded
+    plan: AttentionPlan,  # replicated
+    mesh: Mesh,
+    *,
+    logits_indices: jax.Array | None = None,  # i32[n], replicated
+    impl: Implementation | None = None,
+    axis: str = TP_AXIS,
+):
+  """`pkvattn.models.forward` under one `shard_map` over `mesh[axis]`.
+
+  Args:
+    params, cfg: from `shard_model` (cfg = the global `tp_config`).
+    tokens, kv_cache, plan, logits_indices, impl: as in `forward`; the pool
+      may be laid out anyhow (`shard_map` reshards it to `pool_spec(axis)`),
+      but laid out so already, nothing moves.
+
+  Returns:
+    `(logits f32[n or num_tokens, vocab_size] replicated, kv_cache sharded
+    with pool_spec(axis))`.
+
+  Raises:
+    ValueError: `cfg` does not split over the axis (see `tp_config`), or
+      `kv_cache` does not have `cfg.num_kv_heads` heads.
+  """
+  tp = tp_size(mesh, axis)
+  if tp_config(cfg, tp) != cfg:
+    raise ValueError(
+        f"Invalid cfg: expected num_kv_heads >= tp={tp} (use "
+        f"pkvattn.parallel.shard_model), got num_kv_heads={cfg.num_kv_heads}")
+  if kv_cache.ndim != 4 or kv_cache.shape[2] != cfg.num_kv_heads:
+    raise ValueError(
+        f"Invalid shape of kv_cache: expected (num_pages, page_size, "
+        f"{cfg.num_kv_heads}, {cfg.head_dim}), got {kv_cache.shape}")
+  local = shard_config(cfg, tp)
+  # The kernel plan depends on the per-shard head counts: planned inside.
+  plan = plan.replace(kernel_plan=None)
+
+  def body(params, tokens, kv_cache, plan, logits_indices):
+    return _decoder.forward(params, local, tokens, kv_cache, plan,
+                            logits_indices=logits_indices, impl=impl,
+                            tp_axis=axis)
+
+  fn = shard_map(body, mesh=mesh,
+                 in_specs=(param_specs(params, axis), P(), pool_spec(axis),
+                           P(), P()),
+                 out_specs=(P(), pool_spec(axis)))
+  return fn(params, tokens, kv_cache, plan, logits_indices)
+
+
+# --------------------------------------------------------------- data parallel
+def _greedy_prefill(params, pool, prompts, *, cfg, tables, impl):
+  b, n = prompts.shape
+  q_indptr = jnp.arange(b + 1, dtype=jnp.int32) * n
+  plan = AttentionPlan.create(tables, q_indptr, jnp.full((b,), n, jnp.int32),
+                              b * n)
+  logits, pool = _decoder.forward(params, cfg, prompts.reshape(-1), pool, plan,
+                                  logits_indices=q_indptr[1:] - 1, impl=impl)
+  return jnp.argmax(logits, -1).astype(jnp.int32), pool
+
+
+def _greedy_decode(params, pool, tokens, kv_lens, *, cfg, tables, impl):
+  b = tokens.shape[0]
+  plan = AttentionPlan.create(tables, jnp.arange(b + 1, dtype=jnp.int32),
+                              kv_lens, b)
+  logits, pool = _decoder.forward(params, cfg, tokens, pool, plan, impl=impl)
+  return jnp.argmax(logits, -1).astype(jnp.int32), pool
+
+
+def pmap_greedy_generate(
+    params,
+    cfg: _decoder.DecoderConfig,
+    prompts,              # i32[num_devices, batch_size, prompt_len]
+    max_new_tokens: int,
+    *,
+    page_size: int = 16,
+    impl: Implementation | None = None,
+    devices: Sequence[Any] | None = None,
+) -> np.ndarray:          # i32[num_devices, batch_size, max_new_tokens]
+  """Data parallel greedy generation: a Python loop of `pmap`-ed steps.
+
+  Each device runs an independent group of `batch_size` requests (equal
+  prompt lengths) with its own pool and static page tables (sequence `b` owns
+  slots `[b * max_pages, (b + 1) * max_pages)`): one prefill step, then
+  `max_new_tokens - 1` decode steps, the pool donated at every step. EOS is
+  not checked.
+
+  Args:
+    params: one device's (unsharded) parameters; copied to every device.
+    cfg: model config.
+    prompts: `i32[num_devices, batch_size, prompt_len]`, `num_devices <=
+      len(devices)`.
+    max_new_tokens: tokens to generate per request, >= 1.
+    page_size: tokens per page.
+    impl: attention implementation.
+    devices: default `jax.local_devices()`.
+
+  Returns:
+    `i32[num_devices, batch_size, max_new_tokens]` greedy tokens.
+
+  Raises:
+    ValueError: `prompts` not 3-D, more groups than devices, or
+      `max_new_tokens < 1`.
+  """
+  prompts = np.asarray(prompts, np.int32)
+  devices = list(jax.local_devices() if devices is None else devices)
+  if prompts.ndim != 3 or not 1 <= prompts.shape[0] <= len(devices):
+    raise ValueError(
+        f"Invalid shape of prompts: expected (num_devices <= {len(devices)}, "
+        f"batch_size, prompt_len), got {prompts.shape}")
+  if max_new_tokens < 1:
+    raise ValueError(f"Invalid max_new_tokens: expected >= 1, got {max_new_tokens}")
+  ndev, b, n = prompts.shape
+  devices = devices[:ndev]
+  max_pages = -(-(n + max_new_tokens) // page_size)
+  slot_table = np.arange(b * max_pages, dtype=np.int32).reshape(b, max_pages)
+  tables = layer_page_tables(jnp.asarray(slot_table), cfg.num_layers)
+  dtype = jax.tree.leaves(params)[0].dtype
+  pool = np.zeros((ndev, *cfg.pool_shape(b * max_pages, page_size)), dtype)
+  kw = dict(cfg=cfg, tables=tables, impl=impl)
+  prefill = jax.pmap(functools.partial(_greedy_prefill, **kw),
+                     in_axes=(None, 0, 0), donate_argnums=1, devices=devices)
+  decode = jax.pmap(functools.partial(_greedy_decode, **kw),
+                    in_axes=(None, 0, 0, None), donate_argnums=1,
+                    devices=devices)
+  token, pool = prefill(params, pool, prompts)
+  out = [token]
+  for i in range(1, max_new_tokens):
+    kv_lens = jnp.full((b,), n + i, jnp.int32)  # incl. the token fed now
+    token, pool = decode(params, pool, token, kv_lens)
+    out.append(token)
+  return np.stack([np.asarray(t) for t in out], axis=-1)

@@ -1,0 +1,166 @@
+"""Tensor parallel (shard_map) and data parallel (pmap) on 4 forced CPU devices.
+
+The device count is fixed when jax initialises its backend, and other tests
+share this worker process, so the multi-device checks run ONCE in a
+subprocess with `--xla_force_host_platform_device_count=4` (the script below)
+that prints one JSON object; the tests assert on its parts. Config errors need
+no devices and run in-process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pkvattn import parallel
+from pkvattn.models import TINY_CONFIGS
+from pkvattn.models.tiny import replace
+
+_SCRIPT = r'''
+import json
+import jax
+import jax.numpy as jnp
+import numpy as np
+from pkvattn import parallel
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.flax import AttentionPlan, layer_page_tables
+from pkvattn.models import Model, forward, init_params, load_model
+from pkvattn.models.tiny import replace
+
+assert len(jax.devices()) == 4, jax.devices()
+res = {"logits": {}, "pool": {}, "engine": {}, "sharding": {}}
+tok = load_model("tiny-llama").tokenizer
+
+def spec(x):  # PartitionSpec -> 4 entries (axis name or None), any jax version
+  entries = [None if a is None else str(a) for a in x.sharding.spec]
+  return entries + [None] * (x.ndim - len(entries))
+
+def model(name, **kw):
+  cfg = replace(load_model(name).cfg, **kw)
+  return Model(name, cfg, init_params(cfg, jax.random.key(1), scale=0.08), tok)
+
+# tiny-llama with 4/2 heads: tp=2 splits kv heads, tp=4 replicates each twice.
+# tiny-gemma2 (2/1 heads, SWA + soft caps + biasless): tp=2 replicates.
+cases = {"llama": (model("tiny-llama", num_qo_heads=4, num_kv_heads=2),
+                   (1, 2, 4)),
+         "gemma2": (model("tiny-gemma2"), (1, 2))}
+ps, b, n, mp = 8, 2, 21, 4
+tables = layer_page_tables(
+    jnp.asarray(np.random.default_rng(0).permutation(b * mp).reshape(b, mp)),
+    2)
+toks = jnp.arange(b * n, dtype=jnp.int32) * 7 % 250
+plan = AttentionPlan.create(tables, jnp.array([0, n, 2 * n]),
+                            jnp.array([n, n]), b * n)
+for name, (m, tps) in cases.items():
+  pool = jnp.zeros(m.cfg.pool_shape(b * mp, ps))
+  expected, expected_pool = forward(m.params, m.cfg, toks, pool, plan)
+  for tp in tps:
+    mesh = parallel.make_mesh(tp)
+    sm = parallel.shard_model(m, mesh)
+    pool = jnp.zeros(sm.cfg.pool_shape(b * mp, ps))
+    fn = jax.jit(lambda p, t, kv, pl: forward(p, sm.cfg, t, kv, pl, mesh=mesh),
+                 donate_argnums=2)
+    actual, actual_pool = fn(sm.params, toks, pool, plan)
+    res["logits"][f"{name}/tp{tp}"] = float(jnp.max(jnp.abs(actual - expected)))
+    # Replicated kv heads: copy r of head k sits at r_index + k * reps.
+    reps = sm.cfg.num_kv_heads // m.cfg.num_kv_heads
+    res["pool"][f"{name}/tp{tp}"] = float(jnp.max(jnp.abs(
+        actual_pool[:, :, ::reps] - expected_pool)))
+    res["sharding"][f"forward/{name}/tp{tp}"] = [
+        spec(actual_pool),
+        [list(s.data.shape) for s in actual_pool.addressable_shards]]
+
+# The engine: greedy, mixed prefill/decode steps and decode bursts.
+m = cases["llama"][0]
+prompts = [tok.encode(p) for p in ("hello world", "paged attention on", "a")]
+sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+ec = EngineConfig(page_size=8, num_slots=32, max_seqs=4, max_num_tokens=32,
+                  max_model_len=64, token_buckets=(32,), decode_steps=4)
+for tp in (None, 1, 2, 4):
+  e = Engine(m, ec, mesh=None if tp is None else parallel.make_mesh(tp))
+  res["engine"][str(tp)] = e.generate(prompts, sp)
+  if tp is not None:
+    res["sharding"][f"engine/tp{tp}"] = [
+        spec(e.pool),
+        [list(s.data.shape) for s in e.pool.addressable_shards],
+        spec(e.state.slot_refcount)]
+
+# pmap: 2 independent groups of 2 equal-length prompts, vs the engine.
+groups = np.array([[tok.encode("abcd"), tok.encode("wxyz")],
+                   [tok.encode("1234"), tok.encode("hi!!")]], np.int32)
+res["pmap"] = parallel.pmap_greedy_generate(
+    m.params, m.cfg, groups, 6, page_size=8).tolist()
+e = Engine(m, ec)
+res["pmap_expected"] = e.generate(
+    groups.reshape(4, -1).tolist(),
+    SamplingParams(max_new_tokens=6, ignore_eos=True))
+print("RESULT" + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=4").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+  return json.loads(line[len("RESULT"):])
+
+
+def test_tp_logits_and_pool_match_one_device(results):
+  assert set(results["logits"]) == {"llama/tp1", "llama/tp2", "llama/tp4",
+                                    "gemma2/tp1", "gemma2/tp2"}
+  for key, diff in results["logits"].items():
+    assert diff < 1e-4, (key, diff)  # f32 logits of magnitude ~10
+  for key, diff in results["pool"].items():
+    assert diff < 1e-5, (key, diff)
+
+
+def test_tp_engine_token_identical(results):
+  expected = results["engine"]["None"]
+  assert len(expected) == 3 and all(len(o) == 10 for o in expected)
+  for tp in ("1", "2", "4"):
+    assert results["engine"][tp] == expected, tp
+
+
+def test_pool_is_sharded_on_kv_heads(results):
+  sh = results["sharding"]
+  # tiny llama 4/2 heads; pool [32 slots * 2 layers * 2, 8, kv, 64].
+  kv_sharded = [None, None, "tp", None]
+  spec, shards, state_spec = sh["engine/tp2"]
+  assert spec == kv_sharded
+  assert shards == [[128, 8, 1, 64]] * 2
+  assert state_spec == [None]  # bookkeeping replicated
+  spec, shards, _ = sh["engine/tp4"]  # kv heads replicated: 4 in all
+  assert spec == kv_sharded
+  assert shards == [[128, 8, 1, 64]] * 4
+  spec, shards = sh["forward/gemma2/tp2"]
+  assert spec == kv_sharded
+  assert shards == [[32, 8, 1, 64]] * 2  # 8 slots * 2 layers * 2
+
+
+def test_pmap_loop_matches_engine(results):
+  actual = [row for group in results["pmap"] for row in group]
+  assert actual == results["pmap_expected"]
+
+
+def test_tp_config_errors():
+  cfg = replace(TINY_CONFIGS["tiny-llama"], num_qo_heads=6, num_kv_heads=3)
+  with pytest.raises(ValueError, match="num_kv_heads=3 must be divisible"):
+    parallel.tp_config(cfg, 2)
+  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    parallel.tp_config(replace(cfg, num_qo_heads=12), 4)  # 4 > 3 kv heads
+  with pytest.raises(ValueError, match="num_qo_heads"):
+    parallel.tp_config(TINY_CONFIGS["tiny-llama"], 4)      # 2 q heads
+  # tp > num_kv_heads, tp % num_kv_heads == 0: kv heads replicated.
+  assert parallel.tp_config(TINY_CONFIGS["tiny-llama"], 2).num_kv_heads == 2
+  assert parallel.shard_config(
+      parallel.tp_config(TINY_CONFIGS["tiny-llama"], 2), 2).num_qo_heads == 1
+  with pytest.raises(ValueError, match="Invalid tp"):
+    parallel.make_mesh(len(__import__("jax").devices()) + 1)
