@@ -36,9 +36,13 @@ group of requests (own pool, own page tables) per device.
 `jax.devices()` lists every host's devices and the same `make_mesh(tp)` /
 `Engine(..., mesh=mesh)` code runs SPMD on every host (no other transport).
 
-Example:
+Example (2 devices; on a CPU set
+`XLA_FLAGS=--xla_force_host_platform_device_count=2` before jax starts):
   >>> mesh = make_mesh(2)                                  # doctest: +SKIP
-  >>> engine = Engine(load_model("tiny-llama"), EngineConfig(), mesh=mesh)
+  >>> engine = Engine(load_model("tiny-llama"), EngineConfig(),
+  ...                 mesh=mesh)                           # doctest: +SKIP
+  >>> engine.pool.sharding.spec                            # doctest: +SKIP
+  PartitionSpec(None, None, 'tp')
 """
 
 from __future__ import annotations

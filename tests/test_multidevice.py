@@ -19,6 +19,7 @@ from pkvattn.models import TINY_CONFIGS
 from pkvattn.models.tiny import replace
 
 _SCRIPT = r'''
+import dataclasses
 import json
 import jax
 import jax.numpy as jnp
@@ -77,9 +78,12 @@ m = cases["llama"][0]
 prompts = [tok.encode(p) for p in ("hello world", "paged attention on", "a")]
 sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
 ec = EngineConfig(page_size=8, num_slots=32, max_seqs=4, max_num_tokens=32,
-                  max_model_len=64, token_buckets=(32,), decode_steps=4)
-for tp in (None, 1, 2, 4):
-  e = Engine(m, ec, mesh=None if tp is None else parallel.make_mesh(tp))
+                  max_model_len=64, token_buckets=(32,))
+# tp=1 under a mesh is covered by the logits above; tp=2 also runs decode
+# bursts (decode_steps=4: the scan path), the others one step per call.
+for tp in (None, 2, 4):
+  e = Engine(m, dataclasses.replace(ec, decode_steps=4 if tp == 2 else 1),
+             mesh=None if tp is None else parallel.make_mesh(tp))
   res["engine"][str(tp)] = e.generate(prompts, sp)
   if tp is not None:
     res["sharding"][f"engine/tp{tp}"] = [
@@ -96,6 +100,15 @@ e = Engine(m, ec)
 res["pmap_expected"] = e.generate(
     groups.reshape(4, -1).tolist(),
     SamplingParams(max_new_tokens=6, ignore_eos=True))
+
+# The CLI: --tp 2 on the same 4 devices.
+import contextlib, io
+from pkvattn import cli
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+  res["cli_rc"] = cli.main(["--tp", "2", "--max-new-tokens", "3", "--json",
+                            "--no-progress"])
+res["cli"] = json.loads(buf.getvalue())
 print("RESULT" + json.dumps(res))
 '''
 
@@ -125,7 +138,7 @@ def test_tp_logits_and_pool_match_one_device(results):
 def test_tp_engine_token_identical(results):
   expected = results["engine"]["None"]
   assert len(expected) == 3 and all(len(o) == 10 for o in expected)
-  for tp in ("1", "2", "4"):
+  for tp in ("2", "4"):
     assert results["engine"][tp] == expected, tp
 
 
@@ -148,6 +161,18 @@ def test_pool_is_sharded_on_kv_heads(results):
 def test_pmap_loop_matches_engine(results):
   actual = [row for group in results["pmap"] for row in group]
   assert actual == results["pmap_expected"]
+
+
+def test_cli_tp(results):
+  assert results["cli_rc"] == 0
+  assert results["cli"]["summary"]["tp"] == 2
+  assert len(results["cli"]["outputs"][0]["token_ids"]) == 3
+
+
+def test_cli_tp_too_many_devices(capsys):
+  from pkvattn import cli
+  assert cli.main(["--tp", "999", "--no-progress"]) == 2
+  assert "Invalid tp" in capsys.readouterr().err
 
 
 def test_tp_config_errors():
