@@ -21,6 +21,7 @@ from pkvattn.models.tiny import replace
 _SCRIPT = r'''
 import dataclasses
 import json
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,17 @@ for name, (m, tps) in cases.items():
         spec(actual_pool),
         [list(s.data.shape) for s in actual_pool.addressable_shards]]
 
+# The pallas kernels (interpret mode on CPU) per shard under shard_map.
+m, _ = cases["llama"]
+mesh = parallel.make_mesh(2)
+sm = parallel.shard_model(m, mesh)
+expected = forward(m.params, m.cfg, toks, jnp.zeros(m.cfg.pool_shape(b * mp, ps)),
+                   plan)[0]
+actual = jax.jit(lambda p, kv: forward(p, sm.cfg, toks, kv, plan, mesh=mesh,
+                                       impl="pallas"))(
+    sm.params, jnp.zeros(sm.cfg.pool_shape(b * mp, ps)))[0]
+res["logits"]["llama/tp2/pallas"] = float(jnp.max(jnp.abs(actual - expected)))
+
 # The engine: greedy, mixed prefill/decode steps and decode bursts.
 m = cases["llama"][0]
 prompts = [tok.encode(p) for p in ("hello world", "paged attention on", "a")]
@@ -85,6 +97,19 @@ for tp in (None, 2, 4):
   e = Engine(m, dataclasses.replace(ec, decode_steps=4 if tp == 2 else 1),
              mesh=None if tp is None else parallel.make_mesh(tp))
   res["engine"][str(tp)] = e.generate(prompts, sp)
+  if tp == 2:  # donated: the old pool is gone, the step aliases its shards
+    e.add_request(prompts[0], SamplingParams(max_new_tokens=1))
+    old_pool = e.pool
+    e.step()
+    hlo = e._step_fn.lower(
+        e.model.params, e.pool, e.state, e.seq_tokens,
+        jax.device_put(e.last_inputs, parallel.replicated(e.mesh))
+    ).compile().as_text()
+    shard_type = "f32[%s]" % ",".join(
+        map(str, e.pool.addressable_shards[0].data.shape))
+    res["donation"] = [old_pool.is_deleted(), "input_output_alias" in hlo,
+                       not re.search(re.escape(shard_type) + r"[^\n]*\bcopy\(",
+                                     hlo)]
   if tp is not None:
     res["sharding"][f"engine/tp{tp}"] = [
         spec(e.pool),
@@ -128,7 +153,8 @@ def results():
 
 def test_tp_logits_and_pool_match_one_device(results):
   assert set(results["logits"]) == {"llama/tp1", "llama/tp2", "llama/tp4",
-                                    "gemma2/tp1", "gemma2/tp2"}
+                                    "gemma2/tp1", "gemma2/tp2",
+                                    "llama/tp2/pallas"}
   for key, diff in results["logits"].items():
     assert diff < 1e-4, (key, diff)  # f32 logits of magnitude ~10
   for key, diff in results["pool"].items():
@@ -156,6 +182,11 @@ def test_pool_is_sharded_on_kv_heads(results):
   spec, shards = sh["forward/gemma2/tp2"]
   assert spec == kv_sharded
   assert shards == [[32, 8, 1, 64]] * 2  # 8 slots * 2 layers * 2
+
+
+def test_tp_step_donates_the_sharded_pool(results):
+  deleted, aliased, no_copy = results["donation"]
+  assert deleted and aliased and no_copy
 
 
 def test_pmap_loop_matches_engine(results):
