@@ -66,7 +66,7 @@ for name, (m, tps) in cases.items():
                  donate_argnums=2)
     actual, actual_pool = fn(sm.params, toks, pool, plan)
     res["logits"][f"{name}/tp{tp}"] = float(jnp.max(jnp.abs(actual - expected)))
-    # Replicated kv heads: copy r of head k sits at r_index + k * reps.
+    # Replicated kv heads: copy j of head k sits at k * reps + j; take copy 0.
     reps = sm.cfg.num_kv_heads // m.cfg.num_kv_heads
     res["pool"][f"{name}/tp{tp}"] = float(jnp.max(jnp.abs(
         actual_pool[:, :, ::reps] - expected_pool)))
