@@ -41,6 +41,9 @@ def _parse(argv):
   ap.add_argument("--small", action="store_true",
                   help="tiny model and workload on 2 forced CPU devices")
   ap.add_argument("--tp", type=int, default=2, help="compared with tp=1")
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                  help="default: float32 on CPU, bfloat16 on GPU; float32 on GPU "
+                  "shows the greedy tokens are identical up to summation order")
   ap.add_argument("--impl", choices=("pallas", "xla"), default=None,
                   help="default: pallas on GPU, xla elsewhere")
   ap.add_argument("--num-prompts", type=int, default=None)
@@ -81,6 +84,8 @@ def main(argv=None):
   decode_steps = args.decode_steps or (4 if small else 8)
   budget = args.max_num_tokens or (64 if small else 2048)
   dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  if args.dtype is not None:
+    dtype = jnp.dtype(args.dtype)
   if len(jax.devices()) < args.tp:
     sys.exit(f"need {args.tp} devices, found {len(jax.devices())}")
   mesh = parallel.make_mesh(args.tp)
@@ -170,7 +175,10 @@ def main(argv=None):
   _timing.print_table(rows, ["tp", "impl", "prefill_tok_s", "decode_tok_s",
                              "prefill_speedup_vs_tp1", "decode_speedup_vs_tp1",
                              "steps", "first_run_s", "pool_sharding"])
-  for path in _timing.write_results("tp_small" if small else "tp", rows, extra):
+  name = "tp_small" if small else "tp"
+  if args.dtype == "float32" and not small:
+    name = "tp_f32"
+  for path in _timing.write_results(name, rows, extra):
     print("wrote", path)
 
 
