@@ -1,4 +1,4 @@
-"""Trace-time argument checks for `cache` (the format of `pkvattn/_checks.py`).
+"""Trace-time argument checks in the project's one error format (re-exported by `pkvattn/_checks.py`).
 
 Kept local so that `cache` depends on jax/numpy only, never on `pkvattn`.
 """

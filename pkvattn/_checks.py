@@ -6,29 +6,14 @@ message reads the same whichever op raised it.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def check_shape(x, expected: Sequence[int | None], name: str) -> None:
-  """Raises ValueError unless `x.shape` matches `expected` (`None` = any)."""
-  shape = tuple(np.shape(x))
-  ok = len(shape) == len(expected) and all(
-      e is None or e == s for e, s in zip(expected, shape))
-  if not ok:
-    shown = tuple("*" if e is None else e for e in expected)
-    raise ValueError(f"Invalid shape of {name}: expected {shown}, got {shape}")
-
-
-def check_ndim(x, ndims: Sequence[int], name: str) -> None:
-  """Raises ValueError unless `x.ndim` is one of `ndims`."""
-  if np.ndim(x) not in ndims:
-    raise ValueError(
-        f"Invalid rank of {name}: expected ndim in {tuple(ndims)}, got "
-        f"{np.ndim(x)} (shape {tuple(np.shape(x))})")
+# Shape / rank / integer checks are shared with `cache` (which must not import
+# `pkvattn`), so they live there and are re-exported here.
+from pkvattn.cache._checks import check_int as check_int
+from pkvattn.cache._checks import check_ndim as check_ndim
+from pkvattn.cache._checks import check_shape as check_shape
 
 
 def check_dtype(x, allowed, name: str) -> None:
@@ -47,13 +32,6 @@ def check_same_dtype(x, ref, name: str, ref_name: str) -> None:
         f"Invalid dtype of {name}: expected {jnp.dtype(ref.dtype)} (the dtype "
         f"of {ref_name}), got {jnp.dtype(x.dtype)}")
 
-
-def check_int(x, name: str) -> None:
-  """Raises ValueError unless `x` has an integer dtype."""
-  if not jnp.issubdtype(jnp.dtype(x.dtype), jnp.integer):
-    raise ValueError(
-        f"Invalid dtype of {name}: expected an integer dtype, got "
-        f"{jnp.dtype(x.dtype)}")
 
 
 def check_heads(num_qo_heads: int, num_kv_heads: int) -> None:
