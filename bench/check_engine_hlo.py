@@ -1,0 +1,94 @@
+"""Looks for pool-sized copies in the engine's compiled step and decode burst.
+
+The pool is donated and every write to it is aliased (rope/append kernel,
+`input_output_aliases`); a `copy` of a pool-shaped buffer in the compiled HLO
+means XLA could not keep it in place (e.g. around a custom call inside the
+layer `while` loop) and every step pays ~2x the pool size in HBM traffic.
+Also counts `conditional` ops (each one syncs the host on GPU) per program.
+
+Usage: `python bench/check_engine_hlo.py [--small] [--impl pallas]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.bench_engine import LLAMA_3_2_1B, SMALL  # noqa: E402
+from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pkvattn.models import Model, init_params  # noqa: E402
+
+
+def analyze(name: str, hlo: str, pool) -> dict:
+  dims = ",".join(str(d) for d in pool.shape)
+  pat = re.compile(rf"\[{dims}\]")
+  lines = [l.strip() for l in hlo.splitlines() if pat.search(l)]
+  copies = [l for l in lines if re.search(r"= \S+ copy(-start)?\(", l)]
+  res = dict(
+      program=name, pool_shape=dims, pool_lines=len(lines),
+      pool_copies=len(copies),
+      conditionals=len(re.findall(r" conditional\(", hlo)),
+      whiles=len(re.findall(r" while\(", hlo)),
+      aliased="input_output_alias" in hlo,
+  )
+  print(res, flush=True)
+  for c in copies[:5]:
+    print("   COPY:", c[:240], flush=True)
+  return res
+
+
+class Spy:
+  """Compiles and analyzes the wrapped jitted fn once per argument shapes."""
+
+  def __init__(self, fn, name, engine, results):
+    self.fn, self.name, self.engine, self.results = fn, name, engine, results
+    self.seen = set()
+
+  def __call__(self, *args):
+    key = tuple(getattr(x, "shape", None) for x in jax.tree.leaves(args[-1]))
+    if key not in self.seen:
+      self.seen.add(key)
+      hlo = self.fn.lower(*args).compile().as_text()
+      self.results.append(analyze(f"{self.name}{len(self.seen)}", hlo, args[1]))
+    return self.fn(*args)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--small", action="store_true")
+  ap.add_argument("--impl", default=None)
+  args = ap.parse_args(argv)
+  mcfg = SMALL if args.small else LLAMA_3_2_1B
+  dtype = jnp.float32 if args.small else jnp.bfloat16
+  n, plen, new = (4, 40, 12) if args.small else (64, 1024, 16)
+  model = Model("probe", mcfg, init_params(mcfg, jax.random.key(0), dtype,
+                                           scale=0.02), None)
+  blocks = -(-(plen + new) // 16)
+  cfg = EngineConfig(page_size=16, num_slots=n * blocks + 8, max_seqs=n,
+                     max_num_tokens=64 if args.small else 4096,
+                     max_model_len=blocks * 16, impl=args.impl,
+                     enable_prefix_reuse=False, decode_steps=4)
+  eng = Engine(model, cfg)
+  results = []
+  eng._step_fn = Spy(eng._step_fn, "step", eng, results)
+  eng._burst_fn = Spy(eng._burst_fn, "burst", eng, results)
+  rng = np.random.default_rng(0)
+  for _ in range(n):
+    eng.add_request(rng.integers(0, mcfg.vocab_size, plen).tolist(),
+                    SamplingParams(max_new_tokens=new, ignore_eos=True))
+  while eng.has_unfinished():
+    eng.step()
+  total = sum(r["pool_copies"] for r in results)
+  print(f"pool-sized copies across {len(results)} programs: {total}")
+
+
+if __name__ == "__main__":
+  main()
