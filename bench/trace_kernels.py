@@ -1,0 +1,117 @@
+"""Per-kernel GPU time of one cache `extend` and one decode forward (jax.profiler).
+
+Wall time inside a jit includes launch gaps between kernels; this sums the
+kernel durations on the device's stream lines of a `jax.profiler` trace
+(`jax.profiler.ProfileData`, no TensorBoard needed), per call, grouped by
+kernel name.
+
+Targets: `extend` (65,536 slots, page 16, 256 sequences +1 token, as
+bench_cache's extend_free); `decode` / `decode_xla` (Llama-3.2-1B-shaped
+forward of 64 decode tokens at kv ~1,100, bf16). `NCU_SMALL=1` shrinks the
+model for a CPU smoke run (no device lines there).
+
+Usage: `python bench/trace_kernels.py extend decode decode_xla`.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+CALLS = 5
+
+
+def _extend():
+  from pkvattn import cache
+  cfg = cache.CacheConfig(num_slots=65536, page_size=16, num_layers=32,
+                          max_seqs=768, max_pages=256)
+  rng = np.random.default_rng(0)
+  nd = 256
+  lens = rng.integers(512, 1536, nd).astype(np.int32)
+  toks = rng.integers(0, 32000, (nd, cfg.max_seq_len)).astype(np.int32)
+  ids = jnp.arange(nd, dtype=jnp.int32)
+  state = cache.init_cache(cfg)
+  state, _ = cache.claim_batch(state, ids, jnp.asarray(toks), jnp.asarray(lens))
+  one = jnp.ones(nd, jnp.int32)
+  return lambda: cache.extend(state, ids, one)
+
+
+def _decode(impl):
+  from bench.bench_engine import LLAMA_3_2_1B, SMALL
+  from pkvattn.flax import AttentionPlan, layer_page_tables
+  from pkvattn.models import forward, init_params
+  mcfg = SMALL if os.environ.get("NCU_SMALL") else LLAMA_3_2_1B
+  b, kv, ps = 64, 1100, 16
+  params = init_params(mcfg, jax.random.key(0), jnp.bfloat16, scale=0.02)
+  max_pages = -(-(kv + 16) // ps)
+  slot_table = np.random.default_rng(0).permutation(b * max_pages).astype(
+      np.int32).reshape(b, max_pages)
+  pool = jnp.zeros(mcfg.pool_shape(slot_table.size, ps), jnp.bfloat16)
+  plan = AttentionPlan.create(
+      layer_page_tables(jnp.asarray(slot_table), mcfg.num_layers),
+      np.arange(b + 1, dtype=np.int32), np.full(b, kv, np.int32), b)
+  tokens = jnp.asarray(np.arange(b, dtype=np.int32))
+  f = jax.jit(forward, static_argnames=("cfg", "impl"), donate_argnums=(3,))
+  state = {"pool": pool}
+
+  def fn():
+    logits, state["pool"] = f(params, cfg=mcfg, tokens=tokens,
+                              kv_cache=state["pool"], plan=plan, impl=impl)
+    return logits
+  return fn
+
+
+TARGETS = {"extend": _extend, "decode": lambda: _decode("pallas"),
+           "decode_xla": lambda: _decode("xla")}
+
+
+def trace(name: str) -> dict:
+  fn = TARGETS[name]()
+  for _ in range(3):
+    jax.block_until_ready(fn())
+  t0 = time.perf_counter()
+  for _ in range(CALLS):
+    jax.block_until_ready(fn())
+  wall_us = (time.perf_counter() - t0) / CALLS * 1e6
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for _ in range(CALLS):
+    jax.block_until_ready(fn())
+  jax.profiler.stop_trace()
+  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
+  data = jax.profiler.ProfileData.from_file(path)
+  groups = collections.defaultdict(lambda: [0, 0.0])
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        key = ev.name.split("(")[0][:70]
+        groups[key][0] += 1
+        groups[key][1] += ev.duration_ns / 1e3
+  total = sum(t for _, t in groups.values()) / CALLS
+  count = sum(n for n, _ in groups.values()) / CALLS
+  print(f"{name}: wall {wall_us:.1f} us/call, kernels {count:.0f}/call, "
+        f"device time {total:.1f} us/call", flush=True)
+  for key, (n, t) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]:
+    print(f"   {t / CALLS:9.1f} us  {n / CALLS:5.0f}x  {key}")
+  return dict(target=name, wall_us=wall_us, kernels_per_call=count,
+              device_us=total)
+
+
+if __name__ == "__main__":
+  rows = [trace(t) for t in (sys.argv[1:] or ["extend", "decode", "decode_xla"])]
+  from bench import _timing
+  _timing.write_results("trace_kernels", rows)
