@@ -209,7 +209,6 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
   out = pallas_fn(default_cfg)(*args)
   out = jax.block_until_ready(out)
   n_chk = min(128, q_lens[0])
-  kl0 = kv_lens[0]
   ql0 = q_lens[0]
   sub_qi = jnp.asarray([0, n_chk], jnp.int32)
   sub_q = sp["q"][ql0 - n_chk:ql0]

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 import traceback
 
@@ -52,7 +51,6 @@ import numpy as np
 
 from bench import _timing
 import pkvattn
-from pkvattn import _kv
 from pkvattn.pallas_kernels import reference
 from pkvattn.pallas_kernels import rope_append as kernel
 

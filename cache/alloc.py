@@ -480,7 +480,6 @@ def extend(
     ValueError: shapes or dtypes of the arguments (trace time).
   """
   cfg = state.config
-  ps = cfg.page_size
   _check_ids(seq_ids, "seq_ids")
   n = seq_ids.shape[0]
   _checks.check_int(num_new_tokens, "num_new_tokens")

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import pkvattn
-from pkvattn import rope as rope_lib
 
 ATOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
