@@ -99,6 +99,17 @@ def _check_ids(x, name):
   _checks.check_ndim(x, (1,), name)
 
 
+def _check_token_batch(seq_ids, tokens, lengths) -> int:
+  """Checks `seq_ids i32[n]`, `tokens i32[n, max_len]`, `lengths i32[n]`; returns n."""
+  _check_ids(seq_ids, "seq_ids")
+  n = seq_ids.shape[0]
+  _checks.check_int(tokens, "tokens")
+  _checks.check_shape(tokens, (n, None), "tokens")
+  _checks.check_int(lengths, "lengths")
+  _checks.check_shape(lengths, (n,), "lengths")
+  return n
+
+
 def _select(state: CacheState, seq_ids, want_live: bool):
   """Clipped row indices and the validity mask of a batch of sequence ids."""
   max_seqs = state.config.max_seqs
@@ -368,12 +379,7 @@ def claim_batch(
   """
   cfg = state.config
   ps = cfg.page_size
-  _check_ids(seq_ids, "seq_ids")
-  n = seq_ids.shape[0]
-  _checks.check_int(tokens, "tokens")
-  _checks.check_shape(tokens, (n, None), "tokens")
-  _checks.check_int(lengths, "lengths")
-  _checks.check_shape(lengths, (n,), "lengths")
+  n = _check_token_batch(seq_ids, tokens, lengths)
   if reuse_scope is None:
     scope = jnp.zeros((n,), jnp.int32)
   else:
@@ -559,12 +565,7 @@ def commit(
   """
   cfg = state.config
   ps = cfg.page_size
-  _check_ids(seq_ids, "seq_ids")
-  n = seq_ids.shape[0]
-  _checks.check_int(tokens, "tokens")
-  _checks.check_shape(tokens, (n, None), "tokens")
-  _checks.check_int(lengths, "lengths")
-  _checks.check_shape(lengths, (n,), "lengths")
+  n = _check_token_batch(seq_ids, tokens, lengths)
   max_len = tokens.shape[1]
   nbt = min(max_len // ps, cfg.max_pages)
   if nbt == 0:

@@ -99,6 +99,18 @@ class ReferenceCache:
     if self.index.get(self.key[s]) == s:
       del self.index[self.key[s]]
 
+  def _admit(self, valid, need):
+    """First come, first served, all or nothing: request r is admitted iff it
+    is valid and the running total of `need` up to it fits the supply (a
+    refused request still counts towards the total). Returns (ok, slots taken
+    for the admitted requests, in order)."""
+    supply = sum(len(x) for x in self._supply())
+    ok, cum = [], 0
+    for r in range(len(need)):
+      cum += need[r]
+      ok.append(valid[r] and cum <= supply)
+    return ok, self._take(sum(need[r] for r in range(len(need)) if ok[r]))
+
   def _take(self, count, protected=()):
     free, evictable = self._supply(protected)
     order = free + evictable
@@ -224,12 +236,7 @@ class ReferenceCache:
              - -(-self.seqs[ids[r]].length // ps) - plans[r][1]
              + plans[r][2]) if valid[r] else 0
             for r in range(n)]
-    supply = sum(len(x) for x in self._supply())
-    ok, cum = [], 0
-    for r in range(n):
-      cum += need[r]
-      ok.append(valid[r] and cum <= supply)
-    taken = self._take(sum(need[r] for r in range(n) if ok[r]))
+    ok, taken = self._admit(valid, need)
     off = 0
     for r in range(n):
       if ok[r]:
@@ -330,12 +337,7 @@ class ReferenceCache:
     n = len(pids)
     need = [int(valid[r] and self.seqs[pids[r]].length % ps != 0)
             for r in range(n)]
-    supply = sum(len(x) for x in self._supply())
-    ok, cum = [], 0
-    for r in range(n):
-      cum += need[r]
-      ok.append(valid[r] and cum <= supply)
-    taken = self._take(sum(need[r] for r in range(n) if ok[r]))
+    ok, taken = self._admit(valid, need)
     copies = [None] * n
     off = 0
     for r in range(n):
