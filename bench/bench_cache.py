@@ -4,6 +4,9 @@ Workloads (pool of 65,536 slots, page_size 16, 32 layers):
   extend_free    `extend` by one token for 256 live sequences (lengths 512..1535
                  tokens, so about 1/16 of them cross a page boundary); the pool
                  has free slots.
+  extend_free_noevict  the same with `evict=False` (no eviction path, no
+                 `lax.cond`), as an engine's decode burst runs it when the free
+                 slots cover the burst.
   extend_evict   the same with no free slot left: every new block evicts a
                  cached one (the LRU sort path).
   claim_half_hit `claim_batch` of 32 prompts of 2,048 tokens whose first 1,024
@@ -90,15 +93,23 @@ IN_JIT_STEPS = 16
 def _compile_ms(fn, args):
   jax.clear_caches()  # otherwise the executable of the earlier calls is reused
   t0 = time.perf_counter()
-  jax.jit(fn.__wrapped__).lower(*args).compile()
+  jax.jit(getattr(fn, "__wrapped__", fn)).lower(*args).compile()
   return (time.perf_counter() - t0) * 1e3
 
 
-def _extend_steps(state, ids, num_new):
+def _extend_steps(state, ids, num_new, evict=True):
   """IN_JIT_STEPS decode steps inside one jit, as an engine step would run them."""
   for _ in range(IN_JIT_STEPS):
-    state, _ = cache.extend(state, ids, num_new)
+    state, _ = cache.extend(state, ids, num_new, evict=evict)
   return state
+
+
+def _extend_no_evict(state, ids, num_new):
+  return cache.extend(state, ids, num_new, evict=False)
+
+
+def _extend_steps_no_evict(state, ids, num_new):
+  return _extend_steps(state, ids, num_new, evict=False)
 
 
 def _row(name, fn, args, ref_ms, extra, in_jit=None):
@@ -154,6 +165,12 @@ def run(small: bool) -> list[dict]:
                    dict(batch=nd, new_blocks=new_blocks,
                         num_slots=cfg.num_slots, page_size=ps),
                    in_jit=_extend_steps))
+  print(rows[-1], file=sys.stderr)
+  rows.append(_row("extend_free_noevict", jax.jit(_extend_no_evict),
+                   (state, jnp.asarray(ids), jnp.asarray(one)), ref_ms,
+                   dict(batch=nd, new_blocks=new_blocks,
+                        num_slots=cfg.num_slots, page_size=ps),
+                   in_jit=_extend_steps_no_evict))
   print(rows[-1], file=sys.stderr)
 
   # ---- fill the rest of the pool with cached blocks -> extend must evict ----

@@ -10,10 +10,13 @@ Reported per impl:
     prefill tokens; decode tokens/s: decode tokens / wall time of decode-only
     steps (both include the per-step host work and the one device->host sync);
   * a step-time split (`Engine.profile`) measured once in the prefill phase and
-    once in the decode phase: `attention` (every layer's `paged_prefill` on the
-    step's plan), `bookkeeping` (commit / release / page tables / extend /
-    claim), `rest` (projections, MLP, RoPE + append, sampling), in ms, and the
-    bookkeeping share of the step (target < 2%);
+    once in the decode phase (one iteration of a decode burst): `attention`
+    (every layer's `paged_prefill` on the step's plan, alone), `bookkeeping`
+    (what commit / release / page tables / extend / claim add to the step:
+    the step minus the same program without them), `bookkeeping_in_jit` (the
+    same cache ops alone in one jit on a donated state), `rest` (projections,
+    MLP, RoPE + append, sampling), in ms, and the bookkeeping share of the
+    step by either measure (target < 2%);
   * `decode_speedup_vs_xla = decode_tok_s[pallas] / decode_tok_s[xla]` (> 1 =
     pallas faster; target >= 2).
 Before timing anything, both impls generate from the same prompts and the
@@ -83,6 +86,7 @@ def _run(model, cfg: EngineConfig, prompts, new_tokens, profile: bool):
       impl=cfg.impl, num_prompts=len(prompts), prompt_len=len(prompts[0]),
       new_tokens=new_tokens, page_size=cfg.page_size, num_slots=cfg.num_slots,
       max_num_tokens=cfg.max_num_tokens, decode_steps=cfg.decode_steps,
+      scan_layers=cfg.scan_layers,
       steps=st.num_steps,
       prefill_tokens=st.prefill_tokens, decode_tokens=st.decode_tokens,
       prefill_tok_s=st.prefill_tokens_per_s,
@@ -94,6 +98,8 @@ def _run(model, cfg: EngineConfig, prompts, new_tokens, profile: bool):
     for k, v in p.items():
       row[f"{phase}_{k}"] = v
     row[f"{phase}_bookkeeping_frac"] = p["bookkeeping_ms"] / p["step_ms"]
+    row[f"{phase}_bookkeeping_in_jit_frac"] = (p["bookkeeping_in_jit_ms"]
+                                               / p["step_ms"])
   del engine
   gc.collect()
   return row, outputs
@@ -139,6 +145,9 @@ def main(argv=None):
                        "decode (EngineConfig.decode_steps; 1 = one per call; "
                        "default 8, --small 4)")
   ap.add_argument("--no-profile", action="store_true")
+  ap.add_argument("--scan-layers", choices=("auto", "true", "false"),
+                  default="auto",
+                  help="EngineConfig.scan_layers (auto: unstacked on GPU)")
   args = ap.parse_args(argv)
 
   small = args.small
@@ -175,7 +184,9 @@ def main(argv=None):
         page_size=args.page_size, num_slots=num_prompts * blocks + 8,
         max_seqs=num_prompts, max_num_tokens=max(budget, num_prompts),
         max_model_len=blocks * args.page_size, impl=impl,
-        enable_prefix_reuse=False, decode_steps=decode_steps)
+        enable_prefix_reuse=False, decode_steps=decode_steps,
+        scan_layers={"auto": None, "true": True, "false": False}[
+            args.scan_layers])
     row, outputs[impl] = _run(model, cfg, prompts, new_tokens,
                               profile=not args.no_profile)
     rows.append(row)
@@ -202,8 +213,9 @@ def main(argv=None):
   cols = ["impl", "prefill_tok_s", "decode_tok_s", "steps", "compile_s"]
   for phase in ("prefill", "decode"):
     cols += [f"{phase}_{k}" for k in ("step_ms", "attention_ms",
-                                      "bookkeeping_ms", "rest_ms",
-                                      "bookkeeping_frac")]
+                                      "bookkeeping_ms", "bookkeeping_in_jit_ms",
+                                      "rest_ms", "bookkeeping_frac",
+                                      "bookkeeping_in_jit_frac")]
   _timing.print_table(rows, [c for c in cols if any(c in r for r in rows)])
   name = "engine_small" if small else "engine"
   for path in _timing.write_results(name, rows, extra):

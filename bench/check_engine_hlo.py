@@ -78,8 +78,14 @@ def main(argv=None):
                      enable_prefix_reuse=False, decode_steps=4)
   eng = Engine(model, cfg)
   results = []
-  eng._step_fn = Spy(eng._step_fn, "step", eng, results)
-  eng._burst_fn = Spy(eng._burst_fn, "burst", eng, results)
+  spies = {}
+
+  def spy(name, factory):
+    return lambda *flags: spies.setdefault(
+        (name,) + flags, Spy(factory(*flags), f"{name}{flags}", eng, results))
+
+  eng._step_fns = spy("step", eng._step_fns)
+  eng._burst_fns = spy("burst", eng._burst_fns)
   rng = np.random.default_rng(0)
   for _ in range(n):
     eng.add_request(rng.integers(0, mcfg.vocab_size, plen).tolist(),

@@ -5,12 +5,14 @@ kernel durations on the device's stream lines of a `jax.profiler` trace
 (`jax.profiler.ProfileData`, no TensorBoard needed), per call, grouped by
 kernel name.
 
-Targets: `extend` (65,536 slots, page 16, 256 sequences +1 token, as
-bench_cache's extend_free); `decode` / `decode_xla` (Llama-3.2-1B-shaped
-forward of 64 decode tokens at kv ~1,100, bf16). `NCU_SMALL=1` shrinks the
+Targets: `extend` / `extend_noevict` (65,536 slots, page 16, 256 sequences
++1 token, as bench_cache's extend_free; chained calls on a donated state;
+`evict=False` has no `lax.cond`); `decode` / `decode_xla` (Llama-3.2-1B-shaped
+forward of 64 decode tokens at kv ~1,100, bf16, layers scanned) and
+`decode_unstacked` / `decode_xla_unstacked` (the same over unstacked layers). `NCU_SMALL=1` shrinks the
 model for a CPU smoke run (no device lines there).
 
-Usage: `python bench/trace_kernels.py extend decode decode_xla`.
+Usage: `python bench/trace_kernels.py [target ...]` (default: all).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import numpy as np  # noqa: E402
 CALLS = 5
 
 
-def _extend():
+def _extend(evict=True):
+  """Chained donated calls (as inside an engine step: the state is updated in
+  place, no copy of it)."""
   from pkvattn import cache
   cfg = cache.CacheConfig(num_slots=65536, page_size=16, num_layers=32,
                           max_seqs=768, max_pages=256)
@@ -40,19 +44,28 @@ def _extend():
   lens = rng.integers(512, 1536, nd).astype(np.int32)
   toks = rng.integers(0, 32000, (nd, cfg.max_seq_len)).astype(np.int32)
   ids = jnp.arange(nd, dtype=jnp.int32)
-  state = cache.init_cache(cfg)
-  state, _ = cache.claim_batch(state, ids, jnp.asarray(toks), jnp.asarray(lens))
+  state, _ = cache.claim_batch(cache.init_cache(cfg), ids, jnp.asarray(toks),
+                               jnp.asarray(lens))
   one = jnp.ones(nd, jnp.int32)
-  return lambda: cache.extend(state, ids, one)
+  f = jax.jit(lambda st: cache.extend(st, ids, one, evict=evict),
+              donate_argnums=0)
+  box = {"state": state}
+
+  def fn():
+    box["state"], res = f(box["state"])
+    return res
+  return fn
 
 
-def _decode(impl):
+def _decode(impl, unstacked=False):
   from bench.bench_engine import LLAMA_3_2_1B, SMALL
   from pkvattn.flax import AttentionPlan, layer_page_tables
-  from pkvattn.models import forward, init_params
+  from pkvattn.models import forward, init_params, unstack_layers
   mcfg = SMALL if os.environ.get("NCU_SMALL") else LLAMA_3_2_1B
   b, kv, ps = 64, 1100, 16
   params = init_params(mcfg, jax.random.key(0), jnp.bfloat16, scale=0.02)
+  if unstacked:
+    params = unstack_layers(params)
   max_pages = -(-(kv + 16) // ps)
   slot_table = np.random.default_rng(0).permutation(b * max_pages).astype(
       np.int32).reshape(b, max_pages)
@@ -71,8 +84,11 @@ def _decode(impl):
   return fn
 
 
-TARGETS = {"extend": _extend, "decode": lambda: _decode("pallas"),
-           "decode_xla": lambda: _decode("xla")}
+TARGETS = {"extend": _extend, "extend_noevict": lambda: _extend(False),
+           "decode": lambda: _decode("pallas"),
+           "decode_unstacked": lambda: _decode("pallas", True),
+           "decode_xla": lambda: _decode("xla"),
+           "decode_xla_unstacked": lambda: _decode("xla", True)}
 
 
 def trace(name: str) -> dict:
@@ -112,6 +128,6 @@ def trace(name: str) -> dict:
 
 
 if __name__ == "__main__":
-  rows = [trace(t) for t in (sys.argv[1:] or ["extend", "decode", "decode_xla"])]
+  rows = [trace(t) for t in (sys.argv[1:] or list(TARGETS))]
   from bench import _timing
   _timing.write_results("trace_kernels", rows)

@@ -51,6 +51,7 @@ or an orphan (parent evicted and reused) never matches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -123,6 +124,31 @@ def _select(state: CacheState, seq_ids, want_live: bool):
   return idx, valid
 
 
+def _prefix_count(mask):
+  """Inclusive running count of a `bool[n]` mask, `i32[n]` (== cumsum).
+
+  XLA's GPU cumsum of a long vector is a tree of reduce-windows (several
+  kernels); over the slots this is instead two small matmuls: counts within
+  blocks of `_COUNT_BLOCK` by an upper-triangular ones matrix, plus the
+  running total of the preceding blocks. Exact: 0/1 inputs, f32 sums below
+  2**24.
+  """
+  n = mask.shape[0]
+  b = _COUNT_BLOCK
+  if n <= 2 * b:
+    return jnp.cumsum(mask.astype(jnp.int32))
+  m = _cdiv(n, b)
+  x = jnp.pad(mask.astype(jnp.float32), (0, m * b - n)).reshape(m, b)
+  hi = jax.lax.Precision.HIGHEST
+  within = jnp.dot(x, jnp.triu(jnp.ones((b, b), jnp.float32)), precision=hi)
+  before = jnp.dot(within[:, -1],
+                   jnp.triu(jnp.ones((m, m), jnp.float32), k=1), precision=hi)
+  return (within + before[:, None]).reshape(-1)[:n].astype(jnp.int32)
+
+
+_COUNT_BLOCK = 256
+
+
 def _supply(state: CacheState, protected):
   """(free, evictable) slot masks; `protected` slots are never evictable."""
   unref = state.slot_refcount == 0
@@ -131,7 +157,7 @@ def _supply(state: CacheState, protected):
   return free, evictable
 
 
-def _take_slots(state: CacheState, ranks, total, protected):
+def _take_slots(state: CacheState, ranks, total, protected, evict=True):
   """Allocates the blocks numbered by `ranks` (vectorised, no serial scan).
 
   Block `g` (a rank in `[0, total)`) gets the `g`-th slot in allocation order:
@@ -146,6 +172,9 @@ def _take_slots(state: CacheState, ranks, total, protected):
     ranks: `i32[...]`, the allocation rank of each wanted block, -1 = none.
     total: `i32[]`, number of ranks in use (`max(ranks) + 1`).
     protected: `bool[num_slots]`, slots that must not be evicted.
+    evict: static. False: callers guarantee `total <= num_free` and the
+      eviction path is not built (no `lax.cond`, which costs a device-to-host
+      sync on GPU).
 
   Returns:
     `(state, slots)`: `slots i32[...]` like `ranks`, -1 where `ranks < 0`. The
@@ -153,7 +182,7 @@ def _take_slots(state: CacheState, ranks, total, protected):
   """
   num_slots = state.num_slots
   free, evictable = _supply(state, protected)
-  free_cs = jnp.cumsum(free.astype(jnp.int32))
+  free_cs = _prefix_count(free)
   num_free = free_cs[-1]
   want = ranks >= 0
   # The first `k` free slots in index order, by one scatter (no search loop:
@@ -173,6 +202,8 @@ def _take_slots(state: CacheState, ranks, total, protected):
     evict_idx = jnp.clip(ranks - num_free, 0, num_slots - 1)
     return jnp.where(ranks < num_free, from_free(), order[evict_idx])
 
+  if not evict:
+    return state, jnp.where(want, from_free(), -1)
   slots = jax.lax.cond(total > num_free, with_eviction, from_free)
   slots = jnp.where(want, slots, -1)
   evicted = want & (ranks >= num_free)
@@ -457,11 +488,13 @@ def claim_batch(
   )
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("evict",))
 def extend(
     state: CacheState,
     seq_ids: jax.Array,         # i32[n]
     num_new_tokens: jax.Array,  # i32[n]
+    *,
+    evict: bool = True,
 ) -> tuple[CacheState, ExtendResult]:
   """Grows live sequences by `num_new_tokens`, allocating blocks as needed.
 
@@ -475,6 +508,11 @@ def extend(
     seq_ids: `i32[n]`, live ids; -1 = padding.
     num_new_tokens: `i32[n]`, `>= 0`; the new length must stay within
       `max_pages * page_size`.
+    evict: static. True: the supply is free + evictable cached slots. False:
+      free slots only; requests beyond them are refused (`ok=False`) and no
+      cached block is touched. For a caller that knows the free count (an
+      engine's decode burst): this path has no `lax.cond`, hence no
+      device-to-host sync on GPU.
 
   Returns:
     `(state, ExtendResult(ok, num_new_blocks))`; `num_new_blocks` counts the
@@ -502,13 +540,16 @@ def extend(
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
   free, evictable = _supply(state, jnp.zeros((state.num_slots,), bool))
-  supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
+  supply = jnp.sum(free, dtype=jnp.int32)
+  if evict:
+    supply += jnp.sum(evictable, dtype=jnp.int32)
   ok = valid & (jnp.cumsum(need) <= supply)
   need = jnp.where(ok, need, 0)
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(
-      state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
+      state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool),
+      evict=evict)
   new_slots = taken[:, :cfg.max_pages]
   rows = state.seq_slots[idx]
   rows = jnp.where(new_mask, new_slots, rows)

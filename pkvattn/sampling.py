@@ -56,12 +56,18 @@ def sample(
     top_p: jax.Array,        # f32[batch_size], 1 = off
     seeds: jax.Array,        # u32[batch_size]
     indices: jax.Array,      # i32[batch_size], generated-token index (rng stream)
+    *,
+    greedy_only: bool = False,
 ) -> jax.Array:              # i32[batch_size]
   """Samples one token per row; rows with `temperature == 0` take the argmax.
 
   The sort over the vocabulary runs only when some row samples (`lax.cond`).
+  `greedy_only` (static): the caller knows every row is greedy; the argmax
+  alone is built (no `lax.cond`, which costs a device-to-host sync on GPU).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if greedy_only:
+    return greedy
 
   def stochastic(_):
     vocab = logits.shape[-1]

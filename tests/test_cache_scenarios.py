@@ -289,3 +289,33 @@ def test_full_hash_bucket_only_skips_publication():
   st, res = _claim(st, [2, 3], [p + [1], q + [1]])
   np.testing.assert_array_equal(res.num_reused_tokens, [8, 0])
   cache.validate(st)
+
+
+def test_extend_without_eviction_uses_free_slots_only():
+  cfg = _cfg()
+  st0, _ = _setup_cached(cfg)  # 2 free, 4 cached, H (id 2, 8 tokens) live
+  ids = jnp.array([2], jnp.int32)
+  # 4 more tokens: one block, a free one; both variants agree.
+  a, ra = cache.extend(st0, ids, jnp.array([4], jnp.int32))
+  b, rb = cache.extend(st0, ids, jnp.array([4], jnp.int32), evict=False)
+  chex.assert_trees_all_equal((a, ra), (b, rb))
+  # 12 more tokens: three blocks, one past the free ones. With eviction it is
+  # granted; without, refused, and no cached block is touched.
+  a, ra = cache.extend(st0, ids, jnp.array([12], jnp.int32))
+  b, rb = cache.extend(st0, ids, jnp.array([12], jnp.int32), evict=False)
+  assert bool(ra.ok[0]) and not bool(rb.ok[0])
+  assert int(rb.num_new_blocks[0]) == 0
+  chex.assert_trees_all_equal(b, st0)
+  cache.validate(a)
+  cache.validate(b)
+
+
+@pytest.mark.parametrize("n", [1, 7, 512, 513, 1000, 4096])
+def test_prefix_count_equals_cumsum(n):
+  from pkvattn.cache import alloc
+  rng = np.random.default_rng(n)
+  for p in (0.0, 0.3, 1.0):
+    mask = rng.random(n) < p
+    got = jax.jit(alloc._prefix_count)(jnp.asarray(mask))
+    chex.assert_type(got, jnp.int32)
+    np.testing.assert_array_equal(got, np.cumsum(mask))

@@ -192,9 +192,29 @@ def test_profile_reports_split(model):
   engine.add_request([256, 5, 6, 7, 8], SamplingParams(max_new_tokens=3))
   engine.step()
   engine.step()
+  keys = {"step_ms", "attention_ms", "bookkeeping_ms", "bookkeeping_in_jit_ms",
+          "rest_ms"}
   prof = engine.profile(iters=2)
-  assert set(prof) == {"step_ms", "attention_ms", "bookkeeping_ms", "rest_ms"}
-  assert all(prof[k] > 0 for k in ("step_ms", "attention_ms", "bookkeeping_ms"))
+  assert set(prof) == keys
+  assert all(prof[k] > 0 for k in ("step_ms", "attention_ms",
+                                   "bookkeeping_in_jit_ms"))
+  assert prof["bookkeeping_ms"] >= 0
+  # Decoding in bursts: the profiled step is one burst iteration, and
+  # profiling leaves the engine's state alone.
+  burst = Engine(model, dataclasses.replace(CFG, decode_steps=2))
+  burst.add_request([256, 5, 6, 7, 8], SamplingParams(max_new_tokens=6))
+  for _ in range(3):  # admit, prefill, first decode step (commits the prompt)
+    burst.step()
+  assert burst._burst_eligible()
+  before = jax.tree.map(np.asarray, burst.state)
+  prof = burst.profile(iters=2)
+  assert set(prof) == keys and prof["step_ms"] > 0
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray,
+                                                           burst.state), before)
+  assert burst.generate([], SamplingParams()) == []
+  while burst.has_unfinished():
+    burst.step()
+  assert len(burst.get_request(0).output) == 6
 
 
 def test_builtin_gemma2_model_runs():
@@ -207,3 +227,42 @@ def test_builtin_gemma2_model_runs():
   out = engine.generate([prompt], SamplingParams(max_new_tokens=4,
                                                  ignore_eos=True))
   assert len(out[0]) == 4 and all(0 <= t < model.cfg.vocab_size for t in out[0])
+
+
+def test_unstacked_layers_match_scanned():
+  # Gemma 2 (period 2, windows differ per layer): the unrolled loop over
+  # per-layer weights must give the scanned forward's logits and tokens.
+  from pkvattn.models import forward, stack_layers, unstack_layers
+  from pkvattn.flax import AttentionPlan, layer_page_tables
+  model = load_model("tiny-gemma2")
+  mcfg = model.cfg
+  flat = unstack_layers(model.params)
+  assert len(flat["layers"]) == mcfg.num_layers
+  assert unstack_layers(flat) is flat
+  jax.tree.map(np.testing.assert_array_equal, stack_layers(flat), model.params)
+  rng = np.random.default_rng(1)
+  lens = [37, 5]
+  ps, max_pages = 8, 6
+  slots = rng.permutation(len(lens) * max_pages).astype(np.int32).reshape(
+      len(lens), max_pages)
+  q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  plan = AttentionPlan.create(layer_page_tables(jnp.asarray(slots),
+                                                mcfg.num_layers),
+                              q_indptr, np.asarray(lens, np.int32),
+                              int(q_indptr[-1]))
+  tokens = jnp.asarray(rng.integers(0, mcfg.vocab_size, int(q_indptr[-1])),
+                       jnp.int32)
+  pool = jnp.zeros(mcfg.pool_shape(slots.size, ps), jnp.float32)
+  outs = [forward(p, mcfg, tokens, pool, plan, impl="xla")
+          for p in (model.params, flat)]
+  np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="params\\['layers'\\]"):
+    forward(dict(flat, layers=flat["layers"][:1]), mcfg, tokens, pool, plan)
+  ecfg = EngineConfig(page_size=8, num_slots=16, max_seqs=2, max_num_tokens=48,
+                      max_model_len=64, token_buckets=(48,))
+  prompts = [rng.integers(0, 256, n).tolist() for n in (40, 9)]
+  sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+  gen = [Engine(model, dataclasses.replace(ecfg, scan_layers=s)).generate(
+      prompts, sp) for s in (True, False)]
+  assert gen[0] == gen[1]

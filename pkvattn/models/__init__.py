@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from pkvattn.models.decoder import DecoderConfig as DecoderConfig
 from pkvattn.models.decoder import forward as forward
 from pkvattn.models.decoder import init_params as init_params
+from pkvattn.models.decoder import stack_layers as stack_layers
+from pkvattn.models.decoder import unstack_layers as unstack_layers
 from pkvattn.models.hf import HFTokenizer as HFTokenizer
 from pkvattn.models.hf import config_from_hf as config_from_hf
 from pkvattn.models.hf import load_hf_checkpoint as load_hf_checkpoint
@@ -34,7 +36,9 @@ __all__ = [
     "init_params",
     "load_hf_checkpoint",
     "load_model",
+    "stack_layers",
     "tiny_model",
+    "unstack_layers",
 ]
 
 

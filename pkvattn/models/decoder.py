@@ -5,13 +5,22 @@ Qwen2 (qkv bias) and Gemma 2 (alternating local/global layers, attention and
 final logit soft caps, sandwich norms, `(1 + w)` RMSNorm, embeddings scaled by
 `sqrt(hidden_size)`, `query_pre_attn_scalar`, tanh-GeGLU).
 
-Layers run under `lax.scan` over stacked parameters. All layers share ONE pool
+Layers run under `lax.scan` over stacked parameters (`params["layers"]`, each
+leaf with a leading `num_layers` axis). All layers share ONE pool
 `[num_slots * num_layers * 2, page_size, num_kv_heads, head_dim]`; layer `l`
 only gets its own page table (`plan.page_table[l]`, indices already offset by
 the layer, TensorRT-LLM's PER_LAYER mode), so no layer's cache is ever sliced
 out and copied. Models whose layers differ in window (Gemma 2) scan over the
 repeating period of layers (2 for Gemma 2), unrolled inside the scan body, so
 every attention call keeps a static `window_left`.
+
+Unstacked layers (`unstack_layers`, MaxText's `scan_layers=False`): the same
+forward over a tuple of per-layer parameter trees, as a Python loop. On a GPU
+the scanned form pays for it: each iteration's dynamic slice of a stacked
+weight that feeds a cuBLAS matmul is materialised first (a device copy of
+every weight, every step), which at decode batch sizes costs about as much as
+reading the weights. Unstacked weights are read in place; the loop compiles
+`num_layers` copies of the layer (longer compile).
 """
 
 from __future__ import annotations
@@ -146,6 +155,30 @@ def init_params(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32,
   return params
 
 
+def unstack_layers(params):
+  """`params` with `layers` as a tuple of per-layer trees (no leading axis).
+
+  The forward then runs its layers as an unrolled Python loop with every
+  weight its own buffer (module docstring). Idempotent; `stack_layers`
+  inverts it.
+  """
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return params
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  per_layer = tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+                    for i in range(num_layers))
+  return dict(params, layers=per_layer)
+
+
+def stack_layers(params):
+  """Inverse of `unstack_layers` (leading `num_layers` axis on every leaf)."""
+  layers = params["layers"]
+  if not isinstance(layers, (tuple, list)):
+    return params
+  return dict(params, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+
+
 def rms_norm(x, w, eps: float, plus_one: bool):
   """HF RMSNorm: statistics in f32; Llama casts before `* w`, Gemma after `(1 + w)`."""
   xf = x.astype(jnp.float32)
@@ -205,12 +238,14 @@ def forward(
     impl: Implementation | None = None,
     mesh: jax.sharding.Mesh | None = None,
     tp_axis: str | None = None,
+    unroll: int | bool = 1,
 ):
   """Runs the decoder on one ragged token batch, appending its K/V to the pool.
 
   Args:
     params: tree from `init_params` / `load_hf_checkpoint` (its dtype is the
-      compute dtype; the pool must have the same dtype).
+      compute dtype; the pool must have the same dtype), layers stacked
+      (scanned) or unstacked by `unstack_layers` (a Python loop).
     cfg: static architecture.
     tokens: `i32[num_tokens]` token ids; padding tokens (plan batch index -1)
       may hold any id.
@@ -227,6 +262,8 @@ def forward(
     tp_axis: static; with `mesh`, the tensor-parallel axis name (default
       "tp"). Without `mesh`: set only inside `shard_map` (the per-shard body:
       `cfg` / `params` / `kv_cache` are one shard, psum over this axis).
+    unroll: static; `lax.scan`'s `unroll` for stacked layers (counted in
+      periods of `cfg.layer_period` layers).
 
   Returns:
     `(logits f32[n or num_tokens, vocab_size], kv_cache)`.
@@ -257,6 +294,17 @@ def forward(
     # HF Gemma multiplies by the normalizer cast to the activation dtype.
     x = x * jnp.asarray(cfg.embed_scale, dtype)
 
+  if isinstance(params["layers"], (tuple, list)):
+    if len(params["layers"]) != L:
+      raise ValueError(
+          f"Invalid params['layers']: expected {L} per-layer trees, got "
+          f"{len(params['layers'])}")
+    for layer, lp in enumerate(params["layers"]):
+      x, kv_cache = decoder_layer(
+          lp, x, kv_cache, plan.replace(page_table=plan.page_table[layer]),
+          cfg, layer, impl, tp_axis)
+    return _head(params, cfg, x, logits_indices), kv_cache
+
   grouped = jax.tree.map(lambda a: a.reshape(L // p, p, *a.shape[1:]),
                          params["layers"])
   tables = plan.page_table.reshape(L // p, p, *plan.page_table.shape[1:])
@@ -270,7 +318,13 @@ def forward(
                               tp_axis)
     return (h, pool), None
 
-  (x, kv_cache), _ = lax.scan(body, (x, kv_cache), (grouped, tables))
+  (x, kv_cache), _ = lax.scan(body, (x, kv_cache), (grouped, tables),
+                              unroll=unroll)
+  return _head(params, cfg, x, logits_indices), kv_cache
+
+
+def _head(params, cfg: DecoderConfig, x, logits_indices):
+  """Final norm and LM head (f32 logits, final soft cap)."""
   if logits_indices is not None:
     x = jnp.take(x, logits_indices, axis=0)
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -280,7 +334,7 @@ def forward(
   if cfg.final_logit_softcap:
     c = cfg.final_logit_softcap
     logits = c * jnp.tanh(logits / c)
-  return logits, kv_cache
+  return logits
 
 
 def _uses_pallas(impl) -> bool:
