@@ -229,36 +229,38 @@ def _num_free(state):
                  dtype=jnp.int32)
 
 
-def _cache_ops_before(state, seq_tokens, inp: _StepInputs, prefix_reuse: bool):
-  # Most steps commit and release nothing: skip those ops (lax.cond) so the
-  # decode steps pay only for `extend` and the page tables.
-  if prefix_reuse:
-    def do_commit(state):
-      # commit reads tokens[i] for seq_ids[i]: gather each committed row.
-      rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
-      return _cache.commit(state, inp.commit_ids, seq_tokens[rows],
-                           inp.commit_lens)
-    state = lax.cond(jnp.any(inp.commit_ids >= 0), do_commit, lambda s: s,
-                     state)
-  return lax.cond(jnp.any(inp.release_ids >= 0),
-                  lambda s: _cache.release(s, inp.release_ids), lambda s: s,
-                  state)
+@dataclasses.dataclass(frozen=True)
+class _StepOps:
+  """Which cache ops a step runs (static: known on the host, so the compiled
+  step holds no `lax.cond`, each of which costs a device-to-host sync on GPU).
+  Most steps commit, release and admit nothing; each combination seen
+  compiles once per token bucket."""
+  commit: bool = False
+  release: bool = False
+  admit: bool = False
+  greedy_only: bool = True
 
 
-def _cache_ops_after(state, inp: _StepInputs):
+def _cache_ops_before(state, seq_tokens, inp: _StepInputs, ops: _StepOps):
+  if ops.commit:
+    # commit reads tokens[i] for seq_ids[i]: gather each committed row.
+    rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
+    state = _cache.commit(state, inp.commit_ids, seq_tokens[rows],
+                          inp.commit_lens)
+  if ops.release:
+    state = _cache.release(state, inp.release_ids)
+  return state
+
+
+def _cache_ops_after(state, inp: _StepInputs, ops: _StepOps):
   ones = jnp.ones_like(inp.extend_ids)
   state, ext = _cache.extend(state, inp.extend_ids, ones)
-
-  def do_claim(state):
-    return _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
-                              inp.admit_lens, inp.admit_scope)
-
-  def no_claim(state):
+  if ops.admit:
+    state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
+                                      inp.admit_lens, inp.admit_scope)
+  else:
     zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
-    return state, _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
-
-  state, claim = lax.cond(jnp.any(inp.admit_ids >= 0), do_claim, no_claim,
-                          state)
+    claim = _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
   return state, ext, claim
 
 
@@ -273,12 +275,12 @@ def _write_tokens(seq_tokens, inp: _StepInputs, plan: AttentionPlan):
 
 def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
                  tables=None, *, model_cfg: _decoder.DecoderConfig,
-                 cfg: EngineConfig, mesh=None, greedy_only: bool = False):
+                 cfg: EngineConfig, mesh=None, ops: _StepOps = _StepOps()):
   """One engine step. `tables` given (profiling only): the cache ops are
   skipped and these page tables used."""
   bookkeeping = tables is None
   if bookkeeping:
-    state = _cache_ops_before(state, seq_tokens, inp, cfg.enable_prefix_reuse)
+    state = _cache_ops_before(state, seq_tokens, inp, ops)
     tables = _layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
   plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
                               inp.tokens.shape[0])
@@ -287,11 +289,11 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
                                   logits_indices=last, impl=cfg.impl,
                                   mesh=mesh)
   sampled = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                    inp.gen_index, greedy_only=greedy_only)
+                    inp.gen_index, greedy_only=ops.greedy_only)
   sampled = jnp.where(inp.sample_rows, sampled, -1)
   seq_tokens = _write_tokens(seq_tokens, inp, plan)
   if bookkeeping:
-    state, ext, claim = _cache_ops_after(state, inp)
+    state, ext, claim = _cache_ops_after(state, inp, ops)
   else:
     ones = jnp.ones(inp.extend_ids.shape, bool)
     zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
@@ -308,14 +310,14 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
 
 @functools.lru_cache(maxsize=32)
 def _jitted_step(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
-                 mesh=None, greedy_only: bool = False):
-  """One jitted step per (model config, engine config, mesh, greedy_only),
-  shared by engines.
+                 mesh=None, ops: _StepOps = _StepOps()):
+  """One jitted step per (model config, engine config, mesh, ops), shared by
+  engines.
 
   It compiles once per token bucket (the only shape that varies)."""
   return jax.jit(
       functools.partial(_device_step, model_cfg=model_cfg, cfg=cfg, mesh=mesh,
-                        greedy_only=greedy_only),
+                        ops=ops),
       donate_argnums=(1, 2, 3))
 
 
@@ -340,7 +342,7 @@ class _BurstInputs:
 class _BurstOutputs:
   tokens: jax.Array         # i32[decode_steps, max_seqs], -1 = row idle
   preempted: jax.Array      # bool[max_seqs], extend refused: out of slots
-  used_slots: jax.Array     # i32[], peak over the burst
+  used_slots: jax.Array     # i32[], slots referenced during the burst
   num_free: jax.Array       # i32[], free slots at the end
 
 
@@ -351,24 +353,39 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs,
   """`cfg.decode_steps` decode iterations; each is `_device_step` restricted to
   decode rows, with the sampled token fed back on device.
 
+  The cache work is done once, up front (vLLM's multi-step lookahead slots):
+  one `extend` reserves every row's tokens for the whole burst
+  (`min(decode_steps, remaining - 1)` beyond the fed one) and one set of page
+  tables serves every iteration. A row whose reservation is refused (out of
+  slots; all-or-nothing, first come first served) keeps what it had: it runs
+  while its next token has a reserved position, then stops with
+  `preempted=True` (the host recomputes it later).
+
   `greedy_only` / `evict` (static, chosen by the host): all rows greedy / the
   free slots may not cover the burst. With both False the burst has no
   `lax.cond` (no device-to-host sync). `tables` given (profiling only): no
-  cache op runs and these page tables are used in every iteration.
+  cache op runs and these page tables (which must cover the burst) are used.
   """
-  S = cfg.max_seqs
+  S, k = cfg.max_seqs, cfg.decode_steps
   rows = jnp.arange(S, dtype=jnp.int32)
+  if tables is None:
+    grow = jnp.clip(inp.remaining - 1, 0, k)
+    state, _ = _cache.extend(state, jnp.where(inp.active, rows, -1),
+                             jnp.where(inp.active, grow, 0), evict=evict)
+    reserved = state.seq_lens  # tokens with a slot, per row
+    tables = _layer_tables(state, model_cfg.num_layers, S)
+  else:
+    reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
+  peak = jnp.sum(state.slot_refcount > 0, dtype=jnp.int32)
 
   def one(carry, _):
-    pool, state, seq_tokens, active, last, computed, remaining, gen, pre, peak = carry
+    pool, seq_tokens, active, last, computed, remaining, gen, pre = carry
     q_lens = active.astype(jnp.int32)
     q_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
     tokens = jnp.zeros((S,), jnp.int32).at[
         jnp.where(active, q_indptr[:-1], S)].set(last, mode="drop")
     kv_lens = jnp.where(active, computed + 1, 0)
-    step_tables = (_layer_tables(state, model_cfg.num_layers, S)
-                   if tables is None else tables)
-    plan = AttentionPlan.create(step_tables, q_indptr, kv_lens, S)
+    plan = AttentionPlan.create(tables, q_indptr, kv_lens, S)
     logits, pool = _decoder.forward(
         params, model_cfg, tokens, pool, plan,
         logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
@@ -381,25 +398,18 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs,
     computed, gen, remaining = computed + step, gen + step, remaining - step
     stop = jnp.any(tok[:, None] == inp.stop_ids, axis=1) | (remaining <= 0)
     need = active & ~stop
-    if tables is None:
-      state, ext = _cache.extend(state, jnp.where(need, rows, -1),
-                                 jnp.ones((S,), jnp.int32), evict=evict)
-    else:
-      ext = _cache.ExtendResult(jnp.ones((S,), bool), jnp.zeros((S,), jnp.int32))
-    pre = pre | (need & ~ext.ok)
+    fits = computed + 1 <= reserved  # the next fed token has its slot
+    pre = pre | (need & ~fits)
     emitted = jnp.where(active, tok, -1)
     last = jnp.where(active, tok, last)
-    peak = jnp.maximum(peak, jnp.sum(state.slot_refcount > 0, dtype=jnp.int32))
-    carry = (pool, state, seq_tokens, need & ext.ok, last, computed, remaining,
-             gen, pre, peak)
-    return carry, emitted
+    return (pool, seq_tokens, need & fits, last, computed, remaining, gen,
+            pre), emitted
 
-  carry = (pool, state, seq_tokens, inp.active, inp.last, inp.computed,
-           inp.remaining, inp.gen_index, jnp.zeros((S,), bool),
-           jnp.zeros((), jnp.int32))
-  carry, emitted = lax.scan(one, carry, None, length=cfg.decode_steps)
-  pool, state, seq_tokens = carry[:3]
-  return pool, state, seq_tokens, _BurstOutputs(emitted, carry[8], carry[9],
+  carry = (pool, seq_tokens, inp.active, inp.last, inp.computed,
+           inp.remaining, inp.gen_index, jnp.zeros((S,), bool))
+  carry, emitted = lax.scan(one, carry, None, length=k)
+  pool, seq_tokens = carry[:2]
+  return pool, state, seq_tokens, _BurstOutputs(emitted, carry[7], peak,
                                                 _num_free(state))
 
 
@@ -518,11 +528,11 @@ class Engine:
     self._scratch = bool(getattr(self.cache_config, "swa_scratch_active",
                                  self.cache_config.enable_swa_scratch_reuse))
     self._num_free = config.num_slots  # free slots, from the last step
-    # Jitted programs by static variant: (greedy_only) for a step,
+    # Jitted programs by static variant: `_StepOps` for a step,
     # (greedy_only, evict) for a decode burst.
     self._step_fns = functools.partial(_jitted_step, mcfg, config, mesh)
     self._burst_fns = functools.partial(_jitted_burst, mcfg, config, mesh)
-    self._greedy = True  # variant of the last step
+    self._ops = _StepOps()  # variant of the last step
 
     self._requests: dict[int, Request] = {}
     self._waiting: collections.deque[Request] = collections.deque()
@@ -541,7 +551,7 @@ class Engine:
   @property
   def _step_fn(self):
     """The jitted step of the variant the last step used."""
-    return self._step_fns(self._greedy)
+    return self._step_fns(self._ops)
 
   # ------------------------------------------------------------------ API
   def add_request(self, prompt: Sequence[int],
@@ -730,10 +740,15 @@ class Engine:
     self.last_inputs = inputs
     t1 = time.perf_counter()
     # The first step at each bucket size compiles; keep it out of tokens/s.
-    self._greedy = not np.any(inputs.temperature > 0)
-    first = (inputs.tokens.shape[0], self._greedy) not in self._seen_buckets
-    self._seen_buckets.add((inputs.tokens.shape[0], self._greedy))
-    self.pool, self.state, self.seq_tokens, out = self._step_fns(self._greedy)(
+    self._ops = _StepOps(
+        commit=bool(self.config.enable_prefix_reuse
+                    and np.any(inputs.commit_ids >= 0)),
+        release=bool(np.any(inputs.release_ids >= 0)),
+        admit=bool(np.any(inputs.admit_ids >= 0)),
+        greedy_only=not np.any(inputs.temperature > 0))
+    first = (inputs.tokens.shape[0], self._ops) not in self._seen_buckets
+    self._seen_buckets.add((inputs.tokens.shape[0], self._ops))
+    self.pool, self.state, self.seq_tokens, out = self._step_fns(self._ops)(
         self.model.params, self.pool, self.state, self.seq_tokens,
         jax.device_put(inputs, self._inputs_sharding))
     out = jax.device_get(out)  # the one device -> host sync
@@ -933,8 +948,9 @@ class Engine:
         same program with the cache ops removed (page tables precomputed; no
         commit / release / extend / claim);
       * `bookkeeping_in_jit_ms`: the cache ops alone (page tables + commit /
-        release / extend / claim; in a burst, `decode_steps` iterations of
-        page tables + `extend`) in one jit on a donated state, per step;
+        release / extend / claim; in a burst, its one `extend` + page tables,
+        divided by `decode_steps`) in one jit on a donated state, less the
+        time of a trivial jitted call (the dispatch floor), per step;
       * `attention_ms`: every layer's `paged_prefill` on the step's plan (q
         random), alone;
       * `rest_ms = step_ms - attention_ms - bookkeeping_ms` (projections,
@@ -974,7 +990,6 @@ class Engine:
         times.append((time.perf_counter() - t0) * 1e3 / per)
       return float(np.median(times))
 
-    reps = max(k, 32)  # cache-op iterations per timed call (amortise dispatch)
     if burst:
       greedy, evict = self._burst_variant()
       fn = self._burst_fns(greedy, evict)
@@ -989,13 +1004,12 @@ class Engine:
       step_ms = timed(fn, args, per=k)
       bare_ms = timed(fn, lambda: args() + (tables,), per=k)
 
-      def cache_ops(state):
-        def one(state, _):
-          t = _layer_tables(state, L, S)
-          state, ext = _cache.extend(state, ids, jnp.ones((S,), jnp.int32),
-                                     evict=evict)
-          return state, (t, ext.ok)
-        return lax.scan(one, state, None, length=reps)
+      grow = jnp.clip(binp.remaining - 1, 0, k)
+
+      def cache_ops(state):  # as the burst does, once
+        state, ext = _cache.extend(state, ids, jnp.where(ids >= 0, grow, 0),
+                                   evict=evict)
+        return state, _layer_tables(state, L, S), ext.ok
     else:
       fn = self._step_fn
       tables = _layer_tables(self.state, L, S)
@@ -1005,15 +1019,10 @@ class Engine:
       bare_ms = timed(fn, lambda: args() + (tables,))
 
       def cache_ops(state):
-        def one(state, _):
-          state = _cache_ops_before(state, self.seq_tokens, inp,
-                                    cfg.enable_prefix_reuse)
-          t = _layer_tables(state, L, S)
-          state, ext, claim = _cache_ops_after(state, inp)
-          return state, (t, ext.ok, claim.ok)
-        # Repeating the same admissions would be refused after the first;
-        # one iteration is the step's real work.
-        return lax.scan(one, state, None, length=1)
+        state = _cache_ops_before(state, self.seq_tokens, inp, self._ops)
+        t = _layer_tables(state, L, S)
+        state, ext, claim = _cache_ops_after(state, inp, self._ops)
+        return state, t, ext.ok, claim.ok
 
     def attention_only(pool, state, inp):
       tables = _layer_tables(state, L, S)
@@ -1038,12 +1047,14 @@ class Engine:
         q = q + o * 0  # keep the layers sequential, as in the model
       return acc
 
+    floor = timed(jax.jit(lambda st: st.seq_lens + 1, donate_argnums=0),
+                  lambda: (copy(self.state),))
+    ops = timed(jax.jit(cache_ops, donate_argnums=0),
+                lambda: (copy(self.state),))
     result = {
         "step_ms": step_ms,
         "bookkeeping_ms": max(step_ms - bare_ms, 0.0),
-        "bookkeeping_in_jit_ms": timed(
-            jax.jit(cache_ops, donate_argnums=0),
-            lambda: (copy(self.state),), per=reps if burst else 1),
+        "bookkeeping_in_jit_ms": max(ops - floor, 0.0) / (k if burst else 1),
         "attention_ms": timed(jax.jit(attention_only), lambda: (
             self.pool, self.state, inp)),
     }

@@ -49,9 +49,14 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
   sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
   engine = Engine(model, CFG)
   expected = engine.generate(prompts, sp)
-  # One compile per token bucket (decode-only steps: 4 tokens; others: 32).
+  # One compile per token bucket (decode-only steps: 4 tokens; others: 32)
+  # and cache-op variant (commit / release / admit, static: no lax.cond).
   assert CFG.buckets == (4, 32)
-  assert engine._step_fn._cache_size() == 2
+  seen = [v for v in engine._seen_buckets if v[0] != "burst"]
+  assert {b for b, _ in seen} == {4, 32}
+  for ops in {o for _, o in seen}:
+    assert engine._step_fns(ops)._cache_size() == len(
+        [b for b, o in seen if o == ops])
   cache.validate(engine.state)
   assert [len(o) for o in expected] == [16] * len(prompts)
   st = engine.stats
@@ -196,9 +201,8 @@ def test_profile_reports_split(model):
           "rest_ms"}
   prof = engine.profile(iters=2)
   assert set(prof) == keys
-  assert all(prof[k] > 0 for k in ("step_ms", "attention_ms",
-                                   "bookkeeping_in_jit_ms"))
-  assert prof["bookkeeping_ms"] >= 0
+  assert prof["step_ms"] > 0 and prof["attention_ms"] > 0
+  assert prof["bookkeeping_ms"] >= 0 and prof["bookkeeping_in_jit_ms"] >= 0
   # Decoding in bursts: the profiled step is one burst iteration, and
   # profiling leaves the engine's state alone.
   burst = Engine(model, dataclasses.replace(CFG, decode_steps=2))
