@@ -65,11 +65,21 @@ SPECS = {
 CONFIGS = {  # the first sweep (bench/results/rope_append_sweep.json) chose these
     "llama3_8b_prefill_16x4096_bf16": [
         kernel.Config(128, 1, 8), kernel.Config(64, 1, 8),
+        # Heads unrolled (loads of several heads in flight), more programs.
+        kernel.Config(128, 1, 8, unroll=True),
+        kernel.Config(64, 1, 8, unroll=True),
+        kernel.Config(64, 2, 4, unroll=True),
+        kernel.Config(32, 2, 4, unroll=True),
+        kernel.Config(32, 4, 4, unroll=True),
+        kernel.Config(16, 8, 4, unroll=True),
+        kernel.Config(32, 1, 4, num_stages=1, unroll=True),
     ],
     "llama3_8b_decode_256_bf16": [
         kernel.Config(16, 8, 2), kernel.Config(8, 8, 2),
-        kernel.Config(16, 1, 2, one_head=True), kernel.Config(8, 1, 1, one_head=True),
-        kernel.Config(8, 1, 2, one_head=True), kernel.Config(32, 1, 4, one_head=True),
+        kernel.Config(8, 1, 2, one_head=True),
+        kernel.Config(8, 8, 2, unroll=True), kernel.Config(8, 4, 2, unroll=True),
+        kernel.Config(16, 8, 2, unroll=True), kernel.Config(8, 8, 1, unroll=True),
+        kernel.Config(4, 8, 1, unroll=True), kernel.Config(16, 4, 4, unroll=True),
     ],
 }
 
@@ -237,8 +247,11 @@ def main():
     api = [dict(case="api_checks", ok=False, max_err=None,
                 error=traceback.format_exc()[-2000:])]
     print(api[0]["error"], flush=True)
-  roof = _timing.copy_roof_gbps()
-  print(f"copy roof {roof:.1f} GB/s", flush=True)
+  xla_roof = _timing.copy_roof_gbps()
+  torch_roof = _timing.torch_copy_roof_gbps()
+  roof = max(xla_roof, torch_roof or 0.0)
+  print(f"copy roof {roof:.1f} GB/s (xla {xla_roof:.1f}, torch {torch_roof})",
+        flush=True)
   rows = []
   for spec, dims in SPECS.items():
     inputs = make_inputs(**dims)
@@ -254,7 +267,9 @@ def main():
       configs = [kernel.Config.default_for(t, HQ, HKV)]
     cands = [("xla", None, xf)] + [
         (f"pallas_bt{c.block_tokens}_"
-         f"{'onehead' if c.one_head else 's%d' % c.num_splits}_w{c.num_warps}", c,
+         f"{'onehead' if c.one_head else 's%d' % c.num_splits}_w{c.num_warps}"
+         f"{'_st%d' % c.num_stages if c.num_stages != 2 else ''}"
+         f"{'_u' if c.unroll else ''}", c,
          kernel_fn(c)) for c in configs]
     for name, cfg, fn in cands:
       try:
@@ -296,6 +311,8 @@ def main():
       rows.append(row)
   paths = _timing.write_results("rope_append", rows,
                                 extra=dict(copy_roof_gbps=roof,
+                                           xla_copy_roof_gbps=xla_roof,
+                                           torch_copy_roof_gbps=torch_roof,
                                            api_checks=api))
   print("wrote", paths)
   _timing.print_table(rows, ["spec", "impl", "correct", "has_alias",

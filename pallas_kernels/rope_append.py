@@ -61,12 +61,16 @@ class Config:
     num_warps, num_stages: Triton launch parameters.
     one_head: overrides `num_splits`: `num_qo_heads + num_kv_heads` programs per
       tile, each rotating one q head or appending one kv head.
+    unroll: unroll the loop over a program's heads, so the loads of several
+      heads can be in flight at once (a rolled loop waits for each head's
+      loads before the next head's start).
   """
   block_tokens: int = 32
   num_splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
   one_head: bool = False
+  unroll: bool = False
 
   @staticmethod
   def default_for(num_tokens: int, num_qo_heads: int,
@@ -91,7 +95,7 @@ class Config:
 def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
                         num_kv_heads, head_dim, half, block_tokens, num_splits,
                         one_head, interleaved, rotate, has_q, same_pool,
-                        fused):
+                        fused, unroll):
   # Unpack: inputs, then outputs (the aliased pool inputs are unused: the
   # outputs are the same buffers).
   refs = list(refs)
@@ -204,7 +208,7 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
       rotate_head(q_ref, q_out_ref, j * hq_per + hh, 0, tok_ld, tok_st, valid)
       return carry
 
-    lax.fori_loop(0, hq_per, q_body, 0)
+    _loop(hq_per, q_body, unroll)
 
   hkv_per = num_kv_heads // num_splits
 
@@ -212,7 +216,17 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     kv_head(j * hkv_per + hh)
     return carry
 
-  lax.fori_loop(0, hkv_per, kv_body, 0)
+  _loop(hkv_per, kv_body, unroll)
+
+
+def _loop(n: int, body, unroll: bool):
+  """`body(i, None)` for i < n: a Python loop when unrolled (the Triton
+  lowering rejects `fori_loop(unroll=...)`), else a `fori_loop`."""
+  if unroll:
+    for i in range(n):
+      body(i, None)
+  else:
+    lax.fori_loop(0, n, body, None)
 
 
 def check_supported(num_qo_heads: int, num_kv_heads: int,
@@ -278,11 +292,11 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
       head_dim=head_dim, half=half, block_tokens=config.block_tokens,
       num_splits=config.num_splits, one_head=config.one_head,
       interleaved=interleaved, rotate=rotate,
-      has_q=has_q, same_pool=same_pool, fused=fused)
+      has_q=has_q, same_pool=same_pool, fused=fused, unroll=config.unroll)
   head_programs = (num_qo_heads + num_kv_heads if config.one_head
                    else config.num_splits)
   name = (f"rope_append{'_qkv' if fused else ''}_bt{config.block_tokens}"
-          f"_s{head_programs}"
+          f"_s{head_programs}{'_u' if config.unroll else ''}"
           f"_{'gptj' if interleaved else 'neox'}{'' if rotate else '_norope'}")
   with _compat.suppress_triton_deprecation():
     outs = pl.pallas_call(

@@ -378,10 +378,12 @@ def test_append_errors():
                             impl="triton")
 
 
-@pytest.mark.parametrize("interleaved,rot,one_head,fused",
-                         [(False, 128, False, False), (True, 64, True, False),
-                          (False, 128, False, True)])
-def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused):
+@pytest.mark.parametrize("interleaved,rot,one_head,fused,unroll",
+                         [(False, 128, False, False, False),
+                          (True, 64, True, False, False),
+                          (False, 128, False, True, False),
+                          (False, 128, False, False, True)])
+def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll):
   """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): catches
   indexers or ops the Triton lowering rejects without a GPU. Checks the pool
   outputs alias the pool operands."""
@@ -394,7 +396,8 @@ def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused):
           sds((t,), jnp.int32), sds((t,), jnp.int32), sds((rot // 2,), jnp.float32),
           sds((n, ps, hkv, d), jnp.bfloat16), sds((n, ps, hkv, d), jnp.bfloat16)]
   f = functools.partial(kernel.rope_append, interleaved=interleaved,
-                        config=kernel.Config(16, 2, 2, one_head=one_head),
+                        config=kernel.Config(16, 2, 2, one_head=one_head,
+                                             unroll=unroll),
                         interpret=False)
   if fused:  # one [t, (hq + 2 hkv) * d] input replaces q, k, v
     args = [sds((t, (hq + 2 * hkv) * d), jnp.bfloat16)] + args[3:]
@@ -429,7 +432,8 @@ def test_kernel_one_head_config_matches_xla():
                   reference.rope_reference(k, pos, inv, interleaved=False), v,
                   jnp.where(rows < n * ps, 0, -1), pos, *pools,
                   jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n, dtype=jnp.int32)[None]))
-  for cfg in (kernel.Config(8, 2, 1), kernel.Config(16, 1, 1, one_head=True)):
+  for cfg in (kernel.Config(8, 2, 1), kernel.Config(16, 1, 1, one_head=True),
+              kernel.Config(8, 1, 1, unroll=True)):
     actual = kernel.rope_append(q, k, v, pos, rows, rows, inv, *pools,
                                 config=cfg, interpret=True)
     chex.assert_trees_all_close(actual, expected, atol=2e-5)
