@@ -55,6 +55,32 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
   )
 
 
+def device_kernel_ms(fn, make_args, calls: int = 3) -> float:
+  """GPU kernel time of one `fn(*make_args())` call, ms: the sum of kernel and
+  memcpy durations on the device's stream lines of a jax.profiler trace
+  (launch gaps and host time excluded). 0.0 where the trace has no GPU lines
+  (CPU)."""
+  import glob
+  import tempfile
+  jax.block_until_ready(fn(*make_args()))
+  args = [make_args() for _ in range(calls)]
+  jax.block_until_ready(args)
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for a in args:
+    jax.block_until_ready(fn(*a))
+  jax.profiler.stop_trace()
+  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
+                          recursive=True))[-1]
+  total = 0
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if plane.name.startswith("/device:GPU"):
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          total += sum(ev.duration_ns for ev in line.events)
+  return total / calls / 1e6
+
+
 def copy_roof_gbps(num_bytes: int = 2 << 30) -> float:
   """Measured device copy bandwidth, read + write bytes counted, decimal GB/s.
 

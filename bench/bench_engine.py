@@ -16,7 +16,9 @@ Reported per impl:
     the step minus the same program without them), `bookkeeping_in_jit` (the
     same cache ops alone in one jit on a donated state), `rest` (projections,
     MLP, RoPE + append, sampling), in ms, and the bookkeeping share of the
-    step by either measure (target < 2%);
+    step by either measure (target < 2%); on GPU also `device_step_ms` /
+    `device_bookkeeping_ms` (`device_split`: GPU kernel time of the step and
+    of its cache ops compiled alone, from profiler traces);
   * `decode_speedup_vs_xla = decode_tok_s[pallas] / decode_tok_s[xla]` (> 1 =
     pallas faster; target >= 2).
 Before timing anything, both impls generate from the same prompts and the
@@ -64,6 +66,17 @@ SMALL = dataclasses.replace(
     num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=64)
 
 
+def device_split(engine: Engine) -> dict:
+  """GPU kernel time of the next step (one iteration while bursting) and of
+  its cache bookkeeping (the same cache ops compiled alone, on a donated state
+  copy; per iteration in a burst), from jax.profiler traces. GPU only."""
+  prog = engine._profile_programs()
+  step = _timing.device_kernel_ms(prog["step"], prog["step_args"]) / prog["per"]
+  ops = _timing.device_kernel_ms(prog["cache_ops"], prog["cache_ops_args"]) / prog["per"]
+  return dict(device_step_ms=step, device_bookkeeping_ms=ops,
+              device_bookkeeping_frac=ops / step if step else None)
+
+
 def _run(model, cfg: EngineConfig, prompts, new_tokens, profile: bool):
   engine = Engine(model, cfg)
   sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -76,9 +89,13 @@ def _run(model, cfg: EngineConfig, prompts, new_tokens, profile: bool):
     if profile and "prefill" not in prof and st.num_steps == 3:
       # A full-budget step of chunked prefill (plus decode rows).
       prof["prefill"] = engine.profile()
+      if jax.default_backend() == "gpu":
+        prof["prefill"].update(device_split(engine))
     if (profile and "decode" not in prof and st.generated_tokens
         >= len(prompts) * new_tokens // 2):
       prof["decode"] = engine.profile()
+      if jax.default_backend() == "gpu":
+        prof["decode"].update(device_split(engine))
   wall = time.perf_counter() - t0
   outputs = [engine.get_request(i).output for i in ids]
   st = engine.stats
@@ -98,6 +115,8 @@ def _run(model, cfg: EngineConfig, prompts, new_tokens, profile: bool):
     for k, v in p.items():
       row[f"{phase}_{k}"] = v
     row[f"{phase}_bookkeeping_frac"] = p["bookkeeping_ms"] / p["step_ms"]
+    if "device_step_ms" in p:
+      row[f"{phase}_bookkeeping_device_frac"] = p["device_bookkeeping_frac"]
     row[f"{phase}_bookkeeping_in_jit_frac"] = (p["bookkeeping_in_jit_ms"]
                                                / p["step_ms"])
   del engine
@@ -215,7 +234,10 @@ def main(argv=None):
     cols += [f"{phase}_{k}" for k in ("step_ms", "attention_ms",
                                       "bookkeeping_ms", "bookkeeping_in_jit_ms",
                                       "rest_ms", "bookkeeping_frac",
-                                      "bookkeeping_in_jit_frac")]
+                                      "bookkeeping_in_jit_frac",
+                                      "device_step_ms",
+                                      "device_bookkeeping_ms",
+                                      "bookkeeping_device_frac")]
   _timing.print_table(rows, [c for c in cols if any(c in r for r in rows)])
   name = "engine_small" if small else "engine"
   for path in _timing.write_results(name, rows, extra):

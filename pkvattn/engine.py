@@ -214,6 +214,11 @@ class _StepOutputs:
   num_free: jax.Array       # i32[], free slots (unreferenced, not cached)
 
 
+# Name scope of the cache bookkeeping inside the jitted step and burst (shows
+# in profiler traces and HLO metadata).
+CACHE_OPS_SCOPE = "pkvattn_cache_ops"
+
+
 def _layer_tables(state, num_layers: int, max_seqs: int):
   """`i32[num_layers, max_seqs, 2, max_pages]`: each layer's split table.
 
@@ -280,8 +285,9 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
   skipped and these page tables used."""
   bookkeeping = tables is None
   if bookkeeping:
-    state = _cache_ops_before(state, seq_tokens, inp, ops)
-    tables = _layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
+    with jax.named_scope(CACHE_OPS_SCOPE):
+      state = _cache_ops_before(state, seq_tokens, inp, ops)
+      tables = _layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
   plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
                               inp.tokens.shape[0])
   last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
@@ -293,7 +299,8 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
   sampled = jnp.where(inp.sample_rows, sampled, -1)
   seq_tokens = _write_tokens(seq_tokens, inp, plan)
   if bookkeeping:
-    state, ext, claim = _cache_ops_after(state, inp, ops)
+    with jax.named_scope(CACHE_OPS_SCOPE):
+      state, ext, claim = _cache_ops_after(state, inp, ops)
   else:
     ones = jnp.ones(inp.extend_ids.shape, bool)
     zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
@@ -369,11 +376,12 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs,
   S, k = cfg.max_seqs, cfg.decode_steps
   rows = jnp.arange(S, dtype=jnp.int32)
   if tables is None:
-    grow = jnp.clip(inp.remaining - 1, 0, k)
-    state, _ = _cache.extend(state, jnp.where(inp.active, rows, -1),
-                             jnp.where(inp.active, grow, 0), evict=evict)
-    reserved = state.seq_lens  # tokens with a slot, per row
-    tables = _layer_tables(state, model_cfg.num_layers, S)
+    with jax.named_scope(CACHE_OPS_SCOPE):
+      grow = jnp.clip(inp.remaining - 1, 0, k)
+      state, _ = _cache.extend(state, jnp.where(inp.active, rows, -1),
+                               jnp.where(inp.active, grow, 0), evict=evict)
+      reserved = state.seq_lens  # tokens with a slot, per row
+      tables = _layer_tables(state, model_cfg.num_layers, S)
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
   peak = jnp.sum(state.slot_refcount > 0, dtype=jnp.int32)
@@ -935,6 +943,61 @@ class Engine:
     self._waiting.appendleft(req)
 
   # -------------------------------------------------------------- profile
+  def _profile_programs(self) -> dict:
+    """The programs `profile` times, on copies of the current state.
+
+    Keys: `step` (jitted step or burst) with `step_args()` / `bare_args()`
+    (the latter adds precomputed page tables: no cache op runs), `per` (steps
+    per call), `cache_ops` (jitted, donating: the step's cache ops alone) with
+    `cache_ops_args()`, `attention_inputs` (a `_StepInputs` of the step).
+
+    Raises:
+      ValueError: nothing to profile yet (no step run, no burst pending).
+    """
+    cfg, mcfg = self.config, self.model.cfg
+    L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    if self._burst_eligible():
+      # `_schedule` admits, commits and releases nothing in this state: its
+      # inputs are one decode step of the current batch (for attention).
+      attention_inputs = self._schedule()[0]
+      greedy, evict = self._burst_variant()
+      fn = self._burst_fns(greedy, evict)
+      binp = jax.tree.map(jnp.asarray, self._burst_inputs())
+      ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
+      # Tables that already hold the burst's new blocks (timing only).
+      grown, _ = _cache.extend(self.state, ids, jnp.full((S,), k, jnp.int32))
+      tables = _layer_tables(grown, L, S)
+      args = lambda: (self.model.params, copy(self.pool), copy(self.state),
+                      copy(self.seq_tokens), binp)
+      grow = jnp.where(ids >= 0, jnp.clip(binp.remaining - 1, 0, k), 0)
+
+      def cache_ops(state):  # as the burst does, once
+        state, ext = _cache.extend(state, ids, grow, evict=evict)
+        return state, _layer_tables(state, L, S), ext.ok
+      per = k
+    elif self.last_inputs is None:
+      raise ValueError("Invalid call: profile() needs at least one step() first")
+    else:
+      attention_inputs = self.last_inputs
+      inp = jax.tree.map(jnp.asarray, self.last_inputs)
+      fn = self._step_fn
+      tables = _layer_tables(self.state, L, S)
+      args = lambda: (self.model.params, copy(self.pool), copy(self.state),
+                      copy(self.seq_tokens), inp)
+      ops, seq_tokens = self._ops, self.seq_tokens
+
+      def cache_ops(state):
+        state = _cache_ops_before(state, seq_tokens, inp, ops)
+        t = _layer_tables(state, L, S)
+        state, ext, claim = _cache_ops_after(state, inp, ops)
+        return state, t, ext.ok, claim.ok
+      per = 1
+    return dict(step=fn, step_args=args, bare_args=lambda: args() + (tables,),
+                per=per, cache_ops=jax.jit(cache_ops, donate_argnums=0),
+                cache_ops_args=lambda: (copy(self.state),),
+                attention_inputs=jax.tree.map(jnp.asarray, attention_inputs))
+
   def profile(self, iters: int = 10) -> dict:
     """Times the pieces of the next step on copies of the state (GPU runs).
 
@@ -966,19 +1029,10 @@ class Engine:
       raise NotImplementedError(
           "Engine.profile() times a single-device step; got an engine with a "
           "mesh")
-    burst = self._burst_eligible()
-    if burst:
-      # `_schedule` admits, commits and releases nothing in this state: its
-      # inputs are one decode step of the current batch (for attention_ms).
-      last_inputs = self._schedule()[0]
-    elif self.last_inputs is None:
-      raise ValueError("Invalid call: profile() needs at least one step() first")
-    else:
-      last_inputs = self.last_inputs
+    prog = self._profile_programs()
     cfg, mcfg = self.config, self.model.cfg
-    L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
-    inp = jax.tree.map(jnp.asarray, last_inputs)
-    copy = lambda t: jax.tree.map(jnp.copy, t)
+    L, S = mcfg.num_layers, cfg.max_seqs
+    inp = prog["attention_inputs"]
 
     def timed(fn, make_args, per=1):
       jax.block_until_ready(fn(*make_args()))
@@ -990,39 +1044,10 @@ class Engine:
         times.append((time.perf_counter() - t0) * 1e3 / per)
       return float(np.median(times))
 
-    if burst:
-      greedy, evict = self._burst_variant()
-      fn = self._burst_fns(greedy, evict)
-      binp = jax.tree.map(jnp.asarray, self._burst_inputs())
-      ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
-      # Tables that already hold the burst's new blocks (timing only).
-      grown, _ = _cache.extend(self.state, ids,
-                               jnp.full((S,), k, jnp.int32))
-      tables = _layer_tables(grown, L, S)
-      args = lambda: (self.model.params, copy(self.pool), copy(self.state),
-                      copy(self.seq_tokens), binp)
-      step_ms = timed(fn, args, per=k)
-      bare_ms = timed(fn, lambda: args() + (tables,), per=k)
-
-      grow = jnp.clip(binp.remaining - 1, 0, k)
-
-      def cache_ops(state):  # as the burst does, once
-        state, ext = _cache.extend(state, ids, jnp.where(ids >= 0, grow, 0),
-                                   evict=evict)
-        return state, _layer_tables(state, L, S), ext.ok
-    else:
-      fn = self._step_fn
-      tables = _layer_tables(self.state, L, S)
-      args = lambda: (self.model.params, copy(self.pool), copy(self.state),
-                      copy(self.seq_tokens), inp)
-      step_ms = timed(fn, args)
-      bare_ms = timed(fn, lambda: args() + (tables,))
-
-      def cache_ops(state):
-        state = _cache_ops_before(state, self.seq_tokens, inp, self._ops)
-        t = _layer_tables(state, L, S)
-        state, ext, claim = _cache_ops_after(state, inp, self._ops)
-        return state, t, ext.ok, claim.ok
+    per = prog["per"]
+    step_ms = timed(prog["step"], prog["step_args"], per=per)
+    bare_ms = timed(prog["step"], prog["bare_args"], per=per)
+    copy = lambda t: jax.tree.map(jnp.copy, t)
 
     def attention_only(pool, state, inp):
       tables = _layer_tables(state, L, S)
@@ -1049,12 +1074,11 @@ class Engine:
 
     floor = timed(jax.jit(lambda st: st.seq_lens + 1, donate_argnums=0),
                   lambda: (copy(self.state),))
-    ops = timed(jax.jit(cache_ops, donate_argnums=0),
-                lambda: (copy(self.state),))
+    ops = timed(prog["cache_ops"], prog["cache_ops_args"])
     result = {
         "step_ms": step_ms,
         "bookkeeping_ms": max(step_ms - bare_ms, 0.0),
-        "bookkeeping_in_jit_ms": max(ops - floor, 0.0) / (k if burst else 1),
+        "bookkeeping_in_jit_ms": max(ops - floor, 0.0) / per,
         "attention_ms": timed(jax.jit(attention_only), lambda: (
             self.pool, self.state, inp)),
     }
