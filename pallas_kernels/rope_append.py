@@ -75,14 +75,24 @@ class Config:
   @staticmethod
   def default_for(num_tokens: int, num_qo_heads: int,
                   num_kv_heads: int) -> "Config":
-    """Big batches: 128-token tiles, 8 warps, all heads per program (cos/sin
-    once per tile); on an H200 (2026-11-21, Llama-3-8B heads, 65536 tokens)
-    that measured 0.58-0.61 ms vs 0.62-0.75 ms for 16/32/64-token tiles.
+    """Big batches (>= 8192 tokens): 8-token tiles, the heads split over up
+    to 8 programs per tile (as evenly as the head counts allow), each
+    program's head loop unrolled, 4 warps. On an H200 (2026-11-22,
+    Llama-3-8B heads, 65536 tokens; bench/results/rope_append.json): 0.41 ms
+    of kernel time vs 0.47 ms for 128-token tiles with all heads per program
+    (2026-11-21's default); one head per program or 32+ token tiles with
+    splits lose 5-300%.
     Small batches: 8-token tiles with the heads split across programs until
-    ~512 programs fill the GPU (256 decode tokens: 6 us vs 9-16 us for 16/32
-    token tiles or one head per program; bench/results/rope_append.json)."""
+    ~512 programs fill the GPU, 2 warps (256 decode tokens: 5-6 us of kernel
+    time vs 9-16 us for 16/32 token tiles)."""
     if num_tokens >= 8192:
-      return Config(block_tokens=128, num_splits=1, num_warps=8)
+      splits = 1
+      while (splits < 8 and num_kv_heads % (2 * splits) == 0
+             and (num_qo_heads == 0 or num_qo_heads % (2 * splits) == 0)):
+        splits *= 2
+      per_program = (num_qo_heads + num_kv_heads) // splits
+      return Config(block_tokens=8, num_splits=splits, num_warps=4,
+                    unroll=per_program <= 16)
     block_tokens = 8
     tiles = -(-num_tokens // block_tokens)
     splits = 1
