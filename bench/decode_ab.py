@@ -69,7 +69,7 @@ def main(argv=None):
     for c in args.configs.split(","):
       cfg = parse_config(c, spec)
       fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
-          q, k, v, t, t, n, sm_scale=scale, config=cfg))
+          q, k, v, t, t, n, sm_scale=scale, config=cfg)[0])
       err = rel_err(fn(q, k, v, table, kv_lens), want)
       if not err < 2e-2:
         raise AssertionError(f"{name} {c}: rel_err {err}")
