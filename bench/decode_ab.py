@@ -70,7 +70,11 @@ def main(argv=None):
       cfg = parse_config(c, spec)
       fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
           q, k, v, t, t, n, sm_scale=scale, config=cfg)[0])
-      err = rel_err(fn(q, k, v, table, kv_lens), want)
+      try:
+        err = rel_err(fn(q, k, v, table, kv_lens), want)
+      except Exception as e:  # noqa: BLE001  (e.g. over shared memory)
+        print(f"{name} {c}: skipped, {type(e).__name__}: {str(e)[:200]}")
+        continue
       if not err < 2e-2:
         raise AssertionError(f"{name} {c}: rel_err {err}")
       fns[c] = (cfg, fn)
