@@ -366,13 +366,15 @@ def _set_scratch(state: CacheState, row_idx, plan: _StepPlan, slots):
   )
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("evict",))
 def claim_batch(
     state: CacheState,
     seq_ids: jax.Array,                   # i32[n]
     tokens: jax.Array,                    # i32[n, max_len]
     lengths: jax.Array,                   # i32[n]
     reuse_scope: jax.Array | None = None,  # i32[n]
+    *,
+    evict: bool = True,
 ) -> tuple[CacheState, ClaimResult]:
   """Admits a batch of new sequences with prefix reuse (two-phase claim).
 
@@ -395,6 +397,9 @@ def claim_batch(
       max_pages * page_size)`; the sequence reserves this many tokens.
     reuse_scope: `i32[n]` salt (tenant / adapter); blocks are shared only
       within one scope. `None` = scope 0 for all.
+    evict: static. False: phase 2 takes free slots only (requests beyond
+      them are refused, no cached block is evicted) and builds no `lax.cond`
+      (a device-to-host sync on GPU); for callers that know the free count.
 
   Returns:
     `(state, ClaimResult)` with, per request, `ok`, `num_reused_tokens` (a
@@ -455,12 +460,15 @@ def claim_batch(
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
   free, evictable = _supply(state, protected)
-  supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
+  supply = jnp.sum(free, dtype=jnp.int32)
+  if evict:
+    supply += jnp.sum(evictable, dtype=jnp.int32)
   ok = valid & (jnp.cumsum(need) <= supply)
   need = jnp.where(ok, need, 0)
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
-  state, taken = _take_slots(state, ranks, jnp.sum(need), protected)
+  state, taken = _take_slots(state, ranks, jnp.sum(need), protected,
+                             evict=evict)
 
   row = jnp.where(new_mask, taken[:, :cfg.max_pages], -1)
   if nbt > 0:

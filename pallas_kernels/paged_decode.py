@@ -85,8 +85,10 @@ class Config:
 
     * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
       small pages are gathered several at a time. 32-token steps lose up to
-      30% when few programs are resident (too few bytes in flight); 128 is
-      within noise of 64 on the H200 sweep.
+      30% when few programs are resident (too few bytes in flight). With
+      many programs (>= 8 per SM, e.g. 256 sequences x 8 kv heads) 128-token
+      steps at head_dim <= 128: 4% less kernel time there, 11% more at 512
+      programs (H200 interleaved A/B, 2026-11-22, bench/decode_ab.py).
     * 4 warps, 3 pipeline stages: 8 warps lose 5-25%, and 3 stages were
       the most consistent choice across the four Llama-3-8B decode shapes.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
@@ -95,9 +97,11 @@ class Config:
       longest sequence, so short contexts are not split into empty programs.
       With one split the kernel writes the final output itself (no combine).
     """
-    block_tokens = 32 if head_dim > 128 else 64
-    pages_per_block = max(1, block_tokens // page_size)
     programs = batch_size * num_kv_heads
+    block_tokens = 32 if head_dim > 128 else 64
+    if head_dim <= 128 and programs >= 8 * num_sms:
+      block_tokens = 128
+    pages_per_block = max(1, block_tokens // page_size)
     want = _next_pow2(max(1, -(-2 * num_sms // programs)))
     max_steps = max(1, -(-max_pages // pages_per_block))
     cap = _next_pow2(max(1, max_steps // 2))

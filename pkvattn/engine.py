@@ -244,6 +244,7 @@ class _StepOps:
   release: bool = False
   admit: bool = False
   greedy_only: bool = True
+  evict: bool = True   # False: the free slots cover extend + claim
 
 
 def _cache_ops_before(state, seq_tokens, inp: _StepInputs, ops: _StepOps):
@@ -259,10 +260,11 @@ def _cache_ops_before(state, seq_tokens, inp: _StepInputs, ops: _StepOps):
 
 def _cache_ops_after(state, inp: _StepInputs, ops: _StepOps):
   ones = jnp.ones_like(inp.extend_ids)
-  state, ext = _cache.extend(state, inp.extend_ids, ones)
+  state, ext = _cache.extend(state, inp.extend_ids, ones, evict=ops.evict)
   if ops.admit:
     state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
-                                      inp.admit_lens, inp.admit_scope)
+                                      inp.admit_lens, inp.admit_scope,
+                                      evict=ops.evict)
   else:
     zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
     claim = _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
@@ -748,12 +750,19 @@ class Engine:
     self.last_inputs = inputs
     t1 = time.perf_counter()
     # The first step at each bucket size compiles; keep it out of tokens/s.
+    # Slots the step may take: one per extended row, every admitted
+    # prompt's blocks. Releases only add free slots (commits none), so the
+    # last step's free count is a lower bound.
+    ps = self.config.page_size
+    need = int(np.sum(inputs.extend_ids >= 0)) + int(np.sum(
+        np.where(inputs.admit_ids >= 0, -(-inputs.admit_lens // ps), 0)))
     self._ops = _StepOps(
         commit=bool(self.config.enable_prefix_reuse
                     and np.any(inputs.commit_ids >= 0)),
         release=bool(np.any(inputs.release_ids >= 0)),
         admit=bool(np.any(inputs.admit_ids >= 0)),
-        greedy_only=not np.any(inputs.temperature > 0))
+        greedy_only=not np.any(inputs.temperature > 0),
+        evict=self._scratch or need > self._num_free)
     first = (inputs.tokens.shape[0], self._ops) not in self._seen_buckets
     self._seen_buckets.add((inputs.tokens.shape[0], self._ops))
     self.pool, self.state, self.seq_tokens, out = self._step_fns(self._ops)(

@@ -319,3 +319,24 @@ def test_prefix_count_equals_cumsum(n):
     got = jax.jit(alloc._prefix_count)(jnp.asarray(mask))
     chex.assert_type(got, jnp.int32)
     np.testing.assert_array_equal(got, np.cumsum(mask))
+
+
+def test_claim_without_eviction_uses_free_slots_only():
+  cfg = _cfg()
+  st0, a = _setup_cached(cfg)  # 2 free, 4 cached (A's two blocks among them)
+  # A again (reuses its 2 cached blocks) + 4 tokens: 1 new block, free: both
+  # variants agree, reuse included.
+  prompt = a[:8] + _rand(9, 4)
+  ra_st, ra = _claim(st0, [3], [prompt])
+  rb_st, rb = cache.claim_batch(st0, jnp.asarray([3], jnp.int32), _tok([prompt]),
+                                jnp.asarray([12], jnp.int32), evict=False)
+  chex.assert_trees_all_equal((ra_st, ra), (rb_st, rb))
+  assert int(rb.num_reused_tokens[0]) == 8
+  # 12 fresh tokens: 3 blocks, one past the free ones.
+  x = _rand(4, 12)
+  st_e, re_ = _claim(st0, [3], [x])
+  st_n, rn = cache.claim_batch(st0, jnp.asarray([3], jnp.int32), _tok([x]),
+                               jnp.asarray([12], jnp.int32), evict=False)
+  assert bool(re_.ok[0]) and not bool(rn.ok[0])
+  chex.assert_trees_all_equal(st_n, st0)
+  cache.validate(st_e)

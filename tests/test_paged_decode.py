@@ -281,3 +281,6 @@ def test_default_config_heuristics():
   c = kernel.Config.default_for(batch_size=1, num_kv_heads=1, page_size=64,
                                 max_pages=2, head_dim=64)
   assert c.k_splits == 1  # too short to split
+  c = kernel.Config.default_for(batch_size=256, num_kv_heads=8, page_size=16,
+                                max_pages=64, head_dim=128)
+  assert (c.pages_per_block, c.k_splits) == (8, 1)  # many programs: 128 tokens
