@@ -12,27 +12,23 @@ on the same inputs, feeding the returned cache into the next call. Before any
 timing, each kernel config is checked against the XLA path on a NaN-filled
 cache (written rows equal, every other row still NaN).
 
-Two times per row: `median_ms` is one jitted call per step (host dispatch
-included, which dominates the 256-token decode batch), `device_ms` is a step
-of `steps` calls unrolled inside one jit (q and cache fed forward), i.e. device
-time. `achieved_gbps = bytes_moved / device_ms`,
-`speedup_vs_xla = device_ms[xla] / device_ms[impl]` (> 1 = faster than XLA),
-`speedup_vs_xla_dispatch` the same on `median_ms`,
-`frac_of_copy_roof = achieved_gbps / copy_roof_gbps`.
+Three times per row: `kernel_ms` is the GPU kernel time of one call from a
+jax.profiler trace (the rate and speedup columns use it), `device_ms` a step of
+`steps` calls unrolled inside one jit (q and cache fed forward; one dispatch
+per `steps` and the launch gaps included), `median_ms` one jitted call per step
+(host dispatch included, which dominates the 256-token decode batch).
+`achieved_gbps = bytes_moved / kernel_ms`, `speedup_vs_xla = kernel_ms[xla] /
+kernel_ms[impl]` (> 1 = faster than XLA; `_device` and `_dispatch` variants on
+the other times), `frac_of_copy_roof = achieved_gbps / copy_roof_gbps`, the
+roof being the better of an XLA u32 op and torch's `copy_` in the same run.
 
-Results (NVIDIA H200, jax 0.11.2, 2026-11-21; bench/results/rope_append.json,
-first sweep in rope_append_sweep.json). Copy roof measured 3382 GB/s in that run
-(2568 and 2974 GB/s in two earlier runs the same evening: the machine varies).
-  prefill 65536 tokens: kernel 0.583 ms device (2761 GB/s, 0.82x roof), XLA
-    1.388 ms: 2.4x (per-call times 0.564 vs 1.610 ms: 2.9x).
-  decode 256 tokens: kernel 6.0 us device (8-token tiles x 8 head splits), XLA
-    12.2 us: 2.0x; per call both are host-bound (52 vs 71 us).
-The >= 3x-over-XLA target is missed and cannot be met against this XLA path on
-prefill: XLA moves the same bytes at 1160 GB/s (its q rotation, 2/3 of the
-bytes, is one fusion near the roof; the k rotation + two scatters add the rest),
-so even a kernel at 100% of the measured roof (0.476 ms) would be 2.9x. Decode
-at 6 us is latency-bound (launch plus a dependent load -> store chain per head),
-not bandwidth-bound.
+Results (NVIDIA H200, jax 0.11.2, 2026-11-22; bench/results/rope_append.json).
+Copy roof 4245 GB/s (torch `copy_`).
+  prefill 65536 tokens: default (8-token tiles, 8 head splits, unrolled) 0.409
+    ms kernel time, 3937 GB/s (0.93x roof); XLA 1.303 ms: 3.19x.
+  decode 256 tokens: 5.4-6.3 us kernel time across configs, XLA 11.4 us:
+    1.8-2.1x. Latency-bound (launch, then a dependent load -> store chain per
+    head; 6.3 MB is 1.5 us at the roof), so the 3x target is missed here.
 
 Run: `PYTHONUNBUFFERED=1 python -m bench.bench_rope_append [--default]`
 (`--default` times only `Config.default_for`, not the sweep).
