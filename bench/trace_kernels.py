@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 CALLS = 5
 
 
-def _extend(evict=True):
+def _extend(evict=True, branchless=False):
   """Chained donated calls (as inside an engine step: the state is updated in
   place, no copy of it)."""
   from pkvattn import cache
@@ -47,8 +47,16 @@ def _extend(evict=True):
   state, _ = cache.claim_batch(cache.init_cache(cfg), ids, jnp.asarray(toks),
                                jnp.asarray(lens))
   one = jnp.ones(nd, jnp.int32)
-  f = jax.jit(lambda st: cache.extend(st, ids, one, evict=evict),
-              donate_argnums=0)
+  from pkvattn.cache import alloc
+
+  def call(st):
+    old, alloc._BRANCHLESS_EVICTION = alloc._BRANCHLESS_EVICTION, branchless
+    try:
+      # The unjitted body: the flag is read when this outer jit traces it.
+      return cache.extend.__wrapped__(st, ids, one, evict=evict)
+    finally:
+      alloc._BRANCHLESS_EVICTION = old
+  f = jax.jit(call, donate_argnums=0)
   box = {"state": state}
 
   def fn():
@@ -85,6 +93,7 @@ def _decode(impl, unstacked=False):
 
 
 TARGETS = {"extend": _extend, "extend_noevict": lambda: _extend(False),
+           "extend_branchless": lambda: _extend(True, True),
            "decode": lambda: _decode("pallas"),
            "decode_unstacked": lambda: _decode("pallas", True),
            "decode_xla": lambda: _decode("xla"),

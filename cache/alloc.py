@@ -147,6 +147,9 @@ def _prefix_count(mask):
 
 
 _COUNT_BLOCK = 256
+# True: the eviction order (a sort over the slots) is computed on every
+# allocation instead of under a `lax.cond` (read at trace time).
+_BRANCHLESS_EVICTION = False
 
 
 def _supply(state: CacheState, protected):
@@ -204,7 +207,10 @@ def _take_slots(state: CacheState, ranks, total, protected, evict=True):
 
   if not evict:
     return state, jnp.where(want, from_free(), -1)
-  slots = jax.lax.cond(total > num_free, with_eviction, from_free)
+  if _BRANCHLESS_EVICTION:
+    slots = with_eviction()
+  else:
+    slots = jax.lax.cond(total > num_free, with_eviction, from_free)
   slots = jnp.where(want, slots, -1)
   evicted = want & (ranks >= num_free)
   state = _unpublish(state, jnp.where(evicted, slots, -1))
