@@ -156,25 +156,9 @@ def extra_roofs(num_bytes=2 << 30):
     del x
   except Exception:  # noqa: BLE001
     traceback.print_exc()
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-    a = torch.randn(num_bytes // 2, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    for _ in range(3):
-      b.copy_(a)
-    times = []
-    for _ in range(20):
-      e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-      e0.record()
-      b.copy_(a)
-      e1.record()
-      torch.cuda.synchronize()
-      times.append(e0.elapsed_time(e1))
-    res["torch_copy"] = 2 * num_bytes / (float(np.median(times)) * 1e-3) / 1e12
-    del a, b
-    torch.cuda.empty_cache()
-  except Exception:  # noqa: BLE001
-    traceback.print_exc()
+  torch_copy = _timing.torch_copy_roof_gbps(num_bytes)
+  if torch_copy:
+    res["torch_copy"] = torch_copy / 1e3
   return res
 
 
