@@ -26,11 +26,16 @@ Each `step()`:
 Multi-step decode (`EngineConfig.decode_steps > 1`): when every running request
 is decoding and nothing waits for a free row, `decode_steps` decode iterations
 run in one device call (`lax.scan`, sampled tokens fed back on device, stop
-tokens / max lengths / `extend` checked on device), amortising the host work.
+tokens / max lengths checked on device; one `extend` up front reserves the
+burst's tokens and one set of page tables serves it), amortising the host work.
 
 Shapes are static: the step is padded to a token bucket (`token_buckets`,
 default `(max_seqs, max_num_tokens)`: decode-only steps use the small one), so
-the step compiles once per bucket and never retraces on batch contents. With
+the step compiles once per bucket and never retraces on batch contents. What
+the host knows is static too (`_StepOps`: which of commit / release / claim
+run, greedy-only sampling, whether eviction can be needed), so no compiled
+step or burst holds a `lax.cond` (a device-to-host sync on GPU); each variant
+seen compiles once per bucket. With
 SWA scratch reuse active (issue 5's cache; all-SWA models) a prompt is
 prefilled in one step, because scratch blocks live for one step only.
 
