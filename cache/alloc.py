@@ -2,9 +2,14 @@
 
 Every function is `f(state, ...) -> (state, result)` (`commit` and `release`
 return the state only), jitted once per `CacheConfig` (the config is a static
-field of the state pytree) and free of host syncs and Python loops over
-requests: per-request work is masks, `cumsum`, one sort or binary search over
-the slots, and masked scatters.
+field of the state pytree) and free of Python loops over requests: per-request
+work is masks, `cumsum`, one sort or binary search over the slots, and masked
+scatters. The one data-dependent branch is the LRU eviction sort, under a
+`lax.cond` taken only when the free slots run out; on GPU its predicate is read
+by the host. `extend` and `claim_batch` take `evict=False` (static) for callers
+that know the free count covers the call: no eviction, no cond (the engine's
+steps). A branch-free sort every call measured 60.5 us vs 35.6 us for
+`extend` on an H200 (`_BRANCHLESS_EVICTION`).
 
 Common rules:
   * `seq_ids` entries equal to `NULL_SEQ = -1` are padding: `ok=False`, no
