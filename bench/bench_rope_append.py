@@ -47,7 +47,6 @@ import numpy as np
 
 from bench import _timing
 import pkvattn
-from pkvattn.pallas_kernels import reference
 from pkvattn.pallas_kernels import rope_append as kernel
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -64,8 +63,9 @@ CONFIGS = {  # sweeps: bench/results/rope_append_sweep.json, then 2026-11-22
         kernel.Config(16, 8, 4, unroll=True), kernel.Config(8, 8, 2, unroll=True),
     ],
     "llama3_8b_decode_256_bf16": [
-        kernel.Config(8, 1, 2, one_head=True), kernel.Config(4, 1, 1, one_head=True),
-        kernel.Config(4, 8, 2, unroll=True),
+        kernel.Config(8, 8, 2),  # the 2026-11-21 default
+        kernel.Config(8, 1, 2, one_head=True), kernel.Config(4, 8, 2, unroll=True),
+        kernel.Config(4, 8, 4, unroll=True), kernel.Config(16, 8, 4, unroll=True),
     ],
 }
 
@@ -101,11 +101,10 @@ def kernel_fn(config):
   inv_freq = jnp.asarray(ROPE.inv_freq(D))
 
   def f(q, k, v, bi, pos, cache, table):
-    n = cache[0].shape[0]
-    k_rows = reference.append_rows(bi, pos, table, PAGE, n)
-    q, kp, vp = kernel.rope_append(q, k, v, pos, k_rows, k_rows, inv_freq,
+    # Rows looked up in the kernel (as `apply_rope_and_append` does).
+    q, kp, vp = kernel.rope_append(q, k, v, pos, None, None, inv_freq,
                                    cache[0], cache[1], interleaved=False,
-                                   config=config)
+                                   config=config, paged=(bi, table, "shared"))
     return q, (kp, vp)
   return jax.jit(f, donate_argnums=(5,))
 

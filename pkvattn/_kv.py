@@ -36,6 +36,13 @@ class KVView:
   k_table: jax.Array  # i32[batch_size, max_pages]
   v_table: jax.Array  # i32[batch_size, max_pages]
   fmt: Format
+  table: jax.Array | None = None  # the caller's table, int32 (kernels that
+  #                                 read it in place: no k/v slices)
+
+  @property
+  def table_kind(self) -> str:
+    """How `table` maps to pool pages: "split" (pool), "flashinfer", "shared"."""
+    return {"pool": "split", "flashinfer": "flashinfer"}.get(self.fmt, "shared")
 
   @property
   def same_pool(self) -> bool:
@@ -98,7 +105,7 @@ def make_view(kv_cache, page_table) -> KVView:
     pool = kv_cache
     _check_pool(pool, "kv_cache")
     table = page_table.astype(jnp.int32)
-    return KVView(pool, pool, table[:, 0], table[:, 1], fmt)
+    return KVView(pool, pool, table[:, 0], table[:, 1], fmt, table)
   if page_table.ndim != 2:
     raise ValueError(
         f"Invalid shape of page_table: kv_cache format {fmt!r} needs a shared "
@@ -109,14 +116,14 @@ def make_view(kv_cache, page_table) -> KVView:
     _check_pool(k_pages, "k_pages")
     _checks.check_shape(v_pages, k_pages.shape, "v_pages")
     _checks.check_same_dtype(v_pages, k_pages, "v_pages", "k_pages")
-    return KVView(k_pages, v_pages, table, table, fmt)
+    return KVView(k_pages, v_pages, table, table, fmt, table)
   # flashinfer: [num_pages, 2, ...] -> [2 * num_pages, ...] is a free reshape.
   n, _, ps, h, d = kv_cache.shape
   pool = kv_cache.reshape(2 * n, ps, h, d)
   _check_pool(pool, "kv_cache")
   k_table = jnp.where(table >= 0, 2 * table, -1)
   v_table = jnp.where(table >= 0, 2 * table + 1, -1)
-  return KVView(pool, pool, k_table, v_table, fmt)
+  return KVView(pool, pool, k_table, v_table, fmt, table)
 
 
 def rebuild(view: KVView, k_pool, v_pool=None):

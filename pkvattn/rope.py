@@ -265,12 +265,10 @@ def _append_checks(k, v, batch_indices, positions, view: _kv.KVView):
   _check_index(positions, "positions", num_tokens)
 
 
-def _rows(view: _kv.KVView, batch_indices, positions):
-  n = view.k_pool.shape[0]
-  ps = view.page_size
-  k_rows = reference.append_rows(batch_indices, positions, view.k_table, ps, n)
-  v_rows = reference.append_rows(batch_indices, positions, view.v_table, ps, n)
-  return k_rows, v_rows
+def _paged(view: _kv.KVView, batch_indices):
+  """The kernel's in-place table lookup: `(batch_indices, table, table_kind)`
+  (rows computed in the kernel, `reference.append_rows`' rule)."""
+  return (batch_indices, view.table, view.table_kind)
 
 
 def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
@@ -286,13 +284,13 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
         None if view.same_pool else view.v_pool, view.k_table, view.v_table)
     return q, _kv.rebuild(view, k_pool, v_pool)
   from pkvattn.pallas_kernels import rope_append as kernel
-  k_rows, v_rows = _rows(view, batch_indices, positions)
   try:
     q_out, k_pool, v_pool = kernel.rope_append(
-        q, k, v, positions, k_rows, v_rows,
+        q, k, v, positions, None, None,
         None if inv_freq is None else jnp.asarray(inv_freq),
         view.k_pool, None if view.same_pool else view.v_pool,
-        interleaved=interleaved, interpret=not _checks.is_gpu())
+        interleaved=interleaved, interpret=not _checks.is_gpu(),
+        paged=_paged(view, batch_indices))
   except NotImplementedError:
     if impl == "pallas":  # named explicitly: re-raise
       raise
@@ -444,12 +442,11 @@ def apply_rope_and_append_qkv(
   heads = qkv.reshape(num_tokens, num_qo_heads + 2 * hkv, d)
   if impl != "xla":
     from pkvattn.pallas_kernels import rope_append as kernel
-    k_rows, v_rows = _rows(view, batch_indices, positions)
     try:
       q_out, k_pool, v_pool = kernel.rope_append_qkv(
-          qkv, positions, k_rows, v_rows, jnp.asarray(inv_freq), view.k_pool,
+          qkv, positions, None, None, jnp.asarray(inv_freq), view.k_pool,
           None if view.same_pool else view.v_pool, interleaved=interleaved,
-          interpret=not _checks.is_gpu())
+          interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices))
       return q_out, _kv.rebuild(view, k_pool, v_pool)
     except NotImplementedError:
       if impl == "pallas":

@@ -378,12 +378,13 @@ def test_append_errors():
                             impl="triton")
 
 
-@pytest.mark.parametrize("interleaved,rot,one_head,fused,unroll",
-                         [(False, 128, False, False, False),
-                          (True, 64, True, False, False),
-                          (False, 128, False, True, False),
-                          (False, 128, False, False, True)])
-def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll):
+@pytest.mark.parametrize("interleaved,rot,one_head,fused,unroll,paged",
+                         [(False, 128, False, False, False, False),
+                          (True, 64, True, False, False, False),
+                          (False, 128, False, True, False, False),
+                          (False, 128, False, False, True, True)])
+def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll,
+                                 paged):
   """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): catches
   indexers or ops the Triton lowering rejects without a GPU. Checks the pool
   outputs alias the pool operands."""
@@ -399,12 +400,22 @@ def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll):
                         config=kernel.Config(16, 2, 2, one_head=one_head,
                                              unroll=unroll),
                         interpret=False)
+  if paged:  # rows looked up in the kernel from a split table
+    table = sds((4, 2, n // 4), jnp.int32)
+    args = args[:4] + [args[4], args[6], args[7], args[8], table]
+
+    def f(q, k, v, pos, bi, inv, kp, vp, table):
+      return kernel.rope_append(q, k, v, pos, None, None, inv, kp, vp,
+                                interleaved=interleaved,
+                                config=kernel.Config(16, 2, 2, unroll=unroll),
+                                interpret=False, paged=(bi, table, "split"))
+    donate = (6, 7)
   if fused:  # one [t, (hq + 2 hkv) * d] input replaces q, k, v
     args = [sds((t, (hq + 2 * hkv) * d), jnp.bfloat16)] + args[3:]
     f = functools.partial(kernel.rope_append_qkv, interleaved=interleaved,
                           interpret=False)
     donate = (5, 6)
-  else:
+  elif not paged:
     donate = (7, 8)
   exp = export.export(
       jax.jit(f, donate_argnums=donate), platforms=["cuda"],
