@@ -82,10 +82,12 @@ class Config:
     of kernel time vs 0.47 ms for 128-token tiles with all heads per program
     (2026-11-21's default); one head per program or 32+ token tiles with
     splits lose 5-300%.
-    Small batches: 8-token tiles with the heads split across programs until
-    ~512 programs fill the GPU, the head loop unrolled, 4 warps (256 decode
-    tokens: 3.2 us of kernel time vs 4.1 us rolled with 2 warps and 9-16 us
-    for 16/32-token tiles)."""
+    Small batches: 8-token tiles (4 up to 512 tokens) with the heads split
+    across programs until ~512 programs fill the GPU, the head loop unrolled,
+    4 warps. 256 decode tokens, rows looked up in the kernel: 3.7 us of
+    kernel time with 4-token tiles, 4.0 us with 8, 5.2 us for the rolled
+    2-warp loop of 2026-11-21, 4.8-5.9 us for 16-token tiles or one head per
+    program."""
     if num_tokens >= 8192:
       splits = 1
       while (splits < 8 and num_kv_heads % (2 * splits) == 0
@@ -94,7 +96,7 @@ class Config:
       per_program = (num_qo_heads + num_kv_heads) // splits
       return Config(block_tokens=8, num_splits=splits, num_warps=4,
                     unroll=per_program <= 16)
-    block_tokens = 8
+    block_tokens = 4 if num_tokens <= 512 else 8
     tiles = -(-num_tokens // block_tokens)
     splits = 1
     while (tiles * splits < 512 and num_kv_heads % (2 * splits) == 0
