@@ -25,10 +25,12 @@ roof being the better of an XLA u32 op and torch's `copy_` in the same run.
 Results (NVIDIA H200, jax 0.11.2, 2026-11-22; bench/results/rope_append.json).
 Copy roof 4245 GB/s (torch `copy_`).
   prefill 65536 tokens: default (8-token tiles, 8 head splits, unrolled) 0.409
-    ms kernel time, 3937 GB/s (0.93x roof); XLA 1.303 ms: 3.19x.
-  decode 256 tokens: 5.4-6.3 us kernel time across configs, XLA 11.4 us:
-    1.8-2.1x. Latency-bound (launch, then a dependent load -> store chain per
-    head; 6.3 MB is 1.5 us at the roof), so the 3x target is missed here.
+    ms kernel time, 3934 GB/s (0.93x roof); XLA 1.301 ms: 3.18x.
+  decode 256 tokens: default (4-token tiles, 8 head splits, unrolled, rows
+    looked up in the kernel) 3.69 us kernel time; XLA 11.2 us: 3.04x (3.13x
+    the run before). 6.3 MB is 1.5 us at the roof: the kernel is latency-bound
+    (launch, then load -> rotate -> store). In the chained in-jit steps
+    (`device_ms`) both are launch-bound at ~10 us a step.
 
 Run: `PYTHONUNBUFFERED=1 python -m bench.bench_rope_append [--default]`
 (`--default` times only `Config.default_for`, not the sweep).
