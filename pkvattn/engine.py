@@ -271,9 +271,14 @@ def _cache_ops_after(state, inp: _StepInputs, ops: _StepOps):
                                       inp.admit_lens, inp.admit_scope,
                                       evict=ops.evict)
   else:
-    zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
-    claim = _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
+    claim = _no_claim(inp)
   return state, ext, claim
+
+
+def _no_claim(inp: _StepInputs):
+  """The ClaimResult of a step that admits nothing (all refused, zeros)."""
+  zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
+  return _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
 
 
 def _write_tokens(seq_tokens, inp: _StepInputs, plan: AttentionPlan):
@@ -309,10 +314,9 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, ext, claim = _cache_ops_after(state, inp, ops)
   else:
-    ones = jnp.ones(inp.extend_ids.shape, bool)
-    zeros = jnp.zeros(inp.admit_ids.shape, jnp.int32)
-    ext = _cache.ExtendResult(ones, zeros[:0])
-    claim = _cache.ClaimResult(zeros.astype(bool), zeros, zeros, zeros)
+    ext = _cache.ExtendResult(jnp.ones(inp.extend_ids.shape, bool),
+                              jnp.zeros(inp.extend_ids.shape, jnp.int32))
+    claim = _no_claim(inp)
   out = _StepOutputs(
       sampled=sampled, extend_ok=ext.ok, claim_ok=claim.ok,
       claim_reused=claim.num_reused_tokens,
