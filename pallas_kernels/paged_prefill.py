@@ -23,16 +23,22 @@ diagonal) with FlashInfer's paged, ragged addressing:
 * Each program walks KV tiles of `block_k` tokens from the first block any of
   its rows can see (window) to the last (causality, `kv_len`). With
   `block_k <= page_size` a tile lies in one page: one scalar table read and
-  strided loads `pool[page, rows, kv_head, :]`; otherwise a page id is
-  gathered per key (`table[b, j // page_size]`) and K/V rows by index. The
+  strided loads `pool[page, rows, kv_head, :]`; otherwise the tile's
+  `block_k // page_size` page ids are read as scalars and spread to its keys
+  with a select chain, and K/V rows are loaded by index. (A per-key vector
+  load of the table, the first version, held 16 more registers per thread
+  through the softmax, spilled, and ran 1.16x slower at page 16 on H100.) The
   walk is `fori_loop`s over masked edge tiles (window start; only with a
   window), unmasked interior tiles, and masked edge tiles (diagonal /
   `kv_len`). Edge loads are masked to the tile's visible key range, so a
   table entry outside it (maybe -1) and a stale row past `kv_len` (maybe NaN)
   are never read.
-* Softmax runs in base 2 (`exp2`, logits pre-multiplied by log2(e)); the
-  optional soft cap is applied to the natural-scale logits first; sinks join
-  the denominator at the end only; `lse` is returned in natural log.
+* Softmax runs in base 2. Without a soft cap the scale is folded into the
+  exponent (FlashAttention-3): the row max is taken on the raw logits and
+  each logit costs one FMA + one `ex2.approx.ftz` (inline PTX; see
+  `Config.fast_exp2`). The optional soft cap is applied to the natural-scale
+  logits first; sinks join the denominator at the end only; `lse` is
+  returned in natural log.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +65,33 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
+def _ptx_f32(x: float) -> str:
+  """A float32 immediate in PTX's hex form (`0fXXXXXXXX`)."""
+  return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
+
+
+def _exp2(x, fast: bool):
+  """2**x (f32); `fast`: one `ex2.approx.ftz.f32` (results < 2**-126 -> 0)."""
+  if not fast:
+    return jnp.exp2(x)
+  [y] = plgpu.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
+
+
+def _exp2_fma(x, scale: float, shift, fast: bool):
+  """2**(x * scale + shift) (f32), `scale` static: one FMA + one `ex2`."""
+  if not fast:
+    return jnp.exp2(x * scale + shift)
+  [y] = plgpu.elementwise_inline_asm(
+      "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, " + _ptx_f32(scale)
+      + ", $2; ex2.approx.ftz.f32 $0, t; }",
+      args=[x, shift], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tile sizes and Triton launch parameters of the prefill kernel.
@@ -70,15 +104,22 @@ class Config:
     single_loop: one KV loop that masks every tile (as JAX's `mha`) instead
       of masked edge loops around an unmasked interior loop.
     longest_first: plan order of the query tiles (see `plan.plan_prefill`).
-    heads_outer: launch order. False (default): the kv heads of one tile run
-      side by side, so the rows of a page (all heads interleaved, NHD) are
-      read together; 1.3x faster on the mixed batch's decode rows on H200.
-      True: the tile index varies fastest (one kv head's tiles together);
-      equal on causal prompts within noise (so L2 reuse is not the limit).
+    heads_outer: launch order of the main launch. True (default): the tile
+      index varies fastest, so the programs running together share one kv
+      head's K/V in L2. False: the kv heads of one tile run side by side and
+      read the rows of a page (all heads interleaved, NHD) together. On H200
+      (2026-11-22, two runs) True was 1.00-1.05x on causal prompts and
+      0.94-0.95x on the mixed batch. The short launch always runs heads
+      inner: 1.3x faster on a mixed batch's decode rows.
     short_block_q: > 0 runs sequences with q_len <= short_block_q (decode
       rows of a mixed batch, multi-token decode) in a second launch with
       tiles of `short_block_q` tokens (`short_block_q * group_pad >= 16`
       rows) instead of `block_q`; 0 = one launch.
+    fast_exp2: on the GPU, the softmax exponentials are one `fma.rn.ftz` +
+      `ex2.approx.ftz` each (inline PTX, as FlashAttention-3) instead of
+      libdevice's `exp2f`, whose denormal handling costs a compare and two
+      multiplies per logit and serialised the softmax (H100 ncu, 2026-11-22).
+      Ignored in interpret mode.
   """
   block_q: int = 16
   block_k: int = 64
@@ -86,36 +127,45 @@ class Config:
   num_stages: int = 2
   single_loop: bool = False
   longest_first: bool = True
-  heads_outer: bool = False
+  heads_outer: bool = True
   short_block_q: int = 0
   short_block_k: int = 128
   short_num_warps: int = 8
   short_num_stages: int = 2
+  fast_exp2: bool = True
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
                   page_size: int | None, dtype) -> "Config":
-    """Heuristic from the H200 sweep (bench/results/prefill_NVIDIA_H200.json).
+    """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
 
-    256 query rows (tokens x group) per tile, 64-key tiles, 8 warps, 2 stages
-    at head_dim <= 128 (128 rows and 32-key tiles at head_dim 256; halved
-    again for f32 to stay in shared memory). Decode rows and multi-token
-    decode (q_len <= 8) go to the short launch with 128-key tiles.
+    At head_dim <= 128: 128 query rows (tokens x group) per tile, 64-key
+    tiles, 4 warps (one warpgroup) and 3 stages (2 for f32, whose tiles would
+    not fit in shared memory). 256 rows on 8 warps (two warpgroups in lock
+    step) ran 0.89x as fast on H100; 3 stages beat 2 by 1-7% on H200 and
+    tied on H100 (2026-11-22). At head_dim 256: 128 rows on 8 warps and
+    32-key tiles, 2 stages (one warpgroup's accumulator would not fit in
+    registers). f32 halves the rows. Decode rows and multi-token decode
+    (q_len <= 8) go to the short launch with 128-key tiles.
     """
     del page_size
     group_pad = pl.next_power_of_2(group_size)
-    rows = 256 if head_dim <= 128 else 128
-    block_k = 64 if head_dim <= 128 else 32
-    short_block_k = 128 if head_dim <= 128 else 64
-    if jnp.dtype(dtype).itemsize >= 4:
-      rows //= 2
+    wide = jnp.dtype(dtype).itemsize >= 4
+    rows = 64 if wide else 128
+    if head_dim <= 128:
+      num_warps, block_k, short_block_k = 4, 64, 128
+      num_stages = 2 if wide else 3
+    else:
+      num_warps, num_stages, block_k, short_block_k = 8, 2, 32, 64
+    if wide:
       short_block_k //= 2
     block_q = max(1, rows // group_pad)
     short_block_q = max(8, 16 // group_pad)
     if short_block_q >= block_q:
       short_block_q = 0
-    return cls(block_q=block_q, block_k=block_k, num_warps=8, num_stages=2,
-               short_block_q=short_block_q, short_block_k=short_block_k)
+    return cls(block_q=block_q, block_k=block_k, num_warps=num_warps,
+               num_stages=num_stages, short_block_q=short_block_q,
+               short_block_k=short_block_k)
 
   def validate(self, group_size: int) -> None:
     rows = self.block_q * pl.next_power_of_2(group_size)
@@ -157,6 +207,7 @@ def _paged_prefill_kernel(
     has_sinks: bool,
     single_loop: bool,
     heads_outer: bool,
+    fast_exp2: bool,
 ):
   if has_sinks:
     sinks_ref, o_ref, lse_ref = rest
@@ -240,50 +291,75 @@ def _paged_prefill_kernel(
       k_at = k_pool_ref.at[k_page, rows_idx, kv_head, :]
       v_at = v_pool_ref.at[v_page, rows_idx, kv_head, :]
     else:
-      # Several pages per block: gather a page id per key.
-      page_idx = j // page_size
-      if masked:
-        ok = (j >= kv_lo) & (j < kv_hi)
-        page_idx = jnp.where(ok, page_idx, 0)
-        k_page = plgpu.load(k_table_ref.at[seq, page_idx], mask=ok, other=0)
-        v_page = plgpu.load(v_table_ref.at[seq, page_idx], mask=ok, other=0)
-      else:
-        k_page = k_table_ref[seq, page_idx]
-        v_page = v_table_ref[seq, page_idx]
+      # Several pages per block: one scalar table read per page, spread to
+      # the keys with a select chain (no per-key table loads).
+      npg = block_k // page_size
+      first_page = blk * npg
+      pg = (j // page_size) - first_page  # [block_k], 0 .. npg - 1
+      # Table entries past the last visible page may be -1: never read.
+      last_page = jnp.maximum((kv_hi - 1) // page_size, 0)
+
+      def pages(table_ref):
+        page = None
+        for i in range(npg):
+          pid = jnp.maximum(
+              table_ref[seq, jnp.minimum(first_page + i, last_page)], 0)
+          page = pid if page is None else jnp.where(pg == i, pid, page)
+        return page
       slot = (j % page_size)[:, None]
-      k_at = k_pool_ref.at[k_page[:, None], slot, kv_head, d]
-      v_at = v_pool_ref.at[v_page[:, None], slot, kv_head, d]
+      k_at = k_pool_ref.at[pages(k_table_ref)[:, None], slot, kv_head, d]
+      v_at = v_pool_ref.at[pages(v_table_ref)[:, None], slot, kv_head, d]
     if masked:
       return (plgpu.load(k_at, mask=ld, other=0.0),
               lambda: plgpu.load(v_at, mask=ld, other=0.0))
     return plgpu.load(k_at), lambda: plgpu.load(v_at)
 
-  def body(blk, carry, masked: bool):
-    acc, m_prev, l_prev = carry
-    k, load_v = load_kv(blk, masked)
-    j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
+  # Without a soft cap the scale is folded into the exponent: the row max is
+  # taken on the raw logits (the scale is positive) and each logit costs one
+  # FMA + one exp2 (FlashAttention-3's softmax). Masked logits are set on the
+  # raw scale, to a value that stays finite once scaled.
+  fold_scale = logits_soft_cap is None and qk_scale > 0
+  mask_value = DEFAULT_MASK_VALUE / max(1.0, qk_scale)
+
+  def logits(k):
+    """Logits of a K block (soft cap applied; scaled unless folded)."""
     s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
     if logits_soft_cap is not None:
       s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
           logits_soft_cap * _LOG2E)
-    else:
+    elif not fold_scale:
       s = s * qk_scale
+    return s
+
+  def update(blk, s, load_v, carry, masked: bool):
+    """Online-softmax update of (acc, m, l) with block `blk`'s logits."""
+    acc, m_prev, l_prev = carry
+    j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
     if masked:
       vis = (j[None, :] >= kv_lo) & (j[None, :] < kv_len)
       if causal:
         vis &= j[None, :] <= q_pos[:, None]
       if window_left >= 0:
         vis &= j[None, :] >= q_pos[:, None] - window_left
-      s = jnp.where(vis, s, DEFAULT_MASK_VALUE)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_prev - m_next)
-    p = jnp.exp2(s - m_next[:, None])
+      s = jnp.where(vis, s, mask_value)
+    if fold_scale:  # m is kept in scaled (base-2) units
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1) * qk_scale)
+      p = _exp2_fma(s, qk_scale, jnp.broadcast_to(-m_next[:, None], s.shape),
+                    fast_exp2)
+    else:
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+      p = _exp2(s - m_next[:, None], fast_exp2)
+    alpha = _exp2(m_prev - m_next, fast_exp2)
     if masked:
       p = jnp.where(vis, p, 0.0)
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     v = load_v()
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
+
+  def body(blk, carry, masked: bool):
+    k, load_v = load_kv(blk, masked)
+    return update(blk, logits(k), load_v, carry, masked)
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -319,7 +395,8 @@ def _paged_prefill_kernel(
 
 def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
                         prev=None, *, block_q: int, block_k: int,
-                        num_warps: int, num_stages: int, config: Config, causal,
+                        num_warps: int, num_stages: int, heads_outer: bool,
+                        config: Config, causal,
                         sm_scale, window_left, logits_soft_cap, interpret):
   """One launch over `tiles`; `prev=(out, lse)` is updated in place (aliased)."""
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -331,7 +408,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, single_loop=config.single_loop,
-      heads_outer=config.heads_outer)
+      heads_outer=heads_outer, fast_exp2=config.fast_exp2 and not interpret)
   args = [tiles, q, k_pool, v_pool, k_table, v_table]
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
@@ -346,7 +423,7 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
   with _compat.suppress_triton_deprecation():
     out, lse = pl.pallas_call(
         kernel,
-        grid=((num_tiles, num_kv_heads) if config.heads_outer else
+        grid=((num_tiles, num_kv_heads) if heads_outer else
               (num_kv_heads, num_tiles)),
         out_shape=[
             jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim), q.dtype),
@@ -449,10 +526,11 @@ def paged_prefill(
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, interpret=interpret)
   out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
-             num_warps=config.num_warps, num_stages=config.num_stages)
+             num_warps=config.num_warps, num_stages=config.num_stages,
+             heads_outer=config.heads_outer)
   if plan.short_tiles is not None:
     out = call(plan.short_tiles, out, block_q=config.short_block_q,
                block_k=config.short_block_k,
                num_warps=config.short_num_warps,
-               num_stages=config.short_num_stages)
+               num_stages=config.short_num_stages, heads_outer=False)
   return out

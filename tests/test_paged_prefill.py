@@ -166,16 +166,18 @@ def _direct(case, p, q, q_indptr, sinks, config, plan=None):
 _C = kernel.Config
 CONFIG_CASES = [
     # block_k == page_size: one page per KV tile (strided loads, scalar table
-    # read); single loop that masks every tile; token-order plan.
+    # read); single loop that masks every tile; token-order plan; kv heads
+    # inner launch order; libdevice exp2.
     (Case("within_page_1loop_pair_g4_p16", "pair", 4, 16, (40, 17, 1),
           (40, 3, 1), num_padding=2),
      _C(block_q=4, block_k=16, single_loop=True, longest_first=False,
-        short_block_q=0)),
+        short_block_q=0, heads_outer=False, fast_exp2=False)),
     # block_k < page_size: half pages; window edge loops; short-tile launch.
     (Case("half_page_window_pool_g8_p32", "pool", 8, 32, (70, 1, 33),
           (20, 1, 2), window_left=21, sinks=True),
      _C(block_q=4, block_k=16, short_block_q=2)),
-    # Several pages per KV tile (gather path), G=1 with 16-token tiles.
+    # Several pages per KV tile (scalar page ids + select chain), G=1 with
+    # 16-token tiles; 4 pages per tile.
     (Case("gather_flashinfer_g1_p8", "flashinfer", 1, 8, (60, 5), (35, 5),
           num_padding=3),
      _C(block_q=16, block_k=32, short_block_q=0)),
@@ -271,3 +273,36 @@ def test_public_plan_reused_across_layers():
       num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=case.dtype)
   with pytest.raises(ValueError, match="Invalid plan"):
     _public(case, p, q, q_indptr, sinks, "pallas", plan=other)
+
+
+@pytest.mark.parametrize("soft_cap,fast", [(None, True), (30.0, True),
+                                           (None, False)])
+def test_kernel_lowers_to_triton(soft_cap, fast):
+  """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): the
+  inline-PTX exp2 of `fast_exp2` (which interpret mode never runs) must be
+  accepted by the Triton lowering, and absent when switched off."""
+  from jax import export
+  t, hq, hkv, d, ps, n, b = 64, 8, 2, 128, 16, 32, 2
+  sds = jax.ShapeDtypeStruct
+  args = [sds((t, hq, d), jnp.bfloat16), sds((n, ps, hkv, d), jnp.bfloat16),
+          sds((b, 2, n // b), jnp.int32), sds((b + 1,), jnp.int32),
+          sds((b,), jnp.int32)]
+  config = dataclasses.replace(
+      _C.default_for(group_size=hq // hkv, head_dim=d, page_size=ps,
+                     dtype=jnp.bfloat16), fast_exp2=fast)
+
+  def f(q, pool, table, q_indptr, kv_lens):
+    return kernel.paged_prefill(
+        q, pool, pool, table[:, 0], table[:, 1], q_indptr, kv_lens, None,
+        sm_scale=d ** -0.5, logits_soft_cap=soft_cap, config=config)
+
+  exp = export.export(
+      jax.jit(f), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call(
+          "__gpu$xla.gpu.triton")])(*args)
+  text = exp.mlir_module()
+  assert text.count("xla.gpu.triton") >= 2  # the long and the short launch
+  # The Triton module is serialised into the custom call's config; the PTX
+  # strings show up verbatim in it.
+  assert ("ex2.approx.ftz.f32" in text) == fast
+  assert ("fma.rn.ftz.f32" in text) == (fast and soft_cap is None)
