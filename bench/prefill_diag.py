@@ -37,6 +37,9 @@ def main():
                   help="';'-separated name=field:v,field:v Config overrides")
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--out", default="prefill_diag")
+  ap.add_argument("--mgpu", action="store_true",
+                  help="also time JAX's Mosaic-GPU attention (contiguous, "
+                  "attention_mgpu: wgmma + TMA + warp specialization)")
   a = ap.parse_args()
   b, s = a.b, a.s
   sm_scale = 1 / math.sqrt(D)
@@ -90,6 +93,26 @@ def main():
                     rel_err(f(qc, kr, vr), ref)))
     entries.append(("cudnn", causal, cudnn(causal),
                     (qc, sp["k"][:, :s], sp["v"][:, :s]), 0.0))
+    if a.mgpu:
+      from jax.experimental.pallas.ops.gpu import attention_mgpu
+      for bkv in (64, 128):
+        cfg = attention_mgpu.TuningConfig(
+            block_q=64, block_kv=bkv, max_concurrent_steps=2, causal=causal)
+        # The kernel takes no sm_scale (it uses 1): q is pre-scaled. It ran
+        # only in f16 with jax 0.11.2 (bf16 failed inside: "src had type
+        # bfloat16 and dst had type float16"), so it gets f16 copies.
+        f = jax.jit(lambda q, k, v, cfg=cfg: attention_mgpu.attention(
+            q, k, v, cfg))
+        kc = sp["k"][:, :s].astype(jnp.float16)
+        vc = sp["v"][:, :s].astype(jnp.float16)
+        qs = (qc.astype(jnp.float32) * sm_scale).astype(jnp.float16)
+        try:
+          err = rel_err(f(qs, kc, vc), ref)
+        except Exception as e:  # noqa: BLE001
+          print(f"mgpu bkv{bkv} failed: {repr(e)[:300]}")
+          continue
+        entries.append((f"mgpu attention bq64 bkv{bkv}", causal, f,
+                        (qs, kc, vc), err))
   res = {}
   for _ in range(a.rounds):
     for name, causal, f, fargs, err in entries:
