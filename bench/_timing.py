@@ -55,30 +55,39 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
   )
 
 
+def gpu_stream_events(thunks) -> list[tuple[str, int]]:
+  """Runs each `thunk()` (blocking on its result) under a jax.profiler trace
+  and returns `(name, duration_ns)` of every kernel / memcpy event on the
+  device's stream lines: GPU time without launch gaps or host time. Empty
+  where the trace has no GPU lines (CPU)."""
+  import glob
+  import tempfile
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for thunk in thunks:
+    jax.block_until_ready(thunk())
+  jax.profiler.stop_trace()
+  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
+                          recursive=True))[-1]
+  events = []
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if plane.name.startswith("/device:GPU"):
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          events.extend((ev.name, ev.duration_ns) for ev in line.events)
+  return events
+
+
 def device_kernel_ms(fn, make_args, calls: int = 3) -> float:
   """GPU kernel time of one `fn(*make_args())` call, ms: the sum of kernel and
   memcpy durations on the device's stream lines of a jax.profiler trace
   (launch gaps and host time excluded). 0.0 where the trace has no GPU lines
   (CPU)."""
-  import glob
-  import tempfile
   jax.block_until_ready(fn(*make_args()))
   args = [make_args() for _ in range(calls)]
   jax.block_until_ready(args)
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  for a in args:
-    jax.block_until_ready(fn(*a))
-  jax.profiler.stop_trace()
-  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
-                          recursive=True))[-1]
-  total = 0
-  for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name.startswith("/device:GPU"):
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          total += sum(ev.duration_ns for ev in line.events)
-  return total / calls / 1e6
+  events = gpu_stream_events([lambda a=a: fn(*a) for a in args])
+  return sum(ns for _, ns in events) / calls / 1e6
 
 
 def copy_roof_gbps(num_bytes: int = 2 << 30) -> float:

@@ -18,10 +18,8 @@ Usage: `python bench/trace_kernels.py [target ...]` (default: all).
 from __future__ import annotations
 
 import collections
-import glob
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from bench import _timing  # noqa: E402
 
 CALLS = 5
 
@@ -108,24 +108,11 @@ def trace(name: str) -> dict:
   for _ in range(CALLS):
     jax.block_until_ready(fn())
   wall_us = (time.perf_counter() - t0) / CALLS * 1e6
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  for _ in range(CALLS):
-    jax.block_until_ready(fn())
-  jax.profiler.stop_trace()
-  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
-  data = jax.profiler.ProfileData.from_file(path)
   groups = collections.defaultdict(lambda: [0, 0.0])
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        key = ev.name.split("(")[0][:70]
-        groups[key][0] += 1
-        groups[key][1] += ev.duration_ns / 1e3
+  for ev_name, ns in _timing.gpu_stream_events([fn] * CALLS):
+    key = ev_name.split("(")[0][:70]
+    groups[key][0] += 1
+    groups[key][1] += ns / 1e3
   total = sum(t for _, t in groups.values()) / CALLS
   count = sum(n for n, _ in groups.values()) / CALLS
   print(f"{name}: wall {wall_us:.1f} us/call, kernels {count:.0f}/call, "
@@ -138,5 +125,4 @@ def trace(name: str) -> dict:
 
 if __name__ == "__main__":
   rows = [trace(t) for t in (sys.argv[1:] or list(TARGETS))]
-  from bench import _timing
   _timing.write_results("trace_kernels", rows)
