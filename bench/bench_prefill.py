@@ -184,6 +184,22 @@ def rel_err(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def cudnn_fn(sm_scale: float, causal: bool):
+  """cuDNN attention on contiguous [B, S, H, D] q / k / v (the peer)."""
+  return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, scale=sm_scale, implementation="cudnn"))
+
+
+def mha_fn(sm_scale: float, causal: bool, best: bool):
+  """JAX's contiguous Pallas `mha` (no GQA: k / v repeated to all heads), at
+  its defaults or at the issue's best tuning (128/64/w4/s2)."""
+  from jax.experimental.pallas.ops.gpu import attention as jax_attn
+  kw = dict(block_sizes=jax_attn.BlockSizes(block_q=128, block_k=64),
+            num_warps=4, num_stages=2) if best else {}
+  return jax.jit(lambda q, k, v: jax_attn.mha(
+      q, k, v, None, sm_scale=sm_scale, causal=causal, **kw))
+
+
 def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
              rows, checks):
   sm_scale = 1 / math.sqrt(D)
@@ -233,12 +249,7 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     qc = sp["q"].reshape(b, s, HQ, D)
     kc = sp["k"][:, :s]
     vc = sp["v"][:, :s]
-
-    @jax.jit
-    def cud_fn(qc, kc, vc):
-      return jax.nn.dot_product_attention(qc, kc, vc, is_causal=True,
-                                          scale=sm_scale,
-                                          implementation="cudnn")
+    cud_fn = cudnn_fn(sm_scale, True)
     cud_args = (qc, kc, vc)
     try:
       cud_out = jax.block_until_ready(cud_fn(*cud_args))
@@ -322,19 +333,14 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
   if cud_fn is not None:
     entries.append(("cudnn contiguous", cud_fn, cud_args, None, {}))
   if with_mha and is_prompt:
-    from jax.experimental.pallas.ops.gpu import attention as jax_attn
     kr = jnp.repeat(kc, HQ // HKV, axis=2)
     vr = jnp.repeat(vc, HQ // HKV, axis=2)
-    mha_default = jax.jit(lambda q, k, v: jax_attn.mha(
-        q, k, v, None, sm_scale=sm_scale, causal=True))
-    bs = jax_attn.BlockSizes(block_q=128, block_k=64)
-    mha_best = jax.jit(lambda q, k, v: jax_attn.mha(
-        q, k, v, None, sm_scale=sm_scale, causal=True, block_sizes=bs,
-        num_warps=4, num_stages=2))
-    entries.append(("jax pallas mha (defaults)", mha_default, (qc, kr, vr),
-                    None, {}))
-    entries.append(("jax pallas mha (128/64/w4/s2)", mha_best, (qc, kr, vr),
-                    None, {}))
+    entries.append(("jax pallas mha (defaults)",
+                    mha_fn(sm_scale, True, best=False), (qc, kr, vr), None,
+                    {}))
+    entries.append(("jax pallas mha (128/64/w4/s2)",
+                    mha_fn(sm_scale, True, best=True), (qc, kr, vr), None,
+                    {}))
   timings = {}
   kernel_ms = {}
   for rnd in range(ROUNDS):

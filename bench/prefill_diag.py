@@ -24,7 +24,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(_ROOT)
 
 from bench import _timing  # noqa: E402
-from bench.bench_prefill import D, HKV, HQ, build_spec, rel_err  # noqa: E402
+from bench.bench_prefill import (D, HKV, HQ, build_spec, cudnn_fn,  # noqa: E402
+                                  mha_fn, rel_err)
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
 
 
@@ -54,8 +55,7 @@ def main():
     kw = {}
     for kv in filter(None, kvs.split(",")):
       k, _, v = kv.partition(":")
-      kw[k] = v if isinstance(getattr(default, k), str) else type(
-          getattr(default, k))(int(v))
+      kw[k] = type(getattr(default, k))(int(v))
     configs[name] = dataclasses.replace(default, **kw)
 
   def ours(cfg, causal):
@@ -65,33 +65,22 @@ def main():
                               causal=causal, sm_scale=sm_scale, config=cfg)[0]
     return f
 
-  from jax.experimental.pallas.ops.gpu import attention as jax_attn
   qc = sp["q"].reshape(b, s, HQ, D)
   kr = jnp.repeat(sp["k"][:, :s], HQ // HKV, axis=2)
   vr = jnp.repeat(sp["v"][:, :s], HQ // HKV, axis=2)
-  bs = jax_attn.BlockSizes(block_q=128, block_k=64)
-
-  def mha(causal):
-    return jax.jit(lambda q, k, v: jax_attn.mha(
-        q, k, v, None, sm_scale=sm_scale, causal=causal, block_sizes=bs,
-        num_warps=4, num_stages=2))
-
-  def cudnn(causal):
-    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, scale=sm_scale, implementation="cudnn"))
 
   entries = []
   for causal in (True, False):
-    ref = jax.block_until_ready(cudnn(causal)(qc, sp["k"][:, :s],
-                                              sp["v"][:, :s]))
+    cudnn = cudnn_fn(sm_scale, causal)
+    ref = jax.block_until_ready(cudnn(qc, sp["k"][:, :s], sp["v"][:, :s]))
     for name, cfg in configs.items():
       f = ours(cfg, causal)
       err = rel_err(f(*args).reshape(b, s, HQ, D), ref)
       entries.append((f"ours {name}", causal, f, args, err))
-    f = mha(causal)
+    f = mha_fn(sm_scale, causal, best=True)
     entries.append(("mha 128/64/w4/s2", causal, f, (qc, kr, vr),
                     rel_err(f(qc, kr, vr), ref)))
-    entries.append(("cudnn", causal, cudnn(causal),
+    entries.append(("cudnn", causal, cudnn,
                     (qc, sp["k"][:, :s], sp["v"][:, :s]), 0.0))
     if a.mgpu:
       from jax.experimental.pallas.ops.gpu import attention_mgpu
