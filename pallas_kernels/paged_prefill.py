@@ -321,20 +321,16 @@ def _paged_prefill_kernel(
   fold_scale = logits_soft_cap is None and qk_scale > 0
   mask_value = DEFAULT_MASK_VALUE / max(1.0, qk_scale)
 
-  def logits(k):
-    """Logits of a K block (soft cap applied; scaled unless folded)."""
+  def body(blk, carry, masked: bool):
+    acc, m_prev, l_prev = carry
+    k, load_v = load_kv(blk, masked)
+    j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
     s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
     if logits_soft_cap is not None:
       s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
           logits_soft_cap * _LOG2E)
     elif not fold_scale:
       s = s * qk_scale
-    return s
-
-  def update(blk, s, load_v, carry, masked: bool):
-    """Online-softmax update of (acc, m, l) with block `blk`'s logits."""
-    acc, m_prev, l_prev = carry
-    j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
     if masked:
       vis = (j[None, :] >= kv_lo) & (j[None, :] < kv_len)
       if causal:
@@ -356,10 +352,6 @@ def _paged_prefill_kernel(
     v = load_v()
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
-
-  def body(blk, carry, masked: bool):
-    k, load_v = load_kv(blk, masked)
-    return update(blk, logits(k), load_v, carry, masked)
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32),
