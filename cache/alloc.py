@@ -168,6 +168,22 @@ def _supply(state: CacheState, protected):
   return free, evictable
 
 
+def _admit(state: CacheState, valid, need, protected, evict: bool = True):
+  """First come, first served against the slot supply.
+
+  Request `i` is admitted iff it is valid and `sum(need[:i + 1])` (invalid
+  requests need 0) fits the supply: the free slots, plus the evictable cached
+  ones unless `evict=False` (static), never the `protected` ones. Returns `(ok bool[n], need i32[n]
+  zeroed where refused)`.
+  """
+  free, evictable = _supply(state, protected)
+  supply = jnp.sum(free, dtype=jnp.int32)
+  if evict:
+    supply += jnp.sum(evictable, dtype=jnp.int32)
+  ok = valid & (jnp.cumsum(need) <= supply)
+  return ok, jnp.where(ok, need, 0)
+
+
 def _take_slots(state: CacheState, ranks, total, protected, evict=True):
   """Allocates the blocks numbered by `ranks` (vectorised, no serial scan).
 
@@ -473,12 +489,7 @@ def claim_batch(
   plan = _step_plan(cfg, reused * ps, lengths)
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
-  free, evictable = _supply(state, protected)
-  supply = jnp.sum(free, dtype=jnp.int32)
-  if evict:
-    supply += jnp.sum(evictable, dtype=jnp.int32)
-  ok = valid & (jnp.cumsum(need) <= supply)
-  need = jnp.where(ok, need, 0)
+  ok, need = _admit(state, valid, need, protected, evict)
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(state, ranks, jnp.sum(need), protected,
@@ -561,12 +572,8 @@ def extend(
   plan = _step_plan(cfg, old_len, new_len)
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
-  free, evictable = _supply(state, jnp.zeros((state.num_slots,), bool))
-  supply = jnp.sum(free, dtype=jnp.int32)
-  if evict:
-    supply += jnp.sum(evictable, dtype=jnp.int32)
-  ok = valid & (jnp.cumsum(need) <= supply)
-  need = jnp.where(ok, need, 0)
+  ok, need = _admit(state, valid, need, jnp.zeros((state.num_slots,), bool),
+                    evict)
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(
@@ -857,10 +864,7 @@ def fork(
   num_full = length // ps
   partial = (length % ps) != 0
   need = (valid & partial).astype(jnp.int32)
-  free, evictable = _supply(state, jnp.zeros((state.num_slots,), bool))
-  supply = jnp.sum(free, dtype=jnp.int32) + jnp.sum(evictable, dtype=jnp.int32)
-  ok = valid & (jnp.cumsum(need) <= supply)
-  need = jnp.where(ok, need, 0)
+  ok, need = _admit(state, valid, need, jnp.zeros((state.num_slots,), bool))
   ranks = jnp.where(need > 0, jnp.cumsum(need) - 1, -1)
   state, new_slot = _take_slots(
       state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
