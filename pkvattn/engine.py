@@ -234,11 +234,6 @@ def _layer_tables(state, num_layers: int, max_seqs: int):
       jnp.arange(num_layers, dtype=jnp.int32))
 
 
-def _num_free(state):
-  return jnp.sum((state.slot_refcount == 0) & ~state.slot_published,
-                 dtype=jnp.int32)
-
-
 @dataclasses.dataclass(frozen=True)
 class _StepOps:
   """Which cache ops a step runs (static: known on the host, so the compiled
@@ -273,6 +268,11 @@ def _cache_ops_after(state, inp: _StepInputs, ops: _StepOps):
   else:
     claim = _no_claim(inp)
   return state, ext, claim
+
+
+def _copy_tree(tree):
+  """Fresh device copies of every array of `tree` (for donating calls)."""
+  return jax.tree.map(jnp.copy, tree)
 
 
 def _no_claim(inp: _StepInputs):
@@ -317,12 +317,12 @@ def _device_step(params, pool, state, seq_tokens, inp: _StepInputs,
     ext = _cache.ExtendResult(jnp.ones(inp.extend_ids.shape, bool),
                               jnp.zeros(inp.extend_ids.shape, jnp.int32))
     claim = _no_claim(inp)
+  usage = _cache.stats(state)
   out = _StepOutputs(
       sampled=sampled, extend_ok=ext.ok, claim_ok=claim.ok,
       claim_reused=claim.num_reused_tokens,
       claim_new_blocks=claim.num_new_blocks,
-      used_slots=jnp.sum(state.slot_refcount > 0, dtype=jnp.int32),
-      num_free=_num_free(state))
+      used_slots=usage["num_used"], num_free=usage["num_free"])
   return pool, state, seq_tokens, out
 
 
@@ -364,6 +364,19 @@ class _BurstOutputs:
   num_free: jax.Array       # i32[], free slots at the end
 
 
+def _reserve_burst(state, inp: _BurstInputs, *, num_layers: int,
+                   decode_steps: int, evict: bool):
+  """A burst's cache work, done once up front: one `extend` reserves every
+  active row's tokens for the burst (`min(decode_steps, remaining - 1)`
+  beyond the fed one) and the page tables are built once. Returns
+  `(state, tables, ok)`."""
+  rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
+  grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
+  state, ext = _cache.extend(state, jnp.where(inp.active, rows, -1),
+                             jnp.where(inp.active, grow, 0), evict=evict)
+  return (state, _layer_tables(state, num_layers, rows.shape[0]), ext.ok)
+
+
 def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs,
                          tables=None, *, model_cfg: _decoder.DecoderConfig,
                          cfg: EngineConfig, mesh=None,
@@ -388,14 +401,13 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs,
   rows = jnp.arange(S, dtype=jnp.int32)
   if tables is None:
     with jax.named_scope(CACHE_OPS_SCOPE):
-      grow = jnp.clip(inp.remaining - 1, 0, k)
-      state, _ = _cache.extend(state, jnp.where(inp.active, rows, -1),
-                               jnp.where(inp.active, grow, 0), evict=evict)
+      state, tables, _ = _reserve_burst(
+          state, inp, num_layers=model_cfg.num_layers, decode_steps=k,
+          evict=evict)
       reserved = state.seq_lens  # tokens with a slot, per row
-      tables = _layer_tables(state, model_cfg.num_layers, S)
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
-  peak = jnp.sum(state.slot_refcount > 0, dtype=jnp.int32)
+  usage = _cache.stats(state)  # the state is not touched again in the burst
 
   def one(carry, _):
     pool, seq_tokens, active, last, computed, remaining, gen, pre = carry
@@ -428,8 +440,8 @@ def _device_decode_burst(params, pool, state, seq_tokens, inp: _BurstInputs,
            inp.remaining, inp.gen_index, jnp.zeros((S,), bool))
   carry, emitted = lax.scan(one, carry, None, length=k)
   pool, seq_tokens = carry[:2]
-  return pool, state, seq_tokens, _BurstOutputs(emitted, carry[7], peak,
-                                                _num_free(state))
+  return pool, state, seq_tokens, _BurstOutputs(
+      emitted, carry[7], usage["num_used"], usage["num_free"])
 
 
 @functools.lru_cache(maxsize=32)
@@ -974,7 +986,6 @@ class Engine:
     """
     cfg, mcfg = self.config, self.model.cfg
     L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
-    copy = lambda t: jax.tree.map(jnp.copy, t)
     if self._burst_eligible():
       # `_schedule` admits, commits and releases nothing in this state: its
       # inputs are one decode step of the current batch (for attention).
@@ -986,13 +997,10 @@ class Engine:
       # Tables that already hold the burst's new blocks (timing only).
       grown, _ = _cache.extend(self.state, ids, jnp.full((S,), k, jnp.int32))
       tables = _layer_tables(grown, L, S)
-      args = lambda: (self.model.params, copy(self.pool), copy(self.state),
-                      copy(self.seq_tokens), binp)
-      grow = jnp.where(ids >= 0, jnp.clip(binp.remaining - 1, 0, k), 0)
-
-      def cache_ops(state):  # as the burst does, once
-        state, ext = _cache.extend(state, ids, grow, evict=evict)
-        return state, _layer_tables(state, L, S), ext.ok
+      args = lambda: (self.model.params, _copy_tree(self.pool), _copy_tree(self.state),
+                      _copy_tree(self.seq_tokens), binp)
+      cache_ops = functools.partial(  # as the burst does, once
+          _reserve_burst, inp=binp, num_layers=L, decode_steps=k, evict=evict)
       per = k
     elif self.last_inputs is None:
       raise ValueError("Invalid call: profile() needs at least one step() first")
@@ -1001,8 +1009,8 @@ class Engine:
       inp = jax.tree.map(jnp.asarray, self.last_inputs)
       fn = self._step_fn
       tables = _layer_tables(self.state, L, S)
-      args = lambda: (self.model.params, copy(self.pool), copy(self.state),
-                      copy(self.seq_tokens), inp)
+      args = lambda: (self.model.params, _copy_tree(self.pool), _copy_tree(self.state),
+                      _copy_tree(self.seq_tokens), inp)
       ops, seq_tokens = self._ops, self.seq_tokens
 
       def cache_ops(state):
@@ -1013,7 +1021,7 @@ class Engine:
       per = 1
     return dict(step=fn, step_args=args, bare_args=lambda: args() + (tables,),
                 per=per, cache_ops=jax.jit(cache_ops, donate_argnums=0),
-                cache_ops_args=lambda: (copy(self.state),),
+                cache_ops_args=lambda: (_copy_tree(self.state),),
                 attention_inputs=jax.tree.map(jnp.asarray, attention_inputs))
 
   def profile(self, iters: int = 10) -> dict:
@@ -1065,7 +1073,6 @@ class Engine:
     per = prog["per"]
     step_ms = timed(prog["step"], prog["step_args"], per=per)
     bare_ms = timed(prog["step"], prog["bare_args"], per=per)
-    copy = lambda t: jax.tree.map(jnp.copy, t)
 
     def attention_only(pool, state, inp):
       tables = _layer_tables(state, L, S)
@@ -1091,7 +1098,7 @@ class Engine:
       return acc
 
     floor = timed(jax.jit(lambda st: st.seq_lens + 1, donate_argnums=0),
-                  lambda: (copy(self.state),))
+                  lambda: (_copy_tree(self.state),))
     ops = timed(prog["cache_ops"], prog["cache_ops_args"])
     result = {
         "step_ms": step_ms,
