@@ -89,17 +89,22 @@ class Config:
     2-warp loop of 2026-11-21, 4.8-5.9 us for 16-token tiles or one head per
     program."""
     if num_tokens >= 8192:
-      splits = 1
-      while (splits < 8 and num_kv_heads % (2 * splits) == 0
-             and (num_qo_heads == 0 or num_qo_heads % (2 * splits) == 0)):
-        splits *= 2
-      per_program = (num_qo_heads + num_kv_heads) // splits
-      return Config(block_tokens=8, num_splits=splits, num_warps=4,
-                    unroll=per_program <= 16)
+      return Config._split(8, 8, num_qo_heads, num_kv_heads)
     block_tokens = 4 if num_tokens <= 512 else 8
     tiles = -(-num_tokens // block_tokens)
+    # Split until ~512 programs: at most the first power of two s with
+    # tiles * s >= 512.
+    return Config._split(block_tokens, pl.next_power_of_2(-(-512 // tiles)),
+                         num_qo_heads, num_kv_heads)
+
+  @staticmethod
+  def _split(block_tokens: int, max_splits: int, num_qo_heads: int,
+             num_kv_heads: int) -> "Config":
+    """`block_tokens`-token tiles, 4 warps, the heads split over the largest
+    power of two <= `max_splits` programs dividing both head counts, the head
+    loop unrolled when a program has <= 16 heads."""
     splits = 1
-    while (tiles * splits < 512 and num_kv_heads % (2 * splits) == 0
+    while (2 * splits <= max_splits and num_kv_heads % (2 * splits) == 0
            and (num_qo_heads == 0 or num_qo_heads % (2 * splits) == 0)):
       splits *= 2
     per_program = (num_qo_heads + num_kv_heads) // splits
