@@ -18,6 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def rel_err(actual, expected) -> float:
+  """`||actual - expected|| / ||expected||` in float64 (NaN if `actual` has
+  a NaN)."""
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  if np.isnan(a).any():
+    return float("nan")
+  return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
 def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2):
   """Times `fn(*args)` with block_until_ready around each call.
 
