@@ -58,7 +58,6 @@ sys.path.append(os.path.join(_ROOT, "tests"))
 
 from bench import _timing  # noqa: E402
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
-from pkvattn.pallas_kernels import plan as plan_lib  # noqa: E402
 from pkvattn.pallas_kernels import reference  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -89,6 +88,12 @@ def check_small(seed: int = 0) -> list[dict]:
            ql=[200, 40], kw=dict(window_left=63)),
       dict(name="g8_p16_chunked", hkv=1, g=8, d=128, ps=16, kv=[1500, 777],
            ql=[256, 7], kw={}),
+      # Mosaic backend specifics: pages larger than a KV step, sinks without
+      # a window, non-causal over a cached prefix, kv_len % 128 != 0.
+      dict(name="g4_p128_sinks", hkv=2, g=4, d=128, ps=128,
+           kv=[1000, 129, 128], ql=[1000, 129, 9], kw={}, sinks=True),
+      dict(name="g2_p32_noncausal_prefix", hkv=2, g=2, d=64, ps=32,
+           kv=[600, 201], ql=[300, 100], kw=dict(causal=False)),
   ]
   rows = []
   for c in cases:
@@ -295,8 +300,10 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
 
   for i, cfg in enumerate(configs):
     diag = False
-    tag = (f"pallas bq{cfg.block_q} bk{cfg.block_k} w{cfg.num_warps} "
-           f"s{cfg.num_stages}" + (" 1loop" if cfg.single_loop else "")
+    tag = ((f"pallas mosaic bq{cfg.block_q} bk{cfg.block_k} "
+            f"s{cfg.num_stages}" if cfg.backend == "mosaic" else
+            f"pallas bq{cfg.block_q} bk{cfg.block_k} w{cfg.num_warps} "
+            f"s{cfg.num_stages}") + (" 1loop" if cfg.single_loop else "")
            + ("" if cfg.longest_first else " tokenorder")
            + ("" if cfg.heads_outer else " headsinner")
            + ("" if cfg.fast_exp2 else " libdevice-exp2")
@@ -316,9 +323,8 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
   # The default again with the plan computed outside (as once per step, reused
   # by every layer): the kernel time alone.
   plan = jax.jit(functools.partial(
-      plan_lib.plan_prefill, num_tokens=int(sum(q_lens)),
-      block_q=default_cfg.block_q, short_block_q=default_cfg.short_block_q,
-      causal=True))(sp["q_indptr"], sp["kv_lens"])
+      default_cfg.plan, num_tokens=int(sum(q_lens)), causal=True,
+      window_left=-1))(sp["q_indptr"], sp["kv_lens"])
 
   @jax.jit
   def planned(q, pool, kt, vt, qi, kl, plan):
@@ -409,22 +415,28 @@ def main():
   default = C.default_for(group_size=HQ // HKV, head_dim=D, page_size=16,
                           dtype=DTYPE)
   R = dataclasses.replace
-  # The previous default's tiles and exp2 (256 rows on 8 warps, 2 stages,
-  # libdevice exp2) stay in the sweep as the before/after reference; its
-  # per-key table gather no longer exists (page ids are scalars now).
-  before = R(default, block_q=256 // 4, num_warps=8, num_stages=2,
+  # On Hopper the default is the Mosaic-GPU kernel; the Pallas-Triton
+  # kernel's default and the session-2 Triton default (256 rows on 8 warps,
+  # 2 stages, libdevice exp2) stay in the sweep as before/after references.
+  triton = C.default_for(group_size=HQ // HKV, head_dim=D, page_size=16,
+                         dtype=DTYPE, backend="triton")
+  before = R(triton, block_q=256 // 4, num_warps=8, num_stages=2,
              heads_outer=False, fast_exp2=False)
-  sweeps = {
-      "causal": [default, R(default, heads_outer=False),
-                 R(default, num_stages=2),
-                 R(default, block_q=default.block_q // 2, block_k=128),
-                 R(default, fast_exp2=False), before],
-      "p64": [default, R(default, heads_outer=False),
-              R(default, num_stages=2), before],
-      "mixed": [default, R(default, heads_outer=False),
-                R(default, short_block_k=64),
-                R(default, short_block_q=0), before],
-  }
+  if default.backend == "mosaic":
+    sweeps = {
+        "causal": [default, R(default, block_k=64, num_stages=4), triton,
+                   before],
+        "p64": [default, triton, before],
+        "mixed": [default, R(default, short_block_k=64), triton, before],
+    }
+  else:
+    sweeps = {
+        "causal": [default, R(default, heads_outer=False),
+                   R(default, num_stages=2), before],
+        "p64": [default, R(default, num_stages=2), before],
+        "mixed": [default, R(default, short_block_k=64),
+                  R(default, short_block_q=0), before],
+    }
   if a.quick:
     sweeps = {k: v[:3] for k, v in sweeps.items()}
   if a.configs:

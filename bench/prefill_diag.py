@@ -49,14 +49,24 @@ def main():
           sp["kv_lens"])
   default = pp.Config.default_for(group_size=HQ // HKV, head_dim=D,
                                   page_size=a.page, dtype=jnp.bfloat16)
+  triton = pp.Config.default_for(group_size=HQ // HKV, head_dim=D,
+                                 page_size=a.page, dtype=jnp.bfloat16,
+                                 backend="triton")
   configs = {"default": default}
+  if default.backend != "triton":
+    configs["triton default"] = triton
   for item in filter(None, a.configs.split(";")):
     name, _, kvs = item.partition("=")
     kw = {}
+    base = default
     for kv in filter(None, kvs.split(",")):
       k, _, v = kv.partition(":")
-      kw[k] = type(getattr(default, k))(int(v))
-    configs[name] = dataclasses.replace(default, **kw)
+      if k == "backend" and v == "triton":
+        base = triton
+        continue
+      kw[k] = v if isinstance(getattr(default, k), str) else type(
+          getattr(default, k))(int(v))
+    configs[name] = dataclasses.replace(base, **kw)
 
   def ours(cfg, causal):
     @jax.jit

@@ -54,6 +54,7 @@ import numpy as np
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import paged_prefill_mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._compat import pltriton as plgpu
@@ -120,6 +121,11 @@ class Config:
       libdevice's `exp2f`, whose denormal handling costs a compare and two
       multiplies per logit and serialised the softmax (H100 ncu, 2026-11-22).
       Ignored in interpret mode.
+    backend: "triton" runs the main launch with this Pallas-Triton kernel;
+      "mosaic" with the Mosaic-GPU kernel (`paged_prefill_mgpu`: TMA,
+      warp-specialised wgmma, Hopper only), whose tiles are `block_q = 128`
+      tokens, `block_k` keys per step and `num_stages` shared-memory stages
+      (num_warps unused). The short launch is Pallas-Triton either way.
   """
   block_q: int = 16
   block_k: int = 64
@@ -133,11 +139,20 @@ class Config:
   short_num_warps: int = 8
   short_num_stages: int = 2
   fast_exp2: bool = True
+  backend: str = "triton"
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
-                  page_size: int | None, dtype) -> "Config":
+                  page_size: int | None, dtype, window_left: int = -1,
+                  interpret: bool = False,
+                  backend: str | None = None) -> "Config":
     """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
+
+    On a Hopper GPU, bf16/f16 with head_dim 64/128 and no window, the main
+    launch is the Mosaic-GPU kernel (`paged_prefill_mgpu.supports`): 128
+    tokens per tile (two consumer warpgroups of 64), 128-key steps, two
+    stages. Otherwise (or with `backend="triton"`), the Pallas-Triton
+    kernel:
 
     At head_dim <= 128: 128 query rows (tokens x group) per tile, 64-key
     tiles, 4 warps (one warpgroup) and 3 stages (2 for f32, whose tiles would
@@ -148,8 +163,18 @@ class Config:
     registers). f32 halves the rows. Decode rows and multi-token decode
     (q_len <= 8) go to the short launch with 128-key tiles.
     """
-    del page_size
     group_pad = pl.next_power_of_2(group_size)
+    short_block_q = max(8, 16 // group_pad)
+    if backend not in (None, "triton", "mosaic"):
+      raise ValueError(f"Invalid backend: expected None, 'triton' or "
+                       f"'mosaic', got {backend!r}")
+    if backend == "mosaic" or backend is None and (
+        not interpret) and paged_prefill_mgpu.supports(
+        dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
+        window_left=window_left):
+      return cls(block_q=paged_prefill_mgpu.TILE_Q, block_k=128,
+                 num_stages=2, short_block_q=short_block_q,
+                 short_block_k=128, backend="mosaic")
     wide = jnp.dtype(dtype).itemsize >= 4
     rows = 64 if wide else 128
     if head_dim <= 128:
@@ -160,14 +185,33 @@ class Config:
     if wide:
       short_block_k //= 2
     block_q = max(1, rows // group_pad)
-    short_block_q = max(8, 16 // group_pad)
     if short_block_q >= block_q:
       short_block_q = 0
     return cls(block_q=block_q, block_k=block_k, num_warps=num_warps,
                num_stages=num_stages, short_block_q=short_block_q,
                short_block_k=short_block_k)
 
+  @property
+  def plan_align(self) -> int:
+    """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins."""
+    return 8 if self.backend == "mosaic" else 1
+
+  def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
+           window_left: int) -> plan_lib.PrefillPlan:
+    """This config's tile schedule (`plan.plan_prefill`) for one step."""
+    return plan_lib.plan_prefill(
+        q_indptr, kv_lens, num_tokens=num_tokens, block_q=self.block_q,
+        causal=causal, window_left=window_left,
+        longest_first=self.longest_first, short_block_q=self.short_block_q,
+        align=self.plan_align)
+
   def validate(self, group_size: int) -> None:
+    if self.backend not in ("triton", "mosaic"):
+      raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
+                       f"{self.backend!r}")
+    if self.backend == "mosaic" and self.block_q != paged_prefill_mgpu.TILE_Q:
+      raise ValueError(f"Invalid block_q for the mosaic backend: expected "
+                       f"{paged_prefill_mgpu.TILE_Q}, got {self.block_q}")
     rows = self.block_q * pl.next_power_of_2(group_size)
     for name, v in (("block_q", self.block_q), ("block_k", self.block_k)):
       if v < 1 or v & (v - 1):
@@ -183,7 +227,7 @@ class Config:
       raise ValueError(
           f"Invalid short_block_k: expected a power of two >= 16, got "
           f"{self.short_block_k}")
-    if rows < 16 or self.block_k < 16:
+    if self.backend == "triton" and (rows < 16 or self.block_k < 16):
       raise NotImplementedError(
           f"Triton dots need >= 16 rows per operand: block_q * group_pad = "
           f"{rows}, block_k = {self.block_k}")
@@ -481,45 +525,66 @@ def paged_prefill(
     config: static `Config`; default `Config.default_for(...)`.
     plan: optional `PrefillPlan` from `plan.plan_prefill` with the same
       `block_q` and `num_tokens` (computed here when None); pass one plan to
-      every layer of a step to compute the schedule once.
+      every layer of a step to compute the schedule once. With `config`
+      None, a plan made for the other backend's tile size is replaced by
+      one computed here.
 
   Returns:
     `(out [num_tokens, num_qo_heads, head_dim] q.dtype,
       lse f32[num_tokens, num_qo_heads])`, natural-log lse, sink excluded.
 
   Raises:
-    ValueError: a plan built for a different block_q / num_tokens / batch.
+    ValueError: a plan built for a different block_q / num_tokens / batch;
+      a mosaic `config` with a window or in interpret mode.
     NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
   """
   num_tokens, num_qo_heads, head_dim = q.shape
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
+  defaulted = config is None
   if config is None:
     config = Config.default_for(group_size=group_size, head_dim=head_dim,
-                                page_size=k_pool.shape[1], dtype=q.dtype)
+                                page_size=k_pool.shape[1], dtype=q.dtype,
+                                window_left=window_left, interpret=interpret)
   config.validate(group_size)
+  if config.backend == "mosaic" and (interpret or window_left >= 0):
+    raise ValueError(
+        f"Invalid config: the mosaic backend needs a GPU and no window, got "
+        f"interpret={interpret}, window_left={window_left}")
+  if (plan is not None and defaulted
+      and (plan.num_tokens, plan.batch_size) == (num_tokens, kv_lens.shape[0])
+      and (plan.block_q, plan.short_block_q, plan.align) != (
+          config.block_q, config.short_block_q, config.plan_align)):
+    # A step's one plan serves layers of both backends (a model whose
+    # windowed layers run the Triton kernel and the others the mosaic one):
+    # the layers the plan was not made for plan for themselves.
+    plan = None
   if plan is None:
-    plan = plan_lib.plan_prefill(
-        q_indptr, kv_lens, num_tokens=num_tokens, block_q=config.block_q,
-        causal=causal, window_left=window_left,
-        longest_first=config.longest_first,
-        short_block_q=config.short_block_q)
+    plan = config.plan(q_indptr, kv_lens, num_tokens=num_tokens,
+                       causal=causal, window_left=window_left)
   else:
-    got = (plan.block_q, plan.short_block_q, plan.num_tokens, plan.batch_size)
+    got = (plan.block_q, plan.short_block_q, plan.num_tokens, plan.batch_size,
+           plan.align)
     want = (config.block_q, config.short_block_q, num_tokens,
-            kv_lens.shape[0])
+            kv_lens.shape[0], config.plan_align)
     if got != want:
       raise ValueError(
           f"Invalid plan: built for (block_q, short_block_q, num_tokens, "
-          f"batch_size) = {got}, expected {want}")
+          f"batch_size, align) = {got}, expected {want}")
   call = functools.partial(
       _paged_prefill_call, q, k_pool, v_pool, k_table.astype(jnp.int32),
       v_table.astype(jnp.int32), sinks, config=config, causal=causal,
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, interpret=interpret)
-  out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
-             num_warps=config.num_warps, num_stages=config.num_stages,
-             heads_outer=config.heads_outer)
+  if config.backend == "mosaic":
+    out = paged_prefill_mgpu.paged_prefill_mgpu(
+        q, k_pool, v_pool, k_table, v_table, plan.tiles, sinks,
+        causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
+        block_kv=config.block_k, num_stages=config.num_stages)
+  else:
+    out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
+               num_warps=config.num_warps, num_stages=config.num_stages,
+               heads_outer=config.heads_outer)
   if plan.short_tiles is not None:
     out = call(plan.short_tiles, out, block_q=config.short_block_q,
                block_k=config.short_block_k,

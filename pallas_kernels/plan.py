@@ -33,7 +33,8 @@ NUM_FIELDS = 5
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["tiles", "short_tiles"],
-    meta_fields=["block_q", "short_block_q", "num_tokens", "batch_size"])
+    meta_fields=["block_q", "short_block_q", "num_tokens", "batch_size",
+                 "align"])
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
   """Per-step schedule of the prefill kernel; a pytree (block_q etc. static).
@@ -58,6 +59,7 @@ class PrefillPlan:
   short_block_q: int  # 0 = no short class
   num_tokens: int
   batch_size: int
+  align: int = 1  # tiles' grid origin: first token rounded down to `align`
 
   @property
   def num_tiles(self) -> int:
@@ -79,6 +81,7 @@ def plan_prefill(
     window_left: int = -1,
     longest_first: bool = True,
     short_block_q: int = 0,
+    align: int = 1,
 ) -> PrefillPlan:
   """Builds the tile schedule of one step (jit-compatible, no host sync).
 
@@ -93,6 +96,12 @@ def plan_prefill(
     longest_first: static; False keeps tiles in token order.
     short_block_q: static; > 0 moves sequences with q_len <= short_block_q
       into `short_tiles` (see `PrefillPlan`).
+    align: static; tiles lie on a grid of `block_q` tokens that starts at
+      the sequence's first token rounded down to a multiple of `align`, so
+      every tile's `Q_START` rounded down to `align` is `block_q`-aligned to
+      that grid (the Mosaic kernel loads a tile's queries with TMA from an
+      `align`-aligned row, `align - 1` rows of the previous sequence
+      included and masked). 1 = tiles start at the sequence's first token.
 
   Returns:
     A `PrefillPlan` with `tiles i32[num_tokens // block_q + batch_size + 1, 5]`.
@@ -122,7 +131,9 @@ def plan_prefill(
     is_short = jnp.concatenate([short, jnp.zeros((1,), bool)])
   else:
     is_short = jnp.zeros((batch_size + 1,), bool)
-  n_tiles = jnp.where(is_short, 0, (lens + block_q - 1) // block_q)
+  lead = starts % align  # rows before the sequence on its first tile
+  n_tiles = jnp.where(is_short | (lens == 0), 0,
+                      (lens + lead + block_q - 1) // block_q)
   cum = jnp.cumsum(n_tiles)
   num = max_tiles(num_tokens, batch_size, block_q)
   i = jnp.arange(num, dtype=jnp.int32)
@@ -130,14 +141,16 @@ def plan_prefill(
   used = i < cum[-1]
   seq = jnp.minimum(seq, batch_size)
   local = i - (cum[seq] - n_tiles[seq])
-  q_start = starts[seq] + local * block_q
+  q_start = jnp.maximum(starts[seq] - lead[seq] + local * block_q,
+                        starts[seq])
   q_end = jnp.where(used, ends[seq], q_start)
   kv_len = jnp.where(used, kvs[seq], 0)
   pos_offset = kvs[seq] - lens[seq] - starts[seq]
   table_row = jnp.where(seq < batch_size, seq, 0)
   # Work estimate: visible keys of the tile's widest row range.
   pos_min = q_start + pos_offset
-  pos_max = jnp.minimum(q_start + block_q, q_end) - 1 + pos_offset
+  pos_max = jnp.minimum(q_start - q_start % align + block_q,
+                        q_end) - 1 + pos_offset
   hi = jnp.minimum(kv_len, pos_max + 1) if causal else kv_len
   lo = jnp.maximum(pos_min - window_left, 0) if window_left >= 0 else 0
   work = jnp.where(used, jnp.maximum(hi - lo, 0), -1)
@@ -145,4 +158,4 @@ def plan_prefill(
   if longest_first:
     tiles = tiles[jnp.argsort(-work, stable=True)]
   return PrefillPlan(tiles.astype(jnp.int32), short_tiles, block_q,
-                     short_block_q, num_tokens, batch_size)
+                     short_block_q, num_tokens, batch_size, align)

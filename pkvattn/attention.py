@@ -290,7 +290,6 @@ def plan_prefill(
     64
   """
   from pkvattn.pallas_kernels import paged_prefill as kernel
-  from pkvattn.pallas_kernels import plan as plan_lib
   _checks.check_heads(num_qo_heads, num_kv_heads)
   _checks.check_int(kv_lens, "kv_lens")
   _checks.check_ndim(kv_lens, (1,), "kv_lens")
@@ -298,12 +297,11 @@ def plan_prefill(
   _checks.check_shape(q_indptr, (kv_lens.shape[0] + 1,), "q_indptr")
   config = kernel.Config.default_for(
       group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
-      page_size=None, dtype=dtype)
-  return plan_lib.plan_prefill(
+      page_size=None, dtype=dtype, window_left=window_left,
+      interpret=not _checks.is_gpu())
+  return config.plan(
       jnp.asarray(q_indptr, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
-      num_tokens=num_tokens, block_q=config.block_q, causal=causal,
-      window_left=window_left, longest_first=config.longest_first,
-      short_block_q=config.short_block_q)
+      num_tokens=num_tokens, causal=causal, window_left=window_left)
 
 
 def merge_state(

@@ -1,0 +1,447 @@
+"""Paged prefill attention for Hopper: Pallas on Mosaic GPU (TMA + wgmma).
+
+The Pallas-Triton prefill kernel (`paged_prefill.py`) tops out near 0.7x of
+cuDNN on H100/H200: Triton (as bundled with jax 0.11) neither warp-specialises
+nor keeps a wgmma in flight across the softmax. This kernel is the
+FlashAttention-3 forward (Shah et al. 2024, arXiv:2407.08608: producer /
+consumer warpgroups, TMA loads into a ring of shared-memory stages, two
+consumer warpgroups whose matmuls alternate with each other's softmax) over
+FlashInfer's paged, ragged layout:
+
+* A CTA serves one query head and one plan tile of `TILE_Q = 128`
+  consecutive new tokens of one sequence (`plan.plan_prefill(block_q=128)`;
+  with `align=8`, heaviest tiles first: a tile's rows start at its first
+  token rounded down to 8, so TMA lands them on whole 8-row swizzle tiles;
+  rows of other sequences are computed and never stored). Two consumer
+  warpgroups take 64 tokens each; a third (producer) warpgroup issues TMA.
+  The grid is `(num_qo_heads, num_tiles)` with heads fastest, so the heads of
+  one GQA group run together and share the K/V they read through L2.
+* A KV step is `block_kv` keys. The producer reads the step's page ids from
+  the page table (scalars) and issues one TMA copy per page
+  (`pool[page, rows, kv_head, :]` -> `[page_size, head_dim]` of the stage),
+  all arriving on the stage's barrier. Pages past the last one a sequence
+  owns are never read (the page index is clamped to that page).
+* Consumers walk the unmasked steps first, then the steps that cross the
+  diagonal or `kv_len`, masked with -inf. Keys past `kv_len` of the last
+  page are stale (possibly NaN, left by a previous owner): their logits are
+  masked, and their V rows are zeroed in shared memory before the PV matmul,
+  since 0 * NaN would otherwise reach the output.
+* Softmax in base 2 with the scale folded into the exponent (FA3); the
+  optional soft cap is applied first; sinks join the denominator at the end.
+* Output rows are stored with TMA in a ladder of power-of-two row counts
+  (a tile's rows past its sequence's end belong to another sequence and must
+  not be written); `lse` goes to a per-tile scratch `[num_qo_heads,
+  num_tiles * 128]` that the wrapper scatters to `[num_tokens,
+  num_qo_heads]` (a TMA box needs >= 16 bytes in its minor dimension).
+
+No sliding window (the consumers' barrier phases would have to skip the
+window's leading steps); `paged_prefill` keeps the Triton kernel for
+windows, f32, head_dim 256 and non-Hopper GPUs (`supports`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pkvattn.pallas_kernels import plan as plan_lib
+
+BLOCK_Q = 64          # tokens per consumer warpgroup
+TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def supports(*, dtype, head_dim: int, page_size: int, window_left: int,
+             block_kv: int = 128) -> bool:
+  """Whether this kernel serves the case (else the Triton kernel does).
+
+  Needs a Hopper GPU (wgmma is sm_90a only), bf16/f16, head_dim 64 or 128,
+  page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing `block_kv`
+  or divisible by it, and no sliding window.
+  """
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False
+  if head_dim not in (64, 128) or window_left >= 0 or page_size < 8:
+    return False
+  if page_size < block_kv and block_kv % page_size:
+    return False
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover
+    return False
+  return (dev.platform == "gpu"
+          and str(getattr(dev, "compute_capability", "")) == "9.0")
+
+
+def _mgpu():
+  """Imports Mosaic GPU Pallas lazily (only the GPU path needs it)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+  return plgpu
+
+
+def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
+            v_table_ref, *rest, causal: bool, sm_scale: float,
+            logits_soft_cap: float | None, has_sinks: bool, group_size: int,
+            block_kv: int, num_stages: int):
+  plgpu = _mgpu()
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  if has_sinks:
+    sinks_ref, out_ref, lse_ref, scoped = rest
+  else:
+    sinks_ref = None
+    out_ref, lse_ref, scoped = rest
+  (q_smem2, k_smem, v_smem, o_smem2, lse_smem2), bars, free, sched = scoped
+  k_bar, v_bar, q_bar = bars
+  k_free, v_free = free
+  page_size = k_pool_ref.shape[1]
+  head_dim = q_ref.shape[2]
+  dtype = q_ref.dtype
+  f32 = jnp.float32
+  i32 = jnp.int32
+
+  head = lax.axis_index("heads")
+  tile = lax.axis_index("tiles")
+  wg = lax.axis_index("wg")
+  seq = tiles_ref[tile, plan_lib.SEQ]
+  q_start = tiles_ref[tile, plan_lib.Q_START]
+  q_end = tiles_ref[tile, plan_lib.Q_END]
+  kv_len = tiles_ref[tile, plan_lib.KV_LEN]
+  pos_offset = tiles_ref[tile, plan_lib.POS_OFFSET]
+  bkv = jnp.array(block_kv, i32)
+  # The plan (align=8) puts the tile's origin at q_start rounded down to 8
+  # rows (TMA into 8-row swizzle tiles); rows before q_start or at / past
+  # q_end belong to other sequences: computed, never stored.
+  origin = pl.multiple_of(q_start - lax.rem(q_start, jnp.array(8, i32)), 8)
+
+  def wg_steps(w):
+    """(first row token, first / end valid row, KV steps, unmasked steps)."""
+    t0 = origin + w * BLOCK_Q
+    lo = jnp.clip(q_start - t0, 0, BLOCK_Q)
+    hi_row = jnp.clip(q_end - t0, lo, BLOCK_Q)
+    if causal:
+      hi = jnp.minimum(kv_len, t0 + hi_row + pos_offset)  # last pos + 1
+      full = jnp.minimum(kv_len, t0 + lo + pos_offset + 1)
+    else:
+      hi = full = kv_len
+    some = hi_row > lo
+    hi = jnp.where(some, hi, 0)
+    full = jnp.where(some, full, 0)
+    return t0, lo, hi_row, lax.div(hi + bkv - 1, bkv), lax.div(full, bkv)
+
+  # The producer loads every step either consumer needs; with causal masking
+  # the second warpgroup (later rows) needs at least as many as the first.
+  total_steps = jnp.maximum(wg_steps(0)[3], wg_steps(1)[3])
+
+  def rendezvous():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem = q_smem2.at[wg]
+    t0, row_lo, row_hi, steps, full_steps = wg_steps(wg)
+    t0 = pl.multiple_of(t0, 8)
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
+                            q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
+    l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
+    acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, f32),
+                            plgpu.Layout.WGMMA)
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.barrier_wait(k_bar.at[0])
+
+    # Offset the two consumers by one matmul: from here on their QK^T / PV
+    # matmuls alternate with each other's softmax (FA3's ping-pong).
+    pl.when(wg == 1)(rendezvous)
+
+    qk_scale = sm_scale * _LOG2E
+
+    def step(i, carry, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(i, num_stages)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem,
+                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        rendezvous()
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if logits_soft_cap is not None:
+        s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
+            logits_soft_cap * _LOG2E)
+        scale = 1.0
+      else:
+        scale = qk_scale
+      if masked:
+        shape = (BLOCK_Q, block_kv)
+        row = plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.WGMMA)
+        key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
+        key = key + i * block_kv
+        vis = key < kv_len
+        if causal:
+          vis = vis & (key <= row + (t0 + pos_offset))
+        s = jnp.where(vis, s, -jnp.inf)
+      # Every valid row sees key 0 in step 0 (causal or not), so its m is
+      # finite from the first step on and exp2(-inf - m) = 0 for masked
+      # keys. (Rows of other sequences may go NaN; rows do not mix.)
+      m_next = jnp.maximum(m, s.max(axis=1) * scale)
+      alpha = jnp.exp2(m - m_next)
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+      plgpu.barrier_arrive(sched)  # softmax done
+      plgpu.barrier_wait(v_bar.at[slot])
+      if masked:
+        # Stale V rows past kv_len (NaN in tests) would turn 0 * NaN into
+        # NaN: zero them in shared memory. Both consumers may do this for
+        # the same stage; they write identical values.
+        @pl.when((i + 1) * block_kv > kv_len)
+        def _():
+          v_slot = v_smem.at[slot]
+          vrow = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
+                                        layout=plgpu.Layout.WGMMA)
+          v_slot[...] = jnp.where(vrow + i * block_kv < kv_len, v_slot[...],
+                                  jnp.zeros((block_kv, head_dim), dtype))
+          plgpu.commit_smem()
+      plgpu.barrier_wait(sched)  # the other consumer's matmul is issued
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        nxt = i + 1
+
+        @pl.when(nxt < steps)
+        def _():
+          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, num_stages)])
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_next, l
+
+    def skip(i, _):
+      # Steps the other consumer needs and this one does not (causal: the
+      # first warpgroup's rows end earlier): release the stage and keep the
+      # ping-pong barrier in step.
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      rendezvous()
+      rendezvous()
+
+    carry = (acc, m, l)
+    carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False),
+                          carry)
+    carry = lax.fori_loop(full_steps, steps,
+                          functools.partial(step, masked=True), carry)
+    lax.fori_loop(steps, total_steps, skip, None)
+    acc, m, l = carry
+    pl.when(wg == 0)(rendezvous)  # matches the second consumer's first one
+
+    ok = l > 0.0
+    if has_sinks:
+      sink = sinks_ref[head] * _LOG2E
+      m_all = jnp.maximum(m, sink)
+      keep = jnp.exp2(m - m_all)
+      denom = l * keep + jnp.exp2(sink - m_all)
+      scale_out = keep / denom
+    else:
+      scale_out = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+    out = acc * lax.broadcast_in_dim(scale_out, acc.shape, [0])
+    lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2,
+                    -jnp.inf)
+    o_smem = o_smem2.at[wg]
+    lse_smem = lse_smem2.at[wg]
+    o_smem[...] = out.astype(dtype)
+    lse_smem[...] = lse
+    plgpu.commit_smem()
+    # Rows outside [row_lo, row_hi) belong to other sequences: store the
+    # valid ones as a ladder of power-of-two TMA boxes.
+    n = row_hi - row_lo
+    off = row_lo
+    size = BLOCK_Q
+    while size >= 1:
+      @pl.when((n & size) != 0)
+      def _(off=off, size=size):
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)],
+                                out_ref.at[pl.ds(t0 + off, size), head])
+      off = off + (n & size)
+      size //= 2
+    plgpu.copy_smem_to_gmem(
+        lse_smem, lse_ref.at[head, pl.ds(tile * TILE_Q + wg * BLOCK_Q,
+                                         BLOCK_Q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.array(group_size, i32))
+    last_page = jnp.maximum(lax.div(kv_len + page_size - 1,
+                                    jnp.array(page_size, i32)) - 1, 0)
+    rows = min(page_size, block_kv)
+    copies = block_kv // rows
+
+    def issue(i, slot, pool_ref, table_ref, smem, bar):
+      first = i * block_kv
+      for c in range(copies):
+        if page_size >= block_kv:
+          per_page = page_size // block_kv
+          page_idx = lax.div(i, jnp.array(per_page, i32))
+          r0 = pl.multiple_of(
+              lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
+        else:
+          page_idx = lax.div(first, jnp.array(page_size, i32)) + c
+          r0 = 0
+        page = table_ref[seq, jnp.minimum(page_idx, last_page)]
+        plgpu.copy_gmem_to_smem(
+            pool_ref.at[page, pl.ds(r0, rows), kv_head],
+            smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
+
+    for j in range(num_stages):
+      @pl.when(j < total_steps)
+      def _(j=j):
+        issue(j, j, k_pool_ref, k_table_ref, k_smem, k_bar)
+        issue(j, j, v_pool_ref, v_table_ref, v_smem, v_bar)
+
+    def refill(i, _):
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      issue(i, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
+      plgpu.barrier_wait(v_free.at[slot])
+      issue(i, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
+    lax.fori_loop(num_stages, total_steps, refill, None)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "sm_scale", "logits_soft_cap", "block_kv",
+                     "num_stages"))
+def paged_prefill_mgpu(
+    q: jax.Array,         # [num_tokens, num_qo_heads, head_dim]
+    k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
+    k_table: jax.Array,   # i32[batch_size, max_pages]
+    v_table: jax.Array,   # i32[batch_size, max_pages]
+    tiles: jax.Array,     # i32[num_tiles, plan.NUM_FIELDS], block_q = TILE_Q
+    sinks: jax.Array | None = None,  # f32[num_qo_heads]
+    *,
+    causal: bool,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+    block_kv: int = 128,
+    num_stages: int = 2,
+):
+  """One Mosaic-GPU launch over the plan's main tiles (see module docstring).
+
+  Semantics are `reference.paged_prefill_reference` without a window, for
+  the tokens the `tiles` cover (`plan.plan_prefill(..., block_q=TILE_Q)`);
+  rows of other tokens (the plan's short tiles) are left unwritten.
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64/128.
+    k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
+      of `q` (may be one array with split tables).
+    k_table, v_table: `i32[batch_size, max_pages]`.
+    tiles: `i32[num_tiles, 5]`, a plan's `tiles` built with block_q = 128
+      and align = 8.
+    sinks: optional `f32[num_qo_heads]`, joins the denominator only.
+    causal, sm_scale, logits_soft_cap: static, as `paged_prefill`.
+    block_kv: static, keys per step (64 or 128).
+    num_stages: static, shared-memory stages of the K/V ring (>= 2).
+
+  Returns:
+    `(out [num_tokens, num_qo_heads, head_dim] q.dtype,
+      lse f32[num_tokens, num_qo_heads])`; natural-log lse; rows of tokens no
+    tile covers are unspecified (out) / -inf (lse).
+
+  Raises:
+    ValueError: an unsupported dtype, head_dim or page_size (see `supports`;
+      the GPU model is not checked here).
+  """
+  plgpu = _mgpu()
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  num_tokens, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  num_tiles = tiles.shape[0]
+  if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16),
+                                jnp.dtype(jnp.float16)):
+    raise ValueError(f"Invalid q dtype: expected bf16 or f16, got {q.dtype}")
+  if head_dim not in (64, 128):
+    raise ValueError(f"Invalid head_dim: expected 64 or 128, got {head_dim}")
+  if page_size < 8 or (page_size < block_kv and block_kv % page_size):
+    raise ValueError(
+        f"Invalid page_size: expected >= 8 and dividing or divisible by "
+        f"block_kv={block_kv}, got {page_size}")
+  if block_kv not in (64, 128) or num_stages < 2:
+    raise ValueError(f"Invalid (block_kv, num_stages): expected 64/128 and "
+                     f">= 2, got {(block_kv, num_stages)}")
+  group_size = num_qo_heads // num_kv_heads
+  copies = block_kv // min(page_size, block_kv)
+  kernel = functools.partial(
+      _kernel, causal=causal, sm_scale=sm_scale,
+      logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
+      group_size=group_size, block_kv=block_kv, num_stages=num_stages)
+  dtype = q.dtype
+
+  def entry(*refs):
+    swizzle = 128 if head_dim * jnp.dtype(dtype).itemsize >= 128 else 64
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+    smem = [
+        plgpu.SMEM((2, BLOCK_Q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+        plgpu.SMEM((2, BLOCK_Q, head_dim), dtype),
+        plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+    ]
+    pl.run_scoped(
+        lambda *scoped: kernel(*refs, scoped),
+        smem,
+        (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+         plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  # TMA into 8-row swizzle tiles views q's token axis in tiles of 8 rows.
+  q_in = q if num_tokens % 8 == 0 else jnp.pad(
+      q, ((0, -num_tokens % 8), (0, 0), (0, 0)))
+  args = [tiles.astype(jnp.int32), q_in, k_pool, v_pool,
+          k_table.astype(jnp.int32), v_table.astype(jnp.int32)]
+  if sinks is not None:
+    args.append(sinks.astype(jnp.float32))
+  out, lse_tiles = plgpu.kernel(
+      entry,
+      out_type=[
+          jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim), dtype),
+          jax.ShapeDtypeStruct((num_qo_heads, num_tiles * TILE_Q),
+                               jnp.float32),
+      ],
+      grid=(num_qo_heads, num_tiles),
+      grid_names=("heads", "tiles"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*args)
+  # lse: per-tile rows -> tokens (rows of other sequences are dropped).
+  q_start = tiles[:, plan_lib.Q_START][:, None]
+  q_end = tiles[:, plan_lib.Q_END][:, None]
+  t = q_start - q_start % 8 + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]
+  token = jnp.where((t >= q_start) & (t < q_end), t, num_tokens).reshape(-1)
+  lse = jnp.full((num_tokens, num_qo_heads), -jnp.inf, jnp.float32)
+  lse = lse.at[token].set(lse_tiles.T, mode="drop")
+  return out, lse

@@ -1,0 +1,192 @@
+"""The Mosaic-GPU prefill backend (`pallas_kernels/paged_prefill_mgpu.py`).
+
+On the CPU CI: the 8-aligned plan it runs on (every token covered exactly
+once, tile rows inside the 128-row window from an 8-aligned origin), the
+backend choice and its errors, and a cross-lowering of the kernel for CUDA
+(Pallas -> Mosaic GPU MLIR), which runs the layout / shape checks of the
+lowering without a GPU. Mosaic GPU has no interpret mode for warp-specialised
+kernels, so the numerics run only on a Hopper GPU (`test_matches_oracle_gpu`,
+skipped elsewhere; `bench/bench_prefill.py` checks the same there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attention_utils import dense_attention, make_paged
+from pkvattn import _kv
+from pkvattn.pallas_kernels import paged_prefill as kernel
+from pkvattn.pallas_kernels import paged_prefill_mgpu as mgpu
+from pkvattn.pallas_kernels import plan as plan_lib
+
+_C = kernel.Config
+
+
+def _mosaic(group_size=4, head_dim=128):
+  return _C.default_for(group_size=group_size, head_dim=head_dim,
+                        page_size=16, dtype=jnp.bfloat16, backend="mosaic")
+
+
+@settings(max_examples=40, deadline=None)
+@given(q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+       extra=st.lists(st.integers(0, 200), min_size=5, max_size=5),
+       padding=st.integers(0, 20))
+def test_aligned_plan_covers_every_token_once(q_lens, extra, padding):
+  q_lens = np.asarray(q_lens)
+  kv_lens = (q_lens + np.asarray(extra[:len(q_lens)])).astype(np.int32)
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  num_tokens = int(q_indptr[-1]) + padding
+  if num_tokens == 0:
+    return
+  config = _mosaic()
+  plan = config.plan(jnp.asarray(q_indptr), jnp.asarray(kv_lens),
+                     num_tokens=num_tokens, causal=True, window_left=-1)
+  assert (plan.block_q, plan.align) == (mgpu.TILE_Q, 8)
+  seen = np.zeros(num_tokens, int)
+  for seq, start, end, kv, off in np.asarray(plan.tiles):
+    if end <= start:
+      continue
+    origin = start - start % 8
+    rows = np.arange(start, min(end, origin + mgpu.TILE_Q))
+    seen[rows] += 1
+    for t in rows:
+      if t < q_indptr[-1]:
+        b = np.searchsorted(q_indptr[1:], t, side="right")
+        assert seq == b and kv == kv_lens[b]
+        assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
+  for seq, start, end, kv, off in np.asarray(plan.short_tiles):
+    seen[start:end] += 1
+  np.testing.assert_array_equal(seen, 1)
+
+
+def test_backend_choice_and_errors():
+  # No Hopper GPU here: the default is the Triton kernel.
+  if not mgpu.supports(dtype=jnp.bfloat16, head_dim=128, page_size=16,
+                       window_left=-1):
+    cfg = _C.default_for(group_size=4, head_dim=128, page_size=16,
+                         dtype=jnp.bfloat16)
+    assert cfg.backend == "triton" and cfg.plan_align == 1
+  # Unsupported features fall back whatever the GPU.
+  for kw in (dict(dtype=jnp.float32), dict(head_dim=256),
+             dict(window_left=64), dict(page_size=4)):
+    args = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16,
+                window_left=-1)
+    args.update(kw)
+    assert not mgpu.supports(**args)
+  cfg = _mosaic()
+  assert (cfg.backend, cfg.block_q, cfg.plan_align) == ("mosaic", 128, 8)
+  with pytest.raises(ValueError, match="backend"):
+    dataclasses.replace(cfg, backend="cuda").validate(group_size=4)
+  with pytest.raises(ValueError, match="block_q"):
+    dataclasses.replace(cfg, block_q=64).validate(group_size=4)
+  with pytest.raises(ValueError, match="backend"):
+    _C.default_for(group_size=4, head_dim=128, page_size=16,
+                   dtype=jnp.bfloat16, backend="cuda")
+  q = jnp.zeros((16, 8, 128), jnp.bfloat16)
+  pool = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+  table = jnp.zeros((1, 4), jnp.int32)
+  for kw in (dict(interpret=True), dict(window_left=8, interpret=False)):
+    with pytest.raises(ValueError, match="mosaic backend"):
+      kernel.paged_prefill(q, pool, pool, table, table,
+                           jnp.array([0, 16], jnp.int32),
+                           jnp.array([16], jnp.int32), sm_scale=0.1,
+                           config=cfg, **kw)
+  # A plan without the 8-row alignment does not fit the mosaic kernel.
+  plan = plan_lib.plan_prefill(jnp.array([0, 16], jnp.int32),
+                               jnp.array([16], jnp.int32), num_tokens=16,
+                               block_q=128, short_block_q=cfg.short_block_q)
+  with pytest.raises(ValueError, match="Invalid plan"):
+    kernel.paged_prefill(q, pool, pool, table, table,
+                         jnp.array([0, 16], jnp.int32),
+                         jnp.array([16], jnp.int32), sm_scale=0.1,
+                         config=cfg, plan=plan)
+  with pytest.raises(ValueError, match="head_dim"):
+    mgpu.paged_prefill_mgpu(
+        jnp.zeros((16, 8, 256), jnp.bfloat16),
+        jnp.zeros((4, 16, 2, 256), jnp.bfloat16),
+        jnp.zeros((4, 16, 2, 256), jnp.bfloat16), table, table,
+        plan.tiles, causal=True, sm_scale=0.1)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,page_size,head_dim,causal,soft_cap,sinks", [
+        (512, 16, 128, True, None, False),
+        (300, 8, 64, True, None, True),        # q padded to 8 rows
+        (256, 256, 128, False, 30.0, False),   # pages larger than a step
+        (384, 64, 128, True, 50.0, True),
+    ])
+def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
+                                     soft_cap, sinks):
+  """Cross-lowers the kernel for CUDA on the CPU: every TMA slice, layout and
+  barrier of the Mosaic-GPU lowering must be accepted."""
+  hq, hkv, b, pages = 8, 2, 3, 64
+  sds = jax.ShapeDtypeStruct
+  args = [sds((num_tokens, hq, head_dim), jnp.bfloat16),
+          sds((pages, page_size, hkv, head_dim), jnp.bfloat16),
+          sds((pages, page_size, hkv, head_dim), jnp.bfloat16),
+          sds((b, 16), jnp.int32), sds((b, 16), jnp.int32),
+          sds((plan_lib.max_tiles(num_tokens, b, mgpu.TILE_Q),
+               plan_lib.NUM_FIELDS), jnp.int32)]
+  if sinks:
+    args.append(sds((hq,), jnp.float32))
+  lowered = mgpu.paged_prefill_mgpu.trace(
+      *args, causal=causal, sm_scale=head_dim ** -0.5,
+      logits_soft_cap=soft_cap).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert "mosaic_gpu" in text
+
+
+def _hopper() -> bool:
+  return mgpu.supports(dtype=jnp.bfloat16, head_dim=128, page_size=16,
+                       window_left=-1)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("page_size,group,causal,soft_cap,sinks", [
+    (16, 4, True, None, False), (8, 1, True, None, True),
+    (128, 8, False, 30.0, False)])
+def test_matches_oracle_gpu(page_size, group, causal, soft_cap, sinks):
+  """NaN in every page a sequence does not own and past kv_len; ragged,
+  unaligned sequence starts, a decode row and padding tokens."""
+  rng = np.random.default_rng(page_size * 7 + group)
+  hkv, d = 2, 128
+  q_lens = [300, 1, 77, 129]
+  kv_lens = [300, 500, 200, 129]
+  p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
+                 head_dim=d, dtype=jnp.bfloat16, fmt="pool")
+  hq = hkv * group
+  t = sum(q_lens) + 5
+  q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  s = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
+       if sinks else None)
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+                       dtype=jnp.bfloat16)
+  assert cfg.backend == "mosaic"
+  out, lse = kernel.paged_prefill(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(q_indptr), jnp.asarray(p.kv_lens), s, causal=causal,
+      sm_scale=d ** -0.5, logits_soft_cap=soft_cap)
+  out = np.asarray(out.astype(jnp.float32))
+  lse = np.asarray(lse)
+  qf = np.asarray(q.astype(jnp.float32))
+  for b, (n, ql) in enumerate(zip(kv_lens, q_lens)):
+    exp, exp_lse = dense_attention(
+        qf[q_indptr[b]:q_indptr[b + 1]], p.k[b], p.v[b],
+        np.arange(n - ql, n), n, causal=causal, window_left=-1,
+        sm_scale=d ** -0.5, logits_soft_cap=soft_cap,
+        sinks=None if s is None else np.asarray(s))
+    np.testing.assert_allclose(out[q_indptr[b]:q_indptr[b + 1]], exp,
+                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(lse[q_indptr[b]:q_indptr[b + 1]], exp_lse,
+                               atol=2e-2, rtol=2e-2)
+  assert (out[q_indptr[-1]:] == 0).all()
+  assert np.isneginf(lse[q_indptr[-1]:]).all()
