@@ -386,7 +386,8 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
           f"{row['tflops']:7.1f} TFLOP/s  kernel "
           f"{row.get('tflops_kernel', 0.0):7.1f} TFLOP/s  rounds "
           f"{t['round_medians_ms']}", flush=True)
-    if (impl.startswith("pallas bq") and extra.get("matches_default")
+    if (impl.startswith(("pallas bq", "pallas mosaic"))
+        and extra.get("matches_default")
         and not extra.get("diagnostic")
         and (best is None or row.get("kernel_ms", row["median_ms"])
              < best.get("kernel_ms", best["median_ms"]))):

@@ -126,6 +126,12 @@ class Config:
       warp-specialised wgmma, Hopper only), whose tiles are `block_q = 128`
       tokens, `block_k` keys per step and `num_stages` shared-memory stages
       (num_warps unused). The short launch is Pallas-Triton either way.
+    split_decode_rows: sequences with q_len == 1 (the decode rows of a mixed
+      batch) run through the split-K decode kernel (`paged_decode`) instead
+      of a short tile: a memory-bound row streams its KV across several
+      programs at the decode kernel's bandwidth, where a short tile walks it
+      in one. Multi-token decode (2 <= q_len <= short_block_q) stays in the
+      short launch, which reads each KV tile once for all its tokens.
   """
   block_q: int = 16
   block_k: int = 64
@@ -140,6 +146,7 @@ class Config:
   short_num_stages: int = 2
   fast_exp2: bool = True
   backend: str = "triton"
+  split_decode_rows: bool = True
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
@@ -203,7 +210,7 @@ class Config:
         q_indptr, kv_lens, num_tokens=num_tokens, block_q=self.block_q,
         causal=causal, window_left=window_left,
         longest_first=self.longest_first, short_block_q=self.short_block_q,
-        align=self.plan_align)
+        align=self.plan_align, split_decode_rows=self.split_decode_rows)
 
   def validate(self, group_size: int) -> None:
     if self.backend not in ("triton", "mosaic"):
@@ -553,8 +560,10 @@ def paged_prefill(
         f"interpret={interpret}, window_left={window_left}")
   if (plan is not None and defaulted
       and (plan.num_tokens, plan.batch_size) == (num_tokens, kv_lens.shape[0])
-      and (plan.block_q, plan.short_block_q, plan.align) != (
-          config.block_q, config.short_block_q, config.plan_align)):
+      and (plan.block_q, plan.short_block_q, plan.align,
+           plan.decode_rows is not None) != (
+               config.block_q, config.short_block_q, config.plan_align,
+               config.split_decode_rows)):
     # A step's one plan serves layers of both backends (a model whose
     # windowed layers run the Triton kernel and the others the mosaic one):
     # the layers the plan was not made for plan for themselves.
@@ -564,13 +573,13 @@ def paged_prefill(
                        causal=causal, window_left=window_left)
   else:
     got = (plan.block_q, plan.short_block_q, plan.num_tokens, plan.batch_size,
-           plan.align)
+           plan.align, plan.decode_rows is not None)
     want = (config.block_q, config.short_block_q, num_tokens,
-            kv_lens.shape[0], config.plan_align)
+            kv_lens.shape[0], config.plan_align, config.split_decode_rows)
     if got != want:
       raise ValueError(
           f"Invalid plan: built for (block_q, short_block_q, num_tokens, "
-          f"batch_size, align) = {got}, expected {want}")
+          f"batch_size, align, split_decode_rows) = {got}, expected {want}")
   call = functools.partial(
       _paged_prefill_call, q, k_pool, v_pool, k_table.astype(jnp.int32),
       v_table.astype(jnp.int32), sinks, config=config, causal=causal,
@@ -590,4 +599,17 @@ def paged_prefill(
                block_k=config.short_block_k,
                num_warps=config.short_num_warps,
                num_stages=config.short_num_stages, heads_outer=False)
+  if plan.decode_rows is not None:
+    # q_len == 1 sequences: one decode query each (kv_len 0 = not a decode
+    # row: zeros, dropped by the scatter).
+    from pkvattn.pallas_kernels import paged_decode  # noqa: PLC0415
+    rows = plan.decode_rows
+    d_out, d_lse = paged_decode.paged_decode(
+        q[jnp.minimum(rows, num_tokens - 1)], k_pool, v_pool,
+        k_table.astype(jnp.int32), v_table.astype(jnp.int32),
+        jnp.where(rows < num_tokens, kv_lens, 0), sinks, sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap,
+        interpret=interpret)
+    out = (out[0].at[rows].set(d_out, mode="drop"),
+           out[1].at[rows].set(d_lse, mode="drop"))
   return out

@@ -32,7 +32,7 @@ NUM_FIELDS = 5
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tiles", "short_tiles"],
+    data_fields=["tiles", "short_tiles", "decode_rows"],
     meta_fields=["block_q", "short_block_q", "num_tokens", "batch_size",
                  "align"])
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,10 @@ class PrefillPlan:
   (decode rows, multi-token decode) are left out of `tiles` and get one tile
   each in `short_tiles` (row b: sequence b, or an unused tile), run by a
   second launch with `short_block_q` tokens per tile, so a decode row does
-  not pay for `block_q * group_pad` MMA rows.
+  not pay for `block_q * group_pad` MMA rows. With `decode_rows`, sequences
+  with `q_len == 1` go to the split-K decode kernel instead (memory-bound
+  rows at the decode kernel's bandwidth; a short tile walks a long KV in
+  one program).
 
   `tiles[i]` describes grid tile `i` (already in launch order):
     SEQ:        row of the page table (0 for the padding pseudo-sequence);
@@ -55,6 +58,10 @@ class PrefillPlan:
   """
   tiles: jax.Array  # i32[num_tokens // block_q + batch_size + 1, NUM_FIELDS]
   short_tiles: jax.Array | None  # i32[batch_size, NUM_FIELDS] | None
+  # i32[batch_size] | None: the token of each q_len == 1 sequence, run by the
+  # split-K decode kernel (`num_tokens` for other sequences); None = such
+  # sequences stay in the tiles.
+  decode_rows: jax.Array | None
   block_q: int
   short_block_q: int  # 0 = no short class
   num_tokens: int
@@ -82,6 +89,7 @@ def plan_prefill(
     longest_first: bool = True,
     short_block_q: int = 0,
     align: int = 1,
+    split_decode_rows: bool = False,
 ) -> PrefillPlan:
   """Builds the tile schedule of one step (jit-compatible, no host sync).
 
@@ -102,6 +110,8 @@ def plan_prefill(
       that grid (the Mosaic kernel loads a tile's queries with TMA from an
       `align`-aligned row, `align - 1` rows of the previous sequence
       included and masked). 1 = tiles start at the sequence's first token.
+    split_decode_rows: static; True leaves sequences with q_len == 1 out of
+      both tile lists and lists their tokens in `decode_rows`.
 
   Returns:
     A `PrefillPlan` with `tiles i32[num_tokens // block_q + batch_size + 1, 5]`.
@@ -116,10 +126,15 @@ def plan_prefill(
                           jnp.full((1,), num_tokens, jnp.int32)])
   lens = jnp.maximum(ends - starts, 0)
   kvs = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
-  short_tiles = None
+  short_tiles = decode_rows = None
+  one = jnp.zeros((batch_size,), bool)
+  if split_decode_rows:
+    one = lens[:-1] == 1
+    decode_rows = jnp.where(one, starts[:-1], num_tokens).astype(jnp.int32)
+  is_short = jnp.concatenate([one, jnp.zeros((1,), bool)])
   if short_block_q > 0:
     b = jnp.arange(batch_size, dtype=jnp.int32)
-    short = (lens[:-1] >= 1) & (lens[:-1] <= short_block_q)
+    short = (lens[:-1] >= 1) & (lens[:-1] <= short_block_q) & ~one
     s_start = starts[:-1]
     short_tiles = jnp.stack([
         b, s_start, jnp.where(short, ends[:-1], s_start),
@@ -128,16 +143,17 @@ def plan_prefill(
       short_tiles = short_tiles[jnp.argsort(
           -jnp.where(short, kv_lens, -1), stable=True)]
     short_tiles = short_tiles.astype(jnp.int32)
-    is_short = jnp.concatenate([short, jnp.zeros((1,), bool)])
-  else:
-    is_short = jnp.zeros((batch_size + 1,), bool)
+    is_short |= jnp.concatenate([short, jnp.zeros((1,), bool)])
   lead = starts % align  # rows before the sequence on its first tile
   n_tiles = jnp.where(is_short | (lens == 0), 0,
                       (lens + lead + block_q - 1) // block_q)
   cum = jnp.cumsum(n_tiles)
   num = max_tiles(num_tokens, batch_size, block_q)
   i = jnp.arange(num, dtype=jnp.int32)
-  seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+  # One fused compare-and-count (the default binary search is a loop of
+  # small kernels on the GPU).
+  seq = jnp.searchsorted(cum, i, side="right",
+                         method="compare_all").astype(jnp.int32)
   used = i < cum[-1]
   seq = jnp.minimum(seq, batch_size)
   local = i - (cum[seq] - n_tiles[seq])
@@ -157,5 +173,6 @@ def plan_prefill(
   tiles = jnp.stack([table_row, q_start, q_end, kv_len, pos_offset], axis=1)
   if longest_first:
     tiles = tiles[jnp.argsort(-work, stable=True)]
-  return PrefillPlan(tiles.astype(jnp.int32), short_tiles, block_q,
+  return PrefillPlan(tiles.astype(jnp.int32), short_tiles, decode_rows,
+                     block_q,
                      short_block_q, num_tokens, batch_size, align)

@@ -199,12 +199,10 @@ def test_plan_reuse_and_determinism():
   config = _C.default_for(group_size=hq // NUM_KV_HEADS, head_dim=HEAD_DIM,
                           page_size=case.page_size, dtype=case.dtype)
   plan = jax.jit(
-      plan_lib.plan_prefill,
-      static_argnames=("num_tokens", "block_q", "causal", "window_left",
-                       "longest_first", "short_block_q"))(
+      config.plan, static_argnames=("num_tokens", "causal", "window_left"))(
           jnp.asarray(q_indptr), jnp.asarray(p.kv_lens),
-          num_tokens=q.shape[0], block_q=config.block_q,
-          short_block_q=config.short_block_q)
+          num_tokens=q.shape[0], causal=case.causal,
+          window_left=case.window_left)
   a = _direct(case, p, q, q_indptr, sinks, config, plan)
   b = _direct(case, p, q, q_indptr, sinks, config, plan)
   c = _direct(case, p, q, q_indptr, sinks, config)

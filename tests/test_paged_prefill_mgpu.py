@@ -35,10 +35,13 @@ def _mosaic(group_size=4, head_dim=128):
 
 
 @settings(max_examples=40, deadline=None)
-@given(q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+@given(q_lens=st.lists(st.one_of(st.integers(0, 300), st.integers(1, 9)),
+                      min_size=1, max_size=5),
        extra=st.lists(st.integers(0, 200), min_size=5, max_size=5),
        padding=st.integers(0, 20))
 def test_aligned_plan_covers_every_token_once(q_lens, extra, padding):
+  """Main tiles (8-aligned origins), short tiles and decode rows together
+  cover every token exactly once, each with its sequence's metadata."""
   q_lens = np.asarray(q_lens)
   kv_lens = (q_lens + np.asarray(extra[:len(q_lens)])).astype(np.int32)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -62,7 +65,14 @@ def test_aligned_plan_covers_every_token_once(q_lens, extra, padding):
         assert seq == b and kv == kv_lens[b]
         assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
   for seq, start, end, kv, off in np.asarray(plan.short_tiles):
+    assert end - start != 1  # q_len == 1 goes to the decode kernel
     seen[start:end] += 1
+  rows = np.asarray(plan.decode_rows)
+  for b, r in enumerate(rows):
+    assert (r < num_tokens) == (q_lens[b] == 1)
+    if r < num_tokens:
+      assert r == q_indptr[b]
+      seen[r] += 1
   np.testing.assert_array_equal(seen, 1)
 
 
