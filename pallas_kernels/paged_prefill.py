@@ -155,11 +155,17 @@ class Config:
                   backend: str | None = None) -> "Config":
     """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
 
-    On a Hopper GPU, bf16/f16 with head_dim 64/128 and no window, the main
+    On a Hopper GPU, bf16/f16 with head_dim 128 and no window, the main
     launch is the Mosaic-GPU kernel (`paged_prefill_mgpu.supports`): 128
     tokens per tile (two consumer warpgroups of 64), 128-key steps, two
-    stages. Otherwise (or with `backend="triton"`), the Pallas-Triton
-    kernel:
+    stages; 0.93-0.98x cuDNN on H200 where the Triton kernel reaches
+    0.70-0.78x. head_dim 64 runs but is not the default: in the engine
+    benchmark (Llama-3.2-1B shapes, 1024-token prompts, H200, 2026-11-22,
+    bench/results/engine_H200_mosaic_d64.json) a step's attention took
+    3.44 ms with it against 2.75 ms with the Triton kernel (half the matmul
+    per softmax element, and short prompts leave few KV steps per CTA to
+    hide its prologue). Otherwise (or with `backend="triton"`), the
+    Pallas-Triton kernel:
 
     At head_dim <= 128: 128 query rows (tokens x group) per tile, 64-key
     tiles, 4 warps (one warpgroup) and 3 stages (2 for f32, whose tiles would
@@ -176,7 +182,7 @@ class Config:
       raise ValueError(f"Invalid backend: expected None, 'triton' or "
                        f"'mosaic', got {backend!r}")
     if backend == "mosaic" or backend is None and (
-        not interpret) and paged_prefill_mgpu.supports(
+        not interpret) and head_dim == 128 and paged_prefill_mgpu.supports(
         dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
         window_left=window_left):
       return cls(block_q=paged_prefill_mgpu.TILE_Q, block_k=128,

@@ -128,9 +128,11 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       full = jnp.minimum(kv_len, t0 + lo + pos_offset + 1)
     else:
       hi = full = kv_len
+    # The padding pseudo-sequence (kv_len 0) has negative positions: clamp,
+    # or a negative "unmasked" step count would run a step at index -1.
     some = hi_row > lo
-    hi = jnp.where(some, hi, 0)
-    full = jnp.where(some, full, 0)
+    hi = jnp.where(some, jnp.maximum(hi, 0), 0)
+    full = jnp.where(some, jnp.maximum(full, 0), 0)
     return t0, lo, hi_row, lax.div(hi + bkv - 1, bkv), lax.div(full, bkv)
 
   # The producer loads every step either consumer needs; with causal masking

@@ -159,36 +159,46 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("page_size,group,causal,soft_cap,sinks", [
-    (16, 4, True, None, False), (8, 1, True, None, True),
-    (128, 8, False, 30.0, False)])
-def test_matches_oracle_gpu(page_size, group, causal, soft_cap, sinks):
+@pytest.mark.parametrize(
+    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens", [
+        (16, 4, 128, True, None, False, 5, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+        (8, 1, 64, True, None, True, 300, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+        (128, 8, 128, False, 30.0, False, 5, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+        # Steps with no prompt at all: decode rows, a short chunk and a
+        # padding pseudo-sequence spanning several tiles (negative positions).
+        (16, 4, 128, True, None, False, 250, [1, 1, 4], [700, 9, 300]),
+        (16, 4, 64, True, None, False, 136, [0], [0]),
+    ])
+def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
+                            padding, q_lens, kv_lens):
   """NaN in every page a sequence does not own and past kv_len; ragged,
-  unaligned sequence starts, a decode row and padding tokens."""
-  rng = np.random.default_rng(page_size * 7 + group)
-  hkv, d = 2, 128
-  q_lens = [300, 1, 77, 129]
-  kv_lens = [300, 500, 200, 129]
+  unaligned sequence starts, decode rows and padding tokens."""
+  rng = np.random.default_rng(page_size * 7 + group + padding)
+  hkv = 2
   p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
                  head_dim=d, dtype=jnp.bfloat16, fmt="pool")
   hq = hkv * group
-  t = sum(q_lens) + 5
+  t = sum(q_lens) + padding
   q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   s = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
        if sinks else None)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
-                       dtype=jnp.bfloat16)
-  assert cfg.backend == "mosaic"
+                       dtype=jnp.bfloat16, backend="mosaic")
   out, lse = kernel.paged_prefill(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(q_indptr), jnp.asarray(p.kv_lens), s, causal=causal,
-      sm_scale=d ** -0.5, logits_soft_cap=soft_cap)
+      sm_scale=d ** -0.5, logits_soft_cap=soft_cap, config=cfg)
   out = np.asarray(out.astype(jnp.float32))
   lse = np.asarray(lse)
   qf = np.asarray(q.astype(jnp.float32))
   for b, (n, ql) in enumerate(zip(kv_lens, q_lens)):
+    if ql == 0:
+      continue
     exp, exp_lse = dense_attention(
         qf[q_indptr[b]:q_indptr[b + 1]], p.k[b], p.v[b],
         np.arange(n - ql, n), n, causal=causal, window_left=-1,
