@@ -148,3 +148,16 @@ def assert_lse_close(actual, expected, dtype, what="lse"):
   np.testing.assert_allclose(np.where(both_inf, 0, actual),
                              np.where(both_inf, 0, expected), atol=atol,
                              rtol=1e-3, err_msg=what)
+
+
+def assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens) -> None:
+  """A plan tile's metadata is right for each token in `rows` it covers:
+  its sequence, that sequence's kv_len, and `token + off` = the token's
+  position (padding tokens past `q_indptr[-1]`: kv_len 0)."""
+  for t in rows:
+    if t < q_indptr[-1]:
+      b = np.searchsorted(q_indptr[1:], t, side="right")
+      assert seq == b and kv == kv_lens[b]
+      assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
+    else:
+      assert kv == 0

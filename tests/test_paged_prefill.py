@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import pkvattn
-from attention_utils import (assert_close, assert_lse_close, dense_attention,
-                             make_paged)
+from attention_utils import (assert_close, assert_lse_close, assert_tile_rows,
+                             dense_attention, make_paged)
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_prefill as kernel
 from pkvattn.pallas_kernels import plan as plan_lib
@@ -232,13 +232,7 @@ def test_plan_covers_every_token_once():
       for seq, start, end, kv, off in tiles:
         rows = np.arange(start, min(start + bq, end))
         seen[rows] += 1
-        for t in rows:
-          if t < q_indptr[-1]:
-            b = np.searchsorted(q_indptr[1:], t, side="right")
-            assert seq == b and kv == kv_lens[b]
-            assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
-          else:
-            assert kv == 0
+        assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
     np.testing.assert_array_equal(seen, 1)
     assert plan.num_tiles == plan_lib.max_tiles(num_tokens, len(q_lens), 4)
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_utils import dense_attention, make_paged
+from attention_utils import assert_tile_rows, dense_attention, make_paged
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_prefill as kernel
 from pkvattn.pallas_kernels import paged_prefill_mgpu as mgpu
@@ -59,11 +59,7 @@ def test_aligned_plan_covers_every_token_once(q_lens, extra, padding):
     origin = start - start % 8
     rows = np.arange(start, min(end, origin + mgpu.TILE_Q))
     seen[rows] += 1
-    for t in rows:
-      if t < q_indptr[-1]:
-        b = np.searchsorted(q_indptr[1:], t, side="right")
-        assert seq == b and kv == kv_lens[b]
-        assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
+    assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
   for seq, start, end, kv, off in np.asarray(plan.short_tiles):
     assert end - start != 1  # q_len == 1 goes to the decode kernel
     seen[start:end] += 1
