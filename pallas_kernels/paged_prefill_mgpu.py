@@ -36,7 +36,8 @@ FlashInfer's paged, ragged layout:
 
 No sliding window (the consumers' barrier phases would have to skip the
 window's leading steps); `paged_prefill` keeps the Triton kernel for
-windows, f32, head_dim 256 and non-Hopper GPUs (`supports`).
+windows, f32, head_dim 256 and non-Hopper GPUs (`supports`), and by default
+for head_dim 64 (faster there; see `Config.default_for`).
 """
 
 from __future__ import annotations
