@@ -207,7 +207,7 @@ class Config:
   @property
   def plan_align(self) -> int:
     """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins."""
-    return 8 if self.backend == "mosaic" else 1
+    return paged_prefill_mgpu.ALIGN if self.backend == "mosaic" else 1
 
   def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
            window_left: int) -> plan_lib.PrefillPlan:
@@ -564,31 +564,29 @@ def paged_prefill(
     raise ValueError(
         f"Invalid config: the mosaic backend needs a GPU and no window, got "
         f"interpret={interpret}, window_left={window_left}")
-  if (plan is not None and defaulted
-      and (plan.num_tokens, plan.batch_size) == (num_tokens, kv_lens.shape[0])
-      and (plan.block_q, plan.short_block_q, plan.align,
-           plan.decode_rows is not None) != (
-               config.block_q, config.short_block_q, config.plan_align,
-               config.split_decode_rows)):
-    # A step's one plan serves layers of both backends (a model whose
-    # windowed layers run the Triton kernel and the others the mosaic one):
-    # the layers the plan was not made for plan for themselves.
-    plan = None
+  if plan is not None:
+    got = (plan.block_q, plan.short_block_q, plan.align,
+           plan.decode_rows is not None, plan.num_tokens, plan.batch_size)
+    want = (config.block_q, config.short_block_q, config.plan_align,
+            config.split_decode_rows, num_tokens, kv_lens.shape[0])
+    if got != want:
+      if not (defaulted and got[4:] == want[4:]):
+        raise ValueError(
+            f"Invalid plan: built for (block_q, short_block_q, align, "
+            f"split_decode_rows, num_tokens, batch_size) = {got}, expected "
+            f"{want}")
+      # A step's one plan serves layers of both backends (a model whose
+      # windowed layers run the Triton kernel and the others the mosaic
+      # one): the layers the plan was not made for plan for themselves.
+      plan = None
   if plan is None:
     plan = config.plan(q_indptr, kv_lens, num_tokens=num_tokens,
                        causal=causal, window_left=window_left)
-  else:
-    got = (plan.block_q, plan.short_block_q, plan.num_tokens, plan.batch_size,
-           plan.align, plan.decode_rows is not None)
-    want = (config.block_q, config.short_block_q, num_tokens,
-            kv_lens.shape[0], config.plan_align, config.split_decode_rows)
-    if got != want:
-      raise ValueError(
-          f"Invalid plan: built for (block_q, short_block_q, num_tokens, "
-          f"batch_size, align, split_decode_rows) = {got}, expected {want}")
+  k_table = k_table.astype(jnp.int32)
+  v_table = v_table.astype(jnp.int32)
   call = functools.partial(
-      _paged_prefill_call, q, k_pool, v_pool, k_table.astype(jnp.int32),
-      v_table.astype(jnp.int32), sinks, config=config, causal=causal,
+      _paged_prefill_call, q, k_pool, v_pool, k_table, v_table, sinks,
+      config=config, causal=causal,
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, interpret=interpret)
   if config.backend == "mosaic":
@@ -611,9 +609,8 @@ def paged_prefill(
     from pkvattn.pallas_kernels import paged_decode  # noqa: PLC0415
     rows = plan.decode_rows
     d_out, d_lse = paged_decode.paged_decode(
-        q[jnp.minimum(rows, num_tokens - 1)], k_pool, v_pool,
-        k_table.astype(jnp.int32), v_table.astype(jnp.int32),
-        jnp.where(rows < num_tokens, kv_lens, 0), sinks, sm_scale=sm_scale,
+        q[jnp.minimum(rows, num_tokens - 1)], k_pool, v_pool, k_table,
+        v_table, jnp.where(rows < num_tokens, kv_lens, 0), sinks, sm_scale=sm_scale,
         window_left=window_left, logits_soft_cap=logits_soft_cap,
         interpret=interpret)
     out = (out[0].at[rows].set(d_out, mode="drop"),

@@ -53,6 +53,7 @@ from pkvattn.pallas_kernels import plan as plan_lib
 
 BLOCK_Q = 64          # tokens per consumer warpgroup
 TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q)
+ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -117,7 +118,8 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   # The plan (align=8) puts the tile's origin at q_start rounded down to 8
   # rows (TMA into 8-row swizzle tiles); rows before q_start or at / past
   # q_end belong to other sequences: computed, never stored.
-  origin = pl.multiple_of(q_start - lax.rem(q_start, jnp.array(8, i32)), 8)
+  origin = pl.multiple_of(q_start - lax.rem(q_start, jnp.array(ALIGN, i32)),
+                          ALIGN)
 
   def wg_steps(w):
     """(first row token, first / end valid row, KV steps, unmasked steps)."""
@@ -149,7 +151,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     plgpu.set_max_registers(232, action="increase")
     q_smem = q_smem2.at[wg]
     t0, row_lo, row_hi, steps, full_steps = wg_steps(wg)
-    t0 = pl.multiple_of(t0, 8)
+    t0 = pl.multiple_of(t0, ALIGN)
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
                             q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
@@ -421,8 +423,8 @@ def paged_prefill_mgpu(
     )
 
   # TMA into 8-row swizzle tiles views q's token axis in tiles of 8 rows.
-  q_in = q if num_tokens % 8 == 0 else jnp.pad(
-      q, ((0, -num_tokens % 8), (0, 0), (0, 0)))
+  q_in = q if num_tokens % ALIGN == 0 else jnp.pad(
+      q, ((0, -num_tokens % ALIGN), (0, 0), (0, 0)))
   args = [tiles.astype(jnp.int32), q_in, k_pool, v_pool,
           k_table.astype(jnp.int32), v_table.astype(jnp.int32)]
   if sinks is not None:
@@ -443,7 +445,8 @@ def paged_prefill_mgpu(
   # lse: per-tile rows -> tokens (rows of other sequences are dropped).
   q_start = tiles[:, plan_lib.Q_START][:, None]
   q_end = tiles[:, plan_lib.Q_END][:, None]
-  t = q_start - q_start % 8 + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :]
+  t = (q_start - q_start % ALIGN
+       + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :])
   token = jnp.where((t >= q_start) & (t < q_end), t, num_tokens).reshape(-1)
   lse = jnp.full((num_tokens, num_qo_heads), -jnp.inf, jnp.float32)
   lse = lse.at[token].set(lse_tiles.T, mode="drop")
