@@ -70,7 +70,8 @@ def device_split(engine: Engine) -> dict:
   """GPU kernel time of the next step (one iteration while bursting) and of
   its cache bookkeeping (the same cache ops compiled alone, on a donated state
   copy; per iteration in a burst), from jax.profiler traces. GPU only."""
-  prog = engine._profile_programs()
+  from pkvattn.serving.profile import profile_programs
+  prog = profile_programs(engine)
   step = _timing.device_kernel_ms(prog["step"], prog["step_args"]) / prog["per"]
   ops = _timing.device_kernel_ms(prog["cache_ops"], prog["cache_ops_args"]) / prog["per"]
   return dict(device_step_ms=step, device_bookkeeping_ms=ops,

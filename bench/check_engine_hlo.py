@@ -1,4 +1,4 @@
-"""Looks for pool-sized copies in the engine's compiled step and decode burst.
+"""Looks for pool-sized copies in every program the engine may run.
 
 The pool is donated and every write to it is aliased (rope/append kernel,
 `input_output_aliases`); a `copy` of a pool-shaped buffer in the compiled HLO
@@ -20,10 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from bench.bench_engine import LLAMA_3_2_1B, SMALL  # noqa: E402
-from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pkvattn.engine import Engine, EngineConfig  # noqa: E402
 from pkvattn.models import Model, init_params  # noqa: E402
 
 
@@ -45,22 +44,6 @@ def analyze(name: str, hlo: str, pool) -> dict:
   return res
 
 
-class Spy:
-  """Compiles and analyzes the wrapped jitted fn once per argument shapes."""
-
-  def __init__(self, fn, name, engine, results):
-    self.fn, self.name, self.engine, self.results = fn, name, engine, results
-    self.seen = set()
-
-  def __call__(self, *args):
-    key = tuple(getattr(x, "shape", None) for x in jax.tree.leaves(args[-1]))
-    if key not in self.seen:
-      self.seen.add(key)
-      hlo = self.fn.lower(*args).compile().as_text()
-      self.results.append(analyze(f"{self.name}{len(self.seen)}", hlo, args[1]))
-    return self.fn(*args)
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--small", action="store_true")
@@ -77,21 +60,9 @@ def main(argv=None):
                      max_model_len=blocks * 16, impl=args.impl,
                      enable_prefix_reuse=False, decode_steps=4)
   eng = Engine(model, cfg)
-  results = []
-  spies = {}
-
-  def spy(name, factory):
-    return lambda *flags: spies.setdefault(
-        (name,) + flags, Spy(factory(*flags), f"{name}{flags}", eng, results))
-
-  eng._step_fns = spy("step", eng._step_fns)
-  eng._burst_fns = spy("burst", eng._burst_fns)
-  rng = np.random.default_rng(0)
-  for _ in range(n):
-    eng.add_request(rng.integers(0, mcfg.vocab_size, plen).tolist(),
-                    SamplingParams(max_new_tokens=new, ignore_eos=True))
-  while eng.has_unfinished():
-    eng.step()
+  # Every program the engine may run (its bounded list), compiled ahead.
+  results = [analyze(str(key), eng._lower(key).compile().as_text(), eng.pool)
+             for key in eng.programs()]
   total = sum(r["pool_copies"] for r in results)
   print(f"pool-sized copies across {len(results)} programs: {total}")
 

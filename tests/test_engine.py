@@ -49,14 +49,13 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
   sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
   engine = Engine(model, CFG)
   expected = engine.generate(prompts, sp)
-  # One compile per token bucket (decode-only steps: 4 tokens; others: 32)
-  # and cache-op variant (commit / release / admit, static: no lax.cond).
+  # Programs come from the engine's bounded list only (decode-only steps at
+  # the 4-token bucket, the others at 32), each compiled once.
   assert CFG.buckets == (4, 32)
-  seen = [v for v in engine._seen_buckets if v[0] != "burst"]
-  assert {b for b, _ in seen} == {4, 32}
-  for ops in {o for _, o in seen}:
-    assert engine._step_fns(ops)._cache_size() == len(
-        [b for b, o in seen if o == ops])
+  compiled = set(engine.compile_times)
+  assert compiled <= set(engine.programs())
+  assert {k.num_tokens for k in compiled if k.kind == "step"} == {4, 32}
+  assert engine.stats.num_compiles == len(compiled)
   cache.validate(engine.state)
   assert [len(o) for o in expected] == [16] * len(prompts)
   st = engine.stats
@@ -117,11 +116,14 @@ def test_prefix_reuse_respects_scope(model):
 
 
 def test_prompt_larger_than_pool_raises(model):
+  # A request that can never fit the pool is refused when it is added
+  # (nothing queued), not after steps.
   engine = Engine(model, SMALL_POOL)
-  engine.add_request(list(range(70)), SamplingParams(max_new_tokens=4))
-  with pytest.raises(RuntimeError, match="slots"):
-    while engine.has_unfinished():
-      engine.step()
+  need = -(-74 // SMALL_POOL.page_size)
+  with pytest.raises(ValueError, match=f"need {need} slots.*num_slots="
+                     f"{SMALL_POOL.num_slots}"):
+    engine.add_request(list(range(70)), SamplingParams(max_new_tokens=4))
+  assert not engine.has_unfinished()
 
 
 def test_sampling_is_seeded_per_request(model):
@@ -146,9 +148,7 @@ def test_pool_is_donated(model):
   assert old_pool.is_deleted()
   assert old_state.slot_refcount.is_deleted()
   # The compiled step aliases the pool and never copies it.
-  hlo = engine._step_fn.lower(
-      engine.model.params, engine.pool, engine.state, engine.seq_tokens,
-      jax.device_put(engine.last_inputs)).compile().as_text()
+  hlo = engine._lower(engine.last_program).compile().as_text()
   assert "input_output_alias" in hlo
   pool_type = "f32[%s]" % ",".join(map(str, engine.pool.shape))
   assert not re.search(re.escape(pool_type) + r"[^\n]*\bcopy\(", hlo)

@@ -62,7 +62,8 @@ for name, (m, tps) in cases.items():
     mesh = parallel.make_mesh(tp)
     sm = parallel.shard_model(m, mesh)
     pool = jnp.zeros(sm.cfg.pool_shape(b * mp, ps))
-    fn = jax.jit(lambda p, t, kv, pl: forward(p, sm.cfg, t, kv, pl, mesh=mesh),
+    fn = jax.jit(lambda p, t, kv, pl: parallel.tp_forward(p, sm.cfg, t, kv, pl,
+                                                       mesh),
                  donate_argnums=2)
     actual, actual_pool = fn(sm.params, toks, pool, plan)
     res["logits"][f"{name}/tp{tp}"] = float(jnp.max(jnp.abs(actual - expected)))
@@ -80,8 +81,8 @@ mesh = parallel.make_mesh(2)
 sm = parallel.shard_model(m, mesh)
 expected = forward(m.params, m.cfg, toks, jnp.zeros(m.cfg.pool_shape(b * mp, ps)),
                    plan)[0]
-actual = jax.jit(lambda p, kv: forward(p, sm.cfg, toks, kv, plan, mesh=mesh,
-                                       impl="pallas"))(
+actual = jax.jit(lambda p, kv: parallel.tp_forward(p, sm.cfg, toks, kv, plan,
+                                                   mesh, impl="pallas"))(
     sm.params, jnp.zeros(sm.cfg.pool_shape(b * mp, ps)))[0]
 res["logits"]["llama/tp2/pallas"] = float(jnp.max(jnp.abs(actual - expected)))
 
@@ -101,10 +102,7 @@ for tp in (None, 2, 4):
     e.add_request(prompts[0], SamplingParams(max_new_tokens=1))
     old_pool = e.pool
     e.step()
-    hlo = e._step_fn.lower(
-        e.model.params, e.pool, e.state, e.seq_tokens,
-        jax.device_put(e.last_inputs, parallel.replicated(e.mesh))
-    ).compile().as_text()
+    hlo = e._lower(e.last_program).compile().as_text()
     shard_type = "f32[%s]" % ",".join(
         map(str, e.pool.addressable_shards[0].data.shape))
     res["donation"] = [old_pool.is_deleted(), "input_output_alias" in hlo,

@@ -236,7 +236,6 @@ def forward(
     *,
     logits_indices: jax.Array | None = None,  # i32[n]
     impl: Implementation | None = None,
-    mesh: jax.sharding.Mesh | None = None,
     tp_axis: str | None = None,
     unroll: int | bool = 1,
 ):
@@ -254,14 +253,11 @@ def forward(
     logits_indices: token rows whose logits to return (e.g. each sequence's
       last new token, `q_indptr[1:] - 1`); None = all tokens.
     impl: attention implementation.
-    mesh: static; a mesh with a tensor-parallel axis (`tp_axis`, default
-      "tp"): the whole forward runs under `shard_map` over it
-      (`pkvattn.parallel.tp_forward`); `params` / `kv_cache` must then be laid
-      out by `pkvattn.parallel.shard_model` (`cfg` its returned config).
-      None = one device.
-    tp_axis: static; with `mesh`, the tensor-parallel axis name (default
-      "tp"). Without `mesh`: set only inside `shard_map` (the per-shard body:
-      `cfg` / `params` / `kv_cache` are one shard, psum over this axis).
+    tp_axis: static; set only inside `shard_map` (the per-shard body: `cfg` /
+      `params` / `kv_cache` are one shard, psum over this axis). The forward
+      over a whole tensor-parallel mesh is `pkvattn.parallel.tp_forward`,
+      which calls this one per shard (models never import the parallel
+      layer).
     unroll: static; `lax.scan`'s `unroll` for stacked layers (counted in
       periods of `cfg.layer_period` layers).
 
@@ -272,11 +268,6 @@ def forward(
     ValueError: `plan.page_table` is not `[num_layers, batch_size, 2, max_pages]`,
       or other shape mismatches (trace time).
   """
-  if mesh is not None:
-    from pkvattn import parallel as _parallel  # parallel imports this module
-    return _parallel.tp_forward(params, cfg, tokens, kv_cache, plan, mesh,
-                                logits_indices=logits_indices, impl=impl,
-                                axis=tp_axis or _parallel.TP_AXIS)
   L, p = cfg.num_layers, cfg.layer_period
   _checks.check_shape(plan.page_table, (L, plan.batch_size, 2, None),
                       "plan.page_table")

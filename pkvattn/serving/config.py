@@ -1,0 +1,139 @@
+"""Static engine sizes (`EngineConfig`) and the host-side request record."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pkvattn import _checks
+from pkvattn.sampling import SamplingParams
+from pkvattn.types import Implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static sizes of the engine: they fix the set of compiled programs.
+
+  Attributes:
+    page_size: tokens per KV block (a power of two).
+    num_slots: slots in the pool (a slot = one block of every layer, K and V).
+    max_seqs: rows of the step batch = sequences running at once.
+    max_num_tokens: token budget of one step (the static `num_tokens`); decode
+      rows take one token each, prefill chunks share the rest. `>= max_seqs`.
+    max_model_len: prompt + generated tokens of one request at most.
+    max_admit: claims per step; None = `max_seqs`.
+    enable_prefix_reuse: publish full blocks (`commit`) so later prompts with
+      the same prefix reuse them.
+    enable_swa_scratch_reuse: passed to the cache for models with
+      sliding-window layers; scratch blocks are handled by `claim_batch` /
+      `extend` and `page_table`. Where scratch is active (all layers SWA) the
+      engine prefills a prompt in one step, so `len(prompt) + max_new_tokens`
+      must fit `max_num_tokens`.
+    impl: attention / rope implementation ("pallas", "xla", None = auto).
+    hash_ways: prefix-cache hash-table associativity.
+    token_buckets: padded step sizes; a step runs at the smallest bucket that
+      holds its tokens (one program per bucket, like CUDA-graph capture
+      sizes). None = `(max_seqs, max_num_tokens)`: decode-only steps stop
+      paying for the prefill budget.
+    decode_steps: when every running request is decoding and nothing waits
+      for a free row, run this many decode iterations in one device call
+      (`lax.scan`: tokens fed back, stop tokens, max lengths and `extend`
+      checked on device; vLLM's multi-step scheduling). 1 = off. Amortises
+      the host's per-step work; a request finishing mid-burst frees its row
+      only at the end of the burst.
+    scan_layers: run the layers under `lax.scan` over stacked weights (True)
+      or as an unrolled loop over per-layer weights (False: the engine keeps
+      `pkvattn.models.unstack_layers(params)`, MaxText's `scan_layers`).
+      None = False on GPU, where a scanned layer copies each weight slice
+      before its matmul every step (`pkvattn.models.decoder`), True elsewhere
+      (faster compiles).
+    compile_cache_dir: a directory for JAX's persistent compilation cache
+      (`jax_compilation_cache_dir`); a later process with the same model and
+      config loads its programs from there instead of compiling them. None =
+      leave JAX's setting as it is (off unless the user enabled it).
+  """
+  page_size: int = 16
+  num_slots: int = 256
+  max_seqs: int = 8
+  max_num_tokens: int = 256
+  max_model_len: int = 1024
+  max_admit: int | None = None
+  enable_prefix_reuse: bool = True
+  enable_swa_scratch_reuse: bool = False
+  impl: Implementation | None = None
+  hash_ways: int = 8
+  token_buckets: tuple[int, ...] | None = None
+  decode_steps: int = 1
+  scan_layers: bool | None = None
+  compile_cache_dir: str | None = None
+
+  def __post_init__(self):
+    for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
+                 "max_model_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"Invalid {name}: expected a positive int, got {value!r}")
+    if self.page_size & (self.page_size - 1):
+      raise ValueError(
+          f"Invalid page_size: expected a power of two, got {self.page_size}")
+    if self.max_num_tokens < self.max_seqs:
+      raise ValueError(
+          f"Invalid max_num_tokens: expected >= max_seqs={self.max_seqs}, got "
+          f"{self.max_num_tokens}")
+    if self.max_admit is not None and (
+        not isinstance(self.max_admit, int) or self.max_admit <= 0):
+      raise ValueError(
+          f"Invalid max_admit: expected None or a positive int, got "
+          f"{self.max_admit!r}")
+    if self.impl is not None:
+      _checks.check_choice(self.impl, ("pallas", "xla"), "impl")
+    if (not isinstance(self.decode_steps, int) or isinstance(self.decode_steps, bool)
+        or self.decode_steps < 1):
+      raise ValueError(
+          f"Invalid decode_steps: expected an int >= 1, got {self.decode_steps!r}")
+    if self.token_buckets is not None and any(
+        int(b) <= 0 for b in self.token_buckets):
+      raise ValueError(
+          f"Invalid token_buckets: expected positive sizes, got "
+          f"{self.token_buckets}")
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    """Sorted step sizes, the last one `max_num_tokens`."""
+    sizes = self.token_buckets or (self.max_seqs,)
+    return tuple(sorted({min(int(b), self.max_num_tokens) for b in sizes}
+                        | {self.max_num_tokens}))
+
+  @property
+  def max_pages(self) -> int:
+    return -(-self.max_model_len // self.page_size)
+
+  @property
+  def num_admit(self) -> int:
+    return self.max_admit or self.max_seqs
+
+
+@dataclasses.dataclass
+class Request:
+  """A generation request and its progress (host side)."""
+  request_id: int
+  prompt: list[int]
+  params: SamplingParams
+  stop_ids: frozenset
+  output: list[int] = dataclasses.field(default_factory=list)
+  status: str = "waiting"        # waiting | prefill | decode | finished
+  seq_id: int = -1
+  num_computed: int = 0          # tokens whose KV is in the cache
+  num_reused: int = 0            # prompt tokens served by the prefix cache
+  finish_reason: str | None = None
+  num_preemptions: int = 0
+  first_token_step: int | None = None
+  reuse_scope: int = 0           # prefix-cache scope (tenant / adapter salt)
+
+  @property
+  def tokens(self) -> list[int]:
+    """What the cache must hold before the next sample: prompt + generated."""
+    return self.prompt + self.output
+
+  @property
+  def done(self) -> bool:
+    return self.status == "finished"

@@ -1,0 +1,696 @@
+"""The continuous-batching engine: host scheduling over the device programs.
+
+Each `step()`:
+
+1. **Host scheduling** (plain Python over a few dozen requests): every running
+   request gets a row of the step's ragged batch: decode rows feed their last
+   sampled token (1 token), prefill rows feed the next chunk of their prompt
+   under a static token budget (`max_num_tokens`, chunked prefill), all in ONE
+   mixed batch. Waiting requests are admitted while rows are free.
+2. **One compiled device program** (`serving.programs`; the pool, the cache
+   state and the token buffer are donated and carried through):
+   `commit` (publish the full blocks of prompts finished last step, and of
+   sequences ending) → `release` (finished / preempted) → per-layer page tables
+   → model forward (every layer runs `paged_prefill` on the mixed batch) →
+   sampling (greedy / temperature / top-k / top-p, seeded per request) →
+   `extend` by one token for rows that keep decoding (reserving the slot the
+   next token needs) → `claim_batch` for the admitted requests (prefix reuse,
+   two-phase). Admitted requests start their prefill in the next step, from
+   `num_reused_tokens`.
+3. **Host bookkeeping** of the results (one device→host transfer per step):
+   append sampled tokens, stop on EOS / `max_new_tokens`, and when the pool is
+   full (an `extend` or a claim refused) the request waits, or is preempted
+   and later recomputed from its prompt + generated tokens (vLLM's recompute
+   preemption), never failed.
+
+Multi-step decode (`EngineConfig.decode_steps > 1`): when every running request
+is decoding and nothing waits for a free row, `decode_steps` decode iterations
+run in one device call (`lax.scan`, sampled tokens fed back on device, stop
+tokens / max lengths checked on device; one `extend` up front reserves the
+burst's tokens and one set of page tables serves it), amortising the host work.
+
+**Compile once.** Shapes are static and the programs an engine may run are a
+small known set (`Engine.programs()`, `serving.programs.program_keys`: token
+buckets × greedy / sampled × evict / not, plus the burst's variants; 12 for
+the default buckets with bursts). `Engine.warmup()` compiles all of them ahead
+of time (in parallel threads), after which no workload compiles anything: the
+engine calls the compiled executables directly. Without `warmup()` a program
+is compiled on its first use (its compile time is kept out of the
+tokens/s figures). `EngineConfig.compile_cache_dir` turns on JAX's persistent
+compilation cache, so a second process with the same model and config loads
+its programs instead of compiling them.
+
+Row `r` of the batch is always sequence id `r` of the cache, so the page tables
+are the cache's tables for `seq_ids = arange(max_seqs)`, rows without tokens
+this step simply have `q_len = 0`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pkvattn import _checks
+from pkvattn import cache as _cache
+from pkvattn.models import Model
+from pkvattn.models import decoder as _decoder
+from pkvattn.sampling import SamplingParams
+from pkvattn.serving import compile_cache as _compile_cache
+from pkvattn.serving import programs as _programs
+from pkvattn.serving.config import EngineConfig
+from pkvattn.serving.config import Request
+from pkvattn.serving.programs import MAX_STOP_IDS
+from pkvattn.serving.programs import ProgramKey
+from pkvattn.serving.stats import EngineStats
+
+
+class Engine:
+  """Continuous-batching generation with paged attention and prefix reuse.
+
+  Example:
+    >>> from pkvattn.models import load_model
+    >>> engine = Engine(load_model("tiny-llama"), EngineConfig(page_size=8))
+    >>> outs = engine.generate([[256, 72, 105]], SamplingParams(max_new_tokens=4))
+    >>> len(outs[0])
+    4
+
+  Tensor parallel (`pkvattn.parallel`): pass `mesh=pkvattn.parallel.make_mesh(2)`
+  (a mesh with a "tp" axis). The model is laid out by
+  `pkvattn.parallel.shard_model` (heads / MLP columns sliced, kv heads
+  replicated when tp > num_kv_heads; `engine.model` is the sharded model),
+  the pool is sharded on its kv-head axis, and the cache state, token buffer
+  and step inputs are replicated; each step's forward runs under one
+  `shard_map`.
+  """
+
+  def __init__(self, model: Model, config: EngineConfig = EngineConfig(),
+               *, pool_dtype=None, mesh: jax.sharding.Mesh | None = None):
+    """Raises ValueError: the model's heads do not split over `mesh` ("tp")."""
+    self.mesh = mesh
+    if mesh is not None:
+      from pkvattn import parallel as _parallel  # parallel imports models
+      model = _parallel.shard_model(model, mesh)
+    scan = config.scan_layers
+    if scan is None:
+      scan = not _checks.is_gpu()
+    if not scan:
+      params = _decoder.unstack_layers(model.params)
+      if mesh is not None:
+        params = jax.device_put(params, jax.tree.map(
+            lambda s: jax.sharding.NamedSharding(mesh, s),
+            _parallel.param_specs(params)))
+      model = dataclasses.replace(model, params=params)
+    self.model = model
+    self.config = config
+    mcfg = model.cfg
+    self.cache_config = _cache.CacheConfig(
+        num_slots=config.num_slots, page_size=config.page_size,
+        num_layers=mcfg.num_layers, max_seqs=config.max_seqs,
+        max_pages=config.max_pages, hash_ways=config.hash_ways,
+        layer_windows=tuple(mcfg.windows),
+        enable_swa_scratch_reuse=bool(
+            config.enable_swa_scratch_reuse and mcfg.has_sliding_window))
+    dtype = pool_dtype or jax.tree.leaves(model.params)[0].dtype
+    pool_shape = mcfg.pool_shape(config.num_slots, config.page_size)
+    self.state = _cache.init_cache(self.cache_config)
+    self.seq_tokens = jnp.zeros((config.max_seqs, config.max_model_len),
+                                jnp.int32)
+    self._inputs_sharding = None
+    if mesh is None:
+      self.pool = jnp.zeros(pool_shape, dtype)
+    else:
+      # Allocated sharded: no device ever holds the whole pool.
+      self.pool = jax.jit(lambda: jnp.zeros(pool_shape, dtype),
+                          out_shardings=_parallel.pool_sharding(mesh))()
+      self._inputs_sharding = _parallel.replicated(mesh)
+      self.state, self.seq_tokens = jax.device_put(
+          (self.state, self.seq_tokens), self._inputs_sharding)
+    # Scratch blocks live for one step: with scratch active (all-SWA models)
+    # a prompt must be prefilled in one step.
+    self._scratch = bool(getattr(self.cache_config, "swa_scratch_active",
+                                 self.cache_config.enable_swa_scratch_reuse))
+    self._num_free = config.num_slots  # free slots, from the last step
+    # greedy / sampled and evict / not as separate programs only where a
+    # lax.cond syncs the host (GPU); elsewhere one program serves all.
+    self._split_variants = _checks.is_gpu()
+    if config.compile_cache_dir is not None:
+      _compile_cache.enable(config.compile_cache_dir)
+    # Compiled executables by ProgramKey (filled by warmup or on first use).
+    self._compiled: dict[ProgramKey, Any] = {}
+    self._compile_lock = threading.Lock()
+    self.compile_times: dict[ProgramKey, float] = {}  # seconds per program
+
+    self._requests: dict[int, Request] = {}
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._running: list[Request] = []       # admitted, in admission order
+    self._free_rows = list(range(config.max_seqs))
+    self._to_release: list[tuple[int, int]] = []   # (row, committed len)
+    self._to_commit: list[tuple[int, int]] = []    # (row, len)
+    self._next_id = 0
+    self._default_stop = frozenset(mcfg.eos_token_ids)
+    self.stats = EngineStats()
+    if getattr(self.cache_config, "swa_scratch_active", False):
+      self.stats.slots_saved_by_scratch = 0
+    self.last_inputs: _programs.StepInputs | None = None
+    self.last_program: ProgramKey | None = None
+
+  # ------------------------------------------------------------- programs
+  def programs(self) -> tuple[ProgramKey, ...]:
+    """Every program this engine may run (`serving.programs.program_keys`)."""
+    return _programs.program_keys(self.config, self._split_variants)
+
+  def _variant(self, kind: str, num_tokens: int, greedy_only: bool,
+               evict: bool) -> ProgramKey:
+    """The program for a call that needs (greedy_only, evict) at most."""
+    if not self._split_variants:
+      greedy_only, evict = False, True
+    return ProgramKey(kind, num_tokens, bool(greedy_only), bool(evict))
+
+  def _lower(self, key: ProgramKey):
+    fn = _programs.jitted_program(self.model.cfg, self.config, self.mesh,
+                                  key.kind, key.greedy_only, key.evict)
+    if key.kind == "step":
+      inputs = _programs.step_input_shapes(self.config, key.num_tokens)
+    else:
+      inputs = _programs.burst_input_shapes(self.config)
+    if self._inputs_sharding is not None:
+      inputs = jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                         sharding=self._inputs_sharding),
+          inputs)
+    return fn.lower(self.model.params, self.pool, self.state, self.seq_tokens,
+                    inputs)
+
+  def _program(self, key: ProgramKey):
+    """The compiled executable of `key`, compiled now if `warmup` did not."""
+    compiled = self._compiled.get(key)
+    if compiled is not None:
+      return compiled
+    t0 = time.perf_counter()
+    signature = _programs.signature(self.model.params, self.pool, self.state,
+                                    self.seq_tokens)
+    compiled = _programs.compiled_program(
+        (self.model.cfg, self.config, self.mesh, key, signature),
+        lambda: self._lower(key).compile())
+    dt = time.perf_counter() - t0
+    with self._compile_lock:
+      self._compiled[key] = compiled
+      self.compile_times[key] = dt
+      self.stats.compile_time_s += dt
+      self.stats.num_compiles += 1
+    return compiled
+
+  def warmup(self, progress: bool | Callable[[ProgramKey, float], Any] = False,
+             max_workers: int | None = None) -> dict[ProgramKey, float]:
+    """Compiles every program of `programs()` ahead of time.
+
+    After it, no step, burst or request of any kind compiles anything.
+    Programs compile in parallel threads (XLA compiles outside the GIL); with
+    `EngineConfig.compile_cache_dir` set, programs found in the persistent
+    cache are loaded instead.
+
+    Args:
+      progress: True = a tqdm bar on stderr; a callable is called as
+        `progress(key, seconds)` after each program.
+      max_workers: compile threads; None = min(#programs, os.cpu_count()).
+
+    Returns:
+      `{ProgramKey: seconds}` for each program (wall time of its lowering and
+      compilation, overlapping with the others'); the total wall time is
+      added to `stats.warmup_time_s`.
+    """
+    keys = [k for k in self.programs() if k not in self._compiled]
+    t0 = time.perf_counter()
+    bar = None
+    if progress is True:
+      from tqdm import tqdm
+      bar = tqdm(total=len(keys), unit="program", desc="compiling",
+                 file=__import__("sys").stderr)
+    workers = max_workers or min(len(keys), os.cpu_count() or 1) or 1
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      futures = {pool.submit(self._program, k): k for k in keys}
+      for fut in concurrent.futures.as_completed(futures):
+        fut.result()
+        key = futures[fut]
+        if bar is not None:
+          bar.set_postfix_str(f"{key}: {self.compile_times[key]:.1f} s")
+          bar.update(1)
+        elif callable(progress):
+          progress(key, self.compile_times[key])
+    if bar is not None:
+      bar.close()
+    self.stats.warmup_time_s += time.perf_counter() - t0
+    return {k: self.compile_times[k] for k in self.programs()
+            if k in self.compile_times}
+
+  # ------------------------------------------------------------------ API
+  def _make_request(self, prompt, params: SamplingParams,
+                    reuse_scope: int) -> Request:
+    """A validated request (not queued)."""
+    if isinstance(prompt, (str, bytes)):
+      raise ValueError(
+          f"Invalid prompt: expected a sequence of token ids, got "
+          f"{type(prompt).__name__} (encode it with the model's tokenizer)")
+    if not isinstance(params, SamplingParams):
+      raise ValueError(
+          f"Invalid params: expected a SamplingParams, got "
+          f"{type(params).__name__}")
+    try:
+      arr = np.asarray(prompt)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"Invalid prompt: expected token ids, got {prompt!r}") from e
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+      raise ValueError(
+          f"Invalid prompt: expected a 1-D sequence of int token ids, got "
+          f"shape {arr.shape} of {arr.dtype}")
+    prompt = [int(t) for t in arr]
+    if not prompt:
+      raise ValueError("Invalid prompt: expected at least one token, got none")
+    total = len(prompt) + params.max_new_tokens
+    if total > self.config.max_model_len:
+      raise ValueError(
+          f"Invalid request: len(prompt) + max_new_tokens = {total} exceeds "
+          f"max_model_len={self.config.max_model_len}")
+    blocks = -(-total // self.config.page_size)
+    if blocks > self.config.num_slots:
+      raise ValueError(
+          f"Invalid request: len(prompt) + max_new_tokens = {total} tokens need "
+          f"{blocks} slots of {self.config.page_size} tokens, but the pool has "
+          f"num_slots={self.config.num_slots}")
+    if (self._scratch
+        and total > self.config.max_num_tokens):
+      # Scratch blocks live for one step only, so a prompt (or a recompute of
+      # prompt + output) must be prefilled in a single step.
+      raise ValueError(
+          f"Invalid request: with SWA scratch reuse, len(prompt) + "
+          f"max_new_tokens = {total} must fit max_num_tokens="
+          f"{self.config.max_num_tokens}")
+    if min(prompt) < 0 or max(prompt) >= self.model.cfg.vocab_size:
+      raise ValueError(
+          f"Invalid prompt: token ids must be in [0, {self.model.cfg.vocab_size}),"
+          f" got range [{min(prompt)}, {max(prompt)}]")
+    if params.stop_token_ids is not None:
+      stop = frozenset(params.stop_token_ids)
+    else:
+      stop = frozenset() if params.ignore_eos else self._default_stop
+    return Request(-1, prompt, params, stop, reuse_scope=int(reuse_scope))
+
+  def _enqueue(self, req: Request) -> int:
+    req.request_id = self._next_id
+    self._next_id += 1
+    self._requests[req.request_id] = req
+    self._waiting.append(req)
+    return req.request_id
+
+  def add_request(self, prompt: Sequence[int],
+                  params: SamplingParams = SamplingParams(),
+                  reuse_scope: int = 0) -> int:
+    """Queues a request; returns its id.
+
+    Args:
+      prompt: token ids (a sequence of ints or a 1-D integer array).
+      params: how the request samples and stops.
+      reuse_scope: salts the prefix cache (tenant / adapter): blocks are
+        reused only between requests of the same scope.
+
+    Raises:
+      ValueError: a prompt that is not a sequence of token ids (e.g. a str),
+        an empty prompt, prompt + max_new_tokens over max_model_len or over
+        the pool (`num_slots * page_size`), token ids outside the vocabulary.
+    """
+    return self._enqueue(self._make_request(prompt, params, reuse_scope))
+
+  def get_request(self, request_id: int) -> Request:
+    return self._requests[request_id]
+
+  def has_unfinished(self) -> bool:
+    return bool(self._waiting or self._running)
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               progress: Callable[[int], Any] | None = None) -> list[list[int]]:
+    """Runs all prompts to completion; returns generated ids per prompt.
+
+    Every request is validated before any is queued: on a ValueError nothing
+    was queued. `progress(n)` is called after each step with the tokens
+    generated in it.
+
+    Raises:
+      ValueError: `params` is a sequence whose length differs from
+        `prompts`', or a request is invalid (see `add_request`).
+    """
+    if isinstance(prompts, (str, bytes)):
+      raise ValueError(
+          "Invalid prompts: expected a list of token-id sequences, got a str")
+    prompts = list(prompts)
+    if isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    else:
+      params = list(params)
+      if len(params) != len(prompts):
+        raise ValueError(
+            f"Invalid params: expected one SamplingParams per prompt "
+            f"({len(prompts)}), got {len(params)}")
+    reqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+      try:
+        reqs.append(self._make_request(p, sp, 0))
+      except ValueError as e:
+        raise ValueError(f"Invalid prompts[{i}]: {e}") from e
+    ids = [self._enqueue(r) for r in reqs]
+    while self.has_unfinished():
+      n = self.step()
+      if progress is not None:
+        progress(n)
+    return [self._requests[i].output for i in ids]
+
+  # ----------------------------------------------------------------- step
+  def _schedule(self):
+    cfg = self.config
+    S, T, A = cfg.max_seqs, cfg.max_num_tokens, cfg.num_admit
+    tokens = np.zeros(T, np.int32)
+    q_lens = np.zeros(S, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    sample_rows = np.zeros(S, bool)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    gen_index = np.zeros(S, np.int32)
+    extend_ids = np.full(S, -1, np.int32)
+    rows = []   # (request, q_len, samples)
+    feeds = {}  # row -> tokens fed this step
+    budget = T
+    # Decode rows first (one token each), then prefill chunks in arrival order.
+    order = ([r for r in self._running if r.status == "decode"]
+             + [r for r in self._running if r.status == "prefill"])
+    for req in order:
+      if req.status == "decode":
+        # All but the last sampled token are in the cache: feed that one.
+        feed, total = req.output[-1:], req.num_computed + 1
+      else:
+        todo = req.tokens
+        total = len(todo)
+        remaining = total - req.num_computed
+        # With SWA scratch reuse a prompt is prefilled in one step (scratch
+        # blocks live for one step); otherwise chunked under the budget.
+        chunk = remaining if self._scratch else min(
+            remaining, budget)
+        if chunk > budget or chunk <= 0:
+          continue
+        feed = todo[req.num_computed:req.num_computed + chunk]
+      n = len(feed)
+      if n > budget:
+        continue
+      budget -= n
+      r = req.seq_id
+      feeds[r] = feed
+      q_lens[r] = n
+      kv_lens[r] = req.num_computed + n
+      samples = req.num_computed + n == total
+      rows.append((req, n, samples))
+      if samples:
+        sample_rows[r] = True
+        sp = req.params
+        temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+        seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
+        gen_index[r] = len(req.output)
+        if len(req.output) + 1 < sp.max_new_tokens:
+          extend_ids[r] = r
+    # Tokens are laid out in row order (q_indptr is cu_seqlens over rows).
+    q_indptr = np.zeros(S + 1, np.int32)
+    q_indptr[1:] = np.cumsum(q_lens)
+    bucket = next(b for b in cfg.buckets if b >= q_indptr[-1])
+    tokens = tokens[:bucket]
+    for r, feed in feeds.items():
+      tokens[q_indptr[r]:q_indptr[r] + len(feed)] = feed
+
+    # Admissions: while rows are free and the prefill backlog is short.
+    admit_ids = np.full(A, -1, np.int32)
+    admit_tokens = np.zeros((A, cfg.max_model_len), np.int32)
+    admit_lens = np.zeros(A, np.int32)
+    admit_scope = np.zeros(A, np.int32)
+    admitted = []
+    backlog = sum(len(r.tokens) - r.num_computed for r in self._running
+                  if r.status == "prefill")
+    while (self._waiting and self._free_rows and len(admitted) < A
+           and backlog < 2 * T):
+      req = self._waiting.popleft()
+      row = self._free_rows.pop(0)
+      req.seq_id = row
+      toks = req.tokens
+      i = len(admitted)
+      admit_ids[i] = row
+      admit_tokens[i, :len(toks)] = toks
+      admit_lens[i] = len(toks)
+      admit_scope[i] = req.reuse_scope
+      admitted.append(req)
+      backlog += len(toks)
+
+    commit_ids = np.full(S, -1, np.int32)
+    commit_lens = np.zeros(S, np.int32)
+    release_ids = np.full(S, -1, np.int32)
+    commits = {}  # one entry per row: a duplicated id would void the commit
+    for row, n in self._to_commit + self._to_release:
+      commits[row] = max(n, commits.get(row, 0))
+    for i, (row, n) in enumerate(sorted(commits.items())):
+      commit_ids[i], commit_lens[i] = row, n
+    for i, (row, _) in enumerate(self._to_release):
+      release_ids[i] = row
+    inputs = _programs.StepInputs(
+        tokens=tokens, q_indptr=q_indptr, kv_lens=kv_lens,
+        sample_rows=sample_rows, temperature=temperature, top_k=top_k,
+        top_p=top_p, seeds=seeds, gen_index=gen_index, commit_ids=commit_ids,
+        commit_lens=commit_lens, release_ids=release_ids,
+        extend_ids=extend_ids, admit_ids=admit_ids, admit_tokens=admit_tokens,
+        admit_lens=admit_lens, admit_scope=admit_scope)
+    return inputs, rows, admitted
+
+  def step(self) -> int:
+    """Runs one engine step; returns the number of tokens sampled in it.
+
+    Raises:
+      RuntimeError: a waiting request can never be admitted (its prompt needs
+        more slots than the whole pool has).
+    """
+    if self._burst_eligible():
+      return self._burst()
+    t0 = time.perf_counter()
+    inputs, rows, admitted = self._schedule()
+    released = self._to_release
+    self._to_release, self._to_commit = [], []
+    for row, _ in released:
+      self._free_rows.append(row)
+    self._free_rows.sort()
+    self.last_inputs = inputs
+    t1 = time.perf_counter()
+    # Slots the step may take: one per extended row, every admitted
+    # prompt's blocks. Releases only add free slots (commits none), so the
+    # last step's free count is a lower bound.
+    ps = self.config.page_size
+    need = int(np.sum(inputs.extend_ids >= 0)) + int(np.sum(
+        np.where(inputs.admit_ids >= 0, -(-inputs.admit_lens // ps), 0)))
+    key = self._variant("step", int(inputs.tokens.shape[0]),
+                         greedy_only=not np.any(inputs.temperature > 0),
+                         evict=self._scratch or need > self._num_free)
+    self.last_program = key
+    compile_s = self.stats.compile_time_s
+    program = self._program(key)
+    compile_s = self.stats.compile_time_s - compile_s
+    self.pool, self.state, self.seq_tokens, out = program(
+        self.model.params, self.pool, self.state, self.seq_tokens,
+        jax.device_put(inputs, self._inputs_sharding))
+    out = jax.device_get(out)  # the one device -> host sync
+    self._num_free = int(out.num_free)
+    t2 = time.perf_counter()
+
+    num_sampled = 0
+    has_prefill = False
+    for req, n, samples in rows:
+      if req.status == "prefill":
+        has_prefill = True
+        self.stats.prefill_tokens += n
+      else:
+        self.stats.decode_tokens += n
+      req.num_computed += n
+      if not samples:
+        continue
+      r = req.seq_id
+      if req.status == "prefill":
+        req.status = "decode"
+        if self.config.enable_prefix_reuse:
+          self._to_commit.append((r, req.num_computed))
+      token = int(out.sampled[r])
+      req.output.append(token)
+      num_sampled += 1
+      self.stats.generated_tokens += 1
+      if req.first_token_step is None:
+        req.first_token_step = self.stats.num_steps
+      stopped = token in req.stop_ids and not req.params.ignore_eos
+      if stopped or len(req.output) >= req.params.max_new_tokens:
+        req.status = "finished"
+        req.finish_reason = "stop" if stopped else "length"
+        self._finish(req)
+      elif not out.extend_ok[r]:
+        self._preempt(req)
+    refused = []
+    for i, req in enumerate(admitted):
+      if out.claim_ok[i]:
+        req.status = "prefill"
+        self.stats.prompt_tokens += len(req.tokens)
+        req.num_reused = int(out.claim_reused[i])
+        req.num_computed = req.num_reused
+        self.stats.reused_tokens += req.num_reused
+        if self.stats.slots_saved_by_scratch is not None:
+          ps = self.config.page_size
+          wanted = -(-len(req.tokens) // ps) - req.num_reused // ps
+          self.stats.slots_saved_by_scratch += wanted - int(
+              out.claim_new_blocks[i])
+        self._running.append(req)
+      else:  # out of slots: back to the queue front, in arrival order
+        self.stats.num_refused_claims += 1
+        self._free_rows.append(req.seq_id)
+        req.seq_id = -1
+        refused.append(req)
+    self._waiting.extendleft(reversed(refused))
+    self._free_rows.sort()
+    if refused and not rows and not self._running and not self._to_release:
+      raise RuntimeError(
+          f"Request {refused[0].request_id} needs "
+          f"{-(-len(refused[0].tokens) // self.config.page_size)} slots but the "
+          f"pool has only num_slots={self.config.num_slots}")
+    self.stats.peak_used_slots = max(self.stats.peak_used_slots,
+                                     int(out.used_slots))
+    self.stats.num_steps += 1
+    t3 = time.perf_counter()
+    self.stats.host_time_s += (t1 - t0) + (t3 - t2)
+    if has_prefill:
+      self.stats.prefill_time_s += t3 - t0 - compile_s
+    elif rows:
+      self.stats.decode_time_s += t3 - t0 - compile_s
+    return num_sampled
+
+  def _burst_eligible(self) -> bool:
+    """Multi-step decode applies when nothing but decoding can happen."""
+    if self.config.decode_steps <= 1 or not self._running:
+      return False
+    if self._to_release or self._to_commit or (self._waiting and self._free_rows):
+      return False
+    return all(r.status == "decode" and len(r.stop_ids) <= MAX_STOP_IDS
+               for r in self._running)
+
+  def _burst_variant(self) -> tuple[bool, bool]:
+    """(greedy_only, evict) of the next burst, from what the host knows.
+
+    Eviction is built in only when the free slots might not cover every
+    running request's blocks for `decode_steps` more tokens (or SWA scratch
+    takes slots of its own); without it and with all rows greedy the burst
+    has no `lax.cond`, i.e. no device-to-host sync per iteration.
+    """
+    ps, k = self.config.page_size, self.config.decode_steps
+    greedy = all(r.params.temperature <= 0 for r in self._running)
+    # A decoding request has num_computed + 1 tokens reserved; the burst
+    # extends it to at most num_computed + 1 + k.
+    need = sum(-(-(r.num_computed + 1 + k) // ps) - -(-(r.num_computed + 1) // ps)
+               for r in self._running)
+    evict = self._scratch or need > self._num_free
+    return greedy, evict
+
+  def _burst_inputs(self) -> _programs.BurstInputs:
+    """Host inputs of a burst over the running (decoding) requests."""
+    S = self.config.max_seqs
+    active = np.zeros(S, bool)
+    last = np.zeros(S, np.int32)
+    computed = np.zeros(S, np.int32)
+    remaining = np.zeros(S, np.int32)
+    stop_ids = np.full((S, MAX_STOP_IDS), -1, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    gen_index = np.zeros(S, np.int32)
+    for req in self._running:
+      r, sp = req.seq_id, req.params
+      active[r] = True
+      last[r] = req.output[-1]
+      computed[r] = req.num_computed
+      remaining[r] = sp.max_new_tokens - len(req.output)
+      stops = [] if sp.ignore_eos else sorted(req.stop_ids)
+      stop_ids[r, :len(stops)] = stops
+      temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+      seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
+      gen_index[r] = len(req.output)
+    return _programs.BurstInputs(active, last, computed, remaining, stop_ids,
+                        temperature, top_k, top_p, seeds, gen_index)
+
+  def _burst(self) -> int:
+    """`decode_steps` decode iterations in one device call (see EngineConfig)."""
+    t0 = time.perf_counter()
+    inputs = self._burst_inputs()
+    t1 = time.perf_counter()
+    greedy, evict = self._burst_variant()
+    key = self._variant("burst", self.config.max_seqs, greedy, evict)
+    self.last_program = key
+    compile_s = self.stats.compile_time_s
+    program = self._program(key)
+    compile_s = self.stats.compile_time_s - compile_s
+    self.pool, self.state, self.seq_tokens, out = program(
+        self.model.params, self.pool, self.state, self.seq_tokens,
+        jax.device_put(inputs, self._inputs_sharding))
+    out = jax.device_get(out)
+    self._num_free = int(out.num_free)
+    t2 = time.perf_counter()
+    num_sampled = 0
+    for req in list(self._running):
+      r = req.seq_id
+      toks = [int(t) for t in out.tokens[:, r] if t >= 0]
+      req.output.extend(toks)
+      req.num_computed += len(toks)
+      num_sampled += len(toks)
+      token = req.output[-1]
+      stopped = token in req.stop_ids and not req.params.ignore_eos
+      if stopped or len(req.output) >= req.params.max_new_tokens:
+        req.status = "finished"
+        req.finish_reason = "stop" if stopped else "length"
+        self._finish(req)
+      elif out.preempted[r]:
+        self._preempt(req)
+    self.stats.decode_tokens += num_sampled
+    self.stats.generated_tokens += num_sampled
+    self.stats.peak_used_slots = max(self.stats.peak_used_slots,
+                                     int(out.used_slots))
+    self.stats.num_steps += self.config.decode_steps
+    t3 = time.perf_counter()
+    self.stats.host_time_s += (t1 - t0) + (t3 - t2)
+    self.stats.decode_time_s += t3 - t0 - compile_s
+    return num_sampled
+
+  def _finish(self, req: Request):
+    self._running.remove(req)
+    self._to_release.append((req.seq_id, req.num_computed))
+
+  def _preempt(self, req: Request):
+    """Out of slots for the next token: free the sequence, recompute later."""
+    self._running.remove(req)
+    self._to_release.append((req.seq_id, req.num_computed))
+    req.status = "waiting"
+    req.seq_id = -1
+    req.num_computed = 0
+    req.num_preemptions += 1
+    self.stats.num_preemptions += 1
+    self._waiting.appendleft(req)
+
+  # -------------------------------------------------------------- profile
+  def profile(self, iters: int = 10) -> dict:
+    """Times the pieces of the next step (`pkvattn.serving.profile.profile`)."""
+    from pkvattn.serving import profile as _profile
+    return _profile.profile(self, iters)

@@ -1,0 +1,400 @@
+"""The engine's device programs: one jitted step and one jitted decode burst.
+
+Everything here runs on the device; the host scheduler (`serving.engine`)
+only fills the inputs. The set of programs an engine can run is bounded and
+known before the first request (`program_keys`):
+
+* `step` programs, one per token bucket (`EngineConfig.buckets`, the padded
+  token count of the step) × `greedy_only` × `evict`;
+* `burst` programs (`decode_steps > 1`: that many decode iterations in one
+  call) × `greedy_only` × `evict`.
+
+With the default buckets `(max_seqs, max_num_tokens)` that is 8 step programs
+and, with bursts, 4 more: 12 at most. On a CPU backend, where a `lax.cond`
+costs nothing extra, the two statics are not split: one program per bucket
+and one burst (3 at most). The cache ops of a step (`commit` of
+finished prompts, `release` of finished / preempted sequences, `extend`,
+`claim_batch` of admitted requests) always run, masked by `-1` ids when a
+step has none: they cost microseconds, where a static variant per
+combination would multiply the programs. Two statics stay because they save
+device time and a device-to-host sync each: `greedy_only` (no sort over the
+vocabulary, no `lax.cond` in the sampler) and `evict` (False: the free slots
+cover the step, so the LRU-eviction `lax.cond` is not built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from pkvattn import cache as _cache
+from pkvattn.flax import AttentionPlan
+from pkvattn.models import decoder as _decoder
+from pkvattn.sampling import sample as _sample
+from pkvattn.serving.config import EngineConfig
+
+# Name scope of the cache bookkeeping inside the jitted step and burst (shows
+# in profiler traces and HLO metadata).
+CACHE_OPS_SCOPE = "pkvattn_cache_ops"
+
+MAX_STOP_IDS = 8  # stop tokens per request handled on device in a burst
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+  """One compiled program of an engine.
+
+  Attributes:
+    kind: "step" (one mixed prefill / decode step) or "burst"
+      (`decode_steps` decode iterations).
+    num_tokens: padded tokens of a step (its bucket); a burst's rows
+      (`max_seqs`).
+    greedy_only: every row samples greedily (argmax only; no `lax.cond`).
+    evict: the cache ops may evict cached blocks (built with the eviction
+      `lax.cond`); False when the free slots cover the step.
+  """
+  kind: str
+  num_tokens: int
+  greedy_only: bool
+  evict: bool
+
+  def __str__(self):
+    mode = "greedy" if self.greedy_only else "sampled"
+    return (f"{self.kind}[{self.num_tokens} tokens, {mode}"
+            f"{', evict' if self.evict else ''}]")
+
+
+def program_keys(cfg: EngineConfig, split_variants: bool = True
+                 ) -> tuple[ProgramKey, ...]:
+  """Every program an engine with `cfg` may run (what `Engine.warmup` compiles).
+
+  `split_variants=False` (CPU backends, where a `lax.cond` costs no
+  device-to-host sync): one program per bucket and one burst, each with the
+  sampler's and the eviction's `lax.cond` built in (`greedy_only=False`,
+  `evict=True`).
+  """
+  variants = ([(g, e) for g in (True, False) for e in (False, True)]
+              if split_variants else [(False, True)])
+  keys = [ProgramKey("step", b, g, e) for b in cfg.buckets for g, e in variants]
+  if cfg.decode_steps > 1:
+    keys += [ProgramKey("burst", cfg.max_seqs, g, e) for g, e in variants]
+  return tuple(keys)
+
+
+@struct.dataclass
+class StepInputs:
+  tokens: jax.Array         # i32[num_tokens], num_tokens one of cfg.buckets
+  q_indptr: jax.Array       # i32[max_seqs + 1]
+  kv_lens: jax.Array        # i32[max_seqs]
+  sample_rows: jax.Array    # bool[max_seqs]
+  temperature: jax.Array    # f32[max_seqs]
+  top_k: jax.Array          # i32[max_seqs]
+  top_p: jax.Array          # f32[max_seqs]
+  seeds: jax.Array          # u32[max_seqs]
+  gen_index: jax.Array      # i32[max_seqs]
+  commit_ids: jax.Array     # i32[max_seqs], -1 = none
+  commit_lens: jax.Array    # i32[max_seqs]
+  release_ids: jax.Array    # i32[max_seqs], -1 = none
+  extend_ids: jax.Array     # i32[max_seqs], -1 = none
+  admit_ids: jax.Array      # i32[num_admit], -1 = none
+  admit_tokens: jax.Array   # i32[num_admit, max_model_len]
+  admit_lens: jax.Array     # i32[num_admit]
+  admit_scope: jax.Array    # i32[num_admit], prefix-reuse scope (tenant salt)
+
+
+@struct.dataclass
+class StepOutputs:
+  sampled: jax.Array        # i32[max_seqs]
+  extend_ok: jax.Array      # bool[max_seqs]
+  claim_ok: jax.Array       # bool[num_admit]
+  claim_reused: jax.Array   # i32[num_admit]
+  claim_new_blocks: jax.Array  # i32[num_admit], slots taken (scratch: fewer)
+  used_slots: jax.Array     # i32[], slots referenced by live sequences
+  num_free: jax.Array       # i32[], free slots (unreferenced, not cached)
+
+
+@struct.dataclass
+class BurstInputs:
+  active: jax.Array         # bool[max_seqs], rows decoding in this burst
+  last: jax.Array           # i32[max_seqs], last sampled token (fed first)
+  computed: jax.Array       # i32[max_seqs], tokens in the cache (= its position)
+  remaining: jax.Array      # i32[max_seqs], tokens the request may still emit
+  stop_ids: jax.Array       # i32[max_seqs, MAX_STOP_IDS], -1 = none
+  temperature: jax.Array    # f32[max_seqs]
+  top_k: jax.Array          # i32[max_seqs]
+  top_p: jax.Array          # f32[max_seqs]
+  seeds: jax.Array          # u32[max_seqs]
+  gen_index: jax.Array      # i32[max_seqs]
+
+
+@struct.dataclass
+class BurstOutputs:
+  tokens: jax.Array         # i32[decode_steps, max_seqs], -1 = row idle
+  preempted: jax.Array      # bool[max_seqs], extend refused: out of slots
+  used_slots: jax.Array     # i32[], slots referenced during the burst
+  num_free: jax.Array       # i32[], free slots at the end
+
+
+def step_input_shapes(cfg: EngineConfig, num_tokens: int) -> StepInputs:
+  """`jax.ShapeDtypeStruct`s of a step's inputs at bucket `num_tokens`."""
+  S, A = cfg.max_seqs, cfg.num_admit
+  i32, f32 = jnp.int32, jnp.float32
+  sds = jax.ShapeDtypeStruct
+  return StepInputs(
+      tokens=sds((num_tokens,), i32), q_indptr=sds((S + 1,), i32),
+      kv_lens=sds((S,), i32), sample_rows=sds((S,), jnp.bool_),
+      temperature=sds((S,), f32), top_k=sds((S,), i32), top_p=sds((S,), f32),
+      seeds=sds((S,), jnp.uint32), gen_index=sds((S,), i32),
+      commit_ids=sds((S,), i32), commit_lens=sds((S,), i32),
+      release_ids=sds((S,), i32), extend_ids=sds((S,), i32),
+      admit_ids=sds((A,), i32), admit_tokens=sds((A, cfg.max_model_len), i32),
+      admit_lens=sds((A,), i32), admit_scope=sds((A,), i32))
+
+
+def burst_input_shapes(cfg: EngineConfig) -> BurstInputs:
+  """`jax.ShapeDtypeStruct`s of a burst's inputs."""
+  S = cfg.max_seqs
+  i32, f32 = jnp.int32, jnp.float32
+  sds = jax.ShapeDtypeStruct
+  return BurstInputs(
+      active=sds((S,), jnp.bool_), last=sds((S,), i32),
+      computed=sds((S,), i32), remaining=sds((S,), i32),
+      stop_ids=sds((S, MAX_STOP_IDS), i32), temperature=sds((S,), f32),
+      top_k=sds((S,), i32), top_p=sds((S,), f32), seeds=sds((S,), jnp.uint32),
+      gen_index=sds((S,), i32))
+
+
+def layer_tables(state, num_layers: int, max_seqs: int):
+  """`i32[num_layers, max_seqs, 2, max_pages]`: each layer's split table.
+
+  Vectorised over the layers (one fused computation, not one per layer)."""
+  seq_ids = jnp.arange(max_seqs, dtype=jnp.int32)
+  return jax.vmap(lambda layer: _cache.page_table(state, seq_ids, layer,
+                                                  split=True))(
+      jnp.arange(num_layers, dtype=jnp.int32))
+
+
+def cache_ops_before(state, seq_tokens, inp: StepInputs, *, commit: bool):
+  """`commit` (published prompts; static `commit=False` when prefix reuse is
+  off) then `release`, both masked by `-1` ids."""
+  if commit:
+    # commit reads tokens[i] for seq_ids[i]: gather each committed row.
+    rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
+    state = _cache.commit(state, inp.commit_ids, seq_tokens[rows],
+                          inp.commit_lens)
+  return _cache.release(state, inp.release_ids)
+
+
+def cache_ops_after(state, inp: StepInputs, *, evict: bool):
+  """`extend` by one token for rows that keep decoding, then `claim_batch`
+  for the admitted requests (both masked by `-1` ids)."""
+  ones = jnp.ones_like(inp.extend_ids)
+  state, ext = _cache.extend(state, inp.extend_ids, ones, evict=evict)
+  state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
+                                    inp.admit_lens, inp.admit_scope,
+                                    evict=evict)
+  return state, ext, claim
+
+
+def _forward(params, model_cfg, tokens, pool, plan, *, logits_indices, impl,
+             mesh):
+  if mesh is None:
+    return _decoder.forward(params, model_cfg, tokens, pool, plan,
+                            logits_indices=logits_indices, impl=impl)
+  from pkvattn import parallel as _parallel  # only engines on a mesh need it
+  return _parallel.tp_forward(params, model_cfg, tokens, pool, plan, mesh,
+                              logits_indices=logits_indices, impl=impl)
+
+
+def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan):
+  """Records fed tokens and admitted prompts in the per-sequence token buffer."""
+  rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
+                   seq_tokens.shape[0])
+  seq_tokens = seq_tokens.at[rows, plan.positions].set(inp.tokens, mode="drop")
+  admit_rows = jnp.where(inp.admit_ids >= 0, inp.admit_ids, seq_tokens.shape[0])
+  return seq_tokens.at[admit_rows].set(inp.admit_tokens, mode="drop")
+
+
+def device_step(params, pool, state, seq_tokens, inp: StepInputs,
+                tables=None, *, model_cfg: _decoder.DecoderConfig,
+                cfg: EngineConfig, mesh=None, greedy_only: bool = True,
+                evict: bool = True):
+  """One engine step: cache ops before, forward, sampling, cache ops after.
+
+  Returns `(pool, state, seq_tokens, StepOutputs)`. `tables` given
+  (profiling only): the cache ops are skipped and these page tables used.
+  """
+  bookkeeping = tables is None
+  if bookkeeping:
+    with jax.named_scope(CACHE_OPS_SCOPE):
+      state = cache_ops_before(state, seq_tokens, inp,
+                               commit=cfg.enable_prefix_reuse)
+      tables = layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
+  plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
+                              inp.tokens.shape[0])
+  last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
+  logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
+                          logits_indices=last, impl=cfg.impl, mesh=mesh)
+  sampled = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
+                    inp.gen_index, greedy_only=greedy_only)
+  sampled = jnp.where(inp.sample_rows, sampled, -1)
+  seq_tokens = _write_tokens(seq_tokens, inp, plan)
+  if bookkeeping:
+    with jax.named_scope(CACHE_OPS_SCOPE):
+      state, ext, claim = cache_ops_after(state, inp, evict=evict)
+    ext_ok, claim_ok = ext.ok, claim.ok
+    claim_reused, claim_new = claim.num_reused_tokens, claim.num_new_blocks
+  else:
+    ext_ok = jnp.ones(inp.extend_ids.shape, bool)
+    claim_ok = jnp.zeros(inp.admit_ids.shape, bool)
+    claim_reused = claim_new = jnp.zeros(inp.admit_ids.shape, jnp.int32)
+  usage = _cache.stats(state)
+  out = StepOutputs(
+      sampled=sampled, extend_ok=ext_ok, claim_ok=claim_ok,
+      claim_reused=claim_reused, claim_new_blocks=claim_new,
+      used_slots=usage["num_used"], num_free=usage["num_free"])
+  return pool, state, seq_tokens, out
+
+
+def reserve_burst(state, inp: BurstInputs, *, num_layers: int,
+                  decode_steps: int, evict: bool):
+  """A burst's cache work, done once up front: one `extend` reserves every
+  active row's tokens for the burst (`min(decode_steps, remaining - 1)`
+  beyond the fed one) and the page tables are built once. Returns
+  `(state, tables, ok)`."""
+  rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
+  grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
+  state, ext = _cache.extend(state, jnp.where(inp.active, rows, -1),
+                             jnp.where(inp.active, grow, 0), evict=evict)
+  return (state, layer_tables(state, num_layers, rows.shape[0]), ext.ok)
+
+
+def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
+                        tables=None, *, model_cfg: _decoder.DecoderConfig,
+                        cfg: EngineConfig, mesh=None,
+                        greedy_only: bool = False, evict: bool = True):
+  """`cfg.decode_steps` decode iterations; each is `device_step` restricted to
+  decode rows, with the sampled token fed back on device.
+
+  The cache work is done once, up front (vLLM's multi-step lookahead slots):
+  one `extend` reserves every row's tokens for the whole burst
+  (`min(decode_steps, remaining - 1)` beyond the fed one) and one set of page
+  tables serves every iteration. A row whose reservation is refused (out of
+  slots; all-or-nothing, first come first served) keeps what it had: it runs
+  while its next token has a reserved position, then stops with
+  `preempted=True` (the host recomputes it later).
+
+  `greedy_only` / `evict` (static, chosen by the host): all rows greedy / the
+  free slots may not cover the burst. With both False the burst has no
+  `lax.cond` (no device-to-host sync). `tables` given (profiling only): no
+  cache op runs and these page tables (which must cover the burst) are used.
+  """
+  S, k = cfg.max_seqs, cfg.decode_steps
+  rows = jnp.arange(S, dtype=jnp.int32)
+  if tables is None:
+    with jax.named_scope(CACHE_OPS_SCOPE):
+      state, tables, _ = reserve_burst(
+          state, inp, num_layers=model_cfg.num_layers, decode_steps=k,
+          evict=evict)
+      reserved = state.seq_lens  # tokens with a slot, per row
+  else:
+    reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
+  usage = _cache.stats(state)  # the state is not touched again in the burst
+
+  def one(carry, _):
+    pool, seq_tokens, active, last, computed, remaining, gen, pre = carry
+    q_lens = active.astype(jnp.int32)
+    q_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
+    tokens = jnp.zeros((S,), jnp.int32).at[
+        jnp.where(active, q_indptr[:-1], S)].set(last, mode="drop")
+    kv_lens = jnp.where(active, computed + 1, 0)
+    plan = AttentionPlan.create(tables, q_indptr, kv_lens, S)
+    logits, pool = _forward(
+        params, model_cfg, tokens, pool, plan,
+        logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
+        mesh=mesh)
+    tok = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, gen,
+                  greedy_only=greedy_only)
+    seq_tokens = seq_tokens.at[jnp.where(active, rows, S), computed].set(
+        last, mode="drop")
+    step = active.astype(jnp.int32)
+    computed, gen, remaining = computed + step, gen + step, remaining - step
+    stop = jnp.any(tok[:, None] == inp.stop_ids, axis=1) | (remaining <= 0)
+    need = active & ~stop
+    fits = computed + 1 <= reserved  # the next fed token has its slot
+    pre = pre | (need & ~fits)
+    emitted = jnp.where(active, tok, -1)
+    last = jnp.where(active, tok, last)
+    return (pool, seq_tokens, need & fits, last, computed, remaining, gen,
+            pre), emitted
+
+  carry = (pool, seq_tokens, inp.active, inp.last, inp.computed,
+           inp.remaining, inp.gen_index, jnp.zeros((S,), bool))
+  carry, emitted = lax.scan(one, carry, None, length=k)
+  pool, seq_tokens = carry[:2]
+  return pool, state, seq_tokens, BurstOutputs(
+      emitted, carry[7], usage["num_used"], usage["num_free"])
+
+
+@functools.lru_cache(maxsize=64)
+def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
+                   mesh, kind: str, greedy_only: bool, evict: bool):
+  """The `jax.jit` of one program kind (shared by engines with one config);
+  the pool, the cache state and the token buffer are donated."""
+  body = device_step if kind == "step" else device_decode_burst
+  return jax.jit(
+      functools.partial(body, model_cfg=model_cfg, cfg=cfg, mesh=mesh,
+                        greedy_only=greedy_only, evict=evict),
+      donate_argnums=(1, 2, 3))
+
+
+def signature(*trees) -> tuple:
+  """A hashable (structure, shapes, dtypes, shardings) key of array trees."""
+  leaves, treedef = jax.tree.flatten(trees)
+  return treedef, tuple((tuple(a.shape), str(a.dtype),
+                         getattr(a, "sharding", None)) for a in leaves)
+
+
+_COMPILED: dict = {}
+_COMPILED_LOCK = threading.Lock()
+_COMPILING: dict = {}
+
+
+def compiled_program(key, compile_fn):
+  """`compile_fn()` once per `key` in this process (engines with the same
+  model config, engine config, program and argument signature share the
+  executable); concurrent callers of one key wait for the first."""
+  with _COMPILED_LOCK:
+    if key in _COMPILED:
+      return _COMPILED[key]
+    event = _COMPILING.get(key)
+    owner = event is None
+    if owner:
+      event = _COMPILING[key] = threading.Event()
+  if not owner:
+    event.wait()
+    with _COMPILED_LOCK:
+      if key in _COMPILED:
+        return _COMPILED[key]
+    return compiled_program(key, compile_fn)  # the owner failed: try again
+  try:
+    compiled = compile_fn()
+    with _COMPILED_LOCK:
+      _COMPILED[key] = compiled
+    return compiled
+  finally:
+    with _COMPILED_LOCK:
+      del _COMPILING[key]
+    event.set()
+
+
+def clear_compiled():
+  """Forgets every executable `compiled_program` kept (tests, memory)."""
+  with _COMPILED_LOCK:
+    _COMPILED.clear()

@@ -1,0 +1,55 @@
+"""`EngineStats`: counters and timers of one engine's life (host side)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one engine's life (host side).
+
+  Times are wall-clock seconds. `prefill_time_s` / `decode_time_s` never
+  include compilation: a program compiled on first use (no `warmup()`) has
+  its compile time in `compile_time_s` and the rest of that step in the
+  prefill or decode time as usual.
+  """
+  num_steps: int = 0
+  prompt_tokens: int = 0        # prompt tokens of admitted claims
+  reused_tokens: int = 0        # of those, served by the prefix cache
+  prefill_tokens: int = 0       # prompt tokens computed
+  decode_tokens: int = 0        # tokens fed as decode rows
+  generated_tokens: int = 0     # tokens sampled
+  prefill_time_s: float = 0.0   # wall time of steps that carried prefill tokens
+  decode_time_s: float = 0.0    # wall time of decode-only steps and bursts
+  host_time_s: float = 0.0      # host scheduling + result handling
+  compile_time_s: float = 0.0   # compiling programs (warmup or first use)
+  warmup_time_s: float = 0.0    # wall time of `Engine.warmup()`
+  num_compiles: int = 0         # programs this engine compiled (or loaded)
+  peak_used_slots: int = 0
+  # Slot allocations that SWA scratch reuse avoided at admission (new blocks
+  # of the prompts minus slots taken); None when scratch is not active.
+  slots_saved_by_scratch: int | None = None
+  num_preemptions: int = 0
+  num_refused_claims: int = 0
+
+  @property
+  def prefix_hit_rate(self) -> float:
+    return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+  @property
+  def prefill_tokens_per_s(self) -> float:
+    """Prefill tokens / prefill time (compilation excluded); 0 if none ran."""
+    return self.prefill_tokens / self.prefill_time_s if self.prefill_time_s else 0.0
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    """Decode tokens / decode time (compilation excluded); 0 if none ran."""
+    return self.decode_tokens / self.decode_time_s if self.decode_time_s else 0.0
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(prefix_hit_rate=self.prefix_hit_rate,
+             prefill_tokens_per_s=self.prefill_tokens_per_s,
+             decode_tokens_per_s=self.decode_tokens_per_s)
+    return d

@@ -1,0 +1,153 @@
+"""Compile once: after `Engine.warmup()` no workload compiles anything.
+
+Compilations are counted with a `jax.monitoring` listener on XLA's backend
+compile event; the last test proves the counter sees a compile by forcing one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+
+from pkvattn import cache
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.models import load_model
+from pkvattn.serving import compile_cache, programs
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+# Small pool (12 slots of 8 tokens for 4 rows of up to 64 tokens): claims are
+# refused and decodes preempted; bursts of 4 decode steps.
+CFG = EngineConfig(page_size=8, num_slots=12, max_seqs=4, max_num_tokens=32,
+                   max_model_len=64, decode_steps=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_model("tiny-llama")
+
+
+@contextlib.contextmanager
+def count_compiles():
+  events = []
+
+  def listener(name, secs, **kwargs):
+    del secs, kwargs
+    if name == BACKEND_COMPILE:
+      events.append(name)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_program_list_is_small_and_known():
+  gpu = programs.program_keys(dataclasses.replace(CFG, token_buckets=None))
+  # buckets (4, 32) x greedy/sampled x evict/not, + 4 burst variants.
+  assert len(gpu) == 12 and len(set(gpu)) == 12
+  assert {k.num_tokens for k in gpu if k.kind == "step"} == {4, 32}
+  cpu = programs.program_keys(CFG, split_variants=False)
+  assert [(k.kind, k.num_tokens) for k in cpu] == [("step", 4), ("step", 32),
+                                                  ("burst", 4)]
+  no_burst = programs.program_keys(dataclasses.replace(CFG, decode_steps=1))
+  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 8
+  # The default engine config of the benchmark workload stays under 16.
+  bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
+                       max_num_tokens=4096, max_model_len=1024, decode_steps=8)
+  assert len(programs.program_keys(bench)) <= 16
+
+
+def _workload(rng, vocab, n):
+  """Mixed lengths, a shared prefix for half the prompts, mixed sampling."""
+  shared = rng.integers(1, vocab, 16).tolist()
+  out = []
+  for i in range(n):
+    tail = rng.integers(1, vocab, int(rng.integers(1, 24))).tolist()
+    prompt = (shared + tail) if i % 2 else tail
+    sampled = rng.random() < 0.4
+    stop = (tuple(int(t) for t in rng.integers(1, 256, programs.MAX_STOP_IDS))
+            if rng.random() < 0.5 else None)
+    sp = SamplingParams(
+        max_new_tokens=int(rng.integers(1, 64 - len(prompt) + 1)),
+        temperature=0.9 if sampled else 0.0, top_k=20 if sampled else 0,
+        seed=i, stop_token_ids=stop)
+    out.append((prompt, sp))
+  return out
+
+
+def test_no_compilation_after_warmup(model):
+  engine = Engine(model, CFG)
+  report = engine.warmup()
+  assert set(report) == set(engine.programs())
+  assert engine.stats.warmup_time_s > 0
+  rng = np.random.default_rng(0)
+  reqs = _workload(rng, model.cfg.vocab_size, 24)
+  with count_compiles() as compiles:
+    ids = []
+    # Requests arrive in waves while others decode.
+    for i, (prompt, sp) in enumerate(reqs):
+      ids.append(engine.add_request(prompt, sp))
+      if i % 5 == 4:
+        for _ in range(int(rng.integers(1, 6))):
+          engine.step()
+    while engine.has_unfinished():
+      engine.step()
+  st = engine.stats
+  assert compiles == [], f"{len(compiles)} compilations after warmup"
+  # The workload did exercise what it claims to.
+  assert st.num_preemptions > 0 and st.num_refused_claims > 0
+  assert st.reused_tokens > 0
+  reasons = {engine.get_request(i).finish_reason for i in ids}
+  assert reasons == {"stop", "length"}
+  assert all(len(engine.get_request(i).output) <= sp.max_new_tokens
+             for i, (_, sp) in zip(ids, reqs))
+  cache.validate(engine.state)
+  # Decode bursts ran (their program was used).
+  assert engine.last_program is not None
+
+
+def test_counter_sees_a_forced_compile(model):
+  engine = Engine(model, CFG)
+  engine.warmup()
+  # Forget one program everywhere: its next use must compile and be counted.
+  key = engine.programs()[0]
+  del engine._compiled[key]
+  programs.clear_compiled()
+  jax.clear_caches()
+  with count_compiles() as compiles:
+    engine.generate([[256, 1, 2]], SamplingParams(max_new_tokens=1))
+  assert len(compiles) >= 1
+  assert engine.stats.num_compiles == len(engine.programs()) + 1
+
+
+def test_persistent_cache_serves_a_new_engine(model, tmp_path):
+  hits = []
+
+  def listener(name, **kwargs):
+    del kwargs
+    if name == "/jax/compilation_cache/cache_hits":
+      hits.append(name)
+  old_dir = jax.config.jax_compilation_cache_dir
+  cfg = dataclasses.replace(CFG, max_seqs=2, max_num_tokens=16, decode_steps=1,
+                            compile_cache_dir=str(tmp_path / "xla"))
+  jax.monitoring.register_event_listener(listener)
+  try:
+    programs.clear_compiled()
+    Engine(model, cfg).warmup()
+    assert any((tmp_path / "xla").iterdir())
+    programs.clear_compiled()
+    jax.clear_caches()
+    second = Engine(model, cfg)
+    second.warmup()
+    assert len(hits) >= len(second.programs())
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+    jax.config.update("jax_compilation_cache_dir", old_dir)
+    compile_cache.reset()
+    programs.clear_compiled()
