@@ -171,6 +171,35 @@ def unstack_layers(params):
   return dict(params, layers=per_layer)
 
 
+def fuse_projections(params):
+  """`params` with q/k/v and gate/up kernels (and biases) concatenated.
+
+  `attn.qkv_proj` is `[hidden, (num_qo_heads + 2 * num_kv_heads) * head_dim]`
+  (q, k, v columns in that order) and `mlp.gate_up_proj` is
+  `[hidden, 2 * intermediate]` (gate, up): one matmul each instead of three
+  and two (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear`), which
+  at decode batch sizes saves a kernel launch and a pass over `x` per fused
+  matmul. The forward accepts either layout; stacked (leading layer axis) and
+  unstacked layers alike. Idempotent. Not for tensor-parallel shards (their
+  column slices are per projection).
+  """
+  def fuse(layer):
+    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+    if "q_proj" in attn:
+      parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
+      attn["qkv_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
+                          for k in parts[0]}
+    if "gate_proj" in mlp:
+      parts = [mlp.pop(n) for n in ("gate_proj", "up_proj")]
+      mlp["gate_up_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
+                             for k in parts[0]}
+    return dict(layer, attn=attn, mlp=mlp)
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return dict(params, layers=tuple(fuse(lp) for lp in layers))
+  return dict(params, layers=fuse(layers))
+
+
 def stack_layers(params):
   """Inverse of `unstack_layers` (leading `num_layers` axis on every leaf)."""
   layers = params["layers"]
@@ -198,7 +227,11 @@ def _dense(p, x):
 def _mlp(p, x, activation, tp_axis: str | None = None):
   act = jax.nn.silu if activation == "silu" else (
       lambda a: jax.nn.gelu(a, approximate=True))
-  h = act(_dense(p["gate_proj"], x)) * _dense(p["up_proj"], x)
+  if "gate_up_proj" in p:  # fused (`fuse_projections`): one matmul
+    gate, up = jnp.split(_dense(p["gate_up_proj"], x), 2, axis=-1)
+  else:
+    gate, up = _dense(p["gate_proj"], x), _dense(p["up_proj"], x)
+  h = act(gate) * up
   if tp_axis is None:
     return _dense(p["down_proj"], h)
   # Megatron: gate/up are column shards, down a row shard, one psum.
@@ -225,6 +258,13 @@ def decoder_layer(lp, x, kv_cache, plan: AttentionPlan, cfg: DecoderConfig,
   if cfg.sandwich_norms:
     m = norm(m, lp["post_mlp_norm"])
   return x + m, kv_cache
+
+
+# `decoder_layer` as one jitted function per (cfg, window position, impl): a
+# nested jit is traced once per argument shapes and lowered once per
+# enclosing program however often it is called.
+_traced_layer = jax.jit(decoder_layer,
+                        static_argnames=("cfg", "layer", "impl", "tp_axis"))
 
 
 def forward(
@@ -291,9 +331,14 @@ def forward(
           f"Invalid params['layers']: expected {L} per-layer trees, got "
           f"{len(params['layers'])}")
     for layer, lp in enumerate(params["layers"]):
-      x, kv_cache = decoder_layer(
+      # Layers with the same window are one traced function: traced and
+      # lowered once per program, called L times (XLA inlines the calls, so
+      # the compiled program is the unrolled loop with every weight read in
+      # place). Tracing and lowering each layer anew made compile time grow
+      # with the depth (Pallas kernels lower in Python).
+      x, kv_cache = _traced_layer(
           lp, x, kv_cache, plan.replace(page_table=plan.page_table[layer]),
-          cfg, layer, impl, tp_axis)
+          cfg=cfg, layer=layer % p, impl=impl, tp_axis=tp_axis)
     return _head(params, cfg, x, logits_indices), kv_cache
 
   grouped = jax.tree.map(lambda a: a.reshape(L // p, p, *a.shape[1:]),
