@@ -49,18 +49,18 @@ def count_compiles():
 
 def test_program_list_is_small_and_known():
   gpu = programs.program_keys(dataclasses.replace(CFG, token_buckets=None))
-  # buckets (4, 32) x greedy/sampled x evict/not, + 4 burst variants.
-  assert len(gpu) == 12 and len(set(gpu)) == 12
+  # buckets (4, 32) x greedy/sampled, + 2 burst variants.
+  assert len(gpu) == 6 and len(set(gpu)) == 6
   assert {k.num_tokens for k in gpu if k.kind == "step"} == {4, 32}
   cpu = programs.program_keys(CFG, split_variants=False)
   assert [(k.kind, k.num_tokens) for k in cpu] == [("step", 4), ("step", 32),
                                                   ("burst", 4)]
   no_burst = programs.program_keys(dataclasses.replace(CFG, decode_steps=1))
-  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 8
+  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 4
   # The default engine config of the benchmark workload stays under 16.
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
-  assert len(programs.program_keys(bench)) <= 16
+  assert len(programs.program_keys(bench)) == 6
 
 
 def _workload(rng, vocab, n):

@@ -31,8 +31,8 @@ burst's tokens and one set of page tables serves it), amortising the host work.
 
 **Compile once.** Shapes are static and the programs an engine may run are a
 small known set (`Engine.programs()`, `serving.programs.program_keys`: token
-buckets × greedy / sampled × evict / not, plus the burst's variants; 12 for
-the default buckets with bursts). `Engine.warmup()` compiles all of them ahead
+buckets × greedy / sampled, plus the burst's two variants; 6 for the default
+buckets with bursts). `Engine.warmup()` compiles all of them ahead
 of time (in parallel threads), after which no workload compiles anything: the
 engine calls the compiled executables directly. Without `warmup()` a program
 is compiled on its first use (its compile time is kept out of the
@@ -51,6 +51,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -109,10 +110,6 @@ class Engine:
             lambda s: jax.sharding.NamedSharding(mesh, s),
             _parallel.param_specs(params)))
       model = dataclasses.replace(model, params=params)
-    if mesh is None:
-      # One matmul for q/k/v and one for gate/up (fewer launches per layer).
-      model = dataclasses.replace(
-          model, params=_decoder.fuse_projections(model.params))
     self.model = model
     self.config = config
     mcfg = model.cfg
@@ -142,9 +139,8 @@ class Engine:
     # a prompt must be prefilled in one step.
     self._scratch = bool(getattr(self.cache_config, "swa_scratch_active",
                                  self.cache_config.enable_swa_scratch_reuse))
-    self._num_free = config.num_slots  # free slots, from the last step
-    # greedy / sampled and evict / not as separate programs only where a
-    # lax.cond syncs the host (GPU); elsewhere one program serves all.
+    # greedy / sampled as separate programs only where a lax.cond syncs the
+    # host (GPU); elsewhere one program serves both.
     self._split_variants = _checks.is_gpu()
     if config.compile_cache_dir is not None:
       _compile_cache.enable(config.compile_cache_dir)
@@ -173,16 +169,15 @@ class Engine:
     """Every program this engine may run (`serving.programs.program_keys`)."""
     return _programs.program_keys(self.config, self._split_variants)
 
-  def _variant(self, kind: str, num_tokens: int, greedy_only: bool,
-               evict: bool) -> ProgramKey:
-    """The program for a call that needs (greedy_only, evict) at most."""
-    if not self._split_variants:
-      greedy_only, evict = False, True
-    return ProgramKey(kind, num_tokens, bool(greedy_only), bool(evict))
+  def _variant(self, kind: str, num_tokens: int,
+               greedy_only: bool) -> ProgramKey:
+    """The program for a call (greedy-only calls may take the sampled one)."""
+    return ProgramKey(kind, num_tokens,
+                      bool(greedy_only) and self._split_variants)
 
   def _lower(self, key: ProgramKey):
     fn = _programs.jitted_program(self.model.cfg, self.config, self.mesh,
-                                  key.kind, key.greedy_only, key.evict)
+                                  key.kind, key.greedy_only)
     if key.kind == "step":
       inputs = _programs.step_input_shapes(self.config, key.num_tokens)
     else:
@@ -195,41 +190,47 @@ class Engine:
     return fn.lower(self.model.params, self.pool, self.state, self.seq_tokens,
                     inputs)
 
+  def _memo_key(self, key: ProgramKey):
+    return (self.model.cfg, self.config, self.mesh, key,
+            _programs.signature(self.model.params, self.pool, self.state,
+                                self.seq_tokens))
+
+  def _compile(self, key: ProgramKey, memo_key, lowered, t0: float):
+    """Compiles `lowered` (once per process and `memo_key`) and records it."""
+    compiled = _programs.compiled_program(
+        memo_key, None if lowered is None else lowered.compile)
+    dt = time.perf_counter() - t0
+    with self._compile_lock:
+      self._compiled[key] = compiled
+      self.compile_times[key] = dt
+      self.stats.compile_time_s += dt
+      self.stats.num_compiles += 1
+    return compiled
+
   def _program(self, key: ProgramKey):
     """The compiled executable of `key`, compiled now if `warmup` did not."""
     compiled = self._compiled.get(key)
     if compiled is not None:
       return compiled
     t0 = time.perf_counter()
-    signature = _programs.signature(self.model.params, self.pool, self.state,
-                                    self.seq_tokens)
-    split = {}
-
-    def lower_and_compile():
+    memo_key = self._memo_key(key)
+    compiled = _programs.lookup_compiled(memo_key)
+    if compiled is None:
       lowered = self._lower(key)
-      split["lower_s"] = time.perf_counter() - t0
-      return lowered.compile()
-    compiled = _programs.compiled_program(
-        (self.model.cfg, self.config, self.mesh, key, signature),
-        lower_and_compile)
-    dt = time.perf_counter() - t0
-    with self._compile_lock:
-      self._compiled[key] = compiled
-      self.compile_times[key] = dt
-      if split:
-        self.lower_times[key] = split["lower_s"]
-      self.stats.compile_time_s += dt
-      self.stats.num_compiles += 1
-    return compiled
+      self.lower_times[key] = time.perf_counter() - t0
+      return self._compile(key, memo_key, lowered, t0)
+    return self._compile(key, memo_key, None, t0)
 
   def warmup(self, progress: bool | Callable[[ProgramKey, float], Any] = False,
              max_workers: int | None = None) -> dict[ProgramKey, float]:
     """Compiles every program of `programs()` ahead of time.
 
     After it, no step, burst or request of any kind compiles anything.
-    Programs compile in parallel threads (XLA compiles outside the GIL); with
-    `EngineConfig.compile_cache_dir` set, programs found in the persistent
-    cache are loaded instead.
+    Programs are traced and lowered one after the other in this thread
+    (Python, under the GIL) while XLA compiles the ones already lowered in
+    worker threads (outside the GIL); with `EngineConfig.compile_cache_dir`
+    set, programs found in the persistent cache are loaded instead of
+    compiled.
 
     Args:
       progress: True = a tqdm bar on stderr; a callable is called as
@@ -237,31 +238,44 @@ class Engine:
       max_workers: compile threads; None = min(#programs, os.cpu_count()).
 
     Returns:
-      `{ProgramKey: seconds}` for each program (wall time of its lowering and
-      compilation, overlapping with the others'); the total wall time is
-      added to `stats.warmup_time_s`.
+      `{ProgramKey: seconds}` for each program, from the start of its
+      lowering to the end of its compilation (programs overlap); the total
+      wall time is added to `stats.warmup_time_s`.
     """
     keys = [k for k in self.programs() if k not in self._compiled]
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     bar = None
     if progress is True:
       from tqdm import tqdm
       bar = tqdm(total=len(keys), unit="program", desc="compiling",
-                 file=__import__("sys").stderr)
+                 file=sys.stderr)
+
+    def done(key):
+      if bar is not None:
+        bar.set_postfix_str(f"{key}: {self.compile_times[key]:.1f} s")
+        bar.update(1)
+      elif callable(progress):
+        progress(key, self.compile_times[key])
+
     workers = max_workers or min(len(keys), os.cpu_count() or 1) or 1
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      futures = {pool.submit(self._program, k): k for k in keys}
+      futures = {}
+      for key in keys:
+        t0 = time.perf_counter()
+        memo_key = self._memo_key(key)
+        if _programs.lookup_compiled(memo_key) is not None:
+          self._compile(key, memo_key, None, t0)
+          done(key)
+          continue
+        lowered = self._lower(key)
+        self.lower_times[key] = time.perf_counter() - t0
+        futures[pool.submit(self._compile, key, memo_key, lowered, t0)] = key
       for fut in concurrent.futures.as_completed(futures):
         fut.result()
-        key = futures[fut]
-        if bar is not None:
-          bar.set_postfix_str(f"{key}: {self.compile_times[key]:.1f} s")
-          bar.update(1)
-        elif callable(progress):
-          progress(key, self.compile_times[key])
+        done(futures[fut])
     if bar is not None:
       bar.close()
-    self.stats.warmup_time_s += time.perf_counter() - t0
+    self.stats.warmup_time_s += time.perf_counter() - t_start
     return {k: self.compile_times[k] for k in self.programs()
             if k in self.compile_times}
 
@@ -506,15 +520,8 @@ class Engine:
     self._free_rows.sort()
     self.last_inputs = inputs
     t1 = time.perf_counter()
-    # Slots the step may take: one per extended row, every admitted
-    # prompt's blocks. Releases only add free slots (commits none), so the
-    # last step's free count is a lower bound.
-    ps = self.config.page_size
-    need = int(np.sum(inputs.extend_ids >= 0)) + int(np.sum(
-        np.where(inputs.admit_ids >= 0, -(-inputs.admit_lens // ps), 0)))
     key = self._variant("step", int(inputs.tokens.shape[0]),
-                         greedy_only=not np.any(inputs.temperature > 0),
-                         evict=self._scratch or need > self._num_free)
+                        greedy_only=not np.any(inputs.temperature > 0))
     self.last_program = key
     compile_s = self.stats.compile_time_s
     program = self._program(key)
@@ -523,7 +530,6 @@ class Engine:
         self.model.params, self.pool, self.state, self.seq_tokens,
         jax.device_put(inputs, self._inputs_sharding))
     out = jax.device_get(out)  # the one device -> host sync
-    self._num_free = int(out.num_free)
     t2 = time.perf_counter()
 
     num_sampled = 0
@@ -601,22 +607,10 @@ class Engine:
     return all(r.status == "decode" and len(r.stop_ids) <= MAX_STOP_IDS
                for r in self._running)
 
-  def _burst_variant(self) -> tuple[bool, bool]:
-    """(greedy_only, evict) of the next burst, from what the host knows.
-
-    Eviction is built in only when the free slots might not cover every
-    running request's blocks for `decode_steps` more tokens (or SWA scratch
-    takes slots of its own); without it and with all rows greedy the burst
-    has no `lax.cond`, i.e. no device-to-host sync per iteration.
-    """
-    ps, k = self.config.page_size, self.config.decode_steps
-    greedy = all(r.params.temperature <= 0 for r in self._running)
-    # A decoding request has num_computed + 1 tokens reserved; the burst
-    # extends it to at most num_computed + 1 + k.
-    need = sum(-(-(r.num_computed + 1 + k) // ps) - -(-(r.num_computed + 1) // ps)
-               for r in self._running)
-    evict = self._scratch or need > self._num_free
-    return greedy, evict
+  def _burst_greedy(self) -> bool:
+    """Whether every running request is greedy: the next burst's variant
+    then has no `lax.cond`, i.e. no device-to-host sync per iteration."""
+    return all(r.params.temperature <= 0 for r in self._running)
 
   def _burst_inputs(self) -> _programs.BurstInputs:
     """Host inputs of a burst over the running (decoding) requests."""
@@ -650,8 +644,7 @@ class Engine:
     t0 = time.perf_counter()
     inputs = self._burst_inputs()
     t1 = time.perf_counter()
-    greedy, evict = self._burst_variant()
-    key = self._variant("burst", self.config.max_seqs, greedy, evict)
+    key = self._variant("burst", self.config.max_seqs, self._burst_greedy())
     self.last_program = key
     compile_s = self.stats.compile_time_s
     program = self._program(key)
@@ -660,7 +653,6 @@ class Engine:
         self.model.params, self.pool, self.state, self.seq_tokens,
         jax.device_put(inputs, self._inputs_sharding))
     out = jax.device_get(out)
-    self._num_free = int(out.num_free)
     t2 = time.perf_counter()
     num_sampled = 0
     for req in list(self._running):

@@ -41,9 +41,8 @@ def profile_programs(engine) -> dict:
     # `_schedule` admits, commits and releases nothing in this state: its
     # inputs are one decode step of the current batch (for attention).
     attention_inputs = engine._schedule()[0]
-    greedy, evict = engine._burst_variant()
-    fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "burst", greedy,
-                                  evict)
+    greedy = engine._variant("burst", S, engine._burst_greedy()).greedy_only
+    fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "burst", greedy)
     binp = jax.tree.map(jnp.asarray, engine._burst_inputs())
     ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
     # Tables that already hold the burst's new blocks (timing only).
@@ -52,7 +51,7 @@ def profile_programs(engine) -> dict:
     args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
                     copy_tree(engine.seq_tokens), binp)
     cache_ops = functools.partial(  # as the burst does, once
-        _programs.reserve_burst, inp=binp, num_layers=L, decode_steps=k, evict=evict)
+        _programs.reserve_burst, inp=binp, num_layers=L, decode_steps=k)
     per = k
   elif engine.last_inputs is None:
     raise ValueError("Invalid call: profile() needs at least one step() first")
@@ -61,7 +60,7 @@ def profile_programs(engine) -> dict:
     inp = jax.tree.map(jnp.asarray, engine.last_inputs)
     key = engine.last_program
     fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "step",
-                                  key.greedy_only, key.evict)
+                                  key.greedy_only)
     tables = _programs.layer_tables(engine.state, L, S)
     args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
                     copy_tree(engine.seq_tokens), inp)
@@ -71,8 +70,7 @@ def profile_programs(engine) -> dict:
       state = _programs.cache_ops_before(state, seq_tokens, inp,
                                          commit=cfg.enable_prefix_reuse)
       t = _programs.layer_tables(state, L, S)
-      state, ext, claim = _programs.cache_ops_after(state, inp,
-                                                    evict=key.evict)
+      state, ext, claim = _programs.cache_ops_after(state, inp)
       return state, t, ext.ok, claim.ok
     per = 1
   return dict(step=fn, step_args=args, bare_args=lambda: args() + (tables,),

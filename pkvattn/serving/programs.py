@@ -5,21 +5,22 @@ only fills the inputs. The set of programs an engine can run is bounded and
 known before the first request (`program_keys`):
 
 * `step` programs, one per token bucket (`EngineConfig.buckets`, the padded
-  token count of the step) × `greedy_only` × `evict`;
+  token count of the step) × `greedy_only`;
 * `burst` programs (`decode_steps > 1`: that many decode iterations in one
-  call) × `greedy_only` × `evict`.
+  call) × `greedy_only`.
 
-With the default buckets `(max_seqs, max_num_tokens)` that is 8 step programs
-and, with bursts, 4 more: 12 at most. On a CPU backend, where a `lax.cond`
-costs nothing extra, the two statics are not split: one program per bucket
-and one burst (3 at most). The cache ops of a step (`commit` of
+With the default buckets `(max_seqs, max_num_tokens)` that is 4 step programs
+and, with bursts, 2 more: 6 at most. The cache ops of a step (`commit` of
 finished prompts, `release` of finished / preempted sequences, `extend`,
 `claim_batch` of admitted requests) always run, masked by `-1` ids when a
-step has none: they cost microseconds, where a static variant per
-combination would multiply the programs. Two statics stay because they save
-device time and a device-to-host sync each: `greedy_only` (no sort over the
-vocabulary, no `lax.cond` in the sampler) and `evict` (False: the free slots
-cover the step, so the LRU-eviction `lax.cond` is not built).
+step has none, and always with eviction built in (its `lax.cond` is taken
+once per step or burst): a static variant per combination multiplied the
+programs (up to 68; every combination first seen while serving compiled
+then), and each program costs seconds of start-up. One static stays where it
+saves device time on every decode iteration: `greedy_only` (the argmax alone:
+no sort over the vocabulary and no `lax.cond` in the sampler, whose predicate
+a GPU reads back on the host). On a CPU backend, where a `lax.cond` costs no
+such sync, it is not split either: one program per bucket and one burst.
 """
 
 from __future__ import annotations
@@ -56,18 +57,14 @@ class ProgramKey:
     num_tokens: padded tokens of a step (its bucket); a burst's rows
       (`max_seqs`).
     greedy_only: every row samples greedily (argmax only; no `lax.cond`).
-    evict: the cache ops may evict cached blocks (built with the eviction
-      `lax.cond`); False when the free slots cover the step.
   """
   kind: str
   num_tokens: int
   greedy_only: bool
-  evict: bool
 
   def __str__(self):
     mode = "greedy" if self.greedy_only else "sampled"
-    return (f"{self.kind}[{self.num_tokens} tokens, {mode}"
-            f"{', evict' if self.evict else ''}]")
+    return f"{self.kind}[{self.num_tokens} tokens, {mode}]"
 
 
 def program_keys(cfg: EngineConfig, split_variants: bool = True
@@ -76,14 +73,12 @@ def program_keys(cfg: EngineConfig, split_variants: bool = True
 
   `split_variants=False` (CPU backends, where a `lax.cond` costs no
   device-to-host sync): one program per bucket and one burst, each with the
-  sampler's and the eviction's `lax.cond` built in (`greedy_only=False`,
-  `evict=True`).
+  sampler's `lax.cond` built in (`greedy_only=False`).
   """
-  variants = ([(g, e) for g in (True, False) for e in (False, True)]
-              if split_variants else [(False, True)])
-  keys = [ProgramKey("step", b, g, e) for b in cfg.buckets for g, e in variants]
+  variants = (True, False) if split_variants else (False,)
+  keys = [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
   if cfg.decode_steps > 1:
-    keys += [ProgramKey("burst", cfg.max_seqs, g, e) for g, e in variants]
+    keys += [ProgramKey("burst", cfg.max_seqs, g) for g in variants]
   return tuple(keys)
 
 
@@ -191,14 +186,13 @@ def cache_ops_before(state, seq_tokens, inp: StepInputs, *, commit: bool):
   return _cache.release(state, inp.release_ids)
 
 
-def cache_ops_after(state, inp: StepInputs, *, evict: bool):
+def cache_ops_after(state, inp: StepInputs):
   """`extend` by one token for rows that keep decoding, then `claim_batch`
   for the admitted requests (both masked by `-1` ids)."""
   ones = jnp.ones_like(inp.extend_ids)
-  state, ext = _cache.extend(state, inp.extend_ids, ones, evict=evict)
+  state, ext = _cache.extend(state, inp.extend_ids, ones)
   state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
-                                    inp.admit_lens, inp.admit_scope,
-                                    evict=evict)
+                                    inp.admit_lens, inp.admit_scope)
   return state, ext, claim
 
 
@@ -223,8 +217,7 @@ def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan):
 
 def device_step(params, pool, state, seq_tokens, inp: StepInputs,
                 tables=None, *, model_cfg: _decoder.DecoderConfig,
-                cfg: EngineConfig, mesh=None, greedy_only: bool = True,
-                evict: bool = True):
+                cfg: EngineConfig, mesh=None, greedy_only: bool = True):
   """One engine step: cache ops before, forward, sampling, cache ops after.
 
   Returns `(pool, state, seq_tokens, StepOutputs)`. `tables` given
@@ -247,7 +240,7 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
   seq_tokens = _write_tokens(seq_tokens, inp, plan)
   if bookkeeping:
     with jax.named_scope(CACHE_OPS_SCOPE):
-      state, ext, claim = cache_ops_after(state, inp, evict=evict)
+      state, ext, claim = cache_ops_after(state, inp)
     ext_ok, claim_ok = ext.ok, claim.ok
     claim_reused, claim_new = claim.num_reused_tokens, claim.num_new_blocks
   else:
@@ -263,7 +256,7 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
 
 
 def reserve_burst(state, inp: BurstInputs, *, num_layers: int,
-                  decode_steps: int, evict: bool):
+                  decode_steps: int):
   """A burst's cache work, done once up front: one `extend` reserves every
   active row's tokens for the burst (`min(decode_steps, remaining - 1)`
   beyond the fed one) and the page tables are built once. Returns
@@ -271,14 +264,14 @@ def reserve_burst(state, inp: BurstInputs, *, num_layers: int,
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
   state, ext = _cache.extend(state, jnp.where(inp.active, rows, -1),
-                             jnp.where(inp.active, grow, 0), evict=evict)
+                             jnp.where(inp.active, grow, 0))
   return (state, layer_tables(state, num_layers, rows.shape[0]), ext.ok)
 
 
 def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
                         tables=None, *, model_cfg: _decoder.DecoderConfig,
                         cfg: EngineConfig, mesh=None,
-                        greedy_only: bool = False, evict: bool = True):
+                        greedy_only: bool = False):
   """`cfg.decode_steps` decode iterations; each is `device_step` restricted to
   decode rows, with the sampled token fed back on device.
 
@@ -290,18 +283,18 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   while its next token has a reserved position, then stops with
   `preempted=True` (the host recomputes it later).
 
-  `greedy_only` / `evict` (static, chosen by the host): all rows greedy / the
-  free slots may not cover the burst. With both False the burst has no
-  `lax.cond` (no device-to-host sync). `tables` given (profiling only): no
-  cache op runs and these page tables (which must cover the burst) are used.
+  `greedy_only` (static, chosen by the host): all rows greedy, so the
+  decode iterations hold no `lax.cond` (no device-to-host sync); the one
+  `extend` up front holds the eviction's. `tables` given (profiling only):
+  no cache op runs and these page tables (which must cover the burst) are
+  used.
   """
   S, k = cfg.max_seqs, cfg.decode_steps
   rows = jnp.arange(S, dtype=jnp.int32)
   if tables is None:
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, tables, _ = reserve_burst(
-          state, inp, num_layers=model_cfg.num_layers, decode_steps=k,
-          evict=evict)
+          state, inp, num_layers=model_cfg.num_layers, decode_steps=k)
       reserved = state.seq_lens  # tokens with a slot, per row
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
@@ -344,13 +337,13 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
 
 @functools.lru_cache(maxsize=64)
 def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
-                   mesh, kind: str, greedy_only: bool, evict: bool):
+                   mesh, kind: str, greedy_only: bool):
   """The `jax.jit` of one program kind (shared by engines with one config);
   the pool, the cache state and the token buffer are donated."""
   body = device_step if kind == "step" else device_decode_burst
   return jax.jit(
       functools.partial(body, model_cfg=model_cfg, cfg=cfg, mesh=mesh,
-                        greedy_only=greedy_only, evict=evict),
+                        greedy_only=greedy_only),
       donate_argnums=(1, 2, 3))
 
 
@@ -363,35 +356,24 @@ def signature(*trees) -> tuple:
 
 _COMPILED: dict = {}
 _COMPILED_LOCK = threading.Lock()
-_COMPILING: dict = {}
+
+
+def lookup_compiled(key):
+  """The executable `compiled_program` kept for `key`, or None."""
+  with _COMPILED_LOCK:
+    return _COMPILED.get(key)
 
 
 def compiled_program(key, compile_fn):
-  """`compile_fn()` once per `key` in this process (engines with the same
-  model config, engine config, program and argument signature share the
-  executable); concurrent callers of one key wait for the first."""
-  with _COMPILED_LOCK:
-    if key in _COMPILED:
-      return _COMPILED[key]
-    event = _COMPILING.get(key)
-    owner = event is None
-    if owner:
-      event = _COMPILING[key] = threading.Event()
-  if not owner:
-    event.wait()
-    with _COMPILED_LOCK:
-      if key in _COMPILED:
-        return _COMPILED[key]
-    return compiled_program(key, compile_fn)  # the owner failed: try again
-  try:
+  """The executable kept for `key`, else `compile_fn()` (kept): engines with
+  the same model config, engine config, program and argument signature share
+  one executable per process. `compile_fn` None: the key must be kept."""
+  compiled = lookup_compiled(key)
+  if compiled is None:
     compiled = compile_fn()
     with _COMPILED_LOCK:
-      _COMPILED[key] = compiled
-    return compiled
-  finally:
-    with _COMPILED_LOCK:
-      del _COMPILING[key]
-    event.set()
+      compiled = _COMPILED.setdefault(key, compiled)
+  return compiled
 
 
 def clear_compiled():
