@@ -233,7 +233,9 @@ def attention_block(
   Args:
     params: kernels `q_proj [hidden_size, num_qo_heads * head_dim]`,
       `k_proj`/`v_proj [hidden_size, num_kv_heads * head_dim]`,
-      `o_proj [num_qo_heads * head_dim, hidden_size]`, optional biases.
+      `o_proj [num_qo_heads * head_dim, hidden_size]`, optional biases; or
+      `qkv_proj [hidden_size, (num_qo_heads + 2 * num_kv_heads) * head_dim]`
+      (q, k, v columns concatenated: one matmul) in place of the three.
     x: `[num_tokens, hidden_size]`.
     kv_cache: the pool, dtype = `dtype` (default `x.dtype`).
     plan: this layer's plan.
@@ -252,9 +254,16 @@ def attention_block(
   dtype = dtype or x.dtype
   t = x.shape[0]
   d = spec.head_dim
-  q = _dense(params["q_proj"], x, dtype).reshape(t, spec.num_qo_heads, d)
-  k = _dense(params["k_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
-  v = _dense(params["v_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+  if "qkv_proj" in params:  # fused (`pkvattn.models.fuse_projections`)
+    qkv = _dense(params["qkv_proj"], x, dtype)
+    nq, nk = spec.num_qo_heads * d, spec.num_kv_heads * d
+    q = qkv[:, :nq].reshape(t, spec.num_qo_heads, d)
+    k = qkv[:, nq:nq + nk].reshape(t, spec.num_kv_heads, d)
+    v = qkv[:, nq + nk:].reshape(t, spec.num_kv_heads, d)
+  else:
+    q = _dense(params["q_proj"], x, dtype).reshape(t, spec.num_qo_heads, d)
+    k = _dense(params["k_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+    v = _dense(params["v_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
   out, kv_cache = paged_attention(
       q, k, v, kv_cache, plan, rope=spec.rope, sm_scale=spec.sm_scale,
       window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,

@@ -270,3 +270,26 @@ def test_unstacked_layers_match_scanned():
   gen = [Engine(model, dataclasses.replace(ecfg, scan_layers=s)).generate(
       prompts, sp) for s in (True, False)]
   assert gen[0] == gen[1]
+
+
+def test_fused_projections_match_separate():
+  # One q/k/v matmul and one gate/up matmul (what the engine runs) compute
+  # the same forward as the separate projections, biases included.
+  from pkvattn.flax import AttentionPlan, layer_page_tables
+  from pkvattn.models import TINY_CONFIGS, forward, fuse_projections, init_params
+  cfg = dataclasses.replace(TINY_CONFIGS["tiny-llama"], qkv_bias=True,
+                            mlp_bias=True)
+  params = init_params(cfg, jax.random.key(1), jnp.float32, scale=0.1)
+  fused = fuse_projections(params)
+  assert "qkv_proj" in fused["layers"]["attn"]
+  assert "gate_up_proj" in fused["layers"]["mlp"]
+  assert (jax.tree.structure(fuse_projections(fused))
+          == jax.tree.structure(fused))  # idempotent
+  n, ps = 11, 8
+  tables = layer_page_tables(jnp.arange(2, dtype=jnp.int32)[None], cfg.num_layers)
+  plan = AttentionPlan.create(tables, jnp.array([0, n]), jnp.array([n]), 16)
+  tokens = jax.random.randint(jax.random.key(2), (16,), 0, cfg.vocab_size)
+  pool = jnp.zeros(cfg.pool_shape(2, ps), jnp.float32)
+  expected, _ = forward(params, cfg, tokens, pool, plan, impl="xla")
+  actual, _ = forward(fused, cfg, tokens, pool, plan, impl="xla")
+  np.testing.assert_allclose(actual[:n], expected[:n], rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pkvattn.models.decoder import DecoderConfig as DecoderConfig
 from pkvattn.models.decoder import forward as forward
+from pkvattn.models.decoder import fuse_projections as fuse_projections
 from pkvattn.models.decoder import init_params as init_params
 from pkvattn.models.decoder import stack_layers as stack_layers
 from pkvattn.models.decoder import unstack_layers as unstack_layers
@@ -33,6 +34,7 @@ __all__ = [
     "TINY_CONFIGS",
     "config_from_hf",
     "forward",
+    "fuse_projections",
     "init_params",
     "load_hf_checkpoint",
     "load_model",

@@ -171,6 +171,35 @@ def unstack_layers(params):
   return dict(params, layers=per_layer)
 
 
+def fuse_projections(params):
+  """`params` with q/k/v and gate/up kernels (and biases) concatenated.
+
+  `attn.qkv_proj` is `[hidden, (num_qo_heads + 2 * num_kv_heads) * head_dim]`
+  (q, k, v columns in that order) and `mlp.gate_up_proj` is
+  `[hidden, 2 * intermediate]` (gate, up): one matmul each instead of three
+  and two (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear`), which
+  at decode batch sizes saves a kernel launch and a pass over `x` per fused
+  matmul. The forward accepts either layout; stacked (leading layer axis) and
+  unstacked layers alike. Idempotent. Not for tensor-parallel shards (their
+  column slices are per projection).
+  """
+  def fuse(layer):
+    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+    if "q_proj" in attn:
+      parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
+      attn["qkv_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
+                          for k in parts[0]}
+    if "gate_proj" in mlp:
+      parts = [mlp.pop(n) for n in ("gate_proj", "up_proj")]
+      mlp["gate_up_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
+                             for k in parts[0]}
+    return dict(layer, attn=attn, mlp=mlp)
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return dict(params, layers=tuple(fuse(lp) for lp in layers))
+  return dict(params, layers=fuse(layers))
+
+
 def stack_layers(params):
   """Inverse of `unstack_layers` (leading `num_layers` axis on every leaf)."""
   layers = params["layers"]
@@ -198,7 +227,11 @@ def _dense(p, x):
 def _mlp(p, x, activation, tp_axis: str | None = None):
   act = jax.nn.silu if activation == "silu" else (
       lambda a: jax.nn.gelu(a, approximate=True))
-  h = act(_dense(p["gate_proj"], x)) * _dense(p["up_proj"], x)
+  if "gate_up_proj" in p:  # fused (`fuse_projections`): one matmul
+    gate, up = jnp.split(_dense(p["gate_up_proj"], x), 2, axis=-1)
+  else:
+    gate, up = _dense(p["gate_proj"], x), _dense(p["up_proj"], x)
+  h = act(gate) * up
   if tp_axis is None:
     return _dense(p["down_proj"], h)
   # Megatron: gate/up are column shards, down a row shard, one psum.

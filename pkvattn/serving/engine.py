@@ -110,6 +110,13 @@ class Engine:
             lambda s: jax.sharding.NamedSharding(mesh, s),
             _parallel.param_specs(params)))
       model = dataclasses.replace(model, params=params)
+    if mesh is None:
+      # One matmul for q/k/v and one for gate/up: XLA's own dot merger fuses
+      # them too, but by concatenating the weights inside a Triton gemm
+      # fusion every step (0.41 ms more per decode step at Llama-3.2-1B's
+      # shape, H200).
+      model = dataclasses.replace(
+          model, params=_decoder.fuse_projections(model.params))
     self.model = model
     self.config = config
     mcfg = model.cfg
