@@ -406,22 +406,21 @@ def main(argv=None) -> int:
   timed = _Timed()
   pending = dict(zip(request_ids, new_tokens))
   t0 = time.perf_counter()
-  # smoothing=0: the bar's rate is (n - initial) / elapsed. A step that
-  # compiles moves the start forward by its duration and its tokens into
-  # `initial`, so the rate counts only steps that did not compile and ends on
-  # the summary's "generated ... tokens/s".
+  # The bar shows the summary's "generated" rate (steps that compiled left
+  # out), computed here, instead of tqdm's own tokens / elapsed.
   with tqdm(total=sum(new_tokens), unit="tok", desc="generating",
-            smoothing=0, disable=not show, file=sys.stderr) as bar:
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                       "[{elapsed}{postfix}]",
+            postfix="n/a tok/s outside compilation", disable=not show,
+            file=sys.stderr) as bar:
     while engine.has_unfinished():
       before = dataclasses.replace(engine.stats)
       t_step = time.perf_counter()
       n = engine.step()
-      step_s = time.perf_counter() - t_step
-      if timed.add(before, engine.stats, step_s, n) and show:
-        bar.start_t += step_s
-        bar.initial += n
-        bar.set_postfix_str(f"compile {timed.compile_s:.1f} s excluded",
-                            refresh=False)
+      timed.add(before, engine.stats, time.perf_counter() - t_step, n)
+      rate = _rate(timed.generated_tokens, timed.generated_s)
+      bar.set_postfix_str(f"{_fmt_rate(rate)} tok/s outside compilation",
+                          refresh=False)
       for rid in [r for r in pending if engine.get_request(r).done]:
         # A request that stopped early (EOS) shrinks the total, so the bar
         # reaches 100% when every request is done.
@@ -468,10 +467,11 @@ def main(argv=None) -> int:
   else:
     startup = (f"start-up: load {load_s:.1f} s; compile {timed.compile_s:.1f} s"
                f" in the first step of each shape")
-  prefill_note = ("n/a tokens/s (every prefill step also compiled)"
+  untimed = "n/a tokens/s ({} ran only in steps timed as compilation)"
+  prefill_note = (untimed.format("prefill")
                   if prefill_rate is None and st.prefill_tokens else
                   f"{_fmt_rate(prefill_rate)} tokens/s")
-  decode_note = ("n/a tokens/s (every decode step also compiled)"
+  decode_note = (untimed.format("decode")
                  if decode_rate is None and st.decode_tokens else
                  f"{_fmt_rate(decode_rate)} tokens/s")
   print(
@@ -482,7 +482,7 @@ def main(argv=None) -> int:
       f"  decode:  {_plural(st.decode_tokens, 'token')}, {decode_note}\n"
       f"  generated: {_plural(st.generated_tokens, 'token')}, "
       f"{_fmt_rate(generated_rate)} tokens/s ({timed.generated_tokens} in "
-      f"{timed.generated_s:.2f} s of steps that did not compile)"
+      f"{timed.generated_s:.2f} s outside compilation)"
       + (f"; {_plural(short, 'prompt')} capped by max_model_len={max_model_len}"
          if short else "") + "\n"
       f"  prefix-cache hit rate: {100 * st.prefix_hit_rate:.1f}% "

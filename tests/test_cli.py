@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # max_seqs 2, max_model_len 64): each test process compiles it once.
 TINY = ["--model", "tiny-llama", "--page-size", "8", "--num-slots", "32",
         "--max-model-len", "64"]
-PROMPTS = ["--prompt", "Hello, paged world", "--prompt", "Hello, paged universe"]
+PROMPTS = ["--prompt", "Hello, paged world",
+           "--prompt", "Hello, paged universe"]
 
 
 def _error_line(capsys, argv) -> str:
@@ -125,7 +126,8 @@ def test_lengths_checked_against_the_model_before_its_weights(
   line = _error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 40,
                                      "--max-model-len", "41"])
   assert "prompt 1 is 41 tokens; expected fewer than --max-model-len 41" in line
-  line = _error_line(capsys, tiny + ["--prompt", "a", "--max-model-len", "5000"])
+  line = _error_line(capsys, tiny + ["--prompt", "a",
+                                     "--max-model-len", "5000"])
   assert ("argument --max-model-len: expected <= 4096 (the model's "
           "max_position_embeddings), got 5000") in line
   # 20 + 30 tokens: the cache holds at most 49 of them = 7 pages of 8.
@@ -133,7 +135,8 @@ def test_lengths_checked_against_the_model_before_its_weights(
                                      "--max-new-tokens", "30",
                                      "--num-slots", "6"])
   assert ("argument --num-slots: expected >= 7, got 6: prompt 1 (20 tokens) + "
-          "30 new tokens need 7 pages of 8 tokens; raise --num-slots to 7") in line
+          "30 new tokens need 7 pages of 8 tokens; raise --num-slots to 7"
+          ) in line
 
 
 def test_max_model_len_caps_generation():
@@ -293,11 +296,14 @@ def _run_json(capsys, argv):
   return json.loads(captured.out), captured.err
 
 
-def _final_bar(err: str) -> tuple[int, int, str]:
-  """`(n, total, percent)` of the progress bar's last render."""
+def _final_bar(err: str, summary: dict) -> tuple[int, int, str]:
+  """`(n, total, percent)` of the progress bar's last render, whose rate must
+  be the summary's."""
   last = err.replace("\r", "\n").strip().splitlines()[-1]
-  match = re.search(r"generating:\s+(\d+)%.*?\| (\d+)/(\d+) \[", last)
+  match = re.search(r"generating:\s+(\d+)%.*?\| (\d+)/(\d+) \[.*, (\S+) "
+                    r"tok/s outside compilation\]", last)
   assert match, err
+  assert match.group(4) == cli._fmt_rate(summary["generated_tokens_per_s"])
   return int(match.group(2)), int(match.group(3)), match.group(1)
 
 
@@ -322,9 +328,27 @@ def test_cli_builtin_model_summary_and_eos_progress(capsys, monkeypatch):
     assert float(prefill.group(2).replace(",", "")) > 0
   assert not re.search(r"\b0\.0 tokens/s", out)
 
+  # The default model through `pkvattn.models.load_config_and_tokenizer`,
+  # stood in for by the tiny model with a chat template: prompts go through
+  # the template unless --no-chat.
+  from pkvattn import models
+  load_model = models.load_model
+  with monkeypatch.context() as patch:
+    patch.setattr(models, "load_config_and_tokenizer", lambda name: (
+        models.TINY_CONFIGS["tiny-llama"], _ChatTokenizer()), raising=False)
+    patch.setattr(models, "load_model", lambda name, dtype, seed: load_model(
+        "tiny-llama", dtype, seed))
+    for argv, chat, num_prompt_tokens in (([], True, 19 + 22 + 2 * 2),
+                                          (["--no-chat"], False, 19 + 22)):
+      assert cli.main(TINY[2:] + PROMPTS + argv + [
+          "--max-new-tokens", "2", "--json", "--no-progress"]) == 0
+      summary = json.loads(capsys.readouterr().out)["summary"]
+      assert summary["chat_template"] is chat
+      assert summary["prompt_tokens"] == num_prompt_tokens
+
   reference, err = _run_json(capsys, ["--max-new-tokens", "12",
                                       "--ignore-eos"])
-  assert _final_bar(err) == (24, 24, "100")
+  assert _final_bar(err, reference["summary"]) == (24, 24, "100")
   tokens = [o["token_ids"] for o in reference["outputs"]]
   assert all(len(t) == 12 for t in tokens)
   # Make a token prompt 0 emits early an end-of-turn token of the tokenizer:
@@ -339,8 +363,8 @@ def test_cli_builtin_model_summary_and_eos_progress(capsys, monkeypatch):
   assert [o["token_ids"] for o in result["outputs"]] == expected
   assert result["outputs"][0]["finish_reason"] == "stop"
   total = sum(map(len, expected))
-  assert total < 24 and _final_bar(err) == (total, total, "100")
   summary = result["summary"]
+  assert total < 24 and _final_bar(err, summary) == (total, total, "100")
   assert summary["generated_tokens"] == total
   if PREFILL_COMPILES:  # prefilled while compiling: no rate, not 0.0
     assert summary["prefill_tokens_per_s"] is None
