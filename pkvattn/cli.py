@@ -397,13 +397,17 @@ def main(argv=None) -> int:
 
   stop = tuple(sorted(set(cfg.eos_token_ids) |
                       set(getattr(tok, "eos_token_ids", ()))))
-  request_ids = [
-      engine.add_request(x, SamplingParams(
+  request_ids = []
+  for i, (x, n) in enumerate(zip(ids, new_tokens)):
+    try:  # e.g. a tokenizer whose ids exceed the model's vocabulary
+      request_ids.append(engine.add_request(x, SamplingParams(
           max_new_tokens=n, temperature=args.temperature, top_k=args.top_k,
           top_p=args.top_p, seed=args.seed + i, ignore_eos=args.ignore_eos,
-          stop_token_ids=None if args.ignore_eos else stop))
-      for i, (x, n) in enumerate(zip(ids, new_tokens))]
+          stop_token_ids=None if args.ignore_eos else stop)))
+    except ValueError as e:
+      parser.error(f"prompt {i}: {e}")
   timed = _Timed()
+  failure = None
   pending = dict(zip(request_ids, new_tokens))
   t0 = time.perf_counter()
   # The bar shows the summary's "generated" rate (steps that compiled left
@@ -416,7 +420,11 @@ def main(argv=None) -> int:
     while engine.has_unfinished():
       before = dataclasses.replace(engine.stats)
       t_step = time.perf_counter()
-      n = engine.step()
+      try:
+        n = engine.step()
+      except RuntimeError as e:  # a request larger than the whole pool
+        failure = e              # (checked up front, except with SWA scratch
+        break                    # reuse); reported once the bar is closed
       timed.add(before, engine.stats, time.perf_counter() - t_step, n)
       rate = _rate(timed.generated_tokens, timed.generated_s)
       bar.set_postfix_str(f"{_fmt_rate(rate)} tok/s outside compilation",
@@ -426,6 +434,8 @@ def main(argv=None) -> int:
         # reaches 100% when every request is done.
         bar.total -= pending.pop(rid) - len(engine.get_request(rid).output)
       bar.update(n)
+  if failure is not None:
+    parser.error(f"argument --num-slots: {failure}")
   wall_s = time.perf_counter() - t0
   requests = [engine.get_request(r) for r in request_ids]
   texts = [tok.decode(r.output) for r in requests]

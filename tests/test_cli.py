@@ -41,8 +41,11 @@ def _error_line(capsys, argv) -> str:
   assert exc.value.code == 2
   captured = capsys.readouterr()
   assert "Traceback" not in captured.err and not captured.out
-  assert captured.err.startswith("usage: pkvattn-generate")
-  lines = [l for l in captured.err.splitlines() if "error:" in l]
+  # Only a closed progress bar (its own line) may come before the usage.
+  bar, usage, rest = captured.err.partition("usage: pkvattn-generate")
+  assert usage and (not bar or bar.startswith("\rgenerating:") and
+                    bar.endswith("\n")), captured.err
+  lines = [l for l in rest.splitlines() if "error:" in l]
   assert len(lines) == 1, captured.err
   assert lines[0].startswith("pkvattn-generate: error: ")
   return lines[0]
@@ -185,6 +188,21 @@ def test_model_errors_are_error_lines(capsys, monkeypatch, tmp_path):
   line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
                               "--tp", "64"])
   assert "argument --tp: Invalid tp: expected an int in [1, " in line
+
+
+def test_pool_too_small_for_scratch_reuse_is_an_error_line(capsys,
+                                                          monkeypatch):
+  # With --swa-scratch-reuse the pool check is left to the engine, whose
+  # refusal must still end as an error line (and close the progress bar).
+  def step(self):
+    raise RuntimeError("Request 0 needs 8 slots but the pool has only "
+                       "num_slots=2")
+
+  monkeypatch.setattr(Engine, "step", step)
+  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                              "--swa-scratch-reuse", "--num-slots", "2"])
+  assert line.endswith("error: argument --num-slots: Request 0 needs 8 slots "
+                       "but the pool has only num_slots=2")
 
 
 @pytest.mark.parametrize("argv, expected", [
