@@ -121,6 +121,14 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--ignore-eos", action="store_true",
                  help="generate --max-new-tokens tokens even past the model's "
                       "end-of-sequence / end-of-turn tokens")
+  p.add_argument("--compile-cache-dir", default=None,
+                 help="directory of JAX's persistent compilation cache: a "
+                      "later run with the same model and flags loads the "
+                      "engine's programs from it instead of compiling them "
+                      "(default: $XDG_CACHE_HOME/pkvattn/xla, i.e. "
+                      "~/.cache/pkvattn/xla)")
+  p.add_argument("--no-compile-cache", action="store_true",
+                 help="do not read or write the persistent compilation cache")
   p.add_argument("--json", action="store_true",
                  help="print the results as one JSON object")
   p.add_argument("--no-progress", action="store_true",
@@ -336,6 +344,7 @@ def main(argv=None) -> int:
   from tqdm import tqdm
 
   from pkvattn.engine import Engine, EngineConfig, SamplingParams
+  from pkvattn.serving import compile_cache
   from pkvattn.models import load_model
 
   on_gpu = jax.default_backend() == "gpu"
@@ -376,24 +385,16 @@ def main(argv=None) -> int:
       impl=args.impl, enable_prefix_reuse=not args.no_prefix_reuse,
       enable_swa_scratch_reuse=args.swa_scratch_reuse,
       decode_steps=args.decode_steps or (8 if on_gpu else 1),
-      # On a CPU one compile beats a second, decode-sized one; on a GPU the
-      # decode bucket pays off at once.
-      token_buckets=None if on_gpu else (max_num_tokens,))
+      compile_cache_dir=None if args.no_compile_cache else (
+          args.compile_cache_dir or compile_cache.default_dir()))
   try:
     engine = Engine(model, config, mesh=mesh)
-  except ValueError as e:  # the model's heads do not split over --tp devices
+  except ValueError as e:
+    if "compile_cache_dir" in str(e):
+      parser.error(f"argument --compile-cache-dir: {e}")
+    # the model's heads do not split over --tp devices
     parser.error(f"argument --tp: {e}")
   load_s = time.perf_counter() - t0
-
-  show = not args.no_progress
-  warmup_s = None
-  if hasattr(engine, "warmup"):
-    if show:
-      print("pkvattn-generate: compiling the engine's programs ...",
-            file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    engine.warmup()
-    warmup_s = time.perf_counter() - t0
 
   stop = tuple(sorted(set(cfg.eos_token_ids) |
                       set(getattr(tok, "eos_token_ids", ()))))
@@ -405,7 +406,22 @@ def main(argv=None) -> int:
           top_p=args.top_p, seed=args.seed + i, ignore_eos=args.ignore_eos,
           stop_token_ids=None if args.ignore_eos else stop)))
     except ValueError as e:
+      if "num_slots" in str(e):  # the pool cannot hold this request
+        parser.error(f"argument --num-slots: prompt {i}: {e}")
       parser.error(f"prompt {i}: {e}")
+
+  # Every program compiles here, before the first step (none compiles while
+  # generating); from the persistent cache when it has them.
+  show = not args.no_progress
+  warmup_s = None
+  if hasattr(engine, "warmup"):
+    if show:
+      print("pkvattn-generate: compiling the engine's programs ...",
+            file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    engine.warmup(progress=show)
+    warmup_s = time.perf_counter() - t0
+
   timed = _Timed()
   failure = None
   pending = dict(zip(request_ids, new_tokens))

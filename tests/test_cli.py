@@ -190,19 +190,14 @@ def test_model_errors_are_error_lines(capsys, monkeypatch, tmp_path):
   assert "argument --tp: Invalid tp: expected an int in [1, " in line
 
 
-def test_pool_too_small_for_scratch_reuse_is_an_error_line(capsys,
-                                                          monkeypatch):
+def test_pool_too_small_for_scratch_reuse_is_an_error_line(capsys):
   # With --swa-scratch-reuse the pool check is left to the engine, whose
-  # refusal must still end as an error line (and close the progress bar).
-  def step(self):
-    raise RuntimeError("Request 0 needs 8 slots but the pool has only "
-                       "num_slots=2")
-
-  monkeypatch.setattr(Engine, "step", step)
+  # refusal (when the request is added, before anything compiles) must still
+  # end as an error line naming the flag.
   line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
                               "--swa-scratch-reuse", "--num-slots", "2"])
-  assert line.endswith("error: argument --num-slots: Request 0 needs 8 slots "
-                       "but the pool has only num_slots=2")
+  assert "error: argument --num-slots: prompt 0: " in line
+  assert line.endswith("but the pool has num_slots=2")
 
 
 @pytest.mark.parametrize("argv, expected", [
