@@ -1,0 +1,119 @@
+"""The engine never refuses work that fits, loses nothing, and rejects bad
+input before queuing anything."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pkvattn import cache
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.models import load_model
+
+# One config for every example (its programs compile once per process): a
+# pool of 6 slots of 8 tokens for 3 rows of up to 40 tokens, so claims are
+# refused, decodes preempted and cached blocks evicted.
+CFG = EngineConfig(page_size=8, num_slots=6, max_seqs=3, max_num_tokens=16,
+                   max_model_len=40, decode_steps=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_model("tiny-llama")
+
+
+def test_two_cached_requests_that_each_fit_both_complete(model):
+  # Both requests are preempted, their blocks committed (4 cached, 0 free)
+  # and both re-claimed in one batch: each must still complete, as alone.
+  p = np.random.default_rng(0).integers(0, 256, 30).tolist()
+  cfg = EngineConfig(page_size=8, num_slots=4, max_seqs=2, max_num_tokens=64,
+                     max_model_len=64)
+  sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+  prompts = [p[:16], p[14:30]]
+  outs = Engine(model, cfg).generate(prompts, sp)
+  alone = [Engine(model, cfg).generate([q], sp)[0] for q in prompts]
+  assert outs == alone and [len(o) for o in outs] == [16, 16]
+
+
+@st.composite
+def workloads(draw):
+  base = draw(st.lists(st.integers(1, 255), min_size=24, max_size=24))
+  n = draw(st.integers(1, 5))
+  reqs = []
+  for _ in range(n):
+    start = draw(st.sampled_from([0, 0, 4, 8]))  # shared prefixes
+    length = draw(st.integers(1, 20))
+    prompt = base[start:start + length]
+    tail = draw(st.lists(st.integers(1, 255), max_size=4))
+    prompt = (prompt + tail)[:24] or [1]
+    room = CFG.num_slots * CFG.page_size - len(prompt)  # fits alone
+    new = draw(st.integers(1, min(12, room, CFG.max_model_len - len(prompt))))
+    reqs.append((prompt, new))
+  return reqs
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(reqs=workloads())
+def test_every_request_that_fits_alone_completes_as_alone(model, reqs):
+  engine = Engine(model, CFG)
+  sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in reqs]
+  outs = engine.generate([p for p, _ in reqs], sps)
+  assert [len(o) for o in outs] == [n for _, n in reqs]
+  assert not engine.has_unfinished()
+  cache.validate(engine.state)
+  alone = Engine(model, CFG)
+  for (prompt, _), sp, out in zip(reqs, sps, outs):
+    assert alone.generate([prompt], sp)[0] == out
+
+
+def test_bad_input_queues_nothing(model):
+  engine = Engine(model, CFG)
+  sp = SamplingParams(max_new_tokens=2)
+  with pytest.raises(ValueError, match="params: expected one SamplingParams "
+                     r"per prompt \(2\), got 1"):
+    engine.generate([[1, 2], [3, 4]], [sp])
+  with pytest.raises(ValueError, match=r"prompts\[1\]: Invalid prompt: "
+                     "token ids must be in"):
+    engine.generate([[1, 2], [1, 10**6]], sp)
+  with pytest.raises(ValueError, match="expected a sequence of token ids, "
+                     "got str"):
+    engine.generate(["hello"], sp)
+  with pytest.raises(ValueError, match="expected a list of token-id"):
+    engine.generate("hello", sp)
+  with pytest.raises(ValueError, match="1-D sequence of int"):
+    engine.add_request([1.5, 2.0], sp)
+  assert not engine.has_unfinished()
+  # The engine still serves afterwards, and only what it was given.
+  assert [len(o) for o in engine.generate([[1, 2, 3]], sp)] == [2]
+  assert not engine.has_unfinished()
+
+
+def test_engine_config_is_checked_when_built():
+  with pytest.raises(ValueError, match="page_size: expected a power of two, "
+                     "got 12"):
+    EngineConfig(page_size=12)
+  with pytest.raises(ValueError, match="max_seqs: expected a positive int"):
+    EngineConfig(max_seqs=2.5)
+  with pytest.raises(ValueError, match="max_admit"):
+    EngineConfig(max_admit=0)
+
+
+def test_ignore_eos_finishes_on_length_even_at_a_stop_id(model):
+  engine = Engine(model, CFG)
+  prompt = [256, 5, 6, 7]
+  first = engine.generate([prompt], SamplingParams(max_new_tokens=1))[0][0]
+  rid = engine.add_request(prompt, SamplingParams(
+      max_new_tokens=1, ignore_eos=True, stop_token_ids=(first,)))
+  while engine.has_unfinished():
+    engine.step()
+  req = engine.get_request(rid)
+  assert req.output == [first] and req.finish_reason == "length"
+  rid = engine.add_request(prompt, SamplingParams(
+      max_new_tokens=3, stop_token_ids=(first,)))
+  while engine.has_unfinished():
+    engine.step()
+  assert engine.get_request(rid).finish_reason == "stop"
