@@ -2,9 +2,11 @@
 
 Users write `pkvattn.cache.init_cache(cfg)`, `pkvattn.cache.claim_batch(...)`,
 and so on; see `cache/state.py` for the pool layout and `cache/alloc.py` for
-the semantics shared by all operations.
+the semantics shared by all operations. `checked()` (also `pkvattn.checked`)
+turns the ops' runtime contract into errors (`cache/_contract.py`).
 """
 
+from ._contract import checked as checked
 from .alloc import ClaimResult as ClaimResult
 from .alloc import ExtendResult as ExtendResult
 from .alloc import ForkResult as ForkResult
@@ -36,6 +38,7 @@ __all__ = [
     "NULL_SEQ",
     "PageIndexMode",
     "SwaScratchPlan",
+    "checked",
     "claim_batch",
     "commit",
     "extend",

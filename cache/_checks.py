@@ -11,6 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def as_index_array(x):
+  """`jnp.asarray(x)` for integer arguments given as arrays or Python lists.
+
+  An empty list has no dtype to infer (numpy says float): it becomes int32.
+  Tracers and arrays pass unchanged.
+  """
+  if isinstance(x, (list, tuple)):
+    a = np.asarray(x)
+    if a.size == 0:
+      return jnp.zeros(a.shape, jnp.int32)
+  return jnp.asarray(x)
+
+
 def check_shape(x, expected: Sequence[int | None], name: str) -> None:
   """Raises ValueError unless `x.shape` matches `expected` (`None` = any)."""
   shape = tuple(np.shape(x))

@@ -14,16 +14,37 @@ steps). A branch-free sort every call measured 60.5 us vs 35.6 us for
 Common rules:
   * `seq_ids` entries equal to `NULL_SEQ = -1` are padding: `ok=False`, no
     effect. So are ids out of `[0, max_seqs)`, ids that appear more than once in
-    one call (every occurrence is refused), and ids in the wrong liveness
-    (claiming a live id, extending a dead one).
-  * Admission is all-or-nothing per request and first come, first served in
-    batch order: request `r` is granted iff the blocks needed by the valid
-    requests `0..r` fit in the supply (free + evictable slots). Once one does
-    not fit, later ones are refused too (no head-of-line skipping), and a
-    refused request holds nothing afterwards.
+    one call (every occurrence is refused; `release` and `finish_step`, which
+    only end things, act once instead), and ids in the wrong liveness
+    (claiming a live id, extending a dead one). Checked mode
+    (`pkvattn.checked`, `check=True`) turns these into errors instead.
+  * Array arguments may be given as Python lists (converted by `jnp.asarray`).
   * New blocks come from free slots (lowest index first), then from evicting
     cached slots (published, unreferenced), least recently released first
     (ties: lowest index). Evicted slots leave the prefix cache.
+
+Admission (`claim_batch`, `extend`, `fork`; all or nothing per request, in
+batch order). The supply is the `F` free slots plus, unless `evict=False`, the
+`E` cached ones. Admitting request `r` takes its `need[r]` new slots from the
+supply and, when cached slots count, also the cached blocks it reuses
+(`R_r`, `claim_batch` only: they become used, so nobody may evict them). A set
+`A` of requests fits iff
+
+    sum(need[r] for r in A) + |union(R_r for r in A)| <= F + E
+
+(without eviction: `sum(need) <= F`; reuse never takes free slots). Only
+admitted requests protect their reused blocks: a refused request's matches
+stay evictable, so protection by a refused request never starves the others.
+  * `head_of_line=True` (default, first come first served): `A` is the longest
+    prefix of the valid requests that fits; once a valid request does not
+    fit, every later one is refused. The left side above only grows along
+    the batch, so this is one cumulative sum (vectorised). In particular the
+    first valid request is admitted whenever it fits alone.
+  * `head_of_line=False`: greedy, skipping refusals: request `r` is admitted
+    iff it fits together with the requests admitted before it. Inherently
+    sequential (first-fit knapsack), so a `lax.scan` over the `n` requests of
+    the call, `O(max_pages)` work per step (see `_admit`).
+A refused request holds nothing afterwards and its sequence is unchanged.
 
 SWA scratch reuse (issue 5; only when `config.swa_scratch_active`). A step
 grows a sequence from `history_len` to `capacity` tokens: `claim_batch` from
@@ -63,6 +84,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _checks
+from . import _contract
 
 from . import hashing
 from . import window
@@ -116,14 +138,22 @@ def _check_token_batch(seq_ids, tokens, lengths) -> int:
   return n
 
 
-def _select(state: CacheState, seq_ids, want_live: bool):
-  """Clipped row indices and the validity mask of a batch of sequence ids."""
+def _select(state: CacheState, seq_ids, want_live: bool,
+            dedupe: bool = False):
+  """Clipped row indices and the validity mask of a batch of sequence ids.
+
+  An id listed more than once is invalid everywhere (every occurrence), or,
+  with `dedupe` (static), valid at its first occurrence only.
+  """
   max_seqs = state.config.max_seqs
   seq_ids = seq_ids.astype(jnp.int32)
   in_range = (seq_ids >= 0) & (seq_ids < max_seqs)
   idx = jnp.where(in_range, seq_ids, 0)
   same = (seq_ids[:, None] == seq_ids[None, :]) & in_range[None, :]
-  unique = jnp.sum(same, axis=1) == 1
+  if dedupe:
+    unique = ~jnp.any(jnp.tril(same, k=-1), axis=1)
+  else:
+    unique = jnp.sum(same, axis=1) == 1
   live = state.seq_live[idx]
   valid = in_range & unique & (live if want_live else ~live)
   return idx, valid
@@ -168,20 +198,90 @@ def _supply(state: CacheState, protected):
   return free, evictable
 
 
-def _admit(state: CacheState, valid, need, protected, evict: bool = True):
-  """First come, first served against the slot supply.
+def _admit(state: CacheState, valid, need, *, evict: bool = True,
+           head_of_line: bool = True, cand=None, matched=None):
+  """Which requests get their blocks (all or nothing each); vectorised.
 
-  Request `i` is admitted iff it is valid and `sum(need[:i + 1])` (invalid
-  requests need 0) fits the supply: the free slots, plus the evictable cached
-  ones unless `evict=False` (static), never the `protected` ones. Returns `(ok bool[n], need i32[n]
-  zeroed where refused)`.
+  The supply is the `F` free slots plus, when `evict` (static), the `E`
+  evictable ones (cached: published, unreferenced). Admitting request `r`
+  takes `need[r]` new slots from it and, when `evict`, also takes out of it
+  the cached blocks that `r` reuses (`R_r`: its `matched` blocks in `cand`
+  that are evictable; they become used). A set `A` of requests fits iff
+
+      sum(need[r] for r in A) + w * |union(R_r for r in A)| <= F + w * E,
+
+  `w = 1` if `evict` else 0. Only admitted requests protect their reused
+  blocks: a refused request's matches stay evictable for the others.
+
+  head_of_line=True (static): `A` is the longest feasible prefix of the valid
+  requests in batch order (the left side only grows along the batch, so
+  request `r` is admitted iff the valid requests `0..r` fit together). One
+  cumsum plus a scatter-min over the slots (the first request reusing each
+  cached block): `O(n * nbt + num_slots)`, no loop.
+
+  head_of_line=False: greedy in batch order, skipping refusals: `r` is
+  admitted iff it fits together with the requests admitted before it. Whether
+  `r` fits depends on which earlier requests were admitted, which depends on
+  theirs (first-fit knapsack), so this is a `lax.scan` over the `n` requests
+  of the call: `n` steps of `O(nbt)` work (a gather and a scatter over `r`'s
+  reused blocks, carried `bool[num_slots]` mask updated in place). `n` is one
+  call's batch (the admit candidates of one step), small next to the slots.
+
+  Args:
+    state: the cache state.
+    valid: `bool[n]`, requests that may be admitted.
+    need: `i32[n]`, new slots each request takes (ignored where not valid).
+    evict, head_of_line: static, as above.
+    cand: `i32[n, nbt]`, slot of each reusable block, or None (no reuse).
+    matched: `bool[n, nbt]`, blocks actually reused (a leading run per row).
+
+  Returns:
+    `(ok bool[n], need i32[n] zeroed where refused, protected bool[num_slots]
+    = the blocks reused by admitted requests)`.
   """
-  free, evictable = _supply(state, protected)
-  supply = jnp.sum(free, dtype=jnp.int32)
+  n = valid.shape[0]
+  num_slots = state.num_slots
+  free, evictable = _supply(state, jnp.zeros((num_slots,), bool))
+  budget = jnp.sum(free, dtype=jnp.int32)
   if evict:
-    supply += jnp.sum(evictable, dtype=jnp.int32)
-  ok = valid & (jnp.cumsum(need) <= supply)
-  return ok, jnp.where(ok, need, 0)
+    budget += jnp.sum(evictable, dtype=jnp.int32)
+  need = jnp.where(valid, need, 0).astype(jnp.int32)
+  if cand is None or cand.shape[1] == 0:
+    cand = jnp.zeros((n, 0), jnp.int32)
+    matched = jnp.zeros((n, 0), bool)
+  slot = jnp.clip(cand, 0)
+  matched = matched & valid[:, None]
+  # Reused blocks that the supply counts (only with eviction: without it the
+  # supply is the free slots, which reuse never touches).
+  takes = matched & evictable[slot] if evict else jnp.zeros_like(matched)
+  rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], cand.shape)
+  if head_of_line:
+    # |union of R_0..R_r| = number of cached blocks whose first reuser is <= r.
+    first = jnp.full((num_slots,), n, jnp.int32).at[
+        _oob_scatter_index(takes, cand, num_slots)].min(rows, mode="drop")
+    newly = jnp.sum(takes & (first[slot] == rows), axis=1, dtype=jnp.int32)
+    ok = valid & (jnp.cumsum(need) + jnp.cumsum(newly) <= budget)
+  elif takes.shape[1] == 0 or not evict:
+    def step(spent, x):
+      v, nd = x
+      fits = v & (spent + nd <= budget)
+      return spent + jnp.where(fits, nd, 0), fits
+    _, ok = jax.lax.scan(step, jnp.zeros((), jnp.int32), (valid, need))
+  else:
+    def step(carry, x):
+      spent, prot = carry
+      v, nd, c, t = x
+      extra = jnp.sum(t & ~prot[jnp.clip(c, 0)], dtype=jnp.int32)
+      fits = v & (spent + nd + extra <= budget)
+      prot = prot.at[_oob_scatter_index(t & fits, c, num_slots)].set(
+          True, mode="drop")
+      return (spent + jnp.where(fits, nd + extra, 0), prot), fits
+    init = (jnp.zeros((), jnp.int32), jnp.zeros((num_slots,), bool))
+    _, ok = jax.lax.scan(step, init, (valid, need, cand, takes))
+  protected = jnp.zeros((num_slots,), bool).at[
+      _oob_scatter_index(matched & ok[:, None], cand, num_slots)].set(
+          True, mode="drop")
+  return ok, jnp.where(ok, need, 0), protected
 
 
 def _take_slots(state: CacheState, ranks, total, protected, evict=True):
@@ -396,7 +496,6 @@ def _set_scratch(state: CacheState, row_idx, plan: _StepPlan, slots):
   )
 
 
-@functools.partial(jax.jit, static_argnames=("evict",))
 def claim_batch(
     state: CacheState,
     seq_ids: jax.Array,                   # i32[n]
@@ -405,14 +504,19 @@ def claim_batch(
     reuse_scope: jax.Array | None = None,  # i32[n]
     *,
     evict: bool = True,
+    head_of_line: bool = True,
+    check: bool | None = None,
 ) -> tuple[CacheState, ClaimResult]:
   """Admits a batch of new sequences with prefix reuse (two-phase claim).
 
   Phase 1 matches every valid request's prompt against the prefix cache (whole
-  blocks, chain-verified, see the module docstring) and protects every matched
-  block. Phase 2 allocates the remaining blocks, evicting only unprotected
-  cached blocks, least recently released first, so one request's allocation
-  never evicts a block that a later request in the same batch reuses.
+  blocks, chain-verified, see the module docstring). Phase 2 admits requests
+  all or nothing (module docstring, "Admission") and allocates the remaining
+  blocks of the admitted ones, evicting only cached blocks that no admitted
+  request reuses, least recently released first: one request's allocation
+  never evicts a block that another admitted request of the batch reuses,
+  while the matches of a refused request protect nothing (so they never
+  starve the others).
 
   Reuse rule: at least the last prompt token is always computed, so the engine
   gets its logits. At most `(lengths[r] - 1) // page_size` whole blocks are
@@ -420,8 +524,8 @@ def claim_batch(
 
   Args:
     state: the cache state.
-    seq_ids: `i32[n]`, ids to create, in `[0, max_seqs)` and not live; -1 =
-      padding.
+    seq_ids: `i32[n]` (array or list), ids to create, in `[0, max_seqs)` and
+      not live; -1 = padding.
     tokens: `i32[n, max_len]`, prompts; entries past `lengths[r]` are ignored.
     lengths: `i32[n]`, prompt tokens, `0 <= lengths[r] <= min(max_len,
       max_pages * page_size)`; the sequence reserves this many tokens.
@@ -430,6 +534,13 @@ def claim_batch(
     evict: static. False: phase 2 takes free slots only (requests beyond
       them are refused, no cached block is evicted) and builds no `lax.cond`
       (a device-to-host sync on GPU); for callers that know the free count.
+    head_of_line: static. True (first come, first served): once a valid
+      request does not fit, every later one is refused. False: a later request
+      that still fits once the refused ones are skipped is admitted (a
+      `lax.scan` over the batch; module docstring).
+    check: checked mode for this call (`pkvattn.checked`): ids in range and
+      unique, live ones refused, lengths in range. `None` follows
+      `checked()`; unchecked, such requests are refused (`ok=False`).
 
   Returns:
     `(state, ClaimResult)` with, per request, `ok`, `num_reused_tokens` (a
@@ -442,7 +553,77 @@ def claim_batch(
 
   Raises:
     ValueError: shapes or dtypes of the arguments (trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract (`cache/_contract.py` says where it surfaces).
+
+  Example:
+    Page size 8 and 4 slots; two 16-token prompts A and B are published and
+    released (0 slots free, 4 cached). A+[1] and B+[2] each reuse their 2
+    cached blocks and need 1 new slot. Together they need 2 new slots and
+    keep 4 cached ones: 6 > 4. Alone, A+[1] fits (1 + 2 <= 4): it is
+    admitted, and its new slot evicts a block of B, whose matches protect
+    nothing since B is refused.
+
+    >>> from pkvattn import cache
+    >>> cfg = cache.CacheConfig(num_slots=4, page_size=8, num_layers=1,
+    ...                         max_seqs=4, max_pages=4)
+    >>> st = cache.init_cache(cfg)
+    >>> a, b = [1] * 16 + [1], [2] * 16 + [2]
+    >>> st, _ = cache.claim_batch(st, [0, 1], [a[:16], b[:16]], [16, 16])
+    >>> st = cache.commit(st, [0, 1], [a[:16], b[:16]], [16, 16])
+    >>> st = cache.release(st, [0, 1])
+    >>> _, res = cache.claim_batch(st, [2, 3], [a, b], [17, 17])
+    >>> res.ok.tolist(), res.num_reused_tokens.tolist()
+    ([True, False], [16, 0])
+
+    A third request C without reuse needing 1 slot, after the refused B:
+    head of line refuses it; without, it fits next to A (1 + 2 + 1 <= 4).
+
+    >>> c = [3] * 8 + [0] * 9
+    >>> _, res = cache.claim_batch(st, [2, 3, 0], [a, b, c], [17, 17, 8])
+    >>> res.ok.tolist()
+    [True, False, False]
+    >>> _, res = cache.claim_batch(st, [2, 3, 0], [a, b, c], [17, 17, 8],
+    ...                            head_of_line=False)
+    >>> res.ok.tolist()
+    [True, False, True]
   """
+  seq_ids, tokens, lengths = map(_checks.as_index_array, (seq_ids, tokens, lengths))
+  if reuse_scope is not None:
+    reuse_scope = _checks.as_index_array(reuse_scope)
+  _check_token_batch(seq_ids, tokens, lengths)
+  if _contract.enabled(check):
+    _contract.run(_claim_contract, state, seq_ids, tokens, lengths)
+  with _contract.unchecked():
+    return _claim_batch(state, seq_ids, tokens, lengths, reuse_scope,
+                        evict=evict, head_of_line=head_of_line)
+
+
+def _claim_contract(state: CacheState, seq_ids, tokens, lengths):
+  if seq_ids.shape[0] == 0:
+    return
+  cfg = state.config
+  _contract.require_ids(seq_ids, cfg.max_seqs, "seq_ids")
+  ids = seq_ids.astype(jnp.int32)
+  idx = jnp.clip(ids, 0, cfg.max_seqs - 1)
+  live = (ids >= 0) & state.seq_live[idx]
+  i = _contract.first_true(live)
+  _contract.require(~jnp.any(live),
+                    "Invalid seq_ids: seq_ids[{}] = {} is live; claim_batch "
+                    "creates sequences (release it first)", i, ids[i])
+  cap = min(tokens.shape[1], cfg.max_seq_len)
+  bad = (ids >= 0) & ((lengths < 0) | (lengths > cap))
+  i = _contract.first_true(bad)
+  _contract.require(~jnp.any(bad),
+                    f"Invalid lengths: lengths[{{}}] = {{}}, expected in [0, "
+                    f"{cap}] (min of max_len and max_pages * page_size)",
+                    i, lengths[i].astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("evict", "head_of_line"))
+def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
+                 evict=True, head_of_line=True):
+  """`claim_batch` on arrays, unchecked (jitted once per config and statics)."""
   cfg = state.config
   ps = cfg.page_size
   n = _check_token_batch(seq_ids, tokens, lengths)
@@ -461,7 +642,7 @@ def claim_batch(
   lengths = jnp.where(valid, lengths, 0)
   matchable = jnp.where(lengths > 0, (lengths - 1) // ps, 0)
 
-  # Phase 1: match and protect.
+  # Phase 1: match.
   nbt = min(max_len // ps, cfg.max_pages)
   if nbt > 0:
     blocks = _block_view(tokens, ps, nbt)
@@ -480,16 +661,17 @@ def claim_batch(
     cand = jnp.zeros((n, 0), jnp.int32)
     matched = jnp.zeros((n, 0), bool)
     reused = jnp.zeros((n,), jnp.int32)
-  protected = jnp.zeros((state.num_slots,), bool).at[
-      _oob_scatter_index(matched, cand, state.num_slots)].set(True, mode="drop")
 
-  # Phase 2: all-or-nothing, first come first served. The step computes
-  # tokens reused .. length: with scratch active, its stale new blocks take
-  # scratch slots (module docstring).
+  # Phase 2: admission (all or nothing; only admitted requests protect the
+  # blocks they reuse), then allocation. The step computes tokens reused ..
+  # length: with scratch active, its stale new blocks take scratch slots
+  # (module docstring).
   plan = _step_plan(cfg, reused * ps, lengths)
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
-  ok, need = _admit(state, valid, need, protected, evict)
+  ok, need, protected = _admit(state, valid, need, evict=evict,
+                               head_of_line=head_of_line, cand=cand,
+                               matched=matched)
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(state, ranks, jnp.sum(need), protected,
@@ -521,24 +703,29 @@ def claim_batch(
   )
 
 
-@functools.partial(jax.jit, static_argnames=("evict",))
+claim_batch.__wrapped__ = _claim_batch.__wrapped__
+
+
 def extend(
     state: CacheState,
     seq_ids: jax.Array,         # i32[n]
     num_new_tokens: jax.Array,  # i32[n]
     *,
     evict: bool = True,
+    head_of_line: bool = True,
+    check: bool | None = None,
 ) -> tuple[CacheState, ExtendResult]:
   """Grows live sequences by `num_new_tokens`, allocating blocks as needed.
 
   Used every decode step (one token) and for chunked prefill. Requests are
-  all-or-nothing and first come, first served (module docstring). With SWA
+  all-or-nothing, admitted in batch order (module docstring, "Admission";
+  no reuse here, so request `r` needs only its own new slots). With SWA
   scratch active, every valid listed sequence's previous step ends first
   (`finish_step`), then the step's stale new blocks take scratch slots.
 
   Args:
     state: the cache state.
-    seq_ids: `i32[n]`, live ids; -1 = padding.
+    seq_ids: `i32[n]` (array or list), live ids; -1 = padding.
     num_new_tokens: `i32[n]`, `>= 0`; the new length must stay within
       `max_pages * page_size`.
     evict: static. True: the supply is free + evictable cached slots. False:
@@ -546,6 +733,15 @@ def extend(
       cached block is touched. For a caller that knows the free count (an
       engine's decode burst): this path has no `lax.cond`, hence no
       device-to-host sync on GPU.
+    head_of_line: static. True (first come, first served): once a valid
+      request does not fit, every later one is refused. False: later requests
+      that still fit are admitted (a `lax.scan` over the batch).
+      Example: 2 free slots, requests needing `[1, 2, 1]` slots: True admits
+      `[True, False, False]`, False admits `[True, False, True]`.
+    check: checked mode for this call (`pkvattn.checked`): ids in range,
+      unique and live, `num_new_tokens >= 0` and the new length within
+      capacity. `None` follows `checked()`; unchecked, such requests are
+      refused.
 
   Returns:
     `(state, ExtendResult(ok, num_new_blocks))`; `num_new_blocks` counts the
@@ -555,12 +751,59 @@ def extend(
 
   Raises:
     ValueError: shapes or dtypes of the arguments (trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract.
   """
-  cfg = state.config
+  seq_ids, num_new_tokens = map(_checks.as_index_array, (seq_ids, num_new_tokens))
+  _check_extend_args(seq_ids, num_new_tokens)
+  if _contract.enabled(check):
+    _contract.run(_extend_contract, state, seq_ids, num_new_tokens)
+  with _contract.unchecked():
+    return _extend(state, seq_ids, num_new_tokens, evict=evict,
+                   head_of_line=head_of_line)
+
+
+def _check_extend_args(seq_ids, num_new_tokens) -> None:
   _check_ids(seq_ids, "seq_ids")
-  n = seq_ids.shape[0]
   _checks.check_int(num_new_tokens, "num_new_tokens")
-  _checks.check_shape(num_new_tokens, (n,), "num_new_tokens")
+  _checks.check_shape(num_new_tokens, seq_ids.shape, "num_new_tokens")
+
+
+def _require_live(state: CacheState, seq_ids, name: str, op: str):
+  """Checked mode: every non-padding id of `seq_ids` is live."""
+  ids = seq_ids.astype(jnp.int32)
+  idx = jnp.clip(ids, 0, state.config.max_seqs - 1)
+  dead = (ids >= 0) & ~state.seq_live[idx]
+  i = _contract.first_true(dead)
+  _contract.require(~jnp.any(dead),
+                    f"Invalid {name}: {name}[{{}}] = {{}} is not a live "
+                    f"sequence ({op} needs live ids)", i, ids[i])
+
+
+def _extend_contract(state: CacheState, seq_ids, num_new_tokens):
+  if seq_ids.shape[0] == 0:
+    return
+  cfg = state.config
+  _contract.require_ids(seq_ids, cfg.max_seqs, "seq_ids")
+  _require_live(state, seq_ids, "seq_ids", "extend")
+  ids = seq_ids.astype(jnp.int32)
+  add = num_new_tokens.astype(jnp.int32)
+  old = jnp.where(ids >= 0, state.seq_lens[jnp.clip(ids, 0, cfg.max_seqs - 1)],
+                  0)
+  bad = (ids >= 0) & ((add < 0) | (add > cfg.max_seq_len - old))
+  i = _contract.first_true(bad)
+  _contract.require(
+      ~jnp.any(bad),
+      f"Invalid num_new_tokens: num_new_tokens[{{}}] = {{}} for a sequence of "
+      f"{{}} tokens, expected in [0, max_pages * page_size - length] "
+      f"(capacity {cfg.max_seq_len})", i, add[i], old[i])
+
+
+@functools.partial(jax.jit, static_argnames=("evict", "head_of_line"))
+def _extend(state, seq_ids, num_new_tokens, *, evict=True, head_of_line=True):
+  """`extend` on arrays, unchecked (jitted once per config and statics)."""
+  cfg = state.config
+  _check_extend_args(seq_ids, num_new_tokens)
   num_new_tokens = num_new_tokens.astype(jnp.int32)
   idx, valid = _select(state, seq_ids, want_live=True)
   # The previous step of every valid listed sequence is over: its scratch
@@ -572,8 +815,8 @@ def extend(
   plan = _step_plan(cfg, old_len, new_len)
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
-  ok, need = _admit(state, valid, need, jnp.zeros((state.num_slots,), bool),
-                    evict)
+  ok, need, _ = _admit(state, valid, need, evict=evict,
+                       head_of_line=head_of_line)
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(
@@ -594,12 +837,16 @@ def extend(
   return state, ExtendResult(ok=ok, num_new_blocks=need)
 
 
-@jax.jit
+extend.__wrapped__ = _extend.__wrapped__
+
+
 def commit(
     state: CacheState,
     seq_ids: jax.Array,  # i32[n]
     tokens: jax.Array,   # i32[n, max_len]
     lengths: jax.Array,  # i32[n]
+    *,
+    check: bool | None = None,
 ) -> CacheState:
   """Publishes the full blocks of live sequences for prefix reuse.
 
@@ -621,18 +868,44 @@ def commit(
 
   Args:
     state: the cache state.
-    seq_ids: `i32[n]`, live ids; -1 = padding; invalid or duplicated ids are
-      ignored.
+    seq_ids: `i32[n]` (array or list), live ids; -1 = padding; invalid or
+      duplicated ids are ignored.
     tokens: `i32[n, max_len]`, each sequence's tokens from position 0.
     lengths: `i32[n]`, tokens whose KV has been written (only those blocks are
       published; the caller vouches that `tokens` are what was written).
+    check: checked mode for this call (`pkvattn.checked`): ids in range,
+      unique and live, `lengths >= 0`. `None` follows `checked()`.
 
   Returns:
     The new state.
 
   Raises:
     ValueError: shapes or dtypes of the arguments (trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract.
   """
+  seq_ids, tokens, lengths = map(_checks.as_index_array, (seq_ids, tokens, lengths))
+  _check_token_batch(seq_ids, tokens, lengths)
+  if _contract.enabled(check):
+    _contract.run(_commit_contract, state, seq_ids, lengths)
+  with _contract.unchecked():
+    return _commit(state, seq_ids, tokens, lengths)
+
+
+def _commit_contract(state: CacheState, seq_ids, lengths):
+  if seq_ids.shape[0] == 0:
+    return
+  _contract.require_ids(seq_ids, state.config.max_seqs, "seq_ids")
+  _require_live(state, seq_ids, "seq_ids", "commit")
+  bad = (seq_ids >= 0) & (lengths < 0)
+  i = _contract.first_true(bad)
+  _contract.require(~jnp.any(bad), "Invalid lengths: lengths[{}] = {}, "
+                    "expected >= 0", i, lengths[i].astype(jnp.int32))
+
+
+@jax.jit
+def _commit(state, seq_ids, tokens, lengths):
+  """`commit` on arrays, unchecked."""
   cfg = state.config
   ps = cfg.page_size
   n = _check_token_batch(seq_ids, tokens, lengths)
@@ -730,28 +1003,53 @@ def commit(
   return state
 
 
-@jax.jit
 def release(
     state: CacheState,
     seq_ids: jax.Array,  # i32[n]
+    *,
+    check: bool | None = None,
 ) -> CacheState:
   """Ends live sequences: drops their block references.
 
   A block whose last reference goes becomes free (private) or cached
   (published; it stays reusable until evicted, least recently released
   first). Scratch slots of a running step are freed (`finish_step`).
-  Invalid, padding (-1) or duplicated ids are ignored.
+  Padding (-1), out-of-range and dead ids are ignored. An id listed more than
+  once is released once (ending is idempotent; refusing it, as the growing
+  ops do with duplicates, would leak the sequence).
 
   Args:
     state: the cache state.
-    seq_ids: `i32[n]`, live ids to end.
+    seq_ids: `i32[n]` (array or list), live ids to end.
+    check: checked mode for this call (`pkvattn.checked`): ids -1 or in
+      range, and unique. `None` follows `checked()`.
 
   Returns:
     The new state (`clock` advances by one).
+
+  Raises:
+    ValueError: `seq_ids` not an integer vector (trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract.
   """
+  seq_ids = _checks.as_index_array(seq_ids)
+  _check_ids(seq_ids, "seq_ids")
+  if _contract.enabled(check):
+    _contract.run(_ids_contract, state, seq_ids, name="seq_ids")
+  with _contract.unchecked():
+    return _release(state, seq_ids)
+
+
+def _ids_contract(state: CacheState, seq_ids, *, name: str):
+  _contract.require_ids(seq_ids, state.config.max_seqs, name)
+
+
+@jax.jit
+def _release(state, seq_ids):
+  """`release` on arrays, unchecked."""
   cfg = state.config
   _check_ids(seq_ids, "seq_ids")
-  idx, valid = _select(state, seq_ids, want_live=True)
+  idx, valid = _select(state, seq_ids, want_live=True, dedupe=True)
   state = _retire_scratch(state, idx, valid)
   rows = state.seq_slots[idx]
   owned = (rows >= 0) & valid[:, None]
@@ -769,10 +1067,11 @@ def release(
   )
 
 
-@jax.jit
 def finish_step(
     state: CacheState,
     seq_ids: jax.Array,  # i32[n]
+    *,
+    check: bool | None = None,
 ) -> CacheState:
   """Ends the running step of live sequences: scratch slots return to the pool.
 
@@ -782,18 +1081,22 @@ def finish_step(
   `page_table` no longer maps them. `extend` and `release` do the same for
   the sequences they are given, so a caller that extends or releases every
   sequence after each step needs no `finish_step`. No-op when scratch is
-  inactive or a sequence has no scratch; invalid, padding (-1) or duplicated
-  ids are ignored.
+  inactive or a sequence has no scratch; invalid, padding (-1) or dead ids
+  are ignored, duplicated ones act once.
 
   Args:
     state: the cache state.
-    seq_ids: `i32[n]`, live ids.
+    seq_ids: `i32[n]` (array or list), live ids.
+    check: checked mode for this call (`pkvattn.checked`): ids -1 or in
+      range, and unique. `None` follows `checked()`.
 
   Returns:
     The new state.
 
   Raises:
     ValueError: `seq_ids` not an integer vector (trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract.
 
   Example:
     >>> from pkvattn import cache
@@ -809,16 +1112,34 @@ def finish_step(
     >>> st.seq_slots[0].tolist(), int(cache.stats(st)["num_used"])
     ([-1, -1, -1, 2], 1)
   """
+  seq_ids = _checks.as_index_array(seq_ids)
   _check_ids(seq_ids, "seq_ids")
-  idx, valid = _select(state, seq_ids, want_live=True)
-  return _retire_scratch(state, idx, valid)
+  if _contract.enabled(check):
+    _contract.run(_ids_contract, state, seq_ids, name="seq_ids")
+  with _contract.unchecked():
+    return _finish_step(state, seq_ids)
 
 
 @jax.jit
+def _finish_step(state, seq_ids):
+  """`finish_step` on arrays, unchecked."""
+  _check_ids(seq_ids, "seq_ids")
+  idx, valid = _select(state, seq_ids, want_live=True, dedupe=True)
+  return _retire_scratch(state, idx, valid)
+
+
+release.__wrapped__ = _release.__wrapped__
+commit.__wrapped__ = _commit.__wrapped__
+finish_step.__wrapped__ = _finish_step.__wrapped__
+
+
 def fork(
     state: CacheState,
     parent_ids: jax.Array,  # i32[n]
     child_ids: jax.Array,   # i32[n]
+    *,
+    head_of_line: bool = True,
+    check: bool | None = None,
 ) -> tuple[CacheState, ForkResult]:
   """Creates child sequences sharing their parent's blocks (beam search, n > 1).
 
@@ -830,20 +1151,65 @@ def fork(
 
   Args:
     state: the cache state.
-    parent_ids: `i32[n]`, live ids (may repeat: several children per parent).
+    parent_ids: `i32[n]` (array or list), live ids (may repeat: several
+      children per parent).
     child_ids: `i32[n]`, new ids, not live, unique, not among `parent_ids`;
       -1 = padding.
+    head_of_line: static, as in `extend` (each request needs one slot if the
+      parent's last block is partial, else none).
+    check: checked mode for this call (`pkvattn.checked`): ids in range,
+      parents live, children dead, unique and not among the parents. `None`
+      follows `checked()`; unchecked, such requests are refused.
 
   Returns:
     `(state, ForkResult(ok, src_pages, dst_pages))`. The copies cover every
     layer, K and V: entry `(r * num_layers + layer) * 2 + kv` is pool page
     `(slot * num_layers + layer) * 2 + kv` of the parent's partial block
     (src) and of the child's new slot (dst); -1 where request `r` copies
-    nothing. Admission is all-or-nothing, first come first served.
+    nothing. Admission is all-or-nothing, in batch order (module docstring).
 
   Raises:
     ValueError: shapes or dtypes of the arguments (trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract.
   """
+  parent_ids, child_ids = map(_checks.as_index_array, (parent_ids, child_ids))
+  _check_fork_args(parent_ids, child_ids)
+  if _contract.enabled(check):
+    _contract.run(_fork_contract, state, parent_ids, child_ids)
+  with _contract.unchecked():
+    return _fork(state, parent_ids, child_ids, head_of_line=head_of_line)
+
+
+def _check_fork_args(parent_ids, child_ids) -> None:
+  _check_ids(parent_ids, "parent_ids")
+  _check_ids(child_ids, "child_ids")
+  _checks.check_shape(child_ids, parent_ids.shape, "child_ids")
+
+
+def _fork_contract(state: CacheState, parent_ids, child_ids):
+  if parent_ids.shape[0] == 0:
+    return
+  cfg = state.config
+  _contract.require_ids(parent_ids, cfg.max_seqs, "parent_ids", unique=False)
+  _contract.require_ids(child_ids, cfg.max_seqs, "child_ids")
+  pids = parent_ids.astype(jnp.int32)
+  cids = child_ids.astype(jnp.int32)
+  pad = (pids < 0) != (cids < 0)
+  i = _contract.first_true(pad)
+  _contract.require(~jnp.any(pad), "Invalid child_ids: child_ids[{}] = {} "
+                    "with parent_ids[{}] = {} (-1 pads both or neither)",
+                    i, cids[i], i, pids[i])
+  _require_live(state, parent_ids, "parent_ids", "fork")
+  live = (cids >= 0) & state.seq_live[jnp.clip(cids, 0, cfg.max_seqs - 1)]
+  i = _contract.first_true(live)
+  _contract.require(~jnp.any(live), "Invalid child_ids: child_ids[{}] = {} "
+                    "is live; a child must be a new id", i, cids[i])
+
+
+@functools.partial(jax.jit, static_argnames=("head_of_line",))
+def _fork(state, parent_ids, child_ids, *, head_of_line=True):
+  """`fork` on arrays, unchecked."""
   cfg = state.config
   ps = cfg.page_size
   nl = cfg.num_layers
@@ -864,7 +1230,7 @@ def fork(
   num_full = length // ps
   partial = (length % ps) != 0
   need = (valid & partial).astype(jnp.int32)
-  ok, need = _admit(state, valid, need, jnp.zeros((state.num_slots,), bool))
+  ok, need, _ = _admit(state, valid, need, head_of_line=head_of_line)
   ranks = jnp.where(need > 0, jnp.cumsum(need) - 1, -1)
   state, new_slot = _take_slots(
       state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
@@ -893,3 +1259,6 @@ def fork(
   src = jnp.where(copy, src_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)
   dst = jnp.where(copy, new_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)
   return state, ForkResult(ok=ok, src_pages=src, dst_pages=dst)
+
+
+fork.__wrapped__ = _fork.__wrapped__

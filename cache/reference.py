@@ -73,13 +73,16 @@ class ReferenceCache:
     return out
 
   # --- helpers -------------------------------------------------------------
-  def _ids(self, ids, want_live):
+  def _ids(self, ids, want_live, dedupe=False):
+    """Valid ids: in range, right liveness, listed once (with `dedupe`: the
+    first occurrence of an id listed several times)."""
     ids = [int(x) for x in ids]
     in_range = [0 <= x < self.cfg.max_seqs for x in ids]
     out = []
-    for x, ok in zip(ids, in_range):
+    for r, (x, ok) in enumerate(zip(ids, in_range)):
       count = sum(1 for y, o in zip(ids, in_range) if o and y == x)
-      out.append(ok and count == 1 and ((x in self.seqs) == want_live))
+      unique = (x not in ids[:r]) if dedupe else count == 1
+      out.append(ok and unique and ((x in self.seqs) == want_live))
     return ids, out
 
   def _find(self, key):
@@ -99,16 +102,40 @@ class ReferenceCache:
     if self.index.get(self.key[s]) == s:
       del self.index[self.key[s]]
 
-  def _admit(self, valid, need):
-    """First come, first served, all or nothing: request r is admitted iff it
-    is valid and the running total of `need` up to it fits the supply (a
-    refused request still counts towards the total). Returns (ok, slots taken
-    for the admitted requests, in order)."""
-    supply = sum(len(x) for x in self._supply())
-    ok, cum = [], 0
+  def _admission(self, valid, need, head_of_line=True, evict=True,
+                 reused=None):
+    """All or nothing, in batch order, from the definition (`cache/alloc.py`,
+    "Admission"): a set A of requests fits iff its new slots plus the cached
+    blocks its members reuse (which stop being evictable) fit in the free +
+    cached slots (free only without eviction, where reuse costs nothing).
+    Request r is admitted iff it is valid and A + {r} fits, A the requests
+    admitted before it; with `head_of_line`, no request after the first
+    valid refused one is admitted. Returns (ok, protected slots)."""
+    free, cached = self._supply()
+    budget = len(free) + (len(cached) if evict else 0)
+    cached = set(cached) if evict else set()
+    ok, spent, protected, blocked = [], 0, set(), False
     for r in range(len(need)):
-      cum += need[r]
-      ok.append(valid[r] and cum <= supply)
+      if not valid[r] or blocked:
+        ok.append(False)
+        continue
+      mine = set(reused[r]) if reused is not None else set()
+      grown = protected | (mine & cached)
+      fits = spent + need[r] + len(grown) <= budget
+      ok.append(fits)
+      if fits:
+        spent += need[r]
+        protected = grown
+      elif head_of_line:
+        blocked = True
+    admitted = {s for r in range(len(need)) if ok[r] and reused is not None
+                for s in reused[r]}
+    return ok, admitted
+
+  def _admit(self, valid, need, head_of_line=True, evict=True):
+    """Admission without reuse; returns (ok, slots taken for the admitted
+    requests, in order)."""
+    ok, _ = self._admission(valid, need, head_of_line, evict)
     return ok, self._take(sum(need[r] for r in range(len(need)) if ok[r]))
 
   def _take(self, count, protected=()):
@@ -151,7 +178,8 @@ class ReferenceCache:
     return keys
 
   # --- operations ----------------------------------------------------------
-  def claim_batch(self, seq_ids, tokens, lengths, reuse_scope=None):
+  def claim_batch(self, seq_ids, tokens, lengths, reuse_scope=None, *,
+                  evict=True, head_of_line=True):
     """Returns lists ok, num_reused_tokens, num_new_blocks, num_missed_blocks."""
     cfg, ps = self.cfg, self.cfg.page_size
     tokens = np.asarray(tokens).tolist()
@@ -181,18 +209,12 @@ class ReferenceCache:
           run.append(c)
           prev = c
       matched.append(run)
-    protected = {s for run in matched for s in run}
-    free, evictable = self._supply(protected)
-    supply = len(free) + len(evictable)
     plans = [self._plan(len(matched[r]) * ps, lengths[r]) if valid[r] else None
              for r in range(n)]
     need = [(-(-lengths[r] // ps) - len(matched[r]) - plans[r][1]
              + plans[r][2]) if valid[r] else 0
             for r in range(n)]
-    ok, cum = [], 0
-    for r in range(n):
-      cum += need[r]
-      ok.append(valid[r] and cum <= supply)
+    ok, protected = self._admission(valid, need, head_of_line, evict, matched)
     total = sum(need[r] for r in range(n) if ok[r])
     taken = self._take(total, protected)
     res = dict(ok=ok, num_reused_tokens=[0] * n, num_new_blocks=[0] * n,
@@ -219,7 +241,7 @@ class ReferenceCache:
       res["num_missed_blocks"][r] = matchable - len(matched[r])
     return res
 
-  def extend(self, seq_ids, num_new_tokens):
+  def extend(self, seq_ids, num_new_tokens, *, evict=True, head_of_line=True):
     cfg, ps = self.cfg, self.cfg.page_size
     ids, valid = self._ids(seq_ids, want_live=True)
     add = [int(x) for x in num_new_tokens]
@@ -236,7 +258,7 @@ class ReferenceCache:
              - -(-self.seqs[ids[r]].length // ps) - plans[r][1]
              + plans[r][2]) if valid[r] else 0
             for r in range(n)]
-    ok, taken = self._admit(valid, need)
+    ok, taken = self._admit(valid, need, head_of_line, evict)
     off = 0
     for r in range(n):
       if ok[r]:
@@ -314,7 +336,7 @@ class ReferenceCache:
       self.gen[s] += 1
 
   def release(self, seq_ids):
-    ids, valid = self._ids(seq_ids, want_live=True)
+    ids, valid = self._ids(seq_ids, want_live=True, dedupe=True)
     for x, v in zip(ids, valid):
       if v:
         seq = self.seqs.pop(x)
@@ -325,7 +347,7 @@ class ReferenceCache:
             self.last_use[s] = self.clock
     self.clock += 1
 
-  def fork(self, parent_ids, child_ids):
+  def fork(self, parent_ids, child_ids, *, head_of_line=True):
     """Returns dict ok, copies ((src_slot, dst_slot) or None per request)."""
     cfg, ps = self.cfg, self.cfg.page_size
     pids = [int(x) for x in parent_ids]
@@ -337,7 +359,7 @@ class ReferenceCache:
     n = len(pids)
     need = [int(valid[r] and self.seqs[pids[r]].length % ps != 0)
             for r in range(n)]
-    ok, taken = self._admit(valid, need)
+    ok, taken = self._admit(valid, need, head_of_line)
     copies = [None] * n
     off = 0
     for r in range(n):
@@ -358,7 +380,7 @@ class ReferenceCache:
     return dict(ok=ok, copies=copies)
 
   def finish_step(self, seq_ids):
-    ids, valid = self._ids(seq_ids, want_live=True)
+    ids, valid = self._ids(seq_ids, want_live=True, dedupe=True)
     for x, v in zip(ids, valid):
       if v:
         self._retire(self.seqs[x])

@@ -55,7 +55,8 @@ def page_table(
 
   Args:
     state: the cache state.
-    seq_ids: `i32[n]`; rows for -1, out-of-range or dead ids are all -1.
+    seq_ids: `i32[n]` (array or list); rows for -1, out-of-range or dead ids
+      are all -1.
     layer: layer index in `[0, num_layers)`; a Python int is range-checked, a
       traced one is not (an out-of-range layer gives wrong pages).
     split: static. True: `i32[n, 2, max_pages]`, row 0 the K pages, row 1 the V
@@ -86,6 +87,7 @@ def page_table(
     [[[2, 6, -1, -1], [3, 7, -1, -1]]]
   """
   cfg = state.config
+  seq_ids = _checks.as_index_array(seq_ids)
   _checks.check_int(seq_ids, "seq_ids")
   _checks.check_ndim(seq_ids, (1,), "seq_ids")
   if isinstance(layer, (int, np.integer)) and not 0 <= layer < cfg.num_layers:

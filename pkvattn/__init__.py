@@ -19,6 +19,7 @@ token, `d` head_dim.
 """
 
 from pkvattn import cache as cache
+from pkvattn._contract import checked as checked
 from pkvattn._version import __version__ as __version__
 from pkvattn.attention import merge_state as merge_state
 from pkvattn.attention import paged_decode as paged_decode
@@ -44,6 +45,7 @@ __all__ = [
     "apply_rope_and_append",
     "apply_rope_and_append_qkv",
     "cache",
+    "checked",
     "copy_pages",
     "get_batch_indices_positions",
     "merge_state",

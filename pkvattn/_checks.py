@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 # Shape / rank / integer checks are shared with `cache` (which must not import
 # `pkvattn`), so they live there and are re-exported here.
+from pkvattn.cache._checks import as_index_array as as_index_array
 from pkvattn.cache._checks import check_int as check_int
 from pkvattn.cache._checks import check_ndim as check_ndim
 from pkvattn.cache._checks import check_shape as check_shape

@@ -45,6 +45,13 @@ class KVView:
     return {"pool": "split", "flashinfer": "flashinfer"}.get(self.fmt, "shared")
 
   @property
+  def num_pages(self) -> int:
+    """Pages the caller's `table` indexes (FlashInfer: `[num_pages, 2, ...]`
+    entries, i.e. half the pages of the reshaped pool)."""
+    n = self.k_pool.shape[0]
+    return n // 2 if self.fmt == "flashinfer" else n
+
+  @property
   def same_pool(self) -> bool:
     return self.fmt != "pair"
 

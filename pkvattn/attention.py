@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pkvattn import _checks
+from pkvattn import _contract
 from pkvattn import _kv
 from pkvattn.pallas_kernels import reference
 from pkvattn.types import Implementation
@@ -70,6 +71,7 @@ def paged_decode(
     sinks: jax.Array | None = None,  # f32[num_qo_heads]
     return_lse: bool = False,
     impl: Implementation | None = None,
+    check: bool | None = None,
 ):
   """One-token-per-sequence attention over a paged KV cache (FlashInfer decode).
 
@@ -88,10 +90,11 @@ def paged_decode(
       * FlashInfer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` with a
         shared table.
       Same dtype as `q`; `page_size` in {8, ..., 128}, `head_dim` in {64, 128, 256}.
-    page_table: page ids; entries past `cdiv(kv_lens[b], page_size)` or wholly
-      outside the window are never read and may be -1.
-    kv_lens: `i32[batch_size]`, tokens in the cache including the current one,
-      in `[0, max_pages * page_size]`.
+    page_table: page ids (array or nested list); entries past
+      `cdiv(kv_lens[b], page_size)` or wholly outside the window are never
+      read and may be -1.
+    kv_lens: `i32[batch_size]` (array or list), tokens in the cache including
+      the current one, in `[0, max_pages * page_size]`.
     sm_scale: static; defaults to `1 / sqrt(head_dim)`.
     window_left: static; key `j` is visible iff `kv_lens[b] - 1 - window_left
       <= j`; -1 = no window (FlashInfer).
@@ -102,14 +105,22 @@ def paged_decode(
       sum-exp over visible keys (sink excluded).
     impl: "pallas" (GPU kernel; interpret mode elsewhere), "xla" (pure jnp), or
       None (pallas on GPU, xla elsewhere).
+    check: checked mode (`pkvattn.checked`; None follows it): `kv_lens` in
+      `[0, max_pages * page_size]` and a page id in `[0, num_pages)` for every
+      block the query can see (from the window start, or 0, to
+      `cdiv(kv_lens[b], page_size)`). Unchecked, nothing verifies them (an
+      out-of-range page reads whatever the gather clamps to).
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
-    `return_lse`. Sequences with `kv_lens[b] == 0` give zeros and `lse = -inf`.
+    `return_lse`. Sequences with `kv_lens[b] == 0` give zeros and `lse = -inf`;
+    `batch_size == 0` gives empty arrays.
 
   Raises:
     ValueError: shapes, dtypes, table/kv_cache format mismatch, heads not
       divisible, unsupported head_dim / page_size (at trace time).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract (`pkvattn.checked` says where it surfaces).
 
   Example:
     >>> q = jnp.zeros((2, 8, 64), jnp.float32)
@@ -119,23 +130,31 @@ def paged_decode(
     >>> out.shape
     (2, 8, 64)
   """
+  q, page_table, kv_lens, sinks = _arrays(q, page_table, kv_lens, sinks)
   view = _kv.make_view(kv_cache, page_table)
   _common_checks(q, view, kv_lens, sinks, q.shape[0], "q")
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
   impl = _resolve_impl(impl)
+  if _contract.enabled(check):
+    _contract.run(_contract.attention_contract, view.table, kv_lens,
+                  num_pages=view.num_pages, page_size=view.page_size,
+                  num_tokens=q.shape[0], window_left=window_left)
   kv_lens = kv_lens.astype(jnp.int32)
-  if impl == "xla":
-    out, lse = reference.paged_decode_reference(
-        q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
-        sm_scale=sm_scale, window_left=window_left,
-        logits_soft_cap=logits_soft_cap)
-  else:
-    from pkvattn.pallas_kernels import paged_decode as kernel
-    out, lse = kernel.paged_decode(
-        q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
-        sm_scale=sm_scale, window_left=window_left,
-        logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu())
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    if q.shape[0] == 0:
+      out, lse = _empty(q)
+    elif impl == "xla":
+      out, lse = reference.paged_decode_reference(
+          q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
+          sm_scale=sm_scale, window_left=window_left,
+          logits_soft_cap=logits_soft_cap)
+    else:
+      from pkvattn.pallas_kernels import paged_decode as kernel
+      out, lse = kernel.paged_decode(
+          q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
+          sm_scale=sm_scale, window_left=window_left,
+          logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu())
   return (out, lse) if return_lse else out
 
 
@@ -154,6 +173,7 @@ def paged_prefill(
     return_lse: bool = False,
     impl: Implementation | None = None,
     plan=None,
+    check: bool | None = None,
 ):
   """Ragged-batch attention of new tokens over a paged KV cache (FlashInfer prefill).
 
@@ -170,10 +190,10 @@ def paged_prefill(
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     kv_cache, page_table: as in `paged_decode`.
-    q_indptr: `i32[batch_size + 1]`, non-decreasing, `q_indptr[0] == 0`,
-      `q_indptr[-1] <= num_tokens` (cu_seqlens).
-    kv_lens: `i32[batch_size]`, tokens including the new ones;
-      `kv_lens[b] >= q_len[b]`.
+    q_indptr: `i32[batch_size + 1]` (array or list), non-decreasing,
+      `q_indptr[0] == 0`, `q_indptr[-1] <= num_tokens` (cu_seqlens).
+    kv_lens: `i32[batch_size]` (array or list), tokens including the new
+      ones; `kv_lens[b] >= q_len[b]`.
     causal: static; False lets every new token see all `kv_lens[b]` keys.
     sm_scale, window_left, logits_soft_cap, sinks, return_lse, impl: as in
       `paged_decode`; the window is relative to each query's position.
@@ -181,15 +201,26 @@ def paged_prefill(
       `kv_lens` (FlashInfer's plan/run split): computed once, reused by every
       layer; used by the pallas kernel, ignored by the xla path. None = the
       kernel plans for itself.
+    check: checked mode (`pkvattn.checked`; None follows it): the
+      `q_indptr` and `kv_lens` clauses above, `kv_lens <= max_pages *
+      page_size`, and a page id in `[0, num_pages)` for every block a query
+      can see (from the first query's window start, or 0, to
+      `cdiv(kv_lens[b], page_size)`; rows without queries see none).
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
-    tokens), and `lse f32[num_tokens, num_qo_heads]` if `return_lse`.
+    tokens), and `lse f32[num_tokens, num_qo_heads]` if `return_lse`
+    (`-inf` for padding tokens). `batch_size == 0` makes every token padding;
+    `num_tokens == 0` gives empty arrays.
 
   Raises:
     ValueError: as `paged_decode`, plus `q_indptr` not `[batch_size + 1]`,
       or a `plan` made for another shape or dtype.
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract.
   """
+  q, page_table, kv_lens, sinks = _arrays(q, page_table, kv_lens, sinks)
+  q_indptr = _checks.as_index_array(q_indptr)
   view = _kv.make_view(kv_cache, page_table)
   batch_size = view.k_table.shape[0]
   _common_checks(q, view, kv_lens, sinks, batch_size, "q")
@@ -198,25 +229,45 @@ def paged_prefill(
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
   impl = _resolve_impl(impl)
+  if _contract.enabled(check):
+    _contract.run(_contract.attention_contract, view.table, kv_lens, q_indptr,
+                  num_pages=view.num_pages, page_size=view.page_size,
+                  num_tokens=q.shape[0], window_left=window_left)
   kv_lens = kv_lens.astype(jnp.int32)
   q_indptr = q_indptr.astype(jnp.int32)
-  if causal and q.shape[0] <= batch_size:
-    out, lse = _prefill_as_decode(
-        q, view, q_indptr, kv_lens, sinks, impl=impl, sm_scale=sm_scale,
-        window_left=window_left, logits_soft_cap=logits_soft_cap)
-  elif impl == "xla":
-    out, lse = reference.paged_prefill_reference(
-        q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
-        kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
-        window_left=window_left, logits_soft_cap=logits_soft_cap)
-  else:
-    from pkvattn.pallas_kernels import paged_prefill as kernel
-    out, lse = kernel.paged_prefill(
-        q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
-        kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
-        window_left=window_left, logits_soft_cap=logits_soft_cap,
-        interpret=not _checks.is_gpu(), plan=plan)
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    if batch_size == 0 or q.shape[0] == 0:
+      out, lse = _empty(q)
+    elif causal and q.shape[0] <= batch_size:
+      out, lse = _prefill_as_decode(
+          q, view, q_indptr, kv_lens, sinks, impl=impl, sm_scale=sm_scale,
+          window_left=window_left, logits_soft_cap=logits_soft_cap)
+    elif impl == "xla":
+      out, lse = reference.paged_prefill_reference(
+          q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
+          kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
+          window_left=window_left, logits_soft_cap=logits_soft_cap)
+    else:
+      from pkvattn.pallas_kernels import paged_prefill as kernel
+      out, lse = kernel.paged_prefill(
+          q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
+          kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
+          window_left=window_left, logits_soft_cap=logits_soft_cap,
+          interpret=not _checks.is_gpu(), plan=plan)
   return (out, lse) if return_lse else out
+
+
+def _arrays(q, page_table, kv_lens, sinks):
+  """Lists (and numpy arrays) to jax arrays; tracers and arrays unchanged."""
+  return (jnp.asarray(q), _checks.as_index_array(page_table),
+          _checks.as_index_array(kv_lens),
+          None if sinks is None else jnp.asarray(sinks))
+
+
+def _empty(q):
+  """The output of tokens that see nothing (padding): zeros and -inf."""
+  out = jnp.zeros(q.shape, q.dtype)
+  return out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
 
 
 def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, *, impl,
@@ -269,8 +320,8 @@ def plan_prefill(
   jit-compatible, no host sync.
 
   Args:
-    q_indptr: `i32[batch_size + 1]`, as in `paged_prefill`.
-    kv_lens: `i32[batch_size]`, as in `paged_prefill`.
+    q_indptr: `i32[batch_size + 1]` (array or list), as in `paged_prefill`.
+    kv_lens: `i32[batch_size]` (array or list), as in `paged_prefill`.
     num_tokens: static, `q.shape[0]` of the calls it serves.
     num_qo_heads, num_kv_heads, head_dim, dtype: static, those of `q` (they
       choose the kernel's tile size).
@@ -290,6 +341,8 @@ def plan_prefill(
     64
   """
   from pkvattn.pallas_kernels import paged_prefill as kernel
+  q_indptr = _checks.as_index_array(q_indptr)
+  kv_lens = _checks.as_index_array(kv_lens)
   _checks.check_heads(num_qo_heads, num_kv_heads)
   _checks.check_int(kv_lens, "kv_lens")
   _checks.check_ndim(kv_lens, (1,), "kv_lens")

@@ -32,8 +32,10 @@ def copy_pages(
 
   Args:
     kv_cache: one of the three formats above (see `pkvattn.paged_decode`).
-    src_pages: `i32[num_copies]`, split-numbered source pages, -1 = skip.
-    dst_pages: `i32[num_copies]`, split-numbered destination pages, -1 = skip.
+    src_pages: `i32[num_copies]` (array or list), split-numbered source
+      pages, -1 = skip.
+    dst_pages: `i32[num_copies]` (array or list), split-numbered destination
+      pages, -1 = skip.
 
   Returns:
     The updated cache, in the format and dtype of `kv_cache`.
@@ -49,6 +51,8 @@ def copy_pages(
     (1.0, 0.0)
   """
   fmt = _kv.detect_format(kv_cache)
+  src_pages = _checks.as_index_array(src_pages)
+  dst_pages = _checks.as_index_array(dst_pages)
   _checks.check_int(src_pages, "src_pages")
   _checks.check_ndim(src_pages, (1,), "src_pages")
   _checks.check_int(dst_pages, "dst_pages")

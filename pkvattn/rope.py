@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pkvattn import _checks
+from pkvattn import _contract
 from pkvattn import _kv
 from pkvattn.pallas_kernels import reference
 from pkvattn.types import Implementation
@@ -219,7 +220,8 @@ def apply_rope(
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     k: `[num_tokens, num_kv_heads, head_dim]`; any supported dtype.
-    positions: `i32[num_tokens]`, token positions (any integer, >= 0 in use).
+    positions: `i32[num_tokens]` (array or list), token positions (any
+      integer, >= 0 in use).
     rope: static `RopeConfig`.
 
   Returns:
@@ -236,6 +238,8 @@ def apply_rope(
     ((3, 4, 64), (3, 2, 64))
   """
   _check_rope(rope)
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  positions = _checks.as_index_array(positions)
   _check_tokens(q, "q", None, None)
   num_tokens, _, head_dim = q.shape
   _check_tokens(k, "k", num_tokens, head_dim)
@@ -263,6 +267,24 @@ def _append_checks(k, v, batch_indices, positions, view: _kv.KVView):
   _checks.check_dtype(v, _kv.SUPPORTED_DTYPES, "v")
   _check_index(batch_indices, "batch_indices", num_tokens)
   _check_index(positions, "positions", num_tokens)
+
+
+def _index_arrays(batch_indices, positions, page_table):
+  """Lists (and numpy arrays) to jax arrays; tracers and arrays unchanged."""
+  return tuple(map(_checks.as_index_array,
+                   (batch_indices, positions, page_table)))
+
+
+def _append_contract(view: _kv.KVView, batch_indices, positions, check):
+  if _contract.enabled(check):
+    _contract.run(_contract.append_contract, view.table, batch_indices,
+                  positions, num_pages=view.num_pages,
+                  page_size=view.page_size)
+
+
+def _nothing_to_write(view: _kv.KVView, num_tokens: int) -> bool:
+  """No token can be written: no tokens, or no sequences (all padding)."""
+  return num_tokens == 0 or view.table.shape[0] == 0
 
 
 def _paged(view: _kv.KVView, batch_indices):
@@ -308,6 +330,7 @@ def append_paged_kv(
     page_table: jax.Array,     # i32[batch_size, max_pages] | i32[batch_size, 2, max_pages]
     *,
     impl: Implementation | None = None,
+    check: bool | None = None,
 ):
   """Writes each token's K and V row into the paged cache.
 
@@ -318,27 +341,42 @@ def append_paged_kv(
 
   Args:
     k, v: `[num_tokens, num_kv_heads, head_dim]`; cast to the cache dtype.
-    batch_indices: `i32[num_tokens]`, sequence of each token, -1 = padding.
-    positions: `i32[num_tokens]`, position of each token in its sequence.
+    batch_indices: `i32[num_tokens]` (array or list), sequence of each
+      token, -1 = padding.
+    positions: `i32[num_tokens]` (array or list), position of each token in
+      its sequence.
     kv_cache: `(k_pages, v_pages)` with a shared table, one 4-D pool with a
       split table `[batch_size, 2, max_pages]`, or FlashInfer's
       `[num_pages, 2, page_size, num_kv_heads, head_dim]` with a shared table.
     page_table: page ids (see `kv_cache`).
     impl: "pallas" (kernel; interpret mode off GPU), "xla" (`.at[].set`,
       `mode="drop"`), None (pallas on GPU, xla elsewhere).
+    check: checked mode (`pkvattn.checked`; None follows it): `batch_indices`
+      in `[-1, batch_size)`, and every non-padding token lands in a page:
+      `0 <= positions[t] < max_pages * page_size` and a page id in `[0,
+      num_pages)` at its block (unchecked, such tokens are not written).
 
   Returns:
     The updated kv_cache in the format it came in. Donate it
     (`jax.jit(..., donate_argnums=...)`) to update in place: both impls alias
-    the pool, so no pool copy is made.
+    the pool, so no pool copy is made. With `num_tokens == 0` or
+    `batch_size == 0` (every token padding) it is returned unchanged.
 
   Raises:
     ValueError: shapes, dtypes, table/kv_cache format mismatch.
+    checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
+      contract (`pkvattn.checked` says where it surfaces).
   """
+  batch_indices, positions, page_table = _index_arrays(
+      batch_indices, positions, page_table)
   view = _kv.make_view(kv_cache, page_table)
   _append_checks(k, v, batch_indices, positions, view)
-  _, kv_cache = _run(None, k, v, batch_indices, positions, view, None, False,
-                     _resolve_impl(impl))
+  _append_contract(view, batch_indices, positions, check)
+  if _nothing_to_write(view, k.shape[0]):
+    return kv_cache
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    _, kv_cache = _run(None, k, v, batch_indices, positions, view, None, False,
+                       _resolve_impl(impl))
   return kv_cache
 
 
@@ -353,6 +391,7 @@ def apply_rope_and_append(
     rope: RopeConfig,
     *,
     impl: Implementation | None = None,
+    check: bool | None = None,
 ):
   """RoPE on q and k, then K/V appended to the paged cache, in one pass.
 
@@ -364,7 +403,8 @@ def apply_rope_and_append(
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     k, v: `[num_tokens, num_kv_heads, head_dim]`.
-    batch_indices, positions, kv_cache, page_table, impl: as `append_paged_kv`.
+    batch_indices, positions, kv_cache, page_table, impl, check: as
+      `append_paged_kv`.
     rope: static `RopeConfig`.
 
   Returns:
@@ -373,6 +413,8 @@ def apply_rope_and_append(
 
   Raises:
     ValueError: as `append_paged_kv` and `apply_rope`.
+    checkify.JaxRuntimeError: (a ValueError) checked mode, as
+      `append_paged_kv`.
     NotImplementedError: `impl="pallas"` with a config the kernel lacks
       (non-power-of-two head splits; see `pallas_kernels.rope_append`).
 
@@ -386,14 +428,22 @@ def apply_rope_and_append(
     1.0
   """
   _check_rope(rope)
+  batch_indices, positions, page_table = _index_arrays(
+      batch_indices, positions, page_table)
   view = _kv.make_view(kv_cache, page_table)
   _check_tokens(q, "q", None, view.head_dim)
   _append_checks(k, v, batch_indices, positions, view)
   _checks.check_shape(q, (k.shape[0], None, view.head_dim), "q")
   _checks.check_heads(q.shape[1], k.shape[1])
+  _append_contract(view, batch_indices, positions, check)
   inv_freq = rope.inv_freq(view.head_dim)
-  return _run(q, k, v, batch_indices, positions, view, inv_freq,
-              rope.style == "gptj", _resolve_impl(impl))
+  if _nothing_to_write(view, k.shape[0]):
+    q = reference.rope_reference(q, positions, jnp.asarray(inv_freq),
+                                 interleaved=rope.style == "gptj")
+    return q, kv_cache
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    return _run(q, k, v, batch_indices, positions, view, inv_freq,
+                rope.style == "gptj", _resolve_impl(impl))
 
 
 def apply_rope_and_append_qkv(
@@ -405,6 +455,7 @@ def apply_rope_and_append_qkv(
     rope: RopeConfig,
     *,
     impl: Implementation | None = None,
+    check: bool | None = None,
 ):
   """`apply_rope_and_append` on a fused qkv projection (TensorRT-LLM layout).
 
@@ -412,7 +463,8 @@ def apply_rope_and_append_qkv(
   `head_dim` features each; `num_kv_heads` and `head_dim` come from
   `kv_cache`, `num_qo_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads`.
   The Pallas kernel reads the row in place; slicing q, k, v apart first
-  would copy them.
+  would copy them. `batch_indices`, `positions`, `kv_cache`, `page_table`,
+  `rope`, `impl` and `check` are as in `apply_rope_and_append`.
 
   Returns:
     `(q_rotated [num_tokens, num_qo_heads, head_dim] in qkv.dtype, kv_cache)`.
@@ -421,8 +473,12 @@ def apply_rope_and_append_qkv(
     ValueError: `qkv.shape[1]` not `(num_qo_heads + 2 * num_kv_heads) *
       head_dim` with `num_qo_heads` a positive multiple of `num_kv_heads`, and
       as `apply_rope_and_append`.
+    checkify.JaxRuntimeError: (a ValueError) checked mode, as
+      `append_paged_kv`.
   """
   _check_rope(rope)
+  batch_indices, positions, page_table = _index_arrays(
+      batch_indices, positions, page_table)
   view = _kv.make_view(kv_cache, page_table)
   _checks.check_ndim(qkv, (2,), "qkv")
   _checks.check_dtype(qkv, _kv.SUPPORTED_DTYPES, "qkv")
@@ -436,26 +492,32 @@ def apply_rope_and_append_qkv(
   _checks.check_heads(num_qo_heads, hkv)
   _check_index(batch_indices, "batch_indices", num_tokens)
   _check_index(positions, "positions", num_tokens)
+  _append_contract(view, batch_indices, positions, check)
   inv_freq = rope.inv_freq(d)
   interleaved = rope.style == "gptj"
   impl = _resolve_impl(impl)
   heads = qkv.reshape(num_tokens, num_qo_heads + 2 * hkv, d)
-  if impl != "xla":
-    from pkvattn.pallas_kernels import rope_append as kernel
-    try:
-      q_out, k_pool, v_pool = kernel.rope_append_qkv(
-          qkv, positions, None, None, jnp.asarray(inv_freq), view.k_pool,
-          None if view.same_pool else view.v_pool, interleaved=interleaved,
-          interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices))
-      return q_out, _kv.rebuild(view, k_pool, v_pool)
-    except NotImplementedError:
-      if impl == "pallas":
-        raise
-  q = heads[:, :num_qo_heads]
-  k = heads[:, num_qo_heads:num_qo_heads + hkv]
-  v = heads[:, num_qo_heads + hkv:]
-  return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
-              "xla")
+  if _nothing_to_write(view, num_tokens):
+    q = reference.rope_reference(heads[:, :num_qo_heads], positions,
+                                 jnp.asarray(inv_freq), interleaved=interleaved)
+    return q, kv_cache
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    if impl != "xla":
+      from pkvattn.pallas_kernels import rope_append as kernel
+      try:
+        q_out, k_pool, v_pool = kernel.rope_append_qkv(
+            qkv, positions, None, None, jnp.asarray(inv_freq), view.k_pool,
+            None if view.same_pool else view.v_pool, interleaved=interleaved,
+            interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices))
+        return q_out, _kv.rebuild(view, k_pool, v_pool)
+      except NotImplementedError:
+        if impl == "pallas":
+          raise
+    q = heads[:, :num_qo_heads]
+    k = heads[:, num_qo_heads:num_qo_heads + hkv]
+    v = heads[:, num_qo_heads + hkv:]
+    return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
+                "xla")
 
 
 def get_batch_indices_positions(
@@ -470,21 +532,29 @@ def get_batch_indices_positions(
   new tokens). Tokens at or past `q_indptr[-1]` get batch index -1, position 0.
 
   Args:
-    q_indptr: `i32[batch_size + 1]`, non-decreasing cu_seqlens, `[0] == 0`.
-    kv_lens: `i32[batch_size]`, tokens per sequence including the new ones.
+    q_indptr: `i32[batch_size + 1]` (array or list), non-decreasing
+      cu_seqlens, `[0] == 0`.
+    kv_lens: `i32[batch_size]` (array or list), tokens per sequence including
+      the new ones.
     num_tokens: static, padded token count.
 
   Returns:
-    `(batch_indices i32[num_tokens], positions i32[num_tokens])`.
+    `(batch_indices i32[num_tokens], positions i32[num_tokens])`; with
+    `batch_size == 0` every token is padding.
 
   Raises:
     ValueError: non-integer inputs or `q_indptr` not `[batch_size + 1]`.
   """
+  q_indptr = _checks.as_index_array(q_indptr)
+  kv_lens = _checks.as_index_array(kv_lens)
   _checks.check_int(kv_lens, "kv_lens")
   _checks.check_ndim(kv_lens, (1,), "kv_lens")
   _checks.check_int(q_indptr, "q_indptr")
   _checks.check_shape(q_indptr, (kv_lens.shape[0] + 1,), "q_indptr")
   if int(num_tokens) != num_tokens or num_tokens < 0:
     raise ValueError(f"Invalid num_tokens: expected an int >= 0, got {num_tokens!r}")
+  if kv_lens.shape[0] == 0:
+    return (jnp.full((int(num_tokens),), -1, jnp.int32),
+            jnp.zeros((int(num_tokens),), jnp.int32))
   return reference.token_metadata(q_indptr.astype(jnp.int32),
                                   kv_lens.astype(jnp.int32), int(num_tokens))

@@ -7,10 +7,12 @@ so a request samples the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,15 +20,19 @@ class SamplingParams:
   """How one request generates.
 
   Attributes:
-    max_new_tokens: tokens to generate at most (>= 1).
-    temperature: 0 = greedy (argmax); otherwise logits are divided by it.
-    top_k: keep the `top_k` most likely tokens; 0 = all.
-    top_p: keep the smallest set of most likely tokens whose probability
-      reaches `top_p` (nucleus); 1.0 = all.
-    seed: the request's random seed.
-    stop_token_ids: tokens that end generation (kept in the output); None =
-      the model's EOS ids.
-    ignore_eos: generate exactly `max_new_tokens`.
+    max_new_tokens: int >= 1, tokens to generate at most.
+    temperature: finite number >= 0; 0 = greedy (argmax), otherwise logits are
+      divided by it.
+    top_k: int >= 0; keep the `top_k` most likely tokens; 0 = all.
+    top_p: number in (0, 1]; keep the smallest set of most likely tokens whose
+      probability reaches `top_p` (nucleus); 1.0 = all.
+    seed: int, the request's random seed.
+    stop_token_ids: token ids (ints >= 0) that end generation (kept in the
+      output); None = the model's EOS ids.
+    ignore_eos: bool, generate exactly `max_new_tokens`.
+
+  Raises:
+    ValueError: a field of the wrong type or out of range, naming it.
   """
   max_new_tokens: int = 32
   temperature: float = 0.0
@@ -37,16 +43,34 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def __post_init__(self):
-    if self.max_new_tokens < 1:
+    def is_int(x):
+      return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    def is_real(x):
+      return isinstance(x, (int, float, np.integer, np.floating)) and (
+          not isinstance(x, bool)) and math.isfinite(x)
+
+    if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+      raise ValueError("Invalid max_new_tokens: expected an int >= 1, got "
+                       f"{self.max_new_tokens!r}")
+    if not is_real(self.temperature) or self.temperature < 0:
+      raise ValueError("Invalid temperature: expected a finite number >= 0, "
+                       f"got {self.temperature!r}")
+    if not is_int(self.top_k) or self.top_k < 0:
       raise ValueError(
-          f"Invalid max_new_tokens: expected >= 1, got {self.max_new_tokens}")
-    if self.temperature < 0:
+          f"Invalid top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
+    if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
       raise ValueError(
-          f"Invalid temperature: expected >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise ValueError(f"Invalid top_k: expected >= 0, got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"Invalid top_p: expected in (0, 1], got {self.top_p}")
+          f"Invalid top_p: expected a number in (0, 1], got {self.top_p!r}")
+    if not is_int(self.seed):
+      raise ValueError(f"Invalid seed: expected an int, got {self.seed!r}")
+    if self.stop_token_ids is not None and not all(
+        is_int(t) and t >= 0 for t in self.stop_token_ids):
+      raise ValueError("Invalid stop_token_ids: expected token ids (ints >= "
+                       f"0) or None, got {self.stop_token_ids!r}")
+    if not isinstance(self.ignore_eos, (bool, np.bool_)):
+      raise ValueError(
+          f"Invalid ignore_eos: expected a bool, got {self.ignore_eos!r}")
 
 
 def sample(

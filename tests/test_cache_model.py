@@ -1,16 +1,27 @@
 """Random operation sequences: the jitted cache vs the pure-Python model.
 
-After every step: the device state equals the model slot for slot (tables,
-lengths, refcounts, publication, LRU clocks, generations), `cache.validate`
-passes, per-request results agree, and every reused block really holds the
-request's prefix (tracked independently as ground truth per slot).
+Three configs, all with `enable_swa_scratch_reuse` on: one mixed (a windowed
+and a full layer: scratch inactive, the plain path), two all-windowed (scratch
+active; one with three windows and `max_rewind_len`). After every step: the
+device state equals the model slot for slot (tables, lengths, refcounts,
+publication, LRU clocks, generations, scratch), `cache.validate` passes,
+per-request results agree, every reused block really holds the request's
+prefix, and a visibility oracle built from the attention semantics alone
+holds (`_check_visibility`): every block a current or future query can see is
+mapped to a slot holding that sequence's tokens; scratch blocks are mapped
+only while their step runs, to pages no one else holds.
+
+Arguments of each operation come from a numpy generator seeded by a drawn
+integer (two hypothesis draws per operation keep an example cheap); the
+operation kinds and seeds still shrink.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,75 +33,91 @@ from pkvattn import cache
 from pkvattn.cache import alloc
 from pkvattn.cache import reference
 
-CFG = cache.CacheConfig(num_slots=16, page_size=4, num_layers=2, max_seqs=6,
-                        max_pages=6, hash_ways=16)
-PS = CFG.page_size
-MAX_LEN = CFG.max_seq_len  # 24
+CONFIGS = {
+    # One windowed and one full layer: scratch stays inactive.
+    "mixed": cache.CacheConfig(
+        num_slots=16, page_size=4, num_layers=2, max_seqs=6, max_pages=6,
+        hash_ways=16, layer_windows=(5, -1), enable_swa_scratch_reuse=True),
+    "swa": cache.CacheConfig(
+        num_slots=12, page_size=4, num_layers=2, max_seqs=5, max_pages=6,
+        hash_ways=12, layer_windows=(5, 3), enable_swa_scratch_reuse=True),
+    "swa_rewind": cache.CacheConfig(
+        num_slots=12, page_size=4, num_layers=3, max_seqs=5, max_pages=6,
+        hash_ways=12, layer_windows=(6, 2, 9), enable_swa_scratch_reuse=True,
+        max_rewind_len=2),
+}
+# Admission policy of each config's claim / extend / fork (static arguments;
+# every combination is also covered by tests/test_cache_reliability.py).
+POLICY = {"mixed": True, "swa": False, "swa_rewind": True}  # head_of_line
 BATCH = 3
-NUM_EXAMPLES = int(os.environ.get("PKV_CACHE_EXAMPLES", "1000"))
+# Examples per config (CI: 3 x 400 = 1,200 operation sequences, all with
+# scratch reuse enabled, 800 of them with scratch active).
+NUM_EXAMPLES = int(os.environ.get("PKV_CACHE_EXAMPLES", "400"))
 
-# Every jitted op traced once for the whole run, whatever the batch values.
-_claim = jax.jit(chex.assert_max_traces(alloc.claim_batch.__wrapped__, n=1))
-_extend = jax.jit(chex.assert_max_traces(alloc.extend.__wrapped__, n=1))
-_commit = jax.jit(chex.assert_max_traces(alloc.commit.__wrapped__, n=1))
-_release = jax.jit(chex.assert_max_traces(alloc.release.__wrapped__, n=1))
-_fork = jax.jit(chex.assert_max_traces(alloc.fork.__wrapped__, n=1))
+assert not CONFIGS["mixed"].swa_scratch_active
+assert CONFIGS["swa"].swa_scratch_active
+assert CONFIGS["swa_rewind"].swa_scratch_active
 
-# A few shared prompt stems so that prefixes collide often.
-_BASES = np.random.default_rng(0).integers(0, 3, size=(3, MAX_LEN))
-
-_KINDS = ("claim", "claim", "extend", "commit", "commit", "release", "fork")
+# Traces per (op, config, static arguments): every jitted op must be traced
+# once for the whole run, whatever the batch values.
+_TRACES: collections.Counter = collections.Counter()
 
 
-def _pick_ids(data, pool):
-  """BATCH distinct ids from `pool` (live or dead ids), padded with -1; one
-  entry may be replaced by an arbitrary (possibly invalid or duplicate) id."""
-  ids = list(data.draw(st.permutations(pool)))[:BATCH] if pool else []
-  ids += [-1] * (BATCH - len(ids))
-  if data.draw(st.integers(0, 3)) == 0:
-    ids[data.draw(st.integers(0, BATCH - 1))] = data.draw(
-        st.integers(-1, CFG.max_seqs))
-  return ids
+def _counted(name, fn):
+  def traced(state, *args, **statics):
+    _TRACES[(name, state.config, tuple(sorted(statics.items())))] += 1
+    return fn(state, *args, **statics)
+  return traced
 
 
-def _draw_op(data, run):
-  kind = data.draw(st.sampled_from(_KINDS))
-  live = sorted(run.ref.seqs)
-  dead = [i for i in range(CFG.max_seqs) if i not in run.ref.seqs]
-  batch = lambda e: data.draw(st.lists(e, min_size=BATCH, max_size=BATCH))
-  seed = data.draw(st.integers(0, 2**31 - 1))
-  if kind == "claim":
-    return kind, (_pick_ids(data, dead),
-                  batch(st.sampled_from([13, 9, 16, 24, 5, 4, 1, 0, 26])),
-                  batch(st.sampled_from([0, 0, 0, 1, 2])),   # prompt stem
-                  batch(st.sampled_from([24, 24, 16, 9, 4, 0])),  # stem cut
-                  batch(st.sampled_from([0, 0, 0, 1])),      # reuse_scope
-                  seed)
-  if kind == "extend":
-    return kind, (_pick_ids(data, live), batch(st.integers(0, 9)))
-  if kind == "commit":
-    return kind, (_pick_ids(data, live),
-                  batch(st.sampled_from([28, 28, 24, 13, 8, 4, 0])))
-  if kind == "release":
-    return kind, (_pick_ids(data, live),)
-  return kind, (_pick_ids(data, live), _pick_ids(data, dead), seed)
+_claim = jax.jit(_counted("claim", alloc.claim_batch.__wrapped__),
+                 static_argnames=("head_of_line", "evict"))
+_extend = jax.jit(_counted("extend", alloc.extend.__wrapped__),
+                  static_argnames=("head_of_line", "evict"))
+_commit = jax.jit(_counted("commit", alloc.commit.__wrapped__))
+_release = jax.jit(_counted("release", alloc.release.__wrapped__))
+_finish = jax.jit(_counted("finish", alloc.finish_step.__wrapped__))
+_fork = jax.jit(_counted("fork", alloc.fork.__wrapped__),
+                static_argnames=("head_of_line",))
+
+
+@jax.jit
+def _tables(state):
+  """K pages of every layer: `i32[num_layers, max_seqs, max_pages]`."""
+  cfg = state.config
+  ids = jnp.arange(cfg.max_seqs, dtype=jnp.int32)
+  return jax.vmap(lambda layer: cache.page_table(state, ids, layer)[:, 0])(
+      jnp.arange(cfg.num_layers, dtype=jnp.int32))
+
+
+_KINDS = ("claim", "claim", "extend", "extend", "commit", "commit", "release",
+          "finish", "fork")
 
 
 def _i32(x):
   return jnp.asarray(np.asarray(x, np.int32))
 
 
+def _cdiv(a, b):
+  return -(-a // b)
+
+
 def assert_same(state: cache.CacheState, ref: reference.ReferenceCache,
                 with_stats: bool = False):
+  cfg = state.config
   cache.validate(state)
   h = jax.device_get(state)  # one transfer, then numpy comparisons
-  for sid in range(CFG.max_seqs):
+  for sid in range(cfg.max_seqs):
     live = sid in ref.seqs
     assert h.seq_slots[sid].tolist() == ref.seq_row(sid), (sid, h.seq_slots)
     assert bool(h.seq_live[sid]) == live
     assert int(h.seq_lens[sid]) == (ref.seqs[sid].length if live else 0)
     if live:
       assert int(h.seq_scope[sid]) == ref.seqs[sid].scope
+    slots, first, count = ref.scratch_row(sid)
+    assert h.seq_scratch_slots[sid].tolist() == slots, sid
+    assert (int(h.seq_scratch_first[sid]),
+            int(h.seq_scratch_count[sid])) == (first, count), sid
   assert h.slot_refcount.tolist() == ref.refcount
   assert h.slot_published.tolist() == ref.published
   assert h.slot_last_use.tolist() == ref.last_use
@@ -107,124 +134,257 @@ def assert_same(state: cache.CacheState, ref: reference.ReferenceCache,
     for k, v in want.items():
       assert got[k] == v, (k, got, want)
     assert (got["num_free"] + got["num_used"] + got["num_cached"]
-            == CFG.num_slots)
+            == cfg.num_slots)
   assert int(h.clock) == ref.clock
 
 
 class _Run:
-  """Drives both implementations and tracks ground truth per slot."""
+  """Drives both implementations and tracks, independently of either, what
+  every slot holds (`truth`) and which step each sequence runs (`step`)."""
 
-  def __init__(self):
-    self.state = cache.init_cache(CFG)
-    self.ref = reference.ReferenceCache(CFG)
+  def __init__(self, name: str):
+    self.cfg = CONFIGS[name]
+    self.head_of_line = POLICY[name]
+    self.state = cache.init_cache(self.cfg)
+    self.ref = reference.ReferenceCache(self.cfg)
+    self.bases = np.random.default_rng(0).integers(
+        0, 3, size=(3, self.cfg.max_seq_len))  # shared stems: prefixes collide
     self.future: dict[int, np.ndarray] = {}  # sid -> all tokens it will hold
     self.truth: dict[int, tuple] = {}        # slot -> (scope, token prefix)
+    self.step: dict[int, tuple[int, int]] = {}  # sid -> (history, capacity)
+
+  # --- argument drawing ------------------------------------------------------
+  def _ids(self, rng, pool):
+    """BATCH distinct ids from `pool`, padded with -1; sometimes one entry is
+    replaced by an arbitrary (possibly invalid or duplicate) id."""
+    ids = [int(x) for x in rng.permutation(pool)[:BATCH]] if pool else []
+    ids += [-1] * (BATCH - len(ids))
+    if rng.integers(4) == 0:
+      ids[rng.integers(BATCH)] = int(rng.integers(-1, self.cfg.max_seqs + 1))
+    return ids
+
+  def apply(self, kind: str, seed: int):
+    rng = np.random.default_rng(seed)
+    live = sorted(self.ref.seqs)
+    dead = [i for i in range(self.cfg.max_seqs) if i not in self.ref.seqs]
+    getattr(self, kind)(rng, live, dead)
+
+  def _valid_once(self, ids, want_live, dedupe=False):
+    """Ids an op acts on: in range, right liveness, listed once (dedupe: the
+    first occurrence)."""
+    out = []
+    for r, sid in enumerate(ids):
+      ok = 0 <= sid < self.cfg.max_seqs and (sid in self.ref.seqs) == want_live
+      once = sid not in ids[:r] if dedupe else ids.count(sid) == 1
+      out.append(ok and once)
+    return out
 
   def _note_new_blocks(self, sid, first_block):
     row = self.ref.seq_row(sid)
     scope = self.ref.seqs[sid].scope
+    ps = self.cfg.page_size
     for i in range(first_block, len(self.ref.seqs[sid].slots)):
-      self.truth[row[i]] = (scope, tuple(self.future[sid][:(i + 1) * PS]))
+      if row[i] >= 0:  # scratch blocks (-1) hold nothing past their step
+        self.truth[row[i]] = (scope, tuple(self.future[sid][:(i + 1) * ps]))
 
-  def claim(self, ids, lengths, stems, cuts, scopes, seed):
-    rng = np.random.default_rng(seed)
-    tokens = _BASES[stems].copy()
+  # --- operations ------------------------------------------------------------
+  def claim(self, rng, live, dead):
+    cfg, ps = self.cfg, self.cfg.page_size
+    max_len = cfg.max_seq_len
+    ids = self._ids(rng, dead)
+    lengths = rng.choice([max_len, 13, 9, 16, 5, 4, 1, 0, max_len + 2], BATCH)
+    stems = rng.choice([0, 0, 0, 1, 2], BATCH)
+    cuts = rng.choice([max_len, max_len, 16, 9, 4, 0], BATCH)
+    scopes = rng.choice([0, 0, 0, 1], BATCH)
+    tokens = self.bases[stems].copy()
     for r, cut in enumerate(cuts):
-      tokens[r, cut:] = rng.integers(0, 3, MAX_LEN - cut)
+      tokens[r, cut:] = rng.integers(0, 3, max_len - cut)
     self.state, res = _claim(self.state, _i32(ids), _i32(tokens),
-                             _i32(lengths), _i32(scopes))
-    want = self.ref.claim_batch(ids, tokens, lengths, scopes)
+                             _i32(lengths), _i32(scopes),
+                             head_of_line=self.head_of_line)
+    want = self.ref.claim_batch(ids, tokens, lengths, scopes,
+                                head_of_line=self.head_of_line)
     for k, v in want.items():
       assert np.asarray(getattr(res, k)).tolist() == v, (k, res, want)
     for r, sid in enumerate(ids):
       if not want["ok"][r]:
         continue
-      reused = want["num_reused_tokens"][r] // PS
+      reused = want["num_reused_tokens"][r] // ps
       row = self.ref.seq_row(sid)
       for i in range(reused):  # reuse only of the exact prefix and scope
-        assert self.truth[row[i]] == (scopes[r], tuple(tokens[r][:(i + 1) * PS]))
+        assert self.truth[row[i]] == (scopes[r],
+                                      tuple(tokens[r][:(i + 1) * ps]))
       self.future[sid] = tokens[r].copy()
       self._note_new_blocks(sid, reused)
+      self.step[sid] = (reused * ps, int(lengths[r]))
 
-  def extend(self, ids, adds):
-    before = {sid: len(s.slots) for sid, s in self.ref.seqs.items()}
-    self.state, res = _extend(self.state, _i32(ids), _i32(adds))
-    want = self.ref.extend(ids, adds)
+  def extend(self, rng, live, dead):
+    ids = self._ids(rng, live)
+    adds = rng.integers(0, 11, BATCH)
+    evict = bool(rng.integers(3))
+    before = {sid: (len(s.slots), s.length) for sid, s in self.ref.seqs.items()}
+    valid = self._valid_once(ids, want_live=True)
+    self.state, res = _extend(self.state, _i32(ids), _i32(adds),
+                              head_of_line=self.head_of_line, evict=evict)
+    want = self.ref.extend(ids, adds, head_of_line=self.head_of_line,
+                           evict=evict)
     assert np.asarray(res.ok).tolist() == want["ok"]
     assert np.asarray(res.num_new_blocks).tolist() == want["num_new_blocks"]
     for r, sid in enumerate(ids):
+      if valid[r]:  # the previous step is over, granted or not
+        self.step.pop(sid, None)
       if want["ok"][r]:
-        self._note_new_blocks(sid, before[sid])
+        self._note_new_blocks(sid, before[sid][0])
+        self.step[sid] = (before[sid][1], before[sid][1] + int(adds[r]))
 
-  def commit(self, ids, lengths):
-    tokens = np.zeros((BATCH, MAX_LEN), np.int32)
+  def commit(self, rng, live, dead):
+    ids = self._ids(rng, live)
+    lengths = rng.choice([28, 28, 24, 13, 8, 4, 0], BATCH)
+    tokens = np.zeros((BATCH, self.cfg.max_seq_len), np.int32)
     for r, sid in enumerate(ids):
       if sid in self.future:
         tokens[r] = self.future[sid]
     self.state = _commit(self.state, _i32(ids), _i32(tokens), _i32(lengths))
     self.ref.commit(ids, tokens, lengths)
 
-  def release(self, ids):
+  def release(self, rng, live, dead):
+    ids = self._ids(rng, live)
+    if rng.integers(4) == 0:  # a duplicate: released once, never leaked
+      ids[-1] = ids[0]
     self.state = _release(self.state, _i32(ids))
     self.ref.release(ids)
+    for sid in ids:
+      self.step.pop(sid, None)
+      if sid >= 0:
+        assert sid not in self.ref.seqs
 
-  def fork(self, parents, children, seed):
-    self.state, res = _fork(self.state, _i32(parents), _i32(children))
-    want = self.ref.fork(parents, children)
+  def finish(self, rng, live, dead):
+    ids = self._ids(rng, live)
+    valid = self._valid_once(ids, want_live=True, dedupe=True)
+    self.state = _finish(self.state, _i32(ids))
+    self.ref.finish_step(ids)
+    for r, sid in enumerate(ids):
+      if valid[r]:
+        self.step.pop(sid, None)
+
+  def fork(self, rng, live, dead):
+    cfg, ps = self.cfg, self.cfg.page_size
+    parents, children = self._ids(rng, live), self._ids(rng, dead)
+    self.state, res = _fork(self.state, _i32(parents), _i32(children),
+                            head_of_line=self.head_of_line)
+    want = self.ref.fork(parents, children, head_of_line=self.head_of_line)
     assert np.asarray(res.ok).tolist() == want["ok"]
     src = np.asarray(res.src_pages).reshape(BATCH, -1)
     dst = np.asarray(res.dst_pages).reshape(BATCH, -1)
-    sub = np.arange(2 * CFG.num_layers)
-    rng = np.random.default_rng(seed)
+    sub = np.arange(2 * cfg.num_layers)
     for r, copy in enumerate(want["copies"]):
       if copy is None:
         assert (src[r] == -1).all() and (dst[r] == -1).all()
       else:
-        np.testing.assert_array_equal(src[r], copy[0] * 2 * CFG.num_layers + sub)
-        np.testing.assert_array_equal(dst[r], copy[1] * 2 * CFG.num_layers + sub)
+        np.testing.assert_array_equal(src[r], copy[0] * 2 * cfg.num_layers + sub)
+        np.testing.assert_array_equal(dst[r], copy[1] * 2 * cfg.num_layers + sub)
       if want["ok"][r]:
         child, parent = children[r], parents[r]
         length = self.ref.seqs[child].length
         fut = self.future[parent].copy()
-        fut[length:] = rng.integers(0, 3, MAX_LEN - length)
+        fut[length:] = rng.integers(0, 3, cfg.max_seq_len - length)
         self.future[child] = fut
-        self._note_new_blocks(child, length // PS)
+        self._note_new_blocks(child, length // ps)
+
+  # --- the visibility oracle -------------------------------------------------
+  def check_visibility(self):
+    """What each live sequence must be able to read, from the definitions.
+
+    For layer `l` with window `w` (key `j` visible to the query at `p` iff
+    `p - w <= j <= p`; `w = -1`: all `j <= p`):
+      * future queries (positions `>= length - max_rewind_len`) see blocks
+        from `(length - max_rewind_len - w) // page_size` on: each is mapped
+        to this layer's page of a slot holding the sequence's tokens;
+      * the running step (queries at `history .. capacity - 1`) sees blocks
+        from `(history - w) // page_size` to `cdiv(capacity, page_size)`: all
+        mapped; normal ones as above (a block the step writes may be shared,
+        by `fork`, only with sequences that expect the same tokens there:
+        one `truth` per slot); scratch ones (no slot) to a page that no other
+        block of any live sequence maps to in this layer, of a slot that
+        holds no sequence's block;
+      * with no running step, every mapped page is the block's own slot (no
+        scratch page outlives its step).
+    """
+    cfg, ps, nl = self.cfg, self.cfg.page_size, self.cfg.num_layers
+    tables = np.asarray(_tables(self.state))  # [nl, max_seqs, max_pages]
+    seqs = self.ref.seqs
+    normal = {s for seq in seqs.values() for s in seq.slots if s >= 0}
+    for layer, w in enumerate(cfg.layer_windows):
+      holders = collections.Counter(
+          int(p) for sid in seqs for p in tables[layer, sid] if p >= 0)
+
+      def own(sid, b, page):
+        slot, sub = divmod(page // 2, nl)
+        assert page % 2 == 0 and sub == layer, (sid, b, page)
+        assert self.truth.get(slot) == (
+            seqs[sid].scope, tuple(self.future[sid][:(b + 1) * ps])), (
+                sid, b, slot)
+
+      for sid, seq in seqs.items():
+        row = tables[layer, sid]
+        nb = _cdiv(seq.length, ps)
+        assert (row[nb:] == -1).all(), (sid, row)
+        first_query = max(seq.length - cfg.max_rewind_len, 0)
+        lo = 0 if w < 0 else max(first_query - w, 0) // ps
+        for b in range(lo, nb):
+          assert row[b] >= 0, (sid, b, row)
+          own(sid, b, int(row[b]))
+        if sid not in self.step:
+          for b in range(nb):
+            if row[b] >= 0:
+              assert row[b] == (seq.slots[b] * nl + layer) * 2, (sid, b, row)
+          continue
+        history, capacity = self.step[sid]
+        lo = 0 if w < 0 else max(history - w, 0) // ps
+        for b in range(lo, _cdiv(capacity, ps)):
+          page = int(row[b])
+          assert page >= 0, (sid, b, row, self.step[sid])
+          if seq.slots[b] >= 0:
+            own(sid, b, page)
+          else:
+            assert holders[page] == 1, (sid, b, page)
+            assert page // (2 * nl) not in normal, (sid, b, page)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
 @settings(max_examples=NUM_EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(data=st.data())
-def test_random_ops_match_reference(data):
-  run = _Run()
+def test_random_ops_match_reference(name, data):
+  run = _Run(name)
   for _ in range(data.draw(st.integers(6, 16), label="num_ops")):
-    kind, args = _draw_op(data, run)
-    getattr(run, kind)(*args)
+    kind = data.draw(st.sampled_from(_KINDS))
+    run.apply(kind, data.draw(st.integers(0, 2**16)))
     assert_same(run.state, run.ref)
+    run.check_visibility()
   assert_same(run.state, run.ref, with_stats=True)
-  layer = data.draw(st.integers(0, CFG.num_layers - 1), label="layer")
-  ids = np.arange(-1, CFG.max_seqs + 1)
-  for split in (True, False):
-    actual = cache.page_table(run.state, _i32(ids), layer, split=split)
-    expected = run.ref.page_table(ids, layer, split=split)
-    chex.assert_shape(actual, expected.shape)
-    np.testing.assert_array_equal(actual, expected)
+  ids = np.arange(-1, run.cfg.max_seqs + 1)
+  for layer in range(run.cfg.num_layers):
+    for split in (True, False):
+      actual = cache.page_table(run.state, _i32(ids), layer, split=split)
+      expected = run.ref.page_table(ids, layer, split=split)
+      np.testing.assert_array_equal(actual, expected)
+  traces = {k: v for k, v in _TRACES.items() if k[1] == run.cfg}
+  assert max(traces.values()) == 1, traces
 
 
 def test_validate_catches_corruption():
-  run = _Run()
-  run.claim([0, 1, -1], [9, 5, 0], [0, 1, 0], [24, 24, 0], [0, 0, 0], 1)
+  run = _Run("mixed")
+  run.state, _ = _claim(run.state, _i32([0, 1, -1]),
+                        _i32(run.bases[[0, 1, 0]]), _i32([9, 5, 0]),
+                        _i32([0, 0, 0]), head_of_line=True)
   cache.validate(run.state)
-  bad = dataclass_replace(run.state, slot_refcount=run.state.slot_refcount.at[
+  bad = dataclasses.replace(run.state, slot_refcount=run.state.slot_refcount.at[
       int(run.state.seq_slots[0, 0])].add(1))
   with pytest.raises(ValueError, match="refcount"):
     cache.validate(bad)
-  stolen = dataclass_replace(run.state, seq_slots=run.state.seq_slots.at[1, 0].set(
-      run.state.seq_slots[0, 2]))
+  stolen = dataclasses.replace(run.state, seq_slots=run.state.seq_slots.at[
+      1, 0].set(run.state.seq_slots[0, 2]))
   with pytest.raises(ValueError):
     cache.validate(stolen)
-
-
-def dataclass_replace(state, **kw):
-  import dataclasses
-  return dataclasses.replace(state, **kw)

@@ -1,0 +1,145 @@
+"""Checked mode: the runtime contract of the public ops turned into errors.
+
+Unchecked (the default), out-of-contract *values* never raise: cache ops
+refuse the request (`ok=False`) or ignore it, and the attention ops read
+whatever the tables point at. Checked mode adds `jax.experimental.checkify`
+checks of those values, so a caller's bug surfaces as an error naming the
+argument, the offending entry and the expected range.
+
+Turning it on:
+  * `with pkvattn.checked(): ...` (or `pkvattn.cache.checked()`): every public
+    op traced inside the block checks its contract. The flag is a
+    `jax.make_user_context`, part of every `jax.jit` cache key, so a function
+    jitted before the block is traced again inside it (and not otherwise).
+  * `check=True` on one call (`check=False` turns it off inside the block;
+    `None`, the default, follows the block).
+
+Where the errors surface:
+  * Eager calls (no argument is a tracer): the op runs its checks as one small
+    jitted, checkified function and raises `checkify.JaxRuntimeError` (a
+    `ValueError`) before doing any work.
+  * Inside the caller's own `jax.jit` (or scan, vmap, ...): the checks are
+    staged into the caller's program, which must then be functionalized by
+    `jax.experimental.checkify.checkify`:
+
+        with pkvattn.checked():
+          err, out = checkify.checkify(jax.jit(step))(*args)
+        err.throw()
+
+    (`jax.jit(checkify.checkify(step))` works too.) Without `checkify`, JAX
+    refuses to trace the staged checks ("Cannot abstractly evaluate a
+    checkify.check which was not functionalized").
+
+Unchecked, none of this code runs: the compiled programs are those of the ops
+alone (`tests/test_checked.py` compares the lowered text).
+
+This module depends on jax only (the `cache` package never imports `pkvattn`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+# Read at trace time; part of the jit cache key (jax.make_user_context).
+_CHECKED = jax.make_user_context(False)
+
+
+def checked(enabled: bool = True):
+  """Context manager: public ops traced inside it check their contract.
+
+  Args:
+    enabled: True turns checked mode on, False off (e.g. to exempt one block
+      inside an outer `checked()`).
+
+  Returns:
+    A context manager (no `as` value). Nestable and thread-local.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import pkvattn
+    >>> from pkvattn import cache
+    >>> st = cache.init_cache(cache.CacheConfig(num_slots=4, page_size=4,
+    ...                                         num_layers=1, max_seqs=2,
+    ...                                         max_pages=2))
+    >>> with pkvattn.checked():
+    ...   st = cache.release(st, [0, 7])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    jax._src.checkify.JaxRuntimeError: Invalid seq_ids: seq_ids[1] = 7 is ...
+  """
+  return _CHECKED(bool(enabled))
+
+
+def enabled(check: bool | None) -> bool:
+  """The effective checked flag of one call (`None` follows `checked()`)."""
+  if check is None:
+    return bool(_CHECKED.value)
+  return bool(check)
+
+
+def unchecked():
+  """Context manager for an op's own (check-free) body: traced as unchecked,
+  so checked mode reuses the op's unchecked compilation (the flag is part of
+  every jit cache key) instead of compiling it again."""
+  return _CHECKED(False)
+
+
+def require(pred, msg: str, *fmt_args) -> None:
+  """`checkify.check(pred, msg, *fmt_args)`: one contract clause."""
+  checkify.check(pred, msg, *fmt_args)
+
+
+def first_true(mask):
+  """Flat index of the first True entry of `mask` (0 if none), `i32[]`.
+
+  `mask` must be non-empty (the index is used to gather the offending value).
+  """
+  return jnp.argmax(mask.reshape(-1)).astype(jnp.int32)
+
+
+def require_ids(seq_ids, max_seqs: int, name: str, *, unique: bool = True):
+  """Ids are -1 (padding) or in `[0, max_seqs)`; with `unique`, no id twice."""
+  if seq_ids.shape[0] == 0:
+    return
+  ids = seq_ids.astype(jnp.int32)
+  bad = (ids < -1) | (ids >= max_seqs)
+  i = first_true(bad)
+  require(~jnp.any(bad),
+          f"Invalid {name}: {name}[{{}}] = {{}} is not -1 (padding) or in "
+          f"[0, max_seqs={max_seqs})", i, ids[i])
+  if unique and ids.shape[0] > 1:
+    same = ((ids[:, None] == ids[None, :]) & (ids[None, :] >= 0)
+            & ~jnp.eye(ids.shape[0], dtype=bool))
+    j = first_true(jnp.any(same, axis=1))
+    require(~jnp.any(same),
+            f"Invalid {name}: id {{}} appears more than once (first at "
+            f"{name}[{{}}]); every id may appear once per call", ids[j], j)
+
+
+def _is_traced(tree) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+@functools.lru_cache(maxsize=None)
+def _functionalized(fn, statics):
+  """`jit(checkify(fn))` with the static keyword arguments bound (cached)."""
+  return jax.jit(checkify.checkify(functools.partial(fn, **dict(statics))))
+
+
+def run(fn, *args, **statics) -> None:
+  """Runs the contract function `fn(*args, **statics)` (made of `require`s).
+
+  Eager (no tracer among `args`): runs it jitted and checkified, raising
+  `checkify.JaxRuntimeError` (a `ValueError`) on the first violated clause.
+  Traced: stages the checks into the caller's program (module docstring).
+  `statics` must be hashable.
+  """
+  if _is_traced(args):
+    fn(*args, **statics)
+    return
+  err, _ = _functionalized(fn, tuple(sorted(statics.items())))(*args)
+  err.throw()
