@@ -24,7 +24,7 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 # Small pool (12 slots of 8 tokens for 4 rows of up to 64 tokens): claims are
 # refused and decodes preempted; bursts of 4 decode steps.
 CFG = EngineConfig(page_size=8, num_slots=12, max_seqs=4, max_num_tokens=32,
-                   max_model_len=64, decode_steps=4)
+                   max_model_len=64, decode_steps=4, check=True)
 
 
 @pytest.fixture(scope="module")

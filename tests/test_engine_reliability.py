@@ -3,6 +3,8 @@ input before queuing anything."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,7 @@ from pkvattn.models import load_model
 # pool of 6 slots of 8 tokens for 3 rows of up to 40 tokens, so claims are
 # refused, decodes preempted and cached blocks evicted.
 CFG = EngineConfig(page_size=8, num_slots=6, max_seqs=3, max_num_tokens=16,
-                   max_model_len=40, decode_steps=2)
+                   max_model_len=40, decode_steps=2, check=True)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +119,18 @@ def test_ignore_eos_finishes_on_length_even_at_a_stop_id(model):
   while engine.has_unfinished():
     engine.step()
   assert engine.get_request(rid).finish_reason == "stop"
+
+
+def test_checked_engine_reports_a_corrupted_page_table(model):
+  # A slot id out of the pool in a running sequence's table: unchecked, the
+  # attention would read another page; checked, the step raises and names it.
+  from jax.experimental import checkify
+  engine = Engine(model, CFG)
+  engine.add_request([256, 1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(
+      max_new_tokens=4, ignore_eos=True))
+  engine.step()  # admitted: its blocks are claimed
+  engine.state = dataclasses.replace(
+      engine.state,
+      seq_slots=engine.state.seq_slots.at[0, 0].set(CFG.num_slots + 3))
+  with pytest.raises(checkify.JaxRuntimeError, match="page_table"):
+    engine.step()

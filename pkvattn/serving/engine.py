@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pkvattn import _checks
+from pkvattn import _contract
 from pkvattn import cache as _cache
 from pkvattn.models import Model
 from pkvattn.models import decoder as _decoder
@@ -100,10 +101,7 @@ class Engine:
     if mesh is not None:
       from pkvattn import parallel as _parallel  # parallel imports models
       model = _parallel.shard_model(model, mesh)
-    scan = config.scan_layers
-    if scan is None:
-      scan = not _checks.is_gpu()
-    if not scan:
+    if not config.scan_layers:
       params = _decoder.unstack_layers(model.params)
       if mesh is not None:
         params = jax.device_put(params, jax.tree.map(
@@ -194,8 +192,24 @@ class Engine:
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                          sharding=self._inputs_sharding),
           inputs)
-    return fn.lower(self.model.params, self.pool, self.state, self.seq_tokens,
-                    inputs)
+    with _contract.checked(self.config.check):
+      return fn.lower(self.model.params, self.pool, self.state,
+                      self.seq_tokens, inputs)
+
+  def _run(self, program, inputs):
+    """Calls a compiled program on the engine's buffers (donated) and keeps
+    its new buffers; returns its outputs. Checked mode: raises the first
+    contract violation (`checkify.JaxRuntimeError`) after the call."""
+    result = program(self.model.params, self.pool, self.state,
+                     self.seq_tokens,
+                     jax.device_put(inputs, self._inputs_sharding))
+    err = None
+    if self.config.check:
+      err, result = result
+    self.pool, self.state, self.seq_tokens, out = result
+    if err is not None:
+      err.throw()
+    return out
 
   def _memo_key(self, key: ProgramKey):
     return (self.model.cfg, self.config, self.mesh, key,
@@ -533,9 +547,7 @@ class Engine:
     compile_s = self.stats.compile_time_s
     program = self._program(key)
     compile_s = self.stats.compile_time_s - compile_s
-    self.pool, self.state, self.seq_tokens, out = program(
-        self.model.params, self.pool, self.state, self.seq_tokens,
-        jax.device_put(inputs, self._inputs_sharding))
+    out = self._run(program, inputs)
     out = jax.device_get(out)  # the one device -> host sync
     t2 = time.perf_counter()
 
@@ -656,9 +668,7 @@ class Engine:
     compile_s = self.stats.compile_time_s
     program = self._program(key)
     compile_s = self.stats.compile_time_s - compile_s
-    self.pool, self.state, self.seq_tokens, out = program(
-        self.model.params, self.pool, self.state, self.seq_tokens,
-        jax.device_put(inputs, self._inputs_sharding))
+    out = self._run(program, inputs)
     out = jax.device_get(out)
     t2 = time.perf_counter()
     num_sampled = 0

@@ -106,6 +106,9 @@ def profile(engine, iters: int = 10) -> dict:
       single-device pieces only).
     ValueError: nothing to profile yet (no step run, no burst pending).
   """
+  if engine.config.check:
+    raise ValueError("Invalid call: profile() times unchecked programs; got an "
+                     "engine with EngineConfig(check=True)")
   if engine.mesh is not None:
     raise NotImplementedError(
         "Engine.profile() times a single-device step; got an engine with a "

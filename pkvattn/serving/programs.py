@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
+from jax.experimental import checkify
 
 from pkvattn import cache as _cache
 from pkvattn.flax import AttentionPlan
@@ -339,12 +340,15 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
 def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
                    mesh, kind: str, greedy_only: bool):
   """The `jax.jit` of one program kind (shared by engines with one config);
-  the pool, the cache state and the token buffer are donated."""
-  body = device_step if kind == "step" else device_decode_burst
-  return jax.jit(
-      functools.partial(body, model_cfg=model_cfg, cfg=cfg, mesh=mesh,
-                        greedy_only=greedy_only),
-      donate_argnums=(1, 2, 3))
+  the pool, the cache state and the token buffer are donated. With
+  `cfg.check` the program is functionalized by `checkify` (it returns
+  `(error, outputs)`) and must be traced inside `pkvattn.checked()`."""
+  body = functools.partial(
+      device_step if kind == "step" else device_decode_burst,
+      model_cfg=model_cfg, cfg=cfg, mesh=mesh, greedy_only=greedy_only)
+  if cfg.check:  # returns (checkify.Error, outputs); trace under checked()
+    body = checkify.checkify(body)
+  return jax.jit(body, donate_argnums=(1, 2, 3))
 
 
 def signature(*trees) -> tuple:
