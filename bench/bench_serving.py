@@ -1,6 +1,6 @@
 """The main job's serving benchmark: pkvattn's engine vs transformers' continuous batching.
 
-Workload (the issue's): a model of SmolLM2-135M-Instruct's shape (Llama
+Workload (the main job at scale): a model of SmolLM2-135M-Instruct's shape (Llama
 architecture, 30 layers, 9 / 3 heads of 64, vocab 49152; or `--model llama1b`:
 Llama-3.2-1B's shape), random bf16 weights (speed does not depend on weight
 values), 256 prompts of 35-47 random tokens (≈41, the chat prompts' length),
