@@ -279,6 +279,29 @@ def _hf_weights(arch, rng):
   return t
 
 
+LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)
+
+
+def _llama3_rope_freqs(theta=50000.0, head_dim=HEAD_DIM, factor=8.0, low=1.0,
+                       high=4.0, old_context=8192):
+  """`rope_freqs` as llama.cpp's converter writes it for Llama 3 scaling: the
+  factor dividing each pair's frequency."""
+  freqs = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  out = []
+  for f in freqs:
+    wavelen = 2 * np.pi / f
+    if wavelen < old_context / high:
+      out.append(1.0)
+    elif wavelen > old_context / low:
+      out.append(factor)
+    else:
+      smooth = (old_context / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
 def _hf_config(arch):
   cfg = dict(model_type=arch, vocab_size=VOCAB, hidden_size=HIDDEN,
              intermediate_size=INTER, num_hidden_layers=LAYERS,
@@ -286,6 +309,9 @@ def _hf_config(arch):
              head_dim=HEAD_DIM, rope_theta=50000.0, rms_norm_eps=2.0 ** -16,  # exact in the f32 GGUF field
              max_position_embeddings=512, bos_token_id=1, eos_token_id=0,
              tie_word_embeddings=arch != "llama")
+  if arch == "llama3":
+    cfg.update(model_type="llama", rope_scaling=LLAMA3_SCALING,
+               tie_word_embeddings=False)
   if arch == "gemma2":
     cfg.update(hidden_activation="gelu_pytorch_tanh", sliding_window=16,
                query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=50.0,
@@ -344,17 +370,23 @@ def _save_hf_dir(path, arch, hf_tensors):
   save_file(hf_tensors, str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
-def test_gguf_matches_checkpoint_dir(arch, tmp_path):
+@pytest.mark.parametrize("variant", ["llama", "llama3", "qwen2", "gemma2"])
+def test_gguf_matches_checkpoint_dir(variant, tmp_path):
   """Same weights as GGUF and as a HF checkpoint: same config, same params.
 
   For llama the GGUF q/k rows are permuted (llama.cpp's RoPE layout): equal
   parameters prove the un-permute restores transformers' rotate-half layout
   (the checkpoint-directory loader is itself checked against transformers in
-  test_models_hf)."""
+  test_models_hf). "llama3" adds Llama 3 RoPE scaling, stored in the GGUF as
+  the `rope_freqs` factors."""
+  arch = "llama" if variant == "llama3" else variant
   hf_tensors = _hf_weights(arch, np.random.default_rng(7))
-  _save_hf_dir(tmp_path / "hf", arch, hf_tensors)
-  _write_gguf_model(tmp_path / "m.gguf", arch, hf_tensors)
+  _save_hf_dir(tmp_path / "hf", variant, hf_tensors)
+  extra = None
+  if variant == "llama3":
+    extra = {"rope_freqs.weight": (_llama3_rope_freqs(), None)}
+    assert 1.0 < _llama3_rope_freqs()[5] < 8.0  # one pair in the smooth band
+  _write_gguf_model(tmp_path / "m.gguf", arch, hf_tensors, extra=extra)
   expected = models.load_model(str(tmp_path / "hf"))
   actual = models.load_model(str(tmp_path / "m.gguf"))
   assert actual.name == "m"
@@ -377,9 +409,22 @@ def test_gguf_matches_checkpoint_dir(arch, tmp_path):
     # would have failed above.
     q = hf_tensors["model.layers.0.self_attn.q_proj.weight"]
     assert not np.array_equal(_llama_cpp_permute(q, HEADS), q)
+  if variant == "llama3":
+    assert actual.cfg.rope.scaling is not None
   cfg, tok = models.load_config_and_tokenizer(str(tmp_path / "m.gguf"))
   assert cfg == actual.cfg
   assert tok.encode("the") == actual.tokenizer.encode("the")
+  cfg, tok = models.load_config_and_tokenizer(str(tmp_path / "hf"))
+  assert cfg == expected.cfg and tok is None
+
+
+def test_rope_freqs_other_than_llama3_raise(tmp_path):
+  hf_tensors = _hf_weights("llama", np.random.default_rng(0))
+  freqs = _llama3_rope_freqs(low=2.0)  # band limits unlike Llama 3's
+  _write_gguf_model(tmp_path / "m.gguf", "llama", hf_tensors,
+                    extra={"rope_freqs.weight": (freqs, None)})
+  with pytest.raises(ValueError, match="rope_freqs"):
+    models.load_config_and_tokenizer(str(tmp_path / "m.gguf"))
 
 
 def test_quantized_gguf_loads_dequantized_weights(tmp_path):
