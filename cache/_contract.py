@@ -30,6 +30,9 @@ Where the errors surface:
     refuses to trace the staged checks ("Cannot abstractly evaluate a
     checkify.check which was not functionalized").
 
+The checks are a separate small function of the ops' integer inputs; the
+ops' own bodies (and the kernels) are traced with the flag off
+(`unchecked()`), so checked mode reuses their unchecked compilations.
 Unchecked, none of this code runs: the compiled programs are those of the ops
 alone (`tests/test_checked.py` compares the lowered text).
 
@@ -50,6 +53,19 @@ _CHECKED = jax.make_user_context(False)
 
 def checked(enabled: bool = True):
   """Context manager: public ops traced inside it check their contract.
+
+  Covered: `paged_decode`, `paged_prefill`, `append_paged_kv`,
+  `apply_rope_and_append(_qkv)` and the cache ops `claim_batch`, `extend`,
+  `commit`, `release`, `finish_step`, `fork` (each op's `check` argument
+  lists its clauses). Eager calls raise at once. Inside your own jitted
+  function, functionalize the staged checks with checkify:
+
+      with pkvattn.checked():
+        err, out = checkify.checkify(jax.jit(step))(*args)
+      err.throw()
+
+  The flag keys the jit cache (`jax.make_user_context`): `step` is traced
+  again inside the block, and its unchecked compilation is reused outside.
 
   Args:
     enabled: True turns checked mode on, False off (e.g. to exempt one block

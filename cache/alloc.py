@@ -4,9 +4,10 @@ Every function is `f(state, ...) -> (state, result)` (`commit` and `release`
 return the state only), jitted once per `CacheConfig` (the config is a static
 field of the state pytree) and free of Python loops over requests: per-request
 work is masks, `cumsum`, one sort or binary search over the slots, and masked
-scatters. The one data-dependent branch is the LRU eviction sort, under a
-`lax.cond` taken only when the free slots run out; on GPU its predicate is read
-by the host. `extend` and `claim_batch` take `evict=False` (static) for callers
+scatters (the one exception, `head_of_line=False`, is a `lax.scan` over the
+requests of a call: "Admission" below). The one data-dependent branch is the
+LRU eviction sort, under a `lax.cond` taken only when the free slots run out;
+on GPU its predicate is read by the host. `extend` and `claim_batch` take `evict=False` (static) for callers
 that know the free count covers the call: no eviction, no cond (the engine's
 steps). A branch-free sort every call measured 60.5 us vs 35.6 us for
 `extend` on an H200 (`_BRANCHLESS_EVICTION`).
@@ -18,7 +19,8 @@ Common rules:
     only end things, act once instead), and ids in the wrong liveness
     (claiming a live id, extending a dead one). Checked mode
     (`pkvattn.checked`, `check=True`) turns these into errors instead.
-  * Array arguments may be given as Python lists (converted by `jnp.asarray`).
+  * Integer array arguments may be given as Python lists (converted to int32
+    arrays; an empty list too).
   * New blocks come from free slots (lowest index first), then from evicting
     cached slots (published, unreferenced), least recently released first
     (ties: lowest index). Evicted slots leave the prefix cache.
@@ -46,7 +48,7 @@ stay evictable, so protection by a refused request never starves the others.
     the call, `O(max_pages)` work per step (see `_admit`).
 A refused request holds nothing afterwards and its sequence is unchanged.
 
-SWA scratch reuse (issue 5; only when `config.swa_scratch_active`). A step
+SWA scratch reuse (only when `config.swa_scratch_active`). A step
 grows a sequence from `history_len` to `capacity` tokens: `claim_batch` from
 the reused tokens to the prompt length, `extend` from the old to the new
 length. Per `window.swa_scratch_plan(history_len, capacity, page_size,
@@ -254,14 +256,18 @@ def _admit(state: CacheState, valid, need, *, evict: bool = True,
   # Reused blocks that the supply counts (only with eviction: without it the
   # supply is the free slots, which reuse never touches).
   takes = matched & evictable[slot] if evict else jnp.zeros_like(matched)
-  rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], cand.shape)
-  if head_of_line:
+  reuse = evict and takes.shape[1] > 0  # static: reuse costs supply
+  if head_of_line and not reuse:
+    ok = valid & (jnp.cumsum(need) <= budget)
+  elif head_of_line:
     # |union of R_0..R_r| = number of cached blocks whose first reuser is <= r.
+    rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None],
+                            cand.shape)
     first = jnp.full((num_slots,), n, jnp.int32).at[
         _oob_scatter_index(takes, cand, num_slots)].min(rows, mode="drop")
     newly = jnp.sum(takes & (first[slot] == rows), axis=1, dtype=jnp.int32)
     ok = valid & (jnp.cumsum(need) + jnp.cumsum(newly) <= budget)
-  elif takes.shape[1] == 0 or not evict:
+  elif not reuse:
     def step(spent, x):
       v, nd = x
       fits = v & (spent + nd <= budget)
@@ -588,7 +594,8 @@ def claim_batch(
     >>> res.ok.tolist()
     [True, False, True]
   """
-  seq_ids, tokens, lengths = map(_checks.as_index_array, (seq_ids, tokens, lengths))
+  seq_ids, tokens, lengths = map(_checks.as_index_array,
+                                 (seq_ids, tokens, lengths))
   if reuse_scope is not None:
     reuse_scope = _checks.as_index_array(reuse_scope)
   _check_token_batch(seq_ids, tokens, lengths)
@@ -884,7 +891,8 @@ def commit(
     checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
       contract.
   """
-  seq_ids, tokens, lengths = map(_checks.as_index_array, (seq_ids, tokens, lengths))
+  seq_ids, tokens, lengths = map(_checks.as_index_array,
+                                 (seq_ids, tokens, lengths))
   _check_token_batch(seq_ids, tokens, lengths)
   if _contract.enabled(check):
     _contract.run(_commit_contract, state, seq_ids, lengths)

@@ -8,7 +8,7 @@ of the block), so it
 describes the behaviour of a collision-free hash. It assumes no hash bucket
 overflows (`hash_ways >= num_slots` guarantees that).
 
-SWA scratch (issue 5) is modelled from its definition, not from
+SWA scratch is modelled from its definition, not from
 `window.swa_scratch_plan`: a new block of a step is scratch when every one of
 its tokens is older than `P - window` for the first query `P = capacity -
 max_rewind_len` that may still come (staleness only grows with the query

@@ -14,7 +14,7 @@ Slot life cycle:
           until the slot is evicted, least recently released first.
 Conservation: free + used + cached = num_slots.
 
-SWA scratch reuse (issue 5, `cache/window.py`). With
+SWA scratch reuse (`cache/window.py`). With
 `enable_swa_scratch_reuse=True` and every layer sliding-window, `claim_batch`
 and `extend` give the step's *scratch* blocks (new blocks out of the window of
 every future query) to scratch slots: a scratch slot's `num_layers` sub-pages
@@ -60,7 +60,7 @@ class CacheConfig:
     layer_windows: `window_left` per layer (key `j` visible to the query at
       `p` iff `p - window_left <= j <= p`), -1 = full attention; `None` = all
       layers full attention.
-    enable_swa_scratch_reuse: SWA scratch reuse (issue 5): `claim_batch` and
+    enable_swa_scratch_reuse: SWA scratch reuse: `claim_batch` and
       `extend` put the step's new blocks that no future query can see into
       scratch slots (`cache/window.py`). Only takes effect when
       `swa_scratch_active` (every layer sliding-window).

@@ -16,7 +16,7 @@ already in the index. `PageIndexMode.SHARED` gives the slot index `s` only, for
 callers that offset per layer themselves (e.g. a per-layer strided view
 `pool.reshape(num_slots, num_layers, 2, ...)[:, layer]`).
 
-SWA scratch (issue 5, `cache/alloc.py`). While a sequence's step has scratch
+SWA scratch (`cache/alloc.py`). While a sequence's step has scratch
 blocks (`seq_scratch_count > 0`), its blocks `b` in `[seq_scratch_first,
 seq_scratch_first + seq_scratch_count)` map, for layer `l`, to sub-page `(i % L
 + l) % L` of scratch slot `seq_scratch_slots[i // L]` (`i = b -

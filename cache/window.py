@@ -106,7 +106,7 @@ def swa_scratch_plan(
 ) -> SwaScratchPlan:
   """Plans SWA scratch blocks for a chunk that grows a sequence to `capacity` tokens.
 
-  Semantics (issue 5). The chunk writes tokens `history_len .. capacity - 1`. Its *new*
+  Semantics. The chunk writes tokens `history_len .. capacity - 1`. Its *new*
   blocks are the blocks those tokens touch, minus a partial block that already holds
   history tokens (that block is owned by the sequence already, so it is not new):
   `[cdiv(history_len, page_size), cdiv(capacity, page_size))`. A block is *stale*

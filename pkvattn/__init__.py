@@ -16,6 +16,12 @@ Dimension glossary (used in every shape comment):
 
 Einsum letters: `b` batch, `t` token, `h` q-head, `k` kv-head, `g` group, `s` kv
 token, `d` head_dim.
+
+Checked mode: inside `with pkvattn.checked():` (or with `check=True` on one
+call) the attention, append and cache ops turn their runtime contract (page
+ids of visible blocks, `q_indptr`, `kv_lens`, sequence ids) into errors via
+`jax.experimental.checkify`; see `pkvattn.cache._contract` for use inside
+`jax.jit`. Unchecked (the default) nothing is added to the programs.
 """
 
 from pkvattn import cache as cache

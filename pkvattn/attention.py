@@ -337,8 +337,8 @@ def plan_prefill(
     >>> plan = plan_prefill(jnp.array([0, 5, 6]), jnp.array([5, 9]),
     ...                     num_tokens=8, num_qo_heads=8, num_kv_heads=2,
     ...                     head_dim=64)
-    >>> plan.block_q
-    64
+    >>> plan.batch_size, plan.num_tokens
+    (2, 8)
   """
   from pkvattn.pallas_kernels import paged_prefill as kernel
   q_indptr = _checks.as_index_array(q_indptr)
