@@ -392,32 +392,32 @@ def test_cache_op_contract_raises(name, op, msg):
 
 
 def test_cache_ops_checked_valid_sequence_matches_unchecked():
+  """Random in-contract calls: checked mode raises nothing and changes
+  nothing (same results and states as unchecked)."""
   rng = np.random.default_rng()
   plain, checked_ = _cache_state(), _cache_state()
-  for step in range(12):
+  for step in range(15):
     live = [int(i) for i in np.flatnonzero(np.asarray(plain.seq_live))]
     dead = [i for i in range(CFG.max_seqs) if i not in live]
+    lens = np.asarray(plain.seq_lens)
     kind = ("claim", "extend", "commit", "fork", "release")[step % 5]
-    if kind == "claim":
-      ids = list(rng.permutation(dead)[:2]) + [-1, -1]
-      args = (ids[:2], rng.integers(0, 3, (2, 8)), rng.integers(0, 9, 2))
-      op = cache.claim_batch
+    if kind == "claim":  # up to 2 new ids, padded with -1
+      ids = ([int(i) for i in rng.permutation(dead)[:2]] + [-1, -1])[:2]
+      op, args = cache.claim_batch, (ids, rng.integers(0, 3, (2, 8)),
+                                     rng.integers(0, 9, 2))
     elif kind == "extend":
-      ids = list(rng.permutation(live)[:2]) + [-1, -1]
-      lens = np.asarray(plain.seq_lens)[[max(i, 0) for i in ids[:2]]]
-      args = (ids[:2], np.minimum(rng.integers(0, 6, 2), CFG.max_seq_len - lens))
-      op = cache.extend
+      ids = [int(i) for i in rng.permutation(live)[:2]]
+      room = CFG.max_seq_len - lens[ids]
+      op, args = cache.extend, (ids, rng.integers(0, 6, len(ids)) % (room + 1))
     elif kind == "commit":
-      args = (live[:2], rng.integers(0, 3, (len(live[:2]), 16)), [16] * 2)
-      args = (args[0], args[1], args[2][:len(args[0])])
-      op = cache.commit
+      ids = live[:2]
+      op, args = cache.commit, (ids, rng.integers(0, 3, (len(ids), 16)),
+                                [16] * len(ids))
     elif kind == "fork":
       n = min(len(live), len(dead), 1)
-      args = (live[:n], dead[:n])
-      op = cache.fork
+      op, args = cache.fork, (live[:n], dead[:n])
     else:
-      args = (live[:1],)
-      op = cache.release
+      op, args = cache.release, (live[:1],)
     want = op(plain, *args)
     got = op(checked_, *args, check=True)
     jax.tree.map(np.testing.assert_array_equal, got, want)
