@@ -129,8 +129,10 @@ import contextlib, io
 from pkvattn import cli
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
-  res["cli_rc"] = cli.main(["--tp", "2", "--max-new-tokens", "3", "--json",
-                            "--no-progress"])
+  res["cli_rc"] = cli.main(["--model", "tiny-llama", "--prompt",
+                            "Hello, paged world", "--tp", "2",
+                            "--max-new-tokens", "3", "--json", "--no-progress",
+                            "--no-compile-cache"])
 res["cli"] = json.loads(buf.getvalue())
 print("RESULT" + json.dumps(res))
 '''
@@ -200,8 +202,11 @@ def test_cli_tp(results):
 
 def test_cli_tp_too_many_devices(capsys):
   from pkvattn import cli
-  assert cli.main(["--tp", "999", "--no-progress"]) == 2
-  assert "Invalid tp" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exc:
+    cli.main(["--model", "tiny-llama", "--prompt", "a", "--tp", "999",
+              "--no-progress"])
+  assert exc.value.code == 2
+  assert "error: argument --tp" in capsys.readouterr().err
 
 
 def test_tp_config_errors():

@@ -149,7 +149,11 @@ def load_config_and_tokenizer(name_or_path: str):
     return load_gguf_config(name_or_path)
   _check_checkpoint_dir(name_or_path)
   import json
-  with open(os.path.join(name_or_path, "config.json")) as f:
+  cfg_path = os.path.join(name_or_path, "config.json")
+  if not os.path.isfile(cfg_path):
+    raise ValueError(
+        f"Invalid checkpoint path: no config.json in {name_or_path!r}")
+  with open(cfg_path) as f:
     hf = json.load(f)
   if "text_config" in hf and "num_hidden_layers" not in hf:
     hf = {**hf["text_config"], "model_type": hf.get("model_type")}
