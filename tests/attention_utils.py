@@ -161,3 +161,29 @@ def assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens) -> None:
       assert t + off == kv_lens[b] - q_lens[b] + (t - q_indptr[b])
     else:
       assert kv == 0
+
+
+def prompt_prefill_inputs(prompts, *, num_layers: int, page_size: int,
+                          num_slots: int, num_tokens: int, seed: int = 0):
+  """A one-step ragged prefill of `prompts` (lists of token ids) over a
+  multi-layer pool whose slots are shuffled.
+
+  Returns `(tokens i32[num_tokens], q_indptr i32[batch_size + 1], plan)`:
+  the prompts laid out back to back (zero padding), and an `AttentionPlan`
+  whose per-layer tables point into `num_slots` shuffled slots.
+  """
+  from pkvattn.flax import AttentionPlan, layer_page_tables
+  lens = [len(p) for p in prompts]
+  max_pages = max(-(-n // page_size) for n in lens)
+  order = iter(np.random.default_rng(seed).permutation(num_slots))
+  slot_table = np.full((len(lens), max_pages), -1, np.int32)
+  for b, n in enumerate(lens):
+    for i in range(-(-n // page_size)):
+      slot_table[b, i] = next(order)
+  tokens = np.zeros(num_tokens, np.int32)
+  tokens[:sum(lens)] = np.concatenate(prompts)
+  q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  plan = AttentionPlan.create(
+      layer_page_tables(jnp.asarray(slot_table), num_layers), q_indptr,
+      np.asarray(lens, np.int32), num_tokens)
+  return tokens, q_indptr, plan

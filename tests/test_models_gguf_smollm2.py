@@ -43,7 +43,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from pkvattn.flax import AttentionPlan, layer_page_tables  # noqa: E402
+from attention_utils import prompt_prefill_inputs  # noqa: E402
 from pkvattn import models  # noqa: E402
 
 try:
@@ -129,23 +129,10 @@ def _check_config(model, hf):
 
 def _check_prefill_logits(model, hf, prompts):
   cfg = model.cfg
-  lens = [len(p) for p in prompts]
   page_size, num_slots = 16, 48
-  max_pages = max(-(-n // page_size) for n in lens)
-  order = np.random.default_rng(0).permutation(num_slots)
-  slot_table = np.full((len(lens), max_pages), -1, np.int32)
-  nxt = 0
-  for b, n in enumerate(lens):
-    for i in range(-(-n // page_size)):
-      slot_table[b, i] = order[nxt]
-      nxt += 1
-  num_tokens = 384
-  tokens = np.zeros(num_tokens, np.int32)
-  tokens[:sum(lens)] = np.concatenate(prompts)
-  q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-  plan = AttentionPlan.create(
-      layer_page_tables(jnp.asarray(slot_table), cfg.num_layers), q_indptr,
-      np.asarray(lens, np.int32), num_tokens)
+  tokens, q_indptr, plan = prompt_prefill_inputs(
+      prompts, num_layers=cfg.num_layers, page_size=page_size,
+      num_slots=num_slots, num_tokens=384)
   pool = jnp.full(cfg.pool_shape(num_slots, page_size), jnp.nan, jnp.float32)
   logits, _ = jax.jit(models.forward, static_argnums=1,
                       static_argnames="impl")(

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from pkvattn.flax import AttentionPlan, layer_page_tables  # noqa: E402
+from attention_utils import prompt_prefill_inputs  # noqa: E402
 from pkvattn.models import forward, load_model  # noqa: E402
 
 VOCAB = 256
@@ -138,23 +138,11 @@ def _check_config_mapping(case):
 
 def _check_prefill_logits(case):
   m, prompts = case.model, case.prompts
-  lens = [len(p) for p in prompts]
-  page_size, max_pages = 8, 8
+  page_size, num_tokens = 8, 128
   # Shuffled slots; unused pool pages are NaN so any stray read shows up.
-  order = np.random.default_rng(0).permutation(32)
-  slot_table = np.full((len(lens), max_pages), -1, np.int32)
-  nxt = 0
-  for b, n in enumerate(lens):
-    for i in range(-(-n // page_size)):
-      slot_table[b, i] = order[nxt]
-      nxt += 1
-  num_tokens = 128
-  tokens = np.zeros(num_tokens, np.int32)
-  tokens[:sum(lens)] = np.concatenate(prompts)
-  q_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-  plan = AttentionPlan.create(
-      layer_page_tables(jnp.asarray(slot_table), m.cfg.num_layers), q_indptr,
-      np.asarray(lens, np.int32), num_tokens)
+  tokens, q_indptr, plan = prompt_prefill_inputs(
+      prompts, num_layers=m.cfg.num_layers, page_size=page_size, num_slots=32,
+      num_tokens=num_tokens)
   pool = jnp.full(m.cfg.pool_shape(32, page_size), jnp.nan, jnp.float32)
   logits, pool = jax.jit(forward, static_argnums=1)(
       m.params, m.cfg, jnp.asarray(tokens), pool, plan)
