@@ -8,5 +8,5 @@ from pkvattn.serving.programs import CACHE_OPS_SCOPE as CACHE_OPS_SCOPE
 from pkvattn.serving.programs import ProgramKey as ProgramKey
 from pkvattn.serving.stats import EngineStats as EngineStats
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "ProgramKey", "Request",
-           "SamplingParams"]
+__all__ = ["CACHE_OPS_SCOPE", "Engine", "EngineConfig", "EngineStats",
+           "ProgramKey", "Request", "SamplingParams"]
