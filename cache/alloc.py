@@ -631,6 +631,36 @@ def _claim_contract(state: CacheState, seq_ids, tokens, lengths):
 def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
                  evict=True, head_of_line=True):
   """`claim_batch` on arrays, unchecked (jitted once per config and statics)."""
+  inp = _claim_inputs(state, seq_ids, tokens, lengths, reuse_scope)
+  # Phase 1: match (a leading run of chain-verified blocks).
+  cand, verified = _claim_lookup(state, inp)
+  nbt = cand.shape[1]
+  in_reach = jnp.arange(nbt)[None, :] < inp.matchable[:, None]
+  matched = _leading_run(verified & in_reach) & inp.valid[:, None]
+  reused = jnp.sum(matched, axis=1, dtype=jnp.int32)
+  # Phase 2: admission (all or nothing; only admitted requests protect the
+  # blocks they reuse), then allocation. The step computes tokens reused ..
+  # length: with scratch active, its stale new blocks take scratch slots
+  # (module docstring).
+  plan, need = _claim_need(state.config, inp, reused)
+  ok, need, protected = _admit(state, inp.valid, need, evict=evict,
+                               head_of_line=head_of_line, cand=cand,
+                               matched=matched)
+  return _claim_apply(state, inp, ok, need, plan, protected, cand, matched,
+                      reused, evict=evict)
+
+
+class _ClaimInputs(NamedTuple):
+  """A claim batch after validation (`[n]` each unless noted)."""
+  idx: jax.Array        # i32, clipped rows
+  valid: jax.Array      # bool, requests that may be admitted
+  tokens: jax.Array     # i32[n, max_len]
+  lengths: jax.Array    # i32, 0 where not valid
+  scope: jax.Array      # i32
+  matchable: jax.Array  # i32, blocks at reusable positions
+
+
+def _claim_inputs(state, seq_ids, tokens, lengths, reuse_scope) -> _ClaimInputs:
   cfg = state.config
   ps = cfg.page_size
   n = _check_token_batch(seq_ids, tokens, lengths)
@@ -643,42 +673,64 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
   max_len = tokens.shape[1]
   tokens = tokens.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
-
   idx, valid = _select(state, seq_ids, want_live=False)
   valid &= (lengths >= 0) & (lengths <= min(max_len, cfg.max_seq_len))
   lengths = jnp.where(valid, lengths, 0)
   matchable = jnp.where(lengths > 0, (lengths - 1) // ps, 0)
+  return _ClaimInputs(idx, valid, tokens, lengths, scope, matchable)
 
-  # Phase 1: match.
-  nbt = min(max_len // ps, cfg.max_pages)
-  if nbt > 0:
-    blocks = _block_view(tokens, ps, nbt)
-    keys = hashing.block_keys(blocks, scope)
-    cand, _, _ = _find(state, keys)
+
+def _claim_lookup(state, inp: _ClaimInputs, anchor=None):
+  """Prefix-cache candidates of each whole block of the prompts.
+
+  Returns `(cand i32[n, nbt], verified bool[n, nbt])`, `nbt = min(max_len //
+  page_size, max_pages)`: the slot holding each block's key, and whether it
+  holds the very same tokens and scope and is linked to the right parent.
+  The parent is the previous block's candidate (at the generation it had when
+  the candidate was published), or, with `anchor = (slots, gens)` (both
+  `i32[n, nbt]`), the given slot of another slot space at that generation
+  (per-window-group caches: `cache/hybrid.py`).
+  """
+  cfg = state.config
+  ps = cfg.page_size
+  n = inp.tokens.shape[0]
+  nbt = min(inp.tokens.shape[1] // ps, cfg.max_pages)
+  if nbt == 0:
+    return jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), bool)
+  blocks = _block_view(inp.tokens, ps, nbt)
+  keys = hashing.block_keys(blocks, inp.scope)
+  cand, _, _ = _find(state, keys)
+  if anchor is None:
     prev = _shift_right(cand, -1)
     first = jnp.arange(nbt)[None, :] == 0
     prev_gen = state.slot_gen[jnp.clip(prev, 0)]
     chain_ok = jnp.where(first, True, prev >= 0) & _parent_ok(
         state, cand, jnp.where(first, -1, prev), prev_gen)
-    verified = _content_ok(state, cand, blocks, scope) & chain_ok
-    in_reach = jnp.arange(nbt)[None, :] < matchable[:, None]
-    matched = _leading_run(verified & in_reach) & valid[:, None]
-    reused = jnp.sum(matched, axis=1, dtype=jnp.int32)
   else:
-    cand = jnp.zeros((n, 0), jnp.int32)
-    matched = jnp.zeros((n, 0), bool)
-    reused = jnp.zeros((n,), jnp.int32)
+    a_slot, a_gen = anchor
+    chain_ok = (a_slot >= 0) & _parent_ok(state, cand, a_slot, a_gen)
+  return cand, _content_ok(state, cand, blocks, inp.scope) & chain_ok
 
-  # Phase 2: admission (all or nothing; only admitted requests protect the
-  # blocks they reuse), then allocation. The step computes tokens reused ..
-  # length: with scratch active, its stale new blocks take scratch slots
-  # (module docstring).
-  plan = _step_plan(cfg, reused * ps, lengths)
+
+def _claim_need(cfg, inp: _ClaimInputs, reused):
+  """The step plan and the slots each request needs, reusing `reused` blocks."""
+  plan = _step_plan(cfg, reused * cfg.page_size, inp.lengths)
   need = jnp.where(
-      valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
-  ok, need, protected = _admit(state, valid, need, evict=evict,
-                               head_of_line=head_of_line, cand=cand,
-                               matched=matched)
+      inp.valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
+  return plan, need
+
+
+def _claim_apply(state, inp: _ClaimInputs, ok, need, plan, protected, cand,
+                 matched, reused, *, evict):
+  """Allocates and records the admitted claims (`ok`; `need` zero elsewhere).
+
+  `matched bool[n, nbt]` are the blocks each request reuses (their `cand`
+  slots; any mask), `reused i32[n]` the blocks before the step's first new
+  block.
+  """
+  cfg = state.config
+  ps = cfg.page_size
+  nbt = cand.shape[1]
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(state, ranks, jnp.sum(need), protected,
@@ -689,16 +741,17 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
     keep = matched & ok[:, None]
     row = row.at[:, :nbt].set(jnp.where(keep, cand, row[:, :nbt]))
   owners = _oob_scatter_index(row >= 0, row, state.num_slots)
-  row_idx = _oob_scatter_index(ok, idx, cfg.max_seqs)
+  row_idx = _oob_scatter_index(ok, inp.idx, cfg.max_seqs)
   reused = jnp.where(ok, reused, 0)
   state = _replace(
       state,
       slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
       seq_slots=state.seq_slots.at[row_idx].set(row, mode="drop"),
-      seq_lens=state.seq_lens.at[row_idx].set(lengths, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(inp.lengths, mode="drop"),
       seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
-      seq_scope=state.seq_scope.at[row_idx].set(scope, mode="drop"),
-      num_lookups=state.num_lookups + jnp.sum(jnp.where(ok, matchable, 0)),
+      seq_scope=state.seq_scope.at[row_idx].set(inp.scope, mode="drop"),
+      num_lookups=state.num_lookups + jnp.sum(
+          jnp.where(ok, inp.matchable, 0)),
       num_hits=state.num_hits + jnp.sum(reused),
   )
   state = _set_scratch(state, row_idx, plan, taken)
@@ -706,7 +759,7 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
       ok=ok,
       num_reused_tokens=reused * ps,
       num_new_blocks=need,
-      num_missed_blocks=jnp.where(ok, matchable - reused, 0),
+      num_missed_blocks=jnp.where(ok, inp.matchable - reused, 0),
   )
 
 
@@ -809,6 +862,23 @@ def _extend_contract(state: CacheState, seq_ids, num_new_tokens):
 @functools.partial(jax.jit, static_argnames=("evict", "head_of_line"))
 def _extend(state, seq_ids, num_new_tokens, *, evict=True, head_of_line=True):
   """`extend` on arrays, unchecked (jitted once per config and statics)."""
+  state, inp, plan, need = _extend_prepare(state, seq_ids, num_new_tokens)
+  ok, need, _ = _admit(state, inp.valid, need, evict=evict,
+                       head_of_line=head_of_line)
+  return _extend_apply(state, inp, ok, need, plan, evict=evict)
+
+
+class _ExtendInputs(NamedTuple):
+  idx: jax.Array      # i32[n], clipped rows
+  valid: jax.Array    # bool[n], requests that may grow
+  new_len: jax.Array  # i32[n], length if granted
+
+
+def _extend_prepare(state, seq_ids, num_new_tokens):
+  """Validates an extend and retires the listed sequences' previous scratch.
+
+  Returns `(state, _ExtendInputs, plan, need i32[n])`.
+  """
   cfg = state.config
   _check_extend_args(seq_ids, num_new_tokens)
   num_new_tokens = num_new_tokens.astype(jnp.int32)
@@ -822,23 +892,27 @@ def _extend(state, seq_ids, num_new_tokens, *, evict=True, head_of_line=True):
   plan = _step_plan(cfg, old_len, new_len)
   need = jnp.where(
       valid, plan.scratch_slots + plan.end_new - plan.normal_first, 0)
-  ok, need, _ = _admit(state, valid, need, evict=evict,
-                       head_of_line=head_of_line)
+  return state, _ExtendInputs(idx, valid, new_len), plan, need
+
+
+def _extend_apply(state, inp: _ExtendInputs, ok, need, plan, *, evict):
+  """Allocates and records the granted extensions (`ok`)."""
+  cfg = state.config
   offset = jnp.cumsum(need) - need
   new_mask, ranks = _step_ranks(cfg, plan, ok, offset)
   state, taken = _take_slots(
       state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool),
       evict=evict)
   new_slots = taken[:, :cfg.max_pages]
-  rows = state.seq_slots[idx]
+  rows = state.seq_slots[inp.idx]
   rows = jnp.where(new_mask, new_slots, rows)
   owners = _oob_scatter_index(new_mask, new_slots, state.num_slots)
-  row_idx = _oob_scatter_index(ok, idx, cfg.max_seqs)
+  row_idx = _oob_scatter_index(ok, inp.idx, cfg.max_seqs)
   state = _replace(
       state,
       slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
       seq_slots=state.seq_slots.at[row_idx].set(rows, mode="drop"),
-      seq_lens=state.seq_lens.at[row_idx].set(new_len, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(inp.new_len, mode="drop"),
   )
   state = _set_scratch(state, row_idx, plan, taken)
   return state, ExtendResult(ok=ok, num_new_blocks=need)
@@ -914,6 +988,16 @@ def _commit_contract(state: CacheState, seq_ids, lengths):
 @jax.jit
 def _commit(state, seq_ids, tokens, lengths):
   """`commit` on arrays, unchecked."""
+  return _commit_impl(state, seq_ids, tokens, lengths)
+
+
+def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
+  """`commit`'s body. `anchor = (slots, gens)`, both `i32[n, max_pages]`:
+  each block's parent is the given slot of another slot space at that
+  generation instead of the previous block (per-window-group caches,
+  `cache/hybrid.py`); a block is then published on its own (no leading run:
+  the anchor's chain vouches for the prefix) and only where its anchor
+  slot is `>= 0`."""
   cfg = state.config
   ps = cfg.page_size
   n = _check_token_batch(seq_ids, tokens, lengths)
@@ -939,11 +1023,16 @@ def _commit(state, seq_ids, tokens, lengths):
 
   keys = hashing.block_keys(blocks, scope)
   existing, bucket, ways = _find(state, keys)
-  parent = jnp.where(pos == 0, -1, _shift_right(own, -1))
-  prev_gen = state.slot_gen[jnp.clip(parent, 0)]
-  # A parent published in this call gets generation + 1.
-  parent_gen = jnp.where(
-      parent < 0, 0, prev_gen + _shift_right(consider, False).astype(jnp.int32))
+  if anchor is None:
+    parent = jnp.where(pos == 0, -1, _shift_right(own, -1))
+    prev_gen = state.slot_gen[jnp.clip(parent, 0)]
+    # A parent published in this call gets generation + 1.
+    parent_gen = jnp.where(
+        parent < 0, 0,
+        prev_gen + _shift_right(consider, False).astype(jnp.int32))
+  else:
+    parent, parent_gen = anchor[0][:, :nbt], anchor[1][:, :nbt]
+    consider &= parent >= 0
   identical = (_content_ok(state, existing, blocks, scope)
                & _parent_ok(state, existing, parent, parent_gen))
 
@@ -982,9 +1071,12 @@ def _commit(state, seq_ids, tokens, lengths):
   way = jnp.argmax(free_way & (nth == rank[..., None] + 1), axis=-1)
   has_way = rank < jnp.sum(free_way, axis=-1)
   block_ok = candidate & ((existing >= 0) | has_way)
-  # Publish the leading run of publishable blocks after the done ones.
-  publish = _leading_run(jnp.where(consider, block_ok, pos < done[:, None]))
-  publish &= consider
+  if anchor is None:
+    # Publish the leading run of publishable blocks after the done ones.
+    publish = _leading_run(jnp.where(consider, block_ok, pos < done[:, None]))
+    publish &= consider
+  else:
+    publish = consider & block_ok
 
   hash_pos = jnp.where(
       existing >= 0, state.slot_hash_pos[jnp.clip(existing, 0)],
@@ -1218,9 +1310,24 @@ def _fork_contract(state: CacheState, parent_ids, child_ids):
 @functools.partial(jax.jit, static_argnames=("head_of_line",))
 def _fork(state, parent_ids, child_ids, *, head_of_line=True):
   """`fork` on arrays, unchecked."""
+  inp, need = _fork_prepare(state, parent_ids, child_ids)
+  ok, need, _ = _admit(state, inp.valid, need, head_of_line=head_of_line)
+  return _fork_apply(state, inp, ok, need)
+
+
+class _ForkInputs(NamedTuple):
+  pidx: jax.Array      # i32[n], parent rows (clipped)
+  cidx: jax.Array      # i32[n], child rows (clipped)
+  valid: jax.Array     # bool[n]
+  length: jax.Array    # i32[n], the parent's length
+  num_full: jax.Array  # i32[n], its full blocks
+
+
+def _fork_prepare(state, parent_ids, child_ids):
+  """Validates a fork; returns `(_ForkInputs, need i32[n])` (one slot for a
+  partial last block)."""
   cfg = state.config
   ps = cfg.page_size
-  nl = cfg.num_layers
   _check_ids(parent_ids, "parent_ids")
   n = parent_ids.shape[0]
   _check_ids(child_ids, "child_ids")
@@ -1238,7 +1345,15 @@ def _fork(state, parent_ids, child_ids, *, head_of_line=True):
   num_full = length // ps
   partial = (length % ps) != 0
   need = (valid & partial).astype(jnp.int32)
-  ok, need, _ = _admit(state, valid, need, head_of_line=head_of_line)
+  return _ForkInputs(pidx, cidx, valid, length, num_full), need
+
+
+def _fork_apply(state, inp: _ForkInputs, ok, need):
+  """Creates the admitted children (`ok`); returns `(state, ForkResult)`
+  with the copies' pages in this slot space's pool layout."""
+  cfg = state.config
+  nl = cfg.num_layers
+  pidx, num_full = inp.pidx, inp.num_full
   ranks = jnp.where(need > 0, jnp.cumsum(need) - 1, -1)
   state, new_slot = _take_slots(
       state, ranks, jnp.sum(need), jnp.zeros((state.num_slots,), bool))
@@ -1249,12 +1364,12 @@ def _fork(state, parent_ids, child_ids, *, head_of_line=True):
   row = jnp.where((pos == num_full[:, None]) & (need[:, None] > 0),
                   new_slot[:, None], row)
   owners = _oob_scatter_index(row >= 0, row, state.num_slots)
-  row_idx = _oob_scatter_index(ok, cidx, cfg.max_seqs)
+  row_idx = _oob_scatter_index(ok, inp.cidx, cfg.max_seqs)
   state = _replace(
       state,
       slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
       seq_slots=state.seq_slots.at[row_idx].set(row, mode="drop"),
-      seq_lens=state.seq_lens.at[row_idx].set(length, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(inp.length, mode="drop"),
       seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
       seq_scope=state.seq_scope.at[row_idx].set(
           state.seq_scope[pidx], mode="drop"),
@@ -1264,9 +1379,10 @@ def _fork(state, parent_ids, child_ids, *, head_of_line=True):
       axis=1)[:, 0]
   sub = jnp.arange(nl * 2, dtype=jnp.int32)[None, :]   # layer * 2 + kv
   copy = need[:, None] > 0
-  src = jnp.where(copy, src_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)
-  dst = jnp.where(copy, new_slot[:, None] * (nl * 2) + sub, -1).reshape(-1)
-  return state, ForkResult(ok=ok, src_pages=src, dst_pages=dst)
+  src = jnp.where(copy, src_slot[:, None] * (nl * 2) + sub, -1)
+  dst = jnp.where(copy, new_slot[:, None] * (nl * 2) + sub, -1)
+  return state, ForkResult(ok=ok, src_pages=src.reshape(-1),
+                           dst_pages=dst.reshape(-1))
 
 
 fork.__wrapped__ = _fork.__wrapped__

@@ -15,7 +15,7 @@ class CacheInvariantError(ValueError):
   """Raised by `validate` with one line per broken invariant."""
 
 
-def validate(state: CacheState) -> None:
+def validate(state: CacheState, *, allow_window_holes: bool = False) -> None:
   """Checks every invariant of `state`; raises CacheInvariantError if one fails.
 
   Checked:
@@ -40,6 +40,12 @@ def validate(state: CacheState) -> None:
       every published slot is in the table exactly once; no two published
       slots share a key; parents are valid slot ids or -1;
     * counters are non-negative and hits <= lookups.
+
+  Args:
+    state: the cache state.
+    allow_window_holes: the state is a sliding group of a per-window-group
+      cache (`cache/hybrid.py`), whose blocks out of every later query's
+      window are released: -1 is allowed there as for scratch.
 
   Raises:
     CacheInvariantError: listing every violated invariant.
@@ -88,8 +94,12 @@ def validate(state: CacheState) -> None:
       errors.append(f"seq {sid}: length {length} out of [0, {cfg.max_seq_len}]")
       continue
     pos = np.arange(mp)
+    holes = cfg.swa_scratch_active or (
+        allow_window_holes and cfg.layer_windows is not None
+        and min(cfg.layer_windows) >= 0)
+    hole_window = max(cfg.layer_windows) if holes else -1
     stale = ((pos + 1) * ps <= length - cfg.max_rewind_len
-             - cfg.scratch_window_left) & cfg.swa_scratch_active
+             - hole_window) & holes
     held_mask = (pos < nb) & ~((row == -1) & stale)
     held = row[held_mask]
     if (held < 0).any() or (held >= ns).any():
