@@ -731,7 +731,9 @@ def validate(state: HybridCacheState) -> None:
   for gid, st in enumerate(state.groups):
     sliding = state.config.groups[gid].window_left != FULL_ATTENTION
     try:
-      _validate.validate(st, allow_window_holes=sliding)
+      _validate.validate(
+          st, allow_window_holes=sliding,
+          anchor_num_slots=state.groups[0].num_slots if gid else None)
     except _validate.CacheInvariantError as e:
       errors.append(f"group {gid}: {e}")
   g0 = jax.device_get(state.groups[0])

@@ -15,7 +15,8 @@ class CacheInvariantError(ValueError):
   """Raised by `validate` with one line per broken invariant."""
 
 
-def validate(state: CacheState, *, allow_window_holes: bool = False) -> None:
+def validate(state: CacheState, *, allow_window_holes: bool = False,
+             anchor_num_slots: int | None = None) -> None:
   """Checks every invariant of `state`; raises CacheInvariantError if one fails.
 
   Checked:
@@ -183,7 +184,10 @@ def validate(state: CacheState, *, allow_window_holes: bool = False) -> None:
   if len(set(keys)) != len(keys):
     errors.append("two published slots share a key")
   parents = f["slot_parent"][pub]
-  if ((parents < -1) | (parents >= ns)).any():
+  if anchor_num_slots is not None:
+    if ((parents < 0) | (parents >= anchor_num_slots)).any():
+      errors.append(f"published slot with an invalid anchor: {parents}")
+  elif ((parents < -1) | (parents >= ns)).any():
     errors.append(f"published slot with an invalid parent: {parents}")
   if f["num_lookups"] < 0 or f["num_hits"] < 0 or (
       f["num_hits"] > f["num_lookups"]):

@@ -117,6 +117,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="do not publish blocks for prefix reuse")
   p.add_argument("--swa-scratch-reuse", action="store_true",
                  help="SWA scratch-slot reuse for sliding-window models")
+  p.add_argument("--no-kv-groups", action="store_true",
+                 help="one KV slot space for every layer, even for models "
+                      "mixing sliding-window and global layers (default: one "
+                      "per window group, sliding layers keep only their "
+                      "window)")
   p.add_argument("--ignore-eos", action="store_true",
                  help="generate --max-new-tokens tokens even past the model's "
                       "end-of-sequence / end-of-turn tokens")
@@ -383,6 +388,7 @@ def main(argv=None) -> int:
       max_num_tokens=max_num_tokens, max_model_len=max_model_len,
       impl=args.impl, enable_prefix_reuse=not args.no_prefix_reuse,
       enable_swa_scratch_reuse=args.swa_scratch_reuse,
+      kv_groups=False if args.no_kv_groups else None,
       decode_steps=args.decode_steps or (8 if on_gpu else 1),
       compile_cache_dir=None if args.no_compile_cache else (
           args.compile_cache_dir or compile_cache.default_dir()))
@@ -472,6 +478,8 @@ def main(argv=None) -> int:
       prefix_cache_hit_rate=st.prefix_hit_rate,
       peak_slots=st.peak_used_slots, num_slots=args.num_slots,
       slots_saved_by_scratch=st.slots_saved_by_scratch,
+      peak_group_slots=list(st.peak_group_slots),
+      peak_kv_bytes=st.peak_kv_bytes, kv_bytes_saved=st.kv_bytes_saved,
       preemptions=st.num_preemptions, max_model_len=max_model_len,
       load_s=load_s, warmup_s=warmup_s, compile_s=compile_s, wall_s=wall_s)
   if args.json:
@@ -512,11 +520,32 @@ def main(argv=None) -> int:
          if short else "") + "\n"
       f"  prefix-cache hit rate: {100 * st.prefix_hit_rate:.1f}% "
       f"({st.reused_tokens}/{st.prompt_tokens} prompt tokens)\n"
-      f"  peak slots: {st.peak_used_slots}/{args.num_slots}; slots saved by "
+      f"  peak slots: {_peak_slots(st, engine)}; slots saved by "
       f"scratch reuse: {'n/a' if saved is None else saved}; preemptions: "
       f"{st.num_preemptions}\n"
+      + _kv_line(st) +
       f"  {startup}; wall {wall_s:.1f} s (tokens/s exclude compilation)")
   return 0
+
+
+def _peak_slots(st, engine) -> str:
+  """`peak/size` of the slot space, or of each window group's."""
+  from pkvattn import cache  # jax is imported by now
+  cc = engine.cache_config
+  if not isinstance(cc, cache.HybridCacheConfig):
+    return f"{st.peak_used_slots}/{cc.num_slots}"
+  return ", ".join(
+      f"{p}/{n} ({'global' if g.window_left < 0 else f'window {g.window_left + 1}'})"
+      for p, n, g in zip(st.peak_group_slots, cc.group_num_slots, cc.groups))
+
+
+def _kv_line(st) -> str:
+  if st.kv_bytes_saved is None:
+    return ""
+  mib = 2**20
+  return (f"  peak KV: {st.peak_kv_bytes / mib:.1f} MiB, "
+          f"{st.kv_bytes_saved / mib:.1f} MiB less than one slot space for "
+          f"every layer ({st.flat_peak_kv_bytes / mib:.1f} MiB)\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pkvattn import _checks
+from pkvattn import cache as _cache
 from pkvattn.sampling import SamplingParams
 from pkvattn.types import Implementation
 
@@ -53,6 +54,17 @@ class EngineConfig:
       `kv_lens`, unique ids in cache ops) with `jax.experimental.checkify`
       and a step raises `checkify.JaxRuntimeError` (a ValueError) naming the
       first violation. Costs device time; for tests and debugging.
+    kv_groups: per-window-group slot spaces (`pkvattn.cache.HybridCacheConfig`)
+      for models whose layers differ in `window_left` (Gemma 2 / 3): each
+      group of layers with one window gets its own slots, and a sliding
+      group keeps only the blocks its window can still see, so it needs far
+      fewer. None = on for such models; False = one slot space for every
+      layer (a sliding layer's slot then lives as long as the global
+      layers').
+    group_num_slots: slots per window group (global group first, then by
+      decreasing window); None = `HybridCacheConfig.from_budget(num_slots,
+      ...)`: the global groups get `num_slots`' worth of the flat pool's
+      bytes left after each sliding group gets what its sequences can use.
     compile_cache_dir: a directory for JAX's persistent compilation cache
       (`jax_compilation_cache_dir`); a later process with the same model and
       config loads its programs from there instead of compiling them. None =
@@ -72,6 +84,8 @@ class EngineConfig:
   decode_steps: int = 1
   scan_layers: bool | None = None
   check: bool = False
+  kv_groups: bool | None = None
+  group_num_slots: tuple[int, ...] | None = None
   compile_cache_dir: str | None = None
 
   def __post_init__(self):
@@ -98,6 +112,13 @@ class EngineConfig:
         or self.decode_steps < 1):
       raise ValueError(
           f"Invalid decode_steps: expected an int >= 1, got {self.decode_steps!r}")
+    if self.group_num_slots is not None and (
+        not isinstance(self.group_num_slots, tuple) or any(
+            not isinstance(n, int) or isinstance(n, bool) or n <= 0
+            for n in self.group_num_slots)):
+      raise ValueError(
+          "Invalid group_num_slots: expected None or a tuple of positive ints,"
+          f" got {self.group_num_slots!r}")
     if self.token_buckets is not None and any(
         int(b) <= 0 for b in self.token_buckets):
       raise ValueError(
@@ -118,6 +139,51 @@ class EngineConfig:
   @property
   def num_admit(self) -> int:
     return self.max_admit or self.max_seqs
+
+
+def cache_config(cfg: EngineConfig, model_cfg):
+  """The engine's cache config: per-window-group slot spaces
+  (`HybridCacheConfig`) where `cfg.kv_groups` asks for them (None: when the
+  model's layers differ in window), else one `CacheConfig`.
+
+  Raises:
+    ValueError: `group_num_slots` without per-group spaces or of the wrong
+      length, or a budget too small for one sequence per group.
+  """
+  windows = tuple(model_cfg.windows)
+  grouped = (len(set(windows)) > 1 if cfg.kv_groups is None
+             else bool(cfg.kv_groups))
+  scratch = bool(cfg.enable_swa_scratch_reuse and model_cfg.has_sliding_window)
+  if not grouped:
+    if cfg.group_num_slots is not None:
+      raise ValueError(
+          "Invalid group_num_slots: expected None with one slot space "
+          f"(kv_groups={cfg.kv_groups}, windows {sorted(set(windows))}), got "
+          f"{cfg.group_num_slots}")
+    return _cache.CacheConfig(
+        num_slots=cfg.num_slots, page_size=cfg.page_size,
+        num_layers=model_cfg.num_layers, max_seqs=cfg.max_seqs,
+        max_pages=cfg.max_pages, hash_ways=cfg.hash_ways,
+        layer_windows=windows, enable_swa_scratch_reuse=scratch)
+  common = dict(page_size=cfg.page_size, max_seqs=cfg.max_seqs,
+                max_pages=cfg.max_pages, hash_ways=cfg.hash_ways,
+                enable_swa_scratch_reuse=scratch)
+  if cfg.group_num_slots is not None:
+    return _cache.HybridCacheConfig(windows, cfg.group_num_slots, **common)
+  return _cache.HybridCacheConfig.from_budget(
+      cfg.num_slots, windows, max_num_tokens=cfg.max_num_tokens, **common)
+
+
+def num_pool_pages(cache_cfg) -> int:
+  """Pages of the engine's KV pool for its cache config."""
+  return cache_cfg.num_pool_pages
+
+
+def group_slots(cache_cfg) -> tuple[int, ...]:
+  """Slots per slot space (one entry for a flat cache)."""
+  if isinstance(cache_cfg, _cache.HybridCacheConfig):
+    return cache_cfg.group_num_slots
+  return (cache_cfg.num_slots,)
 
 
 @dataclasses.dataclass

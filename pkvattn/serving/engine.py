@@ -69,6 +69,9 @@ from pkvattn.sampling import SamplingParams
 from pkvattn.serving import compile_cache as _compile_cache
 from pkvattn.serving import programs as _programs
 from pkvattn.serving.config import EngineConfig
+from pkvattn.serving.config import cache_config as _cache_config
+from pkvattn.serving.config import group_slots as _group_slots
+from pkvattn.serving.config import num_pool_pages as _num_pool_pages
 from pkvattn.serving.config import Request
 from pkvattn.serving.programs import MAX_STOP_IDS
 from pkvattn.serving.programs import ProgramKey
@@ -118,15 +121,10 @@ class Engine:
     self.model = model
     self.config = config
     mcfg = model.cfg
-    self.cache_config = _cache.CacheConfig(
-        num_slots=config.num_slots, page_size=config.page_size,
-        num_layers=mcfg.num_layers, max_seqs=config.max_seqs,
-        max_pages=config.max_pages, hash_ways=config.hash_ways,
-        layer_windows=tuple(mcfg.windows),
-        enable_swa_scratch_reuse=bool(
-            config.enable_swa_scratch_reuse and mcfg.has_sliding_window))
+    self.cache_config = _cache_config(config, mcfg)
     dtype = pool_dtype or jax.tree.leaves(model.params)[0].dtype
-    pool_shape = mcfg.pool_shape(config.num_slots, config.page_size)
+    pool_shape = (_num_pool_pages(self.cache_config), config.page_size,
+                  mcfg.num_kv_heads, mcfg.head_dim)
     self.state = _cache.init_cache(self.cache_config)
     self.seq_tokens = jnp.zeros((config.max_seqs, config.max_model_len),
                                 jnp.int32)
@@ -140,10 +138,17 @@ class Engine:
       self._inputs_sharding = _parallel.replicated(mesh)
       self.state, self.seq_tokens = jax.device_put(
           (self.state, self.seq_tokens), self._inputs_sharding)
-    # Scratch blocks live for one step: with scratch active (all-SWA models)
-    # a prompt must be prefilled in one step.
-    self._scratch = bool(getattr(self.cache_config, "swa_scratch_active",
-                                 self.cache_config.enable_swa_scratch_reuse))
+    # Scratch blocks live for one step: with scratch active (all-SWA models,
+    # or a sliding group of per-group spaces) a prompt is prefilled in one
+    # step.
+    self._hybrid = isinstance(self.cache_config, _cache.HybridCacheConfig)
+    self._group_configs = (self.cache_config.group_configs if self._hybrid
+                           else (self.cache_config,))
+    self._scratch = any(c.swa_scratch_active for c in self._group_configs)
+    self._min_slots = min(_group_slots(self.cache_config))
+    itemsize = jnp.dtype(dtype).itemsize
+    self._block_bytes = (2 * config.page_size * mcfg.num_kv_heads
+                         * mcfg.head_dim * itemsize)  # one layer, K and V
     # greedy / sampled as separate programs only where a lax.cond syncs the
     # host (GPU); elsewhere one program serves both.
     self._split_variants = _checks.is_gpu()
@@ -160,12 +165,14 @@ class Engine:
     self._running: list[Request] = []       # admitted, in admission order
     self._free_rows = list(range(config.max_seqs))
     self._to_release: list[tuple[int, int]] = []   # (row, committed len)
-    self._to_commit: list[tuple[int, int]] = []    # (row, len)
     self._next_id = 0
     self._default_stop = frozenset(mcfg.eos_token_ids)
     self.stats = EngineStats()
-    if getattr(self.cache_config, "swa_scratch_active", False):
+    if self._scratch and not self._hybrid:
       self.stats.slots_saved_by_scratch = 0
+    self.stats.peak_group_slots = (0,) * len(self._group_configs)
+    if self._hybrid and self.cache_config.groups[0].window_left < 0:
+      self.stats.flat_peak_kv_bytes = 0
     self.last_inputs: _programs.StepInputs | None = None
     self.last_program: ProgramKey | None = None
 
@@ -329,11 +336,11 @@ class Engine:
           f"Invalid request: len(prompt) + max_new_tokens = {total} exceeds "
           f"max_model_len={self.config.max_model_len}")
     blocks = -(-total // self.config.page_size)
-    if blocks > self.config.num_slots:
+    if blocks > self._min_slots:
       raise ValueError(
           f"Invalid request: len(prompt) + max_new_tokens = {total} tokens need "
           f"{blocks} slots of {self.config.page_size} tokens, but the pool has "
-          f"num_slots={self.config.num_slots}")
+          f"{self._slots_text()}")
     if (self._scratch
         and total > self.config.max_num_tokens):
       # Scratch blocks live for one step only, so a prompt (or a recompute of
@@ -435,6 +442,7 @@ class Engine:
     seeds = np.zeros(S, np.uint32)
     gen_index = np.zeros(S, np.int32)
     extend_ids = np.full(S, -1, np.int32)
+    prompt_commit_ids = np.full(S, -1, np.int32)
     rows = []   # (request, q_len, samples)
     feeds = {}  # row -> tokens fed this step
     budget = T
@@ -474,6 +482,8 @@ class Engine:
         gen_index[r] = len(req.output)
         if len(req.output) + 1 < sp.max_new_tokens:
           extend_ids[r] = r
+        if req.status == "prefill" and cfg.enable_prefix_reuse:
+          prompt_commit_ids[r] = r  # published up to kv_lens in the step
     # Tokens are laid out in row order (q_indptr is cu_seqlens over rows).
     q_indptr = np.zeros(S + 1, np.int32)
     q_indptr[1:] = np.cumsum(q_lens)
@@ -508,7 +518,7 @@ class Engine:
     commit_lens = np.zeros(S, np.int32)
     release_ids = np.full(S, -1, np.int32)
     commits = {}  # one entry per row: a duplicated id would void the commit
-    for row, n in self._to_commit + self._to_release:
+    for row, n in self._to_release:
       commits[row] = max(n, commits.get(row, 0))
     for i, (row, n) in enumerate(sorted(commits.items())):
       commit_ids[i], commit_lens[i] = row, n
@@ -518,7 +528,8 @@ class Engine:
         tokens=tokens, q_indptr=q_indptr, kv_lens=kv_lens,
         sample_rows=sample_rows, temperature=temperature, top_k=top_k,
         top_p=top_p, seeds=seeds, gen_index=gen_index, commit_ids=commit_ids,
-        commit_lens=commit_lens, release_ids=release_ids,
+        commit_lens=commit_lens, prompt_commit_ids=prompt_commit_ids,
+        release_ids=release_ids,
         extend_ids=extend_ids, admit_ids=admit_ids, admit_tokens=admit_tokens,
         admit_lens=admit_lens, admit_scope=admit_scope)
     return inputs, rows, admitted
@@ -535,7 +546,7 @@ class Engine:
     t0 = time.perf_counter()
     inputs, rows, admitted = self._schedule()
     released = self._to_release
-    self._to_release, self._to_commit = [], []
+    self._to_release = []
     for row, _ in released:
       self._free_rows.append(row)
     self._free_rows.sort()
@@ -564,9 +575,7 @@ class Engine:
         continue
       r = req.seq_id
       if req.status == "prefill":
-        req.status = "decode"
-        if self.config.enable_prefix_reuse:
-          self._to_commit.append((r, req.num_computed))
+        req.status = "decode"  # its prompt was committed in the step
       token = int(out.sampled[r])
       req.output.append(token)
       num_sampled += 1
@@ -605,9 +614,8 @@ class Engine:
       raise RuntimeError(
           f"Request {refused[0].request_id} needs "
           f"{-(-len(refused[0].tokens) // self.config.page_size)} slots but the "
-          f"pool has only num_slots={self.config.num_slots}")
-    self.stats.peak_used_slots = max(self.stats.peak_used_slots,
-                                     int(out.used_slots))
+          f"pool has only {self._slots_text()}")
+    self._record_usage(out.used_slots)
     self.stats.num_steps += 1
     t3 = time.perf_counter()
     self.stats.host_time_s += (t1 - t0) + (t3 - t2)
@@ -621,7 +629,7 @@ class Engine:
     """Multi-step decode applies when nothing but decoding can happen."""
     if self.config.decode_steps <= 1 or not self._running:
       return False
-    if self._to_release or self._to_commit or (self._waiting and self._free_rows):
+    if self._to_release or (self._waiting and self._free_rows):
       return False
     return all(r.status == "decode" and len(r.stop_ids) <= MAX_STOP_IDS
                for r in self._running)
@@ -688,13 +696,31 @@ class Engine:
         self._preempt(req)
     self.stats.decode_tokens += num_sampled
     self.stats.generated_tokens += num_sampled
-    self.stats.peak_used_slots = max(self.stats.peak_used_slots,
-                                     int(out.used_slots))
+    self._record_usage(out.used_slots)
     self.stats.num_steps += self.config.decode_steps
     t3 = time.perf_counter()
     self.stats.host_time_s += (t1 - t0) + (t3 - t2)
     self.stats.decode_time_s += t3 - t0 - compile_s
     return num_sampled
+
+  def _slots_text(self) -> str:
+    if not self._hybrid:
+      return f"num_slots={self.config.num_slots}"
+    return (f"group_num_slots={self.cache_config.group_num_slots} (per window "
+            f"group; the smallest bounds one request)")
+
+  def _record_usage(self, used_slots):
+    """Peak slots per slot space and peak KV bytes (`EngineStats`)."""
+    used = np.atleast_1d(np.asarray(used_slots)).astype(int)
+    st = self.stats
+    st.peak_group_slots = tuple(
+        max(a, int(b)) for a, b in zip(st.peak_group_slots, used))
+    st.peak_used_slots = st.peak_group_slots[0]
+    held = sum(int(u) * c.num_layers for u, c in zip(used, self._group_configs))
+    st.peak_kv_bytes = max(st.peak_kv_bytes, held * self._block_bytes)
+    if st.flat_peak_kv_bytes is not None:
+      flat = int(used[0]) * self.model.cfg.num_layers * self._block_bytes
+      st.flat_peak_kv_bytes = max(st.flat_peak_kv_bytes, flat)
 
   def _finish(self, req: Request):
     self._running.remove(req)

@@ -70,7 +70,8 @@ def profile_programs(engine) -> dict:
       state = _programs.cache_ops_before(state, seq_tokens, inp,
                                          commit=cfg.enable_prefix_reuse)
       t = _programs.layer_tables(state, L, S)
-      state, ext, claim = _programs.cache_ops_after(state, inp)
+      state, ext, claim = _programs.cache_ops_after(
+          state, seq_tokens, inp, commit=cfg.enable_prefix_reuse)
       return state, t, ext.ok, claim.ok
     per = 1
   return dict(step=fn, step_args=args, bare_args=lambda: args() + (tables,),

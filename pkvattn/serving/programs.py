@@ -94,8 +94,10 @@ class StepInputs:
   top_p: jax.Array          # f32[max_seqs]
   seeds: jax.Array          # u32[max_seqs]
   gen_index: jax.Array      # i32[max_seqs]
-  commit_ids: jax.Array     # i32[max_seqs], -1 = none
+  commit_ids: jax.Array     # i32[max_seqs], -1 = none (before the forward)
   commit_lens: jax.Array    # i32[max_seqs]
+  prompt_commit_ids: jax.Array  # i32[max_seqs], rows whose prompt ends in
+  #   this step: committed up to kv_lens after the forward, before `extend`
   release_ids: jax.Array    # i32[max_seqs], -1 = none
   extend_ids: jax.Array     # i32[max_seqs], -1 = none
   admit_ids: jax.Array      # i32[num_admit], -1 = none
@@ -110,9 +112,9 @@ class StepOutputs:
   extend_ok: jax.Array      # bool[max_seqs]
   claim_ok: jax.Array       # bool[num_admit]
   claim_reused: jax.Array   # i32[num_admit]
-  claim_new_blocks: jax.Array  # i32[num_admit], slots taken (scratch: fewer)
-  used_slots: jax.Array     # i32[], slots referenced by live sequences
-  num_free: jax.Array       # i32[], free slots (unreferenced, not cached)
+  claim_new_blocks: jax.Array  # i32[num_admit] (or [num_admit, groups]), slots taken (scratch: fewer)
+  used_slots: jax.Array     # i32[] (or [groups]), slots referenced by live sequences
+  num_free: jax.Array       # i32[] (or [groups]), free slots (unreferenced, not cached)
 
 
 @struct.dataclass
@@ -133,8 +135,8 @@ class BurstInputs:
 class BurstOutputs:
   tokens: jax.Array         # i32[decode_steps, max_seqs], -1 = row idle
   preempted: jax.Array      # bool[max_seqs], extend refused: out of slots
-  used_slots: jax.Array     # i32[], slots referenced during the burst
-  num_free: jax.Array       # i32[], free slots at the end
+  used_slots: jax.Array     # i32[] (or [groups]), slots referenced during the burst
+  num_free: jax.Array       # i32[] (or [groups]), free slots at the end
 
 
 def step_input_shapes(cfg: EngineConfig, num_tokens: int) -> StepInputs:
@@ -148,7 +150,7 @@ def step_input_shapes(cfg: EngineConfig, num_tokens: int) -> StepInputs:
       temperature=sds((S,), f32), top_k=sds((S,), i32), top_p=sds((S,), f32),
       seeds=sds((S,), jnp.uint32), gen_index=sds((S,), i32),
       commit_ids=sds((S,), i32), commit_lens=sds((S,), i32),
-      release_ids=sds((S,), i32), extend_ids=sds((S,), i32),
+      prompt_commit_ids=sds((S,), i32), release_ids=sds((S,), i32), extend_ids=sds((S,), i32),
       admit_ids=sds((A,), i32), admit_tokens=sds((A, cfg.max_model_len), i32),
       admit_lens=sds((A,), i32), admit_scope=sds((A,), i32))
 
@@ -169,11 +171,10 @@ def burst_input_shapes(cfg: EngineConfig) -> BurstInputs:
 def layer_tables(state, num_layers: int, max_seqs: int):
   """`i32[num_layers, max_seqs, 2, max_pages]`: each layer's split table.
 
-  Vectorised over the layers (one fused computation, not one per layer)."""
-  seq_ids = jnp.arange(max_seqs, dtype=jnp.int32)
-  return jax.vmap(lambda layer: _cache.page_table(state, seq_ids, layer,
-                                                  split=True))(
-      jnp.arange(num_layers, dtype=jnp.int32))
+  Vectorised over the layers (`cache.layer_page_tables`: one fused
+  computation per slot space, not one per layer)."""
+  del num_layers  # the cache config knows it
+  return _cache.layer_page_tables(state, jnp.arange(max_seqs, dtype=jnp.int32))
 
 
 def cache_ops_before(state, seq_tokens, inp: StepInputs, *, commit: bool):
@@ -187,9 +188,17 @@ def cache_ops_before(state, seq_tokens, inp: StepInputs, *, commit: bool):
   return _cache.release(state, inp.release_ids)
 
 
-def cache_ops_after(state, inp: StepInputs):
-  """`extend` by one token for rows that keep decoding, then `claim_batch`
-  for the admitted requests (both masked by `-1` ids)."""
+def cache_ops_after(state, seq_tokens, inp: StepInputs, *, commit: bool):
+  """`commit` of the prompts completed in this step (static `commit=False`
+  when prefix reuse is off), `extend` by one token for rows that keep
+  decoding, then `claim_batch` for the admitted requests (all masked by `-1`
+  ids). The prompt is published before `extend`: a per-window-group cache
+  releases the sliding layers' old blocks there, and they must be published
+  first to be reusable."""
+  if commit:
+    rows = jnp.clip(inp.prompt_commit_ids, 0, seq_tokens.shape[0] - 1)
+    state = _cache.commit(state, inp.prompt_commit_ids, seq_tokens[rows],
+                          inp.kv_lens[rows])
   ones = jnp.ones_like(inp.extend_ids)
   state, ext = _cache.extend(state, inp.extend_ids, ones)
   state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
@@ -241,7 +250,8 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
   seq_tokens = _write_tokens(seq_tokens, inp, plan)
   if bookkeeping:
     with jax.named_scope(CACHE_OPS_SCOPE):
-      state, ext, claim = cache_ops_after(state, inp)
+      state, ext, claim = cache_ops_after(state, seq_tokens, inp,
+                                          commit=cfg.enable_prefix_reuse)
     ext_ok, claim_ok = ext.ok, claim.ok
     claim_reused, claim_new = claim.num_reused_tokens, claim.num_new_blocks
   else:
@@ -264,8 +274,12 @@ def reserve_burst(state, inp: BurstInputs, *, num_layers: int,
   `(state, tables, ok)`."""
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
+  # The fed token's position is reserved but not computed: the burst's first
+  # query is at `computed` (a per-window-group cache releases the sliding
+  # layers' blocks out of its reach).
   state, ext = _cache.extend(state, jnp.where(inp.active, rows, -1),
-                             jnp.where(inp.active, grow, 0))
+                             jnp.where(inp.active, grow, 0),
+                             num_computed=inp.computed)
   return (state, layer_tables(state, num_layers, rows.shape[0]), ext.ok)
 
 

@@ -26,7 +26,16 @@ class EngineStats:
   compile_time_s: float = 0.0   # compiling programs (warmup or first use)
   warmup_time_s: float = 0.0    # wall time of `Engine.warmup()`
   num_compiles: int = 0         # programs this engine compiled (or loaded)
+  # Peak slots in use: of the one slot space, or with per-window-group spaces
+  # of group 0 (the global layers'); `peak_group_slots` has every group's.
   peak_used_slots: int = 0
+  peak_group_slots: tuple[int, ...] = ()
+  # Peak KV bytes held (slots in use x their layers x page bytes, K and V),
+  # and what a flat layout (one slot space, every layer keeping every block:
+  # the global group's blocks times all layers) would hold at that point;
+  # None for a flat engine or a model without a global layer.
+  peak_kv_bytes: int = 0
+  flat_peak_kv_bytes: int | None = None
   # Slot allocations that SWA scratch reuse avoided at admission (new blocks
   # of the prompts minus slots taken); None when scratch is not active.
   slots_saved_by_scratch: int | None = None
@@ -36,6 +45,13 @@ class EngineStats:
   @property
   def prefix_hit_rate(self) -> float:
     return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+  @property
+  def kv_bytes_saved(self) -> int | None:
+    """`flat_peak_kv_bytes - peak_kv_bytes` (per-window-group spaces)."""
+    if self.flat_peak_kv_bytes is None:
+      return None
+    return self.flat_peak_kv_bytes - self.peak_kv_bytes
 
   @property
   def prefill_tokens_per_s(self) -> float:
@@ -50,6 +66,7 @@ class EngineStats:
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d.update(prefix_hit_rate=self.prefix_hit_rate,
+             kv_bytes_saved=self.kv_bytes_saved,
              prefill_tokens_per_s=self.prefill_tokens_per_s,
              decode_tokens_per_s=self.decode_tokens_per_s)
     return d
