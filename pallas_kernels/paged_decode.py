@@ -91,6 +91,11 @@ class Config:
       programs (H200 interleaved A/B, 2026-11-22, bench/decode_ab.py).
     * 4 warps, 3 pipeline stages: 8 warps lose 5-25%, and 3 stages were
       the most consistent choice across the four Llama-3-8B decode shapes.
+      At head_dim 64 with fewer programs (SmolLM2-135M: 256 sequences x 3
+      kv heads), 2 warps: 6.8 / 18.4 / 48.4 us against 7.4 / 18.6 / 49.2
+      us with 4 at kv_lens ~80 / ~300 / ~960 (H200, 2026-11-23,
+      bench/decode_step_ab.py). 32-token steps won at ~80 (6.0-6.1 us) but
+      lost 10-18% at ~300 and ~960.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
       traffic once the SMs are busy), but each split keeps >= 2 steps of the
@@ -99,8 +104,11 @@ class Config:
     """
     programs = batch_size * num_kv_heads
     block_tokens = 32 if head_dim > 128 else 64
+    num_warps, num_stages = 4, 3
     if head_dim <= 128 and programs >= 8 * num_sms:
       block_tokens = 128
+    elif head_dim <= 64:
+      num_warps = 2
     pages_per_block = max(1, block_tokens // page_size)
     want = _next_pow2(max(1, -(-2 * num_sms // programs)))
     max_steps = max(1, -(-max_pages // pages_per_block))
@@ -109,7 +117,7 @@ class Config:
       cap //= 2
     k_splits = max(1, min(want, cap, 64))
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
-               num_warps=4, num_stages=3)
+               num_warps=num_warps, num_stages=num_stages)
 
 
 def _paged_decode_kernel(

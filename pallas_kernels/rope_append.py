@@ -87,15 +87,25 @@ class Config:
     4 warps. 256 decode tokens, rows looked up in the kernel: 3.7 us of
     kernel time with 4-token tiles, 4.0 us with 8, 5.2 us for the rolled
     2-warp loop of 2026-11-21, 4.8-5.9 us for 16-token tiles or one head per
-    program."""
+    program.
+    Where the head counts do not split that far (e.g. 9 q / 3 kv heads: 64
+    programs for 256 tokens; or very few tokens), one head per program
+    instead. On an H200 (2026-11-23, bench/decode_step_ab.py; pool not
+    donated, so L2 holds none of it): SmolLM2-135M heads, 256 tokens, 3.1-3.3
+    us against 8.7 us for 64 programs of 12 unrolled heads (8.4-12 us for
+    any tile size or warp count of those); Llama-3-8B heads, 8 / 64 tokens,
+    2.9 / 3.5 us against 4.4 / 5.0 us split 8 ways."""
     if num_tokens >= 8192:
       return Config._split(8, 8, num_qo_heads, num_kv_heads)
     block_tokens = 4 if num_tokens <= 512 else 8
     tiles = -(-num_tokens // block_tokens)
     # Split until ~512 programs: at most the first power of two s with
     # tiles * s >= 512.
-    return Config._split(block_tokens, pl.next_power_of_2(-(-512 // tiles)),
-                         num_qo_heads, num_kv_heads)
+    want = pl.next_power_of_2(-(-512 // tiles))
+    config = Config._split(block_tokens, want, num_qo_heads, num_kv_heads)
+    if config.num_splits < want and tiles * config.num_splits < 512:
+      return Config(block_tokens=block_tokens, num_warps=4, one_head=True)
+    return config
 
   @staticmethod
   def _split(block_tokens: int, max_splits: int, num_qo_heads: int,

@@ -7,7 +7,9 @@ position, and where its sequence's pages are. The layer
 
 1. projects `x [num_tokens, hidden_size]` to q, k, v (optional bias),
 2. applies RoPE to q and k and appends k, v into the paged pool
-   (`pkvattn.apply_rope_and_append`, in place when the pool is donated),
+   (`pkvattn.apply_rope_and_append`, in place when the pool is donated; with
+   fused `qkv_proj` weights `pkvattn.apply_rope_and_append_qkv`, which reads
+   the heads out of the projected rows without slicing them apart),
 3. runs `pkvattn.paged_prefill` (which serves prefill, chunked prefill and decode
    rows in one mixed batch), and
 4. projects back with `o_proj`,
@@ -44,6 +46,7 @@ from pkvattn import _checks
 from pkvattn import attention as _attention
 from pkvattn.rope import append_paged_kv as _append_paged_kv
 from pkvattn.rope import apply_rope_and_append as _apply_rope_and_append
+from pkvattn.rope import apply_rope_and_append_qkv as _apply_rope_and_append_qkv
 from pkvattn.rope import get_batch_indices_positions as _get_batch_indices_positions
 from pkvattn.types import Implementation
 
@@ -186,11 +189,17 @@ def paged_attention(
     q, kv_cache = _apply_rope_and_append(
         q, k, v, plan.batch_indices, plan.positions, kv_cache, plan.page_table,
         rope, impl=impl)
-  out = _attention.paged_prefill(
+  return _attend(q, kv_cache, plan, sm_scale=sm_scale, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, impl=impl), kv_cache
+
+
+def _attend(q, kv_cache, plan: AttentionPlan, *, sm_scale, window_left,
+            logits_soft_cap, impl):
+  """`paged_prefill` of the rotated `q` over the updated pool (causal)."""
+  return _attention.paged_prefill(
       q, kv_cache, plan.page_table, plan.q_indptr, plan.kv_lens, causal=True,
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, impl=impl, plan=plan.kernel_plan)
-  return out, kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,20 +263,46 @@ def attention_block(
   dtype = dtype or x.dtype
   t = x.shape[0]
   d = spec.head_dim
-  if "qkv_proj" in params:  # fused (`pkvattn.models.fuse_projections`)
+  statics = dict(sm_scale=spec.sm_scale, window_left=spec.window_left,
+                 logits_soft_cap=spec.logits_soft_cap, impl=impl)
+  if "qkv_proj" in params and spec.rope is not None:
+    # Fused (`pkvattn.models.fuse_projections`): RoPE + append read the q, k,
+    # v heads of each projected row in place. Slicing them apart first made
+    # copy kernels (3 per layer, 138 us of a 256-row decode step of
+    # SmolLM2-135M with Triton gemms; H200).
     qkv = _dense(params["qkv_proj"], x, dtype)
-    nq, nk = spec.num_qo_heads * d, spec.num_kv_heads * d
-    q = qkv[:, :nq].reshape(t, spec.num_qo_heads, d)
-    k = qkv[:, nq:nq + nk].reshape(t, spec.num_kv_heads, d)
-    v = qkv[:, nq + nk:].reshape(t, spec.num_kv_heads, d)
+    _checks.check_shape(
+        qkv, (t, (spec.num_qo_heads + 2 * spec.num_kv_heads) * d),
+        "x @ params['qkv_proj']['kernel']")
+    _checks.check_shape(plan.batch_indices, (t,), "plan.batch_indices")
+    batch_indices, table = plan.batch_indices, plan.page_table
+    if t <= plan.batch_size:
+      # Decode-sized steps: `paged_prefill` runs each token as a decode row
+      # over its sequence's table row, gathered for every layer at once
+      # before the layers. RoPE + append take the same per-token rows (token
+      # t as sequence t) instead of this layer's table, which XLA would copy
+      # for the kernel once per layer (1.4 us each, 41 us of a 256-row
+      # decode step of SmolLM2-135M; H200).
+      table = table[jnp.clip(batch_indices, 0)]
+      batch_indices = jnp.where(batch_indices >= 0,
+                                jnp.arange(t, dtype=jnp.int32), -1)
+    q, kv_cache = _apply_rope_and_append_qkv(
+        qkv, batch_indices, plan.positions, kv_cache, table, spec.rope,
+        impl=impl)
+    out = _attend(q, kv_cache, plan, **statics)
   else:
-    q = _dense(params["q_proj"], x, dtype).reshape(t, spec.num_qo_heads, d)
-    k = _dense(params["k_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
-    v = _dense(params["v_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
-  out, kv_cache = paged_attention(
-      q, k, v, kv_cache, plan, rope=spec.rope, sm_scale=spec.sm_scale,
-      window_left=spec.window_left, logits_soft_cap=spec.logits_soft_cap,
-      impl=impl)
+    if "qkv_proj" in params:
+      qkv = _dense(params["qkv_proj"], x, dtype)
+      nq, nk = spec.num_qo_heads * d, spec.num_kv_heads * d
+      q = qkv[:, :nq].reshape(t, spec.num_qo_heads, d)
+      k = qkv[:, nq:nq + nk].reshape(t, spec.num_kv_heads, d)
+      v = qkv[:, nq + nk:].reshape(t, spec.num_kv_heads, d)
+    else:
+      q = _dense(params["q_proj"], x, dtype).reshape(t, spec.num_qo_heads, d)
+      k = _dense(params["k_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+      v = _dense(params["v_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+    out, kv_cache = paged_attention(q, k, v, kv_cache, plan, rope=spec.rope,
+                                    **statics)
   out = out.reshape(t, spec.num_qo_heads * d)
   if reduce_axis is None:
     return _dense(params["o_proj"], out, dtype), kv_cache

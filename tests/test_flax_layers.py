@@ -122,6 +122,64 @@ def test_nnx_layer_chunked_prefill_and_decode(window_left):
                                atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_attention_block_fused_qkv_matches_split(impl):
+  """`qkv_proj` weights (RoPE + append read the heads of each projected row in
+  place; in decode-sized steps through each token's table row) give the
+  outputs and pool writes of separate q/k/v projections, and match the dense
+  oracle. Pallas runs in interpret mode on the CPU."""
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  lens = [14, 8]
+  rng = np.random.default_rng(7)
+  params = {name: {"kernel": rng.normal(size=(i, o)).astype(np.float32) * 0.2,
+                   "bias": rng.normal(size=(o,)).astype(np.float32) * 0.2}
+            for name, i, o in (("q_proj", HIDDEN, NQ * D),
+                               ("k_proj", HIDDEN, NKV * D),
+                               ("v_proj", HIDDEN, NKV * D),
+                               ("o_proj", NQ * D, HIDDEN))}
+  fused = {"o_proj": params["o_proj"], "qkv_proj": {
+      k: np.concatenate([params[n][k] for n in ("q_proj", "k_proj", "v_proj")],
+                        axis=-1) for k in ("kernel", "bias")}}
+  xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
+  expected = _reference(params, xs, ROPE)
+  spec = AttentionSpec(NQ, NKV, D, rope=ROPE, use_qkv_bias=True)
+  table, pool = _layout(lens)
+  step = jax.jit(lambda p, x, pool, plan: attention_block(
+      p, x, pool, plan, spec, impl=impl))
+  # (tokens of seq 0, of seq 1, padded step size): a cached prefix of seq 0
+  # (split weights only), a chunk + a prompt, two decode-sized steps (tokens
+  # <= sequences), the last with seq 0 idle and a padding token.
+  schedule = [((0, 8), (0, 0), 16), ((8, 13), (0, 6), 16),
+              ((13, 14), (6, 7), 2), ((14, 14), (7, 8), 2)]
+  for n, (s0, s1, num_tokens) in enumerate(schedule):
+    x = np.zeros((num_tokens, HIDDEN), np.float32)
+    q0, q1 = s0[1] - s0[0], s1[1] - s1[0]
+    x[:q0], x[q0:q0 + q1] = xs[0][s0[0]:s0[1]], xs[1][s1[0]:s1[1]]
+    plan = AttentionPlan.create(table, np.array([0, q0, q0 + q1], np.int32),
+                                np.array([s0[1], s1[1]], np.int32), num_tokens)
+    out_split, pool_split = step(params, jnp.asarray(x), pool, plan)
+    if n:
+      out_fused, pool_fused = step(fused, jnp.asarray(x), pool, plan)
+      np.testing.assert_allclose(np.asarray(out_fused), np.asarray(out_split),
+                                 atol=1e-5, rtol=1e-5)
+      np.testing.assert_allclose(np.asarray(pool_fused), np.asarray(pool_split),
+                                 atol=1e-5, rtol=1e-5)  # NaN where none wrote
+      np.testing.assert_allclose(np.asarray(out_fused[:q0]),
+                                 expected[0][s0[0]:s0[1]], atol=2e-4, rtol=2e-4)
+      np.testing.assert_allclose(np.asarray(out_fused[q0:q0 + q1]),
+                                 expected[1][s1[0]:s1[1]], atol=2e-4, rtol=2e-4)
+      # Padding rows: zero attention, so the o_proj bias alone.
+      np.testing.assert_allclose(
+          np.asarray(out_fused[q0 + q1:]),
+          np.broadcast_to(params["o_proj"]["bias"],
+                          (num_tokens - q0 - q1, HIDDEN)), atol=1e-6)
+    pool = pool_split
+  bad = dict(fused, qkv_proj={"kernel": fused["qkv_proj"]["kernel"][:, :-D]})
+  with pytest.raises(ValueError, match="qkv_proj"):
+    attention_block(bad, jnp.asarray(x), pool, plan, spec, impl=impl)
+
+
 def test_linen_layer_matches_nnx():
   lens = [11, 6]
   num_tokens = 24

@@ -284,3 +284,7 @@ def test_default_config_heuristics():
   c = kernel.Config.default_for(batch_size=256, num_kv_heads=8, page_size=16,
                                 max_pages=64, head_dim=128)
   assert (c.pages_per_block, c.k_splits) == (8, 1)  # many programs: 128 tokens
+  assert c.num_warps == 4
+  c = kernel.Config.default_for(batch_size=256, num_kv_heads=3, page_size=16,
+                                max_pages=64, head_dim=64)
+  assert (c.pages_per_block, c.k_splits, c.num_warps) == (4, 1, 2)  # d64: 2 warps

@@ -450,6 +450,21 @@ def test_kernel_one_head_config_matches_xla():
     chex.assert_trees_all_close(actual, expected, atol=2e-5)
 
 
+def test_default_config_rule():
+  """Heads that split far enough keep the split head loop; where they do not
+  (9 q / 3 kv heads, or few tokens) one head per program; big batches keep
+  their rule."""
+  from pkvattn.pallas_kernels import rope_append as kernel
+  c = kernel.Config.default_for(256, 32, 8)
+  assert (c.num_splits, c.one_head, c.unroll) == (8, False, True)
+  c = kernel.Config.default_for(256, 9, 3)
+  assert c.one_head and c.block_tokens == 4  # 768 programs, not 64
+  c = kernel.Config.default_for(8, 32, 8)
+  assert c.one_head  # 2 tiles: 80 programs, not 16
+  for t in (4096, 65536):  # enough tiles: no head split wanted
+    assert not kernel.Config.default_for(t, 9, 3).one_head
+
+
 @pytest.mark.parametrize("impl,fmt", [("xla", "pair"), ("pallas", "pool"),
                                       ("pallas", "flashinfer")])
 def test_apply_rope_and_append_qkv(impl, fmt):

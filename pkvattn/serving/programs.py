@@ -350,6 +350,22 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
       emitted, carry[7], usage["num_used"], usage["num_free"])
 
 
+def compiler_options() -> dict:
+  """XLA debug options of every engine program, set per compilation (the
+  process's `XLA_FLAGS` and other programs are left alone).
+
+  On a GPU: `xla_gpu_enable_triton_gemm=False`, the projections as cuBLAS
+  gemms. At decode batch sizes XLA's autotuner picks split-K Triton gemm
+  fusions whose partial sums then need a separate reduction kernel (the
+  autotuner times the gemm alone): a 256-row decode step of SmolLM2-135M
+  took 1.27 ms of kernel time with cuBLAS against 1.66 ms (H200, 2026-11-23,
+  bench/decode_step_ab.py). Elsewhere none.
+  """
+  if jax.default_backend() != "gpu":
+    return {}
+  return {"xla_gpu_enable_triton_gemm": False}
+
+
 @functools.lru_cache(maxsize=64)
 def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
                    mesh, kind: str, greedy_only: bool):
@@ -362,7 +378,8 @@ def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
       model_cfg=model_cfg, cfg=cfg, mesh=mesh, greedy_only=greedy_only)
   if cfg.check:  # returns (checkify.Error, outputs); trace under checked()
     body = checkify.checkify(body)
-  return jax.jit(body, donate_argnums=(1, 2, 3))
+  return jax.jit(body, donate_argnums=(1, 2, 3),
+                 compiler_options=compiler_options() or None)
 
 
 def signature(*trees) -> tuple:
