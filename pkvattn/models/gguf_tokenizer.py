@@ -101,7 +101,11 @@ class GGUFTokenizer(TokenizersTokenizer):
     if kind == "gpt2":
       tok = _byte_level_bpe(metadata, tokens)
     else:
-      tokens = _spm_respell(tokens)
+      # User-defined tokens (Gemma's runs of spaces, tabs, newlines) are
+      # matched whole on the raw text before the model, so they keep their
+      # spelling.
+      tokens = [t if ty == USER_DEFINED else r
+                for t, r, ty in zip(tokens, _spm_respell(tokens), types)]
       tok = _sentencepiece_bpe(metadata, tokens, types)
 
     tok.add_special_tokens([

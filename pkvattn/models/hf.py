@@ -1,6 +1,7 @@
 """Loading local Hugging Face checkpoints: config.json, *.safetensors, tokenizer.json.
 
-Supported `model_type`s: llama, mistral, qwen2, gemma2. Weights are read with the
+Supported `model_type`s: llama, mistral, qwen2, gemma2, gemma3_text (and
+gemma3 checkpoints' text model). Weights are read with the
 `safetensors` library (flax framework, so bf16 tensors load without torch),
 transposed to `[in, out]` kernels and stacked along a leading layer axis.
 """
@@ -19,7 +20,8 @@ from pkvattn.models.decoder import DecoderConfig
 from pkvattn.models.tokenizer import TokenizersTokenizer
 from pkvattn.rope import RopeConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text",
+                         "gemma3")
 
 
 def config_from_hf(hf: dict) -> DecoderConfig:
@@ -50,13 +52,20 @@ def config_from_hf(hf: dict) -> DecoderConfig:
                     for t in layer_types)
   elif mt == "gemma2":  # older configs: even layers are local
     windows = tuple(sw - 1 if i % 2 == 0 else -1 for i in range(L))
+  elif mt in _GEMMA3:  # layer i is global iff (i + 1) % pattern == 0
+    pattern = int(hf.get("sliding_window_pattern")
+                  or hf.get("_sliding_window_pattern") or 6)
+    windows = tuple(-1 if (i + 1) % pattern == 0 else sw - 1
+                    for i in range(L))
   else:
     windows = (sw - 1,) * L
   if all(w < 0 for w in windows):
     windows = ()
   eos = hf.get("eos_token_id")
   eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-  gemma = mt == "gemma2"
+  gemma = mt in ("gemma2",) + _GEMMA3
+  rope, rope_local = _ropes(hf) if mt in _GEMMA3 else (
+      RopeConfig.from_hf_config(hf), None)
   bias = bool(hf.get("attention_bias", False))
   act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
   return DecoderConfig(
@@ -67,7 +76,9 @@ def config_from_hf(hf: dict) -> DecoderConfig:
       num_qo_heads=nq,
       num_kv_heads=hf.get("num_key_value_heads") or nq,
       head_dim=head_dim,
-      rope=RopeConfig.from_hf_config(hf),
+      rope=rope,
+      rope_local=rope_local,
+      qk_norm=mt in _GEMMA3,
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       norm_plus_one=gemma,
       qkv_bias=True if mt == "qwen2" else bias,
@@ -87,6 +98,27 @@ def config_from_hf(hf: dict) -> DecoderConfig:
       max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
       model_type=mt,
   )
+
+
+_GEMMA3 = ("gemma3_text", "gemma3")
+
+
+def _ropes(hf: dict):
+  """Gemma 3's `(global, sliding)` RoPE: transformers 5's per-layer-type
+  `rope_parameters`, or `rope_theta` / `rope_scaling` and
+  `rope_local_base_freq` (default 10,000, never scaled)."""
+  per_type = hf.get("rope_parameters") or {}
+  if "full_attention" in per_type:
+    base = {k: v for k, v in hf.items()
+            if k not in ("rope_parameters", "rope_scaling")}
+    glob = RopeConfig.from_hf_config(
+        {**base, "rope_parameters": per_type["full_attention"]})
+    local = RopeConfig.from_hf_config(
+        {**base, "rope_parameters": per_type.get(
+            "sliding_attention", {"rope_theta": 10000.0})})
+    return glob, local
+  return (RopeConfig.from_hf_config(hf),
+          RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0))))
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
@@ -123,6 +155,8 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
     hf = json.load(f)
   if "text_config" in hf and "num_hidden_layers" not in hf:
     hf = {**hf["text_config"], "model_type": hf.get("model_type")}
+  if hf.get("model_type") == "gemma3":  # the multimodal wrapper's text model
+    hf = {**hf, "model_type": "gemma3_text"}
   cfg = config_from_hf(hf)
   tensors = _read_tensors(path)
 
@@ -206,6 +240,12 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
               "down_proj": dense("mlp.down_proj", I, H, cfg.mlp_bias)},
       "attn_norm": norm("input_layernorm"),
   }
+  if cfg.qk_norm:
+    d = cfg.head_dim
+    layers["attn"]["q_norm"] = stack("layers.{}.self_attn.q_norm.weight", (d,),
+                                     False)
+    layers["attn"]["k_norm"] = stack("layers.{}.self_attn.k_norm.weight", (d,),
+                                     False)
   if cfg.sandwich_norms:
     layers["post_attn_norm"] = norm("post_attention_layernorm")
     layers["mlp_norm"] = norm("pre_feedforward_layernorm")
