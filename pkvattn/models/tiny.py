@@ -57,6 +57,15 @@ TINY_CONFIGS = {
         embed_scale=gemma_embed_scale(_BASE["hidden_size"]), sm_scale=64**-0.5,
         layer_windows=(31, -1), attn_logit_softcap=50.0,
         final_logit_softcap=30.0, sandwich_norms=True, **_BASE),
+    # Gemma 3's layer: QK-norm, a RoPE base per layer kind, no soft caps; two
+    # 16-token sliding layers per global one (the real models: five).
+    "tiny-gemma3": DecoderConfig(
+        rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=10000.0),
+        model_type="gemma3_text", qk_norm=True, norm_plus_one=True,
+        activation="gelu_tanh", tie_word_embeddings=True,
+        embed_scale=gemma_embed_scale(_BASE["hidden_size"]), sm_scale=64**-0.5,
+        layer_windows=(15, 15, -1), sandwich_norms=True,
+        **dict(_BASE, num_layers=3)),
 }
 
 
