@@ -72,12 +72,12 @@ class CacheConfig:
   holds one block of every layer. A block that is stale for the SWA layers is
   still needed by the global layers, so its slot must stay and scratch would
   save nothing; the scratch blocks of a step are therefore the blocks that
-  EVERY layer treats as scratch. With a global layer there are none (global
-  layers never get scratch blocks, and neither do the SWA layers: the saving
-  comes from all-SWA models only; separate slot spaces per layer group, which
-  `bench/swa_report.py` assumes for its Gemma-2 rows, are not implemented).
-  With several SWA windows, the widest one decides (`scratch_window_left`),
-  and the scratch slot's sub-pages are all `num_layers` layer pages of a slot.
+  EVERY layer treats as scratch. With a global layer there are none. Such
+  models want one slot space per window group instead
+  (`HybridCacheConfig`, `cache/hybrid.py`), where a sliding group keeps only
+  its window and takes scratch of its own. With several SWA windows in one
+  space, the widest one decides (`scratch_window_left`), and the scratch
+  slot's sub-pages are all `num_layers` layer pages of a slot.
   """
   num_slots: int
   page_size: int
