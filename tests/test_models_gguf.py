@@ -459,7 +459,7 @@ def test_unsupported_architecture_raises(tmp_path):
   # Same file, another architecture name.
   data = (tmp_path / "p.gguf").read_bytes().replace(b"qwen2", b"phi42")
   (tmp_path / "phi.gguf").write_bytes(data)
-  with pytest.raises(ValueError, match=r"'phi42'.*\('llama', 'qwen2', 'gemma2'\)"):
+  with pytest.raises(ValueError, match=r"'phi42'.*\('llama', 'qwen2', 'gemma2', 'gemma3'\)"):
     models.load_model(str(tmp_path / "phi.gguf"))
 
 

@@ -125,34 +125,33 @@ def test_gemma3_270m_matches_transformers(pair):
     assert tok.decode(ids) == expected_tok.decode(ids,
                                                   skip_special_tokens=True)
 
-  prompts = [tok.encode(p) for p in PROMPTS]
+  # One engine for both parts (three programs: 64- and 640-token steps and
+  # the decode burst), per-window-group spaces by default for this model.
   engine = Engine(model, EngineConfig(
-      page_size=16, num_slots=64, max_seqs=8, max_num_tokens=128,
-      max_model_len=64, impl="xla", decode_steps=NEW_TOKENS,
-      enable_prefix_reuse=False))
+      page_size=16, num_slots=192, max_seqs=8, max_num_tokens=640,
+      max_model_len=640, token_buckets=(64, 640), impl="xla",
+      decode_steps=NEW_TOKENS))
   assert isinstance(engine.cache_config, cache.HybridCacheConfig)
+  prompts = [tok.encode(p) for p in PROMPTS]
   actual = engine.generate(
       prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
   _assert_same(actual, *_hf_greedy(hf, prompts, NEW_TOKENS), PROMPTS)
 
   # Prefix reuse past the window: three prompts sharing a 576-token prefix
-  # (36 blocks; the window is 512), one after another. Later prompts reuse
-  # the whole prefix in the global layers and its last window in the
-  # sliding ones; their greedy tokens equal transformers' (no reuse there).
+  # (36 blocks; the window is 512); the first runs alone, the other two then
+  # reuse the whole prefix in the global layers and its last window in the
+  # sliding ones. Their greedy tokens equal transformers' (no reuse there).
   words = ("the river carries stones from the mountains to the sea while "
            "farmers plant rice along its banks and children count boats ")
   prefix = tok.encode(words * 30)[:576]
   long_prompts = [prefix + tok.encode(f" Question {i}: why?")[1:]
                   for i in (3, 14, 59)]
-  engine = Engine(model, EngineConfig(
-      page_size=16, num_slots=128, max_seqs=1, max_num_tokens=640,
-      max_model_len=640, impl="xla", decode_steps=1))
-  new = 6
-  actual = engine.generate(long_prompts, SamplingParams(max_new_tokens=new,
-                                                        ignore_eos=True))
-  _assert_same(actual, *_hf_greedy(hf, long_prompts, new),
-               ["long prompt"] * 3)
-  assert engine.stats.reused_tokens == 2 * 576
+  reused = engine.stats.reused_tokens
+  sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+  actual = engine.generate(long_prompts[:1], sp)
+  actual += engine.generate(long_prompts[1:], sp)
+  _assert_same(actual, *_hf_greedy(hf, long_prompts, 6), ["long prompt"] * 3)
+  assert engine.stats.reused_tokens - reused == 2 * 576
   cache.validate(engine.state)
 
 
