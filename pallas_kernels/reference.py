@@ -26,15 +26,18 @@ from jax import lax
 NEG_INF = float("-inf")
 
 
-def _gather_kv(pool, table):
+def _gather_kv(pool, table, scale=None):
   """[num_pages, page_size, H, D] x i32[B, P] -> [B, P * page_size, H, D].
 
   Entries < 0 are clipped to page 0; the caller masks those rows out before
   they can reach an output (NaNs are removed with `where`, never multiplied).
+  With `scale` (FP8 pages), the pages are dequantized: f32 `value * scale`.
   """
   b, p = table.shape
   _, ps, h, d = pool.shape
   pages = pool[jnp.clip(table, 0, pool.shape[0] - 1)]
+  if scale is not None:
+    pages = pages.astype(jnp.float32) * scale
   return pages.reshape(b, p * ps, h, d)
 
 
@@ -90,6 +93,8 @@ def paged_decode_reference(
     v_table,    # i32[batch_size, max_pages]
     kv_lens,    # i32[batch_size]
     sinks=None,  # f32[num_qo_heads] | None
+    k_scale=None,  # f32[] | None: FP8 pages (value * k_scale)
+    v_scale=None,  # f32[] | None
     *,
     sm_scale: float,
     window_left: int = -1,
@@ -103,8 +108,8 @@ def paged_decode_reference(
   b, hq, d = q.shape
   hkv = k_pool.shape[2]
   g = hq // hkv
-  k = _gather_kv(k_pool, k_table)  # [B, S, Hkv, D]
-  v = _gather_kv(v_pool, v_table)
+  k = _gather_kv(k_pool, k_table, k_scale)  # [B, S, Hkv, D]
+  v = _gather_kv(v_pool, v_table, v_scale)
   s_len = k.shape[1]
   qg = q.reshape(b, hkv, g, d)
   s = _logits(qg, k, sm_scale, logits_soft_cap)  # [B, Hkv, G, S]
@@ -147,6 +152,8 @@ def paged_prefill_reference(
     q_indptr,   # i32[batch_size + 1]
     kv_lens,    # i32[batch_size]
     sinks=None,  # f32[num_qo_heads] | None
+    k_scale=None,  # f32[] | None: FP8 pages (value * k_scale)
+    v_scale=None,  # f32[] | None
     *,
     causal: bool = True,
     sm_scale: float,
@@ -180,8 +187,8 @@ def paged_prefill_reference(
     qc, bc, pc = args  # [C, Hq, D], [C], [C]
     valid = bc >= 0
     bs = jnp.clip(bc, 0)
-    k = _gather_kv(k_pool, k_table[bs])  # [C, S, Hkv, D]
-    v = _gather_kv(v_pool, v_table[bs])
+    k = _gather_kv(k_pool, k_table[bs], k_scale)  # [C, S, Hkv, D]
+    v = _gather_kv(v_pool, v_table[bs], v_scale)
     s = _logits(qc.reshape(-1, hkv, g, d), k, sm_scale, logits_soft_cap)
     kv_pos = jnp.arange(s_len)[None, :]
     kv_len = jnp.where(valid, kv_lens[bs], 0)

@@ -27,6 +27,12 @@ Format = Literal["pair", "pool", "flashinfer"]
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# FP8 KV pages (vLLM `--kv-cache-dtype fp8`, FlashInfer `kv_data_type=
+# float8_e4m3fn`): stored value = x / scale, saturated to +-FP8_MAX; read as
+# value * scale. One f32 scale per K tensor and one per V tensor (per layer).
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+KV_DTYPES = SUPPORTED_DTYPES + (FP8_DTYPE,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +149,73 @@ def rebuild(view: KVView, k_pool, v_pool=None):
   return k_pool.reshape(n2 // 2, 2, ps, h, d)
 
 
+def is_fp8(x) -> bool:
+  """Whether an array (or dtype) holds FP8 KV pages."""
+  return jnp.dtype(getattr(x, "dtype", x)) == jnp.dtype(FP8_DTYPE)
+
+
+def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
+  """Validates the dequantisation scales of `pool` (trace time).
+
+  Args:
+    pool: the K (or shared) page pool.
+    k_scale, v_scale: f32 scalars (Python floats, 0-d or 1-element arrays;
+      may be traced) for an FP8 pool, None otherwise.
+
+  Returns:
+    `(k_scale, v_scale)` as `f32[]` arrays, or `(None, None)` for a pool that
+    is not FP8.
+
+  Raises:
+    ValueError: an FP8 pool without both scales, a scale that is not one
+      float, or scales given with a pool that is not FP8 (they would be
+      ignored).
+  """
+  if not is_fp8(pool):
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+      if x is not None:
+        raise ValueError(
+            f"Invalid {name}: expected None for a {jnp.dtype(pool.dtype)} "
+            f"{pool_name} (scales apply to float8_e4m3fn pages), got {x!r}")
+    return None, None
+  out = []
+  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if x is None:
+      raise ValueError(
+          f"Invalid {name}: expected an f32 scalar for a float8_e4m3fn "
+          f"{pool_name} (stored value = x / scale), got None")
+    x = jnp.asarray(x)
+    if x.size != 1 or x.ndim > 1:
+      raise ValueError(
+          f"Invalid shape of {name}: expected () (one scale per tensor), got "
+          f"{tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(
+          f"Invalid dtype of {name}: expected a float, got {x.dtype}")
+    out.append(x.reshape(()).astype(jnp.float32))
+  return tuple(out)
+
+
+def quantize(x, scale):
+  """`x / scale` saturated to `[-FP8_MAX, FP8_MAX]`, as float8_e4m3fn.
+
+  Overflow (and +-inf) saturates instead of becoming NaN (e4m3fn has no
+  infinity); NaN stays NaN. Follows vLLM's `scaled_fp8_quant` / FlashInfer.
+  """
+  y = x.astype(jnp.float32) / scale
+  return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def dequantize(x, scale, dtype=jnp.float32):
+  """`x * scale` in `dtype` (f32 by default); `scale` None returns `x`."""
+  if scale is None:
+    return x
+  return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
 def _check_pool(pool, name: str) -> None:
   _checks.check_ndim(pool, (4,), name)
-  _checks.check_dtype(pool, SUPPORTED_DTYPES, name)
+  _checks.check_dtype(pool, KV_DTYPES, name)
   _, page_size, _, head_dim = pool.shape
   if page_size not in SUPPORTED_PAGE_SIZES:
     raise ValueError(

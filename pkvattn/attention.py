@@ -26,10 +26,14 @@ def _resolve_impl(impl: Implementation | None) -> str:
   return impl
 
 
-def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q):
+def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q,
+                   k_scale=None, v_scale=None):
+  """Trace-time checks; returns the FP8 scales (`f32[]` each, or None)."""
   _checks.check_ndim(q, (3,), name_q)
   _checks.check_dtype(q, _kv.SUPPORTED_DTYPES, name_q)
-  _checks.check_same_dtype(view.k_pool, q, "kv_cache", name_q)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
+  if not _kv.is_fp8(view.k_pool):
+    _checks.check_same_dtype(view.k_pool, q, "kv_cache", name_q)
   num_qo_heads, head_dim = q.shape[1], q.shape[2]
   if head_dim != view.head_dim:
     raise ValueError(
@@ -44,6 +48,7 @@ def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q):
         f"got {view.k_table.shape[0]}")
   if sinks is not None:
     _checks.check_shape(sinks, (num_qo_heads,), "sinks")
+  return scales
 
 
 def _statics(head_dim, sm_scale, window_left, logits_soft_cap):
@@ -72,6 +77,8 @@ def paged_decode(
     return_lse: bool = False,
     impl: Implementation | None = None,
     check: bool | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
 ):
   """One-token-per-sequence attention over a paged KV cache (FlashInfer decode).
 
@@ -89,7 +96,8 @@ def paged_decode(
         pages: TensorRT-LLM);
       * FlashInfer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` with a
         shared table.
-      Same dtype as `q`; `page_size` in {8, ..., 128}, `head_dim` in {64, 128, 256}.
+      Same dtype as `q`, or float8_e4m3fn (FP8 pages, with `k_scale` /
+      `v_scale`); `page_size` in {8, ..., 128}, `head_dim` in {64, 128, 256}.
     page_table: page ids (array or nested list); entries past
       `cdiv(kv_lens[b], page_size)` or wholly outside the window are never
       read and may be -1.
@@ -110,6 +118,12 @@ def paged_decode(
       block the query can see (from the window start, or 0, to
       `cdiv(kv_lens[b], page_size)`). Unchecked, nothing verifies them (an
       out-of-range page reads whatever the gather clamps to).
+    k_scale, v_scale: f32 scalars (floats or 0-d arrays, may be traced) for
+      an FP8 `kv_cache`: a stored page value `x` means `x * k_scale` (vLLM /
+      FlashInfer per-tensor convention, stored value = x / scale). Required
+      with FP8 pages, refused otherwise. The kernels read FP8 pages and
+      dequantize on the fly (K's scale folded into the logits scale, V's
+      into the output); accumulation is f32.
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
@@ -132,7 +146,8 @@ def paged_decode(
   """
   q, page_table, kv_lens, sinks = _arrays(q, page_table, kv_lens, sinks)
   view = _kv.make_view(kv_cache, page_table)
-  _common_checks(q, view, kv_lens, sinks, q.shape[0], "q")
+  scales = _common_checks(q, view, kv_lens, sinks, q.shape[0], "q", k_scale,
+                          v_scale)
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
   impl = _resolve_impl(impl)
@@ -147,15 +162,23 @@ def paged_decode(
     elif impl == "xla":
       out, lse = reference.paged_decode_reference(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
-          sm_scale=sm_scale, window_left=window_left,
+          *scales, sm_scale=sm_scale, window_left=window_left,
           logits_soft_cap=logits_soft_cap)
     else:
       from pkvattn.pallas_kernels import paged_decode as kernel
       out, lse = kernel.paged_decode(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
           sm_scale=sm_scale, window_left=window_left,
-          logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu())
+          logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu(),
+          **_scale_kwargs(scales))
   return (out, lse) if return_lse else out
+
+
+def _scale_kwargs(scales):
+  """The kernels' FP8 arguments (none for unquantized pages)."""
+  if scales[0] is None:
+    return {}
+  return dict(k_scale=scales[0], v_scale=scales[1])
 
 
 def paged_prefill(
@@ -174,6 +197,8 @@ def paged_prefill(
     impl: Implementation | None = None,
     plan=None,
     check: bool | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
 ):
   """Ragged-batch attention of new tokens over a paged KV cache (FlashInfer prefill).
 
@@ -206,6 +231,7 @@ def paged_prefill(
       page_size`, and a page id in `[0, num_pages)` for every block a query
       can see (from the first query's window start, or 0, to
       `cdiv(kv_lens[b], page_size)`; rows without queries see none).
+    k_scale, v_scale: as in `paged_decode` (FP8 pages).
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
@@ -223,7 +249,8 @@ def paged_prefill(
   q_indptr = _checks.as_index_array(q_indptr)
   view = _kv.make_view(kv_cache, page_table)
   batch_size = view.k_table.shape[0]
-  _common_checks(q, view, kv_lens, sinks, batch_size, "q")
+  scales = _common_checks(q, view, kv_lens, sinks, batch_size, "q", k_scale,
+                          v_scale)
   _checks.check_int(q_indptr, "q_indptr")
   _checks.check_shape(q_indptr, (batch_size + 1,), "q_indptr")
   sm_scale, window_left, logits_soft_cap = _statics(
@@ -240,12 +267,13 @@ def paged_prefill(
       out, lse = _empty(q)
     elif causal and q.shape[0] <= batch_size:
       out, lse = _prefill_as_decode(
-          q, view, q_indptr, kv_lens, sinks, impl=impl, sm_scale=sm_scale,
-          window_left=window_left, logits_soft_cap=logits_soft_cap)
+          q, view, q_indptr, kv_lens, sinks, scales, impl=impl,
+          sm_scale=sm_scale, window_left=window_left,
+          logits_soft_cap=logits_soft_cap)
     elif impl == "xla":
       out, lse = reference.paged_prefill_reference(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
-          kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
+          kv_lens, sinks, *scales, causal=bool(causal), sm_scale=sm_scale,
           window_left=window_left, logits_soft_cap=logits_soft_cap)
     else:
       from pkvattn.pallas_kernels import paged_prefill as kernel
@@ -253,7 +281,7 @@ def paged_prefill(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
           kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
           window_left=window_left, logits_soft_cap=logits_soft_cap,
-          interpret=not _checks.is_gpu(), plan=plan)
+          interpret=not _checks.is_gpu(), plan=plan, **_scale_kwargs(scales))
   return (out, lse) if return_lse else out
 
 
@@ -270,8 +298,8 @@ def _empty(q):
   return out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
 
 
-def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, *, impl,
-                       sm_scale, window_left, logits_soft_cap):
+def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, scales,
+                       *, impl, sm_scale, window_left, logits_soft_cap):
   """Causal prefill of <= batch_size tokens, each token as one decode row.
 
   Under causal masking token `t` (sequence `b`, position `p`) attends to keys
@@ -290,13 +318,14 @@ def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, *, impl,
   if impl == "xla":
     return reference.paged_decode_reference(
         q, view.k_pool, view.v_pool, k_table, v_table, tok_kv_lens, sinks,
-        sm_scale=sm_scale, window_left=window_left,
+        *scales, sm_scale=sm_scale, window_left=window_left,
         logits_soft_cap=logits_soft_cap)
   from pkvattn.pallas_kernels import paged_decode as kernel
   return kernel.paged_decode(
       q, view.k_pool, view.v_pool, k_table, v_table, tok_kv_lens, sinks,
       sm_scale=sm_scale, window_left=window_left,
-      logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu())
+      logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu(),
+      **_scale_kwargs(scales))
 
 
 def plan_prefill(

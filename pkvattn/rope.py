@@ -294,13 +294,16 @@ def _paged(view: _kv.KVView, batch_indices):
 
 
 def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
-         interleaved: bool, impl: str):
-  """Shared body: returns (q_rotated or None, kv_cache in the caller's format)."""
+         interleaved: bool, impl: str, scales=(None, None)):
+  """Shared body: returns (q_rotated or None, kv_cache in the caller's format).
+  `scales`: `(k_scale, v_scale)` of FP8 pages (quantized on write)."""
   if impl == "xla":
     if inv_freq is not None:
       inv = jnp.asarray(inv_freq)
       q = reference.rope_reference(q, positions, inv, interleaved=interleaved)
       k = reference.rope_reference(k, positions, inv, interleaved=interleaved)
+    if scales[0] is not None:
+      k, v = _kv.quantize(k, scales[0]), _kv.quantize(v, scales[1])
     k_pool, v_pool = reference.append_paged_kv_reference(
         k, v, batch_indices, positions, view.k_pool,
         None if view.same_pool else view.v_pool, view.k_table, view.v_table)
@@ -312,12 +315,12 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
         None if inv_freq is None else jnp.asarray(inv_freq),
         view.k_pool, None if view.same_pool else view.v_pool,
         interleaved=interleaved, interpret=not _checks.is_gpu(),
-        paged=_paged(view, batch_indices))
+        paged=_paged(view, batch_indices), **_scale_kwargs(scales))
   except NotImplementedError:
     if impl == "pallas":  # named explicitly: re-raise
       raise
     return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
-                "xla")
+                "xla", scales)
   return q_out, _kv.rebuild(view, k_pool, v_pool)
 
 
@@ -331,6 +334,8 @@ def append_paged_kv(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
 ):
   """Writes each token's K and V row into the paged cache.
 
@@ -340,7 +345,9 @@ def append_paged_kv(
   `< 0` are not written. Two tokens writing the same row: unspecified winner.
 
   Args:
-    k, v: `[num_tokens, num_kv_heads, head_dim]`; cast to the cache dtype.
+    k, v: `[num_tokens, num_kv_heads, head_dim]`; cast to the cache dtype
+      (FP8 pages: quantized, `x / k_scale` resp. `x / v_scale` saturated to
+      +-448, `pkvattn` FP8 convention as vLLM / FlashInfer).
     batch_indices: `i32[num_tokens]` (array or list), sequence of each
       token, -1 = padding.
     positions: `i32[num_tokens]` (array or list), position of each token in
@@ -355,6 +362,8 @@ def append_paged_kv(
       in `[-1, batch_size)`, and every non-padding token lands in a page:
       `0 <= positions[t] < max_pages * page_size` and a page id in `[0,
       num_pages)` at its block (unchecked, such tokens are not written).
+    k_scale, v_scale: f32 scalars for a float8_e4m3fn `kv_cache` (required
+      there, refused otherwise), as in `pkvattn.paged_decode`.
 
   Returns:
     The updated kv_cache in the format it came in. Donate it
@@ -371,13 +380,21 @@ def append_paged_kv(
       batch_indices, positions, page_table)
   view = _kv.make_view(kv_cache, page_table)
   _append_checks(k, v, batch_indices, positions, view)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
   _append_contract(view, batch_indices, positions, check)
   if _nothing_to_write(view, k.shape[0]):
     return kv_cache
   with _contract.unchecked():  # the kernels: their unchecked compilation
     _, kv_cache = _run(None, k, v, batch_indices, positions, view, None, False,
-                       _resolve_impl(impl))
+                       _resolve_impl(impl), scales)
   return kv_cache
+
+
+def _scale_kwargs(scales):
+  """The kernel's FP8 arguments (none for unquantized pages)."""
+  if scales[0] is None:
+    return {}
+  return dict(k_scale=scales[0], v_scale=scales[1])
 
 
 def apply_rope_and_append(
@@ -392,6 +409,8 @@ def apply_rope_and_append(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
 ):
   """RoPE on q and k, then K/V appended to the paged cache, in one pass.
 
@@ -403,8 +422,8 @@ def apply_rope_and_append(
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     k, v: `[num_tokens, num_kv_heads, head_dim]`.
-    batch_indices, positions, kv_cache, page_table, impl, check: as
-      `append_paged_kv`.
+    batch_indices, positions, kv_cache, page_table, impl, check, k_scale,
+      v_scale: as `append_paged_kv` (FP8 pages are quantized in the kernel).
     rope: static `RopeConfig`.
 
   Returns:
@@ -435,6 +454,7 @@ def apply_rope_and_append(
   _append_checks(k, v, batch_indices, positions, view)
   _checks.check_shape(q, (k.shape[0], None, view.head_dim), "q")
   _checks.check_heads(q.shape[1], k.shape[1])
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
   _append_contract(view, batch_indices, positions, check)
   inv_freq = rope.inv_freq(view.head_dim)
   if _nothing_to_write(view, k.shape[0]):
@@ -443,7 +463,7 @@ def apply_rope_and_append(
     return q, kv_cache
   with _contract.unchecked():  # the kernels: their unchecked compilation
     return _run(q, k, v, batch_indices, positions, view, inv_freq,
-                rope.style == "gptj", _resolve_impl(impl))
+                rope.style == "gptj", _resolve_impl(impl), scales)
 
 
 def apply_rope_and_append_qkv(
@@ -456,6 +476,8 @@ def apply_rope_and_append_qkv(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
 ):
   """`apply_rope_and_append` on a fused qkv projection (TensorRT-LLM layout).
 
@@ -464,7 +486,8 @@ def apply_rope_and_append_qkv(
   `kv_cache`, `num_qo_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads`.
   The Pallas kernel reads the row in place; slicing q, k, v apart first
   would copy them. `batch_indices`, `positions`, `kv_cache`, `page_table`,
-  `rope`, `impl` and `check` are as in `apply_rope_and_append`.
+  `rope`, `impl`, `check`, `k_scale` and `v_scale` are as in
+  `apply_rope_and_append`.
 
   Returns:
     `(q_rotated [num_tokens, num_qo_heads, head_dim] in qkv.dtype, kv_cache)`.
@@ -492,6 +515,7 @@ def apply_rope_and_append_qkv(
   _checks.check_heads(num_qo_heads, hkv)
   _check_index(batch_indices, "batch_indices", num_tokens)
   _check_index(positions, "positions", num_tokens)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
   _append_contract(view, batch_indices, positions, check)
   inv_freq = rope.inv_freq(d)
   interleaved = rope.style == "gptj"
@@ -508,7 +532,8 @@ def apply_rope_and_append_qkv(
         q_out, k_pool, v_pool = kernel.rope_append_qkv(
             qkv, positions, None, None, jnp.asarray(inv_freq), view.k_pool,
             None if view.same_pool else view.v_pool, interleaved=interleaved,
-            interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices))
+            interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices),
+            **_scale_kwargs(scales))
         return q_out, _kv.rebuild(view, k_pool, v_pool)
       except NotImplementedError:
         if impl == "pallas":
@@ -517,7 +542,7 @@ def apply_rope_and_append_qkv(
     k = heads[:, num_qo_heads:num_qo_heads + hkv]
     v = heads[:, num_qo_heads + hkv:]
     return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
-                "xla")
+                "xla", scales)
 
 
 def get_batch_indices_positions(
