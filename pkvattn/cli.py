@@ -122,6 +122,14 @@ def _parser() -> argparse.ArgumentParser:
                       "mixing sliding-window and global layers (default: one "
                       "per window group, sliding layers keep only their "
                       "window)")
+  p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                 help="KV page dtype: auto = --dtype; fp8 = float8_e4m3fn "
+                      "pages with per-layer scales calibrated from the first "
+                      "prompts (half the bytes per token)")
+  p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                 help="bytes for the KV pool, e.g. 8GiB, 512MiB, 1e9; sets "
+                      "--num-slots from the size (FP8 holds twice the "
+                      "tokens of bf16)")
   p.add_argument("--ignore-eos", action="store_true",
                  help="generate --max-new-tokens tokens even past the model's "
                       "end-of-sequence / end-of-turn tokens")
@@ -142,6 +150,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plural(n: int, word: str) -> str:
   return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int | None:
+  """`"8GiB"` -> 8 * 2**30 (also KiB/MiB/TiB, kB/MB/GB, bytes as a number
+  such as "1e9"); None if `text` is not a size."""
+  t = text.strip().lower()
+  num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+  unit = t[len(num):].strip()
+  try:
+    value = float(num)
+  except ValueError:
+    return None
+  if unit not in _UNITS or not value == value or value == float("inf"):
+    return None
+  return int(value * _UNITS[unit])
 
 
 def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
@@ -178,6 +205,12 @@ def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
     bad("--top-k", "an integer >= 0 (0 = off)", args.top_k)
   if not 0 <= args.seed <= MAX_SEED:
     bad("--seed", f"an integer in [0, {MAX_SEED}]", args.seed)
+  if args.kv_cache_memory is not None:
+    size = parse_size(args.kv_cache_memory)
+    if size is None or size <= 0:
+      bad("--kv-cache-memory", "a positive size such as 8GiB, 512MiB or "
+          "1000000000", repr(args.kv_cache_memory))
+    args.kv_cache_memory = size
 
   prompts = []
   for text in args.prompt:
@@ -389,6 +422,8 @@ def main(argv=None) -> int:
       impl=args.impl, enable_prefix_reuse=not args.no_prefix_reuse,
       enable_swa_scratch_reuse=args.swa_scratch_reuse,
       kv_groups=False if args.no_kv_groups else None,
+      kv_cache_dtype=args.kv_cache_dtype,
+      kv_cache_memory=args.kv_cache_memory,
       decode_steps=args.decode_steps or (8 if on_gpu else 1),
       compile_cache_dir=None if args.no_compile_cache else (
           args.compile_cache_dir or compile_cache.default_dir()))
@@ -397,6 +432,8 @@ def main(argv=None) -> int:
   except ValueError as e:
     if "compile_cache_dir" in str(e):
       parser.error(f"argument --compile-cache-dir: {e}")
+    if "kv_cache_memory" in str(e):
+      parser.error(f"argument --kv-cache-memory: {e}")
     # the model's heads do not split over --tp devices
     parser.error(f"argument --tp: {e}")
   load_s = time.perf_counter() - t0
@@ -540,10 +577,12 @@ def _peak_slots(st, engine) -> str:
 
 
 def _kv_line(st) -> str:
-  if st.kv_bytes_saved is None:
-    return ""
   mib = 2**20
-  return (f"  peak KV: {st.peak_kv_bytes / mib:.1f} MiB, "
+  pool = (f"  KV pool: {st.kv_cache_dtype}, {st.kv_cache_bytes / mib:.1f} "
+          f"MiB{'; scales calibrated' if st.kv_scales_calibrated else ''}\n")
+  if st.kv_bytes_saved is None:
+    return pool
+  return pool + (f"  peak KV: {st.peak_kv_bytes / mib:.1f} MiB, "
           f"{st.kv_bytes_saved / mib:.1f} MiB less than one slot space for "
           f"every layer ({st.flat_peak_kv_bytes / mib:.1f} MiB)\n")
 

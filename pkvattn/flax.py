@@ -157,6 +157,8 @@ def paged_attention(
     window_left: int = -1,
     logits_soft_cap: float | None = None,
     impl: Implementation | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
   """RoPE + in-place append of `k`, `v`, then paged attention of `q`.
 
@@ -170,6 +172,8 @@ def paged_attention(
       -1 = full attention (HF `sliding_window = W` is `window_left = W - 1`).
     logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits.
     impl: "pallas", "xla" or None (pallas on GPU, xla elsewhere).
+    k_scale, v_scale: f32 scalars for a float8_e4m3fn pool (quantized on
+      write, dequantized on read; `pkvattn.paged_decode`), else None.
 
   Returns:
     `(out [num_tokens, num_qo_heads, head_dim] in q.dtype, kv_cache)`; padding
@@ -182,24 +186,27 @@ def paged_attention(
   _checks.check_shape(k, (q.shape[0], None, q.shape[2]), "k")
   _checks.check_shape(v, k.shape, "v")
   _checks.check_shape(plan.batch_indices, (q.shape[0],), "plan.batch_indices")
+  scales = dict(k_scale=k_scale, v_scale=v_scale)
   if rope is None:
     kv_cache = _append_paged_kv(k, v, plan.batch_indices, plan.positions,
-                                kv_cache, plan.page_table, impl=impl)
+                                kv_cache, plan.page_table, impl=impl, **scales)
   else:
     q, kv_cache = _apply_rope_and_append(
         q, k, v, plan.batch_indices, plan.positions, kv_cache, plan.page_table,
-        rope, impl=impl)
+        rope, impl=impl, **scales)
   return _attend(q, kv_cache, plan, sm_scale=sm_scale, window_left=window_left,
-                 logits_soft_cap=logits_soft_cap, impl=impl), kv_cache
+                 logits_soft_cap=logits_soft_cap, impl=impl,
+                 **scales), kv_cache
 
 
 def _attend(q, kv_cache, plan: AttentionPlan, *, sm_scale, window_left,
-            logits_soft_cap, impl):
+            logits_soft_cap, impl, k_scale=None, v_scale=None):
   """`paged_prefill` of the rotated `q` over the updated pool (causal)."""
   return _attention.paged_prefill(
       q, kv_cache, plan.page_table, plan.q_indptr, plan.kv_lens, causal=True,
       sm_scale=sm_scale, window_left=window_left,
-      logits_soft_cap=logits_soft_cap, impl=impl, plan=plan.kernel_plan)
+      logits_soft_cap=logits_soft_cap, impl=impl, plan=plan.kernel_plan,
+      k_scale=k_scale, v_scale=v_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +262,12 @@ def attention_block(
       `o_proj [num_qo_heads * head_dim, hidden_size]`, optional biases; or
       `qkv_proj [hidden_size, (num_qo_heads + 2 * num_kv_heads) * head_dim]`
       (q, k, v columns concatenated: one matmul) in place of the three;
-      with `spec.qk_norm_eps`, `q_norm` / `k_norm [head_dim]` too.
+      with `spec.qk_norm_eps`, `q_norm` / `k_norm [head_dim]` too; with a
+      float8_e4m3fn pool, `k_scale` / `v_scale` (f32 scalars: stored value =
+      x / scale; `pkvattn.models.calibrate_kv_scales` computes them).
     x: `[num_tokens, hidden_size]`.
-    kv_cache: the pool, dtype = `dtype` (default `x.dtype`).
+    kv_cache: the pool, dtype = `dtype` (default `x.dtype`), or
+      float8_e4m3fn with the scales in `params`.
     plan: this layer's plan.
     spec: static layer configuration.
     impl: attention / rope implementation.
@@ -276,6 +286,7 @@ def attention_block(
   d = spec.head_dim
   statics = dict(sm_scale=spec.sm_scale, window_left=spec.window_left,
                  logits_soft_cap=spec.logits_soft_cap, impl=impl)
+  scales = dict(k_scale=params.get("k_scale"), v_scale=params.get("v_scale"))
   if ("qkv_proj" in params and spec.rope is not None
       and spec.qk_norm_eps is None):
     # Fused (`pkvattn.models.fuse_projections`): RoPE + append read the q, k,
@@ -300,8 +311,8 @@ def attention_block(
                                 jnp.arange(t, dtype=jnp.int32), -1)
     q, kv_cache = _apply_rope_and_append_qkv(
         qkv, batch_indices, plan.positions, kv_cache, table, spec.rope,
-        impl=impl)
-    out = _attend(q, kv_cache, plan, **statics)
+        impl=impl, **scales)
+    out = _attend(q, kv_cache, plan, **statics, **scales)
   else:
     if "qkv_proj" in params:
       qkv = _dense(params["qkv_proj"], x, dtype)
@@ -317,7 +328,7 @@ def attention_block(
       q = _head_rms_norm(q, params["q_norm"], spec.qk_norm_eps)
       k = _head_rms_norm(k, params["k_norm"], spec.qk_norm_eps)
     out, kv_cache = paged_attention(q, k, v, kv_cache, plan, rope=spec.rope,
-                                    **statics)
+                                    **statics, **scales)
   out = out.reshape(t, spec.num_qo_heads * d)
   if reduce_axis is None:
     return _dense(params["o_proj"], out, dtype), kv_cache

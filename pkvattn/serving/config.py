@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pkvattn import _checks
+from pkvattn import _kv
 from pkvattn import cache as _cache
 from pkvattn.sampling import SamplingParams
 from pkvattn.types import Implementation
@@ -69,6 +72,19 @@ class EngineConfig:
       (`jax_compilation_cache_dir`); a later process with the same model and
       config loads its programs from there instead of compiling them. None =
       leave JAX's setting as it is (off unless the user enabled it).
+    kv_cache_dtype: "auto" (the model's compute dtype) or "fp8_e4m3" (alias
+      "fp8"): float8_e4m3fn pages with one `k_scale` / `v_scale` per layer
+      (vLLM's `--kv-cache-dtype fp8`): half the bytes per token of bf16.
+    kv_cache_memory: bytes for the KV pool; when set, `num_slots` is derived
+      from it (`kv_cache_memory // (num_layers * 2 * page_size *
+      num_kv_heads * head_dim * itemsize)`), so FP8 holds twice the tokens
+      of bf16 in the same bytes. None = `num_slots` as given.
+    k_scale, v_scale: FP8 scales for every layer (stored value = x / scale);
+      None = calibrated from the first prompts' prefill
+      (`pkvattn.models.calibrate.calibrate_kv_scales`, on the first
+      `calibration_tokens` tokens of the first requests, before their
+      first step).
+    calibration_tokens: tokens of the calibration prefill.
   """
   page_size: int = 16
   num_slots: int = 256
@@ -87,6 +103,11 @@ class EngineConfig:
   kv_groups: bool | None = None
   group_num_slots: tuple[int, ...] | None = None
   compile_cache_dir: str | None = None
+  kv_cache_dtype: str = "auto"
+  kv_cache_memory: int | None = None
+  k_scale: float | None = None
+  v_scale: float | None = None
+  calibration_tokens: int = 512
 
   def __post_init__(self):
     for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
@@ -119,6 +140,36 @@ class EngineConfig:
       raise ValueError(
           "Invalid group_num_slots: expected None or a tuple of positive ints,"
           f" got {self.group_num_slots!r}")
+    if self.kv_cache_dtype == "fp8":
+      object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
+    _checks.check_choice(self.kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
+    if self.kv_cache_memory is not None and (
+        not isinstance(self.kv_cache_memory, int)
+        or isinstance(self.kv_cache_memory, bool) or self.kv_cache_memory <= 0):
+      raise ValueError(
+          "Invalid kv_cache_memory: expected None or a positive int (bytes), "
+          f"got {self.kv_cache_memory!r}")
+    for name in ("k_scale", "v_scale"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if self.kv_cache_dtype != "fp8_e4m3":
+        raise ValueError(
+            f"Invalid {name}: expected None with kv_cache_dtype="
+            f"{self.kv_cache_dtype!r} (scales apply to FP8 pages), got {value!r}")
+      if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(
+            f"Invalid {name}: expected a positive finite float, got {value!r}")
+    if (self.k_scale is None) != (self.v_scale is None):
+      raise ValueError(
+          "Invalid k_scale / v_scale: expected both or neither, got "
+          f"k_scale={self.k_scale!r}, v_scale={self.v_scale!r}")
+    if (not isinstance(self.calibration_tokens, int)
+        or isinstance(self.calibration_tokens, bool)
+        or self.calibration_tokens <= 0):
+      raise ValueError(
+          "Invalid calibration_tokens: expected a positive int, got "
+          f"{self.calibration_tokens!r}")
     if self.token_buckets is not None and any(
         int(b) <= 0 for b in self.token_buckets):
       raise ValueError(
@@ -139,6 +190,32 @@ class EngineConfig:
   @property
   def num_admit(self) -> int:
     return self.max_admit or self.max_seqs
+
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
+def kv_dtype(cfg: EngineConfig, compute_dtype):
+  """The pool dtype for `cfg.kv_cache_dtype`."""
+  return _kv.FP8_DTYPE if cfg.kv_cache_dtype == "fp8_e4m3" else compute_dtype
+
+
+def slots_for_memory(cfg: EngineConfig, model_cfg, pool_dtype) -> int:
+  """`num_slots` of `cfg.kv_cache_memory` bytes (slots span every layer).
+
+  Raises:
+    ValueError: the bytes do not hold one sequence of `max_model_len`.
+  """
+  block = (2 * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim
+           * jnp.dtype(pool_dtype).itemsize)
+  slots = cfg.kv_cache_memory // (block * model_cfg.num_layers)
+  if slots < cfg.max_pages:
+    raise ValueError(
+        f"Invalid kv_cache_memory: {cfg.kv_cache_memory} bytes hold {slots} "
+        f"slots of {model_cfg.num_layers} layers x {block} bytes, fewer than "
+        f"one sequence of max_model_len={cfg.max_model_len} needs "
+        f"({cfg.max_pages})")
+  return int(slots)
 
 
 def cache_config(cfg: EngineConfig, model_cfg):

@@ -64,6 +64,7 @@ from pkvattn import _checks
 from pkvattn import _contract
 from pkvattn import cache as _cache
 from pkvattn.models import Model
+from pkvattn.models import calibrate as _calibrate
 from pkvattn.models import decoder as _decoder
 from pkvattn.sampling import SamplingParams
 from pkvattn.serving import compile_cache as _compile_cache
@@ -71,6 +72,8 @@ from pkvattn.serving import programs as _programs
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.config import cache_config as _cache_config
 from pkvattn.serving.config import group_slots as _group_slots
+from pkvattn.serving.config import kv_dtype as _kv_dtype
+from pkvattn.serving.config import slots_for_memory as _slots_for_memory
 from pkvattn.serving.config import num_pool_pages as _num_pool_pages
 from pkvattn.serving.config import Request
 from pkvattn.serving.programs import MAX_STOP_IDS
@@ -118,11 +121,21 @@ class Engine:
       # shape, H200).
       model = dataclasses.replace(
           model, params=_decoder.fuse_projections(model.params))
+    mcfg = model.cfg
+    dtype = pool_dtype or _kv_dtype(config, model.params["embed"].dtype)
+    if config.kv_cache_memory is not None:
+      config = dataclasses.replace(
+          config, num_slots=_slots_for_memory(config, mcfg, dtype))
+    # FP8 pages: per-layer scales live in the layer parameters (inputs of the
+    # programs, so calibrating later compiles nothing).
+    self._fp8 = jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    self._needs_calibration = self._fp8 and config.k_scale is None
+    if self._fp8:
+      model = dataclasses.replace(model, params=_calibrate.set_kv_scales(
+          model.params, config.k_scale or 1.0, config.v_scale or 1.0))
     self.model = model
     self.config = config
-    mcfg = model.cfg
     self.cache_config = _cache_config(config, mcfg)
-    dtype = pool_dtype or jax.tree.leaves(model.params)[0].dtype
     pool_shape = (_num_pool_pages(self.cache_config), config.page_size,
                   mcfg.num_kv_heads, mcfg.head_dim)
     self.state = _cache.init_cache(self.cache_config)
@@ -173,6 +186,9 @@ class Engine:
     self.stats.peak_group_slots = (0,) * len(self._group_configs)
     if self._hybrid and self.cache_config.groups[0].window_left < 0:
       self.stats.flat_peak_kv_bytes = 0
+    self.stats.kv_cache_dtype = str(jnp.dtype(dtype))
+    self.stats.kv_cache_bytes = int(np.prod(pool_shape)) * itemsize
+    self.stats.kv_scales_calibrated = self._fp8 and not self._needs_calibration
     self.last_inputs: _programs.StepInputs | None = None
     self.last_program: ProgramKey | None = None
 
@@ -272,6 +288,8 @@ class Engine:
     """
     keys = [k for k in self.programs() if k not in self._compiled]
     t_start = time.perf_counter()
+    if self._needs_calibration:  # compiles the calibration prefill
+      self._calibrate([[0]], record=False)
     bar = None
     if progress is True:
       from tqdm import tqdm
@@ -541,6 +559,8 @@ class Engine:
       RuntimeError: a waiting request can never be admitted (its prompt needs
         more slots than the whole pool has).
     """
+    if self._needs_calibration and self._waiting:
+      self._calibrate([r.tokens for r in self._waiting])
     if self._burst_eligible():
       return self._burst()
     t0 = time.perf_counter()
@@ -624,6 +644,20 @@ class Engine:
     elif rows:
       self.stats.decode_time_s += t3 - t0 - compile_s
     return num_sampled
+
+  def _calibrate(self, prompts, record: bool = True):
+    """FP8 scales of every layer from a prefill of the first prompts."""
+    k_scale, v_scale = _calibrate.calibrate_kv_scales(
+        self.model.params, self.model.cfg, prompts,
+        num_tokens=self.config.calibration_tokens,
+        max_prompts=self.config.max_seqs, impl=self.config.impl)
+    if record:
+      self.model = dataclasses.replace(
+          self.model, params=_calibrate.set_kv_scales(
+              self.model.params, k_scale, v_scale))
+      self._needs_calibration = False
+      self.stats.kv_scales_calibrated = True
+    return k_scale, v_scale
 
   def _burst_eligible(self) -> bool:
     """Multi-step decode applies when nothing but decoding can happen."""

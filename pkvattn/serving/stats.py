@@ -41,6 +41,12 @@ class EngineStats:
   slots_saved_by_scratch: int | None = None
   num_preemptions: int = 0
   num_refused_claims: int = 0
+  # The KV pool: its page dtype ("bfloat16", "float8_e4m3fn", ...), its
+  # bytes, and for FP8 pages the per-layer scales in use (calibrated or
+  # given; None before calibration).
+  kv_cache_dtype: str = ""
+  kv_cache_bytes: int = 0
+  kv_scales_calibrated: bool = False
 
   @property
   def prefix_hit_rate(self) -> float:

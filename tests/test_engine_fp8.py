@@ -1,0 +1,117 @@
+"""FP8 KV pages in the engine: sizes, calibration, compile once, bad config.
+
+One FP8 engine on tiny-llama (xla on the CPU) serves the module. The
+calibration check is the meaning of the scales: once calibrated from some
+prompts, those prompts' own K (after RoPE) and V, written to the pool,
+stay within `FP8_MAX / headroom` in every layer and are not all tiny (a
+wrong layer order, K before RoPE or a stale scale would break one of the
+two bounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn import _kv
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.models import calibrate, load_model
+from test_engine_compile_once import count_compiles
+
+CFG = EngineConfig(page_size=8, num_slots=24, max_seqs=2, max_num_tokens=32,
+                   max_model_len=64, kv_cache_dtype="fp8",
+                   calibration_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def fp8_run(model):
+  """A warmed-up FP8 engine, its pool after prefilling (and calibrating on)
+  two prompts, its outputs for three prompts, and what it compiled."""
+  engine = Engine(model, CFG)
+  engine.warmup()
+  rng = np.random.default_rng(7)
+  prompts = [list(rng.integers(3, 250, size=n)) for n in (29, 11, 6)]
+  with count_compiles() as compiles:
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=1,
+                                                ignore_eos=True))
+    pool = np.asarray(engine.pool).astype(np.float32)  # host: no compile
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6,
+                                                   ignore_eos=True))
+  return engine, prompts, pool, outs, list(compiles)
+
+
+def test_fp8_pool_bytes_and_compile_once(model, fp8_run):
+  engine, _, _, outs, compiles = fp8_run
+  assert not compiles  # calibration included: compiled by warmup
+  assert engine.pool.dtype == jnp.float8_e4m3fn
+  assert engine.stats.kv_cache_dtype == "float8_e4m3fn"
+  assert engine.stats.kv_scales_calibrated
+  assert all(len(o) == 6 for o in outs)
+  base = Engine(model, dataclasses.replace(CFG, kv_cache_dtype="auto"))
+  itemsize = jnp.dtype(base.pool.dtype).itemsize
+  assert engine.stats.kv_cache_bytes * itemsize == base.stats.kv_cache_bytes
+  assert engine.stats.kv_cache_bytes == engine.pool.size
+
+
+def test_calibrated_scales_fit_the_calibration_prompts(model, fp8_run):
+  engine, prompts, pool, _, _ = fp8_run
+  layers = engine.model.params["layers"]
+  k_scale = np.array([float(lp["attn"]["k_scale"]) for lp in layers])
+  v_scale = np.array([float(lp["attn"]["v_scale"]) for lp in layers])
+  want = calibrate.calibrate_kv_scales(model.params, model.cfg, prompts,
+                                       num_tokens=64, max_prompts=2)
+  np.testing.assert_allclose(k_scale, want[0], rtol=1e-6)
+  np.testing.assert_allclose(v_scale, want[1], rtol=1e-6)
+  # The first call prefilled the two calibration prompts (and nothing else)
+  # with these scales: every layer's stored values stay within 448 /
+  # headroom and reach at least half of it.
+  L = model.cfg.num_layers
+  pages = np.abs(pool).reshape(-1, L, 2, pool[0].size)
+  top = pages.max(axis=(0, 3))  # [L, K/V]
+  limit = _kv.FP8_MAX / calibrate.DEFAULT_HEADROOM
+  assert (top <= limit * 1.07).all(), top  # e4m3 rounding: 3 mantissa bits
+  assert (top >= limit * 0.5).all(), top
+
+
+def test_given_scales_skip_calibration(model):
+  engine = Engine(model, dataclasses.replace(CFG, k_scale=0.05, v_scale=0.02))
+  assert engine.stats.kv_scales_calibrated
+  lp = engine.model.params["layers"][0]["attn"]
+  assert float(lp["k_scale"]) == pytest.approx(0.05)
+  assert float(lp["v_scale"]) == pytest.approx(0.02)
+
+
+def test_kv_cache_memory_sets_slots(model):
+  mib = 2**20
+  fp8 = Engine(model, dataclasses.replace(CFG, kv_cache_memory=mib))
+  full = Engine(model, dataclasses.replace(CFG, kv_cache_memory=mib,
+                                           kv_cache_dtype="auto"))
+  itemsize = jnp.dtype(full.pool.dtype).itemsize
+  assert fp8.config.num_slots == itemsize * full.config.num_slots
+  assert fp8.stats.kv_cache_bytes <= mib and full.stats.kv_cache_bytes <= mib
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0), "k_scale"),
+    (dict(k_scale=1.0), "k_scale / v_scale"),
+    (dict(k_scale=-1.0, v_scale=1.0), "k_scale"),
+    (dict(kv_cache_memory=0), "kv_cache_memory"),
+    (dict(calibration_tokens=0), "calibration_tokens"),
+])
+def test_bad_fp8_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(CFG, **kw)
+
+
+def test_kv_cache_memory_too_small(model):
+  with pytest.raises(ValueError, match="kv_cache_memory"):
+    Engine(model, dataclasses.replace(CFG, kv_cache_memory=4096))
