@@ -126,6 +126,7 @@ def _paged_decode_kernel(
     v_table_ref,   # i32[max_pages] (row b)
     q_ref,         # [num_qo_heads, head_dim] (row b)
     sinks_ref,     # f32[num_qo_heads] | None
+    scales_ref,    # f32[2] (k_scale, v_scale) of FP8 pages | None
     k_pool_ref,    # [num_pages, page_size, <kv head k>, head_dim]
     v_pool_ref,    # [num_pages', page_size, <kv head k>, head_dim]
     o_ref,         # final: [num_qo_heads, head_dim] q.dtype (row b);
@@ -180,6 +181,13 @@ def _paged_decode_kernel(
   # exp2 with log2(e) folded into the scale; with a soft cap the cap applies to
   # the sm_scale'd logits first (FlashInfer), then log2(e).
   qk_scale = sm_scale if logits_soft_cap is not None else sm_scale * _LOG2E
+  v_scale = None
+  if scales_ref is not None:
+    # FP8 pages: K's scale folds into the logits scale and V's into the
+    # output, both exact (per-tensor scales); the tiles are converted to q's
+    # dtype for the dots.
+    qk_scale = qk_scale * scales_ref[0]
+    v_scale = scales_ref[1]
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
   row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
 
@@ -209,6 +217,8 @@ def _paged_decode_kernel(
 
     k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
     v = gather(v_pool_ref, v_ids)
+    if scales_ref is not None:
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)  # [G, block_k]
     s = s * qk_scale
@@ -229,6 +239,8 @@ def _paged_decode_kernel(
   m = jnp.full((group_padded,), DEFAULT_MASK_VALUE, jnp.float32)
   l = jnp.zeros((group_padded,), jnp.float32)
   acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
+  if v_scale is not None:
+    acc = acc * v_scale
 
   has = l > 0.0
   l_safe = jnp.where(has, l, 1.0)
@@ -263,6 +275,7 @@ def _paged_decode_call(
     k_table,   # i32[batch_size, max_pages]
     v_table,   # i32[batch_size, max_pages]
     kv_lens,   # i32[batch_size]
+    scales=None,  # f32[2] (k_scale, v_scale) of FP8 pages | None
     *,
     sm_scale: float,
     window_left: int,
@@ -333,6 +346,7 @@ def _paged_decode_call(
           pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
           None if sinks is None else pl.BlockSpec((num_qo_heads,),
                                                   lambda b, k, s: (0,)),
+          None if scales is None else pl.BlockSpec((2,), lambda b, k, s: (0,)),
           pool_spec(k_pool.shape[0]),
           pool_spec(v_pool.shape[0]),
       ],
@@ -341,7 +355,7 @@ def _paged_decode_call(
       compiler_params=triton_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name=name,
-  )(kv_lens, k_table, v_table, q, sinks, k_pool, v_pool)
+  )(kv_lens, k_table, v_table, q, sinks, scales, k_pool, v_pool)
 
 
 def _combine(o, lse, sinks, group_size):
@@ -385,13 +399,16 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     config: Config | None = None,
+    k_scale=None,  # f32[]: FP8 pages
+    v_scale=None,  # f32[]: FP8 pages
 ):
   """Flash-decoding over a paged KV cache (see the module docstring).
 
   Args:
     q: `[batch_size, num_qo_heads, head_dim]`, bf16 / f16 / f32.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype of
-      `q` (may be the same array; their `num_pages` may differ).
+      `q` (may be the same array; their `num_pages` may differ), or
+      float8_e4m3fn with `k_scale` / `v_scale`.
     k_table, v_table: `i32[batch_size, max_pages]`; block `i` of sequence `b`
       is `k_pool[k_table[b, i]]` / `v_pool[v_table[b, i]]`. Only entries in
       `[first visible page, cdiv(kv_lens[b], page_size))` are read.
@@ -403,6 +420,9 @@ def paged_decode(
     logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits; None = off.
     interpret: static; Pallas interpret mode (CPU tests).
     config: static `Config`; None = `Config.default_for(...)`.
+    k_scale, v_scale: f32 scalars (traced) of FP8 pages: a stored value `x`
+      means `x * scale` (read in the kernel: K's scale folded into the
+      logits scale, V's into the output).
 
   Returns:
     `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -427,10 +447,14 @@ def paged_decode(
         max_pages=max_pages, head_dim=head_dim)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
+  scales = None
+  if k_scale is not None:
+    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                        jnp.asarray(v_scale, jnp.float32).reshape(())])
   with suppress_triton_deprecation():
     o, lse = _paged_decode_call(
         q, sinks, k_pool, v_pool, k_table.astype(jnp.int32),
-        v_table.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        v_table.astype(jnp.int32), kv_lens.astype(jnp.int32), scales,
         sm_scale=float(sm_scale), window_left=int(window_left),
         logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
   if config.k_splits == 1:

@@ -253,7 +253,8 @@ def _paged_prefill_kernel(
     v_pool_ref,    # [num_pages, page_size, num_kv_heads, head_dim]
     k_table_ref,   # i32[batch_size, max_pages]
     v_table_ref,   # i32[batch_size, max_pages]
-    *rest,         # [sinks_ref f32[num_qo_heads]], o_ref, lse_ref
+    *rest,         # [sinks_ref f32[num_qo_heads]], [scales_ref f32[2]],
+                   # o_ref, lse_ref
     block_q: int,
     block_k: int,
     group_size: int,
@@ -265,12 +266,14 @@ def _paged_prefill_kernel(
     single_loop: bool,
     heads_outer: bool,
     fast_exp2: bool,
+    has_scales: bool = False,
 ):
-  if has_sinks:
-    sinks_ref, o_ref, lse_ref = rest
-  else:
-    sinks_ref = None
-    o_ref, lse_ref = rest
+  rest = list(rest)
+  sinks_ref = rest.pop(0) if has_sinks else None
+  # FP8 pages: (k_scale, v_scale); tiles are converted to q's dtype, K's
+  # scale multiplies the raw logits and V's the output (exact).
+  scales_ref = rest.pop(0) if has_scales else None
+  o_ref, lse_ref = rest
   page_size = k_pool_ref.shape[1]
   head_dim = q_ref.shape[2]
   group_pad = pl.next_power_of_2(group_size)
@@ -366,10 +369,11 @@ def _paged_prefill_kernel(
       slot = (j % page_size)[:, None]
       k_at = k_pool_ref.at[pages(k_table_ref)[:, None], slot, kv_head, d]
       v_at = v_pool_ref.at[pages(v_table_ref)[:, None], slot, kv_head, d]
+    cast = (lambda x: x.astype(q.dtype)) if has_scales else (lambda x: x)
     if masked:
-      return (plgpu.load(k_at, mask=ld, other=0.0),
-              lambda: plgpu.load(v_at, mask=ld, other=0.0))
-    return plgpu.load(k_at), lambda: plgpu.load(v_at)
+      return (cast(plgpu.load(k_at, mask=ld, other=0.0)),
+              lambda: cast(plgpu.load(v_at, mask=ld, other=0.0)))
+    return cast(plgpu.load(k_at)), lambda: cast(plgpu.load(v_at))
 
   # Without a soft cap the scale is folded into the exponent: the row max is
   # taken on the raw logits (the scale is positive) and each logit costs one
@@ -383,6 +387,8 @@ def _paged_prefill_kernel(
     k, load_v = load_kv(blk, masked)
     j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
     s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
+    if has_scales:
+      s = s * scales_ref[0]
     if logits_soft_cap is not None:
       s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
           logits_soft_cap * _LOG2E)
@@ -426,6 +432,8 @@ def _paged_prefill_kernel(
                           functools.partial(body, masked=False), carry)
     carry = lax.fori_loop(mid_hi, hi_blk, masked_body, carry)
   acc, m, l = carry
+  if has_scales:
+    acc = acc * scales_ref[1]
 
   if has_sinks:
     sink = sinks_ref[head] * _LOG2E  # f32[rows], base 2
@@ -442,8 +450,8 @@ def _paged_prefill_kernel(
   plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
 
 
-def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
-                        prev=None, *, block_q: int, block_k: int,
+def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, scales,
+                        tiles, prev=None, *, block_q: int, block_k: int,
                         num_warps: int, num_stages: int, heads_outer: bool,
                         config: Config, causal,
                         sm_scale, window_left, logits_soft_cap, interpret):
@@ -457,10 +465,13 @@ def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, tiles,
       group_size=group_size, causal=causal, sm_scale=sm_scale,
       window_left=window_left, logits_soft_cap=logits_soft_cap,
       has_sinks=sinks is not None, single_loop=config.single_loop,
-      heads_outer=heads_outer, fast_exp2=config.fast_exp2 and not interpret)
+      heads_outer=heads_outer, fast_exp2=config.fast_exp2 and not interpret,
+      has_scales=scales is not None)
   args = [tiles, q, k_pool, v_pool, k_table, v_table]
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
+  if scales is not None:
+    args.append(scales)
   aliases = {}
   if prev is not None:
     aliases = {len(args): 0, len(args) + 1: 1}
@@ -512,6 +523,8 @@ def paged_prefill(
     interpret: bool = False,
     config: Config | None = None,
     plan: plan_lib.PrefillPlan | None = None,
+    k_scale=None,  # f32[]: FP8 pages
+    v_scale=None,  # f32[]: FP8 pages
 ):
   """Ragged prefill attention over a paged KV cache (the `impl="pallas"` path).
 
@@ -525,7 +538,10 @@ def paged_prefill(
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype of
-      `q`; page_size a power of two.
+      `q`, or float8_e4m3fn with `k_scale` / `v_scale` (f32 scalars, may be
+      traced; a stored value `x` means `x * scale`); page_size a power of
+      two. FP8 pages run the Triton kernel (the Mosaic-GPU kernel's wgmma
+      takes both operands in one dtype and is not taught the conversion).
     k_table, v_table: `i32[batch_size, max_pages]`; entries outside a
       sequence's visible key range are never read (may be -1).
     q_indptr: `i32[batch_size + 1]`, cu_seqlens; tokens past `q_indptr[-1]`
@@ -555,11 +571,20 @@ def paged_prefill(
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
   defaulted = config is None
+  fp8 = k_scale is not None
   if config is None:
     config = Config.default_for(group_size=group_size, head_dim=head_dim,
                                 page_size=k_pool.shape[1], dtype=q.dtype,
-                                window_left=window_left, interpret=interpret)
+                                window_left=window_left, interpret=interpret,
+                                backend="triton" if fp8 else None)
   config.validate(group_size)
+  if fp8 and config.backend == "mosaic":
+    raise ValueError("Invalid config: FP8 pages need the triton backend, got "
+                     "mosaic")
+  scales = None
+  if fp8:
+    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                        jnp.asarray(v_scale, jnp.float32).reshape(())])
   if config.backend == "mosaic" and (interpret or window_left >= 0):
     raise ValueError(
         f"Invalid config: the mosaic backend needs a GPU and no window, got "
@@ -585,7 +610,7 @@ def paged_prefill(
   k_table = k_table.astype(jnp.int32)
   v_table = v_table.astype(jnp.int32)
   call = functools.partial(
-      _paged_prefill_call, q, k_pool, v_pool, k_table, v_table, sinks,
+      _paged_prefill_call, q, k_pool, v_pool, k_table, v_table, sinks, scales,
       config=config, causal=causal,
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, interpret=interpret)
@@ -612,7 +637,7 @@ def paged_prefill(
         q[jnp.minimum(rows, num_tokens - 1)], k_pool, v_pool, k_table,
         v_table, jnp.where(rows < num_tokens, kv_lens, 0), sinks, sm_scale=sm_scale,
         window_left=window_left, logits_soft_cap=logits_soft_cap,
-        interpret=interpret)
+        interpret=interpret, k_scale=k_scale, v_scale=v_scale)
     out = (out[0].at[rows].set(d_out, mode="drop"),
            out[1].at[rows].set(d_lse, mode="drop"))
   return out

@@ -35,6 +35,8 @@ from jax import lax
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels._compat import pl
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (pkvattn._kv.FP8_MAX)
+
 
 def _is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
@@ -125,7 +127,8 @@ class Config:
 def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
                         num_kv_heads, head_dim, half, block_tokens, num_splits,
                         one_head, interleaved, rotate, has_q, same_pool,
-                        fused, unroll, table_kind, page_size):
+                        fused, unroll, table_kind, page_size,
+                        has_scales=False):
   # Unpack: inputs, then outputs (the aliased pool inputs are unused: the
   # outputs are the same buffers).
   refs = list(refs)
@@ -137,6 +140,8 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     bi_ref = refs.pop(0)       # i32[num_tokens]
     table_ref = refs.pop(0)    # i32[batch_size, max_pages] | [batch_size, 2, max_pages]
   inv_ref = refs.pop(0) if rotate else None  # f32[half]
+  # f32[2] (k_scale, v_scale): FP8 pools store clip(x / scale, +-448).
+  scales_ref = refs.pop(0) if has_scales else None
   if fused:
     # [num_tokens, num_qo_heads + 2 * num_kv_heads, head_dim]: q, k, v heads.
     q_ref = k_ref = v_ref = refs.pop(0)
@@ -182,13 +187,28 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
   def full_mask(m, width):
     return jnp.broadcast_to(m[:, None], (block_tokens, width))
 
-  def copy_cols(src_ref, dst_ref, h, src_off, r_ld, r_st, mask, chunks):
+  # What a row stores: the value in the destination dtype, or, with a scale
+  # (FP8 pools), `pkvattn._kv.quantize`'s math: f32 division, saturation to
+  # +-FP8_MAX, then the cast.
+  k_scale = scales_ref[0] if has_scales else None
+  v_scale = scales_ref[1] if has_scales else None
+
+  def stored(x, dst_ref, scale):
+    if scale is None:
+      return x.astype(dst_ref.dtype)
+    y = x.astype(jnp.float32) / scale
+    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(dst_ref.dtype)
+
+  def copy_cols(src_ref, dst_ref, h, src_off, r_ld, r_st, mask, chunks,
+                scale):
     for cols, size in chunks:
       x = src_ref[r_ld, h + src_off, cols]
-      _compat.pltriton.store(dst_ref.at[r_st, h, cols], x.astype(dst_ref.dtype),
+      _compat.pltriton.store(dst_ref.at[r_st, h, cols],
+                             stored(x, dst_ref, scale),
                              mask=full_mask(mask, size))
 
-  def rotate_head(src_ref, dst_ref, h, src_off, rows_ld, rows_st, mask):
+  def rotate_head(src_ref, dst_ref, h, src_off, rows_ld, rows_st, mask,
+                  scale=None):
     """Reads head h (+ src_off) of the tile's tokens from src, writes it
     rotated to head h of the dst rows."""
     r_ld, r_st = rows_ld[:, None], rows_st[:, None]
@@ -198,16 +218,18 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
       x2 = src_ref[r_ld, h + src_off, c2].astype(jnp.float32)
       m = full_mask(mask, size)
       _compat.pltriton.store(dst_ref.at[r_st, h, c1],
-                             (x1 * cos - x2 * sin).astype(dt), mask=m)
+                             stored(x1 * cos - x2 * sin, dst_ref, scale),
+                             mask=m)
       _compat.pltriton.store(dst_ref.at[r_st, h, c2],
-                             (x2 * cos + x1 * sin).astype(dt), mask=m)
+                             stored(x2 * cos + x1 * sin, dst_ref, scale),
+                             mask=m)
     copy_cols(src_ref, dst_ref, h, src_off, r_ld, r_st, mask,
               [((s + jnp.arange(n, dtype=jnp.int32))[None, :], n)
-               for s, n in pass_chunks])
+               for s, n in pass_chunks], scale)
 
-  def copy_head(src_ref, dst_ref, h, src_off, rows_ld, rows_st, mask):
+  def copy_head(src_ref, dst_ref, h, src_off, rows_ld, rows_st, mask, scale):
     copy_cols(src_ref, dst_ref, h, src_off, rows_ld[:, None], rows_st[:, None],
-              mask, call)
+              mask, call, scale)
 
   if table_kind is None:
     k_rows = k_rows_ref[tok_ld]
@@ -222,10 +244,10 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     k_st = jnp.where(k_ok, k_rows, num_rows)
     v_st = jnp.where(v_ok, v_rows, num_rows)
     if rotate:
-      rotate_head(k_ref, k_pool_ref, h, k_off, tok_ld, k_st, k_ok)
+      rotate_head(k_ref, k_pool_ref, h, k_off, tok_ld, k_st, k_ok, k_scale)
     else:
-      copy_head(k_ref, k_pool_ref, h, k_off, tok_ld, k_st, k_ok)
-    copy_head(v_ref, v_pool_ref, h, v_off, tok_ld, v_st, v_ok)
+      copy_head(k_ref, k_pool_ref, h, k_off, tok_ld, k_st, k_ok, k_scale)
+    copy_head(v_ref, v_pool_ref, h, v_off, tok_ld, v_st, v_ok, v_scale)
 
   if one_head:
     # Program j owns q head j (j < num_qo_heads) or kv head j - num_qo_heads:
@@ -314,7 +336,7 @@ def check_supported(num_qo_heads: int, num_kv_heads: int,
 
 def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
                       v_pool, *, interleaved, config, interpret, qkv=None,
-                      paged=None):
+                      paged=None, scales=None):
   """`qkv` given (q, k, v None): one [num_tokens, num_qo_heads + 2 *
   num_kv_heads, head_dim] input, `q` then stands for its shape only.
   `paged=(batch_indices, page_table, table_kind)` given (k_rows, v_rows None):
@@ -348,6 +370,8 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
               page_table.astype(jnp.int32)]
   if rotate:
     inputs.append(inv_freq.astype(jnp.float32))
+  if scales is not None:
+    inputs.append(scales)
   if fused:
     inputs += [qkv, flat_k]
   else:
@@ -375,7 +399,8 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
       num_splits=config.num_splits, one_head=config.one_head,
       interleaved=interleaved, rotate=rotate,
       has_q=has_q, same_pool=same_pool, fused=fused, unroll=config.unroll,
-      table_kind=table_kind, page_size=page_size)
+      table_kind=table_kind, page_size=page_size,
+      has_scales=scales is not None)
   head_programs = (num_qo_heads + num_kv_heads if config.one_head
                    else config.num_splits)
   name = (f"rope_append{'_qkv' if fused else ''}_bt{config.block_tokens}"
@@ -415,6 +440,8 @@ def rope_append(
     config: Config | None = None,
     interpret: bool = False,
     paged=None,
+    k_scale=None,  # f32[]: FP8 pools
+    v_scale=None,  # f32[]: FP8 pools
 ):
   """Rotates q and k (if `inv_freq`), writes k and v rows into the pool(s).
 
@@ -430,6 +457,9 @@ def rope_append(
       max_pages]`, K and V pools alike), "split" (`i32[batch, 2, max_pages]`,
       TensorRT-LLM), "flashinfer" (shared table into a `[n, 2, ...]` cache
       passed as the `[2n, ...]` pool: K page `2t`, V page `2t + 1`).
+    k_scale, v_scale: f32 scalars (may be traced) for float8_e4m3fn pools:
+      rows store `clip(x / scale, -448, 448)` with x the rotated K (f32) or
+      V, as `pkvattn._kv.quantize`.
 
   Raises:
     ValueError: an unknown `table_kind`.
@@ -443,7 +473,16 @@ def rope_append(
     return q, k_pool, v_pool
   return _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq,
                            k_pool, v_pool, interleaved=interleaved,
-                           config=config, interpret=interpret, paged=paged)
+                           config=config, interpret=interpret, paged=paged,
+                           scales=_scales(k_scale, v_scale))
+
+
+def _scales(k_scale, v_scale):
+  """`f32[2]` of the FP8 scales, or None."""
+  if k_scale is None:
+    return None
+  return jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                    jnp.asarray(v_scale, jnp.float32).reshape(())])
 
 
 def rope_append_qkv(
@@ -459,14 +498,16 @@ def rope_append_qkv(
     config: Config | None = None,
     interpret: bool = False,
     paged=None,
+    k_scale=None,  # f32[]: FP8 pools
+    v_scale=None,  # f32[]: FP8 pools
 ):
   """`rope_append` on TensorRT-LLM's fused qkv layout (q heads, k heads, v heads).
 
   The [num_tokens, heads * head_dim] -> [num_tokens, heads, head_dim] reshape is
   free, and the kernel reads the three parts of each row in place (slicing q,
   k, v out first would copy them). Returns `(q_rotated [num_tokens,
-  num_qo_heads, head_dim], k_pool, v_pool or None)`. `paged` as in
-  `rope_append`.
+  num_qo_heads, head_dim], k_pool, v_pool or None)`. `paged`, `k_scale` and
+  `v_scale` as in `rope_append`.
   """
   num_tokens = qkv.shape[0]
   num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
@@ -480,4 +521,4 @@ def rope_append_qkv(
   return _rope_append_call(None, None, None, positions, k_rows, v_rows,
                            inv_freq, k_pool, v_pool, interleaved=interleaved,
                            config=config, interpret=interpret, qkv=qkv,
-                           paged=paged)
+                           paged=paged, scales=_scales(k_scale, v_scale))

@@ -339,6 +339,7 @@ def plan_prefill(
     dtype=jnp.bfloat16,
     causal: bool = True,
     window_left: int = -1,
+    kv_dtype=None,
 ):
   """Schedule of one step's `paged_prefill` calls (FlashInfer's plan/run split).
 
@@ -355,6 +356,8 @@ def plan_prefill(
     num_qo_heads, num_kv_heads, head_dim, dtype: static, those of `q` (they
       choose the kernel's tile size).
     causal, window_left: static; only steer the launch order.
+    kv_dtype: static, the pages' dtype if not `dtype` (float8_e4m3fn pages
+      run the Triton kernel, whose tiles differ from the Mosaic one's).
 
   Returns:
     A `PrefillPlan` pytree (`pkvattn.pallas_kernels.plan`).
@@ -380,7 +383,9 @@ def plan_prefill(
   config = kernel.Config.default_for(
       group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
       page_size=None, dtype=dtype, window_left=window_left,
-      interpret=not _checks.is_gpu())
+      interpret=not _checks.is_gpu(),
+      backend="triton" if kv_dtype is not None and _kv.is_fp8(kv_dtype)
+      else None)
   return config.plan(
       jnp.asarray(q_indptr, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
       num_tokens=num_tokens, causal=causal, window_left=window_left)

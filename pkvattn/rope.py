@@ -298,6 +298,8 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
   """Shared body: returns (q_rotated or None, kv_cache in the caller's format).
   `scales`: `(k_scale, v_scale)` of FP8 pages (quantized on write)."""
   if impl == "xla":
+    if scales[0] is not None:  # FP8: K rotated in f32, rounded once (to FP8)
+      k = k.astype(jnp.float32)
     if inv_freq is not None:
       inv = jnp.asarray(inv_freq)
       q = reference.rope_reference(q, positions, inv, interleaved=interleaved)

@@ -329,7 +329,8 @@ def forward(
     plan = plan.replace(kernel_plan=_attention.plan_prefill(
         plan.q_indptr, plan.kv_lens, num_tokens=plan.num_tokens,
         num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, dtype=params["embed"].dtype, causal=True,
+        head_dim=cfg.head_dim, dtype=params["embed"].dtype,
+        kv_dtype=kv_cache.dtype, causal=True,
         window_left=max(cfg.windows)))
   x = jnp.take(params["embed"], tokens, axis=0)
   if cfg.embed_scale is not None:
