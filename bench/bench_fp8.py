@@ -1,0 +1,310 @@
+"""FP8 KV cache on the GPU: correctness, then decode / prefill / append speed.
+
+Run on a GPU:  `python -m bench.bench_fp8 [--out DIR] [--quick]`
+
+1. Correctness (pkvattn pallas vs the xla reference on the same FP8 pages,
+   NaN in spare pages; GQA groups 1/3/4/8; the three kv_cache formats):
+   decode, prefill (mixed batch), and RoPE + append (written pages bitwise
+   equal, as uint8).
+2. Decode, Llama-3-8B heads (32/8/128), the four specs of bench_decode:
+   pkvattn bf16 pages, pkvattn FP8 pages, FlashInfer 0.7.2 FP8 and bf16
+   (`BatchDecodeWithPagedKVCacheWrapper.plan(..., kv_data_type=...)`), on
+   the same pages (FlashInfer's NHD layout is our "flashinfer" format), all
+   timed by `_timing.time_fn`'s method (back-to-back calls, wall clock,
+   synchronized); FlashInfer's outputs are checked against ours first.
+3. Prefill with FP8 pages vs bf16 pages (causal, B=4 S=4096 p16): TFLOP/s.
+4. RoPE + append into FP8 pages, 65,536 tokens: bytes (read q/k/v, write q
+   and the FP8 K/V rows) vs the copy roof.
+
+Prints a table last; writes `fp8_<device>.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pkvattn
+from bench import _timing
+from bench.bench_decode import NUM_KV_HEADS, NUM_QO_HEADS, HEAD_DIM, SPECS
+from pkvattn import _kv
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _quantized_pool(rng, num_pages, page_size, hkv, d, nan_pages=()):
+  """bf16 pages, their FP8 copy and the per-tensor scale (amax / 448)."""
+  x = rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)
+  x[list(nan_pages)] = np.nan
+  scale = float(np.nanmax(np.abs(x))) / _kv.FP8_MAX
+  bf16 = jnp.asarray(x, jnp.bfloat16)
+  return bf16, _kv.quantize(jnp.asarray(x), scale), scale
+
+
+def correctness(quick: bool):
+  rows = []
+  rng = np.random.default_rng(int(time.time()))
+  d = 128
+  for g in ((1, 4) if quick else (1, 3, 4, 8)):
+    for fmt in ("pair", "pool", "flashinfer"):
+      hkv, ps = 2, 16
+      lens = np.array([1, 7, 129, 700, 4095 if not quick else 300])
+      pages = [-(-int(n) // ps) for n in lens]
+      n_pages = sum(pages) + 3
+      perm = rng.permutation(n_pages)
+      spare = perm[sum(pages):]
+      table = np.full((len(lens), max(pages)), -1, np.int32)
+      off = 0
+      for b, p in enumerate(pages):
+        table[b, :p] = perm[off:off + p]
+        off += p
+      _, k8, ks = _quantized_pool(rng, n_pages, ps, hkv, d, spare)
+      _, v8, vs = _quantized_pool(rng, n_pages, ps, hkv, d, spare)
+      if fmt == "pair":
+        cache, tbl = (k8, v8), jnp.asarray(table)
+      elif fmt == "pool":
+        cache = jnp.concatenate([k8, v8])
+        tbl = jnp.asarray(np.stack([table, np.where(table >= 0,
+                                                    table + n_pages, -1)], 1))
+      else:
+        cache, tbl = jnp.stack([k8, v8], axis=1), jnp.asarray(table)
+      q = jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
+                      jnp.bfloat16)
+      kw = dict(k_scale=ks, v_scale=vs, return_lse=True)
+      out = {}
+      for impl in ("pallas", "xla"):
+        out[impl] = pkvattn.paged_decode(q, cache, tbl, jnp.asarray(lens),
+                                         impl=impl, **kw)
+      err = _timing.rel_err(out["pallas"][0], out["xla"][0])
+      lse_err = float(jnp.max(jnp.abs(out["pallas"][1] - out["xla"][1])))
+      # Prefill: a mixed batch (decode rows and chunks over a cached prefix).
+      q_lens = np.minimum(lens, [1, 7, 64, 1, 33])
+      indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+      qp = jnp.asarray(rng.standard_normal((int(indptr[-1]), g * hkv, d)),
+                       jnp.bfloat16)
+      pout = {}
+      for impl in ("pallas", "xla"):
+        pout[impl] = pkvattn.paged_prefill(
+            qp, cache, tbl, jnp.asarray(indptr), jnp.asarray(lens),
+            impl=impl, k_scale=ks, v_scale=vs)
+      perr = _timing.rel_err(pout["pallas"], pout["xla"])
+      ok = err < 2e-2 and lse_err < 2e-2 and perr < 2e-2
+      rows.append(dict(group=g, fmt=fmt, decode_rel_err=err,
+                       decode_lse_abs_err=lse_err, prefill_rel_err=perr,
+                       ok=bool(ok)))
+  # RoPE + append into FP8 pages: pallas == xla, bitwise.
+  n_tok, hq, hkv, ps = 300, 8, 2, 16
+  q = jnp.asarray(rng.standard_normal((n_tok, hq, d)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((n_tok, hkv, d)) * 3, jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((n_tok, hkv, d)), jnp.bfloat16)
+  table = jnp.asarray(rng.permutation(40)[:4 * 10].reshape(4, 10), jnp.int32)
+  bidx = jnp.asarray(np.repeat(np.arange(4), n_tok // 4), jnp.int32)
+  pos = jnp.asarray(np.tile(np.arange(n_tok // 4), 4), jnp.int32)
+  pool = jnp.zeros((40, ps, hkv, d), FP8)
+  res = {}
+  for impl in ("pallas", "xla"):
+    res[impl] = pkvattn.apply_rope_and_append(
+        q, k, v, bidx, pos, (pool, pool), table, pkvattn.RopeConfig(),
+        impl=impl, k_scale=0.02, v_scale=0.01)
+  a = np.concatenate([np.asarray(x).astype(np.float64).ravel()
+                      for x in res["pallas"][1]])
+  b = np.concatenate([np.asarray(x).astype(np.float64).ravel()
+                      for x in res["xla"][1]])
+  off = a != b
+  rel = float(np.max(np.abs(a[off] - b[off]) / np.abs(b[off]))) if off.any() \
+      else 0.0
+  rows.append(dict(rope_append_fraction_differing=float(off.mean()),
+                   rope_append_max_rel_diff=rel,
+                   ok=bool(off.mean() < 1e-3 and rel <= 2**-3)))
+  return rows
+
+
+def _torch_time(fn, iters: int = 20, min_time_s: float = 0.2):
+  """`_timing.time_fn`'s method for a torch call: back-to-back calls, one
+  synchronize per sample, median ms."""
+  import torch  # pylint: disable=import-outside-toplevel
+  for _ in range(4):
+    fn()
+  torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  fn()
+  torch.cuda.synchronize()
+  inner = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
+  samples, start = [], time.perf_counter()
+  while len(samples) < iters or time.perf_counter() - start < min_time_s:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      fn()
+    torch.cuda.synchronize()
+    samples.append((time.perf_counter() - t0) * 1e3 / inner)
+  return statistics.median(samples)
+
+
+def _to_torch(x):
+  import torch  # pylint: disable=import-outside-toplevel
+  if x.dtype == FP8:
+    u8 = torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8))
+    return u8.view(torch.float8_e4m3fn)
+  return torch.from_dlpack(x)
+
+
+def decode_speed(quick: bool):
+  import flashinfer  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  rows = []
+  workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+  specs = list(SPECS.items())[:2] if quick else list(SPECS.items())
+  for name, spec in specs:
+    b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
+    rng = np.random.default_rng(0)
+    pages_per_seq = s // ps
+    n_pages = b * pages_per_seq
+    kv = jax.random.normal(jax.random.key(1), (n_pages, 2, ps, NUM_KV_HEADS,
+                                               HEAD_DIM), jnp.bfloat16)
+    ks = float(jnp.max(jnp.abs(kv[:, 0]).astype(jnp.float32))) / 448
+    vs = float(jnp.max(jnp.abs(kv[:, 1]).astype(jnp.float32))) / 448
+    kv8 = jnp.stack([_kv.quantize(kv[:, 0], ks), _kv.quantize(kv[:, 1], vs)],
+                    axis=1)
+    table = jnp.asarray(rng.permutation(n_pages).reshape(b, pages_per_seq),
+                        jnp.int32)
+    lens = jnp.full((b,), s, jnp.int32)
+    q = jax.random.normal(jax.random.key(2), (b, NUM_QO_HEADS, HEAD_DIM),
+                          jnp.bfloat16)
+    f16 = jax.jit(lambda q, c, t, n: pkvattn.paged_decode(q, c, t, n,
+                                                          impl="pallas"))
+    f8 = jax.jit(lambda q, c, t, n, a, z: pkvattn.paged_decode(
+        q, c, t, n, impl="pallas", k_scale=a, v_scale=z))
+    a, z = jnp.float32(ks), jnp.float32(vs)
+    ours16 = f16(q, kv, table, lens)
+    ours8 = f8(q, kv8, table, lens, a, z)
+    t16 = _timing.time_fn(f16, q, kv, table, lens)["median_ms"]
+    t8 = _timing.time_fn(f8, q, kv8, table, lens, a, z)["median_ms"]
+    # FlashInfer on the same pages.
+    indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32,
+                          device="cuda")
+    indices = _to_torch(table.reshape(-1))
+    last = torch.full((b,), ps, dtype=torch.int32, device="cuda")
+    qt = _to_torch(q)
+    fi = {}
+    for label, cache, dt in (("bf16", kv, torch.bfloat16),
+                             ("fp8", kv8, torch.float8_e4m3fn)):
+      w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+      w.plan(indptr, indices, last, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, ps,
+             q_data_type=torch.bfloat16, kv_data_type=dt)
+      ct = _to_torch(cache)
+      scales = dict(k_scale=ks, v_scale=vs) if label == "fp8" else {}
+      out = w.run(qt, ct, **scales)
+      ref = ours8 if label == "fp8" else ours16
+      err = _timing.rel_err(jnp.asarray(out.float().cpu().numpy()), ref)
+      fi[label] = (_torch_time(lambda w=w, ct=ct, s=scales: w.run(qt, ct, **s)),
+                   err)
+    by = lambda itemsize: (2 * n_pages * ps * NUM_KV_HEADS * HEAD_DIM
+                           * itemsize)
+    rows.append(dict(
+        spec=name, pkv_bf16_ms=t16, pkv_fp8_ms=t8, fi_bf16_ms=fi["bf16"][0],
+        fi_fp8_ms=fi["fp8"][0], fi_bf16_rel_err=fi["bf16"][1],
+        fi_fp8_rel_err=fi["fp8"][1],
+        fp8_over_bf16=t8 / t16, pkv_fp8_vs_fi_fp8=fi["fp8"][0] / t8,
+        pkv_fp8_tbps=by(1) / (t8 * 1e-3) / 1e12,
+        pkv_bf16_tbps=by(2) / (t16 * 1e-3) / 1e12))
+    del kv, kv8
+  return rows
+
+
+def prefill_speed():
+  b, s, ps = 4, 4096, 16
+  n_pages = b * s // ps
+  kv = jax.random.normal(jax.random.key(3), (n_pages, 2, ps, NUM_KV_HEADS,
+                                             HEAD_DIM), jnp.bfloat16)
+  kv8 = jnp.stack([_kv.quantize(kv[:, 0], 0.01), _kv.quantize(kv[:, 1], 0.01)],
+                  axis=1)
+  table = jnp.arange(n_pages, dtype=jnp.int32).reshape(b, s // ps)
+  q = jax.random.normal(jax.random.key(4), (b * s, NUM_QO_HEADS, HEAD_DIM),
+                        jnp.bfloat16)
+  indptr = jnp.arange(0, b * s + 1, s, dtype=jnp.int32)
+  lens = jnp.full((b,), s, jnp.int32)
+  f16 = jax.jit(lambda q, c: pkvattn.paged_prefill(q, c, table, indptr, lens,
+                                                   impl="pallas"))
+  f8 = jax.jit(lambda q, c: pkvattn.paged_prefill(
+      q, c, table, indptr, lens, impl="pallas", k_scale=0.01, v_scale=0.01))
+  t16 = _timing.time_fn(f16, q, kv)["median_ms"]
+  t8 = _timing.time_fn(f8, q, kv8)["median_ms"]
+  flops = 4 * b * NUM_QO_HEADS * HEAD_DIM * (s * (s + 1) / 2)
+  return dict(spec="prefill_b4_s4096_p16_causal", bf16_ms=t16, fp8_ms=t8,
+              bf16_tflops=flops / t16 / 1e9, fp8_tflops=flops / t8 / 1e9,
+              fp8_over_bf16_tflops=t16 / t8)
+
+
+def append_speed(roof_gbps):
+  n, hq, hkv, d, ps = 65536, 32, 8, 128, 16
+  q = jax.random.normal(jax.random.key(5), (n, hq, d), jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(6), (n, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(jax.random.key(7), (n, hkv, d), jnp.bfloat16)
+  b = 16
+  pages = n // ps
+  table = jnp.arange(pages, dtype=jnp.int32).reshape(b, pages // b)
+  bidx = jnp.repeat(jnp.arange(b, dtype=jnp.int32), n // b)
+  pos = jnp.tile(jnp.arange(n // b, dtype=jnp.int32), b)
+  pool = jnp.zeros((pages, 2, ps, hkv, d), FP8)
+  f = jax.jit(lambda q, k, v, c: pkvattn.apply_rope_and_append(
+      q, k, v, bidx, pos, c, table, pkvattn.RopeConfig(), impl="pallas",
+      k_scale=0.02, v_scale=0.02), donate_argnums=(3,))
+  t = _timing.time_fn(lambda q, k, v: f(q, k, v, jnp.zeros_like(pool)),
+                      q, k, v)["median_ms"]
+  t_zero = _timing.time_fn(lambda: jnp.zeros_like(pool))["median_ms"]
+  t = max(t - t_zero, 1e-6)
+  moved = (q.size + k.size + v.size + q.size) * 2 + 2 * k.size
+  gbps = moved / (t * 1e-3) / 1e9
+  return dict(spec="rope_append_fp8_65536", ms=t, gbps=gbps,
+              of_copy_roof=gbps / roof_gbps)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--skip", default="", help="comma list: decode,prefill,append")
+  args = ap.parse_args()
+  skip = set(filter(None, args.skip.split(",")))
+  res = dict(environment=_timing.environment())
+  res["correctness"] = correctness(args.quick)
+  print(json.dumps(res["correctness"], indent=1))
+  roof = _timing.copy_roof_gbps()
+  res["copy_roof_gbps"] = roof
+  if "decode" not in skip:
+    res["decode"] = decode_speed(args.quick)
+  if "prefill" not in skip:
+    res["prefill"] = prefill_speed()
+  if "append" not in skip:
+    res["append"] = append_speed(roof)
+  os.makedirs(args.out, exist_ok=True)
+  dev = jax.devices()[0].device_kind.replace(" ", "_")
+  path = os.path.join(args.out, f"fp8_{dev}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  print("\nspec                              pkv bf16  pkv fp8  FI fp8   FI bf16"
+        "  fp8/bf16  FI/pkv(fp8)")
+  for r in res.get("decode", []):
+    print(f"{r['spec']:34s}{r['pkv_bf16_ms']:8.3f} {r['pkv_fp8_ms']:8.3f} "
+          f"{r['fi_fp8_ms']:8.3f} {r['fi_bf16_ms']:8.3f}  "
+          f"{r['fp8_over_bf16']:7.3f}  {r['pkv_fp8_vs_fi_fp8']:7.3f}")
+  if "prefill" in res:
+    p = res["prefill"]
+    print(f"prefill TFLOP/s bf16 {p['bf16_tflops']:.0f}, fp8 "
+          f"{p['fp8_tflops']:.0f} ({p['fp8_over_bf16_tflops']:.2f}x)")
+  if "append" in res:
+    a = res["append"]
+    print(f"rope+append fp8: {a['gbps']:.0f} GB/s = {a['of_copy_roof']:.2f} "
+          "x copy roof")
+  print("correct:", all(r["ok"] for r in res["correctness"]), "->", path)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,248 @@
+"""FP8 KV pages: decode, prefill and RoPE + append against independent oracles.
+
+Pages are float8_e4m3fn with per-tensor scales (stored = x / scale). The
+attention oracle is `attention_utils.dense_attention` (float64 numpy) over
+the DEQUANTIZED pages, so the quantization is the test's input, not its
+error: both implementations (the Triton kernels in interpret mode, and the
+xla reference) must match it to the q dtype's tolerance. Every page no
+sequence owns and every row past `kv_lens` is NaN. The error against the
+unquantized values is bounded loosely (it is what FP8 costs). RoPE + append
+writes are checked between the kernel and the xla path (equal but for rare
+one-step roundings of the f32 rotation), and against a numpy oracle
+(rotation in float64, division, saturation, the ml_dtypes cast) to one FP8
+step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import attention_utils as au
+import pkvattn
+from pkvattn import _kv
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _quantize_np(x, scale):
+  """The storage rule in numpy: x / scale, saturated, cast (NaN stays)."""
+  y = np.clip(np.asarray(x, np.float32) / np.float32(scale), -448, 448)
+  return y.astype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8_paged(rng, kv_lens, *, page_size, num_kv_heads, head_dim, fmt):
+  """`make_paged` in f32, then quantized: (paged with FP8 kv_cache and the
+  dequantized per-sequence K/V truths, k_scale, v_scale)."""
+  p = au.make_paged(rng, kv_lens, page_size=page_size,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=jnp.float32, fmt=fmt)
+  amax_k = max(float(np.abs(k).max()) for k in p.k if k.size)
+  amax_v = max(float(np.abs(v).max()) for v in p.v if v.size)
+  ks, vs = amax_k / 448 * 1.5, amax_v / 448
+  if fmt == "pair":
+    cache = (_kv.quantize(p.kv_cache[0], ks), _kv.quantize(p.kv_cache[1], vs))
+  elif fmt == "flashinfer":
+    cache = jnp.stack([_kv.quantize(p.kv_cache[:, 0], ks),
+                       _kv.quantize(p.kv_cache[:, 1], vs)], axis=1)
+  else:  # one pool holds K and V pages: quantize each page with its scale
+    is_v = np.zeros(p.kv_cache.shape[0], bool)
+    is_v[p.page_table[:, 1][p.page_table[:, 1] >= 0]] = True
+    pool = np.asarray(p.kv_cache)
+    cache = jnp.asarray(np.where(
+        is_v[:, None, None, None],
+        _quantize_np(pool, vs).astype(np.float32),
+        _quantize_np(pool, ks).astype(np.float32)), FP8)
+  deq = lambda x, s: _quantize_np(x, s).astype(np.float64) * s  # noqa: E731
+  truth_k = [deq(k, ks) for k in p.k]
+  truth_v = [deq(v, vs) for v in p.v]
+  return p, cache, truth_k, truth_v, ks, vs
+
+
+CASES = [  # (fmt, group, head_dim, page_size, kwargs)
+    ("pair", 3, 64, 16, {}),
+    ("pool", 4, 128, 8, dict(window_left=20)),
+    ("flashinfer", 1, 64, 16, dict(logits_soft_cap=8.0)),
+    ("pair", 8, 64, 32, dict(sinks=True)),
+]
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("fmt, g, d, ps, kw", CASES)
+def test_decode_fp8_pages(impl, fmt, g, d, ps, kw):
+  rng = np.random.default_rng()
+  hkv = 2
+  lens = [1, 7, 33, 0, 70]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  kw = dict(kw)
+  sinks = None
+  if kw.pop("sinks", False):
+    sinks = rng.standard_normal(g * hkv).astype(np.float32)
+    kw["sinks"] = jnp.asarray(sinks)
+  out, lse = pkvattn.paged_decode(
+      jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
+      jnp.asarray(lens), return_lse=True, impl=impl, k_scale=ks,
+      v_scale=jnp.float32(vs), **kw)
+  for b, n in enumerate(lens):
+    want, want_lse = au.dense_attention(
+        q[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d**-0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
+    au.assert_close(out[b:b + 1], want, jnp.bfloat16, f"b={b}")
+    au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
+    if n:  # what FP8 costs against the unquantized values: loose
+      raw, _ = au.dense_attention(q[b:b + 1], p.k[b], p.v[b], [n - 1], n,
+                                  sm_scale=d**-0.5,
+                                  window_left=kw.get("window_left", -1),
+                                  logits_soft_cap=kw.get("logits_soft_cap"),
+                                  sinks=sinks)
+      err = np.abs(np.asarray(out[b:b + 1], np.float32) - raw).max()
+      assert err < 2**-3 * np.abs(raw).max() + 2e-2  # 3 mantissa bits
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("fmt, g, d, ps, kw", CASES[:3])
+def test_prefill_fp8_pages_mixed_batch(impl, fmt, g, d, ps, kw):
+  """Decode rows beside chunks over a cached prefix, and a whole prompt."""
+  rng = np.random.default_rng()
+  hkv = 2
+  lens = [40, 1, 29, 9]
+  q_lens = [17, 1, 29, 1]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  n_tok = int(indptr[-1]) + 3  # padding tokens
+  q = np.asarray(jnp.asarray(rng.standard_normal((n_tok, g * hkv, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  out, lse = pkvattn.paged_prefill(
+      jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
+      jnp.asarray(indptr), jnp.asarray(lens), return_lse=True, impl=impl,
+      k_scale=ks, v_scale=vs, **kw)
+  for b, n in enumerate(lens):
+    rows = slice(indptr[b], indptr[b + 1])
+    pos = np.arange(n - q_lens[b], n)
+    want, want_lse = au.dense_attention(
+        q[rows], tk[b], tv[b], pos, n, sm_scale=d**-0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"))
+    au.assert_close(out[rows], want, jnp.bfloat16, f"b={b}")
+    au.assert_lse_close(lse[rows], want_lse, jnp.bfloat16)
+  assert not np.asarray(out[indptr[-1]:], np.float32).any()
+
+
+def _rope_np(x, pos, theta, d):
+  """NeoX rotation in float64 (`pkvattn.RopeConfig()` default style)."""
+  half = d // 2
+  inv = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / d)
+  ang = pos[:, None].astype(np.float64) * inv[None, :]
+  c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+  x = np.asarray(x, np.float64)
+  x1, x2 = x[..., :half], x[..., half:]
+  return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+@pytest.mark.parametrize("fmt", au.FORMATS)
+def test_rope_append_quantizes_on_write(fmt):
+  rng = np.random.default_rng()
+  n, hq, hkv, d, ps, pages = 23, 4, 2, 64, 8, 10
+  q = jnp.asarray(rng.standard_normal((n, hq, d)), jnp.bfloat16)
+  k = np.asarray(rng.standard_normal((n, hkv, d)) * 4, np.float32)
+  k[0, 0, :3] = [1e6, -1e6, 900.0]  # overflow saturates, never NaN
+  k = jnp.asarray(k, jnp.bfloat16)
+  v = np.asarray(rng.standard_normal((n, hkv, d)), np.float32)
+  v[1, 1, :2] = [np.inf, -np.inf]
+  v = jnp.asarray(v, jnp.bfloat16)
+  table = rng.permutation(pages)[:8].reshape(2, 4).astype(np.int32)
+  bidx = np.r_[np.zeros(12), np.ones(10), [-1]].astype(np.int32)
+  pos = np.r_[np.arange(12), np.arange(3, 13), [0]].astype(np.int32)
+  nan = jnp.full((pages, ps, hkv, d), jnp.nan, FP8)
+  if fmt == "pair":
+    cache, tbl = (nan, nan), table
+  elif fmt == "pool":
+    cache = jnp.concatenate([nan, nan])
+    tbl = np.stack([table, table + pages], axis=1)
+  else:
+    cache, tbl = jnp.stack([nan, nan], axis=1), table
+  ks, vs = 0.03, 0.005
+  out = {}
+  for impl in ("pallas", "xla"):
+    out[impl] = pkvattn.apply_rope_and_append(
+        q, k, v, bidx, pos, cache, tbl, pkvattn.RopeConfig(), impl=impl,
+        k_scale=ks, v_scale=vs)
+  # Kernel vs xla path: the same math; an f32 rotation may round apart
+  # (fused multiply-adds), moving a value across an FP8 rounding boundary:
+  # at most one step, rarely.
+  got = [np.asarray(x).astype(np.float64)
+         for x in jax.tree.leaves(out["pallas"][1])]
+  ref = [np.asarray(x).astype(np.float64)
+         for x in jax.tree.leaves(out["xla"][1])]
+  for a, b in zip(got, ref):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    a, b = np.nan_to_num(a), np.nan_to_num(b)
+    off = a != b
+    assert off.mean() < 1e-3, off.mean()
+    np.testing.assert_allclose(a[off], b[off], rtol=2**-3)
+  # Independent oracle: the written rows, K rotated in float64.
+  leaves = [np.asarray(x).astype(np.float32)
+            for x in jax.tree.leaves(out["xla"][1])]
+  if fmt == "pair":
+    k_pool, v_pool, k_tab, v_tab = leaves[0], leaves[1], table, table
+  elif fmt == "pool":
+    k_pool = v_pool = leaves[0]
+    k_tab, v_tab = table, table + pages
+  else:
+    flat = leaves[0].reshape(2 * pages, ps, hkv, d)
+    k_pool = v_pool = flat
+    k_tab, v_tab = 2 * table, 2 * table + 1
+  k_rot = _rope_np(np.asarray(k, np.float32), pos, 10000.0, d)
+  written = set()
+  for t in range(n):
+    if bidx[t] < 0:
+      continue
+    blk, row = divmod(int(pos[t]), ps)
+    kp, vp = k_tab[bidx[t], blk], v_tab[bidx[t], blk]
+    written |= {(kp, row), (vp, row)}
+    want_k = np.clip(k_rot[t] / ks, -448, 448)
+    got_k = k_pool[kp, row]
+    assert not np.isnan(got_k).any()
+    # one FP8 step (3 mantissa bits) where f32 and f64 rotations round apart
+    np.testing.assert_allclose(got_k, want_k, rtol=2**-3, atol=2**-9)
+    np.testing.assert_array_equal(
+        v_pool[vp, row], _quantize_np(np.asarray(v[t], np.float32),
+                                      vs).astype(np.float32))
+  assert np.abs(k_pool[k_tab[0, 0], 0, 0, :3]).max() == 448.0
+  assert (v_pool[v_tab[0, 0], 1, 1, :2] == [448.0, -448.0]).all()
+  # Rows nobody wrote keep their NaN.
+  for pg in range(k_pool.shape[0]):
+    for row in range(ps):
+      if (pg, row) not in written:
+        assert np.isnan(k_pool[pg, row]).all()
+
+
+def test_fp8_bad_inputs():
+  q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+  pages = jnp.zeros((4, 8, 2, 64), FP8)
+  table, lens = jnp.array([[0, 1], [2, 3]]), jnp.array([9, 3])
+  with pytest.raises(ValueError, match="k_scale"):
+    pkvattn.paged_decode(q, (pages, pages), table, lens, impl="xla")
+  with pytest.raises(ValueError, match="shape of v_scale"):
+    pkvattn.paged_prefill(q, (pages, pages), table, jnp.array([0, 1, 2]),
+                          lens, impl="xla", k_scale=1.0,
+                          v_scale=jnp.ones(2))
+  bf16 = jnp.zeros((4, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="k_scale"):
+    pkvattn.paged_decode(q, (bf16, bf16), table, lens, impl="xla",
+                         k_scale=1.0, v_scale=1.0)
+  with pytest.raises(ValueError, match="v_scale"):
+    pkvattn.append_paged_kv(jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)),
+                            [0], [0], (pages, pages), table, k_scale=1.0)
+  with pytest.raises(ValueError, match="head_dim"):
+    pkvattn.paged_decode(jnp.zeros((2, 4, 128), jnp.bfloat16),
+                         (pages, pages), table, lens, impl="xla",
+                         k_scale=1.0, v_scale=1.0)
