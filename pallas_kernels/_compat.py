@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import jax.numpy as jnp
+
 from jax.experimental import pallas as pl
 
 try:  # jax >= 0.10: jax.experimental.pallas.triton
@@ -39,3 +41,10 @@ def suppress_triton_deprecation():
 
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation"]
+
+
+# The dtype FP8 KV tiles are converted to for the Triton kernels' dots; None
+# = q's dtype. f16 (one `cvt` per pair of e4m3 values on sm_89+) was not
+# faster than bf16 on an H200 (3 of the 4 Llama-3-8B decode specs slower,
+# bench/results/fp8_decode_ab.json, 2026-11-24). Read at trace time.
+FP8_DOT_DTYPE = None

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._compat import pltriton
 from pkvattn.pallas_kernels._compat import suppress_triton_deprecation
@@ -188,6 +189,10 @@ def _paged_decode_kernel(
     # dtype for the dots.
     qk_scale = qk_scale * scales_ref[0]
     v_scale = scales_ref[1]
+    # The tiles convert to q's dtype (or `_compat.FP8_DOT_DTYPE`).
+    dot_dtype = (_compat.FP8_DOT_DTYPE or q.dtype) if q.dtype != jnp.float32 \
+        else jnp.float32
+    q = q.astype(dot_dtype)
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
   row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
 
@@ -218,7 +223,7 @@ def _paged_decode_kernel(
     k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
     v = gather(v_pool_ref, v_ids)
     if scales_ref is not None:
-      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      k, v = k.astype(dot_dtype), v.astype(dot_dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)  # [G, block_k]
     s = s * qk_scale

@@ -305,6 +305,8 @@ def _paged_prefill_kernel(
   q = plgpu.load(q_ref.at[token[:, None], head[:, None], d],
                  mask=row_ok[:, None], other=0.0)
   q_pos = token + pos_offset  # [rows]; rows past q_end are never stored
+  if has_scales and q.dtype != jnp.float32 and _compat.FP8_DOT_DTYPE:
+    q = q.astype(_compat.FP8_DOT_DTYPE)  # FP8 tiles convert to q's dtype
 
   # Key ranges in tokens: [kv_lo, kv_hi) is what any row of the tile can see;
   # [full_lo, full_hi) is what every row sees (tiles inside need no mask).

@@ -188,15 +188,15 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     return jnp.broadcast_to(m[:, None], (block_tokens, width))
 
   # What a row stores: the value in the destination dtype, or, with a scale
-  # (FP8 pools), `pkvattn._kv.quantize`'s math: f32 division, saturation to
-  # +-FP8_MAX, then the cast.
-  k_scale = scales_ref[0] if has_scales else None
-  v_scale = scales_ref[1] if has_scales else None
+  # (FP8 pools), `pkvattn._kv.quantize`'s math: times the f32 reciprocal,
+  # saturation to +-FP8_MAX, then the cast.
+  k_scale = 1.0 / scales_ref[0] if has_scales else None  # reciprocals
+  v_scale = 1.0 / scales_ref[1] if has_scales else None
 
-  def stored(x, dst_ref, scale):
-    if scale is None:
+  def stored(x, dst_ref, inv_scale):
+    if inv_scale is None:
       return x.astype(dst_ref.dtype)
-    y = x.astype(jnp.float32) / scale
+    y = x.astype(jnp.float32) * inv_scale
     return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(dst_ref.dtype)
 
   def copy_cols(src_ref, dst_ref, h, src_off, r_ld, r_st, mask, chunks,
@@ -458,7 +458,7 @@ def rope_append(
       TensorRT-LLM), "flashinfer" (shared table into a `[n, 2, ...]` cache
       passed as the `[2n, ...]` pool: K page `2t`, V page `2t + 1`).
     k_scale, v_scale: f32 scalars (may be traced) for float8_e4m3fn pools:
-      rows store `clip(x / scale, -448, 448)` with x the rotated K (f32) or
+      rows store `clip(x * (1 / scale), -448, 448)` with x the rotated K (f32) or
       V, as `pkvattn._kv.quantize`.
 
   Raises:

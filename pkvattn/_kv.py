@@ -197,12 +197,14 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
 
 
 def quantize(x, scale):
-  """`x / scale` saturated to `[-FP8_MAX, FP8_MAX]`, as float8_e4m3fn.
+  """`x * (1 / scale)` saturated to `[-FP8_MAX, FP8_MAX]`, as float8_e4m3fn.
 
   Overflow (and +-inf) saturates instead of becoming NaN (e4m3fn has no
   infinity); NaN stays NaN. Follows vLLM's `scaled_fp8_quant` / FlashInfer.
   """
-  y = x.astype(jnp.float32) / scale
+  # Multiplied by the f32 reciprocal (one multiply per value in the
+  # kernels, as vLLM's quantization kernels do); `rope_append` does the same.
+  y = x.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))
   return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 

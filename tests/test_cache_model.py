@@ -50,9 +50,9 @@ CONFIGS = {
 # every combination is also covered by tests/test_cache_reliability.py).
 POLICY = {"mixed": True, "swa": False, "swa_rewind": True}  # head_of_line
 BATCH = 3
-# Examples per config (CI: 3 x 500 = 1,500 operation sequences, all with
-# scratch reuse enabled, 1,000 of them with scratch active).
-NUM_EXAMPLES = int(os.environ.get("PKV_CACHE_EXAMPLES", "500"))
+# Examples per config (CI: 3 x 340 = 1,020 operation sequences, all with
+# scratch reuse enabled, 680 of them with scratch active).
+NUM_EXAMPLES = int(os.environ.get("PKV_CACHE_EXAMPLES", "340"))
 
 assert not CONFIGS["mixed"].swa_scratch_active
 assert CONFIGS["swa"].swa_scratch_active
