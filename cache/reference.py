@@ -347,8 +347,10 @@ class ReferenceCache:
             self.last_use[s] = self.clock
     self.clock += 1
 
-  def fork(self, parent_ids, child_ids, *, head_of_line=True):
-    """Returns dict ok, copies ((src_slot, dst_slot) or None per request)."""
+  def _fork_requests(self, parent_ids, child_ids):
+    """`(parent ids, child ids, valid, need)` of a fork batch: a live parent,
+    a dead child listed once that is no listed live parent; one new slot for
+    a partial last block."""
     cfg, ps = self.cfg, self.cfg.page_size
     pids = [int(x) for x in parent_ids]
     cids, c_ok = self._ids(child_ids, want_live=False)
@@ -356,9 +358,15 @@ class ReferenceCache:
     live_parents = {p for p, o in zip(pids, p_ok) if o}
     valid = [po and co and c not in live_parents
              for po, co, c in zip(p_ok, c_ok, cids)]
-    n = len(pids)
     need = [int(valid[r] and self.seqs[pids[r]].length % ps != 0)
-            for r in range(n)]
+            for r in range(len(pids))]
+    return pids, cids, valid, need
+
+  def fork(self, parent_ids, child_ids, *, head_of_line=True):
+    """Returns dict ok, copies ((src_slot, dst_slot) or None per request)."""
+    ps = self.cfg.page_size
+    pids, cids, valid, need = self._fork_requests(parent_ids, child_ids)
+    n = len(pids)
     ok, taken = self._admit(valid, need, head_of_line)
     copies = [None] * n
     off = 0

@@ -309,17 +309,10 @@ class ReferenceHybridCache:
   def fork(self, parent_ids, child_ids, *, head_of_line=True):
     """Dict `ok`, `copies`: per request None or a list of `(group, src_slot,
     dst_slot)`, one per group (the partial last block)."""
-    cfg, ps = self.cfg, self.cfg.page_size
-    g0 = self.groups[0]
-    pids = [int(x) for x in parent_ids]
-    cids, c_ok = g0._ids(child_ids, want_live=False)
-    p_ok = [0 <= p < cfg.max_seqs and p in g0.seqs for p in pids]
-    live_parents = {p for p, o in zip(pids, p_ok) if o}
-    valid = [po and co and c not in live_parents
-             for po, co, c in zip(p_ok, c_ok, cids)]
+    ps = self.cfg.page_size
+    pids, cids, valid, need = self.groups[0]._fork_requests(parent_ids,
+                                                            child_ids)
     n = len(pids)
-    need = [int(valid[r] and g0.seqs[pids[r]].length % ps != 0)
-            for r in range(n)]
     ok, _ = self._admit(valid, [need] * len(self.groups),
                         head_of_line=head_of_line)
     copies = [None] * n

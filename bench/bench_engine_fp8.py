@@ -1,0 +1,95 @@
+"""Engine with FP8 vs bf16 KV pages on the Llama-3.2-1B shape (GPU).
+
+Random bf16 weights of Llama 3.2 1B's shapes (`bench_engine.LLAMA_3_2_1B`),
+`--num-prompts` prompts of `--prompt-len` tokens, `--new-tokens` greedy new
+tokens (EOS ignored), all running at once (max_seqs = num_prompts), pallas
+kernels, through `Engine` with `kv_cache_dtype="auto"` (bf16) and "fp8_e4m3"
+(scales calibrated from the prompts) in the same process. Reported: decode
+tokens/s (decode-only steps and bursts, compilation excluded), prefill
+tokens/s, and for a fixed KV byte budget (`--kv-gib`) the slots each dtype
+gets and the sequences of `prompt_len + new_tokens` tokens they hold.
+
+Run:  python -m bench.bench_engine_fp8 [--num-prompts 256] [--prompt-len 1024]
+Results: bench/results/engine_fp8.json (and $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import _timing
+from bench.bench_engine import LLAMA_3_2_1B
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.models import Model, init_params
+from pkvattn.serving.config import slots_for_memory
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--num-prompts", type=int, default=256)
+  ap.add_argument("--prompt-len", type=int, default=1024)
+  ap.add_argument("--new-tokens", type=int, default=128)
+  ap.add_argument("--page-size", type=int, default=16)
+  ap.add_argument("--kv-gib", type=float, default=8.0)
+  args = ap.parse_args()
+  mcfg = LLAMA_3_2_1B
+  params = init_params(mcfg, jax.random.key(0), jnp.bfloat16)
+  model = Model("llama-3.2-1b-shape", mcfg, params, None)
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(1000, 100000, size=args.prompt_len))
+             for _ in range(args.num_prompts)]
+  total = args.prompt_len + args.new_tokens
+  blocks = -(-total // args.page_size)
+  rows, outs = [], {}
+  for dt in ("auto", "fp8_e4m3"):
+    cfg = EngineConfig(
+        page_size=args.page_size, num_slots=args.num_prompts * blocks + 8,
+        max_seqs=args.num_prompts, max_num_tokens=8192,
+        max_model_len=blocks * args.page_size, impl="pallas",
+        enable_prefix_reuse=False, decode_steps=8, kv_cache_dtype=dt)
+    engine = Engine(model, cfg)
+    t0 = time.perf_counter()
+    engine.warmup()
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs[dt] = engine.generate(prompts, SamplingParams(
+        max_new_tokens=args.new_tokens, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    budget = int(args.kv_gib * 2**30)
+    slots = slots_for_memory(dataclasses.replace(cfg, kv_cache_memory=budget),
+                             mcfg, engine.pool.dtype)
+    rows.append(dict(
+        kv_cache_dtype=st.kv_cache_dtype, kv_cache_bytes=st.kv_cache_bytes,
+        decode_tok_s=st.decode_tokens_per_s,
+        prefill_tok_s=st.prefill_tokens_per_s, warmup_s=warm, wall_s=wall,
+        num_compiles_after_warmup=st.num_compiles - len(engine.programs()),
+        budget_gib=args.kv_gib, budget_slots=slots,
+        budget_sequences=slots // blocks))
+    print(rows[-1], flush=True)
+    del engine
+    gc.collect()
+  agree = float(np.mean([np.mean(np.equal(a, b))
+                         for a, b in zip(outs["auto"], outs["fp8_e4m3"])]))
+  extra = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+               new_tokens=args.new_tokens, token_agreement=agree,
+               decode_fp8_over_bf16=rows[1]["decode_tok_s"]
+               / rows[0]["decode_tok_s"],
+               budget_sequences_ratio=rows[1]["budget_sequences"]
+               / rows[0]["budget_sequences"])
+  _timing.write_results("engine_fp8", rows, extra)
+  print(f"decode tok/s bf16 {rows[0]['decode_tok_s']:,.0f}, fp8 "
+        f"{rows[1]['decode_tok_s']:,.0f} ({extra['decode_fp8_over_bf16']:.2f}x);"
+        f" sequences in {args.kv_gib} GiB: {rows[0]['budget_sequences']} vs "
+        f"{rows[1]['budget_sequences']}; token agreement {agree:.2f}")
+
+
+if __name__ == "__main__":
+  main()
