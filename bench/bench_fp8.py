@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pkvattn
+from bench import _flashinfer
 from bench import _timing
 from bench.bench_decode import NUM_KV_HEADS, NUM_QO_HEADS, HEAD_DIM, SPECS
 from pkvattn import _kv
@@ -126,35 +126,6 @@ def correctness(quick: bool):
   return rows
 
 
-def _torch_time(fn, iters: int = 20, min_time_s: float = 0.2):
-  """`_timing.time_fn`'s method for a torch call: back-to-back calls, one
-  synchronize per sample, median ms."""
-  import torch  # pylint: disable=import-outside-toplevel
-  for _ in range(4):
-    fn()
-  torch.cuda.synchronize()
-  t0 = time.perf_counter()
-  fn()
-  torch.cuda.synchronize()
-  inner = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
-  samples, start = [], time.perf_counter()
-  while len(samples) < iters or time.perf_counter() - start < min_time_s:
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      fn()
-    torch.cuda.synchronize()
-    samples.append((time.perf_counter() - t0) * 1e3 / inner)
-  return statistics.median(samples)
-
-
-def _to_torch(x):
-  import torch  # pylint: disable=import-outside-toplevel
-  if x.dtype == FP8:
-    u8 = torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8))
-    return u8.view(torch.float8_e4m3fn)
-  return torch.from_dlpack(x)
-
-
 def decode_speed(quick: bool):
   import flashinfer  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
@@ -189,21 +160,21 @@ def decode_speed(quick: bool):
     # FlashInfer on the same pages.
     indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32,
                           device="cuda")
-    indices = _to_torch(table.reshape(-1))
+    indices = _flashinfer.to_torch(table.reshape(-1))
     last = torch.full((b,), ps, dtype=torch.int32, device="cuda")
-    qt = _to_torch(q)
+    qt = _flashinfer.to_torch(q)
     fi = {}
     for label, cache, dt in (("bf16", kv, torch.bfloat16),
                              ("fp8", kv8, torch.float8_e4m3fn)):
       w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
       w.plan(indptr, indices, last, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, ps,
              q_data_type=torch.bfloat16, kv_data_type=dt)
-      ct = _to_torch(cache)
+      ct = _flashinfer.to_torch(cache)
       scales = dict(k_scale=ks, v_scale=vs) if label == "fp8" else {}
       out = w.run(qt, ct, **scales)
       ref = ours8 if label == "fp8" else ours16
       err = _timing.rel_err(jnp.asarray(out.float().cpu().numpy()), ref)
-      fi[label] = (_torch_time(lambda w=w, ct=ct, s=scales: w.run(qt, ct, **s)),
+      fi[label] = (_flashinfer.torch_time(lambda w=w, ct=ct, s=scales: w.run(qt, ct, **s)),
                    err)
     by = lambda itemsize: (2 * n_pages * ps * NUM_KV_HEADS * HEAD_DIM
                            * itemsize)

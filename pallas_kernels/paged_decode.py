@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import paged_decode_mgpu
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._compat import pltriton
 from pkvattn.pallas_kernels._compat import suppress_triton_deprecation
@@ -65,24 +66,39 @@ class Config:
     num_stages: Triton software-pipelining stages of the page loop.
     kv_eviction: L2 eviction hint for the streamed K/V loads
       (`"evict_first"` or None); K/V are read once, so they need not linger.
+    backend: "triton" (this module's kernel) or "mosaic" (the Mosaic-GPU
+      kernel, `paged_decode_mgpu`: TMA per page, wgmma, Hopper only), whose
+      steps are `pages_per_block * page_size` keys (64 or 128) through
+      `num_stages` shared-memory stages (num_warps, kv_eviction unused).
   """
   pages_per_block: int
   k_splits: int
   num_warps: int = 4
   num_stages: int = 3
   kv_eviction: str | None = None
+  backend: str = "triton"
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits"):
       v = getattr(self, name)
       if v < 1 or v & (v - 1):
         raise ValueError(f"Invalid {name}: expected a power of two >= 1, got {v}")
+    if self.backend not in ("triton", "mosaic"):
+      raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
+                       f"{self.backend!r}")
 
   @classmethod
   def default_for(cls, *, batch_size: int, num_kv_heads: int, page_size: int,
                   max_pages: int, head_dim: int,
-                  num_sms: int = _NUM_SMS) -> "Config":
+                  num_sms: int = _NUM_SMS, group_size: int | None = None,
+                  dtype=None, kv_dtype=None, interpret: bool = False,
+                  backend: str | None = None) -> "Config":
     """Heuristic config for one decode call (static shapes only).
+
+    Backend: "mosaic" where `_mosaic_default` says so (Hopper, shapes the
+    Mosaic-GPU kernel serves and was measured faster on; `group_size`,
+    `dtype` and `kv_dtype` must be given for it), else "triton"; `backend`
+    forces one.
 
     * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
       small pages are gathered several at a time. 32-token steps lose up to
@@ -103,6 +119,16 @@ class Config:
       longest sequence, so short contexts are not split into empty programs.
       With one split the kernel writes the final output itself (no combine).
     """
+    if backend not in (None, "triton", "mosaic"):
+      raise ValueError(f"Invalid backend: expected None, 'triton' or "
+                       f"'mosaic', got {backend!r}")
+    if backend == "mosaic" or backend is None and not interpret and (
+        group_size is not None and _mosaic_default(
+            group_size=group_size, head_dim=head_dim, page_size=page_size,
+            dtype=dtype, kv_dtype=kv_dtype)):
+      return _mosaic_config(batch_size=batch_size, num_kv_heads=num_kv_heads,
+                            page_size=page_size, max_pages=max_pages,
+                            head_dim=head_dim, num_sms=num_sms)
     programs = batch_size * num_kv_heads
     block_tokens = 32 if head_dim > 128 else 64
     num_warps, num_stages = 4, 3
@@ -119,6 +145,39 @@ class Config:
     k_splits = max(1, min(want, cap, 64))
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
                num_warps=num_warps, num_stages=num_stages)
+
+
+# Shapes on which the Mosaic-GPU kernel is the default on Hopper:
+# (head_dim, group_size) pairs it was measured faster on.
+MOSAIC_DEFAULT_SHAPES: frozenset = frozenset()
+
+
+def _mosaic_default(*, group_size, head_dim, page_size, dtype,
+                    kv_dtype) -> bool:
+  if dtype is None or (head_dim, group_size) not in MOSAIC_DEFAULT_SHAPES:
+    return False
+  return paged_decode_mgpu.supports(
+      dtype=dtype, kv_dtype=dtype if kv_dtype is None else kv_dtype,
+      head_dim=head_dim, page_size=page_size, group_size=group_size)
+
+
+def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
+                   head_dim, num_sms) -> Config:
+  """The Mosaic-GPU kernel's config: 128-key steps through 2 stages at
+  head_dim 128 (3 do not fit next to the output tile), 4 at head_dim 64;
+  splits for about two CTAs per SM, each keeping >= 2 steps."""
+  block_kv = 128
+  num_stages = 2 if head_dim > 64 else 4
+  pages_per_block = max(1, block_kv // page_size)
+  programs = batch_size * num_kv_heads
+  want = _next_pow2(max(1, -(-2 * num_sms // programs)))
+  max_steps = max(1, -(-max_pages // pages_per_block))
+  cap = _next_pow2(max(1, max_steps // 2))
+  if cap > max_steps // 2 and cap > 1:
+    cap //= 2
+  k_splits = max(1, min(want, cap, 64))
+  return Config(pages_per_block=pages_per_block, k_splits=k_splits,
+                num_stages=num_stages, backend="mosaic")
 
 
 def _paged_decode_kernel(
@@ -437,6 +496,8 @@ def paged_decode(
   Raises:
     NotImplementedError: head_dim not in {64, 128, 256} or a page_size that is
       not a power of two in [8, 128].
+    ValueError: a `config` with `backend="mosaic"` in interpret mode, on FP8
+      pages, or on a case `paged_decode_mgpu` does not serve (its errors).
   """
   batch_size, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
@@ -449,9 +510,15 @@ def paged_decode(
   if config is None:
     config = Config.default_for(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
-        max_pages=max_pages, head_dim=head_dim)
+        max_pages=max_pages, head_dim=head_dim, group_size=group_size,
+        dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
+  if config.backend == "mosaic":
+    return _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                          k_scale, sm_scale=sm_scale, window_left=window_left,
+                          logits_soft_cap=logits_soft_cap, config=config,
+                          interpret=interpret)
   scales = None
   if k_scale is not None:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
@@ -464,6 +531,33 @@ def paged_decode(
         logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
   if config.k_splits == 1:
     return o, lse
+  sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
+  out, lse = _combine(o, lse, sk, group_size)
+  return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
+          lse.reshape(batch_size, num_qo_heads))
+
+
+def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                   k_scale, *, sm_scale, window_left, logits_soft_cap,
+                   config: Config, interpret: bool):
+  """`paged_decode` on the Mosaic-GPU kernel (`config.backend == "mosaic"`)."""
+  batch_size, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  group_size = num_qo_heads // num_kv_heads
+  if interpret or k_scale is not None:
+    raise ValueError(
+        f"Invalid config for the mosaic backend: expected bf16/f16 pages on "
+        f"a GPU, got interpret={interpret}, FP8 pages={k_scale is not None}")
+  block_kv = config.pages_per_block * page_size
+  final = config.k_splits == 1 and sinks is None
+  o, lse = paged_decode_mgpu.paged_decode_mgpu(
+      q, k_pool, v_pool, k_table, v_table, kv_lens, sm_scale=float(sm_scale),
+      window_left=int(window_left), logits_soft_cap=logits_soft_cap,
+      block_kv=block_kv, num_stages=config.num_stages,
+      k_splits=config.k_splits, final=final)
+  lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
+  if final:
+    return o, lse.reshape(batch_size, num_qo_heads)
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),

@@ -11,7 +11,8 @@ f32, the `gguf` package dequantizing), so both sides run the same weights:
     -group KV slot spaces, the engine's default for this model) of 8 prompts
     x 32 new tokens equals transformers' greedy `generate`, token for token;
   * prefix reuse on prompts longer than the sliding window: three prompts
-    sharing a 576-token prefix, run one after another with reuse on (the
+    sharing a 576-token prefix, prefilled in 64-token chunks, run one after
+    another with reuse on (the
     global layers reuse the whole prefix, the sliding layers its last
     window), give transformers' greedy tokens (which reuse nothing).
 
@@ -125,11 +126,12 @@ def test_gemma3_270m_matches_transformers(pair):
     assert tok.decode(ids) == expected_tok.decode(ids,
                                                   skip_special_tokens=True)
 
-  # One engine for both parts (three programs: 64- and 640-token steps and
-  # the decode burst), per-window-group spaces by default for this model.
+  # One engine for both parts (two programs: 64-token steps, which prefill
+  # the long prompts in chunks, and the decode burst), per-window-group
+  # spaces by default for this model.
   engine = Engine(model, EngineConfig(
-      page_size=16, num_slots=192, max_seqs=8, max_num_tokens=640,
-      max_model_len=640, token_buckets=(64, 640), impl="xla",
+      page_size=16, num_slots=192, max_seqs=8, max_num_tokens=64,
+      max_model_len=640, token_buckets=(64,), impl="xla",
       decode_steps=NEW_TOKENS))
   assert isinstance(engine.cache_config, cache.HybridCacheConfig)
   prompts = [tok.encode(p) for p in PROMPTS]

@@ -1,0 +1,101 @@
+"""FlashInfer 0.7.2 beside pkvattn in one process: the same pages, timed the
+same way.
+
+FlashInfer's NHD paged layout `[num_pages, 2, page_size, num_kv_heads,
+head_dim]` is pkvattn's "flashinfer" kv_cache format, and its
+`indptr / indices / last_page_len` describe the same page table, so both
+libraries read the very same device buffers (handed over by DLPack, no copy).
+Needs `flashinfer-python==0.7.2.post1` and `apache-tvm-ffi==0.1.15.post2`
+(its kernels JIT-compile on first use) and a CUDA build of torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def to_torch(x):
+  """A jax array as a torch CUDA tensor on the same buffer (FP8 via uint8)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  if x.dtype == jnp.float8_e4m3fn:
+    u8 = torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8))
+    return u8.view(torch.float8_e4m3fn)
+  return torch.from_dlpack(x)
+
+
+def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
+  """`_timing.time_fn`'s method for a torch call: back-to-back calls, one
+  synchronize per sample; median ms per call."""
+  import torch  # pylint: disable=import-outside-toplevel
+  for _ in range(4):
+    fn()
+  torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  fn()
+  torch.cuda.synchronize()
+  inner = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
+  samples, start = [], time.perf_counter()
+  while len(samples) < iters or time.perf_counter() - start < min_time_s:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      fn()
+    torch.cuda.synchronize()
+    samples.append((time.perf_counter() - t0) * 1e3 / inner)
+  return statistics.median(samples)
+
+
+_WORKSPACE = []
+
+
+def workspace():
+  """One 256 MiB FlashInfer workspace per process."""
+  import torch  # pylint: disable=import-outside-toplevel
+  if not _WORKSPACE:
+    _WORKSPACE.append(torch.empty(256 << 20, dtype=torch.uint8,
+                                  device="cuda"))
+  return _WORKSPACE[0]
+
+
+def decode_fn(q, kv_cache, page_table, kv_lens, *, num_qo_heads: int,
+              num_kv_heads: int, k_scale: float | None = None,
+              v_scale: float | None = None, use_tensor_cores: bool = False):
+  """A planned FlashInfer `BatchDecodeWithPagedKVCacheWrapper` call.
+
+  Args:
+    q: `[batch_size, num_qo_heads, head_dim]` bf16 / f16 (jax).
+    kv_cache: `[num_pages, 2, page_size, num_kv_heads, head_dim]` (jax),
+      q's dtype or float8_e4m3fn with `k_scale` / `v_scale`.
+    page_table: `i32[batch_size, max_pages]` numpy; kv_lens: `i32[batch]`.
+    use_tensor_cores: FlashInfer's tensor-core decode (its prefill kernel
+      over the GQA group), which it recommends for larger groups.
+
+  Returns:
+    `(run, out)`: `run()` launches the decode (no host work but the launch)
+    and `out` is its first result as a jax f32 array.
+  """
+  import flashinfer  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+  kv_lens = np.asarray(kv_lens)
+  table = np.asarray(page_table)
+  pages = [table[b, :-(-int(n) // page_size)] for b, n in enumerate(kv_lens)]
+  indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
+  indices = np.concatenate(pages) if indptr[-1] else np.zeros(0, np.int32)
+  last = np.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0)
+  dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
+  qt, ct = to_torch(q), to_torch(kv_cache)
+  kv_dtype = (torch.float8_e4m3fn if kv_cache.dtype == jnp.float8_e4m3fn
+              else qt.dtype)
+  w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+      workspace(), "NHD", use_tensor_cores=use_tensor_cores)
+  w.plan(dev(indptr), dev(indices), dev(last), num_qo_heads, num_kv_heads,
+         head_dim, page_size, q_data_type=qt.dtype, kv_data_type=kv_dtype)
+  scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
+  run = lambda: w.run(qt, ct, **scales)  # noqa: E731
+  out = jnp.asarray(run().float().cpu().numpy())
+  return run, out

@@ -1,0 +1,455 @@
+"""Paged decode attention for Hopper: Pallas on Mosaic GPU (TMA + wgmma).
+
+The same flash-decoding algorithm as the Pallas-Triton kernel
+(`paged_decode.py`: split-K over the visible pages, online softmax, LSE
+combine of the splits), laid out for Hopper's asynchronous units:
+
+* A CTA serves one `(kv head, sequence, split)`; its grid is
+  `(num_kv_heads, batch_size, k_splits)`, kv heads fastest. The GQA group of
+  the kv head (1..8 query heads) is packed into the M dimension of both
+  wgmma matmuls: `S = Q K^T` is `[64, block_kv]` with the group in rows
+  `0..group_size-1`. The other rows are computed on zeros and never stored
+  (a wgmma has 64 rows; decode is bound by the K/V bytes, not the MMA).
+* Two warpgroups: a producer issues one TMA copy per page (`pool[page, rows,
+  kv_head, :]` -> `[page_size, head_dim]` of a shared-memory stage) into a
+  ring of `num_stages` stages, reading the page ids from the page table; the
+  consumer runs QK^T, the base-2 softmax (scale folded into the exponent, as
+  FlashAttention-3) and PV per step of `block_kv` keys.
+* Only the visible pages `[first visible page, cdiv(kv_len, page_size))` of
+  the split are read; page ids outside that range (released window pages,
+  pages past the end) are never read (the page index is clamped into it).
+  Keys outside `[kv_len - 1 - window_left, kv_len)` get -inf logits, and
+  their V rows are zeroed in shared memory before PV (stale rows may be NaN;
+  `0 * NaN` would reach the output).
+* With one split the CTA stores the normalised output rows of its group
+  straight into `out [batch, num_qo_heads, head_dim]` (a ladder of
+  power-of-two TMA boxes covers exactly `group_size` rows); with several it
+  stores f32 partials and their LSE for `paged_decode`'s combine.
+
+`paged_decode` routes here on compute capability 9.0 for bf16 / f16 q and
+pages, head_dim 64 / 128, group sizes 1..8 and page sizes 8..128
+(`supports`); FP8 pages, f32, head_dim 256 and other GPUs keep the Triton
+kernel, as does interpret mode (Mosaic GPU has none for warp-specialised
+kernels). Sinks go through the split path, whose combine adds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK_M = 64      # wgmma rows
+GROUP_ROWS = 8    # query rows of a group (at most), partial rows per split
+Q_ROWS = 16       # query rows each CTA loads: two 8-row swizzle tiles
+MAX_GROUP = GROUP_ROWS
+LSE_ROWS = BLOCK_M  # lse rows stored per CTA (a TMA box needs >= 16 bytes)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_SMEM_BYTES = 232448  # per CTA on sm_90 (227 KiB)
+
+
+def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
+               itemsize: int, final: bool) -> int:
+  """Shared memory one CTA needs (q, K/V stages, output tile, lse), bytes."""
+  out_item = itemsize if final else 4
+  return (BLOCK_M * head_dim * itemsize
+          + 2 * num_stages * block_kv * head_dim * itemsize
+          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 4096)
+
+
+def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
+             group_size: int) -> bool:
+  """Whether this kernel serves the case on this machine's GPU.
+
+  Needs a Hopper GPU (wgmma is sm_90a only), bf16 / f16 q with pages of the
+  same dtype, head_dim 64 or 128, a GQA group of 1..8 and a power-of-two
+  page size in [8, 128].
+  """
+  dt = jnp.dtype(dtype)
+  if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False
+  if jnp.dtype(kv_dtype) != dt or head_dim not in (64, 128):
+    return False
+  if not 1 <= group_size <= MAX_GROUP:
+    return False
+  if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
+    return False
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover
+    return False
+  return (dev.platform == "gpu"
+          and str(getattr(dev, "compute_capability", "")) == "9.0")
+
+
+def _mgpu():
+  """Imports Mosaic GPU Pallas lazily (only the GPU path needs it)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+  return plgpu
+
+
+def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
+            v_table_ref, out_ref, lse_ref, scoped, *, sm_scale: float,
+            window_left: int, logits_soft_cap: float | None, group_size: int,
+            block_kv: int, num_stages: int, k_splits: int, final: bool):
+  plgpu = _mgpu()
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free = scoped
+  k_bar, v_bar, q_bar = bars
+  k_free, v_free = free
+  page_size = k_pool_ref.shape[1]
+  num_kv_heads = k_pool_ref.shape[2]
+  head_dim = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  f32, i32 = jnp.float32, jnp.int32
+
+  kv_head = lax.axis_index("heads")
+  b = lax.axis_index("seqs")
+  split = lax.axis_index("splits")
+  wg = lax.axis_index("wg")
+  kv_len = kv_lens_ref[b]
+  bkv = jnp.array(block_kv, i32)
+  lo = jnp.array(0, i32)
+  if window_left >= 0:
+    lo = jnp.maximum(kv_len - 1 - window_left, 0)
+  first_step = lax.div(lo, bkv)
+  end_step = lax.div(kv_len + bkv - 1, bkv)
+  steps = jnp.maximum(end_step - first_step, 0)
+  per_split = lax.div(steps + (k_splits - 1), jnp.array(k_splits, i32))
+  s0 = first_step + split * per_split
+  s1 = jnp.minimum(s0 + per_split, end_step)
+  n = jnp.maximum(s1 - s0, 0)
+
+  @pl.when(wg == 0)
+  def _consumer():
+    # Rows past the group compute on zeros (never stored).
+    q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
+                                    plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    # The group's rows of q [batch * num_qo_heads, head_dim] start at row0;
+    # TMA into 8-row swizzle tiles starts at a multiple of 8, so the CTA
+    # loads the 16 rows from row0 rounded down (the group sits at row r;
+    # the other rows are computed, never stored).
+    q_row = kv_head * group_size
+    row0 = b * (group_size * num_kv_heads) + q_row
+    first = pl.multiple_of(lax.div(row0, jnp.array(8, i32)) * 8, 8)
+    r = row0 - first
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)],
+                            q_smem.at[pl.ds(0, Q_ROWS)], q_bar)
+    plgpu.barrier_wait(q_bar)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, f32), row_layout)
+    l = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, f32), row_layout)
+    acc = plgpu.layout_cast(jnp.full((BLOCK_M, head_dim), 0.0, f32),
+                            plgpu.Layout.WGMMA)
+    if logits_soft_cap is not None:
+      scale = 1.0
+    else:
+      scale = sm_scale * _LOG2E
+
+    def step(i, carry, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(i - s0, jnp.array(num_stages, i32))
+      plgpu.barrier_wait(k_bar.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem,
+                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), f32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if logits_soft_cap is not None:
+        s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
+            logits_soft_cap * _LOG2E)
+      if masked:
+        shape = (BLOCK_M, block_kv)
+        key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
+        key = key + i * block_kv
+        s = jnp.where((key < kv_len) & (key >= lo), s, -jnp.inf)
+      # Every split's first step holds a visible key, so m is finite from
+      # then on and exp2(-inf - m) = 0 for the masked keys.
+      m_next = jnp.maximum(m, s.max(axis=1) * scale)
+      alpha = jnp.exp2(m - m_next)
+      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha + p.sum(axis=1)
+      p16 = p.astype(dtype)
+      plgpu.barrier_wait(v_bar.at[slot])
+      if masked:
+        # V rows of keys outside [lo, kv_len) meet p = 0 but may be NaN:
+        # stale rows past kv_len, and before the window the rows of the
+        # first visible page loaded in place of released ones (with its
+        # own stale tail). Zero them.
+        @pl.when(((i + 1) * block_kv > kv_len) | (i * block_kv < lo))
+        def _():
+          v_slot = v_smem.at[slot]
+          key = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
+                                       layout=plgpu.Layout.WGMMA)
+          key = key + i * block_kv
+          v_slot[...] = jnp.where((key < kv_len) & (key >= lo), v_slot[...],
+                                  jnp.zeros((block_kv, head_dim), dtype))
+          plgpu.commit_smem()
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_next, l
+
+    # Steps [s0, s1): the first may hold keys before the window, the last
+    # keys past kv_len; the ones between are fully visible.
+    full_lo = jnp.clip(lax.div(lo + bkv - 1, bkv), s0, jnp.maximum(s1, s0))
+    full_hi = jnp.clip(lax.div(kv_len, bkv), full_lo, jnp.maximum(s1, s0))
+    carry = (acc, m, l)
+    carry = lax.fori_loop(s0, full_lo, functools.partial(step, masked=True),
+                          carry)
+    carry = lax.fori_loop(full_lo, full_hi,
+                          functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(full_hi, s1, functools.partial(step, masked=True),
+                          carry)
+    acc, m, l = carry
+
+    ok = l > 0.0
+    inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2,
+                    -jnp.inf)
+    o_smem[...] = out.astype(o_smem.dtype)
+    lse_smem[...] = lse
+    plgpu.commit_smem()
+    # The group's rows only, as a ladder of power-of-two TMA boxes.
+    off = 0
+    size = GROUP_ROWS
+    while size >= 1:
+      if group_size & size:
+        src = o_smem.at[pl.ds(r + off, size)]
+        if final:
+          dst = out_ref.at[b, pl.ds(q_row + off, size)]
+        else:
+          dst = out_ref.at[b, kv_head, split, pl.ds(off, size)]
+        plgpu.copy_smem_to_gmem(src, dst)
+        off += size
+      size //= 2
+    if final:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head])
+    else:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    first_page = lax.div(lo, jnp.array(page_size, i32))
+    last_page = jnp.maximum(
+        lax.div(kv_len + page_size - 1, jnp.array(page_size, i32)) - 1, 0)
+    rows = min(page_size, block_kv)
+    copies = block_kv // rows
+
+    def issue(i, slot, pool_ref, table_ref, smem, bar):
+      for c in range(copies):
+        if page_size >= block_kv:
+          per_page = page_size // block_kv
+          page_idx = lax.div(i, jnp.array(per_page, i32))
+          r0 = pl.multiple_of(
+              lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
+        else:
+          page_idx = i * copies + c
+          r0 = 0
+        page = table_ref[b, jnp.clip(page_idx, first_page, last_page)]
+        plgpu.copy_gmem_to_smem(
+            pool_ref.at[page, pl.ds(r0, rows), kv_head],
+            smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
+
+    for j in range(num_stages):
+      @pl.when(j < n)
+      def _(j=j):
+        issue(s0 + j, j, k_pool_ref, k_table_ref, k_smem, k_bar)
+        issue(s0 + j, j, v_pool_ref, v_table_ref, v_smem, v_bar)
+
+    def refill(j, _):
+      slot = lax.rem(j, jnp.array(num_stages, i32))
+      plgpu.barrier_wait(k_free.at[slot])
+      issue(s0 + j, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
+      plgpu.barrier_wait(v_free.at[slot])
+      issue(s0 + j, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
+    lax.fori_loop(num_stages, n, refill, None)
+
+
+def group_lse(lse, *, num_qo_heads: int):
+  """The group rows of the kernel's lse rows.
+
+  Args:
+    lse: f32[batch_size, num_kv_heads, ..., 64] as `paged_decode_mgpu`
+      returns it.
+    num_qo_heads: static.
+
+  Returns:
+    f32[batch_size, num_kv_heads, ..., group_size]: head `h` of group `k`.
+  """
+  batch_size, num_kv_heads = lse.shape[:2]
+  group_size = num_qo_heads // num_kv_heads
+  # Group (b, k) starts at q row b * num_qo_heads + k * group_size, loaded
+  # into the CTA's rows from that row rounded down to 8.
+  row0 = (jnp.arange(batch_size)[:, None] * num_qo_heads
+          + jnp.arange(num_kv_heads)[None, :] * group_size)
+  idx = (row0 % 8)[..., None] + jnp.arange(group_size)
+  idx = idx.reshape(idx.shape[:2] + (1,) * (lse.ndim - 3) + (group_size,))
+  idx = jnp.broadcast_to(idx, lse.shape[:-1] + (group_size,))
+  return jnp.take_along_axis(lse, idx, axis=-1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "window_left", "logits_soft_cap", "block_kv",
+                     "num_stages", "k_splits", "final"))
+def paged_decode_mgpu(
+    q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
+    k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool: jax.Array,    # [num_pages', page_size, num_kv_heads, head_dim]
+    k_table: jax.Array,   # i32[batch_size, max_pages]
+    v_table: jax.Array,   # i32[batch_size, max_pages]
+    kv_lens: jax.Array,   # i32[batch_size]
+    *,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    block_kv: int = 128,
+    num_stages: int = 3,
+    k_splits: int = 1,
+    final: bool | None = None,
+):
+  """One Mosaic-GPU launch of split-K paged decode (see module docstring).
+
+  Semantics are `reference.paged_decode_reference` without sinks: query `b`
+  sits at position `kv_lens[b] - 1` and sees keys `j` with
+  `max(0, kv_lens[b] - 1 - window_left) <= j < kv_lens[b]`.
+
+  Args:
+    q: `[batch_size, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64/128,
+      `num_qo_heads = group_size * num_kv_heads` with group_size 1..8.
+    k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
+      of `q` (may be one array with split tables); page_size a power of two
+      in [8, 128].
+    k_table, v_table: `i32[batch_size, max_pages]`; only entries of visible
+      pages are read.
+    kv_lens: `i32[batch_size]`, tokens including the current one.
+    sm_scale, window_left, logits_soft_cap: static, as `paged_decode`.
+    block_kv: static, keys per step: 64 or 128, a multiple of page_size or
+      a divisor of it.
+    num_stages: static, shared-memory stages of the K/V ring (>= 2).
+    k_splits: static, splits of each sequence's visible steps.
+    final: static; store the output itself (needs `k_splits == 1`) or
+      per-split partials; None = `k_splits == 1` (False with one split: a
+      partial, for a combine that adds sinks).
+
+  Returns:
+    With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype,
+    lse f32[batch_size, num_kv_heads, 64])`, where the natural-log LSE of
+    head `h` of group `k` is at the row `group_lse` picks. Otherwise per-split
+    partials `(o f32[batch_size, num_kv_heads, k_splits, 8, head_dim],
+    lse f32[batch_size, num_kv_heads, k_splits, 64])`, normalised per split,
+    o rows `0..group_size-1` written, lse rows as above (empty splits:
+    `o = 0`, `lse = -inf`).
+
+  Raises:
+    ValueError: an unsupported dtype, head_dim, group size, page_size,
+      block_kv / num_stages, or more shared memory than a CTA has.
+  """
+  plgpu = _mgpu()
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  batch_size, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  dtype = q.dtype
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"Invalid q dtype: expected bf16 or f16, got {dtype}")
+  if k_pool.dtype != dtype or v_pool.dtype != dtype:
+    raise ValueError(f"Invalid k_pool/v_pool dtype: expected {dtype}, got "
+                     f"{k_pool.dtype}/{v_pool.dtype}")
+  if head_dim not in (64, 128):
+    raise ValueError(f"Invalid head_dim: expected 64 or 128, got {head_dim}")
+  group_size = num_qo_heads // num_kv_heads
+  if group_size * num_kv_heads != num_qo_heads or not (
+      1 <= group_size <= MAX_GROUP):
+    raise ValueError(f"Invalid num_qo_heads / num_kv_heads: expected a group "
+                     f"of 1..{MAX_GROUP}, got {num_qo_heads}/{num_kv_heads}")
+  if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
+    raise ValueError(f"Invalid page_size: expected a power of two in "
+                     f"[8, 128], got {page_size}")
+  if block_kv not in (64, 128) or num_stages < 2 or k_splits < 1:
+    raise ValueError(f"Invalid (block_kv, num_stages, k_splits): expected "
+                     f"64/128, >= 2, >= 1, got "
+                     f"{(block_kv, num_stages, k_splits)}")
+  if final is None:
+    final = k_splits == 1
+  if final and k_splits != 1:
+    raise ValueError(f"Invalid final=True: expected k_splits == 1, got "
+                     f"{k_splits}")
+  itemsize = jnp.dtype(dtype).itemsize
+  need = smem_bytes(head_dim=head_dim, block_kv=block_kv,
+                    num_stages=num_stages, itemsize=itemsize, final=final)
+  if need > _SMEM_BYTES:
+    raise ValueError(f"Invalid num_stages={num_stages}: expected at most "
+                     f"{_SMEM_BYTES} bytes of shared memory, got {need}")
+  copies = block_kv // min(page_size, block_kv)
+  kernel = functools.partial(
+      _kernel, sm_scale=sm_scale, window_left=window_left,
+      logits_soft_cap=logits_soft_cap, group_size=group_size,
+      block_kv=block_kv, num_stages=num_stages, k_splits=k_splits,
+      final=final)
+
+  def entry(*refs):
+    swizzle = 128 if head_dim * itemsize >= 128 else 64
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+    smem = [
+        plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+        plgpu.SMEM((BLOCK_M, head_dim), dtype if final else jnp.float32),
+        plgpu.SMEM((LSE_ROWS,), jnp.float32),
+    ]
+    pl.run_scoped(
+        lambda *scoped: kernel(*refs, scoped),
+        smem,
+        (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+         plgpu.Barrier()),
+        (plgpu.Barrier(num_barriers=num_stages),) * 2,
+        collective_axes="wg",
+    )
+
+  # q as rows [batch_size * num_qo_heads, head_dim] (a free reshape); a
+  # TMA into 8-row swizzle tiles needs a multiple of 8 rows. The last CTA's
+  # 16-row box may run past the end (TMA fills zeros).
+  rows = batch_size * num_qo_heads
+  q_in = q.reshape(rows, head_dim)
+  if rows % 8:
+    q_in = jnp.pad(q_in, ((0, -rows % 8), (0, 0)))
+  if final:
+    out_type = [
+        jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((batch_size, num_kv_heads, LSE_ROWS),
+                             jnp.float32)]
+  else:
+    out_type = [
+        jax.ShapeDtypeStruct(
+            (batch_size, num_kv_heads, k_splits, GROUP_ROWS, head_dim),
+            jnp.float32),
+        jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, LSE_ROWS),
+                             jnp.float32)]
+  return plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(num_kv_heads, batch_size, k_splits),
+      grid_names=("heads", "seqs", "splits"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(kv_lens.astype(jnp.int32), q_in, k_pool, v_pool,
+    k_table.astype(jnp.int32), v_table.astype(jnp.int32))
