@@ -63,7 +63,10 @@ def correctness():
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
   import attention_utils as au  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(int(time.time()))
-  cases = [  # (group, d, page_size, fmt, kw, k_splits)
+  cases = [  # (group, d, page_size, fmt, kw, k_splits[, num_warps])
+      (4, 128, 16, "pair", {}, 1, 8),   # two consumer warpgroups
+      (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 8),
+      (8, 64, 8, "flashinfer", dict(logits_soft_cap=30.0), None, 8),
       (1, 128, 16, "pair", {}, None),
       (2, 64, 8, "pool", {}, 2),
       (3, 64, 16, "flashinfer", {}, None),
@@ -77,7 +80,7 @@ def correctness():
   ]
   rows = []
   for dtype in (jnp.bfloat16, jnp.float16):
-    for g, d, ps, fmt, kw, splits in cases:
+    for g, d, ps, fmt, kw, splits, *warps in cases:
       if dtype == jnp.float16 and g not in (3, 8):
         continue
       hkv = 2
@@ -95,6 +98,8 @@ def correctness():
       cfg = _mosaic_config(len(kv_lens), hkv, ps, view.k_table.shape[1], d)
       if splits:
         cfg = dataclasses.replace(cfg, k_splits=splits)
+      if warps:
+        cfg = dataclasses.replace(cfg, num_warps=warps[0])
       name = f"g{g} d{d} p{ps} {fmt} {kw} sinks={sinks is not None} {cfg}"
       try:
         out, lse = kernel.paged_decode(
@@ -198,16 +203,14 @@ def speed(spec, configs):
 def _configs(d):
   """Mosaic variants timed besides its default."""
   out = [("mosaic default", {})]
-  # Fewer / smaller stages let two or more CTAs share an SM.
+  # Two consumer warpgroups (alternate steps), smaller steps.
+  out += [("mosaic 2wg", dict(num_warps=8)),
+          ("mosaic 2wg bkv64 s4", dict(pages_per_block=-64, num_stages=4,
+                                       num_warps=8)),
+          ("mosaic 2wg splits x2", dict(k_splits=2, num_warps=8)),
+          ("mosaic 2wg splits /2", dict(k_splits=0, num_warps=8))]
   if d == 128:
-    out += [("mosaic bkv64 s4", dict(pages_per_block=-64, num_stages=4)),
-            ("mosaic bkv64 s2", dict(pages_per_block=-64, num_stages=2))]
-  else:
-    out += [("mosaic s2", dict(num_stages=2)),
-            ("mosaic bkv64 s4", dict(pages_per_block=-64, num_stages=4)),
-            ("mosaic bkv64 s2", dict(pages_per_block=-64, num_stages=2))]
-  out += [("mosaic splits x2", dict(k_splits=2)),
-          ("mosaic splits /2", dict(k_splits=0))]
+    out += [("mosaic bkv64 s4", dict(pages_per_block=-64, num_stages=4))]
   return out
 
 

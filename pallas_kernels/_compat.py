@@ -40,7 +40,26 @@ def suppress_triton_deprecation():
     yield
 
 
-__all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation"]
+def mosaic_gpu():
+  """Imports Mosaic GPU Pallas lazily (only the Hopper kernels need it)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+  return plgpu
+
+
+def is_hopper() -> bool:
+  """Whether JAX's first device is a compute capability 9.0 GPU (wgmma and
+  TMA as the Mosaic-GPU kernels use them are sm_90a only)."""
+  import jax  # noqa: PLC0415
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover
+    return False
+  return (dev.platform == "gpu"
+          and str(getattr(dev, "compute_capability", "")) == "9.0")
+
+
+__all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
+           "mosaic_gpu", "is_hopper"]
 
 
 # The dtype FP8 KV tiles are converted to for the Triton kernels' dots; None

@@ -69,7 +69,8 @@ class Config:
     backend: "triton" (this module's kernel) or "mosaic" (the Mosaic-GPU
       kernel, `paged_decode_mgpu`: TMA per page, wgmma, Hopper only), whose
       steps are `pages_per_block * page_size` keys (64 or 128) through
-      `num_stages` shared-memory stages (num_warps, kv_eviction unused).
+      `num_stages` shared-memory stages, with `num_warps // 4` consumer
+      warpgroups (1, or 2 taking alternate steps; kv_eviction unused).
   """
   pages_per_block: int
   k_splits: int
@@ -137,12 +138,7 @@ class Config:
     elif head_dim <= 64:
       num_warps = 2
     pages_per_block = max(1, block_tokens // page_size)
-    want = _next_pow2(max(1, -(-2 * num_sms // programs)))
-    max_steps = max(1, -(-max_pages // pages_per_block))
-    cap = _next_pow2(max(1, max_steps // 2))
-    if cap > max_steps // 2 and cap > 1:
-      cap //= 2
-    k_splits = max(1, min(want, cap, 64))
+    k_splits = _default_splits(programs, max_pages, pages_per_block, num_sms)
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
                num_warps=num_warps, num_stages=num_stages)
 
@@ -169,15 +165,22 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
   block_kv = 128
   num_stages = 2 if head_dim > 64 else 4
   pages_per_block = max(1, block_kv // page_size)
-  programs = batch_size * num_kv_heads
+  k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
+                             pages_per_block, num_sms)
+  return Config(pages_per_block=pages_per_block, k_splits=k_splits,
+                num_stages=num_stages, backend="mosaic")
+
+
+def _default_splits(programs: int, max_pages: int, pages_per_block: int,
+                    num_sms: int) -> int:
+  """Splits for about two programs per SM, each keeping >= 2 steps of the
+  longest sequence (a power of two, at most 64)."""
   want = _next_pow2(max(1, -(-2 * num_sms // programs)))
   max_steps = max(1, -(-max_pages // pages_per_block))
   cap = _next_pow2(max(1, max_steps // 2))
   if cap > max_steps // 2 and cap > 1:
     cap //= 2
-  k_splits = max(1, min(want, cap, 64))
-  return Config(pages_per_block=pages_per_block, k_splits=k_splits,
-                num_stages=num_stages, backend="mosaic")
+  return max(1, min(want, cap, 64))
 
 
 def _paged_decode_kernel(
@@ -554,7 +557,8 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
       q, k_pool, v_pool, k_table, v_table, kv_lens, sm_scale=float(sm_scale),
       window_left=int(window_left), logits_soft_cap=logits_soft_cap,
       block_kv=block_kv, num_stages=config.num_stages,
-      k_splits=config.k_splits, final=final)
+      k_splits=config.k_splits, final=final,
+      consumers=max(1, config.num_warps // 4))
   lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
   if final:
     return o, lse.reshape(batch_size, num_qo_heads)

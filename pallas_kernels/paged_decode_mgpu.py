@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pkvattn.pallas_kernels import _compat
+
 BLOCK_M = 64      # wgmma rows
 GROUP_ROWS = 8    # query rows of a group (at most), partial rows per split
 Q_ROWS = 16       # query rows each CTA loads: two 8-row swizzle tiles
@@ -53,12 +55,14 @@ _SMEM_BYTES = 232448  # per CTA on sm_90 (227 KiB)
 
 
 def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
-               itemsize: int, final: bool) -> int:
-  """Shared memory one CTA needs (q, K/V stages, output tile, lse), bytes."""
+               itemsize: int, final: bool, consumers: int = 1) -> int:
+  """Shared memory one CTA needs (q, K/V stages, output tile, lse, the
+  second consumer's state), bytes."""
   out_item = itemsize if final else 4
+  merge = BLOCK_M * head_dim * 4 + 2 * BLOCK_M * 4 if consumers == 2 else 0
   return (BLOCK_M * head_dim * itemsize
           + 2 * num_stages * block_kv * head_dim * itemsize
-          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 4096)
+          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + merge + 4096)
 
 
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
@@ -78,28 +82,22 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
     return False
   if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
     return False
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:  # pragma: no cover
-    return False
-  return (dev.platform == "gpu"
-          and str(getattr(dev, "compute_capability", "")) == "9.0")
+  return _compat.is_hopper()
 
 
-def _mgpu():
-  """Imports Mosaic GPU Pallas lazily (only the GPU path needs it)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
-  return plgpu
+_mgpu = _compat.mosaic_gpu
 
 
 def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             v_table_ref, out_ref, lse_ref, scoped, *, sm_scale: float,
             window_left: int, logits_soft_cap: float | None, group_size: int,
-            block_kv: int, num_stages: int, k_splits: int, final: bool):
+            block_kv: int, num_stages: int, k_splits: int, final: bool,
+            consumers: int):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
-  (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free = scoped
-  k_bar, v_bar, q_bar = bars
+  (q_smem, k_smem, v_smem, o_smem, lse_smem, x_smem, ml_smem), bars, free = \
+      scoped
+  k_bar, v_bar, q_bar, merge_bar = bars
   k_free, v_free = free
   page_size = k_pool_ref.shape[1]
   num_kv_heads = k_pool_ref.shape[2]
@@ -124,12 +122,16 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   s1 = jnp.minimum(s0 + per_split, end_step)
   n = jnp.maximum(s1 - s0, 0)
 
-  @pl.when(wg == 0)
+  @pl.when(wg < consumers)
   def _consumer():
+    if consumers == 2:
+      plgpu.set_max_registers(232, action="increase")
     # Rows past the group compute on zeros (never stored).
-    q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
-                                    plgpu.Layout.WGMMA)
-    plgpu.commit_smem()
+    @pl.when(wg == 0)
+    def _():
+      q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
+                                      plgpu.Layout.WGMMA)
+      plgpu.commit_smem()
     # The group's rows of q [batch * num_qo_heads, head_dim] start at row0;
     # TMA into 8-row swizzle tiles starts at a multiple of 8, so the CTA
     # loads the 16 rows from row0 rounded down (the group sits at row r;
@@ -138,8 +140,11 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     row0 = b * (group_size * num_kv_heads) + q_row
     first = pl.multiple_of(lax.div(row0, jnp.array(8, i32)) * 8, 8)
     r = row0 - first
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)],
-                            q_smem.at[pl.ds(0, Q_ROWS)], q_bar)
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)],
+                              q_smem.at[pl.ds(0, Q_ROWS)], q_bar)
     plgpu.barrier_wait(q_bar)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, f32), row_layout)
@@ -201,46 +206,81 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       return acc, m_next, l
 
     # Steps [s0, s1): the first may hold keys before the window, the last
-    # keys past kv_len; the ones between are fully visible.
+    # keys past kv_len; the ones between are fully visible. Consumer w takes
+    # the steps s0 + w, s0 + w + consumers, ... (a stage slot, and so its
+    # barriers, always serves the same consumer: num_stages % consumers ==
+    # 0).
     full_lo = jnp.clip(lax.div(lo + bkv - 1, bkv), s0, jnp.maximum(s1, s0))
     full_hi = jnp.clip(lax.div(kv_len, bkv), full_lo, jnp.maximum(s1, s0))
+    mine = s0 + wg
+    nc = jnp.array(consumers, i32)
+
+    def run(lo_i, hi_i, carry, masked):
+      t0 = lax.div(jnp.maximum(lo_i - mine, 0) + nc - 1, nc)
+      t1 = lax.div(jnp.maximum(hi_i - mine, 0) + nc - 1, nc)
+      return lax.fori_loop(
+          t0, t1, lambda t, c: step(mine + t * consumers, c, masked), carry)
+
     carry = (acc, m, l)
-    carry = lax.fori_loop(s0, full_lo, functools.partial(step, masked=True),
-                          carry)
-    carry = lax.fori_loop(full_lo, full_hi,
-                          functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(full_hi, s1, functools.partial(step, masked=True),
-                          carry)
+    carry = run(s0, full_lo, carry, True)
+    carry = run(full_lo, full_hi, carry, False)
+    carry = run(full_hi, s1, carry, True)
     acc, m, l = carry
+    if consumers == 2:
+      # The second consumer hands its state to the first through shared
+      # memory; the first merges (both in log2 units of the same scale).
+      @pl.when(wg == 1)
+      def _():
+        x_smem[...] = acc
+        ml_smem.at[0][...] = m
+        ml_smem.at[1][...] = l
+        plgpu.barrier_arrive(merge_bar)
+
+      plgpu.barrier_wait(merge_bar)
+      acc1 = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA,
+                        optimized=False)
+      m1 = plgpu.load(ml_smem.at[0], (), layout=row_layout, optimized=False)
+      l1 = plgpu.load(ml_smem.at[1], (), layout=row_layout, optimized=False)
+      m_all = jnp.maximum(m, m1)
+      m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+      a0 = jnp.exp2(m - m_safe)
+      a1 = jnp.exp2(m1 - m_safe)
+      acc = (acc * lax.broadcast_in_dim(a0, acc.shape, [0])
+             + acc1 * lax.broadcast_in_dim(a1, acc.shape, [0]))
+      l = l * a0 + l1 * a1
+      m = m_all
 
     ok = l > 0.0
     inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
     lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2,
                     -jnp.inf)
-    o_smem[...] = out.astype(o_smem.dtype)
-    lse_smem[...] = lse
-    plgpu.commit_smem()
-    # The group's rows only, as a ladder of power-of-two TMA boxes.
-    off = 0
-    size = GROUP_ROWS
-    while size >= 1:
-      if group_size & size:
-        src = o_smem.at[pl.ds(r + off, size)]
-        if final:
-          dst = out_ref.at[b, pl.ds(q_row + off, size)]
-        else:
-          dst = out_ref.at[b, kv_head, split, pl.ds(off, size)]
-        plgpu.copy_smem_to_gmem(src, dst)
-        off += size
-      size //= 2
-    if final:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head])
-    else:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
-    plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 1)
+    @pl.when(wg == 0)
+    def _():
+      o_smem[...] = out.astype(o_smem.dtype)
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      # The group's rows only, as a ladder of power-of-two TMA boxes.
+      off = 0
+      size = GROUP_ROWS
+      while size >= 1:
+        if group_size & size:
+          src = o_smem.at[pl.ds(r + off, size)]
+          if final:
+            dst = out_ref.at[b, pl.ds(q_row + off, size)]
+          else:
+            dst = out_ref.at[b, kv_head, split, pl.ds(off, size)]
+          plgpu.copy_smem_to_gmem(src, dst)
+          off += size
+        size //= 2
+      if final:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head])
+      else:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
+      plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == consumers)
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
     first_page = lax.div(lo, jnp.array(page_size, i32))
@@ -305,7 +345,7 @@ def group_lse(lse, *, num_qo_heads: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "block_kv",
-                     "num_stages", "k_splits", "final"))
+                     "num_stages", "k_splits", "final", "consumers"))
 def paged_decode_mgpu(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -321,6 +361,7 @@ def paged_decode_mgpu(
     num_stages: int = 3,
     k_splits: int = 1,
     final: bool | None = None,
+    consumers: int = 1,
 ):
   """One Mosaic-GPU launch of split-K paged decode (see module docstring).
 
@@ -345,6 +386,8 @@ def paged_decode_mgpu(
     final: static; store the output itself (needs `k_splits == 1`) or
       per-split partials; None = `k_splits == 1` (False with one split: a
       partial, for a combine that adds sinks).
+    consumers: static, consumer warpgroups (1 or 2; 2 take alternate steps
+      and merge their states at the end; num_stages must be even).
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -383,6 +426,9 @@ def paged_decode_mgpu(
     raise ValueError(f"Invalid (block_kv, num_stages, k_splits): expected "
                      f"64/128, >= 2, >= 1, got "
                      f"{(block_kv, num_stages, k_splits)}")
+  if consumers not in (1, 2) or num_stages % consumers:
+    raise ValueError(f"Invalid consumers={consumers}: expected 1, or 2 with "
+                     f"an even num_stages, got num_stages={num_stages}")
   if final is None:
     final = k_splits == 1
   if final and k_splits != 1:
@@ -390,7 +436,8 @@ def paged_decode_mgpu(
                      f"{k_splits}")
   itemsize = jnp.dtype(dtype).itemsize
   need = smem_bytes(head_dim=head_dim, block_kv=block_kv,
-                    num_stages=num_stages, itemsize=itemsize, final=final)
+                    num_stages=num_stages, itemsize=itemsize, final=final,
+                    consumers=consumers)
   if need > _SMEM_BYTES:
     raise ValueError(f"Invalid num_stages={num_stages}: expected at most "
                      f"{_SMEM_BYTES} bytes of shared memory, got {need}")
@@ -399,7 +446,7 @@ def paged_decode_mgpu(
       _kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, group_size=group_size,
       block_kv=block_kv, num_stages=num_stages, k_splits=k_splits,
-      final=final)
+      final=final, consumers=consumers)
 
   def entry(*refs):
     swizzle = 128 if head_dim * itemsize >= 128 else 64
@@ -413,13 +460,16 @@ def paged_decode_mgpu(
                    transforms=transforms),
         plgpu.SMEM((BLOCK_M, head_dim), dtype if final else jnp.float32),
         plgpu.SMEM((LSE_ROWS,), jnp.float32),
+        plgpu.SMEM((BLOCK_M, head_dim) if consumers == 2 else (8, 8),
+                   jnp.float32),
+        plgpu.SMEM((2, BLOCK_M), jnp.float32),
     ]
     pl.run_scoped(
         lambda *scoped: kernel(*refs, scoped),
         smem,
         (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-         plgpu.Barrier()),
+         plgpu.Barrier(), plgpu.Barrier()),
         (plgpu.Barrier(num_barriers=num_stages),) * 2,
         collective_axes="wg",
     )
@@ -448,7 +498,7 @@ def paged_decode_mgpu(
       out_type=out_type,
       grid=(num_kv_heads, batch_size, k_splits),
       grid_names=("heads", "seqs", "splits"),
-      num_threads=2,
+      num_threads=consumers + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(kv_lens.astype(jnp.int32), q_in, k_pool, v_pool,

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import plan as plan_lib
 
 BLOCK_Q = 64          # tokens per consumer warpgroup
@@ -72,18 +73,10 @@ def supports(*, dtype, head_dim: int, page_size: int, window_left: int,
     return False
   if page_size < block_kv and block_kv % page_size:
     return False
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:  # pragma: no cover
-    return False
-  return (dev.platform == "gpu"
-          and str(getattr(dev, "compute_capability", "")) == "9.0")
+  return _compat.is_hopper()
 
 
-def _mgpu():
-  """Imports Mosaic GPU Pallas lazily (only the GPU path needs it)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
-  return plgpu
+_mgpu = _compat.mosaic_gpu
 
 
 def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,

@@ -408,7 +408,7 @@ class _Run:
 @given(data=st.data())
 def test_random_ops_match_reference(name, data):
   run = _Run(name)
-  for _ in range(data.draw(st.integers(6, 16), label="num_ops")):
+  for _ in range(data.draw(st.integers(5, 10), label="num_ops")):
     kind = data.draw(st.sampled_from(_KINDS))
     run.apply(kind, data.draw(st.integers(0, 2**16)))
     assert_same(run.state, run.ref)

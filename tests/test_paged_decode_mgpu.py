@@ -71,6 +71,8 @@ def test_backend_choice_and_errors():
                     (dict(block_kv=32), "block_kv"),
                     (dict(hq=18), "group"),
                     (dict(num_stages=3), "shared memory"),
+                    (dict(num_stages=3, block_kv=64, consumers=2),
+                     "consumers"),
                     (dict(final=True, k_splits=2), "final")):
     kw = dict(kw)
     d, hq = kw.pop("head_dim", 128), kw.pop("hq", 8)
@@ -83,21 +85,23 @@ def test_backend_choice_and_errors():
 
 
 @pytest.mark.parametrize(
-    "hq,hkv,d,page_size,k_splits,window_left,soft_cap,sinks", [
-        (32, 8, 128, 16, 1, -1, None, False),    # Llama-3-8B heads
-        (9, 3, 64, 16, 2, -1, None, False),      # SmolLM2: group 3, 27 rows
-        (14, 2, 128, 128, 4, 100, 30.0, False),  # group 7, pages > a step
-        (4, 4, 64, 8, 1, 7, None, True),         # group 1, sinks: partials
-        (5, 1, 128, 32, 4, -1, None, False),     # group 5, fewer than 8 heads
+    "hq,hkv,d,page_size,k_splits,window_left,soft_cap,sinks,warps", [
+        (32, 8, 128, 16, 1, -1, None, False, 4),    # Llama-3-8B heads
+        (32, 8, 128, 16, 1, -1, None, False, 8),    # two consumers
+        (9, 3, 64, 16, 2, 100, 30.0, True, 8),      # two consumers, split
+        (9, 3, 64, 16, 2, -1, None, False, 4),      # SmolLM2: group 3
+        (14, 2, 128, 128, 4, 100, 30.0, False, 4),  # group 7, big pages
+        (4, 4, 64, 8, 1, 7, None, True, 4),         # group 1, sinks
+        (5, 1, 128, 32, 4, -1, None, False, 4),     # group 5, 5 heads
     ])
 def test_kernel_lowers_to_mosaic_gpu(hq, hkv, d, page_size, k_splits,
-                                     window_left, soft_cap, sinks):
+                                     window_left, soft_cap, sinks, warps):
   """Cross-lowers `paged_decode` with the mosaic backend for CUDA on the CPU:
   every TMA slice, layout and barrier of the lowering must be accepted."""
   b, pages = 3, 40
   sds = jax.ShapeDtypeStruct
   cfg = _mosaic(b=b, hkv=hkv, ps=page_size, max_pages=12, d=d,
-                k_splits=k_splits)
+                k_splits=k_splits, num_warps=warps)
   args = [sds((b, hq, d), jnp.bfloat16),
           sds((pages, page_size, hkv, d), jnp.bfloat16),
           sds((pages, page_size, hkv, d), jnp.bfloat16),
@@ -117,15 +121,17 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits", [
-    (1, 128, 16, "pair", {}, 1),
-    (3, 64, 16, "flashinfer", dict(window_left=100), 4),
-    (5, 128, 32, "pool", dict(sinks=True), 1),
-    (6, 128, 8, "pair", dict(logits_soft_cap=30.0), 2),
-    (7, 64, 128, "pool", {}, 2),
-    (8, 128, 64, "flashinfer", dict(window_left=37, sinks=True), 2),
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,warps", [
+    (1, 128, 16, "pair", {}, 1, 4),
+    (3, 64, 16, "flashinfer", dict(window_left=100), 4, 4),
+    (5, 128, 32, "pool", dict(sinks=True), 1, 4),
+    (6, 128, 8, "pair", dict(logits_soft_cap=30.0), 2, 4),
+    (7, 64, 128, "pool", {}, 2, 4),
+    (8, 128, 64, "flashinfer", dict(window_left=37, sinks=True), 2, 4),
+    (4, 128, 16, "pair", {}, 1, 8),            # two consumers
+    (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 8),
 ])
-def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits):
+def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, warps):
   """NaN in every page a sequence does not own and past kv_len; odd
   lengths; the group's rows only are written."""
   rng = np.random.default_rng(group * 100 + page_size)
@@ -139,7 +145,8 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits):
            if kw.pop("sinks", False) else None)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _mosaic(b=len(kv_lens), hkv=hkv, ps=page_size,
-                max_pages=view.k_table.shape[1], d=d, k_splits=k_splits)
+                max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
+                num_warps=warps)
   out, lse = kernel.paged_decode(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
