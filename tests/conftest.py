@@ -10,23 +10,34 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+# XLA:CPU flags of the test run: most of the suite's time is compiling.
+# LLVM -O0 without the expensive passes compiles small programs much faster
+# (the suite took about 20% less CPU time); it runs large ones slower, so
+# the real-model engine test sets `OPTIMIZED_CPU_OPTIONS` on its programs.
+FAST_CPU_FLAGS = ("--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true")
+OPTIMIZED_CPU_OPTIONS = {"xla_backend_optimization_level": 2,
+                         "xla_llvm_disable_expensive_passes": False}
+
+
 def _fast_cpu_compile_flags():
-  """On jaxlib 0.10, XLA:CPU's older runtime, which compiled and ran these
-  programs faster than the thunk runtime (about 1.15x compile, 1.25x run on
-  a 262k-vocab LM head, 2-core CI machine). Appended to the user's
-  XLA_FLAGS; left out on a GPU machine. (LLVM -O0 compiled small programs
-  faster but ran the real-model tests 1.4x slower: not used.)"""
+  """`FAST_CPU_FLAGS`, and on jaxlib 0.10 XLA:CPU's older runtime, which
+  compiled and ran these programs faster than the thunk runtime (about
+  1.15x compile, 1.25x run on a 262k-vocab LM head, 2-core CI machine).
+  Appended to the user's XLA_FLAGS; left out on a GPU machine, where the
+  optimization level would reach the GPU backend too."""
   from importlib import metadata
   have = os.environ.get("XLA_FLAGS", "")
-  if shutil.which("nvidia-smi") or "xla_cpu_use_thunk_runtime" in have:
+  if shutil.which("nvidia-smi"):
     return have
+  flags = [f for f in FAST_CPU_FLAGS if f.split("=")[0] not in have]
   try:
     major, minor = (int(x) for x in metadata.version("jaxlib").split(".")[:2])
   except (metadata.PackageNotFoundError, ValueError):
-    return have
-  if (major, minor) != (0, 10):  # a flag this XLA is known to take
-    return have
-  return f"{have} --xla_cpu_use_thunk_runtime=false"
+    major, minor = 0, 0
+  if (major, minor) == (0, 10) and "xla_cpu_use_thunk_runtime" not in have:
+    flags.append("--xla_cpu_use_thunk_runtime=false")  # known to this XLA
+  return " ".join([have] + flags)
 
 
 os.environ["XLA_FLAGS"] = _fast_cpu_compile_flags().strip()

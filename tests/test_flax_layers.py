@@ -161,10 +161,12 @@ def test_attention_block_fused_qkv_matches_split(impl):
     out_split, pool_split = step(params, jnp.asarray(x), pool, plan)
     if n:
       out_fused, pool_fused = step(fused, jnp.asarray(x), pool, plan)
+      # f32: one fused projection and three split ones sum in different
+      # orders (about 1e-5 apart once XLA:CPU's optimizations are off).
       np.testing.assert_allclose(np.asarray(out_fused), np.asarray(out_split),
-                                 atol=1e-5, rtol=1e-5)
+                                 atol=5e-5, rtol=5e-5)
       np.testing.assert_allclose(np.asarray(pool_fused), np.asarray(pool_split),
-                                 atol=1e-5, rtol=1e-5)  # NaN where none wrote
+                                 atol=5e-5, rtol=5e-5)  # NaN where none wrote
       np.testing.assert_allclose(np.asarray(out_fused[:q0]),
                                  expected[0][s0[0]:s0[1]], atol=2e-4, rtol=2e-4)
       np.testing.assert_allclose(np.asarray(out_fused[q0:q0 + q1]),

@@ -25,6 +25,7 @@ the missing package is a failure. Gemma terms of use apply to the weights.
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax.numpy as jnp
 import pytest
@@ -64,6 +65,22 @@ TEXTS = [
     "  two  spaces\n\n\nnewlines   and trailing   ",
     "<start_of_turn>user\nspecial tokens in text<end_of_turn>",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _optimized_engine_programs():
+  """The engine's programs here run a 270M model: compile them with LLVM's
+  optimizations, which the test run turns off (conftest.FAST_CPU_FLAGS)."""
+  import conftest  # noqa: PLC0415
+  from pkvattn.serving import programs  # noqa: PLC0415
+  if shutil.which("nvidia-smi"):
+    yield
+    return
+  before = programs.compiler_options
+  programs.compiler_options = lambda: {**before(),
+                                       **conftest.OPTIMIZED_CPU_OPTIONS}
+  yield
+  programs.compiler_options = before
 
 
 @pytest.fixture(scope="module")
