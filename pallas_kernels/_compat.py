@@ -61,9 +61,3 @@ def is_hopper() -> bool:
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
            "mosaic_gpu", "is_hopper"]
 
-
-# The dtype FP8 KV tiles are converted to for the Triton kernels' dots; None
-# = q's dtype. f16 (one `cvt` per pair of e4m3 values on sm_89+) was not
-# faster than bf16 on an H200 (3 of the 4 Llama-3-8B decode specs slower,
-# bench/results/fp8_decode_ab.json, 2026-11-24). Read at trace time.
-FP8_DOT_DTYPE = None

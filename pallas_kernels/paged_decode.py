@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import paged_decode_mgpu
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._compat import pltriton
@@ -71,6 +72,8 @@ class Config:
       steps are `pages_per_block * page_size` keys (64 or 128) through
       `num_stages` shared-memory stages, with `num_warps // 4` consumer
       warpgroups (1, or 2 taking alternate steps; kv_eviction unused).
+    fp8_convert: Triton kernel, FP8 pages: where V tiles convert to the dot
+      dtype, "loaded" or "operand" (`pallas_kernels/_fp8.py`).
   """
   pages_per_block: int
   k_splits: int
@@ -78,12 +81,16 @@ class Config:
   num_stages: int = 3
   kv_eviction: str | None = None
   backend: str = "triton"
+  fp8_convert: str = "loaded"
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits"):
       v = getattr(self, name)
       if v < 1 or v & (v - 1):
         raise ValueError(f"Invalid {name}: expected a power of two >= 1, got {v}")
+    if self.fp8_convert not in _fp8.CONVERT_MODES:
+      raise ValueError(f"Invalid fp8_convert: expected one of "
+                       f"{_fp8.CONVERT_MODES}, got {self.fp8_convert!r}")
     if self.backend not in ("triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
                        f"{self.backend!r}")
@@ -204,6 +211,7 @@ def _paged_decode_kernel(
     group_size: int,
     group_padded: int,
     kv_eviction: str | None,
+    fp8_convert: str = "loaded",
 ):
   b = pl.program_id(0)
   kv_head = pl.program_id(1)
@@ -247,19 +255,17 @@ def _paged_decode_kernel(
   v_scale = None
   if scales_ref is not None:
     # FP8 pages: K's scale folds into the logits scale and V's into the
-    # output, both exact (per-tensor scales); the tiles are converted to q's
-    # dtype for the dots.
+    # output, both exact (per-tensor scales); the tiles and q convert to f16
+    # for the dots (f32 for an f32 q): `_fp8`'s notes.
     qk_scale = qk_scale * scales_ref[0]
     v_scale = scales_ref[1]
-    # The tiles convert to q's dtype (or `_compat.FP8_DOT_DTYPE`).
-    dot_dtype = (_compat.FP8_DOT_DTYPE or q.dtype) if q.dtype != jnp.float32 \
-        else jnp.float32
-    q = q.astype(dot_dtype)
+    dot_dtype = _fp8.dot_dtype(q.dtype)
+    q = _fp8.query_for_dots(q)
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
   row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
 
-  def body(step, carry):
-    acc, m_prev, l_prev = carry
+  def load_step(step):
+    """The step's token mask and its K / V tiles ([block_k, head_dim])."""
     page0 = split_start + step * pages_per_block
     page_idx = page0 + lax.iota(jnp.int32, pages_per_block)
     page_ok = page_idx < split_end
@@ -282,10 +288,16 @@ def _paged_decode_kernel(
       return pltriton.load(pool_ref.at[ids, rows, cols], mask=load_mask,
                            other=0.0, eviction_policy=kv_eviction)
 
-    k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
-    v = gather(v_pool_ref, v_ids)
+    return tok_ok, gather(k_pool_ref, k_ids), gather(v_pool_ref, v_ids)
+
+  def body(step, carry):
+    acc, m_prev, l_prev = carry
+    tok_ok, k, v = load_step(step)
     if scales_ref is not None:
-      k, v = k.astype(dot_dtype), v.astype(dot_dtype)
+      # K is contracted over head_dim, its contiguous dimension: Triton's
+      # placement reads it in wide words. V is contracted over tokens.
+      k = k.astype(dot_dtype)
+      v = _fp8.convert(v, dot_dtype, tok_ok.reshape(block_k), fp8_convert)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)  # [G, block_k]
     s = s * qk_scale
@@ -373,7 +385,7 @@ def _paged_decode_call(
       _paged_decode_kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
       k_splits=ks, group_size=group_size, group_padded=group_padded,
-      kv_eviction=config.kv_eviction)
+      kv_eviction=config.kv_eviction, fp8_convert=config.fp8_convert)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, head_dim), lambda b, k, s: (0, 0, k, 0))
   if final:
@@ -402,6 +414,7 @@ def _paged_decode_call(
   name = (f"paged_decode_g{group_size}_d{head_dim}_ps{page_size}"
           f"_ppb{config.pages_per_block}_ks{ks}_w{config.num_warps}"
           f"_s{config.num_stages}"
+          f"{'' if config.fp8_convert == 'loaded' else '_fp8op'}"
           f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
   return pl.pallas_call(
       kernel,

@@ -54,6 +54,7 @@ import numpy as np
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import paged_prefill_mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
 from pkvattn.pallas_kernels._compat import pl
@@ -270,8 +271,9 @@ def _paged_prefill_kernel(
 ):
   rest = list(rest)
   sinks_ref = rest.pop(0) if has_sinks else None
-  # FP8 pages: (k_scale, v_scale); tiles are converted to q's dtype, K's
-  # scale multiplies the raw logits and V's the output (exact).
+  # FP8 pages: (k_scale, v_scale); tiles and q are converted to f16 (f32 for
+  # an f32 q; `_fp8`), K's scale multiplies the raw logits and V's the
+  # output (exact).
   scales_ref = rest.pop(0) if has_scales else None
   o_ref, lse_ref = rest
   page_size = k_pool_ref.shape[1]
@@ -305,8 +307,8 @@ def _paged_prefill_kernel(
   q = plgpu.load(q_ref.at[token[:, None], head[:, None], d],
                  mask=row_ok[:, None], other=0.0)
   q_pos = token + pos_offset  # [rows]; rows past q_end are never stored
-  if has_scales and q.dtype != jnp.float32 and _compat.FP8_DOT_DTYPE:
-    q = q.astype(_compat.FP8_DOT_DTYPE)  # FP8 tiles convert to q's dtype
+  if has_scales:
+    q = _fp8.query_for_dots(q)
 
   # Key ranges in tokens: [kv_lo, kv_hi) is what any row of the tile can see;
   # [full_lo, full_hi) is what every row sees (tiles inside need no mask).
@@ -371,6 +373,9 @@ def _paged_prefill_kernel(
       slot = (j % page_size)[:, None]
       k_at = k_pool_ref.at[pages(k_table_ref)[:, None], slot, kv_head, d]
       v_at = v_pool_ref.at[pages(v_table_ref)[:, None], slot, kv_head, d]
+    # FP8 tiles convert to q's (dot) dtype where Triton places it: unlike
+    # decode's, converting V in its loaded layout was slower here (271 vs
+    # 306 TFLOP/s, H100, bench/fp8_decode_diag.py, 2026-11-25).
     cast = (lambda x: x.astype(q.dtype)) if has_scales else (lambda x: x)
     if masked:
       return (cast(plgpu.load(k_at, mask=ld, other=0.0)),

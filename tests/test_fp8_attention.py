@@ -246,3 +246,36 @@ def test_fp8_bad_inputs():
     pkvattn.paged_decode(jnp.zeros((2, 4, 128), jnp.bfloat16),
                          (pages, pages), table, lens, impl="xla",
                          k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.parametrize("mode", ["loaded", "operand"])
+def test_decode_kernel_fp8_convert_modes(mode):
+  """Both placements of the V conversion (`Config.fp8_convert`) compute the
+  oracle's attention; a bf16 query beyond f16's range (the FP8 dots run in
+  f16) is clamped to +-65504, never inf (the oracle clamps it too)."""
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  rng = np.random.default_rng()
+  hkv, g, d, ps = 2, 4, 64, 8
+  lens = [1, 15, 40, 0, 23]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                        num_kv_heads=hkv, head_dim=d,
+                                        fmt="pair")
+  q = rng.standard_normal((len(lens), g * hkv, d)).astype(np.float32)
+  q[2, 1, :4] = [1e5, -3e5, 7e4, 2.0]  # past f16's largest finite value
+  q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+  table = jnp.asarray(p.page_table)
+  cfg = kernel.Config(pages_per_block=2, k_splits=2, fp8_convert=mode)
+  out, lse = kernel.paged_decode(
+      jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
+      jnp.asarray(lens), sm_scale=d**-0.5, interpret=True, config=cfg,
+      k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  q_f16 = np.clip(q, -65504, 65504)
+  for b, n in enumerate(lens):
+    want, want_lse = au.dense_attention(q_f16[b:b + 1], tk[b], tv[b],
+                                        [n - 1], n, sm_scale=d**-0.5)
+    au.assert_close(out[b:b + 1], want, jnp.bfloat16, f"b={b}")
+    if b != 2:  # lse of logits ~1e4: bf16 tolerance is relative
+      au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
+  with pytest.raises(ValueError, match="fp8_convert"):
+    kernel.Config(pages_per_block=2, k_splits=1, fp8_convert="smem")

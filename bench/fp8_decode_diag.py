@@ -1,0 +1,264 @@
+"""FP8 pages in the Triton kernels: configs side by side, Nsight-ready children.
+
+Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep tiles]`
+
+Decode: for Llama-3-8B shapes (32 / 8 / 128 heads), the Llama-3.2-1B shape
+(32 / 8 / 64) and SmolLM2's (9 / 3 / 64), times `paged_decode`'s Triton
+kernel on bf16 pages (default config) and on FP8 pages with V converted in
+its loaded layout (`fp8_convert="loaded"`, the default) and where Triton puts
+it (`"operand"`), after checking every FP8 variant against the f32 reference
+on the same pages (`--sweep tiles` adds tiling variants around the default).
+Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
+trace (`_timing.device_kernel_ms`); `tbps` counts the K/V bytes read.
+
+Prefill (B=4 S=4096 page 16, causal, Llama-3-8B heads): the default path on
+bf16 pages (Mosaic GPU on Hopper), the Triton kernel on bf16 and on FP8
+pages; TFLOP/s by kernel time. (The H100 file of 2026-11-25 also has the
+prefill kernel with V converted in its loaded layout, `fp8_loaded`: slower
+there, so prefill keeps Triton's placement.)
+
+RoPE + append (65,536 tokens, default config) into bf16 and FP8 pools by
+kernel time, against the copy roofs, with the bytes each moves (q, k, v read
+in bf16; q written in bf16, K/V in the pool's dtype).
+
+`--child fp8|bf16|fp8op` runs one decode call (the spec from $DIAG_SPEC),
+for `ncu -k regex:paged_decode`. (Its first version, with module-level
+switches instead of `fp8_convert`, measured the f16 / bf16 dot choice too:
+`results/fp8_decode_diag_*.json`; `results/fp8_decode_ab.json` is an older
+A/B whose switch was read from a jit cache and may not have taken effect.)
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from bench import _timing
+from bench import bench_fp8
+import pkvattn
+from pkvattn import _kv
+from pkvattn.pallas_kernels import paged_decode as kernel
+from pkvattn.pallas_kernels import paged_prefill as prefill_kernel
+from pkvattn.pallas_kernels import reference
+
+SPECS = {
+    # name: (num_qo_heads, num_kv_heads, head_dim, batch, seq_len, page_size)
+    "llama3_8b_b64_s4096_p16": (32, 8, 128, 64, 4096, 16),
+    "llama3_8b_b64_s4096_p64": (32, 8, 128, 64, 4096, 64),
+    "llama3_8b_b8_s16384_p16": (32, 8, 128, 8, 16384, 16),
+    "llama3_8b_b256_s1024_p16": (32, 8, 128, 256, 1024, 16),
+    "llama1b_b256_s1024_p16": (32, 8, 64, 256, 1024, 16),
+    "smollm2_b256_s1024_p16": (9, 3, 64, 256, 1024, 16),
+}
+K_SCALE, V_SCALE = 4 / 448, 3 / 448
+
+
+def _inputs(spec, seed=0):
+  hq, hkv, d, b, s, ps = spec
+  pages = b * s // ps
+  keys = jax.random.split(jax.random.key(seed), 4)
+  k = jax.random.normal(keys[0], (pages, ps, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(keys[1], (pages, ps, hkv, d), jnp.bfloat16)
+  table = jax.random.permutation(keys[2], pages).astype(jnp.int32).reshape(
+      b, s // ps)
+  q = jax.random.normal(keys[3], (b, hq, d), jnp.bfloat16)
+  lens = jnp.full((b,), s, jnp.int32)
+  return q, k, v, table, lens
+
+
+def variants(base: kernel.Config, page_size: int, sweep: str):
+  """name -> Config of the FP8 variants tried on one spec."""
+  out = {"loaded": base,
+         "operand": dataclasses.replace(base, fp8_convert="operand")}
+  if sweep == "tiles":
+    out["s2"] = dataclasses.replace(base, num_stages=2)
+    out["s4"] = dataclasses.replace(base, num_stages=4)
+    out["w2"] = dataclasses.replace(base, num_warps=2)
+    out["w8"] = dataclasses.replace(base, num_warps=8)
+    out["ks_x2"] = dataclasses.replace(base, k_splits=2 * base.k_splits)
+    if base.pages_per_block * page_size * 2 <= 256:
+      out["ppb_x2"] = dataclasses.replace(
+          base, pages_per_block=2 * base.pages_per_block,
+          k_splits=max(1, base.k_splits // 2))
+    if base.pages_per_block > 1:
+      out["ppb_half"] = dataclasses.replace(
+          base, pages_per_block=base.pages_per_block // 2,
+          k_splits=2 * base.k_splits)
+  return out
+
+
+def decode_rows(names=None, sweep=""):
+  rows = []
+  for name, spec in SPECS.items():
+    if names and name not in names:
+      continue
+    hq, hkv, d, b, s, ps = spec
+    q, k, v, table, lens = _inputs(spec)
+    k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
+    sm_scale = d ** -0.5
+    base = kernel.Config.default_for(
+        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+        head_dim=d, group_size=hq // hkv, dtype=q.dtype)
+    # Reference on a slice of the batch (the whole one is GBs in f32).
+    nb = min(b, 8)
+    expected, _ = reference.paged_decode_reference(
+        q[:nb].astype(jnp.float32), k8, v8, table[:nb], table[:nb],
+        lens[:nb], None, jnp.float32(K_SCALE), jnp.float32(V_SCALE),
+        sm_scale=sm_scale)
+    kv_bytes = lambda itemsize: 2 * b * s * hkv * d * itemsize  # noqa: E731
+
+    def timed(pk, pv, cfg, scaled):
+      kw = dict(k_scale=jnp.float32(K_SCALE),
+                v_scale=jnp.float32(V_SCALE)) if scaled else {}
+      f = jax.jit(lambda q, a, c: kernel.paged_decode(
+          q, a, c, table, table, lens, sm_scale=sm_scale, config=cfg, **kw))
+      out, _ = f(q, pk, pv)
+      err = _timing.rel_err(out[:nb], expected) if scaled else None
+      t = _timing.time_fn(f, q, pk, pv)["median_ms"]
+      kt = _timing.device_kernel_ms(f, lambda: (q, pk, pv))
+      return dict(ms=t, kernel_ms=kt, rel_err=err)
+
+    row = dict(spec=name, base=dataclasses.asdict(base))
+    r = timed(k, v, base, False)
+    row["bf16_default"] = dict(r, tbps=kv_bytes(2) / r["kernel_ms"] / 1e9)
+    for vname, cfg in variants(base, ps, sweep).items():
+      try:
+        r = timed(k8, v8, cfg, True)
+      except Exception as e:  # noqa: BLE001  (a config that does not lower)
+        row[f"fp8_{vname}"] = dict(error=f"{type(e).__name__}: {e}"[:300])
+        continue
+      row[f"fp8_{vname}"] = dict(
+          r, tbps=kv_bytes(1) / r["kernel_ms"] / 1e9,
+          over_bf16=r["kernel_ms"] / row["bf16_default"]["kernel_ms"])
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    del k, v, k8, v8
+  return rows
+
+
+def prefill_rows():
+  hq, hkv, d, b, s, ps = 32, 8, 128, 4, 4096, 16
+  pages = b * s // ps
+  keys = jax.random.split(jax.random.key(7), 4)
+  k = jax.random.normal(keys[0], (pages, ps, hkv, d), jnp.bfloat16)
+  v = jax.random.normal(keys[1], (pages, ps, hkv, d), jnp.bfloat16)
+  k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
+  table = jax.random.permutation(keys[2], pages).astype(jnp.int32).reshape(
+      b, s // ps)
+  q = jax.random.normal(keys[3], (b * s, hq, d), jnp.bfloat16)
+  indptr = jnp.arange(0, b * s + 1, s, dtype=jnp.int32)
+  lens = jnp.full((b,), s, jnp.int32)
+  flops = 4 * b * hq * d * (s * (s + 1) / 2)
+  triton = prefill_kernel.Config.default_for(
+      group_size=hq // hkv, head_dim=d, page_size=ps, dtype=q.dtype,
+      backend="triton")
+  scales = dict(k_scale=jnp.float32(K_SCALE), v_scale=jnp.float32(V_SCALE))
+  cases = {
+      # name: (k pages, v pages, config (None = the public op's default), kw)
+      "bf16_default": (k, v, None, {}),
+      "bf16_triton": (k, v, triton, {}),
+      "fp8_triton": (k8, v8, triton, scales),
+  }
+  row = dict(spec="prefill_b4_s4096_p16_causal",
+             triton=dataclasses.asdict(triton))
+  outs = {}
+  for name, (kp, vp, cfg, kw) in cases.items():
+    if cfg is None:
+      f = jax.jit(lambda q, kp, vp: pkvattn.paged_prefill(
+          q, (kp, vp), table, indptr, lens, impl="pallas"))
+    else:
+      f = jax.jit(lambda q, kp, vp, cfg=cfg, kw=kw: prefill_kernel.paged_prefill(
+          q, kp, vp, table, table, indptr, lens, sm_scale=d ** -0.5,
+          config=cfg, **kw)[0])
+    outs[name] = f(q, kp, vp)
+    kt = _timing.device_kernel_ms(f, lambda kp=kp, vp=vp: (q, kp, vp))
+    row[name] = dict(kernel_ms=kt, tflops=flops / kt / 1e9)
+  # Sequence 0's first 256 tokens see keys 0..255 only: the f32 reference
+  # over those (the whole batch is GBs in f32).
+  expected, _ = reference.paged_prefill_reference(
+      q[:256].astype(jnp.float32), k8, v8, table[:1], table[:1],
+      jnp.array([0, 256], jnp.int32), jnp.array([256], jnp.int32), None,
+      jnp.float32(K_SCALE), jnp.float32(V_SCALE), sm_scale=d ** -0.5)
+  row["fp8_triton"]["rel_err"] = _timing.rel_err(outs["fp8_triton"][:256],
+                                                 expected)
+  row["fp8_over_bf16_default_tflops"] = (
+      row["fp8_triton"]["tflops"] / row["bf16_default"]["tflops"])
+  print(json.dumps(row), flush=True)
+  return [row]
+
+
+def _child(tag: str):
+  """One decode call for Nsight Compute (`ncu -k regex:paged_decode`)."""
+  spec = SPECS[os.environ.get("DIAG_SPEC", "llama3_8b_b64_s4096_p16")]
+  hq, hkv, d, b, s, ps = spec
+  q, k, v, table, lens = _inputs(spec)
+  kw, cfg = {}, None
+  if tag.startswith("fp8"):
+    k, v = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
+    kw = dict(k_scale=jnp.float32(K_SCALE), v_scale=jnp.float32(V_SCALE))
+    cfg = kernel.Config.default_for(
+        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+        head_dim=d)
+    if tag == "fp8op":
+      cfg = dataclasses.replace(cfg, fp8_convert="operand")
+  out = jax.jit(lambda q, a, c: kernel.paged_decode(
+      q, a, c, table, table, lens, sm_scale=0.1, config=cfg, **kw))(q, k, v)
+  jax.block_until_ready(out)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--child", default=None, choices=("fp8", "fp8op", "bf16"))
+  ap.add_argument("--skip", default="", help="comma list: append,prefill,"
+                  "decode")
+  ap.add_argument("--specs", default="", help="comma list of SPECS names")
+  ap.add_argument("--sweep", default="", choices=("", "tiles"))
+  args = ap.parse_args()
+  if args.child:
+    _child(args.child)
+    return
+  skip = set(filter(None, args.skip.split(",")))
+  res = dict(environment=_timing.environment())
+  res["copy_roof_gbps"] = _timing.copy_roof_gbps()
+  res["torch_copy_roof_gbps"] = _timing.torch_copy_roof_gbps()
+  roof = max(res["copy_roof_gbps"], res["torch_copy_roof_gbps"] or 0.0)
+  if "append" not in skip:
+    res["append"] = bench_fp8.append_speed(roof)
+  if "prefill" not in skip:
+    res["prefill"] = prefill_rows()
+  if "decode" not in skip:
+    res["decode"] = decode_rows(set(filter(None, args.specs.split(","))),
+                                args.sweep)
+  os.makedirs(args.out, exist_ok=True)
+  dev = res["environment"]["device"].replace(" ", "_")
+  path = os.path.join(args.out, f"fp8_decode_diag_{dev}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"\ncopy roof {roof:.0f} GB/s")
+  for r in res.get("append", []):
+    print(f"rope+append {r['pool_dtype']:14s} {r['kernel_ms']:.3f} ms "
+          f"{r['gbps']:.0f} GB/s = {r['of_copy_roof']:.2f}x roof")
+  for r in res.get("prefill", []):
+    print(r["spec"], " ".join(
+        f"{k} {v['tflops']:.0f}" for k, v in r.items()
+        if isinstance(v, dict) and "tflops" in v), "TFLOP/s")
+  for row in res.get("decode", []):
+    cells = [f"bf16 {row['bf16_default']['kernel_ms']*1e3:.0f}us"]
+    for key, r in row.items():
+      if key.startswith("fp8_"):
+        cells.append(f"{key[4:]} " + (f"{r['kernel_ms']*1e3:.0f}us"
+                                      f"({r['over_bf16']:.2f},e{r['rel_err']:.0e})"
+                                      if "kernel_ms" in r else "ERR"))
+    print(row["spec"], " ".join(cells))
+  print("->", path)
+
+
+if __name__ == "__main__":
+  main()
