@@ -165,7 +165,11 @@ class Config:
     bench/results/engine_H200_mosaic_d64.json) a step's attention took
     3.44 ms with it against 2.75 ms with the Triton kernel (half the matmul
     per softmax element, and short prompts leave few KV steps per CTA to
-    hide its prologue). Otherwise (or with `backend="triton"`), the
+    hide its prologue). FP8 pages take the same rule: there the Mosaic-GPU
+    kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
+    TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
+    pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
+    bench/fp8_decode_diag.py). Otherwise (or with `backend="triton"`), the
     Pallas-Triton kernel:
 
     At head_dim <= 128: 128 query rows (tokens x group) per tile, 64-key
@@ -582,12 +586,8 @@ def paged_prefill(
   if config is None:
     config = Config.default_for(group_size=group_size, head_dim=head_dim,
                                 page_size=k_pool.shape[1], dtype=q.dtype,
-                                window_left=window_left, interpret=interpret,
-                                backend="triton" if fp8 else None)
+                                window_left=window_left, interpret=interpret)
   config.validate(group_size)
-  if fp8 and config.backend == "mosaic":
-    raise ValueError("Invalid config: FP8 pages need the triton backend, got "
-                     "mosaic")
   scales = None
   if fp8:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
@@ -625,7 +625,8 @@ def paged_prefill(
     out = paged_prefill_mgpu.paged_prefill_mgpu(
         q, k_pool, v_pool, k_table, v_table, plan.tiles, sinks,
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-        block_kv=config.block_k, num_stages=config.num_stages)
+        block_kv=config.block_k, num_stages=config.num_stages,
+        k_scale=k_scale, v_scale=v_scale)
   else:
     out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
                num_warps=config.num_warps, num_stages=config.num_stages,

@@ -34,6 +34,14 @@ FlashInfer's paged, ragged layout:
   num_tiles * 128]` that the wrapper scatters to `[num_tokens,
   num_qo_heads]` (a TMA box needs >= 16 bytes in its minor dimension).
 
+FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
+FP8 staging ring and the producer warpgroup converts each staged tile to f16
+into the stage the consumers read (`_fp8_producer`); q is converted to f16
+once per CTA; K's scale multiplies the logits and V's the output. 128-key
+steps with one staging stage is what fits in 227 KiB of shared memory (the
+reduction scratch, unused by the row reductions of the WGMMA layout, is
+given up for it).
+
 No sliding window (the consumers' barrier phases would have to skip the
 window's leading steps); `paged_prefill` keeps the Triton kernel for
 windows, f32, head_dim 256 and non-Hopper GPUs (`supports`), and by default
@@ -57,6 +65,7 @@ TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q)
 ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
+_F16_MAX = 65504.0
 
 
 def supports(*, dtype, head_dim: int, page_size: int, window_left: int,
@@ -82,15 +91,20 @@ _mgpu = _compat.mosaic_gpu
 def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             v_table_ref, *rest, causal: bool, sm_scale: float,
             logits_soft_cap: float | None, has_sinks: bool, group_size: int,
-            block_kv: int, num_stages: int):
+            block_kv: int, num_stages: int, fp8_stages: int = 0,
+            q_from_bf16: bool = False):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
-  if has_sinks:
-    sinks_ref, out_ref, lse_ref, scoped = rest
+  rest = list(rest)
+  sinks_ref = rest.pop(0) if has_sinks else None
+  # FP8 pages: f32[2] = (k_scale, v_scale), read as scalars.
+  scales_ref = rest.pop(0) if fp8_stages else None
+  out_ref, lse_ref, scoped = rest
+  if fp8_stages:
+    (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, k8_smem,
+     v8_smem), bars, free, sched, (k8_bar, v8_bar) = scoped
   else:
-    sinks_ref = None
-    out_ref, lse_ref, scoped = rest
-  (q_smem2, k_smem, v_smem, o_smem2, lse_smem2), bars, free, sched = scoped
+    (q_smem2, k_smem, v_smem, o_smem2, lse_smem2), bars, free, sched = scoped
   k_bar, v_bar, q_bar = bars
   k_free, v_free = free
   page_size = k_pool_ref.shape[1]
@@ -141,13 +155,22 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    # With FP8 pages the producer converts tiles, so it keeps more registers.
+    plgpu.set_max_registers(224 if fp8_stages else 232, action="increase")
     q_smem = q_smem2.at[wg]
     t0, row_lo, row_hi, steps, full_steps = wg_steps(wg)
     t0 = pl.multiple_of(t0, ALIGN)
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
                             q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
+    if q_from_bf16:
+      # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt per
+      # pair). q arrived as bf16 bits in an f16 buffer: convert it in place,
+      # clamped to f16's range.
+      x = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA)
+      x = lax.bitcast_convert_type(x, jnp.bfloat16).astype(f32)
+      q_smem[...] = jnp.clip(x, -_F16_MAX, _F16_MAX).astype(dtype)
+      plgpu.commit_smem()
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
     l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
@@ -163,6 +186,10 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     pl.when(wg == 1)(rendezvous)
 
     qk_scale = sm_scale * _LOG2E
+    logit_scale = None  # FP8 pages: K's scale, on the raw logits
+    if scales_ref is not None:
+      logit_scale = scales_ref[0]
+      qk_scale = qk_scale * logit_scale
 
     def step(i, carry, masked: bool):
       acc, m, l = carry
@@ -176,8 +203,10 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
       plgpu.barrier_arrive(k_free.at[slot])
       if logits_soft_cap is not None:
-        s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
-            logits_soft_cap * _LOG2E)
+        cap_scale = sm_scale / logits_soft_cap
+        if logit_scale is not None:
+          cap_scale = cap_scale * logit_scale
+        s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
         scale = 1.0
       else:
         scale = qk_scale
@@ -255,12 +284,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       scale_out = keep / denom
     else:
       scale_out = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+    if scales_ref is not None:
+      scale_out = scale_out * scales_ref[1]  # V's scale
     out = acc * lax.broadcast_in_dim(scale_out, acc.shape, [0])
     lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2,
                     -jnp.inf)
     o_smem = o_smem2.at[wg]
     lse_smem = lse_smem2.at[wg]
-    o_smem[...] = out.astype(dtype)
+    o_smem[...] = out.astype(out_ref.dtype)
     lse_smem[...] = lse
     plgpu.commit_smem()
     # Rows outside [row_lo, row_hi) belong to other sequences: store the
@@ -282,7 +313,10 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    # Consumers + producer stay within 64,512 registers (2 x 128 x 224 +
+    # 128 x 56): `setmaxnreg.inc` blocks until its registers are free, and a
+    # full 65,536 never are (the kernel hangs).
+    plgpu.set_max_registers(56 if fp8_stages else 40, action="decrease")
     kv_head = lax.div(head, jnp.array(group_size, i32))
     last_page = jnp.maximum(lax.div(kv_len + page_size - 1,
                                     jnp.array(page_size, i32)) - 1, 0)
@@ -305,6 +339,15 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             pool_ref.at[page, pl.ds(r0, rows), kv_head],
             smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
 
+    if fp8_stages:
+      _fp8_producer(
+          lambda i, s8: issue(i, s8, k_pool_ref, k_table_ref, k8_smem, k8_bar),
+          lambda i, s8: issue(i, s8, v_pool_ref, v_table_ref, v8_smem, v8_bar),
+          total_steps, k_smem, v_smem, k8_smem, v8_smem, k_bar, v_bar, k8_bar,
+          v8_bar, k_free, v_free, num_stages=num_stages,
+          fp8_stages=fp8_stages)
+      return
+
     for j in range(num_stages):
       @pl.when(j < total_steps)
       def _(j=j):
@@ -320,10 +363,59 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     lax.fori_loop(num_stages, total_steps, refill, None)
 
 
+def _fp8_producer(load_k, load_v, total_steps, k_smem, v_smem, k8_smem,
+                  v8_smem, k_bar, v_bar, k8_bar, v8_bar, k_free, v_free, *,
+                  num_stages: int, fp8_stages: int):
+  """The producer warpgroup with FP8 pages: TMA brings each step's pages
+  into FP8 staging rings (`fp8_stages` deep, one for K, one for V); the
+  warpgroup converts a staged tile to the dot dtype (f16), 64 rows at a time
+  (a 56-register budget), into the stage the consumers read, then arrives
+  on that stage's barrier, so the consumers run unchanged. A staging slot
+  is refilled right after its conversion (`commit_smem`: the warpgroup's
+  reads are done and ordered before the next TMA write), so the next K
+  load flies while V converts, and the next V load while K does."""
+  plgpu = _mgpu()
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  dtype = k_smem.dtype
+  block_kv = k_smem.shape[1]
+
+  def convert(src8, bar8, dst, bar, free, i, slot):
+    s8 = lax.rem(i, fp8_stages)
+    plgpu.barrier_wait(bar8.at[s8])
+
+    @pl.when(i >= num_stages)
+    def _():
+      plgpu.barrier_wait(free.at[slot])
+    for r in range(0, block_kv, 64):
+      x = plgpu.load(src8.at[s8, pl.ds(r, 64)], (), layout=plgpu.Layout.WGMMA)
+      dst[slot, pl.ds(r, 64)] = x.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bar.at[slot])
+
+  for j in range(fp8_stages):
+    @pl.when(j < total_steps)
+    def _(j=j):
+      load_k(j, j)
+      load_v(j, j)
+
+  def step(i, _):
+    slot = lax.rem(i, num_stages)
+    later = i + fp8_stages
+    for src8, bar8, dst, bar, free, load in (
+        (k8_smem, k8_bar, k_smem, k_bar, k_free, load_k),
+        (v8_smem, v8_bar, v_smem, v_bar, v_free, load_v)):
+      convert(src8, bar8, dst, bar, free, i, slot)
+
+      @pl.when(later < total_steps)
+      def _(load=load):
+        load(later, lax.rem(later, fp8_stages))
+  lax.fori_loop(0, total_steps, step, None)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("causal", "sm_scale", "logits_soft_cap", "block_kv",
-                     "num_stages"))
+                     "num_stages", "fp8_stages"))
 def paged_prefill_mgpu(
     q: jax.Array,         # [num_tokens, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -338,6 +430,9 @@ def paged_prefill_mgpu(
     logits_soft_cap: float | None = None,
     block_kv: int = 128,
     num_stages: int = 2,
+    k_scale=None,  # f32[]: FP8 pages
+    v_scale=None,  # f32[]: FP8 pages
+    fp8_stages: int = 1,
 ):
   """One Mosaic-GPU launch over the plan's main tiles (see module docstring).
 
@@ -356,6 +451,11 @@ def paged_prefill_mgpu(
     causal, sm_scale, logits_soft_cap: static, as `paged_prefill`.
     block_kv: static, keys per step (64 or 128).
     num_stages: static, shared-memory stages of the K/V ring (>= 2).
+    k_scale, v_scale: f32 scalars (may be traced) of float8_e4m3fn pages
+      (stored value = x / scale): K's scale multiplies the logits and V's
+      the output (exact for per-tensor scales).
+    fp8_stages: static, FP8 pages: stages of the FP8 staging ring that TMA
+      fills and the producer warpgroup converts from (`_fp8_producer`).
 
   Returns:
     `(out [num_tokens, num_qo_heads, head_dim] q.dtype,
@@ -374,6 +474,14 @@ def paged_prefill_mgpu(
   if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16),
                                 jnp.dtype(jnp.float16)):
     raise ValueError(f"Invalid q dtype: expected bf16 or f16, got {q.dtype}")
+  fp8 = jnp.dtype(k_pool.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+  if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+    raise ValueError(
+        f"Invalid scales: expected k_scale and v_scale exactly with "
+        f"float8_e4m3fn pages, got pages {k_pool.dtype}, "
+        f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
+  if fp8 and fp8_stages < 1:
+    raise ValueError(f"Invalid fp8_stages: expected >= 1, got {fp8_stages}")
   if head_dim not in (64, 128):
     raise ValueError(f"Invalid head_dim: expected 64 or 128, got {head_dim}")
   if page_size < 8 or (page_size < block_kv and block_kv % page_size):
@@ -385,11 +493,16 @@ def paged_prefill_mgpu(
                      f">= 2, got {(block_kv, num_stages)}")
   group_size = num_qo_heads // num_kv_heads
   copies = block_kv // min(page_size, block_kv)
+  out_dtype = q.dtype
+  # FP8 pages: the dots run in f16; a bf16 q travels as its bits in an f16
+  # view (a free bitcast) and is converted in the kernel.
+  dtype = jnp.dtype(jnp.float16) if fp8 else q.dtype
+  q_from_bf16 = fp8 and q.dtype != dtype
   kernel = functools.partial(
       _kernel, causal=causal, sm_scale=sm_scale,
       logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
-      group_size=group_size, block_kv=block_kv, num_stages=num_stages)
-  dtype = q.dtype
+      group_size=group_size, block_kv=block_kv, num_stages=num_stages,
+      fp8_stages=fp8_stages if fp8 else 0, q_from_bf16=q_from_bf16)
 
   def entry(*refs):
     swizzle = 128 if head_dim * jnp.dtype(dtype).itemsize >= 128 else 64
@@ -401,31 +514,51 @@ def paged_prefill_mgpu(
                    transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
-        plgpu.SMEM((2, BLOCK_Q, head_dim), dtype),
+        plgpu.SMEM((2, BLOCK_Q, head_dim), out_dtype),
         plgpu.SMEM((2, BLOCK_Q), jnp.float32),
     ]
+    # The consumers' stages fill by TMA (`copies` arrivals), or, with FP8
+    # pages, by the producer's conversion (one arrival).
+    stage_arrivals = 1 if fp8 else copies
+    extra = []
+    if fp8:
+      f8 = jnp.float8_e4m3fn
+      swizzle8 = 128 if head_dim >= 128 else 64
+      transforms8 = (plgpu.TilingTransform((8, swizzle8)),
+                     plgpu.SwizzleTransform(swizzle8))
+      smem += [plgpu.SMEM((fp8_stages, block_kv, head_dim), f8,
+                          transforms=transforms8)] * 2
+      extra = [(plgpu.Barrier(num_arrivals=copies,
+                              num_barriers=fp8_stages),) * 2]
     pl.run_scoped(
         lambda *scoped: kernel(*refs, scoped),
         smem,
-        (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        (plgpu.Barrier(num_arrivals=stage_arrivals, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=stage_arrivals, num_barriers=num_stages),
          plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) * 2,
         plgpu.Barrier(num_arrivals=2),
+        *extra,
         collective_axes="wg",
     )
 
   # TMA into 8-row swizzle tiles views q's token axis in tiles of 8 rows.
   q_in = q if num_tokens % ALIGN == 0 else jnp.pad(
       q, ((0, -num_tokens % ALIGN), (0, 0), (0, 0)))
+  if q_from_bf16:
+    q_in = lax.bitcast_convert_type(q_in, dtype)
   args = [tiles.astype(jnp.int32), q_in, k_pool, v_pool,
           k_table.astype(jnp.int32), v_table.astype(jnp.int32)]
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
+  if fp8:
+    args.append(jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                           jnp.asarray(v_scale, jnp.float32).reshape(())]))
   out, lse_tiles = plgpu.kernel(
       entry,
       out_type=[
-          jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim), dtype),
+          jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim),
+                               out_dtype),
           jax.ShapeDtypeStruct((num_qo_heads, num_tiles * TILE_Q),
                                jnp.float32),
       ],
@@ -433,7 +566,11 @@ def paged_prefill_mgpu(
       grid_names=("heads", "tiles"),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # The row reductions (WGMMA layout) stay within warps: the default
+      # 2 KiB reduction scratch would push the FP8 staging past 227 KiB.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, **(dict(reduction_scratch_bytes=0) if fp8
+                               else {})),
   )(*args)
   # lse: per-tile rows -> tokens (rows of other sequences are dropped).
   q_start = tiles[:, plan_lib.Q_START][:, None]

@@ -356,8 +356,9 @@ def plan_prefill(
     num_qo_heads, num_kv_heads, head_dim, dtype: static, those of `q` (they
       choose the kernel's tile size).
     causal, window_left: static; only steer the launch order.
-    kv_dtype: static, the pages' dtype if not `dtype` (float8_e4m3fn pages
-      run the Triton kernel, whose tiles differ from the Mosaic one's).
+    kv_dtype: static, the pages' dtype if not `dtype`. Accepted for
+      compatibility: float8_e4m3fn pages now take the same kernel (and so
+      the same plan) as 16-bit pages of `dtype`.
 
   Returns:
     A `PrefillPlan` pytree (`pkvattn.pallas_kernels.plan`).
@@ -373,6 +374,7 @@ def plan_prefill(
     (2, 8)
   """
   from pkvattn.pallas_kernels import paged_prefill as kernel
+  del kv_dtype  # the plan does not depend on it (docstring)
   q_indptr = _checks.as_index_array(q_indptr)
   kv_lens = _checks.as_index_array(kv_lens)
   _checks.check_heads(num_qo_heads, num_kv_heads)
@@ -383,9 +385,7 @@ def plan_prefill(
   config = kernel.Config.default_for(
       group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
       page_size=None, dtype=dtype, window_left=window_left,
-      interpret=not _checks.is_gpu(),
-      backend="triton" if kv_dtype is not None and _kv.is_fp8(kv_dtype)
-      else None)
+      interpret=not _checks.is_gpu())
   return config.plan(
       jnp.asarray(q_indptr, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
       num_tokens=num_tokens, causal=causal, window_left=window_left)

@@ -122,29 +122,36 @@ def test_backend_choice_and_errors():
 
 
 @pytest.mark.parametrize(
-    "num_tokens,page_size,head_dim,causal,soft_cap,sinks", [
-        (512, 16, 128, True, None, False),
-        (300, 8, 64, True, None, True),        # q padded to 8 rows
-        (256, 256, 128, False, 30.0, False),   # pages larger than a step
-        (384, 64, 128, True, 50.0, True),
+    "num_tokens,page_size,head_dim,causal,soft_cap,sinks,fp8", [
+        (512, 16, 128, True, None, False, False),
+        (300, 8, 64, True, None, True, False),        # q padded to 8 rows
+        (256, 256, 128, False, 30.0, False, False),   # pages larger than a step
+        (384, 64, 128, True, 50.0, True, False),
+        # FP8 pages: TMA into the staging ring, the producer converts.
+        (512, 16, 128, True, None, False, True),
+        (300, 8, 64, False, 30.0, True, True),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
-                                     soft_cap, sinks):
+                                     soft_cap, sinks, fp8):
   """Cross-lowers the kernel for CUDA on the CPU: every TMA slice, layout and
-  barrier of the Mosaic-GPU lowering must be accepted."""
+  barrier of the Mosaic-GPU lowering must be accepted, and (FP8) the
+  staging ring must fit in shared memory."""
   hq, hkv, b, pages = 8, 2, 3, 64
   sds = jax.ShapeDtypeStruct
+  kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
   args = [sds((num_tokens, hq, head_dim), jnp.bfloat16),
-          sds((pages, page_size, hkv, head_dim), jnp.bfloat16),
-          sds((pages, page_size, hkv, head_dim), jnp.bfloat16),
+          sds((pages, page_size, hkv, head_dim), kv_dtype),
+          sds((pages, page_size, hkv, head_dim), kv_dtype),
           sds((b, 16), jnp.int32), sds((b, 16), jnp.int32),
           sds((plan_lib.max_tiles(num_tokens, b, mgpu.TILE_Q),
-               plan_lib.NUM_FIELDS), jnp.int32)]
-  if sinks:
-    args.append(sds((hq,), jnp.float32))
+               plan_lib.NUM_FIELDS), jnp.int32),
+          sds((hq,), jnp.float32) if sinks else None]
+  scales = {}
+  if fp8:
+    scales = dict(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
   lowered = mgpu.paged_prefill_mgpu.trace(
       *args, causal=causal, sm_scale=head_dim ** -0.5,
-      logits_soft_cap=soft_cap).lower(lowering_platforms=("cuda",))
+      logits_soft_cap=soft_cap, **scales).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert "mosaic_gpu" in text
 
@@ -206,6 +213,47 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
                                atol=2e-2, rtol=2e-2)
   assert (out[q_indptr[-1]:] == 0).all()
   assert np.isneginf(lse[q_indptr[-1]:]).all()
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fmt,page_size,group,d,causal,soft_cap", [
+    ("pool", 16, 4, 128, True, None),
+    ("pair", 8, 1, 64, True, None),
+    ("flashinfer", 128, 8, 128, False, 30.0),
+])
+def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
+                                    soft_cap):
+  """FP8 pages through the mosaic backend (the producer warpgroup converts
+  TMA-staged tiles) against the float64 oracle over the dequantised pages;
+  NaN in every page no sequence owns and past kv_len; decode rows, padding."""
+  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  rng = np.random.default_rng(page_size + group)
+  hkv = 2
+  q_lens, kv_lens, padding = [300, 1, 77, 129], [300, 500, 200, 129], 11
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  hq = hkv * group
+  t = sum(q_lens) + padding
+  q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+                       dtype=jnp.bfloat16, backend="mosaic")
+  out, _ = kernel.paged_prefill(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(q_indptr), jnp.asarray(kv_lens), None, causal=causal,
+      sm_scale=d ** -0.5, logits_soft_cap=soft_cap, config=cfg,
+      k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
+  out = np.asarray(out.astype(jnp.float32))
+  qf = np.asarray(q.astype(jnp.float32))
+  for b, (n, ql) in enumerate(zip(kv_lens, q_lens)):
+    exp, _ = dense_attention(
+        qf[q_indptr[b]:q_indptr[b + 1]], tk[b], tv[b], np.arange(n - ql, n),
+        n, causal=causal, window_left=-1, sm_scale=d ** -0.5,
+        logits_soft_cap=soft_cap)
+    np.testing.assert_allclose(out[q_indptr[b]:q_indptr[b + 1]], exp,
+                               atol=2e-2, rtol=2e-2)
+  assert (out[q_indptr[-1]:] == 0).all()
 
 
 def test_mosaic_path_has_no_pool_copies():
