@@ -264,8 +264,8 @@ def _paged_decode_kernel(
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
   row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
 
-  def load_step(step):
-    """The step's token mask and its K / V tiles ([block_k, head_dim])."""
+  def body(step, carry):
+    acc, m_prev, l_prev = carry
     page0 = split_start + step * pages_per_block
     page_idx = page0 + lax.iota(jnp.int32, pages_per_block)
     page_ok = page_idx < split_end
@@ -288,11 +288,8 @@ def _paged_decode_kernel(
       return pltriton.load(pool_ref.at[ids, rows, cols], mask=load_mask,
                            other=0.0, eviction_policy=kv_eviction)
 
-    return tok_ok, gather(k_pool_ref, k_ids), gather(v_pool_ref, v_ids)
-
-  def body(step, carry):
-    acc, m_prev, l_prev = carry
-    tok_ok, k, v = load_step(step)
+    k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
+    v = gather(v_pool_ref, v_ids)
     if scales_ref is not None:
       # K is contracted over head_dim, its contiguous dimension: Triton's
       # placement reads it in wide words. V is contracted over tokens.
