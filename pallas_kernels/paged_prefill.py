@@ -551,8 +551,9 @@ def paged_prefill(
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype of
       `q`, or float8_e4m3fn with `k_scale` / `v_scale` (f32 scalars, may be
       traced; a stored value `x` means `x * scale`); page_size a power of
-      two. FP8 pages run the Triton kernel (the Mosaic-GPU kernel's wgmma
-      takes both operands in one dtype and is not taught the conversion).
+      two. FP8 pages run in the backend the config names, as 16-bit pages
+      do (Mosaic GPU: TMA-staged FP8 tiles converted to f16 by the producer
+      warpgroup; Triton: tiles converted in registers; both run f16 dots).
     k_table, v_table: `i32[batch_size, max_pages]`; entries outside a
       sequence's visible key range are never read (may be -1).
     q_indptr: `i32[batch_size + 1]`, cu_seqlens; tokens past `q_indptr[-1]`
