@@ -1,4 +1,4 @@
-"""FP8 (e4m3) K/V tiles in the Pallas-Triton kernels: dot dtype and placement.
+"""FP8 (e4m3) K/V tiles in the attention kernels: dot dtype and placement.
 
 Measured on an H100 (2026-11-25, `bench/fp8_decode_diag.py`, Nsight Compute
 on the Llama-3-8B decode shape B=64 S=4096 page 16):

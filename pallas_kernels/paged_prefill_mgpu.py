@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import plan as plan_lib
 
 BLOCK_Q = 64          # tokens per consumer warpgroup
@@ -65,7 +66,6 @@ TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q)
 ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_F16_MAX = 65504.0
 
 
 def supports(*, dtype, head_dim: int, page_size: int, window_left: int,
@@ -168,8 +168,8 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # pair). q arrived as bf16 bits in an f16 buffer: convert it in place,
       # clamped to f16's range.
       x = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA)
-      x = lax.bitcast_convert_type(x, jnp.bfloat16).astype(f32)
-      q_smem[...] = jnp.clip(x, -_F16_MAX, _F16_MAX).astype(dtype)
+      q_smem[...] = _fp8.query_for_dots(
+          lax.bitcast_convert_type(x, jnp.bfloat16))
       plgpu.commit_smem()
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
