@@ -99,3 +99,78 @@ def decode_fn(q, kv_cache, page_table, kv_lens, *, num_qo_heads: int,
   run = lambda: w.run(qt, ct, **scales)  # noqa: E731
   out = jnp.asarray(run().float().cpu().numpy())
   return run, out
+
+
+def kernel_ms(run, calls: int = 5) -> float:
+  """GPU time of one `run()` (FlashInfer launches), ms: the summed kernel
+  durations of `calls` runs, as `_timing.device_kernel_ms` times pkvattn's
+  calls (launch gaps and host time excluded).
+
+  The trace is jax.profiler's (its CUPTI tracer sees every kernel of the
+  process, torch's included); where it shows no GPU kernel, torch.profiler's
+  CUDA activity is used instead. Returns 0.0 where neither sees one.
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  from bench import _timing  # pylint: disable=import-outside-toplevel
+  run()
+  torch.cuda.synchronize()
+
+  def thunk():
+    run()
+    torch.cuda.synchronize()
+
+  events = _timing.gpu_stream_events([thunk] * calls)
+  if events:
+    return sum(ns for _, ns in events) / calls / 1e6
+  from torch.profiler import ProfilerActivity  # pylint: disable=import-outside-toplevel
+  from torch.profiler import profile  # pylint: disable=import-outside-toplevel
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(calls):
+      run()
+    torch.cuda.synchronize()
+  total_us = 0.0
+  for ev in prof.events():
+    if str(getattr(ev, "device_type", "")).endswith("CUDA"):
+      total_us += getattr(ev, "device_time", None) or getattr(
+          ev, "cuda_time", 0.0)
+  return total_us / calls / 1e3
+
+
+def prefill_fn(q, kv_cache, page_table, q_indptr, kv_lens, *,
+               num_qo_heads: int, num_kv_heads: int, causal: bool = True,
+               sm_scale: float | None = None, backend: str = "fa3"):
+  """A planned FlashInfer `BatchPrefillWithPagedKVCacheWrapper` call.
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]` bf16 / f16 (jax), the ragged
+      query rows of every sequence back to back (`q_indptr`).
+    kv_cache: `[num_pages, 2, page_size, num_kv_heads, head_dim]` (jax).
+    page_table: `i32[batch_size, max_pages]` numpy; q_indptr:
+      `i32[batch_size + 1]`; kv_lens: `i32[batch_size]`, tokens including
+      the new ones (queries are the last `q_len` positions, FlashInfer's
+      causal convention too).
+    backend: FlashInfer's prefill backend ("fa3" on Hopper, "fa2", "auto").
+
+  Returns:
+    `(run, out)` as `decode_fn`: `run()` launches the prefill, `out` is
+    its first result `[num_tokens, num_qo_heads, head_dim]` as jax f32.
+  """
+  import flashinfer  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+  kv_lens = np.asarray(kv_lens)
+  table = np.asarray(page_table)
+  pages = [table[b, :-(-int(n) // page_size)] for b, n in enumerate(kv_lens)]
+  indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
+  indices = np.concatenate(pages) if indptr[-1] else np.zeros(0, np.int32)
+  last = np.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0)
+  dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
+  qt, ct = to_torch(q), to_torch(kv_cache)
+  w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD",
+                                                     backend=backend)
+  w.plan(dev(q_indptr), dev(indptr), dev(indices), dev(last), num_qo_heads,
+         num_kv_heads, head_dim, page_size, causal=causal, sm_scale=sm_scale,
+         q_data_type=qt.dtype, kv_data_type=ct.dtype)
+  run = lambda: w.run(qt, ct)  # noqa: E731
+  out = jnp.asarray(run().float().cpu().numpy())
+  return run, out

@@ -1,13 +1,26 @@
-"""Paged decode benchmark: pkvattn pallas / xla vs JAX `paged_attention` vs copy roof.
+"""Paged decode benchmark: pkvattn pallas / xla vs FlashInfer 0.7.2, JAX
+`paged_attention` and the copy roof.
 
-Run on a GPU:  `python -m bench.bench_decode [--quick]`
+Run on a GPU:  `python -m bench.bench_decode [--quick] [--specs a,b]`
 Plot locally:  `python -m bench.bench_decode --plot bench/results/decode_<device>.json`
 
-Specs: Llama-3-8B heads (32 qo, 8 kv, head_dim 128), bf16, every sequence at
-full length S (shuffled pages, a few NaN-poisoned spare pages in the pool).
+Specs: Llama-3-8B heads (32 qo, 8 kv, head_dim 128) at four batch / length /
+page shapes, and the small-head shapes SmolLM2 (9/3/64), group 6 at head_dim
+128 (48/8/128) and Gemma 3 270M (4/1/256); bf16, every sequence at full
+length S (shuffled pages, a few NaN-poisoned spare pages in the pool).
 Before timing, each spec is checked against the f32 reference on the same
 inputs, and a GPU correctness sweep on small NaN-poisoned caches (all formats,
 GQA 1/4/8, pages 16/64, window, soft cap, sinks) runs first.
+
+FlashInfer (`flashinfer-python==0.7.2.post1` + `apache-tvm-ffi==0.1.15.post2`;
+its kernels JIT-compile on first use, ~20 s per head_dim) runs its CUDA-core
+and tensor-core `BatchDecodeWithPagedKVCacheWrapper` on the pages stacked
+into its layout `[num_pages, 2, page_size, num_kv_heads, head_dim]`, which
+pkvattn's default also runs on ("default, flashinfer layout"): same buffers,
+outputs checked against the reference, timed per call (back-to-back calls,
+median) and by GPU kernel time (profiler trace) like every other row.
+`x_flashinfer[_kernel]` = FlashInfer's faster mode's time / the row's time
+(> 1: faster than FlashInfer). `--no-flashinfer` skips it.
 
 Bytes moved (decimal units, `achieved_tbps = bytes_moved / median_s / 1e12`):
   `bytes_moved = q + touched K/V pages + out`
@@ -30,26 +43,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import _flashinfer
 from bench import _timing
 from pkvattn.pallas_kernels import paged_decode as kernel
 from pkvattn.pallas_kernels import reference
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+LLAMA3_8B = (NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM)
+SMOLLM2 = (9, 3, 64)
+GROUP6_D128 = (48, 8, 128)
+GEMMA3_270M = (4, 1, 256)
 SPECS = {
     "llama3_8b_decode_b64_s4096_p16": dict(batch_size=64, seq_len=4096, page_size=16),
     "llama3_8b_decode_b64_s4096_p64": dict(batch_size=64, seq_len=4096, page_size=64),
     "llama3_8b_decode_b8_s16384_p16": dict(batch_size=8, seq_len=16384, page_size=16),
     "llama3_8b_decode_b256_s1024_p16": dict(batch_size=256, seq_len=1024, page_size=16),
+    # Small heads: SmolLM2 (head_dim 64, group 3), group 6 at head_dim 128,
+    # Gemma 3 270M (head_dim 256, one kv head, group 4).
+    "smollm2_decode_b64_s4096_p16": dict(batch_size=64, seq_len=4096, page_size=16,
+                                         heads=SMOLLM2),
+    "smollm2_decode_b256_s1024_p16": dict(batch_size=256, seq_len=1024, page_size=16,
+                                          heads=SMOLLM2),
+    "g6_d128_decode_b64_s4096_p16": dict(batch_size=64, seq_len=4096, page_size=16,
+                                         heads=GROUP6_D128),
+    "gemma3_270m_decode_b64_s4096_p16": dict(batch_size=64, seq_len=4096,
+                                             page_size=16, heads=GEMMA3_270M),
 }
 SPARE_PAGES = 8
 
 
-def make_inputs(batch_size, seq_len, page_size, dtype=jnp.bfloat16, seed=0):
-  """Shared-table pair cache with shuffled page ids and NaN spare pages."""
+def make_inputs(batch_size, seq_len, page_size, dtype=jnp.bfloat16, seed=0,
+                heads=LLAMA3_8B):
+  """Shared-table pair cache with shuffled page ids and NaN spare pages;
+  `heads = (num_qo_heads, num_kv_heads, head_dim)`."""
+  num_qo_heads, num_kv_heads, head_dim = heads
   pages_per_seq = seq_len // page_size
   num_pages = batch_size * pages_per_seq + SPARE_PAGES
   kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
-  shape = (num_pages, page_size, NUM_KV_HEADS, HEAD_DIM)
+  shape = (num_pages, page_size, num_kv_heads, head_dim)
   k_pages = jax.random.normal(kk, shape, dtype)
   v_pages = jax.random.normal(kv, shape, dtype)
   perm = jax.random.permutation(kp, num_pages).astype(jnp.int32)
@@ -57,15 +88,16 @@ def make_inputs(batch_size, seq_len, page_size, dtype=jnp.bfloat16, seed=0):
   spare = perm[batch_size * pages_per_seq:]
   k_pages = k_pages.at[spare].set(jnp.nan)
   v_pages = v_pages.at[spare].set(jnp.nan)
-  q = jax.random.normal(kq, (batch_size, NUM_QO_HEADS, HEAD_DIM), dtype)
+  q = jax.random.normal(kq, (batch_size, num_qo_heads, head_dim), dtype)
   kv_lens = jnp.full((batch_size,), seq_len, jnp.int32)
   return q, k_pages, v_pages, table, kv_lens
 
 
-def bytes_moved(batch_size, kv_lens, page_size, itemsize=2):
+def bytes_moved(batch_size, kv_lens, page_size, itemsize=2, heads=LLAMA3_8B):
+  num_qo_heads, num_kv_heads, head_dim = heads
   touched = sum(-(-int(n) // page_size) * page_size for n in kv_lens)
-  q_out = 2 * batch_size * NUM_QO_HEADS * HEAD_DIM * itemsize
-  return q_out + 2 * touched * NUM_KV_HEADS * HEAD_DIM * itemsize
+  q_out = 2 * batch_size * num_qo_heads * head_dim * itemsize
+  return q_out + 2 * touched * num_kv_heads * head_dim * itemsize
 
 
 rel_err = _timing.rel_err
@@ -157,11 +189,19 @@ def extra_roofs(num_bytes=2 << 30):
   return res
 
 
+def default_config(spec):
+  """`paged_decode`'s own choice for the spec (what the public API runs)."""
+  hq, hkv, d = spec.get("heads", LLAMA3_8B)
+  return kernel.Config.default_for(
+      batch_size=spec["batch_size"], num_kv_heads=hkv,
+      page_size=spec["page_size"],
+      max_pages=spec["seq_len"] // spec["page_size"], head_dim=d,
+      group_size=hq // hkv, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
+
+
 def pallas_configs(spec, quick):
-  b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
-  default = kernel.Config.default_for(
-      batch_size=b, num_kv_heads=NUM_KV_HEADS, page_size=ps,
-      max_pages=s // ps, head_dim=HEAD_DIM)
+  ps = spec["page_size"]
+  default = default_config(spec)
   out = [("default", default)]
   if quick:
     return out
@@ -184,28 +224,67 @@ def jax_paged_attention_fn(**tuning):
   return fn
 
 
-def run_spec(name, spec, quick, time_budget_s):
+def peer_flashinfer(record, q, k_pages, v_pages, table, kv_lens, heads):
+  """FlashInfer 0.7.2's CUDA-core and tensor-core decode, and pkvattn's
+  default, on one cache in FlashInfer's layout `[num_pages, 2, page_size,
+  num_kv_heads, head_dim]` (pkvattn's "flashinfer" kv_cache format): the
+  same buffers, each output checked against the f32 reference, timed per
+  call and by kernel time."""
+  import pkvattn  # pylint: disable=import-outside-toplevel
+  hq, hkv, _ = heads
+  kv = jnp.stack([k_pages, v_pages], axis=1)
+  fn = jax.jit(lambda q, c, t, n: pkvattn.paged_decode(q, c, t, n,
+                                                       impl="pallas"))
+  record("pallas", "default, flashinfer layout", fn, (q, kv, table, kv_lens))
+  for tc in (False, True):
+    label = "tensor cores" if tc else "cuda cores"
+    try:
+      run, out = _flashinfer.decode_fn(
+          q, kv, np.asarray(table), np.asarray(kv_lens), num_qo_heads=hq,
+          num_kv_heads=hkv, use_tensor_cores=tc)
+    except Exception:  # noqa: BLE001  (no flashinfer wheel, no JIT)
+      traceback.print_exc()
+      print(f"  flashinfer {label}: skipped")
+      continue
+    record("flashinfer", label, out, (), torch_run=run)
+  del kv
+
+
+def run_spec(name, spec, quick, time_budget_s, with_flashinfer=True):
   rows = []
   t_spec = time.perf_counter()
   b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
-  q, k_pages, v_pages, table, kv_lens = make_inputs(b, s, ps)
-  nbytes = bytes_moved(b, np.asarray(kv_lens), ps)
-  scale = HEAD_DIM**-0.5
+  heads = spec.get("heads", LLAMA3_8B)
+  hq, hkv, d = heads
+  q, k_pages, v_pages, table, kv_lens = make_inputs(b, s, ps, heads=heads)
+  nbytes = bytes_moved(b, np.asarray(kv_lens), ps, heads=heads)
+  scale = d**-0.5
   expected, _ = reference.paged_decode_reference(
       q.astype(jnp.float32), k_pages.astype(jnp.float32),
       v_pages.astype(jnp.float32), table, table, kv_lens, sm_scale=scale)
   expected = jax.block_until_ready(expected)
 
-  def record(impl, config_name, fn, args, check=True):
+  iters, min_time_s = (15, 0.15) if quick else (30, 0.3)
+
+  def record(impl, config_name, fn, args, check=True, torch_run=None):
     try:
-      out = fn(*args)
-      out = out[0] if isinstance(out, tuple) else out
+      if torch_run is None:
+        out = fn(*args)
+        out = out[0] if isinstance(out, tuple) else out
+      else:
+        out = fn  # a peer's output, computed by its wrapper
       err = rel_err(out, expected) if check else None
       ok = err is not None and err < 2e-2
-      t = _timing.time_fn(fn, *args, iters=30, min_time_s=0.3)
-      # GPU kernel time alone (profiler): back-to-back calls above also pay
-      # XLA's per-call launch, 10-15% of a 0.3 ms kernel.
-      t["kernel_ms"] = _timing.device_kernel_ms(fn, lambda: args, calls=10)
+      if torch_run is None:
+        t = _timing.time_fn(fn, *args, iters=iters, min_time_s=min_time_s)
+        # GPU kernel time alone (profiler): back-to-back calls above also
+        # pay XLA's per-call launch, 10-15% of a 0.3 ms kernel and up to a
+        # third of a small-head one.
+        t["kernel_ms"] = _timing.device_kernel_ms(fn, lambda: args, calls=10)
+      else:
+        t = dict(median_ms=_flashinfer.torch_time(torch_run, iters=iters,
+                                                  min_time_s=min_time_s),
+                 kernel_ms=_flashinfer.kernel_ms(torch_run, calls=10))
       row = dict(spec=name, impl=impl, config=config_name, **spec,
                  rel_err=err, correct=ok, bytes_moved=nbytes, **t,
                  achieved_tbps=nbytes / (t["median_ms"] * 1e-3) / 1e12,
@@ -215,9 +294,9 @@ def run_spec(name, spec, quick, time_budget_s):
         # never report bandwidth of a wrong kernel
         row["achieved_tbps"] = row["kernel_tbps"] = None
       rows.append(row)
-      print(f"  {impl:10s} {config_name:24s} {t['median_ms']:.4f} ms "
-            f"{nbytes / (t['median_ms'] * 1e-3) / 1e12:.3f} TB/s err={err}",
-            flush=True)
+      print(f"  {impl:10s} {config_name:26s} {t['median_ms']:.4f} ms "
+            f"{nbytes / (t['median_ms'] * 1e-3) / 1e12:.3f} TB/s, kernel "
+            f"{t['kernel_ms']:.4f} ms, err={err:.2g}", flush=True)
     except Exception:  # noqa: BLE001
       print(f"  {impl} {config_name} FAILED")
       traceback.print_exc()
@@ -232,10 +311,11 @@ def run_spec(name, spec, quick, time_budget_s):
         q, k, v, t, t, n, sm_scale=scale, config=cfg))
     record("pallas", cname, fn, (q, k_pages, v_pages, table, kv_lens))
 
+  if with_flashinfer:
+    peer_flashinfer(record, q, k_pages, v_pages, table, kv_lens, heads)
+
   # The default again, last: its spread between the two timings is the noise.
-  cfg = kernel.Config.default_for(
-      batch_size=b, num_kv_heads=NUM_KV_HEADS, page_size=ps, max_pages=s // ps,
-      head_dim=HEAD_DIM)
+  cfg = default_config(spec)
   fn = jax.jit(lambda q, k, v, t, n, cfg=cfg: kernel.paged_decode(
       q, k, v, t, t, n, sm_scale=scale, config=cfg))
   record("pallas", "default_repeat", fn, (q, k_pages, v_pages, table, kv_lens))
@@ -306,6 +386,7 @@ def plot(path):
       "pkvattn pallas (best)": lambda r: r["impl"] == "pallas",
       "pkvattn pallas (default)": lambda r: r["impl"] == "pallas" and r["config"] == "default",
       "pkvattn xla": lambda r: r["impl"] == "xla",
+      "FlashInfer 0.7.2 (faster mode)": lambda r: r["impl"] == "flashinfer",
       "JAX paged_attention (defaults)": lambda r: r["impl"] == "jax_paged_attention" and r["config"] == "defaults",
       "JAX paged_attention (best)": lambda r: r["impl"] == "jax_paged_attention",
   }
@@ -325,9 +406,10 @@ def plot(path):
     ax.axhline(best, color="r", ls="--", lw=1,
                label=f"best measured roof {best:.2f} TB/s")
   ax.set_xticks(np.arange(len(specs)) + 0.4 - width / 2)
-  ax.set_xticklabels([s.replace("llama3_8b_decode_", "") for s in specs])
+  ax.set_xticklabels([s.replace("_decode", "") for s in specs], fontsize=7,
+                     rotation=20)
   ax.set_ylabel("KV bandwidth, TB/s (decimal)")
-  ax.set_title(f"Paged decode, Llama-3-8B heads, bf16 — {data['device']} "
+  ax.set_title(f"Paged decode, bf16 — {data['device']} "
                f"({data['date'][:10]})")
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
@@ -342,6 +424,8 @@ def main():
   ap.add_argument("--plot", default=None)
   ap.add_argument("--specs", default=",".join(SPECS))
   ap.add_argument("--spec-budget-s", type=float, default=60.0)
+  ap.add_argument("--no-flashinfer", action="store_true",
+                  help="skip the FlashInfer peer")
   args = ap.parse_args()
   if args.plot:
     plot(args.plot)
@@ -364,9 +448,13 @@ def main():
   best_roof = max(roofs.values())
   print(f"copy roof {roof:.3f} TB/s; cross-checks {roofs}", flush=True)
   rows = []
+  device = env["device"].replace(" ", "_")
   for name in args.specs.split(","):
     print(name, flush=True)
-    rows += run_spec(name, SPECS[name], args.quick, args.spec_budget_s)
+    rows += run_spec(name, SPECS[name], args.quick, args.spec_budget_s,
+                     with_flashinfer=not args.no_flashinfer)
+    # Partial results survive a run cut short.
+    _timing.write_results(f"decode_{device}_partial", rows, out_dirs=())
   for r in rows:
     if r.get("achieved_tbps"):
       r["fraction_of_copy_roof"] = r["achieved_tbps"] / roof
@@ -374,10 +462,19 @@ def main():
   for name in args.specs.split(","):
     xla = [r for r in rows if r["spec"] == name and r["impl"] == "xla"
            and "median_ms" in r]
+    fi = [r for r in rows if r["spec"] == name and r["impl"] == "flashinfer"
+          and r.get("correct")]
+    fi_ms = min((r["median_ms"] for r in fi), default=None)
+    fi_kernel = min((r["kernel_ms"] for r in fi if r.get("kernel_ms")),
+                    default=None)
     for r in rows:
       if r["spec"] == name and xla and "median_ms" in r:
         r["speedup_vs_xla"] = xla[0]["median_ms"] / r["median_ms"]
-  device = env["device"].replace(" ", "_")
+      # > 1: faster than FlashInfer's faster decode mode on this spec.
+      if r["spec"] == name and r.get("correct") and fi_ms:
+        r["x_flashinfer"] = fi_ms / r["median_ms"]
+        if fi_kernel and r.get("kernel_ms"):
+          r["x_flashinfer_kernel"] = fi_kernel / r["kernel_ms"]
   _timing.write_results(f"decode_{device}", rows, extra=dict(
       copy_roof_tbps=roof, roofs_tbps=roofs, best_roof_tbps=best_roof,
       gpu_correctness=correctness, hlo_pool_copies=hlo))
@@ -390,24 +487,31 @@ def main():
     for label, r in (("pallas best", best("pallas")),
                      ("pallas default", best("pallas", "default")),
                      ("pallas default again", best("pallas", "default_repeat")),
+                     ("pallas default, fi layout",
+                      best("pallas", "default, flashinfer layout")),
+                     ("flashinfer cuda cores", best("flashinfer", "cuda cores")),
+                     ("flashinfer tensor cores",
+                      best("flashinfer", "tensor cores")),
                      ("xla", best("xla")),
                      ("jax_pa defaults", best("jax_paged_attention", "defaults")),
                      ("jax_pa best", best("jax_paged_attention"))):
       if r:
-        summary.append(dict(spec=name.replace("llama3_8b_decode_", ""),
+        summary.append(dict(spec=name.replace("_decode", ""),
                             impl=label, config=r["config"],
                             ms=r["median_ms"], tbps=r["achieved_tbps"],
                             x_roof=r["achieved_tbps"] / roof,
                             x_best_roof=r["achieved_tbps"] / best_roof,
                             kernel_ms=r.get("kernel_ms"),
                             kernel_tbps=r.get("kernel_tbps"),
+                            x_fi=r.get("x_flashinfer"),
+                            x_fi_kernel=r.get("x_flashinfer_kernel"),
                             kernel_x_best_roof=(r["kernel_tbps"] / best_roof
                                                 if r.get("kernel_tbps")
                                                 else None)))
   print(f"\nroofs {roofs} TB/s on {env['device']}")
-  _timing.print_table(summary, ["spec", "impl", "config", "ms", "tbps",
-                                "x_roof", "x_best_roof", "kernel_ms",
-                                "kernel_tbps", "kernel_x_best_roof"])
+  _timing.print_table(summary, ["spec", "impl", "ms", "tbps", "x_roof",
+                                "kernel_ms", "kernel_tbps",
+                                "kernel_x_best_roof", "x_fi", "x_fi_kernel"])
   _timing.write_results(f"decode_{device}_summary", summary,
                         extra=dict(roofs_tbps=roofs))
 

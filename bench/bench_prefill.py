@@ -3,15 +3,22 @@
 Run on the GPU machine from the repository root, with `pkvattn` importable
 (installed, or a folder mapping `pkvattn.pallas_kernels` / `pkvattn.cache`):
   python bench/bench_prefill.py [--quick] [--specs b4_s4096,mixed]
+                                [--no-flashinfer]
 
-Specs (Llama-3-8B attention: 32 qo heads, 8 kv heads, head_dim 128, bf16,
-page_size 16 unless named):
+Specs (bf16, page_size 16 unless named; heads as num_qo_heads /
+num_kv_heads / head_dim, Llama-3-8B's 32/8/128 unless named):
   causal_b4_s4096_p16, causal_b4_s4096_p64, causal_b1_s16384_p16: full causal
     prefill (q_len = kv_len = S);
-  mixed_2x2048_64x4096: one engine step: 2 prompts of 2048 tokens + 64
-    decode rows (q_len 1) at kv_len 4096.
+  mixed_2x2048_64x4096_p16: one engine step: 2 prompts of 2048 tokens + 64
+    decode rows (q_len 1) at kv_len 4096;
+  causal_b4_s4096_p16_d64: Llama-3.2-1B heads (32/8/64);
+  causal_b4_s4096_p16_smollm2: SmolLM2 heads (9/3/64, a GQA group of 3).
+The head_dim-64 specs sweep the default config, the Pallas-Triton default
+and, where the default is not the Mosaic-GPU kernel, the Mosaic-GPU one
+(`backend="mosaic"`; a config that fails to compile or run is reported and
+skipped).
 
-FLOPs: the issue's convention, causal prefill = `2 * S**2 * head_dim *
+FLOPs: the usual convention, causal prefill = `2 * S**2 * head_dim *
 num_qo_heads` per sequence (QK^T and PV over the causal half, 2 FLOPs per
 multiply-add). For the mixed batch: `4 * head_dim * num_qo_heads * pairs`,
 with `pairs` the exact number of visible (query, key) pairs (the same
@@ -21,19 +28,40 @@ Peers, timed on the same K/V made contiguous: cuDNN
 (`jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`), JAX's
 contiguous Pallas `mha` (`jax.experimental.pallas.ops.gpu.attention.mha`, at its
 defaults and at block_q=128, block_k=64, num_warps=4, num_stages=2; it has no
-GQA, so K/V are repeated to 32 heads, which does not change its FLOPs), the
-pkvattn xla reference where it fits, and the bf16 matmul roof. Before timing,
-each spec is checked: the whole output against cuDNN, and the last tokens
-(the most expensive tiles) against the f32 xla reference; every swept config
-against the checked default. Small NaN-poisoned cases (all kernel features,
-GQA 1/2/4/8, pages 8..64, head_dim 64/128/256) are checked against the
-float64 oracle of the tests first. Timings: the fastest of `ROUNDS`
-interleaved rounds' medians (the shared GPU's clocks drift by 10-20%), per
-call (`median_ms`, launch and our plan's small ops included) and in GPU
-kernel time from a profiler trace (`kernel_ms`, the `*_kernel` ratios of the
-summary; "pallas best" is picked by it).
+GQA, so K/V are repeated to all qo heads, which does not change its FLOPs),
+the pkvattn xla reference where it fits, and the bf16 matmul roof. A peer
+that fails on a shape is reported and left out.
 
-Writes bench/results/prefill_<device>.json (and $OUT/…) and a PNG.
+FlashInfer 0.7.2's paged prefill (`BatchPrefillWithPagedKVCacheWrapper`,
+FA3 backend, "flashinfer fa3") runs in the same process on the very same
+pages: each spec's pages are copied once into FlashInfer's NHD layout
+`[num_pages, 2, page_size, num_kv_heads, head_dim]` (pkvattn's "flashinfer"
+kv_cache format) with a shared page table, and both FlashInfer and
+`pkvattn.paged_prefill(impl="pallas")` ("pkvattn default, flashinfer
+layout") read that buffer (handed to torch by DLPack, no copy). FlashInfer's
+output is checked against pkvattn's on it. It is timed in the same
+interleaved rounds as every other entry and the same way: back-to-back
+calls with one synchronize per sample (`_flashinfer.torch_time`), and GPU
+kernel time from the same profiler trace (`_flashinfer.kernel_ms`). Needs a
+CUDA build of torch and the wheels `flashinfer-python==0.7.2.post1` +
+`apache-tvm-ffi==0.1.15.post2`; FlashInfer's kernels JIT-compile on first use
+(~70 s for the FA3 prefill, once per head configuration). Without them (or
+with `--no-flashinfer`) the FlashInfer rows are skipped.
+
+Before timing, each spec is checked: the whole output against cuDNN, and the
+last tokens (the most expensive tiles) against the f32 xla reference; every
+swept config against the checked default. Small NaN-poisoned cases (all
+kernel features, GQA 1/2/4/8, pages 8..64, head_dim 64/128/256) are checked
+against the float64 oracle of the tests first. Timings: the fastest of
+`ROUNDS` interleaved rounds' medians (the shared GPU's clocks drift by
+10-20%), per call (`median_ms`, launch and our plan's small ops included) and
+in GPU kernel time from a profiler trace (`kernel_ms`, the `*_kernel` ratios
+of the summary; "pallas best" is picked by it). Summary ratios are pkvattn's
+TFLOP/s over the peer's (> 1: pkvattn faster): `{best,default}_vs_cudnn`,
+`..._vs_mha_best`, `..._vs_flashinfer` (and `layout_vs_flashinfer`, the
+public API on FlashInfer's own pages), each also as `..._kernel`.
+
+Writes bench/results/prefill_<device>.json (and $OUT/...) and a PNG.
 """
 
 from __future__ import annotations
@@ -45,6 +73,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +85,16 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(_ROOT)
 sys.path.append(os.path.join(_ROOT, "tests"))
 
+from bench import _flashinfer  # noqa: E402
 from bench import _timing  # noqa: E402
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
 from pkvattn.pallas_kernels import reference  # noqa: E402
 
-HQ, HKV, D = 32, 8, 128
+# Attention heads (num_qo_heads, num_kv_heads, head_dim) of the specs.
+LLAMA3_8B = (32, 8, 128)
+LLAMA32_1B = (32, 8, 64)
+SMOLLM2 = (9, 3, 64)
+HQ, HKV, D = LLAMA3_8B  # the default heads (build_spec's, prefill_diag's)
 ROUNDS = 2
 DTYPE = jnp.bfloat16
 
@@ -138,29 +172,31 @@ def check_small(seed: int = 0) -> list[dict]:
 # Big specs.
 # --------------------------------------------------------------------------
 
-def build_spec(key, q_lens, kv_lens, page_size):
+def build_spec(key, q_lens, kv_lens, page_size, heads=LLAMA3_8B):
   """Random q and contiguous K/V, scattered into a shuffled paged pool.
 
-  Returns dict with q [T, HQ, D], k/v contiguous lists, pool [N, ps, HKV, D]
+  `heads` = (num_qo_heads HQ, num_kv_heads HKV, head_dim D). Returns dict
+  with q [T, HQ, D], k/v contiguous [B, S, HKV, D], pool [N, ps, HKV, D]
   (split table: K and V pages in one pool), k_table/v_table, q_indptr,
   kv_lens.
   """
+  hq, hkv, d = heads
   batch_size = len(kv_lens)
   kq, kk, kv_, kp = jax.random.split(key, 4)
   t = int(sum(q_lens))
-  q = jax.random.normal(kq, (t, HQ, D), jnp.float32).astype(DTYPE)
+  q = jax.random.normal(kq, (t, hq, d), jnp.float32).astype(DTYPE)
   s_max = int(max(kv_lens))
   max_pages = -(-s_max // page_size)
-  k = jax.random.normal(kk, (batch_size, max_pages * page_size, HKV, D),
+  k = jax.random.normal(kk, (batch_size, max_pages * page_size, hkv, d),
                         jnp.float32).astype(DTYPE)
-  v = jax.random.normal(kv_, (batch_size, max_pages * page_size, HKV, D),
+  v = jax.random.normal(kv_, (batch_size, max_pages * page_size, hkv, d),
                         jnp.float32).astype(DTYPE)
   num_pages = 2 * batch_size * max_pages + 7
   perm = jax.random.permutation(kp, num_pages)[:2 * batch_size * max_pages]
   ids = perm.reshape(batch_size, 2, max_pages).astype(jnp.int32)
-  pool = jnp.full((num_pages, page_size, HKV, D), jnp.nan, DTYPE)
-  kb = k.reshape(batch_size * max_pages, page_size, HKV, D)
-  vb = v.reshape(batch_size * max_pages, page_size, HKV, D)
+  pool = jnp.full((num_pages, page_size, hkv, d), jnp.nan, DTYPE)
+  kb = k.reshape(batch_size * max_pages, page_size, hkv, d)
+  vb = v.reshape(batch_size * max_pages, page_size, hkv, d)
   pool = pool.at[ids[:, 0].reshape(-1)].set(kb)
   pool = pool.at[ids[:, 1].reshape(-1)].set(vb)
   # -1 past each sequence's pages (never read).
@@ -202,18 +238,42 @@ def mha_fn(sm_scale: float, causal: bool, best: bool):
       q, k, v, None, sm_scale=sm_scale, causal=causal, **kw))
 
 
+def flashinfer_cache(sp, page_size):
+  """The spec's pages in FlashInfer's NHD layout `[batch * max_pages, 2,
+  page_size, num_kv_heads, head_dim]` and its shared page table.
+
+  Page `b * max_pages + i` holds `[pool[k_table[b, i]], pool[v_table[b,
+  i]]]` (K at index 0, V at 1); blocks past a sequence's pages (-1 in the
+  split tables, never read) hold a copy of a valid page.
+  """
+  kt = np.asarray(sp["k_table"])
+  vt = np.asarray(sp["v_table"])
+  batch_size, max_pages = kt.shape
+  fill_k, fill_v = int(kt[kt >= 0][0]), int(vt[vt >= 0][0])
+  kt = np.where(kt >= 0, kt, fill_k).reshape(-1)
+  vt = np.where(vt >= 0, vt, fill_v).reshape(-1)
+  pool = sp["pool"]
+  cache = jnp.stack([pool[jnp.asarray(kt)], pool[jnp.asarray(vt)]], axis=1)
+  table = np.arange(batch_size * max_pages, dtype=np.int32).reshape(
+      batch_size, max_pages)
+  assert cache.shape[2] == page_size
+  return cache, table
+
+
 def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
-             rows, checks):
-  sm_scale = 1 / math.sqrt(D)
+             rows, checks, heads=LLAMA3_8B, with_flashinfer=True):
+  hq, hkv, d = heads
+  sm_scale = 1 / math.sqrt(d)
   sp = build_spec(jax.random.key(hash(name) % 2**31), q_lens, kv_lens,
-                  page_size)
+                  page_size, heads)
   is_prompt = all(ql == kl for ql, kl in zip(q_lens, kv_lens)) and len(
       set(q_lens)) == 1
   if is_prompt:
     s = q_lens[0]
-    flops = 2 * s * s * D * HQ * len(q_lens)  # the issue's formula
+    flops = 2 * s * s * d * hq * len(q_lens)  # the usual formula
   else:
-    flops = 4 * D * HQ * visible_pairs(q_lens, kv_lens)
+    flops = 4 * d * hq * visible_pairs(q_lens, kv_lens)
+  heads_tag = f"{hq}/{hkv}/{d}"
 
   def pallas_fn(cfg):
     @jax.jit
@@ -248,14 +308,14 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
   if is_prompt:
     b = len(q_lens)
     s = q_lens[0]
-    qc = sp["q"].reshape(b, s, HQ, D)
+    qc = sp["q"].reshape(b, s, hq, d)
     kc = sp["k"][:, :s]
     vc = sp["v"][:, :s]
     cud_fn = cudnn_fn(sm_scale, True)
     cud_args = (qc, kc, vc)
     try:
       cud_out = jax.block_until_ready(cud_fn(*cud_args))
-      err = rel_err(out.reshape(b, s, HQ, D), cud_out)
+      err = rel_err(out.reshape(b, s, hq, d), cud_out)
       checks.append(dict(spec=name, check="all tokens vs cuDNN contiguous",
                          rel_err=err, ok=err < 1e-2))
     except Exception as e:  # noqa: BLE001
@@ -269,7 +329,7 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     dk = kv_lens[decodes[0]]
     qi = np.asarray(sp["q_indptr"])
     qp = jnp.concatenate([sp["q"][qi[i]:qi[i + 1]] for i in prompts]).reshape(
-        len(prompts), sp_len, HQ, D)
+        len(prompts), sp_len, hq, d)
     kp = sp["k"][jnp.asarray(prompts), :sp_len]
     vp = sp["v"][jnp.asarray(prompts), :sp_len]
     qd = jnp.stack([sp["q"][qi[i]] for i in decodes])[:, None]
@@ -295,7 +355,9 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
 
   # Collect every timed callable first, then time them in ROUNDS interleaved
   # rounds and keep the fastest round's median: the shared GPU's clocks drift
-  # by 10-20% over a run, and interleaving keeps the ratios fair.
+  # by 10-20% over a run, and interleaving keeps the ratios fair. An entry
+  # whose extra has runtime="torch" is a torch launch `fn()` (FlashInfer),
+  # timed by `_flashinfer`'s twins of the jax timers.
   entries = []  # (impl, fn, args, cfg, extra)
 
   for i, cfg in enumerate(configs):
@@ -314,7 +376,13 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     fn = pallas_fn(cfg)
     ok = True
     if i > 0 and not diag:  # every config must match the checked default
-      err = rel_err(fn(*args), out)
+      try:
+        err = rel_err(fn(*args), out)
+      except Exception as e:  # noqa: BLE001  (a backend that rejects a shape)
+        print(f"  {tag}: failed, skipped: {repr(e)[:400]}")
+        checks.append(dict(spec=name, check=f"{tag} runs", ok=None,
+                           skipped=repr(e)[:400]))
+        continue
       ok = err < 1e-2
       if not ok:
         print(f"  {tag}: mismatch vs default, rel_err={err:.3g}")
@@ -336,23 +404,76 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
   if cud_fn is not None:
     entries.append(("cudnn contiguous", cud_fn, cud_args, None, {}))
   if with_mha and is_prompt:
-    kr = jnp.repeat(kc, HQ // HKV, axis=2)
-    vr = jnp.repeat(vc, HQ // HKV, axis=2)
+    kr = jnp.repeat(kc, hq // hkv, axis=2)
+    vr = jnp.repeat(vc, hq // hkv, axis=2)
     entries.append(("jax pallas mha (defaults)",
                     mha_fn(sm_scale, True, best=False), (qc, kr, vr), None,
                     {}))
     entries.append(("jax pallas mha (128/64/w4/s2)",
                     mha_fn(sm_scale, True, best=True), (qc, kr, vr), None,
                     {}))
+  if with_flashinfer:
+    # FlashInfer and pkvattn's public API on the very same pages, in
+    # FlashInfer's layout (shared table).
+    fi_cache = fi_table = pk_out = None
+    try:
+      import pkvattn  # pylint: disable=import-outside-toplevel
+      fi_cache, fi_table = flashinfer_cache(sp, page_size)
+      layout_fn = jax.jit(lambda q, c, t, qi, kl: pkvattn.paged_prefill(
+          q, c, t, qi, kl, impl="pallas", causal=True, sm_scale=sm_scale))
+      layout_args = (sp["q"], fi_cache, jnp.asarray(fi_table),
+                     sp["q_indptr"], sp["kv_lens"])
+      pk_out = jax.block_until_ready(layout_fn(*layout_args))
+      err = rel_err(pk_out, out)
+      checks.append(dict(spec=name, check="pkvattn flashinfer layout vs "
+                         "split pool default", rel_err=err, ok=err < 1e-2))
+      entries.append(("pkvattn default, flashinfer layout", layout_fn,
+                      layout_args, None, dict(matches_default=err < 1e-2)))
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      print(f"  {name} pkvattn default, flashinfer layout failed: "
+            f"{repr(e)[:300]}")
+    if fi_cache is not None:
+      try:
+        t_jit = time.time()
+        run, fi_out = _flashinfer.prefill_fn(
+            sp["q"], fi_cache, fi_table, np.asarray(sp["q_indptr"]),
+            np.asarray(sp["kv_lens"]), num_qo_heads=hq, num_kv_heads=hkv,
+            causal=True, sm_scale=sm_scale, backend="fa3")
+        print(f"  flashinfer fa3 planned and run once "
+              f"({time.time() - t_jit:.1f}s, JIT included)", flush=True)
+        ref = pk_out if pk_out is not None else out
+        err = rel_err(fi_out, ref)
+        ok = err < 1e-2
+        checks.append(dict(spec=name, check="flashinfer fa3 vs pkvattn "
+                           "(same pages)", rel_err=err, ok=ok))
+        if not ok:
+          print(f"  flashinfer fa3: mismatch vs pkvattn, rel_err={err:.3g}")
+        entries.append(("flashinfer fa3", run, (), None,
+                        dict(runtime="torch", matches_pkvattn=ok)))
+      except Exception as e:  # noqa: BLE001  (no flashinfer wheel, no JIT)
+        if not isinstance(e, ImportError):
+          traceback.print_exc()
+        print(f"  {name} flashinfer fa3: skipped ({repr(e)[:300]})")
+        checks.append(dict(spec=name, check="flashinfer fa3 vs pkvattn "
+                           "(same pages)", ok=None,
+                           skipped=repr(e)[:300]))
   timings = {}
   kernel_ms = {}
   for rnd in range(ROUNDS):
-    for impl, fn, fargs, _, _ in entries:
+    for impl, fn, fargs, _, extra in entries:
       try:
-        t = _timing.time_fn(fn, *fargs, iters=10, min_time_s=0.1)
-        # GPU kernel time (profiler): launch gaps and host time excluded, so
-        # peers with one kernel and ours with its plan ops compare fairly.
-        k = _timing.device_kernel_ms(fn, lambda fargs=fargs: fargs, calls=3)
+        if extra.get("runtime") == "torch":
+          t = dict(median_ms=_flashinfer.torch_time(fn, iters=10,
+                                                    min_time_s=0.1))
+          k = _flashinfer.kernel_ms(fn, calls=3)
+        else:
+          t = _timing.time_fn(fn, *fargs, iters=10, min_time_s=0.1)
+          # GPU kernel time (profiler): launch gaps and host time excluded,
+          # so peers with one kernel and ours with its plan ops compare
+          # fairly.
+          k = _timing.device_kernel_ms(fn, lambda fargs=fargs: fargs,
+                                       calls=3)
       except Exception as e:  # noqa: BLE001
         print(f"{name} {impl} failed: {repr(e)[:400]}")
         continue
@@ -374,9 +495,9 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     ts = timings[impl]
     t = dict(min(ts, key=lambda x: x["median_ms"]))
     t["round_medians_ms"] = [x["median_ms"] for x in ts]
-    row = dict(spec=name, impl=impl, page_size=page_size, **t,
-               tflops=flops / (t["median_ms"] * 1e-3) / 1e12, **extra)
-    if kernel_ms.get(impl):
+    row = dict(spec=name, impl=impl, heads=heads_tag, page_size=page_size,
+               **t, tflops=flops / (t["median_ms"] * 1e-3) / 1e12, **extra)
+    if kernel_ms.get(impl) and min(kernel_ms[impl]) > 0:
       row["kernel_ms"] = min(kernel_ms[impl])
       row["tflops_kernel"] = flops / (row["kernel_ms"] * 1e-3) / 1e12
     if cfg is not None:
@@ -396,6 +517,28 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     rows.append(dict(best, impl="pallas best", best_of=best["impl"]))
 
 
+def small_head_configs(heads, page_size: int) -> list:
+  """The head_dim-64 sweep: the default, the Pallas-Triton default and, where
+  the default is not the Mosaic-GPU kernel, the Mosaic-GPU one (at most 3,
+  duplicates dropped; a Mosaic-GPU config the kernel rejects is skipped at
+  run time)."""
+  hq, hkv, d = heads
+  kw = dict(group_size=hq // hkv, head_dim=d, page_size=page_size,
+            dtype=DTYPE)
+  configs = [pp.Config.default_for(**kw),
+             pp.Config.default_for(**kw, backend="triton")]
+  if configs[0].backend != "mosaic":
+    try:
+      configs.append(pp.Config.default_for(**kw, backend="mosaic"))
+    except Exception as e:  # noqa: BLE001
+      print(f"mosaic config for heads {hq}/{hkv}/{d}: {repr(e)[:200]}")
+  out = []
+  for c in configs:
+    if c not in out:
+      out.append(c)
+  return out[:3]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
@@ -404,24 +547,31 @@ def main():
   ap.add_argument("--configs", default="",
                   help="';'-separated positional Config ints (block_q,block_k,"
                   "warps,stages,...) overriding every sweep (first = default)")
+  ap.add_argument("--skip-small-checks", action="store_true",
+                  help="skip the small NaN-poisoned oracle checks")
+  ap.add_argument("--no-flashinfer", action="store_true",
+                  help="skip FlashInfer's FA3 prefill (and pkvattn on its "
+                  "page layout)")
   a = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
   t0 = time.time()
-  checks = [dict(check="small", **r) for r in check_small()]
+  checks = ([] if a.skip_small_checks
+            else [dict(check="small", **r) for r in check_small()])
   for c in checks:
     print(c, flush=True)
   print(f"small checks {time.time() - t0:.1f}s", flush=True)
   C = pp.Config
-  default = C.default_for(group_size=HQ // HKV, head_dim=D, page_size=16,
+  hq, hkv, d = LLAMA3_8B  # the heads of the main sweeps
+  default = C.default_for(group_size=hq // hkv, head_dim=d, page_size=16,
                           dtype=DTYPE)
   R = dataclasses.replace
   # On Hopper the default is the Mosaic-GPU kernel; the Pallas-Triton
-  # kernel's default and the session-2 Triton default (256 rows on 8 warps,
+  # kernel's default and an older Triton default (256 rows on 8 warps,
   # 2 stages, libdevice exp2) stay in the sweep as before/after references.
-  triton = C.default_for(group_size=HQ // HKV, head_dim=D, page_size=16,
+  triton = C.default_for(group_size=hq // hkv, head_dim=d, page_size=16,
                          dtype=DTYPE, backend="triton")
-  before = R(triton, block_q=256 // 4, num_warps=8, num_stages=2,
+  before = R(triton, block_q=256 // (hq // hkv), num_warps=8, num_stages=2,
              heads_outer=False, fast_exp2=False)
   if default.backend == "mosaic":
     sweeps = {
@@ -440,6 +590,7 @@ def main():
     }
   if a.quick:
     sweeps = {k: v[:3] for k, v in sweeps.items()}
+  over = None
   if a.configs:
     over = [C(*[int(x) for x in c.split(",")]) for c in a.configs.split(";")]
     sweeps = {k: over for k in sweeps}
@@ -447,38 +598,55 @@ def main():
   roofs = dict(matmul_roof_tflops=_timing.matmul_roof_tflops(),
                copy_roof_gbps=_timing.copy_roof_gbps())
   print(roofs, flush=True)
+  # (name, q_lens, kv_lens, page_size, with_xla, heads)
   specs = [
-      ("causal_b4_s4096_p16", [4096] * 4, [4096] * 4, 16, True),
-      ("causal_b1_s16384_p16", [16384], [16384], 16, False),
-      ("causal_b4_s4096_p64", [4096] * 4, [4096] * 4, 64, False),
+      ("causal_b4_s4096_p16", [4096] * 4, [4096] * 4, 16, True, LLAMA3_8B),
+      ("causal_b1_s16384_p16", [16384], [16384], 16, False, LLAMA3_8B),
+      ("causal_b4_s4096_p64", [4096] * 4, [4096] * 4, 64, False, LLAMA3_8B),
       ("mixed_2x2048_64x4096_p16", [2048] * 2 + [1] * 64,
-       [2048] * 2 + [4096] * 64, 16, True),
+       [2048] * 2 + [4096] * 64, 16, True, LLAMA3_8B),
+      ("causal_b4_s4096_p16_d64", [4096] * 4, [4096] * 4, 16, False,
+       LLAMA32_1B),
+      ("causal_b4_s4096_p16_smollm2", [4096] * 4, [4096] * 4, 16, False,
+       SMOLLM2),
   ]
   if a.specs != "all":
     keep = a.specs.split(",")
     specs = [s for s in specs if any(k in s[0] for k in keep)]
-  for name, ql, kl, ps, xla in specs:
+  for name, ql, kl, ps, xla, heads in specs:
     t1 = time.time()
-    kind = ("mixed" if "mixed" in name else "p64" if "p64" in name
-            else "causal")
-    run_spec(name, ql, kl, ps, sweeps[kind],
-             with_xla=xla, with_mha=True, rows=rows, checks=checks)
+    if heads == LLAMA3_8B:
+      kind = ("mixed" if "mixed" in name else "p64" if "p64" in name
+              else "causal")
+      configs = sweeps[kind]
+    else:
+      configs = over or small_head_configs(heads, ps)
+    print(f"{name} heads {heads}: {len(configs)} configs", flush=True)
+    try:
+      run_spec(name, ql, kl, ps, configs, with_xla=xla, with_mha=True,
+               rows=rows, checks=checks, heads=heads,
+               with_flashinfer=not a.no_flashinfer)
+    except Exception as e:  # noqa: BLE001  (keep the other specs going)
+      traceback.print_exc()
+      checks.append(dict(spec=name, check="spec runs", ok=False,
+                         error=repr(e)[:400]))
     print(f"{name}: {time.time() - t1:.1f}s", flush=True)
   # Ratios.
   summary = []
-  for name, *_ in specs:
+  for name, *_, heads in specs:
     by = {r["impl"]: r for r in rows if r["spec"] == name}
     best = by.get("pallas best")
     dflt = next((r for r in rows if r["spec"] == name and
                  r["impl"].endswith("(default)")), None)
-    s = dict(spec=name)
+    s = dict(spec=name, heads="/".join(map(str, heads)))
     for k, r in (("best", best), ("default", dflt)):
       if r is None:
         continue
       s[f"pallas_{k}_tflops"] = r["tflops"]
       s[f"pallas_{k}_tflops_kernel"] = r.get("tflops_kernel")
       for peer, tag in (("cudnn contiguous", "cudnn"),
-                        ("jax pallas mha (128/64/w4/s2)", "mha_best")):
+                        ("jax pallas mha (128/64/w4/s2)", "mha_best"),
+                        ("flashinfer fa3", "flashinfer")):
         if peer not in by:
           continue
         s[f"{k}_vs_{tag}"] = r["tflops"] / by[peer]["tflops"]
@@ -488,6 +656,15 @@ def main():
       if "pkvattn xla" in by:
         s[f"speedup_vs_xla_{k}"] = (by["pkvattn xla"]["median_ms"]
                                     / r["median_ms"])
+    # The public API and FlashInfer on the very same pages (FlashInfer's
+    # layout, shared table).
+    lay, fi = by.get("pkvattn default, flashinfer layout"), by.get(
+        "flashinfer fa3")
+    if lay is not None and fi is not None:
+      s["layout_vs_flashinfer"] = lay["tflops"] / fi["tflops"]
+      if lay.get("tflops_kernel") and fi.get("tflops_kernel"):
+        s["layout_vs_flashinfer_kernel"] = (lay["tflops_kernel"]
+                                            / fi["tflops_kernel"])
     summary.append(s)
   dev = env["device"].replace(" ", "_")
   paths = _timing.write_results(
@@ -504,34 +681,43 @@ def main():
       print("plot failed:", repr(e)[:200])
   print()
   _timing.print_table([c for c in checks], ["spec", "case", "check", "rel_err",
-                                            "max_abs_err", "ok"])
+                                            "max_abs_err", "ok", "skipped"])
   print()
   _timing.print_table(rows, ["spec", "impl", "median_ms", "tflops",
                              "kernel_ms", "tflops_kernel"])
   print()
-  _timing.print_table(summary, list(summary[0].keys()) if summary else [])
+  cols = []  # every spec's keys (the peers differ per spec)
+  for s in summary:
+    cols += [c for c in s if c not in cols]
+  _timing.print_table(summary, cols)
 
 
 def plot(rows, specs, dev, roofs):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  impls = ["pallas best", "cudnn contiguous", "jax pallas mha (defaults)",
-           "jax pallas mha (128/64/w4/s2)", "pkvattn xla"]
+  impls = ["pallas best", "flashinfer fa3", "cudnn contiguous",
+           "jax pallas mha (defaults)", "jax pallas mha (128/64/w4/s2)",
+           "pkvattn xla"]
   names = [s[0] for s in specs]
-  fig, ax = plt.subplots(figsize=(10, 4.5))
-  w = 0.16
+  heads = ["/".join(map(str, s[-1])) for s in specs]
+  fig, ax = plt.subplots(figsize=(max(10, 1.9 * len(names)), 4.5))
+  w = 0.8 / len(impls)
   for i, impl in enumerate(impls):
     vals = [next((r.get("tflops_kernel") or r["tflops"] for r in rows
                   if r["spec"] == n and r["impl"] == impl), 0.0)
             for n in names]
-    ax.bar(np.arange(len(names)) + (i - 2) * w, vals, w, label=impl)
+    ax.bar(np.arange(len(names)) + (i - (len(impls) - 1) / 2) * w, vals, w,
+           label=impl)
   ax.axhline(roofs["matmul_roof_tflops"], color="k", ls="--", lw=0.8,
              label="bf16 matmul roof")
   ax.set_xticks(np.arange(len(names)))
-  ax.set_xticklabels(names, fontsize=8)
+  ax.set_xticklabels([f"{n}\n{h}" for n, h in zip(names, heads)], fontsize=7)
   ax.set_ylabel("TFLOP/s (GPU kernel time)")
-  ax.set_title(f"paged prefill, Llama-3-8B heads (32/8/128) bf16, {dev}")
+  head_set = sorted(set(heads))
+  title_heads = (f"heads {head_set[0]} (qo/kv/head_dim)" if len(head_set) == 1
+                 else "heads qo/kv/head_dim under each spec")
+  ax.set_title(f"paged prefill, {title_heads}, bf16, {dev}")
   ax.legend(fontsize=7)
   fig.tight_layout()
   for d in ["bench/results"] + ([os.environ["OUT"]] if os.environ.get("OUT")
