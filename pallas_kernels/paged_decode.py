@@ -123,9 +123,12 @@ class Config:
       lost 10-18% at ~300 and ~960.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
-      traffic once the SMs are busy), but each split keeps >= 2 steps of the
-      longest sequence, so short contexts are not split into empty programs.
-      With one split the kernel writes the final output itself (no combine).
+      traffic once the SMs are busy), 4 per SM for 2-warp programs (SmolLM2
+      heads, 64 sequences at 4,096: 77.7 against 80.6 us kernel time with 2,
+      H100, 2026-11-25, bench/decode_heads_sweep.py), but each split keeps
+      >= 2 steps of the longest sequence, so short contexts are not split
+      into empty programs. With one split the kernel writes the final output
+      itself (no combine).
     """
     if backend not in (None, "triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected None, 'triton' or "
@@ -145,7 +148,8 @@ class Config:
     elif head_dim <= 64:
       num_warps = 2
     pages_per_block = max(1, block_tokens // page_size)
-    k_splits = _default_splits(programs, max_pages, pages_per_block, num_sms)
+    k_splits = _default_splits(programs, max_pages, pages_per_block, num_sms,
+                               per_sm=4 if num_warps == 2 else 2)
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
                num_warps=num_warps, num_stages=num_stages)
 
@@ -179,10 +183,10 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
 
 
 def _default_splits(programs: int, max_pages: int, pages_per_block: int,
-                    num_sms: int) -> int:
-  """Splits for about two programs per SM, each keeping >= 2 steps of the
-  longest sequence (a power of two, at most 64)."""
-  want = _next_pow2(max(1, -(-2 * num_sms // programs)))
+                    num_sms: int, per_sm: int = 2) -> int:
+  """Splits for about `per_sm` programs per SM, each keeping >= 2 steps of
+  the longest sequence (a power of two, at most 64)."""
+  want = _next_pow2(max(1, -(-per_sm * num_sms // programs)))
   max_steps = max(1, -(-max_pages // pages_per_block))
   cap = _next_pow2(max(1, max_steps // 2))
   if cap > max_steps // 2 and cap > 1:
