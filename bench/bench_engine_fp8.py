@@ -9,6 +9,11 @@ tokens/s (decode-only steps and bursts, compilation excluded), prefill
 tokens/s, and for a fixed KV byte budget (`--kv-gib`) the slots each dtype
 gets and the sequences of `prompt_len + new_tokens` tokens they hold.
 
+With `--trace`, a second `generate` per dtype runs under jax.profiler and
+its decode phase (after the last prefill-kernel launch) is summed by
+kernel kind: GPU-busy time per decode step against the step's wall time
+(the difference is launch gaps and host work).
+
 Run:  python -m bench.bench_engine_fp8 [--num-prompts 256] [--prompt-len 1024]
 Results: bench/results/engine_fp8.json (and $OUT).
 """
@@ -31,6 +36,64 @@ from pkvattn.models import Model, init_params
 from pkvattn.serving.config import slots_for_memory
 
 
+def _kind(name: str) -> str:
+  n = name.lower()
+  for key, kind in (("paged_decode", "decode attention"),
+                    ("prefill", "prefill attention"),
+                    ("rope", "rope+append"), ("append", "rope+append"),
+                    ("gemm", "matmul"), ("xmma", "matmul"),
+                    ("cutlass", "matmul"), ("cublas", "matmul"),
+                    ("memcpy", "memcpy"), ("memset", "memset")):
+    if key in n:
+      return kind
+  return "other (fusions)"
+
+
+def decode_trace(engine, prompts, new_tokens: int, num_layers: int) -> dict:
+  """Kernel time of the decode phase of one `generate`, by kind, per step."""
+  import glob  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
+                                          ignore_eos=True))
+  jax.profiler.stop_trace()
+  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
+                          recursive=True))[-1]
+  events = []
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if plane.name.startswith("/device:GPU"):
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          events += [(ev.start_ns, ev.duration_ns, ev.name)
+                     for ev in line.events]
+  events.sort()
+  # Decode-only steps: after the last prefill-kernel launch (mixed steps
+  # run both kernels).
+  last = max((i for i, e in enumerate(events) if "prefill" in e[2]),
+             default=-1)
+  dec = events[last + 1:]
+  if not any("paged_decode" in e[2] for e in dec):
+    return {}
+  span_ms = (dec[-1][0] + dec[-1][1] - dec[0][0]) / 1e6
+  steps = max(1, sum("paged_decode" in e[2] for e in dec) // num_layers)
+  by = {}
+  for _, dur, name in dec:
+    by[_kind(name)] = by.get(_kind(name), 0.0) + dur / 1e6 / steps
+  busy = sum(by.values())
+  other = {}
+  for _, dur, name in dec:
+    if _kind(name) == "other (fusions)":
+      other[name] = other.get(name, 0.0) + dur / 1e6 / steps
+  top = sorted(other.items(), key=lambda kv: -kv[1])[:10]
+  return dict(decode_steps=steps, step_wall_ms=span_ms / steps,
+              top_other_ms={k[:80]: round(v, 4) for k, v in top},
+              step_gpu_busy_ms=busy,
+              step_ms_by_kind={k: round(v, 4) for k, v in sorted(
+                  by.items(), key=lambda kv: -kv[1])})
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--num-prompts", type=int, default=256)
@@ -38,6 +101,8 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--page-size", type=int, default=16)
   ap.add_argument("--kv-gib", type=float, default=8.0)
+  ap.add_argument("--trace", action="store_true",
+                  help="profile a second generate's decode phase per dtype")
   args = ap.parse_args()
   mcfg = LLAMA_3_2_1B
   params = init_params(mcfg, jax.random.key(0), jnp.bfloat16)
@@ -73,6 +138,10 @@ def main():
         num_compiles_after_warmup=st.num_compiles - len(engine.programs()),
         budget_gib=args.kv_gib, budget_slots=slots,
         budget_sequences=slots // blocks))
+    if args.trace:
+      rows[-1]["decode_trace"] = decode_trace(engine, prompts,
+                                              args.new_tokens,
+                                              mcfg.num_layers)
     print(rows[-1], flush=True)
     del engine
     gc.collect()
