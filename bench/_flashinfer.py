@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import _timing
+
 
 def to_torch(x):
   """A jax array as a torch CUDA tensor on the same buffer (FP8 via uint8)."""
@@ -29,8 +31,9 @@ def to_torch(x):
 
 
 def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
-  """`_timing.time_fn`'s method for a torch call: back-to-back calls, one
-  synchronize per sample; median ms per call."""
+  """`_timing.time_fn`'s method for a torch call: at least
+  `_timing.MIN_INNER` back-to-back calls and one synchronize per sample;
+  median ms per call."""
   import torch  # pylint: disable=import-outside-toplevel
   for _ in range(4):
     fn()
@@ -38,7 +41,8 @@ def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
   t0 = time.perf_counter()
   fn()
   torch.cuda.synchronize()
-  inner = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
+  inner = max(_timing.MIN_INNER,
+              int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
   samples, start = [], time.perf_counter()
   while len(samples) < iters or time.perf_counter() - start < min_time_s:
     t0 = time.perf_counter()
@@ -47,6 +51,30 @@ def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
     torch.cuda.synchronize()
     samples.append((time.perf_counter() - t0) * 1e3 / inner)
   return statistics.median(samples)
+
+
+def paged_kv_indices(page_table, kv_lens, page_size: int):
+  """FlashInfer's CSR description of a shared page table.
+
+  Args:
+    page_table: `i32[batch_size, max_pages]`; kv_lens: `i32[batch_size]`,
+      tokens per sequence; page_size: tokens per page.
+
+  Returns:
+    numpy `(indptr i64[batch_size + 1], indices i32[sum of pages],
+    last_page_len i64[batch_size])`: sequence `b` owns pages
+    `indices[indptr[b]:indptr[b + 1]]`, the first `cdiv(kv_lens[b],
+    page_size)` entries of its table row, and its last page holds
+    `last_page_len[b]` tokens (0 for an empty sequence).
+  """
+  kv_lens = np.asarray(kv_lens)
+  table = np.asarray(page_table)
+  pages = [table[b, :-(-int(n) // page_size)] for b, n in enumerate(kv_lens)]
+  indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
+  indices = (np.concatenate(pages).astype(np.int32) if indptr[-1]
+             else np.zeros(0, np.int32))
+  last = np.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0)
+  return indptr, indices, last
 
 
 _WORKSPACE = []
@@ -81,12 +109,7 @@ def decode_fn(q, kv_cache, page_table, kv_lens, *, num_qo_heads: int,
   import flashinfer  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
-  kv_lens = np.asarray(kv_lens)
-  table = np.asarray(page_table)
-  pages = [table[b, :-(-int(n) // page_size)] for b, n in enumerate(kv_lens)]
-  indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
-  indices = np.concatenate(pages) if indptr[-1] else np.zeros(0, np.int32)
-  last = np.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0)
+  indptr, indices, last = paged_kv_indices(page_table, kv_lens, page_size)
   dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
   qt, ct = to_torch(q), to_torch(kv_cache)
   kv_dtype = (torch.float8_e4m3fn if kv_cache.dtype == jnp.float8_e4m3fn
@@ -111,7 +134,6 @@ def kernel_ms(run, calls: int = 5) -> float:
   CUDA activity is used instead. Returns 0.0 where neither sees one.
   """
   import torch  # pylint: disable=import-outside-toplevel
-  from bench import _timing  # pylint: disable=import-outside-toplevel
   run()
   torch.cuda.synchronize()
 
@@ -158,12 +180,7 @@ def prefill_fn(q, kv_cache, page_table, q_indptr, kv_lens, *,
   import flashinfer  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
-  kv_lens = np.asarray(kv_lens)
-  table = np.asarray(page_table)
-  pages = [table[b, :-(-int(n) // page_size)] for b, n in enumerate(kv_lens)]
-  indptr = np.concatenate([[0], np.cumsum([len(p) for p in pages])])
-  indices = np.concatenate(pages) if indptr[-1] else np.zeros(0, np.int32)
-  last = np.where(kv_lens > 0, (kv_lens - 1) % page_size + 1, 0)
+  indptr, indices, last = paged_kv_indices(page_table, kv_lens, page_size)
   dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
   qt, ct = to_torch(q), to_torch(kv_cache)
   w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD",

@@ -18,6 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Fewest back-to-back calls per timed sample (`time_fn`,
+# `_flashinfer.torch_time`).
+MIN_INNER = 3
+
+
 def rel_err(actual, expected) -> float:
   """`||actual - expected|| / ||expected||` in float64 (NaN if `actual` has
   a NaN)."""
@@ -33,7 +38,10 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
 
   Returns dict(compile_ms, median_ms, p10_ms, p90_ms). The first call (compile +
   run) is reported separately as `compile_ms`. Each sample times a batch of
-  back-to-back calls so short kernels are not dominated by host overhead.
+  at least `MIN_INNER` back-to-back calls (more for calls under ~2 ms / 3)
+  and one block_until_ready, so the host launches the next call while the
+  GPU runs the last: a sample of one call would add the host's launch of
+  every op of the call and the synchronisation to the GPU time.
   """
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
@@ -44,7 +52,7 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   one = max(time.perf_counter() - t0, 1e-6)
-  inner = max(1, int(2e-3 / one))
+  inner = max(MIN_INNER, int(2e-3 / one))
   samples = []
   start = time.perf_counter()
   while len(samples) < iters or time.perf_counter() - start < min_time_s:
