@@ -1,9 +1,13 @@
 """The CSR page description the benchmarks hand to FlashInfer."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from bench import _flashinfer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import _flashinfer  # noqa: E402  (repo root, for the bench package)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
