@@ -73,11 +73,11 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
   )
 
 
-def gpu_stream_events(thunks) -> list[tuple[str, int]]:
+def gpu_trace_events(thunks) -> list[tuple[int, int, str]]:
   """Runs each `thunk()` (blocking on its result) under a jax.profiler trace
-  and returns `(name, duration_ns)` of every kernel / memcpy event on the
-  device's stream lines: GPU time without launch gaps or host time. Empty
-  where the trace has no GPU lines (CPU)."""
+  and returns `(start_ns, duration_ns, name)` of every kernel / memcpy event
+  on the device's stream lines, in start order. Empty where the trace has no
+  GPU lines (CPU)."""
   import glob
   import tempfile
   d = tempfile.mkdtemp()
@@ -92,8 +92,15 @@ def gpu_stream_events(thunks) -> list[tuple[str, int]]:
     if plane.name.startswith("/device:GPU"):
       for line in plane.lines:
         if line.name.startswith("Stream"):
-          events.extend((ev.name, ev.duration_ns) for ev in line.events)
-  return events
+          events.extend((ev.start_ns, ev.duration_ns, ev.name)
+                        for ev in line.events)
+  return sorted(events)
+
+
+def gpu_stream_events(thunks) -> list[tuple[str, int]]:
+  """`(name, duration_ns)` of `gpu_trace_events(thunks)`: GPU time without
+  launch gaps or host time."""
+  return [(name, dur) for _, dur, name in gpu_trace_events(thunks)]
 
 
 def device_kernel_ms(fn, make_args, calls: int = 3) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -142,6 +143,16 @@ def _inputs(hq, hkv, d, b, s, ps, seed=0):
   return q, kv, table, np.full((b,), s, np.int32)
 
 
+def decode_fn(cfg, *, head_dim):
+  """Jitted `paged_decode` with `cfg` on a cache in any kv_cache format:
+  `f(q, kv_cache, page_table, kv_lens) -> out`."""
+  def f(q, kv, t, n):
+    v = _kv.make_view(kv, t)
+    return kernel.paged_decode(q, v.k_pool, v.v_pool, v.k_table, v.v_table,
+                               n, sm_scale=head_dim ** -0.5, config=cfg)[0]
+  return jax.jit(f)
+
+
 def speed(spec, configs):
   shape, b, s, ps = spec
   hq, hkv, d = SHAPES[shape]
@@ -151,12 +162,7 @@ def speed(spec, configs):
   name = f"{shape}_b{b}_s{s}_p{ps}"
   rows = []
 
-  def fn_for(cfg):
-    def f(q, kv, t, n):
-      v = _kv.make_view(kv, t)
-      return kernel.paged_decode(q, v.k_pool, v.v_pool, v.k_table, v.v_table,
-                                 n, sm_scale=d ** -0.5, config=cfg)[0]
-    return jax.jit(f)
+  fn_for = functools.partial(decode_fn, head_dim=d)
 
   triton = kernel.Config.default_for(batch_size=b, num_kv_heads=hkv,
                                      page_size=ps, max_pages=s // ps,

@@ -51,24 +51,8 @@ def _kind(name: str) -> str:
 
 def decode_trace(engine, prompts, new_tokens: int, num_layers: int) -> dict:
   """Kernel time of the decode phase of one `generate`, by kind, per step."""
-  import glob  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  import tempfile  # pylint: disable=import-outside-toplevel
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens,
-                                          ignore_eos=True))
-  jax.profiler.stop_trace()
-  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
-                          recursive=True))[-1]
-  events = []
-  for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name.startswith("/device:GPU"):
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          events += [(ev.start_ns, ev.duration_ns, ev.name)
-                     for ev in line.events]
-  events.sort()
+  events = _timing.gpu_trace_events([lambda: engine.generate(
+      prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))])
   # Decode-only steps: after the last prefill-kernel launch (mixed steps
   # run both kernels).
   last = max((i for i, e in enumerate(events) if "prefill" in e[2]),

@@ -18,6 +18,7 @@ bench/results) after every spec; prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import traceback
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from bench import _flashinfer
 from bench import _timing
 from bench.bench_decode_mosaic import _inputs
-from pkvattn import _kv
+from bench.bench_decode_mosaic import decode_fn
 from pkvattn.pallas_kernels import paged_decode as kernel
 
 # name -> (num_qo_heads, num_kv_heads, head_dim, batch_size, seq_len, page_size)
@@ -61,12 +62,7 @@ def sweep_spec(name, spec):
   jt, jl = jnp.asarray(table), jnp.asarray(lens)
   nbytes = 2 * b * hq * d * 2 + 2 * b * s * hkv * d * 2
 
-  def fn_for(cfg):
-    def f(q, kv, t, n):
-      v = _kv.make_view(kv, t)
-      return kernel.paged_decode(q, v.k_pool, v.v_pool, v.k_table, v.v_table,
-                                 n, sm_scale=d ** -0.5, config=cfg)[0]
-    return jax.jit(f)
+  fn_for = functools.partial(decode_fn, head_dim=d)
 
   default = kernel.Config.default_for(
       batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
