@@ -20,7 +20,9 @@ pkvattn's default also runs on ("default, flashinfer layout"): same buffers,
 outputs checked against the reference, timed per call (back-to-back calls,
 median) and by GPU kernel time (profiler trace) like every other row.
 `x_flashinfer[_kernel]` = FlashInfer's faster mode's time / the row's time
-(> 1: faster than FlashInfer). `--no-flashinfer` skips it.
+(> 1: faster than FlashInfer). `--no-flashinfer` skips it. `--quick` on four
+specs with FlashInfer took about 4 minutes on an H100 (FlashInfer's JIT
+included); run the specs in groups (`--specs`) to stay inside a device call.
 
 Bytes moved (decimal units, `achieved_tbps = bytes_moved / median_s / 1e12`):
   `bytes_moved = q + touched K/V pages + out`
