@@ -38,10 +38,10 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
 
   Returns dict(compile_ms, median_ms, p10_ms, p90_ms). The first call (compile +
   run) is reported separately as `compile_ms`. Each sample times a batch of
-  at least `MIN_INNER` back-to-back calls (more for calls under ~2 ms / 3)
-  and one block_until_ready, so the host launches the next call while the
-  GPU runs the last: a sample of one call would add the host's launch of
-  every op of the call and the synchronisation to the GPU time.
+  at least `MIN_INNER` back-to-back calls (more for short calls: a sample
+  lasts ~2 ms) and one block_until_ready, so the host launches the next call
+  while the GPU runs the last: a sample of one call would add the host's
+  launch of every op of the call and the synchronisation to the GPU time.
   """
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))

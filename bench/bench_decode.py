@@ -241,14 +241,14 @@ def peer_flashinfer(record, q, k_pages, v_pages, table, kv_lens, heads):
   for tc in (False, True):
     label = "tensor cores" if tc else "cuda cores"
     try:
-      run, out = _flashinfer.decode_fn(
+      peer = _flashinfer.decode_fn(
           q, kv, np.asarray(table), np.asarray(kv_lens), num_qo_heads=hq,
           num_kv_heads=hkv, use_tensor_cores=tc)
     except Exception:  # noqa: BLE001  (no flashinfer wheel, no JIT)
       traceback.print_exc()
       print(f"  flashinfer {label}: skipped")
       continue
-    record("flashinfer", label, out, (), torch_run=run)
+    record("flashinfer", label, None, (), peer=peer)
   del kv
 
 
@@ -257,7 +257,7 @@ def run_spec(name, spec, quick, time_budget_s, with_flashinfer=True):
   t_spec = time.perf_counter()
   b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
   heads = spec.get("heads", LLAMA3_8B)
-  hq, hkv, d = heads
+  d = heads[2]
   q, k_pages, v_pages, table, kv_lens = make_inputs(b, s, ps, heads=heads)
   nbytes = bytes_moved(b, np.asarray(kv_lens), ps, heads=heads)
   scale = d**-0.5
@@ -268,25 +268,25 @@ def run_spec(name, spec, quick, time_budget_s, with_flashinfer=True):
 
   iters, min_time_s = (15, 0.15) if quick else (30, 0.3)
 
-  def record(impl, config_name, fn, args, check=True, torch_run=None):
+  def record(impl, config_name, fn, args, check=True, peer=None):
+    """Checks and times `fn(*args)`, or with `peer=(run, out)` a torch
+    launch `run()` whose output `out` its wrapper already computed."""
     try:
-      if torch_run is None:
+      if peer is None:
         out = fn(*args)
         out = out[0] if isinstance(out, tuple) else out
-      else:
-        out = fn  # a peer's output, computed by its wrapper
-      err = rel_err(out, expected) if check else None
-      ok = err is not None and err < 2e-2
-      if torch_run is None:
         t = _timing.time_fn(fn, *args, iters=iters, min_time_s=min_time_s)
         # GPU kernel time alone (profiler): back-to-back calls above also
         # pay XLA's per-call launch, 10-15% of a 0.3 ms kernel and up to a
         # third of a small-head one.
         t["kernel_ms"] = _timing.device_kernel_ms(fn, lambda: args, calls=10)
       else:
-        t = dict(median_ms=_flashinfer.torch_time(torch_run, iters=iters,
+        run, out = peer
+        t = dict(median_ms=_flashinfer.torch_time(run, iters=iters,
                                                   min_time_s=min_time_s),
-                 kernel_ms=_flashinfer.kernel_ms(torch_run, calls=10))
+                 kernel_ms=_flashinfer.kernel_ms(run, calls=10))
+      err = rel_err(out, expected) if check else None
+      ok = err is not None and err < 2e-2
       row = dict(spec=name, impl=impl, config=config_name, **spec,
                  rel_err=err, correct=ok, bytes_moved=nbytes, **t,
                  achieved_tbps=nbytes / (t["median_ms"] * 1e-3) / 1e12,
@@ -298,7 +298,7 @@ def run_spec(name, spec, quick, time_budget_s, with_flashinfer=True):
       rows.append(row)
       print(f"  {impl:10s} {config_name:26s} {t['median_ms']:.4f} ms "
             f"{nbytes / (t['median_ms'] * 1e-3) / 1e12:.3f} TB/s, kernel "
-            f"{t['kernel_ms']:.4f} ms, err={err:.2g}", flush=True)
+            f"{t['kernel_ms']:.4f} ms, err={err}", flush=True)
     except Exception:  # noqa: BLE001
       print(f"  {impl} {config_name} FAILED")
       traceback.print_exc()

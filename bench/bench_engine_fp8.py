@@ -62,14 +62,13 @@ def decode_trace(engine, prompts, new_tokens: int, num_layers: int) -> dict:
     return {}
   span_ms = (dec[-1][0] + dec[-1][1] - dec[0][0]) / 1e6
   steps = max(1, sum("paged_decode" in e[2] for e in dec) // num_layers)
-  by = {}
+  by, other = {}, {}
   for _, dur, name in dec:
-    by[_kind(name)] = by.get(_kind(name), 0.0) + dur / 1e6 / steps
+    kind, ms = _kind(name), dur / 1e6 / steps
+    by[kind] = by.get(kind, 0.0) + ms
+    if kind == "other (fusions)":
+      other[name] = other.get(name, 0.0) + ms
   busy = sum(by.values())
-  other = {}
-  for _, dur, name in dec:
-    if _kind(name) == "other (fusions)":
-      other[name] = other.get(name, 0.0) + dur / 1e6 / steps
   top = sorted(other.items(), key=lambda kv: -kv[1])[:10]
   return dict(decode_steps=steps, step_wall_ms=span_ms / steps,
               top_other_ms={k[:80]: round(v, 4) for k, v in top},
