@@ -49,6 +49,33 @@ def _kind(name: str) -> str:
   return "other (fusions)"
 
 
+def idle_gaps(events, steps: int) -> dict:
+  """Where the GPU idles between kernels: the idle time per step in gaps of
+  each size class, and the largest gaps with the kernels around them (a
+  burst boundary, a per-iteration sync and launch-bound runs of short
+  kernels look different here)."""
+  edges = (0.01, 0.1, 1.0)  # ms
+  per = {f"<{edges[0]}ms": 0.0, **{f"{a}-{b}ms": 0.0 for a, b in
+                                   zip(edges, edges[1:])},
+         f">{edges[-1]}ms": 0.0}
+  counts = dict.fromkeys(per, 0)
+  gaps, end = [], None
+  for start, dur, name in events:
+    if end is not None and start > end[0]:
+      gap = (start - end[0]) / 1e6
+      gaps.append((gap, end[1], name))
+      i = sum(gap >= e for e in edges)
+      key = list(per)[i]
+      per[key] += gap / steps
+      counts[key] += 1
+    if end is None or start + dur > end[0]:
+      end = (start + dur, name)
+  top = sorted(gaps, key=lambda g: -g[0])[:8]
+  return dict(idle_ms_per_step={k: round(v, 4) for k, v in per.items()},
+              gap_counts=counts,
+              largest=[(round(g, 3), a[:40], b[:40]) for g, a, b in top])
+
+
 def decode_trace(engine, prompts, new_tokens: int, num_layers: int) -> dict:
   """Kernel time of the decode phase of one `generate`, by kind, per step."""
   events = _timing.gpu_trace_events([lambda: engine.generate(
@@ -71,6 +98,7 @@ def decode_trace(engine, prompts, new_tokens: int, num_layers: int) -> dict:
   busy = sum(by.values())
   top = sorted(other.items(), key=lambda kv: -kv[1])[:10]
   return dict(decode_steps=steps, step_wall_ms=span_ms / steps,
+              idle_gaps=idle_gaps(dec, steps),
               top_other_ms={k[:80]: round(v, 4) for k, v in top},
               step_gpu_busy_ms=busy,
               step_ms_by_kind={k: round(v, 4) for k, v in sorted(
@@ -84,6 +112,9 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--page-size", type=int, default=16)
   ap.add_argument("--kv-gib", type=float, default=8.0)
+  ap.add_argument("--decode-steps", type=int, default=8)
+  ap.add_argument("--dtypes", default="auto,fp8_e4m3",
+                  help="comma list of kv_cache_dtype values to run")
   ap.add_argument("--trace", action="store_true",
                   help="profile a second generate's decode phase per dtype")
   args = ap.parse_args()
@@ -96,12 +127,13 @@ def main():
   total = args.prompt_len + args.new_tokens
   blocks = -(-total // args.page_size)
   rows, outs = [], {}
-  for dt in ("auto", "fp8_e4m3"):
+  for dt in args.dtypes.split(","):
     cfg = EngineConfig(
         page_size=args.page_size, num_slots=args.num_prompts * blocks + 8,
         max_seqs=args.num_prompts, max_num_tokens=8192,
         max_model_len=blocks * args.page_size, impl="pallas",
-        enable_prefix_reuse=False, decode_steps=8, kv_cache_dtype=dt)
+        enable_prefix_reuse=False, decode_steps=args.decode_steps,
+        kv_cache_dtype=dt)
     engine = Engine(model, cfg)
     t0 = time.perf_counter()
     engine.warmup()
@@ -128,10 +160,13 @@ def main():
     print(rows[-1], flush=True)
     del engine
     gc.collect()
+  if len(rows) < 2:  # one dtype: a diagnostic run, nothing to compare
+    return
   agree = float(np.mean([np.mean(np.equal(a, b))
                          for a, b in zip(outs["auto"], outs["fp8_e4m3"])]))
   extra = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len,
-               new_tokens=args.new_tokens, token_agreement=agree,
+               new_tokens=args.new_tokens, decode_steps=args.decode_steps,
+               token_agreement=agree,
                decode_fp8_over_bf16=rows[1]["decode_tok_s"]
                / rows[0]["decode_tok_s"],
                budget_sequences_ratio=rows[1]["budget_sequences"]
@@ -141,7 +176,6 @@ def main():
         f"{rows[1]['decode_tok_s']:,.0f} ({extra['decode_fp8_over_bf16']:.2f}x);"
         f" sequences in {args.kv_gib} GiB: {rows[0]['budget_sequences']} vs "
         f"{rows[1]['budget_sequences']}; token agreement {agree:.2f}")
-
 
 if __name__ == "__main__":
   main()

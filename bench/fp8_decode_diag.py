@@ -83,6 +83,16 @@ def variants(base: kernel.Config, page_size: int, sweep: str):
     out["s4"] = dataclasses.replace(base, num_stages=4)
     out["w2"] = dataclasses.replace(base, num_warps=2)
     out["w8"] = dataclasses.replace(base, num_warps=8)
+    out["w8_s2"] = dataclasses.replace(base, num_warps=8, num_stages=2)
+    out["w8_s4"] = dataclasses.replace(base, num_warps=8, num_stages=4)
+    if base.pages_per_block * page_size * 2 <= 256:
+      out["w8_ppb_x2"] = dataclasses.replace(
+          base, num_warps=8, pages_per_block=2 * base.pages_per_block,
+          k_splits=max(1, base.k_splits // 2))
+    if base.pages_per_block > 1:
+      out["w2_ppb_half"] = dataclasses.replace(
+          base, num_warps=2, pages_per_block=base.pages_per_block // 2,
+          k_splits=2 * base.k_splits)
     out["ks_x2"] = dataclasses.replace(base, k_splits=2 * base.k_splits)
     if base.pages_per_block * page_size * 2 <= 256:
       out["ppb_x2"] = dataclasses.replace(

@@ -97,6 +97,39 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
     assert req.finish_reason == "stop"
 
 
+def test_bursts_release_finished_rows(model):
+  # Requests finishing one after the other: each burst releases the rows
+  # that finished in the one before it, so decoding stays in bursts (no
+  # single step per finish; bursts chained on the device's end state) and
+  # every slot is free at the end, with the tokens of one-step decoding and
+  # finished prompts still published.
+  prompts = _prompts(4, seed=3)
+  params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+            for n in (3, 6, 9, 13)]
+  cfg = dataclasses.replace(CFG, decode_steps=4)
+  single = Engine(model, CFG).generate(prompts, params)
+  engine = Engine(model, cfg)
+  for p, sp in zip(prompts, params):
+    engine.add_request(p, sp)
+  kinds, chained = [], 0
+  while engine.has_unfinished():
+    engine.step()
+    kinds.append(engine.last_program.kind)
+    chained += engine._inflight is not None  # read in the next call
+  outs = [engine.get_request(i).output for i in range(len(prompts))]
+  assert outs == single and chained > 0
+  first = kinds.index("burst")
+  assert kinds[first:] == ["burst"] * (len(kinds) - first), kinds
+  engine.step()  # releases the last finished row
+  cache.validate(engine.state)
+  assert int(cache.stats(engine.state)["num_used"]) == 0
+  # Their blocks were published: the same prompt again reuses them.
+  rid = engine.add_request(prompts[0], params[0])
+  while engine.has_unfinished():
+    engine.step()
+  assert engine.get_request(rid).num_reused > 0
+
+
 def test_prefix_reuse_respects_scope(model):
   engine = Engine(model, CFG)
   prompt = [256] + list(range(40, 60))  # 21 tokens: 2 full pages of 8

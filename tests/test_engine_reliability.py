@@ -59,9 +59,10 @@ def workloads(draw):
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
-@given(reqs=workloads())
-def test_every_request_that_fits_alone_completes_as_alone(model, reqs):
-  engine = Engine(model, CFG)
+@given(reqs=workloads(), check=st.booleans())
+def test_every_request_that_fits_alone_completes_as_alone(model, reqs, check):
+  # Unchecked, bursts are chained (one in flight while the next runs).
+  engine = Engine(model, dataclasses.replace(CFG, check=check))
   sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in reqs]
   outs = engine.generate([p for p, _ in reqs], sps)
   assert [len(o) for o in outs] == [n for _, n in reqs]

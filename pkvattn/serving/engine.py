@@ -178,6 +178,9 @@ class Engine:
     self._running: list[Request] = []       # admitted, in admission order
     self._free_rows = list(range(config.max_seqs))
     self._to_release: list[tuple[int, int]] = []   # (row, committed len)
+    # A dispatched burst whose outputs the host has not read yet, with its
+    # inputs: `(BurstOutputs of device arrays, BurstInputs)` (see `_burst`).
+    self._inflight: tuple[Any, Any] | None = None
     self._next_id = 0
     self._default_stop = frozenset(mcfg.eos_token_ids)
     self.stats = EngineStats()
@@ -223,9 +226,13 @@ class Engine:
     """Calls a compiled program on the engine's buffers (donated) and keeps
     its new buffers; returns its outputs. Checked mode: raises the first
     contract violation (`checkify.JaxRuntimeError`) after the call."""
+    if self._inputs_sharding is not None:
+      inputs = jax.device_put(inputs, self._inputs_sharding)
+    # Else host arrays go to the executable as they are: its C++ call path
+    # copies them (0.1 against 0.3 ms per call for a burst's 13 arrays by
+    # jax.device_put, CPU; more on a GPU, one transfer each).
     result = program(self.model.params, self.pool, self.state,
-                     self.seq_tokens,
-                     jax.device_put(inputs, self._inputs_sharding))
+                     self.seq_tokens, inputs)
     err = None
     if self.config.check:
       err, result = result
@@ -406,7 +413,8 @@ class Engine:
     return self._requests[request_id]
 
   def has_unfinished(self) -> bool:
-    return bool(self._waiting or self._running)
+    """Whether a request waits or runs, or a dispatched burst is unread."""
+    return bool(self._waiting or self._running or self._inflight)
 
   def generate(self, prompts: Sequence[Sequence[int]],
                params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
@@ -532,6 +540,21 @@ class Engine:
       admitted.append(req)
       backlog += len(toks)
 
+    commit_ids, commit_lens, release_ids = self._release_inputs()
+    inputs = _programs.StepInputs(
+        tokens=tokens, q_indptr=q_indptr, kv_lens=kv_lens,
+        sample_rows=sample_rows, temperature=temperature, top_k=top_k,
+        top_p=top_p, seeds=seeds, gen_index=gen_index, commit_ids=commit_ids,
+        commit_lens=commit_lens, prompt_commit_ids=prompt_commit_ids,
+        release_ids=release_ids,
+        extend_ids=extend_ids, admit_ids=admit_ids, admit_tokens=admit_tokens,
+        admit_lens=admit_lens, admit_scope=admit_scope)
+    return inputs, rows, admitted
+
+  def _release_inputs(self):
+    """`(commit_ids, commit_lens, release_ids)`, i32[max_seqs] each, of the
+    rows in `_to_release` (finished: published, then released; -1 = none)."""
+    S = self.config.max_seqs
     commit_ids = np.full(S, -1, np.int32)
     commit_lens = np.zeros(S, np.int32)
     release_ids = np.full(S, -1, np.int32)
@@ -542,15 +565,15 @@ class Engine:
       commit_ids[i], commit_lens[i] = row, n
     for i, (row, _) in enumerate(self._to_release):
       release_ids[i] = row
-    inputs = _programs.StepInputs(
-        tokens=tokens, q_indptr=q_indptr, kv_lens=kv_lens,
-        sample_rows=sample_rows, temperature=temperature, top_k=top_k,
-        top_p=top_p, seeds=seeds, gen_index=gen_index, commit_ids=commit_ids,
-        commit_lens=commit_lens, prompt_commit_ids=prompt_commit_ids,
-        release_ids=release_ids,
-        extend_ids=extend_ids, admit_ids=admit_ids, admit_tokens=admit_tokens,
-        admit_lens=admit_lens, admit_scope=admit_scope)
-    return inputs, rows, admitted
+    return commit_ids, commit_lens, release_ids
+
+  def _take_released_rows(self):
+    """Marks the rows of `_to_release` free: the next program releases them
+    (its inputs were built from `_release_inputs`)."""
+    for row, _ in self._to_release:
+      self._free_rows.append(row)
+    self._to_release = []
+    self._free_rows.sort()
 
   def step(self) -> int:
     """Runs one engine step; returns the number of tokens sampled in it.
@@ -563,13 +586,12 @@ class Engine:
       self._calibrate([r.tokens for r in self._waiting])
     if self._burst_eligible():
       return self._burst()
+    drained = self._drain()
+    if not (self._waiting or self._running or self._to_release):
+      return drained
     t0 = time.perf_counter()
     inputs, rows, admitted = self._schedule()
-    released = self._to_release
-    self._to_release = []
-    for row, _ in released:
-      self._free_rows.append(row)
-    self._free_rows.sort()
+    self._take_released_rows()
     self.last_inputs = inputs
     t1 = time.perf_counter()
     key = self._variant("step", int(inputs.tokens.shape[0]),
@@ -643,7 +665,7 @@ class Engine:
       self.stats.prefill_time_s += t3 - t0 - compile_s
     elif rows:
       self.stats.decode_time_s += t3 - t0 - compile_s
-    return num_sampled
+    return drained + num_sampled
 
   def _calibrate(self, prompts, record: bool = True):
     """FP8 scales of every layer from a prefill of the first prompts."""
@@ -663,8 +685,8 @@ class Engine:
     """Multi-step decode applies when nothing but decoding can happen."""
     if self.config.decode_steps <= 1 or not self._running:
       return False
-    if self._to_release or (self._waiting and self._free_rows):
-      return False
+    if self._waiting and (self._free_rows or self._to_release):
+      return False  # a step admits them (released rows free up in it)
     return all(r.status == "decode" and len(r.stop_ids) <= MAX_STOP_IDS
                for r in self._running)
 
@@ -698,12 +720,29 @@ class Engine:
       seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
       gen_index[r] = len(req.output)
     return _programs.BurstInputs(active, last, computed, remaining, stop_ids,
-                        temperature, top_k, top_p, seeds, gen_index)
+                                 temperature, top_k, top_p, seeds, gen_index,
+                                 *self._release_inputs())
 
   def _burst(self) -> int:
-    """`decode_steps` decode iterations in one device call (see EngineConfig)."""
+    """`decode_steps` decode iterations in one device call (see EngineConfig).
+
+    Bursts are chained: while only decoding can follow, the next burst is
+    dispatched before this one's tokens are read, with its per-row inputs
+    taken from this one's end state on the device (`programs.chain_inputs`),
+    so the host reads and books one burst while the device runs the next
+    (vLLM's async scheduling). Returns the tokens read in this call: those
+    of the burst dispatched before it, if one was in flight, and this one's
+    unless it stays in flight.
+    """
     t0 = time.perf_counter()
-    inputs = self._burst_inputs()
+    prev = self._inflight
+    self._inflight = None
+    if prev is None:
+      inputs = self._burst_inputs()
+    else:
+      inputs = _programs.chain_inputs(prev[1], prev[0].carry,
+                                      *self._release_inputs())
+    self._take_released_rows()
     t1 = time.perf_counter()
     key = self._variant("burst", self.config.max_seqs, self._burst_greedy())
     self.last_program = key
@@ -711,8 +750,51 @@ class Engine:
     program = self._program(key)
     compile_s = self.stats.compile_time_s - compile_s
     out = self._run(program, inputs)
-    out = jax.device_get(out)
-    t2 = time.perf_counter()
+    host_s = t1 - t0
+    num_sampled = 0
+    if prev is not None:  # read while `out` runs
+      num_sampled, dt = self._read_burst(prev[0])
+      host_s += dt
+    if self._can_chain(out):
+      self._inflight = (out, inputs)
+    else:
+      n, dt = self._read_burst(out)
+      num_sampled += n
+      host_s += dt
+    self.stats.num_steps += self.config.decode_steps
+    self.stats.host_time_s += host_s
+    self.stats.decode_time_s += time.perf_counter() - t0 - compile_s
+    return num_sampled
+
+  def _can_chain(self, out) -> bool:
+    """Whether the burst just dispatched (`out`, not read yet) can stay in
+    flight while the next one runs: another burst is sure to follow (nothing
+    waits for a row, and some running request still has tokens to emit
+    after it, by its length) and no check reads its errors."""
+    if self.config.check or self._waiting or out.carry is None:
+      return False
+    k = self.config.decode_steps
+    return any(r.params.max_new_tokens - len(r.output) > k
+               for r in self._running)
+
+  def _drain(self) -> int:
+    """Reads the burst in flight, if any; returns its tokens."""
+    if self._inflight is None:
+      return 0
+    out, _ = self._inflight
+    self._inflight = None
+    t0 = time.perf_counter()
+    n, dt = self._read_burst(out)
+    self.stats.host_time_s += dt
+    self.stats.decode_time_s += time.perf_counter() - t0
+    return n
+
+  def _read_burst(self, out) -> tuple[int, float]:
+    """Books a burst's tokens into its requests (finished ones are released
+    by the next program, preempted ones requeued). Returns the tokens and
+    the host seconds spent after the device's results arrived."""
+    out = jax.device_get(out.replace(carry=None))
+    t0 = time.perf_counter()
     num_sampled = 0
     for req in list(self._running):
       r = req.seq_id
@@ -731,11 +813,7 @@ class Engine:
     self.stats.decode_tokens += num_sampled
     self.stats.generated_tokens += num_sampled
     self._record_usage(out.used_slots)
-    self.stats.num_steps += self.config.decode_steps
-    t3 = time.perf_counter()
-    self.stats.host_time_s += (t1 - t0) + (t3 - t2)
-    self.stats.decode_time_s += t3 - t0 - compile_s
-    return num_sampled
+    return num_sampled, time.perf_counter() - t0
 
   def _slots_text(self) -> str:
     if not self._hybrid:
@@ -774,5 +852,6 @@ class Engine:
   # -------------------------------------------------------------- profile
   def profile(self, iters: int = 10) -> dict:
     """Times the pieces of the next step (`pkvattn.serving.profile.profile`)."""
+    self._drain()
     from pkvattn.serving import profile as _profile
     return _profile.profile(self, iters)

@@ -38,8 +38,9 @@ def profile_programs(engine) -> dict:
   cfg, mcfg = engine.config, engine.model.cfg
   L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
   if engine._burst_eligible():
-    # `_schedule` admits, commits and releases nothing in this state: its
-    # inputs are one decode step of the current batch (for attention).
+    # `_schedule` admits nothing in this state (it may release finished
+    # rows, which attention ignores): its inputs are one decode step of the
+    # current batch (for attention).
     attention_inputs = engine._schedule()[0]
     greedy = engine._variant("burst", S, engine._burst_greedy()).greedy_only
     fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "burst", greedy)
@@ -51,7 +52,8 @@ def profile_programs(engine) -> dict:
     args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
                     copy_tree(engine.seq_tokens), binp)
     cache_ops = functools.partial(  # as the burst does, once
-        _programs.reserve_burst, inp=binp, num_layers=L, decode_steps=k)
+        _programs.reserve_burst, inp=binp, num_layers=L, decode_steps=k,
+        seq_tokens=engine.seq_tokens, commit=cfg.enable_prefix_reuse)
     per = k
   elif engine.last_inputs is None:
     raise ValueError("Invalid call: profile() needs at least one step() first")

@@ -129,6 +129,20 @@ class BurstInputs:
   top_p: jax.Array          # f32[max_seqs]
   seeds: jax.Array          # u32[max_seqs]
   gen_index: jax.Array      # i32[max_seqs]
+  commit_ids: jax.Array     # i32[max_seqs], finished rows to publish, -1 = none
+  commit_lens: jax.Array    # i32[max_seqs], tokens of each to publish
+  release_ids: jax.Array    # i32[max_seqs], finished / preempted rows, -1 = none
+
+
+@struct.dataclass
+class BurstCarry:
+  """A burst's per-row decode state at its end: the next burst's inputs of
+  the same name (`chain_inputs`), left on the device."""
+  active: jax.Array         # bool[max_seqs], rows that keep decoding
+  last: jax.Array           # i32[max_seqs]
+  computed: jax.Array       # i32[max_seqs]
+  remaining: jax.Array      # i32[max_seqs]
+  gen_index: jax.Array      # i32[max_seqs]
 
 
 @struct.dataclass
@@ -137,6 +151,20 @@ class BurstOutputs:
   preempted: jax.Array      # bool[max_seqs], extend refused: out of slots
   used_slots: jax.Array     # i32[] (or [groups]), slots referenced during the burst
   num_free: jax.Array       # i32[] (or [groups]), free slots at the end
+  carry: BurstCarry | None = None  # stays on the device (`Engine` chains bursts)
+
+
+def chain_inputs(prev: BurstInputs, carry: BurstCarry, commit_ids,
+                 commit_lens, release_ids) -> BurstInputs:
+  """The inputs of the burst after one whose inputs were `prev` and whose
+  end state is `carry` (device arrays: the host need not read them first).
+  The batch is the same (nothing admitted in between), so the per-row
+  sampling parameters and stop ids carry over; the rows to publish and
+  release are the host's (those it has seen finish so far)."""
+  return prev.replace(active=carry.active, last=carry.last,
+                      computed=carry.computed, remaining=carry.remaining,
+                      gen_index=carry.gen_index, commit_ids=commit_ids,
+                      commit_lens=commit_lens, release_ids=release_ids)
 
 
 def step_input_shapes(cfg: EngineConfig, num_tokens: int) -> StepInputs:
@@ -165,7 +193,8 @@ def burst_input_shapes(cfg: EngineConfig) -> BurstInputs:
       computed=sds((S,), i32), remaining=sds((S,), i32),
       stop_ids=sds((S, MAX_STOP_IDS), i32), temperature=sds((S,), f32),
       top_k=sds((S,), i32), top_p=sds((S,), f32), seeds=sds((S,), jnp.uint32),
-      gen_index=sds((S,), i32))
+      gen_index=sds((S,), i32), commit_ids=sds((S,), i32),
+      commit_lens=sds((S,), i32), release_ids=sds((S,), i32))
 
 
 def layer_tables(state, num_layers: int, max_seqs: int):
@@ -177,7 +206,8 @@ def layer_tables(state, num_layers: int, max_seqs: int):
   return _cache.layer_page_tables(state, jnp.arange(max_seqs, dtype=jnp.int32))
 
 
-def cache_ops_before(state, seq_tokens, inp: StepInputs, *, commit: bool):
+def cache_ops_before(state, seq_tokens, inp: StepInputs | BurstInputs, *,
+                     commit: bool):
   """`commit` (published prompts; static `commit=False` when prefix reuse is
   off) then `release`, both masked by `-1` ids."""
   if commit:
@@ -267,11 +297,14 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
 
 
 def reserve_burst(state, inp: BurstInputs, *, num_layers: int,
-                  decode_steps: int):
-  """A burst's cache work, done once up front: one `extend` reserves every
-  active row's tokens for the burst (`min(decode_steps, remaining - 1)`
-  beyond the fed one) and the page tables are built once. Returns
-  `(state, tables, ok)`."""
+                  decode_steps: int, seq_tokens=None, commit: bool = False):
+  """A burst's cache work, done once up front: the rows that finished before
+  it are published and released (`cache_ops_before`, as a step does; needs
+  `seq_tokens`), then one `extend` reserves every active row's tokens for the
+  burst (`min(decode_steps, remaining - 1)` beyond the fed one) and the page
+  tables are built once. Returns `(state, tables, ok)`."""
+  if seq_tokens is not None:
+    state = cache_ops_before(state, seq_tokens, inp, commit=commit)
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
   # The fed token's position is reserved but not computed: the burst's first
@@ -291,6 +324,8 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   decode rows, with the sampled token fed back on device.
 
   The cache work is done once, up front (vLLM's multi-step lookahead slots):
+  rows that finished before the burst are published and released (so a
+  burst follows a burst while requests finish one after the other), then
   one `extend` reserves every row's tokens for the whole burst
   (`min(decode_steps, remaining - 1)` beyond the fed one) and one set of page
   tables serves every iteration. A row whose reservation is refused (out of
@@ -309,7 +344,8 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   if tables is None:
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, tables, _ = reserve_burst(
-          state, inp, num_layers=model_cfg.num_layers, decode_steps=k)
+          state, inp, num_layers=model_cfg.num_layers, decode_steps=k,
+          seq_tokens=seq_tokens, commit=cfg.enable_prefix_reuse)
       reserved = state.seq_lens  # tokens with a slot, per row
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
@@ -345,9 +381,10 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   carry = (pool, seq_tokens, inp.active, inp.last, inp.computed,
            inp.remaining, inp.gen_index, jnp.zeros((S,), bool))
   carry, emitted = lax.scan(one, carry, None, length=k)
-  pool, seq_tokens = carry[:2]
+  pool, seq_tokens, active, last, computed, remaining, gen, pre = carry
   return pool, state, seq_tokens, BurstOutputs(
-      emitted, carry[7], usage["num_used"], usage["num_free"])
+      emitted, pre, usage["num_used"], usage["num_free"],
+      BurstCarry(active, last, computed, remaining, gen))
 
 
 def compiler_options() -> dict:
