@@ -105,6 +105,15 @@ def decode_trace(engine, prompts, new_tokens: int, num_layers: int) -> dict:
                   by.items(), key=lambda kv: -kv[1])})
 
 
+def _force_prefill_backend(backend: str):
+  """Every `paged_prefill.Config.default_for` call in this process picks
+  `backend` (its other choices unchanged)."""
+  from pkvattn.pallas_kernels import paged_prefill
+  default_for = paged_prefill.Config.default_for.__func__
+  paged_prefill.Config.default_for = classmethod(
+      lambda cls, **kw: default_for(cls, **{**kw, "backend": backend}))
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--num-prompts", type=int, default=256)
@@ -115,9 +124,14 @@ def main():
   ap.add_argument("--decode-steps", type=int, default=8)
   ap.add_argument("--dtypes", default="auto,fp8_e4m3",
                   help="comma list of kv_cache_dtype values to run")
+  ap.add_argument("--prefill-backend", default="auto",
+                  choices=("auto", "triton", "mosaic"),
+                  help="force paged_prefill's kernel (an A/B of the default)")
   ap.add_argument("--trace", action="store_true",
                   help="profile a second generate's decode phase per dtype")
   args = ap.parse_args()
+  if args.prefill_backend != "auto":
+    _force_prefill_backend(args.prefill_backend)
   mcfg = LLAMA_3_2_1B
   params = init_params(mcfg, jax.random.key(0), jnp.bfloat16)
   model = Model("llama-3.2-1b-shape", mcfg, params, None)
@@ -148,6 +162,7 @@ def main():
                              mcfg, engine.pool.dtype)
     rows.append(dict(
         kv_cache_dtype=st.kv_cache_dtype, kv_cache_bytes=st.kv_cache_bytes,
+        prefill_backend=args.prefill_backend,
         decode_tok_s=st.decode_tokens_per_s,
         prefill_tok_s=st.prefill_tokens_per_s, warmup_s=warm, wall_s=wall,
         num_compiles_after_warmup=st.num_compiles - len(engine.programs()),

@@ -165,7 +165,11 @@ class Config:
     bench/results/engine_H200_mosaic_d64.json) a step's attention took
     3.44 ms with it against 2.75 ms with the Triton kernel (half the matmul
     per softmax element, and short prompts leave few KV steps per CTA to
-    hide its prologue). FP8 pages take the same rule: there the Mosaic-GPU
+    hide its prologue); again on H100 on 2026-11-25 (the same engine
+    workload with 256 prompts: 213k against 226k prefill tok/s with bf16
+    pages, 206k against 226k with FP8 pages,
+    bench/results/engine_prefill_d64_ab_H100.json), though the kernel alone
+    is the faster at B=4 S=4096 causal (323 against 311 TFLOP/s). FP8 pages take the same rule: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
     TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
     pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
