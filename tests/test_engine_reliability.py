@@ -59,18 +59,32 @@ def workloads(draw):
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
-@given(reqs=workloads(), check=st.booleans())
-def test_every_request_that_fits_alone_completes_as_alone(model, reqs, check):
-  # Unchecked, bursts are chained (one in flight while the next runs).
-  engine = Engine(model, dataclasses.replace(CFG, check=check))
-  sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in reqs]
+@given(reqs=workloads(), check=st.booleans(), data=st.data())
+def test_every_request_that_fits_alone_completes_as_alone(model, reqs, check,
+                                                          data):
+  # Greedy and seeded sampled requests, some ending at a stop token of their
+  # own output: batched (unchecked, bursts are chained: one in flight while
+  # the next runs), each must give what it gives alone.
+  cfg = dataclasses.replace(CFG, check=check)
+  alone = Engine(model, cfg)
+  sps, expected = [], []
+  for prompt, new in reqs:
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True,
+                        temperature=data.draw(st.sampled_from([0.0, 0.0, 0.9])),
+                        seed=data.draw(st.integers(0, 9)))
+    out = alone.generate([prompt], sp)[0]
+    assert len(out) == new
+    if data.draw(st.booleans()):
+      stop = out[data.draw(st.integers(0, new - 1))]
+      sp = dataclasses.replace(sp, ignore_eos=False, stop_token_ids=(stop,))
+      out = out[:out.index(stop) + 1]
+    sps.append(sp)
+    expected.append(out)
+  engine = Engine(model, cfg)
   outs = engine.generate([p for p, _ in reqs], sps)
-  assert [len(o) for o in outs] == [n for _, n in reqs]
+  assert outs == expected
   assert not engine.has_unfinished()
   cache.validate(engine.state)
-  alone = Engine(model, CFG)
-  for (prompt, _), sp, out in zip(reqs, sps, outs):
-    assert alone.generate([prompt], sp)[0] == out
 
 
 def test_bad_input_queues_nothing(model):

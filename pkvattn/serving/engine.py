@@ -576,7 +576,13 @@ class Engine:
     self._free_rows.sort()
 
   def step(self) -> int:
-    """Runs one engine step; returns the number of tokens sampled in it.
+    """Runs one engine step (or burst); returns the number of tokens it
+    booked into requests' outputs.
+
+    While decoding in chained bursts (`EngineConfig.decode_steps`), a call
+    dispatches the next burst and books the one before it: outputs lag the
+    device by one burst, and `has_unfinished()` stays true until the last
+    burst is read.
 
     Raises:
       RuntimeError: a waiting request can never be admitted (its prompt needs
