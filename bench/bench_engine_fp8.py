@@ -12,7 +12,10 @@ gets and the sequences of `prompt_len + new_tokens` tokens they hold.
 With `--trace`, a second `generate` per dtype runs under jax.profiler and
 its decode phase (after the last prefill-kernel launch) is summed by
 kernel kind: GPU-busy time per decode step against the step's wall time
-(the difference is launch gaps and host work).
+(the difference is launch gaps and host work), with the GPU's idle time
+per step by gap size and the largest gaps (`idle_gaps`). `--dtypes` runs
+one dtype only (a diagnostic: nothing is compared or written), and
+`--prefill-backend` forces paged_prefill's kernel (an A/B of its default).
 
 Run:  python -m bench.bench_engine_fp8 [--num-prompts 256] [--prompt-len 1024]
 Results: bench/results/engine_fp8.json (and $OUT).

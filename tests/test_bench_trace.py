@@ -1,0 +1,42 @@
+"""The trace arithmetic of bench_engine_fp8: GPU idle gaps by size."""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import bench_engine_fp8  # noqa: E402  (repo root, for the bench package)
+
+
+def test_idle_gaps_against_a_busy_timeline():
+  # Random kernels on one stream (some overlapping their predecessor): the
+  # idle time per size class must be what a 1-ns timeline leaves unbusy.
+  # Times in whole microseconds (ns in the events), so a 1-us timeline is
+  # exact.
+  rng = np.random.default_rng()
+  events, t = [], 0
+  for _ in range(200):
+    t += int(rng.choice([0, rng.integers(1, 30), rng.integers(5, 3_000)]))
+    dur = int(rng.integers(1, 20))
+    events.append((t * 1000, dur * 1000, f"k{len(events)}"))
+    t += dur - int(rng.integers(0, dur + 1)) // 4  # may overlap the next
+  events.sort()
+  steps = 4
+  got = bench_engine_fp8.idle_gaps(events, steps)
+  t0 = events[0][0] // 1000
+  busy = np.zeros(max(s + d for s, d, _ in events) // 1000 - t0, bool)
+  for s, d, _ in events:
+    busy[s // 1000 - t0:(s + d) // 1000 - t0] = True
+  # Idle runs of the timeline, classified as the function does (ms).
+  edges = np.flatnonzero(np.diff(np.concatenate([[1], busy.view(np.int8),
+                                                  [1]])))
+  runs = (edges[1::2] - edges[::2]) / 1e3
+  want = [runs[runs < 0.01].sum(), runs[(runs >= 0.01) & (runs < 0.1)].sum(),
+          runs[(runs >= 0.1) & (runs < 1.0)].sum(), runs[runs >= 1.0].sum()]
+  assert list(got["idle_ms_per_step"]) == [
+      "<0.01ms", "0.01-0.1ms", "0.1-1.0ms", ">1.0ms"]
+  np.testing.assert_allclose(list(got["idle_ms_per_step"].values()),
+                             np.round(np.array(want) / steps, 4), atol=1e-4)
+  assert sum(got["gap_counts"].values()) == len(runs)
+  assert got["largest"][0][0] == round(runs.max(), 3)
