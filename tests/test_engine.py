@@ -130,6 +130,30 @@ def test_bursts_release_finished_rows(model):
   assert engine.get_request(rid).num_reused > 0
 
 
+def test_bursts_chain_while_requests_wait(model):
+  # Two rows, four requests: bursts chain while the other two wait, and a
+  # row that frees by length goes to a waiting request right after the
+  # burst that frees it (outputs as one-step decoding).
+  prompts = _prompts(4, seed=5)
+  params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+            for n in (14, 11, 9, 6)]
+  two_rows = dataclasses.replace(CFG, max_seqs=2)
+  single = Engine(model, two_rows).generate(prompts, params)
+  engine = Engine(model, dataclasses.replace(two_rows, decode_steps=4))
+  for p, sp in zip(prompts, params):
+    engine.add_request(p, sp)
+  chained_waiting = 0
+  while engine.has_unfinished():
+    engine.step()
+    if engine._inflight is not None and engine._waiting:
+      chained_waiting += 1
+      # Nothing in flight reaches its length: no freed row idles.
+      assert all(r.params.max_new_tokens - len(r.output) > 4
+                 for r in engine._running)
+  outs = [engine.get_request(i).output for i in range(len(prompts))]
+  assert outs == single and chained_waiting > 0
+
+
 def test_prefix_reuse_respects_scope(model):
   engine = Engine(model, CFG)
   prompt = [256] + list(range(40, 60))  # 21 tokens: 2 full pages of 8

@@ -43,9 +43,10 @@ class EngineConfig:
       (`lax.scan`: tokens fed back, stop tokens, max lengths and `extend`
       checked on device; vLLM's multi-step scheduling). 1 = off. Amortises
       the host's per-step work; a request finishing mid-burst frees its row
-      only at the end of the burst (the next burst releases it). While
-      nothing waits for a row, bursts are chained: the next is dispatched
-      from the device's end state of this one before the host reads it.
+      only at the end of the burst (the next burst releases it). Bursts are
+      chained: the next is dispatched from the device's end state of this
+      one before the host reads it (with requests waiting, only while no
+      running request reaches its length in the burst in flight).
     scan_layers: run the layers under `lax.scan` over stacked weights (True)
       or as an unrolled loop over per-layer weights (False: the engine keeps
       `pkvattn.models.unstack_layers(params)`, MaxText's `scan_layers`).

@@ -732,8 +732,8 @@ class Engine:
   def _burst(self) -> int:
     """`decode_steps` decode iterations in one device call (see EngineConfig).
 
-    Bursts are chained: while only decoding can follow, the next burst is
-    dispatched before this one's tokens are read, with its per-row inputs
+    Bursts are chained (see `_can_chain`): the next burst is dispatched
+    before this one's tokens are read, with its per-row inputs
     taken from this one's end state on the device (`programs.chain_inputs`),
     so the host reads and books one burst while the device runs the next
     (vLLM's async scheduling). Returns the tokens read in this call: those
@@ -774,14 +774,21 @@ class Engine:
 
   def _can_chain(self, out) -> bool:
     """Whether the burst just dispatched (`out`, not read yet) can stay in
-    flight while the next one runs: another burst is sure to follow (nothing
-    waits for a row, and some running request still has tokens to emit
-    after it, by its length) and no check reads its errors."""
-    if self.config.check or self._waiting or out.carry is None:
+    flight while the next one runs (no check reads its errors).
+
+    Nothing waiting: if some running request still has tokens to emit after
+    it (by its length). Requests waiting for a row: only if no running
+    request reaches its length in it, so a row that frees by length is
+    given to a waiting request right after the burst that frees it; a row
+    that frees by a stop token is seen one burst later (it idles for that
+    burst: vLLM's async scheduling has the same lag)."""
+    if self.config.check or out.carry is None:
       return False
     k = self.config.decode_steps
-    return any(r.params.max_new_tokens - len(r.output) > k
-               for r in self._running)
+    left = [r.params.max_new_tokens - len(r.output) for r in self._running]
+    if self._waiting:
+      return bool(left) and min(left) > k
+    return any(n > k for n in left)
 
   def _drain(self) -> int:
     """Reads the burst in flight, if any; returns its tokens."""
