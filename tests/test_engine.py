@@ -97,6 +97,18 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
     assert req.finish_reason == "stop"
 
 
+def _queued_in_bursts(model, cfg, prompts, lengths):
+  """`(outputs of one-step decoding with cfg, an engine decoding in bursts
+  of 4 with the same requests queued, their SamplingParams)`."""
+  params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
+            for n in lengths]
+  single = Engine(model, cfg).generate(prompts, params)
+  engine = Engine(model, dataclasses.replace(cfg, decode_steps=4))
+  for p, sp in zip(prompts, params):
+    engine.add_request(p, sp)
+  return single, engine, params
+
+
 def test_bursts_release_finished_rows(model):
   # Requests finishing one after the other: each burst releases the rows
   # that finished in the one before it, so decoding stays in bursts (no
@@ -104,13 +116,8 @@ def test_bursts_release_finished_rows(model):
   # every slot is free at the end, with the tokens of one-step decoding and
   # finished prompts still published.
   prompts = _prompts(4, seed=3)
-  params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
-            for n in (3, 6, 9, 13)]
-  cfg = dataclasses.replace(CFG, decode_steps=4)
-  single = Engine(model, CFG).generate(prompts, params)
-  engine = Engine(model, cfg)
-  for p, sp in zip(prompts, params):
-    engine.add_request(p, sp)
+  single, engine, params = _queued_in_bursts(model, CFG, prompts,
+                                             (3, 6, 9, 13))
   kinds, chained = [], 0
   while engine.has_unfinished():
     engine.step()
@@ -135,13 +142,8 @@ def test_bursts_chain_while_requests_wait(model):
   # row that frees by length goes to a waiting request right after the
   # burst that frees it (outputs as one-step decoding).
   prompts = _prompts(4, seed=5)
-  params = [SamplingParams(max_new_tokens=n, ignore_eos=True)
-            for n in (14, 11, 9, 6)]
-  two_rows = dataclasses.replace(CFG, max_seqs=2)
-  single = Engine(model, two_rows).generate(prompts, params)
-  engine = Engine(model, dataclasses.replace(two_rows, decode_steps=4))
-  for p, sp in zip(prompts, params):
-    engine.add_request(p, sp)
+  single, engine, _ = _queued_in_bursts(
+      model, dataclasses.replace(CFG, max_seqs=2), prompts, (14, 11, 9, 6))
   chained_waiting = 0
   while engine.has_unfinished():
     engine.step()
