@@ -761,7 +761,7 @@ class Engine:
     if prev is not None:  # read while `out` runs
       num_sampled, dt = self._read_burst(prev[0])
       host_s += dt
-    if self._can_chain(out):
+    if self._can_chain():
       self._inflight = (out, inputs)
     else:
       n, dt = self._read_burst(out)
@@ -772,9 +772,9 @@ class Engine:
     self.stats.decode_time_s += time.perf_counter() - t0 - compile_s
     return num_sampled
 
-  def _can_chain(self, out) -> bool:
-    """Whether the burst just dispatched (`out`, not read yet) can stay in
-    flight while the next one runs (no check reads its errors).
+  def _can_chain(self) -> bool:
+    """Whether the burst just dispatched (not read yet) can stay in flight
+    while the next one runs (no check reads its errors).
 
     Nothing waiting: if some running request still has tokens to emit after
     it (by its length). Requests waiting for a row: only if no running
@@ -782,7 +782,7 @@ class Engine:
     given to a waiting request right after the burst that frees it; a row
     that frees by a stop token is seen one burst later (it idles for that
     burst: vLLM's async scheduling has the same lag)."""
-    if self.config.check or out.carry is None:
+    if self.config.check:
       return False
     k = self.config.decode_steps
     left = [r.params.max_new_tokens - len(r.output) for r in self._running]

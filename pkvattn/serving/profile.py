@@ -6,7 +6,6 @@ changes nothing in the engine.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
@@ -51,9 +50,12 @@ def profile_programs(engine) -> dict:
     tables = _programs.layer_tables(grown, L, S)
     args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
                     copy_tree(engine.seq_tokens), binp)
-    cache_ops = functools.partial(  # as the burst does, once
-        _programs.reserve_burst, inp=binp, num_layers=L, decode_steps=k,
-        seq_tokens=engine.seq_tokens, commit=cfg.enable_prefix_reuse)
+    seq_tokens = engine.seq_tokens
+
+    def cache_ops(state):  # as the burst does, once
+      return _programs.reserve_burst(state, seq_tokens, binp, num_layers=L,
+                                     decode_steps=k,
+                                     commit=cfg.enable_prefix_reuse)
     per = k
   elif engine.last_inputs is None:
     raise ValueError("Invalid call: profile() needs at least one step() first")

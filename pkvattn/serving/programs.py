@@ -296,15 +296,14 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
   return pool, state, seq_tokens, out
 
 
-def reserve_burst(state, inp: BurstInputs, *, num_layers: int,
-                  decode_steps: int, seq_tokens=None, commit: bool = False):
+def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
+                  decode_steps: int, commit: bool):
   """A burst's cache work, done once up front: the rows that finished before
-  it are published and released (`cache_ops_before`, as a step does; needs
-  `seq_tokens`), then one `extend` reserves every active row's tokens for the
-  burst (`min(decode_steps, remaining - 1)` beyond the fed one) and the page
+  it are published and released (`cache_ops_before`, as a step does), then
+  one `extend` reserves every active row's tokens for the burst
+  (`min(decode_steps, remaining - 1)` beyond the fed one) and the page
   tables are built once. Returns `(state, tables, ok)`."""
-  if seq_tokens is not None:
-    state = cache_ops_before(state, seq_tokens, inp, commit=commit)
+  state = cache_ops_before(state, seq_tokens, inp, commit=commit)
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
   # The fed token's position is reserved but not computed: the burst's first
@@ -344,8 +343,8 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   if tables is None:
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, tables, _ = reserve_burst(
-          state, inp, num_layers=model_cfg.num_layers, decode_steps=k,
-          seq_tokens=seq_tokens, commit=cfg.enable_prefix_reuse)
+          state, seq_tokens, inp, num_layers=model_cfg.num_layers,
+          decode_steps=k, commit=cfg.enable_prefix_reuse)
       reserved = state.seq_lens  # tokens with a slot, per row
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
