@@ -1,13 +1,15 @@
 """FP8 pages in the Triton kernels: configs side by side, Nsight-ready children.
 
-Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep tiles]`
+Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep tiles|asm]`
 
 Decode: for Llama-3-8B shapes (32 / 8 / 128 heads), the Llama-3.2-1B shape
 (32 / 8 / 64) and SmolLM2's (9 / 3 / 64), times `paged_decode`'s Triton
-kernel on bf16 pages (default config) and on FP8 pages with V converted in
-its loaded layout (`fp8_convert="loaded"`, the default) and where Triton puts
-it (`"operand"`), after checking every FP8 variant against the f32 reference
-on the same pages (`--sweep tiles` adds tiling variants around the default).
+kernel on bf16 pages (default config) and on FP8 pages: the FP8 default
+config (`default`), then the bf16 default's tiling with V converted in its
+loaded layout (`loaded`), where Triton puts it (`operand`) and both tiles by
+inline PTX (`asm`), after checking every FP8 variant against the f32
+reference on the same pages (`--sweep tiles` adds tiling variants around
+the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`).
 Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
 trace (`_timing.device_kernel_ms`); `tbps` counts the K/V bytes read.
 
@@ -74,10 +76,38 @@ def _inputs(spec, seed=0):
   return q, k, v, table, lens
 
 
-def variants(base: kernel.Config, page_size: int, sweep: str):
-  """name -> Config of the FP8 variants tried on one spec."""
-  out = {"loaded": base,
-         "operand": dataclasses.replace(base, fp8_convert="operand")}
+def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
+             sweep: str):
+  """name -> Config of the FP8 variants tried on one spec: the FP8 default,
+  then the bf16 default's tiling with each conversion, then a sweep's."""
+  out = {"default": fp8_default, "loaded": base,
+         "operand": dataclasses.replace(base, fp8_convert="operand"),
+         "asm": dataclasses.replace(base, fp8_convert="asm")}
+  if sweep == "asm":
+    a = dataclasses.replace(base, fp8_convert="asm")
+    out = {"default": fp8_default, "loaded": base, "asm": a,
+           "asm_s2": dataclasses.replace(a, num_stages=2),
+           "asm_s4": dataclasses.replace(a, num_stages=4),
+           "asm_w8": dataclasses.replace(a, num_warps=8),
+           "asm_w2": dataclasses.replace(a, num_warps=2),
+           "asm_w2_s2": dataclasses.replace(a, num_warps=2, num_stages=2),
+           "asm_ks_x2": dataclasses.replace(a, k_splits=2 * base.k_splits),
+           "asm_w2_ks_x2": dataclasses.replace(a, num_warps=2,
+                                               k_splits=2 * base.k_splits)}
+    if base.pages_per_block * page_size * 2 <= 256:
+      out["asm_ppb_x2"] = dataclasses.replace(
+          a, pages_per_block=2 * base.pages_per_block,
+          k_splits=max(1, base.k_splits // 2))
+      out["asm_ppb_x2_w8"] = dataclasses.replace(
+          out["asm_ppb_x2"], num_warps=8)
+    if base.pages_per_block > 1:
+      out["asm_ppb_half"] = dataclasses.replace(
+          a, pages_per_block=base.pages_per_block // 2,
+          k_splits=2 * base.k_splits)
+      out["asm_w2_ppb_half"] = dataclasses.replace(
+          out["asm_ppb_half"], num_warps=2)
+      out["asm_w2_ppb_half_ks1"] = dataclasses.replace(
+          out["asm_ppb_half"], num_warps=2, k_splits=base.k_splits)
   if sweep == "tiles":
     out["s2"] = dataclasses.replace(base, num_stages=2)
     out["s4"] = dataclasses.replace(base, num_stages=4)
@@ -117,6 +147,10 @@ def decode_rows(names=None, sweep=""):
     base = kernel.Config.default_for(
         batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
         head_dim=d, group_size=hq // hkv, dtype=q.dtype)
+    fp8_default = kernel.Config.default_for(
+        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+        head_dim=d, group_size=hq // hkv, dtype=q.dtype,
+        kv_dtype=jnp.float8_e4m3fn)
     # Reference on a slice of the batch (the whole one is GBs in f32).
     nb = min(b, 8)
     expected, _ = reference.paged_decode_reference(
@@ -136,10 +170,11 @@ def decode_rows(names=None, sweep=""):
       kt = _timing.device_kernel_ms(f, lambda: (q, pk, pv))
       return dict(ms=t, kernel_ms=kt, rel_err=err)
 
-    row = dict(spec=name, base=dataclasses.asdict(base))
+    row = dict(spec=name, base=dataclasses.asdict(base),
+               fp8_default=dataclasses.asdict(fp8_default))
     r = timed(k, v, base, False)
     row["bf16_default"] = dict(r, tbps=kv_bytes(2) / r["kernel_ms"] / 1e9)
-    for vname, cfg in variants(base, ps, sweep).items():
+    for vname, cfg in variants(base, fp8_default, ps, sweep).items():
       try:
         r = timed(k8, v8, cfg, True)
       except Exception as e:  # noqa: BLE001  (a config that does not lower)
@@ -244,7 +279,7 @@ def main():
   ap.add_argument("--skip", default="", help="comma list: append,prefill,"
                   "decode")
   ap.add_argument("--specs", default="", help="comma list of SPECS names")
-  ap.add_argument("--sweep", default="", choices=("", "tiles"))
+  ap.add_argument("--sweep", default="", choices=("", "tiles", "asm"))
   args = ap.parse_args()
   if args.child:
     _child(args.child)

@@ -46,6 +46,28 @@ def mosaic_gpu():
   return plgpu
 
 
+def compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of JAX's first device where it is an NVIDIA GPU, else
+  None."""
+  import jax  # noqa: PLC0415
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover
+    return None
+  cc = str(getattr(dev, "compute_capability", ""))
+  if dev.platform != "gpu" or "." not in cc:
+    return None
+  major, minor = cc.split(".")[:2]
+  return int(major), int(minor)
+
+
+def has_fp8_cvt() -> bool:
+  """Whether the GPU converts e4m3 pairs to f16 in one instruction
+  (`cvt.rn.f16x2.e4m3x2`: compute capability >= 8.9)."""
+  cc = compute_capability()
+  return cc is not None and cc >= (8, 9)
+
+
 def is_hopper() -> bool:
   """Whether JAX's first device is a compute capability 9.0 GPU (wgmma and
   TMA as the Mosaic-GPU kernels use them are sm_90a only)."""
@@ -59,5 +81,5 @@ def is_hopper() -> bool:
 
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
-           "mosaic_gpu", "is_hopper"]
+           "mosaic_gpu", "is_hopper", "compute_capability", "has_fp8_cvt"]
 

@@ -19,17 +19,40 @@ on the Llama-3-8B decode shape B=64 S=4096 page 16):
   (in [0, 1]) keep more bits than in bf16.
 Together: FP8-page decode time 0.59-0.67x of bf16 pages on the Llama-3-8B
 shapes, against 0.68-0.90x before.
+
+* Inline PTX (`"asm"`): both tiles convert in their loaded layout through
+  `elementwise_inline_asm`, four values per instance (`cvt.rn.f16x2.e4m3x2`
+  on each 16-bit half of the register; sm_89+), an op Triton cannot move
+  past the layout change, so no select is needed. With 64-key steps on 2
+  warps it is the default at head_dim 128: decode kernel time 0.56-0.60x
+  of bf16 pages on the four Llama-3-8B shapes against 0.60-0.66x with
+  `"loaded"` and its own best tiling (H100, 2026-11-25,
+  `bench/fp8_decode_diag.py --sweep asm`). At head_dim 64 it ties
+  `"loaded"` (0.73x, Llama-3.2-1B heads) or loses (0.66 against 0.64x,
+  SmolLM2 heads), and on 4 warps with 64-key steps it loses at head_dim
+  128 too (0.80x), so the default keeps `"loaded"` there.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 F16_MAX = 65504.0
-# Where an FP8 tile is converted to the dot dtype: "loaded" (in the layout it
-# was loaded in, behind a select) or "operand" (Triton's choice: after the
-# dot-operand layout change).
-CONVERT_MODES = ("loaded", "operand")
+# Where and how FP8 tiles convert to the dot dtype: "loaded" (V in the layout
+# it was loaded in, behind a select), "operand" (Triton's choice: after the
+# dot-operand layout change) or "asm" (K and V in their loaded layout, by
+# inline PTX; a GPU of compute capability >= 8.9).
+CONVERT_MODES = ("loaded", "operand", "asm")
+
+# e4m3x4 (one 32-bit register) -> f16x4 (two): one `cvt.rn.f16x2.e4m3x2`
+# per pair, on the register's 16-bit halves (sm_89+).
+_E4M3X4_TO_F16X4 = """{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}"""
 
 
 def dot_dtype(q_dtype):
@@ -47,14 +70,32 @@ def query_for_dots(q):
   return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
 
 
-def convert(x, dtype, rows_ok, mode: str):
+def convert_asm(x, dtype, interpret: bool):
+  """An FP8 tile `x` as `dtype` through inline PTX where the dot dtype is
+  f16 on a GPU (Pallas-Triton lowering only: `astype` in interpret mode and
+  for an f32 dot, the same values)."""
+  if interpret or jnp.dtype(dtype) != jnp.float16:
+    return x.astype(dtype)
+  from jax import lax  # noqa: PLC0415
+  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+  bits = lax.bitcast_convert_type(x, jnp.uint8)
+  [y] = pltriton.elementwise_inline_asm(
+      _E4M3X4_TO_F16X4, args=[bits], constraints="=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
+  return y
+
+
+def convert(x, dtype, rows_ok, mode: str, interpret: bool = False):
   """An FP8 tile `x [rows, cols]` as `dtype`.
 
   With `mode == "loaded"`, the converted rows are selected by `rows_ok
   bool[rows]` (rows that are False become 0: callers pass the load's mask,
   whose masked rows loaded as 0 already), which keeps the conversion in the
-  loaded layout (see the module docstring).
+  loaded layout (see the module docstring). `mode == "asm"`:
+  `convert_asm`.
   """
+  if mode == "asm":
+    return convert_asm(x, dtype, interpret)
   y = x.astype(dtype)
   if mode == "operand":
     return y

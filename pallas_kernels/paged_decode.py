@@ -72,8 +72,9 @@ class Config:
       steps are `pages_per_block * page_size` keys (64 or 128) through
       `num_stages` shared-memory stages, with `num_warps // 4` consumer
       warpgroups (1, or 2 taking alternate steps; kv_eviction unused).
-    fp8_convert: Triton kernel, FP8 pages: where V tiles convert to the dot
-      dtype, "loaded" or "operand" (`pallas_kernels/_fp8.py`).
+    fp8_convert: Triton kernel, FP8 pages: where and how tiles convert to
+      the dot dtype, "loaded", "operand" or "asm" (inline PTX, compute
+      capability >= 8.9; `pallas_kernels/_fp8.py`).
   """
   pages_per_block: int
   k_splits: int
@@ -121,6 +122,12 @@ class Config:
       us with 4 at kv_lens ~80 / ~300 / ~960 (H200, 2026-11-23,
       bench/decode_step_ab.py). 32-token steps won at ~80 (6.0-6.1 us) but
       lost 10-18% at ~300 and ~960.
+    * FP8 pages at head_dim 128 on a GPU with e4m3 -> f16 conversion
+      (compute capability >= 8.9): 64-token steps on 2 warps, tiles
+      converted by inline PTX (`fp8_convert="asm"`): 0.56-0.60x of the bf16
+      default's kernel time on the four Llama-3-8B decode shapes, against
+      0.60-0.66x for the bf16 tiling with `"loaded"` (H100, 2026-11-25,
+      `bench/fp8_decode_diag.py --sweep asm`); splits as for 4 warps.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
       traffic once the SMs are busy), 4 per SM for 2-warp programs (SmolLM2
@@ -141,6 +148,13 @@ class Config:
                             page_size=page_size, max_pages=max_pages,
                             head_dim=head_dim, num_sms=num_sms)
     programs = batch_size * num_kv_heads
+    if (head_dim == 128 and not interpret and kv_dtype is not None
+        and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn and _compat.has_fp8_cvt()):
+      pages_per_block = max(1, 64 // page_size)
+      return cls(pages_per_block=pages_per_block,
+                 k_splits=_default_splits(programs, max_pages,
+                                          pages_per_block, num_sms),
+                 num_warps=2, num_stages=3, fp8_convert="asm")
     block_tokens = 32 if head_dim > 128 else 64
     num_warps, num_stages = 4, 3
     if head_dim <= 128 and programs >= 8 * num_sms:
@@ -216,6 +230,7 @@ def _paged_decode_kernel(
     group_padded: int,
     kv_eviction: str | None,
     fp8_convert: str = "loaded",
+    interpret: bool = False,
 ):
   b = pl.program_id(0)
   kv_head = pl.program_id(1)
@@ -297,8 +312,10 @@ def _paged_decode_kernel(
     if scales_ref is not None:
       # K is contracted over head_dim, its contiguous dimension: Triton's
       # placement reads it in wide words. V is contracted over tokens.
-      k = k.astype(dot_dtype)
-      v = _fp8.convert(v, dot_dtype, tok_ok.reshape(block_k), fp8_convert)
+      k = (_fp8.convert_asm(k, dot_dtype, interpret) if fp8_convert == "asm"
+           else k.astype(dot_dtype))
+      v = _fp8.convert(v, dot_dtype, tok_ok.reshape(block_k), fp8_convert,
+                       interpret)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32)  # [G, block_k]
     s = s * qk_scale
@@ -386,7 +403,8 @@ def _paged_decode_call(
       _paged_decode_kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
       k_splits=ks, group_size=group_size, group_padded=group_padded,
-      kv_eviction=config.kv_eviction, fp8_convert=config.fp8_convert)
+      kv_eviction=config.kv_eviction, fp8_convert=config.fp8_convert,
+      interpret=interpret)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, head_dim), lambda b, k, s: (0, 0, k, 0))
   if final:
@@ -415,7 +433,7 @@ def _paged_decode_call(
   name = (f"paged_decode_g{group_size}_d{head_dim}_ps{page_size}"
           f"_ppb{config.pages_per_block}_ks{ks}_w{config.num_warps}"
           f"_s{config.num_stages}"
-          f"{'' if config.fp8_convert == 'loaded' else '_fp8op'}"
+          f"{'' if config.fp8_convert == 'loaded' else '_fp8' + config.fp8_convert}"
           f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
   return pl.pallas_call(
       kernel,
@@ -514,7 +532,9 @@ def paged_decode(
     NotImplementedError: head_dim not in {64, 128, 256} or a page_size that is
       not a power of two in [8, 128].
     ValueError: a `config` with `backend="mosaic"` in interpret mode, on FP8
-      pages, or on a case `paged_decode_mgpu` does not serve (its errors).
+      pages, or on a case `paged_decode_mgpu` does not serve (its errors);
+      `fp8_convert="asm"` with FP8 pages on a GPU below compute capability
+      8.9.
   """
   batch_size, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
@@ -529,6 +549,11 @@ def paged_decode(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim, group_size=group_size,
         dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
+  if (config.fp8_convert == "asm" and k_scale is not None and not interpret
+      and not _compat.has_fp8_cvt()):
+    raise ValueError(
+        "Invalid config.fp8_convert: 'asm' needs a GPU of compute capability "
+        f">= 8.9, got {_compat.compute_capability()}")
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   if config.backend == "mosaic":

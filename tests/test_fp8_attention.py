@@ -248,11 +248,18 @@ def test_fp8_bad_inputs():
                          k_scale=1.0, v_scale=1.0)
 
 
-@pytest.mark.parametrize("mode", ["loaded", "operand"])
+def _on_gpu_with_fp8_cvt():
+  from pkvattn.pallas_kernels import _compat
+  return _compat.has_fp8_cvt()
+
+
+@pytest.mark.parametrize("mode", ["loaded", "operand", "asm"])
 def test_decode_kernel_fp8_convert_modes(mode):
-  """Both placements of the V conversion (`Config.fp8_convert`) compute the
-  oracle's attention; a bf16 query beyond f16's range (the FP8 dots run in
-  f16) is clamped to +-65504, never inf (the oracle clamps it too)."""
+  """Every placement of the conversion (`Config.fp8_convert`) computes the
+  oracle's attention ("asm" runs its `astype` twin in interpret mode; its
+  PTX is checked on the GPU below); a bf16 query beyond f16's range (the
+  FP8 dots run in f16) is clamped to +-65504, never inf (the oracle clamps
+  it too)."""
   from pkvattn.pallas_kernels import paged_decode as kernel
   rng = np.random.default_rng()
   hkv, g, d, ps = 2, 4, 64, 8
@@ -279,3 +286,63 @@ def test_decode_kernel_fp8_convert_modes(mode):
       au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
   with pytest.raises(ValueError, match="fp8_convert"):
     kernel.Config(pages_per_block=2, k_splits=1, fp8_convert="smem")
+
+
+@pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
+                    reason="needs a GPU of compute capability >= 8.9")
+@pytest.mark.parametrize("g, d, ps, ppb, warps", [
+    (4, 128, 16, 4, 2), (3, 64, 16, 8, 4), (8, 128, 64, 1, 2),
+    (1, 128, 8, 8, 4)])
+def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
+  """The inline-PTX conversion on the GPU against the oracle on the
+  dequantized pages (NaN in unowned pages and past kv_lens), splits and
+  odd lengths included."""
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  rng = np.random.default_rng()
+  hkv = 2
+  lens = [1, 7, 129, 0, 4095, 300]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                        num_kv_heads=hkv, head_dim=d,
+                                        fmt="pair")
+  q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  table = jnp.asarray(p.page_table)
+  for ksplit in (1, 4):
+    cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit,
+                        num_warps=warps, fp8_convert="asm")
+    out, lse = kernel.paged_decode(
+        jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
+        jnp.asarray(lens), sm_scale=d**-0.5, config=cfg,
+        k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
+    for b, n in enumerate(lens):
+      want, want_lse = au.dense_attention(q[b:b + 1], tk[b], tv[b], [n - 1],
+                                          n, sm_scale=d**-0.5)
+      au.assert_close(out[b:b + 1], want, jnp.bfloat16, f"b={b} ks={ksplit}")
+      au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
+
+
+def test_decode_default_fp8_asm_rule(monkeypatch):
+  """The FP8 decode default: inline-PTX conversion, 64-token steps and 2
+  warps at head_dim 128 where the GPU converts e4m3 pairs; the bf16 tiling
+  otherwise (head_dim 64, bf16 pages, interpret mode, older GPUs)."""
+  from pkvattn.pallas_kernels import _compat
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  kw = dict(batch_size=256, num_kv_heads=8, max_pages=64, group_size=4,
+            dtype=jnp.bfloat16)
+  for cvt in (True, False):
+    monkeypatch.setattr(_compat, "has_fp8_cvt", lambda cvt=cvt: cvt)
+    for ps in (16, 64):
+      cfg = kernel.Config.default_for(page_size=ps, head_dim=128,
+                                      kv_dtype=FP8, **kw)
+      bf16 = kernel.Config.default_for(page_size=ps, head_dim=128,
+                                       kv_dtype=jnp.bfloat16, **kw)
+      assert bf16.fp8_convert == "loaded"
+      if cvt:
+        assert (cfg.fp8_convert, cfg.num_warps) == ("asm", 2)
+        assert cfg.pages_per_block * ps == max(64, ps)
+      else:
+        assert cfg == bf16
+    for other in (dict(head_dim=64, kv_dtype=FP8),
+                  dict(head_dim=128, kv_dtype=FP8, interpret=True)):
+      assert kernel.Config.default_for(page_size=16, **other,
+                                       **kw).fp8_convert == "loaded"
