@@ -226,6 +226,11 @@ def _configs(d):
           ("mosaic 2wg splits /2", dict(k_splits=0, num_warps=8))]
   if d == 128:
     out += [("mosaic bkv64 s4", dict(pages_per_block=-64, num_stages=4))]
+  else:  # fewer stages: more CTAs per SM (the 4-stage ring takes 128 KiB)
+    out += [("mosaic s2", dict(num_stages=2)),
+            ("mosaic s3", dict(num_stages=3)),
+            ("mosaic bkv64 s2", dict(pages_per_block=-64, num_stages=2)),
+            ("mosaic 2wg s2", dict(num_warps=8, num_stages=2))]
   return out
 
 

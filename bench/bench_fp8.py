@@ -6,12 +6,14 @@ Run on a GPU:  `python -m bench.bench_fp8 [--out DIR] [--quick]`
    NaN in spare pages; GQA groups 1/3/4/8; the three kv_cache formats):
    decode, prefill (mixed batch), and RoPE + append (written pages bitwise
    equal, as uint8).
-2. Decode, Llama-3-8B heads (32/8/128), the four specs of bench_decode:
-   pkvattn bf16 pages, pkvattn FP8 pages, FlashInfer 0.7.2 FP8 and bf16
-   (`BatchDecodeWithPagedKVCacheWrapper.plan(..., kv_data_type=...)`), on
-   the same pages (FlashInfer's NHD layout is our "flashinfer" format), all
-   timed by `_timing.time_fn`'s method (back-to-back calls, wall clock,
-   synchronized); FlashInfer's outputs are checked against ours first.
+2. Decode, the specs of bench_decode (Llama-3-8B heads 32/8/128 unless the
+   spec names others): pkvattn bf16 pages, pkvattn FP8 pages, FlashInfer
+   0.7.2 FP8 and bf16 (`BatchDecodeWithPagedKVCacheWrapper.plan(...,
+   kv_data_type=...)`), on the same pages (FlashInfer's NHD layout is our
+   "flashinfer" format), each timed per call by `_timing.time_fn`'s method
+   (back-to-back calls, wall clock, synchronized) and by GPU kernel time
+   (`_timing.device_kernel_ms` / `_flashinfer.kernel_ms`); FlashInfer's
+   outputs are checked against ours first.
 3. Prefill with FP8 pages vs bf16 pages (causal, B=4 S=4096 p16): TFLOP/s.
 4. RoPE + append into bf16 and FP8 pages, 65,536 tokens, by kernel time:
    bytes (read q/k/v, write q and the K/V rows) vs the copy roof (the
@@ -135,11 +137,12 @@ def decode_speed(quick: bool):
   specs = list(SPECS.items())[:2] if quick else list(SPECS.items())
   for name, spec in specs:
     b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
+    hq, hkv, d = spec.get("heads", (NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM))
     rng = np.random.default_rng(0)
     pages_per_seq = s // ps
     n_pages = b * pages_per_seq
-    kv = jax.random.normal(jax.random.key(1), (n_pages, 2, ps, NUM_KV_HEADS,
-                                               HEAD_DIM), jnp.bfloat16)
+    kv = jax.random.normal(jax.random.key(1), (n_pages, 2, ps, hkv, d),
+                           jnp.bfloat16)
     ks = float(jnp.max(jnp.abs(kv[:, 0]).astype(jnp.float32))) / 448
     vs = float(jnp.max(jnp.abs(kv[:, 1]).astype(jnp.float32))) / 448
     kv8 = jnp.stack([_kv.quantize(kv[:, 0], ks), _kv.quantize(kv[:, 1], vs)],
@@ -147,8 +150,7 @@ def decode_speed(quick: bool):
     table = jnp.asarray(rng.permutation(n_pages).reshape(b, pages_per_seq),
                         jnp.int32)
     lens = jnp.full((b,), s, jnp.int32)
-    q = jax.random.normal(jax.random.key(2), (b, NUM_QO_HEADS, HEAD_DIM),
-                          jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(2), (b, hq, d), jnp.bfloat16)
     f16 = jax.jit(lambda q, c, t, n: pkvattn.paged_decode(q, c, t, n,
                                                           impl="pallas"))
     f8 = jax.jit(lambda q, c, t, n, a, z: pkvattn.paged_decode(
@@ -158,6 +160,8 @@ def decode_speed(quick: bool):
     ours8 = f8(q, kv8, table, lens, a, z)
     t16 = _timing.time_fn(f16, q, kv, table, lens)["median_ms"]
     t8 = _timing.time_fn(f8, q, kv8, table, lens, a, z)["median_ms"]
+    k16 = _timing.device_kernel_ms(f16, lambda: (q, kv, table, lens))
+    k8 = _timing.device_kernel_ms(f8, lambda: (q, kv8, table, lens, a, z))
     # FlashInfer on the same pages.
     indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32,
                           device="cuda")
@@ -168,19 +172,24 @@ def decode_speed(quick: bool):
     for label, cache, dt in (("bf16", kv, torch.bfloat16),
                              ("fp8", kv8, torch.float8_e4m3fn)):
       w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-      w.plan(indptr, indices, last, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, ps,
+      w.plan(indptr, indices, last, hq, hkv, d, ps,
              q_data_type=torch.bfloat16, kv_data_type=dt)
       ct = _flashinfer.to_torch(cache)
       scales = dict(k_scale=ks, v_scale=vs) if label == "fp8" else {}
       out = w.run(qt, ct, **scales)
       ref = ours8 if label == "fp8" else ours16
       err = _timing.rel_err(jnp.asarray(out.float().cpu().numpy()), ref)
-      fi[label] = (_flashinfer.torch_time(lambda w=w, ct=ct, s=scales: w.run(qt, ct, **s)),
-                   err)
-    by = lambda itemsize: (2 * n_pages * ps * NUM_KV_HEADS * HEAD_DIM
-                           * itemsize)
+      run = lambda w=w, ct=ct, s=scales: w.run(qt, ct, **s)  # noqa: E731
+      fi[label] = (_flashinfer.torch_time(run), err,
+                   _flashinfer.kernel_ms(run))
+    by = lambda itemsize: 2 * n_pages * ps * hkv * d * itemsize  # noqa: E731
     rows.append(dict(
-        spec=name, pkv_bf16_ms=t16, pkv_fp8_ms=t8, fi_bf16_ms=fi["bf16"][0],
+        spec=name, heads=f"{hq}/{hkv}/{d}", pkv_bf16_ms=t16, pkv_fp8_ms=t8,
+        pkv_bf16_kernel_ms=k16, pkv_fp8_kernel_ms=k8,
+        fp8_over_bf16_kernel=k8 / k16,
+        fi_bf16_kernel_ms=fi["bf16"][2], fi_fp8_kernel_ms=fi["fp8"][2],
+        pkv_fp8_vs_fi_fp8_kernel=fi["fp8"][2] / k8,
+        fi_bf16_ms=fi["bf16"][0],
         fi_fp8_ms=fi["fp8"][0], fi_bf16_rel_err=fi["bf16"][1],
         fi_fp8_rel_err=fi["fp8"][1],
         fp8_over_bf16=t8 / t16, pkv_fp8_vs_fi_fp8=fi["fp8"][0] / t8,
@@ -277,12 +286,14 @@ def main():
   path = os.path.join(args.out, f"fp8_{dev}.json")
   with open(path, "w") as f:
     json.dump(res, f, indent=1)
-  print("\nspec                              pkv bf16  pkv fp8  FI fp8   FI bf16"
-        "  fp8/bf16  FI/pkv(fp8)")
+  print("\nper call (kernel) ms        heads      pkv bf16        pkv fp8"
+        "         FI fp8          FI bf16        fp8/bf16     FI/pkv(fp8)")
   for r in res.get("decode", []):
-    print(f"{r['spec']:34s}{r['pkv_bf16_ms']:8.3f} {r['pkv_fp8_ms']:8.3f} "
-          f"{r['fi_fp8_ms']:8.3f} {r['fi_bf16_ms']:8.3f}  "
-          f"{r['fp8_over_bf16']:7.3f}  {r['pkv_fp8_vs_fi_fp8']:7.3f}")
+    print(f"{r['spec'][:34]:34s} {r['heads']:9s}"
+          + "".join(f" {r[k + '_ms']:6.3f}({r[k + '_kernel_ms']:.3f})"
+                    for k in ("pkv_bf16", "pkv_fp8", "fi_fp8", "fi_bf16"))
+          + f"  {r['fp8_over_bf16']:5.3f}({r['fp8_over_bf16_kernel']:.3f})"
+          f"  {r['pkv_fp8_vs_fi_fp8']:5.2f}({r['pkv_fp8_vs_fi_fp8_kernel']:.2f})")
   if "prefill" in res:
     p = res["prefill"]
     print(f"prefill TFLOP/s bf16 {p['bf16_tflops']:.0f}, fp8 "
