@@ -1,6 +1,6 @@
 """FP8 pages in the Triton kernels: configs side by side, Nsight-ready children.
 
-Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep tiles|asm]`
+Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep tiles|asm|stages]`
 
 Decode: for Llama-3-8B shapes (32 / 8 / 128 heads), the Llama-3.2-1B shape
 (32 / 8 / 64) and SmolLM2's (9 / 3 / 64), times `paged_decode`'s Triton
@@ -9,7 +9,8 @@ config (`default`), then the bf16 default's tiling with V converted in its
 loaded layout (`loaded`), where Triton puts it (`operand`) and both tiles by
 inline PTX (`asm`), after checking every FP8 variant against the f32
 reference on the same pages (`--sweep tiles` adds tiling variants around
-the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`).
+the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`,
+`--sweep stages` the FP8 default's pipeline depth).
 Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
 trace (`_timing.device_kernel_ms`); `tbps` counts the K/V bytes read.
 
@@ -83,6 +84,10 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
   out = {"default": fp8_default, "loaded": base,
          "operand": dataclasses.replace(base, fp8_convert="operand"),
          "asm": dataclasses.replace(base, fp8_convert="asm")}
+  if sweep == "stages":
+    return {"default": fp8_default, "loaded": base,
+            **{f"default_s{n}": dataclasses.replace(fp8_default, num_stages=n)
+               for n in (2, 4, 5)}}
   if sweep == "asm":
     a = dataclasses.replace(base, fp8_convert="asm")
     out = {"default": fp8_default, "loaded": base, "asm": a,
@@ -91,6 +96,7 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
            "asm_w8": dataclasses.replace(a, num_warps=8),
            "asm_w2": dataclasses.replace(a, num_warps=2),
            "asm_w2_s2": dataclasses.replace(a, num_warps=2, num_stages=2),
+
            "asm_ks_x2": dataclasses.replace(a, k_splits=2 * base.k_splits),
            "asm_w2_ks_x2": dataclasses.replace(a, num_warps=2,
                                                k_splits=2 * base.k_splits)}
@@ -283,7 +289,7 @@ def main():
   ap.add_argument("--skip", default="", help="comma list: append,prefill,"
                   "decode")
   ap.add_argument("--specs", default="", help="comma list of SPECS names")
-  ap.add_argument("--sweep", default="", choices=("", "tiles", "asm"))
+  ap.add_argument("--sweep", default="", choices=("", "tiles", "asm", "stages"))
   args = ap.parse_args()
   if args.child:
     _child(args.child)
