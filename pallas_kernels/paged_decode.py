@@ -127,7 +127,10 @@ class Config:
       converted by inline PTX (`fp8_convert="asm"`): 0.56-0.60x of the bf16
       default's kernel time on the four Llama-3-8B decode shapes, against
       0.60-0.66x for the bf16 tiling with `"loaded"` (H100, 2026-11-25,
-      `bench/fp8_decode_diag.py --sweep asm`); splits as for 4 warps.
+      `bench/fp8_decode_diag.py --sweep asm`); splits as for 4 warps, 3
+      stages (4 tie, 5 win at B=64 S=4096 p16 and lose at B=8 S=16384, 2
+      lose: `--sweep stages`). With 4 warps and 64-token steps the inline
+      PTX loses (0.80x at B=64 S=4096 p16).
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
       traffic once the SMs are busy), 4 per SM for 2-warp programs (SmolLM2
