@@ -536,8 +536,9 @@ def paged_decode(
       not a power of two in [8, 128].
     ValueError: a `config` with `backend="mosaic"` in interpret mode, on FP8
       pages, or on a case `paged_decode_mgpu` does not serve (its errors);
-      `fp8_convert="asm"` with FP8 pages on a GPU below compute capability
-      8.9.
+      `fp8_convert="asm"` with FP8 pages where JAX's first device is a GPU
+      below compute capability 8.9 (elsewhere, e.g. lowering for CUDA on a
+      CPU host, it lowers).
   """
   batch_size, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
@@ -552,11 +553,12 @@ def paged_decode(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim, group_size=group_size,
         dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
+  cc = _compat.compute_capability()
   if (config.fp8_convert == "asm" and k_scale is not None and not interpret
-      and not _compat.has_fp8_cvt()):
+      and cc is not None and cc < (8, 9)):
     raise ValueError(
         "Invalid config.fp8_convert: 'asm' needs a GPU of compute capability "
-        f">= 8.9, got {_compat.compute_capability()}")
+        f">= 8.9, got {cc}")
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   if config.backend == "mosaic":

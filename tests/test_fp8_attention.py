@@ -346,3 +346,31 @@ def test_decode_default_fp8_asm_rule(monkeypatch):
                   dict(head_dim=128, kv_dtype=FP8, interpret=True)):
       assert kernel.Config.default_for(page_size=16, **other,
                                        **kw).fp8_convert == "loaded"
+
+
+def test_decode_kernel_fp8_asm_lowers_for_cuda(monkeypatch):
+  """Cross-lowered for CUDA on any host, `fp8_convert="asm"` puts the
+  e4m3x2 -> f16x2 PTX into the Triton kernel (and only that mode does); on
+  a GPU below compute capability 8.9 it is refused by name."""
+  from pkvattn.pallas_kernels import _compat
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  sds = jax.ShapeDtypeStruct
+  args = [sds((3, 8, 128), jnp.bfloat16), sds((64, 16, 2, 128), FP8),
+          sds((64, 16, 2, 128), FP8), sds((3, 16), jnp.int32),
+          sds((3, 16), jnp.int32), sds((3,), jnp.int32),
+          sds((), jnp.float32), sds((), jnp.float32)]
+
+  def lowered(mode):
+    cfg = kernel.Config(pages_per_block=4, k_splits=2, num_warps=2,
+                        fp8_convert=mode)
+    f = jax.jit(lambda q, kp, vp, kt, vt, n, a, b: kernel.paged_decode(
+        q, kp, vp, kt, vt, n, sm_scale=0.1, config=cfg, k_scale=a,
+        v_scale=b))
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert "cvt.rn.f16x2.e4m3x2" in lowered("asm")
+  assert "cvt.rn.f16x2.e4m3x2" not in lowered("loaded")
+  monkeypatch.setattr(_compat, "compute_capability", lambda: (8, 0))
+  jax.clear_caches()  # paged_decode is jitted: trace it again
+  with pytest.raises(ValueError, match="fp8_convert"):
+    lowered("asm")
