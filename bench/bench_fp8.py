@@ -293,7 +293,8 @@ def main():
           + "".join(f" {r[k + '_ms']:6.3f}({r[k + '_kernel_ms']:.3f})"
                     for k in ("pkv_bf16", "pkv_fp8", "fi_fp8", "fi_bf16"))
           + f"  {r['fp8_over_bf16']:5.3f}({r['fp8_over_bf16_kernel']:.3f})"
-          f"  {r['pkv_fp8_vs_fi_fp8']:5.2f}({r['pkv_fp8_vs_fi_fp8_kernel']:.2f})")
+          f"  {r['pkv_fp8_vs_fi_fp8']:5.2f}"
+          f"({r['pkv_fp8_vs_fi_fp8_kernel']:.2f})")
   if "prefill" in res:
     p = res["prefill"]
     print(f"prefill TFLOP/s bf16 {p['bf16_tflops']:.0f}, fp8 "
