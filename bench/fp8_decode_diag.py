@@ -96,7 +96,6 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
            "asm_w8": dataclasses.replace(a, num_warps=8),
            "asm_w2": dataclasses.replace(a, num_warps=2),
            "asm_w2_s2": dataclasses.replace(a, num_warps=2, num_stages=2),
-
            "asm_ks_x2": dataclasses.replace(a, k_splits=2 * base.k_splits),
            "asm_w2_ks_x2": dataclasses.replace(a, num_warps=2,
                                                k_splits=2 * base.k_splits)}

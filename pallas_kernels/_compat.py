@@ -71,13 +71,7 @@ def has_fp8_cvt() -> bool:
 def is_hopper() -> bool:
   """Whether JAX's first device is a compute capability 9.0 GPU (wgmma and
   TMA as the Mosaic-GPU kernels use them are sm_90a only)."""
-  import jax  # noqa: PLC0415
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:  # pragma: no cover
-    return False
-  return (dev.platform == "gpu"
-          and str(getattr(dev, "compute_capability", "")) == "9.0")
+  return compute_capability() == (9, 0)
 
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",

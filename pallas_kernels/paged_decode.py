@@ -553,12 +553,12 @@ def paged_decode(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim, group_size=group_size,
         dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
-  cc = _compat.compute_capability()
-  if (config.fp8_convert == "asm" and k_scale is not None and not interpret
-      and cc is not None and cc < (8, 9)):
-    raise ValueError(
-        "Invalid config.fp8_convert: 'asm' needs a GPU of compute capability "
-        f">= 8.9, got {cc}")
+  if config.fp8_convert == "asm" and k_scale is not None and not interpret:
+    cc = _compat.compute_capability()
+    if cc is not None and cc < (8, 9):
+      raise ValueError(
+          "Invalid config.fp8_convert: 'asm' needs a GPU of compute "
+          f"capability >= 8.9, got {cc}")
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   if config.backend == "mosaic":
