@@ -10,7 +10,9 @@ loaded layout (`loaded`), where Triton puts it (`operand`) and both tiles by
 inline PTX (`asm`), after checking every FP8 variant against the f32
 reference on the same pages (`--sweep tiles` adds tiling variants around
 the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`,
-`--sweep stages` the FP8 default's pipeline depth).
+`--sweep stages` the FP8 default's pipeline depth, `--sweep pack` tilings
+around the FP8 default where it packs two head_dim-64 kv heads per program,
+`paged_decode.Config.pack_heads`).
 Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
 trace (`_timing.device_kernel_ms`); `tbps` counts the K/V bytes read.
 
@@ -59,6 +61,8 @@ SPECS = {
     "llama3_8b_b8_s16384_p16": (32, 8, 128, 8, 16384, 16),
     "llama3_8b_b256_s1024_p16": (32, 8, 128, 256, 1024, 16),
     "llama1b_b256_s1024_p16": (32, 8, 64, 256, 1024, 16),
+    "llama1b_b64_s4096_p16": (32, 8, 64, 64, 4096, 16),
+    "llama1b_b8_s16384_p16": (32, 8, 64, 8, 16384, 16),
     "smollm2_b256_s1024_p16": (9, 3, 64, 256, 1024, 16),
 }
 K_SCALE, V_SCALE = 4 / 448, 3 / 448
@@ -88,6 +92,28 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
     return {"default": fp8_default, "loaded": base,
             **{f"default_s{n}": dataclasses.replace(fp8_default, num_stages=n)
                for n in (2, 4, 5)}}
+  if sweep == "pack" and fp8_default.pack_heads > 1:
+    d = fp8_default
+    half = d.pages_per_block // 2
+    out.update({
+        "p_loaded": dataclasses.replace(d, fp8_convert="loaded"),
+        "p_w4": dataclasses.replace(d, num_warps=4),
+        "p_loaded_w4": dataclasses.replace(d, fp8_convert="loaded",
+                                           num_warps=4),
+        "p_s4": dataclasses.replace(d, num_stages=4),
+        "p_ks_x2": dataclasses.replace(d, k_splits=2 * d.k_splits),
+        "p_loaded_w4_ks_x2": dataclasses.replace(
+            d, fp8_convert="loaded", num_warps=4, k_splits=2 * d.k_splits)})
+    if d.pages_per_block * page_size * 2 <= 128:
+      x2 = dataclasses.replace(d, pages_per_block=2 * d.pages_per_block,
+                               k_splits=max(1, d.k_splits // 2))
+      out["p_ppb_x2"] = x2
+      out["p_ppb_x2_w4"] = dataclasses.replace(x2, num_warps=4)
+      out["p_ppb_x2_loaded_w4"] = dataclasses.replace(
+          x2, fp8_convert="loaded", num_warps=4)
+    if half:
+      out["p_ppb_half"] = dataclasses.replace(d, pages_per_block=half,
+                                              k_splits=2 * d.k_splits)
   if sweep == "asm":
     a = dataclasses.replace(base, fp8_convert="asm")
     out = {"default": fp8_default, "loaded": base, "asm": a,
@@ -288,7 +314,7 @@ def main():
   ap.add_argument("--skip", default="", help="comma list: append,prefill,"
                   "decode")
   ap.add_argument("--specs", default="", help="comma list of SPECS names")
-  ap.add_argument("--sweep", default="", choices=("", "tiles", "asm", "stages"))
+  ap.add_argument("--sweep", default="", choices=("", "tiles", "asm", "stages", "pack"))
   args = ap.parse_args()
   if args.child:
     _child(args.child)

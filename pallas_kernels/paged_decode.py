@@ -8,7 +8,9 @@ contiguous ranges; program `(b, k, s)` of the grid walks split `s` of sequence
 dynamic trip count), gathering the page ids from the page table in the kernel.
 The whole GQA group of kv head `k` is packed into the M dimension of both dots
 (`q [group_padded, head_dim] @ K^T`, `P @ V`), padded to 16 rows, so every K/V
-byte is read once per kv head, not once per query head. Each split writes a
+byte is read once per kv head, not once per query head (with
+`Config.pack_heads`, a program serves adjacent kv heads as one wider head:
+FP8 pages at head_dim 64). Each split writes a
 normalised partial output and its log-sum-exp; a small jnp step combines the
 splits by LSE and adds the sinks to the denominator (FlashInfer `merge_state`).
 
@@ -75,6 +77,20 @@ class Config:
     fp8_convert: Triton kernel, FP8 pages: where and how tiles convert to
       the dot dtype, "loaded", "operand" or "asm" (inline PTX, compute
       capability >= 8.9; `pallas_kernels/_fp8.py`).
+    pack_heads: Triton kernel: kv heads per program (a power of two
+      dividing `num_kv_heads`, `pack_heads * head_dim <= 256`). Adjacent kv
+      heads are contiguous in every pool layout (NHD), so the pools are
+      viewed as `[num_pages, page_size, num_kv_heads / pack_heads,
+      pack_heads * head_dim]` (a free reshape) and each query row is placed
+      block-diagonally: the kernel loads q head `h` of kv head `k` into
+      columns `(k % pack_heads) * head_dim` onward with zeros elsewhere, so
+      its logits are its own head's, and keeps its own head's columns of the
+      output. The
+      program then reads `pack_heads * head_dim`-wide rows for
+      `pack_heads * group_size` query rows (the dots do `pack_heads` times
+      the FLOPs, which decode does not run short of). One difference from
+      unpacked heads: a non-finite K value in an owned row of one head
+      reaches the logits of the heads packed with it (0 * inf).
   """
   pages_per_block: int
   k_splits: int
@@ -83,9 +99,10 @@ class Config:
   kv_eviction: str | None = None
   backend: str = "triton"
   fp8_convert: str = "loaded"
+  pack_heads: int = 1
 
   def __post_init__(self):
-    for name in ("pages_per_block", "k_splits"):
+    for name in ("pages_per_block", "k_splits", "pack_heads"):
       v = getattr(self, name)
       if v < 1 or v & (v - 1):
         raise ValueError(f"Invalid {name}: expected a power of two >= 1, got {v}")
@@ -95,6 +112,9 @@ class Config:
     if self.backend not in ("triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
                        f"{self.backend!r}")
+    if self.backend == "mosaic" and self.pack_heads != 1:
+      raise ValueError(f"Invalid pack_heads for the mosaic backend: expected "
+                       f"1, got {self.pack_heads}")
 
   @classmethod
   def default_for(cls, *, batch_size: int, num_kv_heads: int, page_size: int,
@@ -131,6 +151,22 @@ class Config:
       stages (4 tie, 5 win at B=64 S=4096 p16 and lose at B=8 S=16384, 2
       lose: `--sweep stages`). With 4 warps and 64-token steps the inline
       PTX loses (0.80x at B=64 S=4096 p16).
+    * FP8 pages at head_dim 64 with an even number of kv heads, on the same
+      GPUs: two kv heads per program (`pack_heads=2`) with the head_dim-128
+      FP8 rule's tiling for half the kv heads, except with >= 4 packed
+      programs per SM before splits, where V converts in its loaded layout
+      on 4 warps. Llama-3.2-1B heads (32 / 8 / 64), kernel time against
+      bf16 pages (H100, 2026-11-25, `bench/fp8_decode_diag.py --sweep
+      pack`, three runs, and `bench/fp8_pack_probe.py`): unpacked 0.70-
+      0.76x; packed with the head_dim-128 tiling 0.56-0.59x at B=64 S=4096
+      and 0.60-0.63x at B=8 S=16384 (`"loaded"` on 4 warps: 0.61-0.62 /
+      0.62-0.65x), but 0.65-0.67x at B=256 S=1024 (1,024 packed programs),
+      where `"loaded"` on 4 warps gives 0.58-0.64x. Packing reads 128-byte
+      rows per token instead of 64 and fills 8 of the 16 MMA rows instead
+      of 4. 128-key steps lose (0.72 / 0.89 / 1.00x), 4 heads (head_dim
+      256) lose (0.76-0.83x). bf16 pages keep one head per program: packed,
+      0.95-0.96x at B=64 S=4096 but 0.99-1.01x at B=256 S=1024 (two runs,
+      the XLA form of packing), not measured further.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
       traffic once the SMs are busy), 4 per SM for 2-warp programs (SmolLM2
@@ -151,8 +187,18 @@ class Config:
                             page_size=page_size, max_pages=max_pages,
                             head_dim=head_dim, num_sms=num_sms)
     programs = batch_size * num_kv_heads
-    if (head_dim == 128 and not interpret and kv_dtype is not None
-        and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn and _compat.has_fp8_cvt()):
+    fp8_cvt = (not interpret and kv_dtype is not None
+               and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
+               and _compat.has_fp8_cvt())
+    if fp8_cvt and head_dim == 64 and num_kv_heads % 2 == 0:
+      inner = cls.default_for(
+          batch_size=batch_size, num_kv_heads=num_kv_heads // 2,
+          page_size=page_size, max_pages=max_pages, head_dim=2 * head_dim,
+          num_sms=num_sms, kv_dtype=kv_dtype, backend="triton")
+      if batch_size * (num_kv_heads // 2) >= 4 * num_sms:
+        inner = dataclasses.replace(inner, fp8_convert="loaded", num_warps=4)
+      return dataclasses.replace(inner, pack_heads=2)
+    if fp8_cvt and head_dim == 128:
       pages_per_block = max(1, 64 // page_size)
       return cls(pages_per_block=pages_per_block,
                  k_splits=_default_splits(programs, max_pages,
@@ -218,8 +264,8 @@ def _paged_decode_kernel(
     q_ref,         # [num_qo_heads, head_dim] (row b)
     sinks_ref,     # f32[num_qo_heads] | None
     scales_ref,    # f32[2] (k_scale, v_scale) of FP8 pages | None
-    k_pool_ref,    # [num_pages, page_size, <kv head k>, head_dim]
-    v_pool_ref,    # [num_pages', page_size, <kv head k>, head_dim]
+    k_pool_ref,    # [num_pages, page_size, <kv head k>, pack * head_dim]
+    v_pool_ref,    # [num_pages', page_size, <kv head k>, pack * head_dim]
     o_ref,         # final: [num_qo_heads, head_dim] q.dtype (row b);
                    # else f32[group_padded, head_dim] (split s of head k)
     lse_ref,       # final: f32[num_qo_heads]; else f32[group_padded]
@@ -239,7 +285,9 @@ def _paged_decode_kernel(
   kv_head = pl.program_id(1)
   split = pl.program_id(2)
   page_size = k_pool_ref.shape[1]
-  head_dim = q_ref.shape[-1]
+  head_dim = k_pool_ref.shape[-1]  # pack_heads * q's head_dim when packed
+  q_dim = q_ref.shape[-1]
+  pack = head_dim // q_dim
   block_k = pages_per_block * page_size
   final = k_splits == 1
 
@@ -252,7 +300,20 @@ def _paged_decode_kernel(
   q_rows = jnp.broadcast_to(head_rows[:, None], q_shape)
   q_cols = lax.broadcasted_iota(jnp.int32, q_shape, 1)
   q_mask = jnp.broadcast_to(row_ok[:, None], q_shape)
-  q = pltriton.load(q_ref.at[q_rows, q_cols], mask=q_mask, other=0.0)
+  if pack > 1:
+    # Packed kv heads (`Config.pack_heads`): row r belongs to the
+    # (r // (group_size / pack))-th head of the pack and owns that head's
+    # q_dim columns; q is 0 elsewhere, and the output keeps owned columns.
+    block = group_row // (group_size // pack)
+    own = q_cols // q_dim == jnp.broadcast_to(block[:, None], q_shape)
+    q = pltriton.load(q_ref.at[q_rows, q_cols % q_dim], mask=q_mask & own,
+                      other=0.0)
+    o_shape = (group_padded, q_dim)
+    q_rows = jnp.broadcast_to(head_rows[:, None], o_shape)
+    q_cols = lax.broadcasted_iota(jnp.int32, o_shape, 1)
+    q_mask = jnp.broadcast_to(row_ok[:, None], o_shape)
+  else:
+    q = pltriton.load(q_ref.at[q_rows, q_cols], mask=q_mask, other=0.0)
 
   kv_len = kv_lens_ref[b]
   lo = jnp.int32(0)
@@ -346,6 +407,15 @@ def _paged_decode_kernel(
   l_safe = jnp.where(has, l, 1.0)
   # m is in log2 units (log2(e) folded into the logits).
   lse = jnp.where(has, (m + jnp.log2(l_safe)) * (1.0 / _LOG2E), -jnp.inf)
+  if pack > 1:  # each row's own head's columns: [group_padded, q_dim]
+    # (a 3-D mask, not the q load's: that one would stay live in registers
+    # through the loop)
+    acc3 = acc.reshape(group_padded, pack, q_dim)
+    shape3 = acc3.shape
+    block3 = lax.broadcasted_iota(jnp.int32, shape3, 0) // (
+        group_size // pack)
+    own3 = lax.broadcasted_iota(jnp.int32, shape3, 1) == block3
+    acc = jnp.where(own3, acc3, 0.0).sum(1)
   if not final:
     out = acc / l_safe[:, None]
     pltriton.store(o_ref, out.astype(o_ref.dtype), mask=q_mask)
@@ -394,7 +464,7 @@ def _paged_decode_call(
   lse = -inf`; sinks are left to `_combine`.
   """
   batch_size, num_qo_heads, head_dim = q.shape
-  _, page_size, num_kv_heads, _ = k_pool.shape
+  _, page_size, num_kv_heads, width = k_pool.shape  # width: packed heads
   group_size = num_qo_heads // num_kv_heads
   group_padded = max(16, _next_pow2(group_size))
   max_pages = k_table.shape[1]
@@ -409,7 +479,7 @@ def _paged_decode_call(
       kv_eviction=config.kv_eviction, fp8_convert=config.fp8_convert,
       interpret=interpret)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
-      (n, page_size, None, head_dim), lambda b, k, s: (0, 0, k, 0))
+      (n, page_size, None, width), lambda b, k, s: (0, 0, k, 0))
   if final:
     out_specs = [
         pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
@@ -433,10 +503,11 @@ def _paged_decode_call(
         jax.ShapeDtypeStruct((batch_size, num_kv_heads, ks, group_padded),
                              jnp.float32),
     ]
-  name = (f"paged_decode_g{group_size}_d{head_dim}_ps{page_size}"
+  name = (f"paged_decode_g{group_size}_d{width}_ps{page_size}"
           f"_ppb{config.pages_per_block}_ks{ks}_w{config.num_warps}"
           f"_s{config.num_stages}"
           f"{'' if config.fp8_convert == 'loaded' else '_fp8' + config.fp8_convert}"
+          f"{'' if config.pack_heads == 1 else f'_pk{config.pack_heads}'}"
           f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
   return pl.pallas_call(
       kernel,
@@ -538,7 +609,8 @@ def paged_decode(
       pages, or on a case `paged_decode_mgpu` does not serve (its errors);
       `fp8_convert="asm"` with FP8 pages where JAX's first device is a GPU
       below compute capability 8.9 (elsewhere, e.g. lowering for CUDA on a
-      CPU host, it lowers).
+      CPU host, it lowers); `config.pack_heads` that does not divide
+      num_kv_heads or makes rows wider than 256.
   """
   batch_size, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
@@ -561,6 +633,19 @@ def paged_decode(
           f"capability >= 8.9, got {cc}")
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
+  pack = config.pack_heads
+  if pack > 1:
+    if (num_kv_heads % pack or pack * head_dim > 256
+        or config.backend != "triton"):
+      raise ValueError(
+          f"Invalid config.pack_heads: expected a divisor of num_kv_heads="
+          f"{num_kv_heads} with pack_heads * head_dim <= 256 on the triton "
+          f"backend, got {pack} (head_dim={head_dim}, "
+          f"backend={config.backend!r})")
+    k_pool = _pack_pool(k_pool, pack)
+    v_pool = _pack_pool(v_pool, pack)
+    num_kv_heads //= pack
+    group_size *= pack
   if config.backend == "mosaic":
     return _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
                           k_scale, sm_scale=sm_scale, window_left=window_left,
@@ -582,6 +667,13 @@ def paged_decode(
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
           lse.reshape(batch_size, num_qo_heads))
+
+
+def _pack_pool(pool, pack: int):
+  """`[N, page_size, H, D]` -> `[N, page_size, H / pack, pack * D]` (free:
+  adjacent heads are contiguous; `Config.pack_heads`)."""
+  n, page_size, num_kv_heads, head_dim = pool.shape
+  return pool.reshape(n, page_size, num_kv_heads // pack, pack * head_dim)
 
 
 def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,

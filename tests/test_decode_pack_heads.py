@@ -1,0 +1,142 @@
+"""`paged_decode.Config.pack_heads`: kv heads packed into one program.
+
+The pools are viewed with `pack_heads` adjacent kv heads as one wider head
+and each query row keeps its own head's columns, so the result must be the
+unpacked attention: checked against the float64 oracle
+(`attention_utils.dense_attention`) over pages with NaN in every unowned
+page and every row past `kv_lens`, for bf16 and FP8 pages (FP8: the oracle
+reads the dequantized pages), all three kv_cache formats, splits, window,
+soft cap, sinks and LSE. Interpret mode on the CPU; the same cases with odd
+lengths on a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_utils as au
+from pkvattn import _kv
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import paged_decode as kernel
+from test_fp8_attention import _fp8_paged
+
+FP8 = jnp.float8_e4m3fn
+
+CASES = [  # (fmt, fp8, group, num_kv_heads, head_dim, pack, k_splits, kwargs)
+    ("pair", True, 3, 4, 64, 2, 1, {}),
+    ("pool", True, 4, 2, 64, 2, 4, dict(window_left=20)),
+    ("flashinfer", False, 1, 4, 64, 4, 2, dict(logits_soft_cap=8.0)),
+    ("pair", False, 8, 2, 128, 2, 1, dict(sinks=True)),
+    ("flashinfer", True, 2, 8, 64, 2, 2, dict(sinks=True)),
+]
+
+
+def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
+           fp8_convert="loaded", ppb=2, ps=8):
+  rng = np.random.default_rng()
+  if fp8:
+    p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                          num_kv_heads=hkv, head_dim=d,
+                                          fmt=fmt)
+    scales = dict(k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
+  else:
+    p = au.make_paged(rng, lens, page_size=ps, num_kv_heads=hkv, head_dim=d,
+                      dtype=jnp.bfloat16, fmt=fmt)
+    cache = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), p.kv_cache)
+    tk, tv, scales = p.k, p.v, {}
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  kw = dict(kw)
+  sinks = None
+  if kw.pop("sinks", False):
+    sinks = rng.standard_normal(g * hkv).astype(np.float32)
+  cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit, pack_heads=pack,
+                      num_warps=2 if fp8_convert == "asm" else 4,
+                      fp8_convert=fp8_convert)
+  out, lse = kernel.paged_decode(
+      jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(lens),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
+      interpret=interpret, config=cfg, **kw, **scales)
+  assert out.shape == q.shape and lse.shape == q.shape[:2]
+  for b, n in enumerate(lens):
+    want, want_lse = au.dense_attention(
+        q[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d**-0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
+    au.assert_close(out[b:b + 1], want, jnp.bfloat16, f"b={b}")
+    au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fmt, fp8, g, hkv, d, pack, ksplit, kw", CASES)
+def test_packed_heads_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit, kw):
+  _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, [1, 7, 33, 0, 70],
+         interpret=True)
+
+
+def _on_gpu_with_fp8_cvt():
+  return _compat.has_fp8_cvt()
+
+
+@pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
+                    reason="needs a GPU of compute capability >= 8.9")
+@pytest.mark.parametrize("g", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("mode", ["asm", "loaded"])
+def test_packed_heads_gpu(g, mode):
+  """On the GPU, the FP8 default's form (2 heads of 64, 64-key steps):
+  group sizes 1-8, odd lengths, splits, NaN in unowned pages and tail rows."""
+  for ksplit in (1, 4):
+    _check("pair", True, g, 4, 64, 2, ksplit, {}, [1, 7, 129, 0, 4095, 300],
+           interpret=False, fp8_convert=mode, ppb=4, ps=16)
+  _check("flashinfer", False, g, 4, 64, 2, 2, dict(sinks=True),
+         [1, 7, 129, 4095], interpret=False, ppb=4, ps=16)
+
+
+def test_pack_heads_default_rule(monkeypatch):
+  """FP8 pages at head_dim 64 with an even number of kv heads pack two per
+  program on a GPU that converts e4m3 pairs, with the head_dim-128 FP8
+  tiling (with >= 4 packed programs per SM: "loaded" on 4 warps); odd kv
+  heads, bf16 pages, interpret mode and older GPUs do not pack."""
+  kw = dict(batch_size=256, max_pages=64, group_size=4, dtype=jnp.bfloat16,
+            page_size=16, head_dim=64)
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
+  for batch, many in ((64, False), (256, True)):
+    cfg = kernel.Config.default_for(num_kv_heads=8, kv_dtype=FP8,
+                                    **{**kw, "batch_size": batch})
+    d128 = kernel.Config.default_for(
+        batch_size=batch, max_pages=64, page_size=16, head_dim=128,
+        num_kv_heads=4, kv_dtype=FP8)
+    want = {**d128.__dict__, "pack_heads": 2}
+    if many:  # 1,024 packed programs >= 4 per SM
+      want.update(fp8_convert="loaded", num_warps=4)
+    assert cfg == kernel.Config(**want)
+  for other in (dict(num_kv_heads=3, kv_dtype=FP8),
+                dict(num_kv_heads=8, kv_dtype=jnp.bfloat16),
+                dict(num_kv_heads=8, kv_dtype=FP8, interpret=True)):
+    assert kernel.Config.default_for(**other, **kw).pack_heads == 1
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
+  assert kernel.Config.default_for(num_kv_heads=8, kv_dtype=FP8,
+                                   **kw).pack_heads == 1
+
+
+def test_pack_heads_bad_config():
+  with pytest.raises(ValueError, match="pack_heads"):
+    kernel.Config(pages_per_block=2, k_splits=1, pack_heads=3)
+  with pytest.raises(ValueError, match="pack_heads"):
+    kernel.Config(pages_per_block=2, k_splits=1, pack_heads=2,
+                  backend="mosaic")
+  q = jnp.zeros((2, 6, 64), jnp.bfloat16)
+  pages = jnp.zeros((4, 8, 3, 64), jnp.bfloat16)
+  table, lens = jnp.array([[0, 1], [2, 3]]), jnp.array([9, 3])
+  for pack, qq, pp in ((2, q, pages),  # 3 kv heads
+                       (4, jnp.zeros((2, 8, 128), jnp.bfloat16),
+                        jnp.zeros((4, 8, 4, 128), jnp.bfloat16))):  # > 256
+    with pytest.raises(ValueError, match="pack_heads"):
+      kernel.paged_decode(qq, pp, pp, table, table, lens, sm_scale=0.1,
+                          interpret=True,
+                          config=kernel.Config(pages_per_block=1, k_splits=1,
+                                               pack_heads=pack))
