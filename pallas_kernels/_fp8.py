@@ -31,6 +31,13 @@ shapes, against 0.68-0.90x before.
   `"loaded"` (0.73x, Llama-3.2-1B heads) or loses (0.66 against 0.64x,
   SmolLM2 heads), and on 4 warps with 64-key steps it loses at head_dim
   128 too (0.80x), so the default keeps `"loaded"` there.
+* Head_dim 64: two kv heads packed per program read as one 128-wide head
+  (`paged_decode.Config.pack_heads`) take the head_dim-128 rule, 0.56-0.60x
+  of bf16 pages on Llama-3.2-1B heads (`paged_decode.Config.default_for`).
+* Prefill with many query rows per sequence dequantizes the named pages
+  before the launch instead (`dequantize_pages`,
+  `paged_prefill.Config.fp8_pages`): a fixed cost per key, where in-kernel
+  conversion costs per query tile.
 """
 
 from __future__ import annotations
@@ -101,3 +108,31 @@ def convert(x, dtype, rows_ok, mode: str, interpret: bool = False):
     return y
   keep = jnp.broadcast_to(rows_ok.reshape(-1, 1), y.shape)
   return jnp.where(keep, y, jnp.zeros_like(y))
+
+
+def dequantize_pages(pool, table, scale, dtype):
+  """The pages a table names, dequantized into a compact pool of their own.
+
+  Args:
+    pool: `float8_e4m3fn[num_pages, page_size, num_kv_heads, head_dim]`.
+    table: `i32[batch_size, max_pages]` page ids into `pool`; entries outside
+      `[0, num_pages)` (e.g. -1 past a sequence's pages) read page 0 or the
+      last page instead, whose values only rows the kernels never read
+      receive.
+    scale: f32 scalar (may be traced): a stored value `x` means `x * scale`.
+    dtype: the pool's new dtype (the query's: bf16, f16 or f32).
+
+  Returns:
+    `(pages [batch_size * max_pages, page_size, num_kv_heads, head_dim]
+    dtype, table i32[batch_size, max_pages])` with `pages[table[b, i]] ==
+    pool[table_in[b, i]] * scale` rounded once to `dtype` (e4m3 is exact in
+    bf16 and f16: the product's rounding is the only one). One fused XLA
+    gather: it reads the named pages' FP8 bytes once and writes them in
+    `dtype` (1 + 2 bytes per value for bf16), which a compute-bound prefill
+    then reads as 16-bit pages (`paged_prefill.Config.fp8_pages`).
+  """
+  ids = jnp.clip(table, 0, pool.shape[0] - 1).reshape(-1)
+  scale = jnp.asarray(scale, jnp.float32)
+  pages = (pool[ids].astype(jnp.float32) * scale).astype(dtype)
+  new_table = jnp.arange(ids.shape[0], dtype=jnp.int32).reshape(table.shape)
+  return pages, new_table

@@ -63,6 +63,9 @@ from pkvattn.pallas_kernels._compat import pltriton as plgpu
 # Finite, not -inf: a row whose keys in a tile are all masked would otherwise
 # compute exp2(-inf - (-inf)) = NaN in the running max / rescale.
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# `Config.fp8_pages == "auto"`: FP8 pages are dequantized before the launch
+# from this many query rows (tokens x group) per sequence.
+DEQUANTIZE_MIN_ROWS = 1024
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -133,6 +136,18 @@ class Config:
       programs at the decode kernel's bandwidth, where a short tile walks it
       in one. Multi-token decode (2 <= q_len <= short_block_q) stays in the
       short launch, which reads each KV tile once for all its tokens.
+    fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
+      converted to f16 there, scales folded into the logits and the output);
+      "dequantize" first gathers the pages the tables name into a compact
+      pool in q's dtype, scaled (`_fp8.dequantize_pages`, one fused XLA
+      gather), and runs the 16-bit kernels on it; "auto" dequantizes when
+      `num_tokens * group_size >= DEQUANTIZE_MIN_ROWS * batch_size`
+      (`dequantizes_fp8`). Prefill is compute-bound: in-kernel conversion
+      costs the Mosaic-GPU kernel 0.69-0.72x of its bf16 TFLOP/s (its
+      producer warpgroup converts every tile) and the Triton kernel at
+      head_dim 64 0.82x, while the gather costs a fixed ~3 ns per key per
+      sequence row (Llama-3-8B heads, H100), which queries of >= ~250 tokens
+      per row repay: see `dequantizes_fp8`.
   """
   block_q: int = 16
   block_k: int = 64
@@ -148,6 +163,7 @@ class Config:
   fast_exp2: bool = True
   backend: str = "triton"
   split_decode_rows: bool = True
+  fp8_pages: str = "auto"
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
@@ -169,7 +185,8 @@ class Config:
     workload with 256 prompts: 213k against 226k prefill tok/s with bf16
     pages, 206k against 226k with FP8 pages,
     bench/results/engine_prefill_d64_ab_H100.json), though the kernel alone
-    is the faster at B=4 S=4096 causal (323 against 311 TFLOP/s). FP8 pages take the same rule: there the Mosaic-GPU
+    is the faster at B=4 S=4096 causal (323 against 311 TFLOP/s). FP8 pages
+    read in the kernel (`fp8_pages`) take the same rule: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
     TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
     pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
@@ -213,6 +230,26 @@ class Config:
                num_stages=num_stages, short_block_q=short_block_q,
                short_block_k=short_block_k)
 
+  def dequantizes_fp8(self, *, num_tokens: int, batch_size: int,
+                      group_size: int) -> bool:
+    """Whether a call on FP8 pages runs on dequantized pages (`fp8_pages`).
+
+    "auto": when the call's query rows (`num_tokens * group_size`) reach
+    `DEQUANTIZE_MIN_ROWS` per sequence of the batch. Measured on an H100
+    (2026-11-25, Llama-3-8B heads unless noted, 4,096 keys per sequence,
+    kernel time against bf16 pages): in-kernel conversion 0.69 / 0.72 /
+    0.73x with 4,096 / 512 / 128 new tokens per sequence (4 / 4 / 16
+    sequences), dequantizing first 0.82 / 0.80 / 0.59x even while it still
+    scaled q and the output in separate passes; Llama-3.2-1B heads (head_dim
+    64, Triton), 4 x 4,096: 0.82 against 0.88x. The gather's cost per key
+    is fixed while the kernel's conversion cost grows with the query rows
+    that share a key, so they cross near 1,024 query rows (256 tokens at
+    group 4) per sequence.
+    """
+    if self.fp8_pages != "auto":
+      return self.fp8_pages == "dequantize"
+    return num_tokens * group_size >= DEQUANTIZE_MIN_ROWS * max(batch_size, 1)
+
   @property
   def plan_align(self) -> int:
     """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins."""
@@ -228,6 +265,9 @@ class Config:
         align=self.plan_align, split_decode_rows=self.split_decode_rows)
 
   def validate(self, group_size: int) -> None:
+    if self.fp8_pages not in ("auto", "kernel", "dequantize"):
+      raise ValueError(f"Invalid fp8_pages: expected 'auto', 'kernel' or "
+                       f"'dequantize', got {self.fp8_pages!r}")
     if self.backend not in ("triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
                        f"{self.backend!r}")
@@ -557,7 +597,12 @@ def paged_prefill(
       traced; a stored value `x` means `x * scale`); page_size a power of
       two. FP8 pages run in the backend the config names, as 16-bit pages
       do (Mosaic GPU: TMA-staged FP8 tiles converted to f16 by the producer
-      warpgroup; Triton: tiles converted in registers; both run f16 dots).
+      warpgroup; Triton: tiles converted in registers; both run f16 dots),
+      or, where `config.dequantizes_fp8` (by default from
+      `DEQUANTIZE_MIN_ROWS` query rows per sequence), are first gathered
+      and dequantized into a compact pool of q's dtype
+      (`_fp8.dequantize_pages`: the named pages only, `batch_size *
+      max_pages` of them, held for the call) that the 16-bit kernels read.
     k_table, v_table: `i32[batch_size, max_pages]`; entries outside a
       sequence's visible key range are never read (may be -1).
     q_indptr: `i32[batch_size + 1]`, cu_seqlens; tokens past `q_indptr[-1]`
@@ -580,7 +625,8 @@ def paged_prefill(
 
   Raises:
     ValueError: a plan built for a different block_q / num_tokens / batch;
-      a mosaic `config` with a window or in interpret mode.
+      a mosaic `config` with a window or in interpret mode; an unknown
+      `config.fp8_pages`.
     NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
   """
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -593,6 +639,12 @@ def paged_prefill(
                                 page_size=k_pool.shape[1], dtype=q.dtype,
                                 window_left=window_left, interpret=interpret)
   config.validate(group_size)
+  if fp8 and config.dequantizes_fp8(num_tokens=num_tokens,
+                                    batch_size=kv_lens.shape[0],
+                                    group_size=group_size):
+    k_pool, k_table = _fp8.dequantize_pages(k_pool, k_table, k_scale, q.dtype)
+    v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
+    fp8, k_scale, v_scale = False, None, None
   scales = None
   if fp8:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),

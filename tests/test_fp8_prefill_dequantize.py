@@ -1,0 +1,98 @@
+"""FP8 pages in prefill through `paged_prefill.Config.fp8_pages`.
+
+"dequantize" gathers the pages the tables name into a compact pool in q's
+dtype (scaled) and runs the 16-bit kernels; "kernel" converts tiles in the
+kernels. Both must give the float64 oracle's attention over the dequantized
+pages (`attention_utils.dense_attention`), with NaN in every unowned page
+and every row past `kv_lens`, -1 table entries, decode rows beside chunks,
+padding tokens, in all three kv_cache formats (interpret mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_utils as au
+from pkvattn import _kv
+from pkvattn.pallas_kernels import _fp8
+from pkvattn.pallas_kernels import paged_prefill as kernel
+from test_fp8_attention import _fp8_paged
+
+FP8 = jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("mode", ["dequantize", "kernel"])
+@pytest.mark.parametrize("fmt, kw", [
+    ("pair", {}), ("pool", dict(window_left=20)),
+    ("flashinfer", dict(logits_soft_cap=8.0))])
+def test_fp8_pages_modes_match_oracle(mode, fmt, kw):
+  rng = np.random.default_rng()
+  g, hkv, d, ps = 4, 2, 64, 8
+  lens = [40, 1, 29, 9]
+  q_lens = [17, 1, 29, 1]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  n_tok = int(indptr[-1]) + 3  # padding tokens
+  q = np.asarray(jnp.asarray(rng.standard_normal((n_tok, g * hkv, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  cfg = dataclasses.replace(
+      kernel.Config.default_for(group_size=g, head_dim=d, page_size=ps,
+                                dtype=jnp.bfloat16, interpret=True),
+      fp8_pages=mode)
+  assert cfg.dequantizes_fp8(num_tokens=n_tok, batch_size=len(lens),
+                             group_size=g) == (mode == "dequantize")
+  out, lse = kernel.paged_prefill(
+      jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(indptr), jnp.asarray(lens), sm_scale=d**-0.5,
+      interpret=True, config=cfg, k_scale=jnp.float32(ks),
+      v_scale=jnp.float32(vs), **kw)
+  for b, n in enumerate(lens):
+    rows = slice(indptr[b], indptr[b + 1])
+    pos = np.arange(n - q_lens[b], n)
+    want, want_lse = au.dense_attention(
+        q[rows], tk[b], tv[b], pos, n, sm_scale=d**-0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"))
+    au.assert_close(out[rows], want, jnp.bfloat16, f"b={b}")
+    au.assert_lse_close(lse[rows], want_lse, jnp.bfloat16)
+  assert not np.asarray(out[indptr[-1]:], np.float32).any()
+
+
+def test_dequantize_pages_gathers_and_scales():
+  rng = np.random.default_rng()
+  pool = _kv.quantize(jnp.asarray(rng.standard_normal((6, 8, 2, 64)) * 3,
+                                  jnp.float32), 0.02)
+  table = jnp.asarray([[4, 0, -1], [2, 5, 1]], jnp.int32)
+  pages, new_table = _fp8.dequantize_pages(pool, table, 0.02, jnp.bfloat16)
+  assert pages.shape == (6, 8, 2, 64) and pages.dtype == jnp.bfloat16
+  assert new_table.shape == table.shape
+  want = np.asarray(pool, np.float32).astype(np.float64) * np.float32(0.02)
+  for b in range(2):
+    for i in range(3):
+      if table[b, i] >= 0:
+        np.testing.assert_allclose(
+            np.asarray(pages[new_table[b, i]], np.float64),
+            want[int(table[b, i])], rtol=2**-8)
+
+
+def test_fp8_pages_rule_and_bad_value():
+  cfg = kernel.Config()
+  rows = kernel.DEQUANTIZE_MIN_ROWS
+  assert cfg.dequantizes_fp8(num_tokens=rows // 4 * 8, batch_size=8,
+                             group_size=4)
+  assert not cfg.dequantizes_fp8(num_tokens=rows // 4 * 8 - 1, batch_size=8,
+                                 group_size=4)
+  assert not cfg.dequantizes_fp8(num_tokens=8192, batch_size=256,
+                                 group_size=4)  # an engine's mixed step
+  assert kernel.Config(fp8_pages="dequantize").dequantizes_fp8(
+      num_tokens=1, batch_size=256, group_size=1)
+  assert not kernel.Config(fp8_pages="kernel").dequantizes_fp8(
+      num_tokens=10**6, batch_size=1, group_size=8)
+  with pytest.raises(ValueError, match="fp8_pages"):
+    kernel.Config(fp8_pages="fast").validate(4)
