@@ -115,10 +115,10 @@ def dequantize_pages(pool, table, scale, dtype):
 
   Args:
     pool: `float8_e4m3fn[num_pages, page_size, num_kv_heads, head_dim]`.
-    table: `i32[batch_size, max_pages]` page ids into `pool`; entries outside
-      `[0, num_pages)` (e.g. -1 past a sequence's pages) read page 0 or the
-      last page instead, whose values only rows the kernels never read
-      receive.
+    table: `i32[batch_size, max_pages]` page ids into `pool`. Entries
+      outside `[0, num_pages)` (e.g. -1 past a sequence's pages) are clipped
+      into range: their copies land in compact pages the kernels never read,
+      as they never read those entries.
     scale: f32 scalar (may be traced): a stored value `x` means `x * scale`.
     dtype: the pool's new dtype (the query's: bf16, f16 or f32).
 

@@ -244,7 +244,9 @@ class Config:
     64, Triton), 4 x 4,096: 0.82 against 0.88x. The gather's cost per key
     is fixed while the kernel's conversion cost grows with the query rows
     that share a key, so they cross near 1,024 query rows (256 tokens at
-    group 4) per sequence.
+    group 4) per sequence. With the scales folded into the gather, as here,
+    4 x 4,096 tokens run at 0.99x of bf16 pages' kernel TFLOP/s against
+    0.75x in the kernel (`bench/bench_fp8.py`, H100, 2026-11-25).
     """
     if self.fp8_pages != "auto":
       return self.fp8_pages == "dequantize"

@@ -231,7 +231,12 @@ def paged_prefill(
       page_size`, and a page id in `[0, num_pages)` for every block a query
       can see (from the first query's window start, or 0, to
       `cdiv(kv_lens[b], page_size)`; rows without queries see none).
-    k_scale, v_scale: as in `paged_decode` (FP8 pages).
+    k_scale, v_scale: as in `paged_decode` (FP8 pages). With at least
+      1,024 query rows (tokens x GQA group) per sequence, the pallas path
+      first dequantizes the pages the table names into a compact 16-bit
+      pool (one XLA gather, `batch_size * max_pages` pages held for the
+      call) and runs the 16-bit kernels, which is faster for prompts
+      (`pallas_kernels.paged_prefill.Config.fp8_pages`).
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,3 +97,44 @@ def test_fp8_pages_rule_and_bad_value():
       num_tokens=10**6, batch_size=1, group_size=8)
   with pytest.raises(ValueError, match="fp8_pages"):
     kernel.Config(fp8_pages="fast").validate(4)
+
+
+def _on_gpu():
+  return any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mode", ["dequantize", "kernel"])
+def test_fp8_pages_modes_gpu(mode, d):
+  """The compiled kernels (Mosaic GPU at head_dim 128 on Hopper, Triton
+  otherwise) on dequantized and in-kernel FP8 pages: odd lengths, chunks
+  over a cached prefix, decode rows, NaN in unowned pages and tail rows."""
+  rng = np.random.default_rng()
+  g, hkv, ps = 4, 2, 16
+  lens = [4095, 129, 7, 300, 1]
+  q_lens = [1000, 129, 7, 1, 1]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+                                        num_kv_heads=hkv, head_dim=d,
+                                        fmt="flashinfer")
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  n_tok = int(indptr[-1]) + 5
+  q = np.asarray(jnp.asarray(rng.standard_normal((n_tok, g * hkv, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  cfg = dataclasses.replace(
+      kernel.Config.default_for(group_size=g, head_dim=d, page_size=ps,
+                                dtype=jnp.bfloat16),
+      fp8_pages=mode)
+  out, lse = kernel.paged_prefill(
+      jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(indptr), jnp.asarray(lens), sm_scale=d**-0.5,
+      config=cfg, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
+  for b, n in enumerate(lens):
+    rows = slice(indptr[b], indptr[b + 1])
+    pos = np.arange(n - q_lens[b], n)
+    want, want_lse = au.dense_attention(q[rows], tk[b], tv[b], pos, n,
+                                        sm_scale=d**-0.5)
+    au.assert_close(out[rows], want, jnp.bfloat16, f"b={b}")
+    au.assert_lse_close(lse[rows], want_lse, jnp.bfloat16)
+  assert not np.asarray(out[indptr[-1]:], np.float32).any()
