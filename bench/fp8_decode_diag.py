@@ -220,18 +220,26 @@ def decode_rows(names=None, sweep=""):
   return rows
 
 
-def prefill_rows():
-  hq, hkv, d, b, s, ps = 32, 8, 128, 4, 4096, 16
+def prefill_inputs(hq, hkv, d, b, s, ps, qlen, seed=7):
+  """A prefill case: `b` sequences of `s` keys on shuffled pages, the last
+  `qlen` of each new: (q, k, v, k8, v8, table, q_indptr, kv_lens)."""
   pages = b * s // ps
-  keys = jax.random.split(jax.random.key(7), 4)
+  keys = jax.random.split(jax.random.key(seed), 4)
   k = jax.random.normal(keys[0], (pages, ps, hkv, d), jnp.bfloat16)
   v = jax.random.normal(keys[1], (pages, ps, hkv, d), jnp.bfloat16)
   k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
   table = jax.random.permutation(keys[2], pages).astype(jnp.int32).reshape(
       b, s // ps)
-  q = jax.random.normal(keys[3], (b * s, hq, d), jnp.bfloat16)
-  indptr = jnp.arange(0, b * s + 1, s, dtype=jnp.int32)
+  q = jax.random.normal(keys[3], (b * qlen, hq, d), jnp.bfloat16)
+  indptr = jnp.arange(0, b * qlen + 1, qlen, dtype=jnp.int32)
   lens = jnp.full((b,), s, jnp.int32)
+  return q, k, v, k8, v8, table, indptr, lens
+
+
+def prefill_rows():
+  hq, hkv, d, b, s, ps = 32, 8, 128, 4, 4096, 16
+  q, k, v, k8, v8, table, indptr, lens = prefill_inputs(hq, hkv, d, b, s, ps,
+                                                        s)
   flops = 4 * b * hq * d * (s * (s + 1) / 2)
   triton = prefill_kernel.Config.default_for(
       group_size=hq // hkv, head_dim=d, page_size=ps, dtype=q.dtype,

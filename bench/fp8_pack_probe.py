@@ -37,11 +37,12 @@ import jax.numpy as jnp
 
 import pkvattn
 from bench import _timing
+from bench import fp8_decode_diag
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
 from pkvattn.pallas_kernels import reference
 
-K_SCALE, V_SCALE = 4 / 448, 3 / 448
+K_SCALE, V_SCALE = fp8_decode_diag.K_SCALE, fp8_decode_diag.V_SCALE
 DECODE_SPECS = {  # name: (num_qo_heads, num_kv_heads, head_dim, B, S, page)
     "llama1b_b256_s1024_p16": (32, 8, 64, 256, 1024, 16),
     "llama1b_b64_s4096_p16": (32, 8, 64, 64, 4096, 16),
@@ -92,6 +93,14 @@ def _decode_inputs(spec, seed=0):
   return q, k, v, table, lens
 
 
+def _decode_case(spec):
+  """Inputs of one decode spec and the FP8 pages: (q, k, v, k8, v8, table,
+  lens)."""
+  q, k, v, table, lens = _decode_inputs(spec)
+  return (q, k, v, _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE),
+          table, lens)
+
+
 def _time(f, *args):
   return dict(kernel_ms=_timing.device_kernel_ms(f, lambda: args),
               ms=_timing.time_fn(f, *args)["median_ms"])
@@ -101,9 +110,8 @@ def decode_rows():
   rows = []
   for name, spec in DECODE_SPECS.items():
     hq, hkv, d, b, s, ps = spec
-    q, k, v, table, lens = _decode_inputs(spec)
+    q, k, v, k8, v8, table, lens = _decode_case(spec)
     pages = k.shape[0]
-    k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
     nb = 8
     want8, _ = reference.paged_decode_reference(
         q[:nb].astype(jnp.float32), k8, v8, table[:nb], table[:nb], lens[:nb],
@@ -165,15 +173,8 @@ def prefill_rows():
   rows = []
   for name, (hq, hkv, d, b, s, ps, qlen) in PREFILL_SPECS.items():
     pages = b * s // ps
-    keys = jax.random.split(jax.random.key(7), 4)
-    k = jax.random.normal(keys[0], (pages, ps, hkv, d), jnp.bfloat16)
-    v = jax.random.normal(keys[1], (pages, ps, hkv, d), jnp.bfloat16)
-    k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
-    table = jax.random.permutation(keys[2], pages).astype(jnp.int32).reshape(
-        b, s // ps)
-    q = jax.random.normal(keys[3], (b * qlen, hq, d), jnp.bfloat16)
-    indptr = jnp.arange(0, b * qlen + 1, qlen, dtype=jnp.int32)
-    lens = jnp.full((b,), s, jnp.int32)
+    q, k, v, k8, v8, table, indptr, lens = fp8_decode_diag.prefill_inputs(
+        hq, hkv, d, b, s, ps, qlen)
     flops = 4 * b * hq * d * (qlen * s - qlen * (qlen - 1) / 2)
     scales = dict(k_scale=jnp.float32(K_SCALE), v_scale=jnp.float32(V_SCALE))
     f16 = jax.jit(lambda q, kp, vp: pkvattn.paged_prefill(
@@ -229,9 +230,8 @@ def inkernel_rows():
   rows = []
   for name, spec in INKERNEL_SPECS.items():
     hq, hkv, d, b, s, ps = spec
-    q, k, v, table, lens = _decode_inputs(spec)
+    q, k, v, k8, v8, table, lens = _decode_case(spec)
     pages = k.shape[0]
-    k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
     sc = dict(k_scale=jnp.float32(K_SCALE), v_scale=jnp.float32(V_SCALE))
     d128 = kernel.Config.default_for(
         batch_size=b, num_kv_heads=hkv // 2, page_size=ps, max_pages=s // ps,

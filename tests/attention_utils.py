@@ -128,6 +128,34 @@ def dense_attention(q, k, v, q_positions, kv_len, *, causal=True,
   return out, lse
 
 
+def assert_decode_matches(out, lse, q, k, v, kv_lens, dtype, *, sm_scale,
+                          window_left=-1, logits_soft_cap=None, sinks=None):
+  """Each decode row `b` of `out [B, Hq, D]` / `lse [B, Hq]` against
+  `dense_attention` over its truth `k[b]`, `v[b]` (query at kv_lens[b] - 1)."""
+  for b, n in enumerate(kv_lens):
+    want, want_lse = dense_attention(
+        q[b:b + 1], k[b], v[b], [n - 1], n, sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    assert_close(out[b:b + 1], want, dtype, f"b={b}")
+    assert_lse_close(lse[b], want_lse[0], dtype)
+
+
+def assert_prefill_matches(out, lse, q, k, v, q_indptr, kv_lens, dtype, *,
+                           sm_scale, window_left=-1, logits_soft_cap=None):
+  """Each sequence's rows of a ragged prefill `out [T, Hq, D]` / `lse [T,
+  Hq]` against `dense_attention` (its new tokens are its last positions),
+  and zeros for the padding tokens past `q_indptr[-1]`."""
+  for b, n in enumerate(kv_lens):
+    rows = slice(q_indptr[b], q_indptr[b + 1])
+    pos = np.arange(n - (q_indptr[b + 1] - q_indptr[b]), n)
+    want, want_lse = dense_attention(
+        q[rows], k[b], v[b], pos, n, sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap)
+    assert_close(out[rows], want, dtype, f"b={b}")
+    assert_lse_close(lse[rows], want_lse, dtype)
+  assert not np.asarray(out[q_indptr[-1]:], np.float32).any()
+
+
 def assert_close(actual, expected, dtype, what=""):
   actual = np.asarray(jnp.asarray(actual).astype(jnp.float32), np.float64)
   expected = np.asarray(expected, np.float64)

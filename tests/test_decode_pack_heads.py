@@ -22,6 +22,7 @@ from pkvattn import _kv
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import paged_decode as kernel
 from test_fp8_attention import _fp8_paged
+from test_fp8_attention import query_and_sinks
 
 FP8 = jnp.float8_e4m3fn
 
@@ -48,12 +49,7 @@ def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
     cache = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), p.kv_cache)
     tk, tv, scales = p.k, p.v, {}
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
-  q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
-                             jnp.bfloat16).astype(jnp.float32))
-  kw = dict(kw)
-  sinks = None
-  if kw.pop("sinks", False):
-    sinks = rng.standard_normal(g * hkv).astype(np.float32)
+  q, sinks, kw = query_and_sinks(rng, len(lens), g * hkv, d, kw)
   cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit, pack_heads=pack,
                       num_warps=2 if fp8_convert == "asm" else 4,
                       fp8_convert=fp8_convert)
@@ -63,13 +59,11 @@ def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
       None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
       interpret=interpret, config=cfg, **kw, **scales)
   assert out.shape == q.shape and lse.shape == q.shape[:2]
-  for b, n in enumerate(lens):
-    want, want_lse = au.dense_attention(
-        q[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d**-0.5,
-        window_left=kw.get("window_left", -1),
-        logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
-    au.assert_close(out[b:b + 1], want, jnp.bfloat16, f"b={b}")
-    au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
+  au.assert_decode_matches(out, lse, q, tk, tv, lens, jnp.bfloat16,
+                           sm_scale=d**-0.5,
+                           window_left=kw.get("window_left", -1),
+                           logits_soft_cap=kw.get("logits_soft_cap"),
+                           sinks=sinks)
 
 
 @pytest.mark.parametrize("fmt, fp8, g, hkv, d, pack, ksplit, kw", CASES)

@@ -62,6 +62,20 @@ def _fp8_paged(rng, kv_lens, *, page_size, num_kv_heads, head_dim, fmt):
   return p, cache, truth_k, truth_v, ks, vs
 
 
+def query_and_sinks(rng, batch, num_qo_heads, head_dim, kw):
+  """A decode query (f32 holding bf16 values, `[batch, num_qo_heads,
+  head_dim]`) and, where `kw` has `sinks=True`, f32 sinks
+  `[num_qo_heads]` (else None); returns (q, sinks, kw without "sinks")."""
+  q = np.asarray(jnp.asarray(rng.standard_normal((batch, num_qo_heads,
+                                                  head_dim)),
+                             jnp.bfloat16).astype(jnp.float32))
+  kw = dict(kw)
+  sinks = None
+  if kw.pop("sinks", False):
+    sinks = rng.standard_normal(num_qo_heads).astype(np.float32)
+  return q, sinks, kw
+
+
 CASES = [  # (fmt, group, head_dim, page_size, kwargs)
     ("pair", 3, 64, 16, {}),
     ("pool", 4, 128, 8, dict(window_left=20)),
@@ -78,12 +92,8 @@ def test_decode_fp8_pages(impl, fmt, g, d, ps, kw):
   lens = [1, 7, 33, 0, 70]
   p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
                                         num_kv_heads=hkv, head_dim=d, fmt=fmt)
-  q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
-                             jnp.bfloat16).astype(jnp.float32))
-  kw = dict(kw)
-  sinks = None
-  if kw.pop("sinks", False):
-    sinks = rng.standard_normal(g * hkv).astype(np.float32)
+  q, sinks, kw = query_and_sinks(rng, len(lens), g * hkv, d, kw)
+  if sinks is not None:
     kw["sinks"] = jnp.asarray(sinks)
   out, lse = pkvattn.paged_decode(
       jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
@@ -124,16 +134,10 @@ def test_prefill_fp8_pages_mixed_batch(impl, fmt, g, d, ps, kw):
       jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
       jnp.asarray(indptr), jnp.asarray(lens), return_lse=True, impl=impl,
       k_scale=ks, v_scale=vs, **kw)
-  for b, n in enumerate(lens):
-    rows = slice(indptr[b], indptr[b + 1])
-    pos = np.arange(n - q_lens[b], n)
-    want, want_lse = au.dense_attention(
-        q[rows], tk[b], tv[b], pos, n, sm_scale=d**-0.5,
-        window_left=kw.get("window_left", -1),
-        logits_soft_cap=kw.get("logits_soft_cap"))
-    au.assert_close(out[rows], want, jnp.bfloat16, f"b={b}")
-    au.assert_lse_close(lse[rows], want_lse, jnp.bfloat16)
-  assert not np.asarray(out[indptr[-1]:], np.float32).any()
+  au.assert_prefill_matches(out, lse, q, tk, tv, indptr, lens, jnp.bfloat16,
+                            sm_scale=d**-0.5,
+                            window_left=kw.get("window_left", -1),
+                            logits_soft_cap=kw.get("logits_soft_cap"))
 
 
 def _rope_np(x, pos, theta, d):
@@ -314,11 +318,8 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
         jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
         jnp.asarray(lens), sm_scale=d**-0.5, config=cfg,
         k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
-    for b, n in enumerate(lens):
-      want, want_lse = au.dense_attention(q[b:b + 1], tk[b], tv[b], [n - 1],
-                                          n, sm_scale=d**-0.5)
-      au.assert_close(out[b:b + 1], want, jnp.bfloat16, f"b={b} ks={ksplit}")
-      au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
+    au.assert_decode_matches(out, lse, q, tk, tv, lens, jnp.bfloat16,
+                             sm_scale=d**-0.5)
 
 
 def test_decode_default_fp8_asm_rule(monkeypatch):

@@ -53,16 +53,10 @@ def test_fp8_pages_modes_match_oracle(mode, fmt, kw):
       view.v_table, jnp.asarray(indptr), jnp.asarray(lens), sm_scale=d**-0.5,
       interpret=True, config=cfg, k_scale=jnp.float32(ks),
       v_scale=jnp.float32(vs), **kw)
-  for b, n in enumerate(lens):
-    rows = slice(indptr[b], indptr[b + 1])
-    pos = np.arange(n - q_lens[b], n)
-    want, want_lse = au.dense_attention(
-        q[rows], tk[b], tv[b], pos, n, sm_scale=d**-0.5,
-        window_left=kw.get("window_left", -1),
-        logits_soft_cap=kw.get("logits_soft_cap"))
-    au.assert_close(out[rows], want, jnp.bfloat16, f"b={b}")
-    au.assert_lse_close(lse[rows], want_lse, jnp.bfloat16)
-  assert not np.asarray(out[indptr[-1]:], np.float32).any()
+  au.assert_prefill_matches(out, lse, q, tk, tv, indptr, lens, jnp.bfloat16,
+                            sm_scale=d**-0.5,
+                            window_left=kw.get("window_left", -1),
+                            logits_soft_cap=kw.get("logits_soft_cap"))
 
 
 def test_dequantize_pages_gathers_and_scales():
@@ -130,11 +124,5 @@ def test_fp8_pages_modes_gpu(mode, d):
       jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
       view.v_table, jnp.asarray(indptr), jnp.asarray(lens), sm_scale=d**-0.5,
       config=cfg, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
-  for b, n in enumerate(lens):
-    rows = slice(indptr[b], indptr[b + 1])
-    pos = np.arange(n - q_lens[b], n)
-    want, want_lse = au.dense_attention(q[rows], tk[b], tv[b], pos, n,
-                                        sm_scale=d**-0.5)
-    au.assert_close(out[rows], want, jnp.bfloat16, f"b={b}")
-    au.assert_lse_close(lse[rows], want_lse, jnp.bfloat16)
-  assert not np.asarray(out[indptr[-1]:], np.float32).any()
+  au.assert_prefill_matches(out, lse, q, tk, tv, indptr, lens, jnp.bfloat16,
+                            sm_scale=d**-0.5)
