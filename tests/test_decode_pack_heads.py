@@ -134,3 +134,22 @@ def test_pack_heads_bad_config():
                           interpret=True,
                           config=kernel.Config(pages_per_block=1, k_splits=1,
                                                pack_heads=pack))
+
+
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_packed_kernel_lowers_for_cuda(k_splits):
+  """Cross-lowered for CUDA on any host (the Triton lowering, not interpret
+  mode): the packed kernel, its block-diagonal q load and its 3-D output
+  select lower with this jax, into a kernel whose pools are 128 wide."""
+  sds = jax.ShapeDtypeStruct
+  args = [sds((3, 32, 64), jnp.bfloat16), sds((64, 16, 8, 64), FP8),
+          sds((64, 16, 8, 64), FP8), sds((3, 16), jnp.int32),
+          sds((3, 16), jnp.int32), sds((3,), jnp.int32),
+          sds((), jnp.float32), sds((), jnp.float32)]
+  cfg = kernel.Config(pages_per_block=4, k_splits=k_splits, num_warps=4,
+                      pack_heads=2)
+  f = jax.jit(lambda q, kp, vp, kt, vt, n, a, b: kernel.paged_decode(
+      q, kp, vp, kt, vt, n, sm_scale=0.125, config=cfg, k_scale=a,
+      v_scale=b))
+  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "paged_decode_g8_d128_ps16_ppb4" in text and "_pk2" in text
