@@ -352,7 +352,7 @@ class Engine:
       raise ValueError(
           f"Invalid prompt: expected a 1-D sequence of int token ids, got "
           f"shape {arr.shape} of {arr.dtype}")
-    prompt = [int(t) for t in arr]
+    prompt = arr.tolist()  # Python ints (10x faster than a per-token int())
     if not prompt:
       raise ValueError("Invalid prompt: expected at least one token, got none")
     total = len(prompt) + params.max_new_tokens
@@ -374,10 +374,11 @@ class Engine:
           f"Invalid request: with SWA scratch reuse, len(prompt) + "
           f"max_new_tokens = {total} must fit max_num_tokens="
           f"{self.config.max_num_tokens}")
-    if min(prompt) < 0 or max(prompt) >= self.model.cfg.vocab_size:
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= self.model.cfg.vocab_size:
       raise ValueError(
           f"Invalid prompt: token ids must be in [0, {self.model.cfg.vocab_size}),"
-          f" got range [{min(prompt)}, {max(prompt)}]")
+          f" got range [{lo}, {hi}]")
     if params.stop_token_ids is not None:
       stop = frozenset(params.stop_token_ids)
     else:
