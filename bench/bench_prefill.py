@@ -88,6 +88,7 @@ sys.path.append(os.path.join(_ROOT, "tests"))
 from bench import _flashinfer  # noqa: E402
 from bench import _timing  # noqa: E402
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
+from pkvattn.pallas_kernels import paged_prefill_mgpu as mgpu  # noqa: E402
 from pkvattn.pallas_kernels import reference  # noqa: E402
 
 # Attention heads (num_qo_heads, num_kv_heads, head_dim) of the specs.
@@ -366,6 +367,8 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
             f"s{cfg.num_stages}" if cfg.backend == "mosaic" else
             f"pallas bq{cfg.block_q} bk{cfg.block_k} w{cfg.num_warps} "
             f"s{cfg.num_stages}") + (" 1loop" if cfg.single_loop else "")
+           + (f" {cfg.mosaic_schedule}" if cfg.backend == "mosaic" and
+              cfg.mosaic_schedule != "pingpong" else "")
            + ("" if cfg.longest_first else " tokenorder")
            + ("" if cfg.heads_outer else " headsinner")
            + ("" if cfg.fast_exp2 else " libdevice-exp2")
@@ -517,26 +520,35 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
     rows.append(dict(best, impl="pallas best", best_of=best["impl"]))
 
 
-def small_head_configs(heads, page_size: int) -> list:
-  """The head_dim-64 sweep: the default, the Pallas-Triton default and, where
-  the default is not the Mosaic-GPU kernel, the Mosaic-GPU one (at most 3,
-  duplicates dropped; a Mosaic-GPU config the kernel rejects is skipped at
-  run time)."""
+def small_head_configs(heads, page_size: int, num_tokens: int | None = None,
+                       batch_size: int | None = None) -> list:
+  """The head_dim-64 sweep: the default for the spec's tokens per sequence,
+  the Pallas-Triton default and the
+  Mosaic-GPU kernel's two-consumer ping-pong, two-consumer ring and
+  three-consumer ring (duplicates dropped; a Mosaic-GPU config the kernel
+  rejects is skipped at run time)."""
   hq, hkv, d = heads
   kw = dict(group_size=hq // hkv, head_dim=d, page_size=page_size,
             dtype=DTYPE)
-  configs = [pp.Config.default_for(**kw),
+  configs = [pp.Config.default_for(**kw, num_tokens=num_tokens,
+                                   batch_size=batch_size),
              pp.Config.default_for(**kw, backend="triton")]
-  if configs[0].backend != "mosaic":
-    try:
-      configs.append(pp.Config.default_for(**kw, backend="mosaic"))
-    except Exception as e:  # noqa: BLE001
-      print(f"mosaic config for heads {hq}/{hkv}/{d}: {repr(e)[:200]}")
+  try:
+    mosaic = pp.Config.default_for(**kw, backend="mosaic")
+  except Exception as e:  # noqa: BLE001
+    print(f"mosaic config for heads {hq}/{hkv}/{d}: {repr(e)[:200]}")
+  else:
+    R = dataclasses.replace
+    configs += [R(mosaic, block_q=mgpu.tile_q(2), mosaic_schedule=s)
+                for s in ("pingpong", "ring")]
+    if d == 64:
+      configs.append(R(mosaic, block_q=mgpu.tile_q(3),
+                       mosaic_schedule="ring"))
   out = []
   for c in configs:
     if c not in out:
       out.append(c)
-  return out[:3]
+  return out
 
 
 def main():
@@ -620,7 +632,8 @@ def main():
               else "causal")
       configs = sweeps[kind]
     else:
-      configs = over or small_head_configs(heads, ps)
+      configs = over or small_head_configs(heads, ps, num_tokens=sum(ql),
+                                           batch_size=len(ql))
     print(f"{name} heads {heads}: {len(configs)} configs", flush=True)
     try:
       run_spec(name, ql, kl, ps, configs, with_xla=xla, with_mha=True,

@@ -66,6 +66,9 @@ DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # `Config.fp8_pages == "auto"`: FP8 pages are dequantized before the launch
 # from this many query rows (tokens x group) per sequence.
 DEQUANTIZE_MIN_ROWS = 1024
+# `Config.default_for` at head_dim 64 on Hopper: the Mosaic-GPU kernel from
+# this many new tokens per sequence (the Pallas-Triton kernel below).
+MOSAIC_D64_MIN_TOKENS = 2048
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -127,9 +130,16 @@ class Config:
       Ignored in interpret mode.
     backend: "triton" runs the main launch with this Pallas-Triton kernel;
       "mosaic" with the Mosaic-GPU kernel (`paged_prefill_mgpu`: TMA,
-      warp-specialised wgmma, Hopper only), whose tiles are `block_q = 128`
-      tokens, `block_k` keys per step and `num_stages` shared-memory stages
-      (num_warps unused). The short launch is Pallas-Triton either way.
+      warp-specialised wgmma, Hopper only), whose tiles are `block_q` = 128
+      tokens (two consumer warpgroups of 64) or 192 (three, head_dim 64,
+      16-bit pages: FP8 pages read in the kernel run 128-token tiles
+      instead), `block_k` keys per step and `num_stages` shared-memory
+      stages (num_warps unused). The short launch is Pallas-Triton either
+      way.
+    mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
+      (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
+      "ring" (a token passed around the consumers; required with 192-token
+      tiles).
     split_decode_rows: sequences with q_len == 1 (the decode rows of a mixed
       batch) run through the split-K decode kernel (`paged_decode`) instead
       of a short tile: a memory-bound row streams its KV across several
@@ -164,29 +174,33 @@ class Config:
   backend: str = "triton"
   split_decode_rows: bool = True
   fp8_pages: str = "auto"
+  mosaic_schedule: str = "pingpong"
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
                   page_size: int | None, dtype, window_left: int = -1,
                   interpret: bool = False,
-                  backend: str | None = None) -> "Config":
+                  backend: str | None = None,
+                  num_tokens: int | None = None,
+                  batch_size: int | None = None) -> "Config":
     """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
 
     On a Hopper GPU, bf16/f16 with head_dim 128 and no window, the main
     launch is the Mosaic-GPU kernel (`paged_prefill_mgpu.supports`): 128
     tokens per tile (two consumer warpgroups of 64), 128-key steps, two
     stages; 0.93-0.98x cuDNN on H200 where the Triton kernel reaches
-    0.70-0.78x. head_dim 64 runs but is not the default: in the engine
-    benchmark (Llama-3.2-1B shapes, 1024-token prompts, H200, 2026-11-22,
-    bench/results/engine_H200_mosaic_d64.json) a step's attention took
-    3.44 ms with it against 2.75 ms with the Triton kernel (half the matmul
-    per softmax element, and short prompts leave few KV steps per CTA to
-    hide its prologue); again on H100 on 2026-11-25 (the same engine
-    workload with 256 prompts: 213k against 226k prefill tok/s with bf16
-    pages, 206k against 226k with FP8 pages,
-    bench/results/engine_prefill_d64_ab_H100.json), though the kernel alone
-    is the faster at B=4 S=4096 causal (323 against 311 TFLOP/s). FP8 pages
-    read in the kernel (`fp8_pages`) take the same rule: there the Mosaic-GPU
+    0.70-0.78x. At head_dim 64 it is the default from
+    `MOSAIC_D64_MIN_TOKENS` new tokens per sequence (`num_tokens >= 2048 *
+    batch_size`; both static, unknown = below), with 192 tokens per tile
+    (three consumer warpgroups passing a token, as FlashAttention-3 at
+    head_dim 64). Kernel time against the Triton kernel, causal, page 16,
+    H100, 2026-11-25 (bench/results/prefill_d64_len_*.json): 0.95 / 0.81 /
+    0.69x at 1,024 / 2,048 / 8,192 tokens per sequence with SmolLM2's
+    9/3 heads, 1.13 / 0.95 / 0.83x with Llama-3.2-1B's 32/8; in the engine
+    (1,024-token prompts, 8,192-token steps) a tie on prefill tok/s with
+    some 5 s more of warm-up compilation. FP8 pages
+    read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
+    at either head_dim: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
     TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
     pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
@@ -207,13 +221,20 @@ class Config:
     if backend not in (None, "triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected None, 'triton' or "
                        f"'mosaic', got {backend!r}")
-    if backend == "mosaic" or backend is None and (
-        not interpret) and head_dim == 128 and paged_prefill_mgpu.supports(
-        dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
-        window_left=window_left):
-      return cls(block_q=paged_prefill_mgpu.TILE_Q, block_k=128,
-                 num_stages=2, short_block_q=short_block_q,
-                 short_block_k=128, backend="mosaic")
+    long_rows = num_tokens is not None and (
+        num_tokens >= MOSAIC_D64_MIN_TOKENS * max(batch_size or 1, 1))
+    if backend == "mosaic" or backend is None and (not interpret) and (
+        head_dim == 128 or head_dim == 64 and long_rows) and (
+        paged_prefill_mgpu.supports(
+            dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
+            window_left=window_left)):
+      # head_dim 64: three consumers on 192-token tiles (half the matmul
+      # per softmax element calls for more warpgroups to hide it).
+      three = head_dim == 64
+      return cls(block_q=paged_prefill_mgpu.tile_q(3 if three else 2),
+                 block_k=128, num_stages=2, short_block_q=short_block_q,
+                 short_block_k=128, backend="mosaic",
+                 mosaic_schedule="ring" if three else "pingpong")
     wide = jnp.dtype(dtype).itemsize >= 4
     rows = 64 if wide else 128
     if head_dim <= 128:
@@ -273,11 +294,23 @@ class Config:
     if self.backend not in ("triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
                        f"{self.backend!r}")
-    if self.backend == "mosaic" and self.block_q != paged_prefill_mgpu.TILE_Q:
-      raise ValueError(f"Invalid block_q for the mosaic backend: expected "
-                       f"{paged_prefill_mgpu.TILE_Q}, got {self.block_q}")
+    if self.backend == "mosaic":
+      tiles = {paged_prefill_mgpu.tile_q(n): n
+               for n in paged_prefill_mgpu.CONSUMERS}
+      if self.block_q not in tiles:
+        raise ValueError(f"Invalid block_q for the mosaic backend: expected "
+                         f"one of {sorted(tiles)}, got {self.block_q}")
+      if (self.mosaic_schedule not in paged_prefill_mgpu.SCHEDULES or
+          tiles[self.block_q] != 2 and self.mosaic_schedule != "ring"):
+        raise ValueError(
+            f"Invalid mosaic_schedule: expected one of "
+            f"{paged_prefill_mgpu.SCHEDULES} ('ring' with block_q="
+            f"{paged_prefill_mgpu.tile_q(3)}), got {self.mosaic_schedule!r} "
+            f"with block_q={self.block_q}")
     rows = self.block_q * pl.next_power_of_2(group_size)
-    for name, v in (("block_q", self.block_q), ("block_k", self.block_k)):
+    checked = (("block_k", self.block_k),) + (
+        (("block_q", self.block_q),) if self.backend == "triton" else ())
+    for name, v in checked:
       if v < 1 or v & (v - 1):
         raise ValueError(f"Invalid {name}: expected a power of two, got {v}")
     short = self.short_block_q
@@ -639,7 +672,9 @@ def paged_prefill(
   if config is None:
     config = Config.default_for(group_size=group_size, head_dim=head_dim,
                                 page_size=k_pool.shape[1], dtype=q.dtype,
-                                window_left=window_left, interpret=interpret)
+                                window_left=window_left, interpret=interpret,
+                                num_tokens=num_tokens,
+                                batch_size=kv_lens.shape[0])
   config.validate(group_size)
   if fp8 and config.dequantizes_fp8(num_tokens=num_tokens,
                                     batch_size=kv_lens.shape[0],
@@ -647,6 +682,12 @@ def paged_prefill(
     k_pool, k_table = _fp8.dequantize_pages(k_pool, k_table, k_scale, q.dtype)
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None
+  if fp8 and config.backend == "mosaic" and (
+      config.block_q != paged_prefill_mgpu.TILE_Q):
+    # FP8 tiles read in the kernel are converted by the producer warpgroup,
+    # which three consumers leave too few registers: two consumers.
+    config = dataclasses.replace(config, block_q=paged_prefill_mgpu.TILE_Q,
+                                 mosaic_schedule="pingpong")
   scales = None
   if fp8:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
@@ -685,7 +726,9 @@ def paged_prefill(
         q, k_pool, v_pool, k_table, v_table, plan.tiles, sinks,
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
         block_kv=config.block_k, num_stages=config.num_stages,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale,
+        num_consumers=config.block_q // paged_prefill_mgpu.BLOCK_Q,
+        schedule=config.mosaic_schedule)
   else:
     out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
                num_warps=config.num_warps, num_stages=config.num_stages,

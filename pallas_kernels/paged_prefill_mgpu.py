@@ -8,12 +8,13 @@ consumer warpgroups, TMA loads into a ring of shared-memory stages, two
 consumer warpgroups whose matmuls alternate with each other's softmax) over
 FlashInfer's paged, ragged layout:
 
-* A CTA serves one query head and one plan tile of `TILE_Q = 128`
-  consecutive new tokens of one sequence (`plan.plan_prefill(block_q=128)`;
+* A CTA serves one query head and one plan tile of `tile_q(n)` = 64 n
+  consecutive new tokens of one sequence (`plan.plan_prefill(block_q=...)`;
   with `align=8`, heaviest tiles first: a tile's rows start at its first
   token rounded down to 8, so TMA lands them on whole 8-row swizzle tiles;
-  rows of other sequences are computed and never stored). Two consumer
-  warpgroups take 64 tokens each; a third (producer) warpgroup issues TMA.
+  rows of other sequences are computed and never stored). n = 2 or 3
+  consumer warpgroups take 64 tokens each; one more (the producer) issues
+  TMA.
   The grid is `(num_qo_heads, num_tiles)` with heads fastest, so the heads of
   one GQA group run together and share the K/V they read through L2.
 * A KV step is `block_kv` keys. The producer reads the step's page ids from
@@ -21,6 +22,13 @@ FlashInfer's paged, ragged layout:
   (`pool[page, rows, kv_head, :]` -> `[page_size, head_dim]` of the stage),
   all arriving on the stage's barrier. Pages past the last one a sequence
   owns are never read (the page index is clamped to that page).
+* Two schedules share the tensor cores between the consumers. "pingpong"
+  (two consumers): a two-party barrier keeps them in lock step, each one's
+  QK^T and PV alternating with the other's softmax. "ring" (any number; FA3
+  runs three at head_dim 64, where a step's matmuls are half as long per
+  softmax element): a token passes from consumer to consumer, and the
+  holder issues QK^T of its step i together with PV of step i - 1, then
+  passes it on and runs step i's softmax while the others' matmuls run.
 * Consumers walk the unmasked steps first, then the steps that cross the
   diagonal or `kv_len`, masked with -inf. Keys past `kv_len` of the last
   page are stale (possibly NaN, left by a previous owner): their logits are
@@ -31,7 +39,7 @@ FlashInfer's paged, ragged layout:
 * Output rows are stored with TMA in a ladder of power-of-two row counts
   (a tile's rows past its sequence's end belong to another sequence and must
   not be written); `lse` goes to a per-tile scratch `[num_qo_heads,
-  num_tiles * 128]` that the wrapper scatters to `[num_tokens,
+  num_tiles * tile_q(n)]` that the wrapper scatters to `[num_tokens,
   num_qo_heads]` (a TMA box needs >= 16 bytes in its minor dimension).
 
 FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
@@ -40,12 +48,13 @@ into the stage the consumers read (`_fp8_producer`); q is converted to f16
 once per CTA; K's scale multiplies the logits and V's the output. 128-key
 steps with one staging stage is what fits in 227 KiB of shared memory (the
 reduction scratch, unused by the row reductions of the WGMMA layout, is
-given up for it).
+given up for it). FP8 pages run two consumers: the converting producer needs
+the registers a third consumer would take.
 
 No sliding window (the consumers' barrier phases would have to skip the
 window's leading steps); `paged_prefill` keeps the Triton kernel for
 windows, f32, head_dim 256 and non-Hopper GPUs (`supports`), and by default
-for head_dim 64 (faster there; see `Config.default_for`).
+for head_dim 64 with short prompts (see `Config.default_for`).
 """
 
 from __future__ import annotations
@@ -62,7 +71,9 @@ from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import plan as plan_lib
 
 BLOCK_Q = 64          # tokens per consumer warpgroup
-TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q)
+TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q), two consumers
+CONSUMERS = (2, 3)    # consumer warpgroups per CTA
+SCHEDULES = ("pingpong", "ring")
 ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -87,12 +98,27 @@ def supports(*, dtype, head_dim: int, page_size: int, window_left: int,
 
 _mgpu = _compat.mosaic_gpu
 
+# Registers per thread by (consumers, FP8 pages). Consumers + producer stay
+# within 64,512 registers (2 x 128 x 232 + 128 x 40, 3 x 128 x 160 + 128 x
+# 24): `setmaxnreg.inc` blocks until its registers are free, and a full
+# 65,536 never are (the kernel hangs). With FP8 pages the producer converts
+# tiles, so it keeps more.
+_CONSUMER_REGS = {(2, False): 232, (2, True): 224, (3, False): 160}
+_PRODUCER_REGS = {(2, False): 40, (2, True): 56, (3, False): 24}
+
+
+def tile_q(num_consumers: int) -> int:
+  """Tokens per CTA (the plan's `block_q`) with `num_consumers` consumer
+  warpgroups of `BLOCK_Q` tokens each."""
+  return num_consumers * BLOCK_Q
+
 
 def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             v_table_ref, *rest, causal: bool, sm_scale: float,
             logits_soft_cap: float | None, has_sinks: bool, group_size: int,
             block_kv: int, num_stages: int, fp8_stages: int = 0,
-            q_from_bf16: bool = False):
+            q_from_bf16: bool = False, num_consumers: int = 2,
+            schedule: str = "pingpong"):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   rest = list(rest)
@@ -145,54 +171,89 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     full = jnp.where(some, jnp.maximum(full, 0), 0)
     return t0, lo, hi_row, lax.div(hi + bkv - 1, bkv), lax.div(full, bkv)
 
-  # The producer loads every step either consumer needs; with causal masking
-  # the second warpgroup (later rows) needs at least as many as the first.
-  total_steps = jnp.maximum(wg_steps(0)[3], wg_steps(1)[3])
+  # The producer loads every step some consumer needs; with causal masking
+  # a later warpgroup (later rows) needs at least as many as an earlier one.
+  n_cons = num_consumers
+  total_steps = wg_steps(0)[3]
+  for w in range(1, n_cons):
+    total_steps = jnp.maximum(total_steps, wg_steps(w)[3])
 
   def rendezvous():
     plgpu.barrier_arrive(sched)
     plgpu.barrier_wait(sched)
 
-  @pl.when(wg < 2)
-  def _consumer():
-    # With FP8 pages the producer converts tiles, so it keeps more registers.
-    plgpu.set_max_registers(224 if fp8_stages else 232, action="increase")
-    q_smem = q_smem2.at[wg]
-    t0, row_lo, row_hi, steps, full_steps = wg_steps(wg)
-    t0 = pl.multiple_of(t0, ALIGN)
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
-                            q_bar.at[wg])
-    plgpu.barrier_wait(q_bar.at[wg])
-    if q_from_bf16:
-      # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt per
-      # pair). q arrived as bf16 bits in an f16 buffer: convert it in place,
-      # clamped to f16's range.
-      x = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA)
-      q_smem[...] = _fp8.query_for_dots(
-          lax.bitcast_convert_type(x, jnp.bfloat16))
-      plgpu.commit_smem()
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
-    l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
-    acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, f32),
-                            plgpu.Layout.WGMMA)
+  # The ring schedule passes one token around the consumers: a warpgroup
+  # issues its matmuls only while it holds the token (`take` ... `give`).
+  def take():
+    plgpu.barrier_wait(sched.at[wg])
 
+  def give():
+    plgpu.barrier_arrive(sched.at[lax.rem(wg + 1, n_cons)])
+
+  qk_scale = sm_scale * _LOG2E
+  logit_scale = None  # FP8 pages: K's scale, on the raw logits
+  if scales_ref is not None:
+    logit_scale = scales_ref[0]
+    qk_scale = qk_scale * logit_scale
+
+  def softmax(s, i, t0, m, l, masked: bool):
+    """Online softmax of step i's logits: (m, l, P in the dot dtype, the
+    factor alpha that rescales the accumulator)."""
+    if logits_soft_cap is not None:
+      cap_scale = sm_scale / logits_soft_cap
+      if logit_scale is not None:
+        cap_scale = cap_scale * logit_scale
+      s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
+      scale = 1.0
+    else:
+      scale = qk_scale
+    if masked:
+      shape = (BLOCK_Q, block_kv)
+      row = plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.WGMMA)
+      key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
+      key = key + i * block_kv
+      vis = key < kv_len
+      if causal:
+        vis = vis & (key <= row + (t0 + pos_offset))
+      s = jnp.where(vis, s, -jnp.inf)
+    # Every valid row sees key 0 in step 0 (causal or not), so its m is
+    # finite from the first step on and exp2(-inf - m) = 0 for masked
+    # keys. (Rows of other sequences may go NaN; rows do not mix.)
+    m_next = jnp.maximum(m, s.max(axis=1) * scale)
+    alpha = jnp.exp2(m - m_next)
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    return m_next, l, p.astype(dtype), alpha
+
+  def rescale(acc, alpha):
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  def zero_stale_v(i, slot):
+    # Stale V rows past kv_len (NaN in tests) would turn 0 * NaN into NaN:
+    # zero them in shared memory. Several consumers may do this for the
+    # same stage; they write identical values.
+    @pl.when((i + 1) * block_kv > kv_len)
+    def _():
+      v_slot = v_smem.at[slot]
+      vrow = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
+                                    layout=plgpu.Layout.WGMMA)
+      v_slot[...] = jnp.where(vrow + i * block_kv < kv_len, v_slot[...],
+                              jnp.zeros((block_kv, head_dim), dtype))
+      plgpu.commit_smem()
+
+  def pingpong(q_smem, t0, steps, full_steps, carry):
+    """Two consumers in lock step (FA3's ping-pong): a step's QK^T, softmax
+    and PV in turn, one warpgroup's matmuls alternating with the other's
+    softmax."""
     @pl.when(steps > 0)
     def _():
       plgpu.barrier_wait(k_bar.at[0])
 
     # Offset the two consumers by one matmul: from here on their QK^T / PV
-    # matmuls alternate with each other's softmax (FA3's ping-pong).
+    # matmuls alternate with each other's softmax.
     pl.when(wg == 1)(rendezvous)
 
-    qk_scale = sm_scale * _LOG2E
-    logit_scale = None  # FP8 pages: K's scale, on the raw logits
-    if scales_ref is not None:
-      logit_scale = scales_ref[0]
-      qk_scale = qk_scale * logit_scale
-
     def step(i, carry, masked: bool):
-      acc, m, l = carry
       slot = lax.rem(i, num_stages)
 
       def qk(acc_ref):
@@ -202,47 +263,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
       plgpu.barrier_arrive(k_free.at[slot])
-      if logits_soft_cap is not None:
-        cap_scale = sm_scale / logits_soft_cap
-        if logit_scale is not None:
-          cap_scale = cap_scale * logit_scale
-        s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
-        scale = 1.0
-      else:
-        scale = qk_scale
-      if masked:
-        shape = (BLOCK_Q, block_kv)
-        row = plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.WGMMA)
-        key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
-        key = key + i * block_kv
-        vis = key < kv_len
-        if causal:
-          vis = vis & (key <= row + (t0 + pos_offset))
-        s = jnp.where(vis, s, -jnp.inf)
-      # Every valid row sees key 0 in step 0 (causal or not), so its m is
-      # finite from the first step on and exp2(-inf - m) = 0 for masked
-      # keys. (Rows of other sequences may go NaN; rows do not mix.)
-      m_next = jnp.maximum(m, s.max(axis=1) * scale)
-      alpha = jnp.exp2(m - m_next)
-      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
+      acc, m, l = carry
+      m_next, l, p16, alpha = softmax(s, i, t0, m, l, masked)
+      acc = rescale(acc, alpha)
       acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
       plgpu.barrier_arrive(sched)  # softmax done
       plgpu.barrier_wait(v_bar.at[slot])
       if masked:
-        # Stale V rows past kv_len (NaN in tests) would turn 0 * NaN into
-        # NaN: zero them in shared memory. Both consumers may do this for
-        # the same stage; they write identical values.
-        @pl.when((i + 1) * block_kv > kv_len)
-        def _():
-          v_slot = v_smem.at[slot]
-          vrow = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
-                                        layout=plgpu.Layout.WGMMA)
-          v_slot[...] = jnp.where(vrow + i * block_kv < kv_len, v_slot[...],
-                                  jnp.zeros((block_kv, head_dim), dtype))
-          plgpu.commit_smem()
+        zero_stale_v(i, slot)
       plgpu.barrier_wait(sched)  # the other consumer's matmul is issued
 
       def pv(acc_ref):
@@ -266,14 +294,153 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       rendezvous()
       rendezvous()
 
-    carry = (acc, m, l)
     carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False),
                           carry)
     carry = lax.fori_loop(full_steps, steps,
                           functools.partial(step, masked=True), carry)
     lax.fori_loop(steps, total_steps, skip, None)
-    acc, m, l = carry
     pl.when(wg == 0)(rendezvous)  # matches the second consumer's first one
+    return carry
+
+  def ring(q_smem, t0, steps, full_steps, carry):
+    """Any number of consumers passing a token (FA3's warp-scheduler
+    barrier): a warpgroup issues QK^T of step i with PV of step i - 1 while
+    it holds the token, passes it on, and runs step i's softmax while the
+    others' matmuls run. Every warpgroup takes the token `total_steps + 1`
+    times, in order: a first QK^T, `steps - 1` pairs, a last PV, then one
+    empty turn per step it does not need."""
+    # A warpgroup with no rows of its own still runs the first step (its
+    # rows are never stored) so that every consumer's turns line up.
+    steps = jnp.where(total_steps > 0, jnp.maximum(steps, 1), 0)
+    first = jnp.minimum(steps, 1)
+    zeros_s = plgpu.layout_cast(jnp.full((BLOCK_Q, block_kv), 0.0, f32),
+                                plgpu.Layout.WGMMA)
+
+    def after_softmax(i, slot, masked):
+      # V of step i must be in place (and clean) before the next turn's PV;
+      # K of step i + 1 before its QK^T.
+      plgpu.barrier_wait(v_bar.at[slot])
+      if masked:
+        zero_stale_v(i, slot)
+      nxt = i + 1
+
+      @pl.when(nxt < steps)
+      def _():
+        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, num_stages)])
+
+    def first_step(i, carry, masked: bool):
+      # Step 0, without a PV.
+      acc, m, l, _ = carry
+
+      def qk(s_ref):
+        take()
+        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
+        give()
+        return s_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
+      plgpu.barrier_arrive(k_free.at[0])
+      m, l, p16, _ = softmax(s, i, t0, m, l, masked)  # acc is 0
+      after_softmax(i, 0, masked)
+      return acc, m, l, p16
+
+    def step(i, carry, masked: bool):
+      acc, m, l, p16 = carry
+      slot = lax.rem(i, num_stages)
+      prev = lax.rem(i + num_stages - 1, num_stages)
+
+      def matmuls(refs):
+        s_ref, acc_ref = refs
+        take()
+        plgpu.wgmma(s_ref, q_smem,
+                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
+        give()
+      s, acc = pl.run_state(matmuls)((plgpu.ACC.init(zeros_s),
+                                      plgpu.ACC.init(acc)))
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[prev])
+      m, l, p16, alpha = softmax(s, i, t0, m, l, masked)
+      acc = rescale(acc, alpha)
+      after_softmax(i, slot, masked)
+      return acc, m, l, p16
+
+    def last_step(i, carry):
+      acc, m, l, p16 = carry
+      slot = lax.rem(steps - 1, num_stages)
+
+      def pv(acc_ref):
+        take()
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        give()
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m, l, p16
+
+    def skip(i, _):
+      # A step another consumer needs and this one does not (causal: earlier
+      # rows end earlier): release the stage, pass the token on.
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      take()
+      give()
+
+    @pl.when(first > 0)
+    def _():
+      plgpu.barrier_wait(k_bar.at[0])
+
+    # The last consumer hands the first token to the first one, which takes
+    # back the last token at the end.
+    @pl.when(wg == n_cons - 1)
+    def _():
+      plgpu.barrier_arrive(sched.at[0])
+
+    acc, m, l = carry
+    p16 = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), dtype),
+                            plgpu.Layout.WGMMA)
+    carry = (acc, m, l, p16)
+    # Step 0 runs once, masked only if it needs to be (one of these two
+    # loops runs).
+    first_full = jnp.minimum(first, full_steps)
+    carry = lax.fori_loop(0, first_full,
+                          functools.partial(first_step, masked=False), carry)
+    carry = lax.fori_loop(first_full, first,
+                          functools.partial(first_step, masked=True), carry)
+    carry = lax.fori_loop(first, jnp.maximum(full_steps, first),
+                          functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(jnp.maximum(full_steps, first), steps,
+                          functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(0, first, last_step, carry)
+    lax.fori_loop(steps, total_steps, skip, None)
+    pl.when(wg == 0)(take)
+    return carry[:3]
+
+  @pl.when(wg < n_cons)
+  def _consumer():
+    # With FP8 pages the producer converts tiles, so it keeps more registers.
+    plgpu.set_max_registers(_CONSUMER_REGS[(n_cons, bool(fp8_stages))],
+                            action="increase")
+    q_smem = q_smem2.at[wg]
+    t0, row_lo, row_hi, steps, full_steps = wg_steps(wg)
+    t0 = pl.multiple_of(t0, ALIGN)
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
+                            q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+    if q_from_bf16:
+      # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt per
+      # pair). q arrived as bf16 bits in an f16 buffer: convert it in place,
+      # clamped to f16's range.
+      x = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA)
+      q_smem[...] = _fp8.query_for_dots(
+          lax.bitcast_convert_type(x, jnp.bfloat16))
+      plgpu.commit_smem()
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
+    l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
+    acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, f32),
+                            plgpu.Layout.WGMMA)
+    run = ring if schedule == "ring" else pingpong
+    acc, m, l = run(q_smem, t0, steps, full_steps, (acc, m, l))
 
     ok = l > 0.0
     if has_sinks:
@@ -307,16 +474,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       off = off + (n & size)
       size //= 2
     plgpu.copy_smem_to_gmem(
-        lse_smem, lse_ref.at[head, pl.ds(tile * TILE_Q + wg * BLOCK_Q,
+        lse_smem, lse_ref.at[head, pl.ds(tile * tile_q(n_cons) + wg * BLOCK_Q,
                                          BLOCK_Q)])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 2)
+  @pl.when(wg == n_cons)
   def _producer():
-    # Consumers + producer stay within 64,512 registers (2 x 128 x 224 +
-    # 128 x 56): `setmaxnreg.inc` blocks until its registers are free, and a
-    # full 65,536 never are (the kernel hangs).
-    plgpu.set_max_registers(56 if fp8_stages else 40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGS[(n_cons, bool(fp8_stages))],
+                            action="decrease")
     kv_head = lax.div(head, jnp.array(group_size, i32))
     last_page = jnp.maximum(lax.div(kv_len + page_size - 1,
                                     jnp.array(page_size, i32)) - 1, 0)
@@ -415,14 +580,15 @@ def _fp8_producer(load_k, load_v, total_steps, k_smem, v_smem, k8_smem,
 @functools.partial(
     jax.jit,
     static_argnames=("causal", "sm_scale", "logits_soft_cap", "block_kv",
-                     "num_stages", "fp8_stages"))
+                     "num_stages", "fp8_stages", "num_consumers",
+                     "schedule"))
 def paged_prefill_mgpu(
     q: jax.Array,         # [num_tokens, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
     v_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
     k_table: jax.Array,   # i32[batch_size, max_pages]
     v_table: jax.Array,   # i32[batch_size, max_pages]
-    tiles: jax.Array,     # i32[num_tiles, plan.NUM_FIELDS], block_q = TILE_Q
+    tiles: jax.Array,     # i32[num_tiles, plan.NUM_FIELDS], block_q = tile_q(.)
     sinks: jax.Array | None = None,  # f32[num_qo_heads]
     *,
     causal: bool,
@@ -433,11 +599,14 @@ def paged_prefill_mgpu(
     k_scale=None,  # f32[]: FP8 pages
     v_scale=None,  # f32[]: FP8 pages
     fp8_stages: int = 1,
+    num_consumers: int = 2,
+    schedule: str = "pingpong",
 ):
   """One Mosaic-GPU launch over the plan's main tiles (see module docstring).
 
   Semantics are `reference.paged_prefill_reference` without a window, for
-  the tokens the `tiles` cover (`plan.plan_prefill(..., block_q=TILE_Q)`);
+  the tokens the `tiles` cover (`plan.plan_prefill(...,
+  block_q=tile_q(num_consumers))`);
   rows of other tokens (the plan's short tiles) are left unwritten.
 
   Args:
@@ -445,8 +614,8 @@ def paged_prefill_mgpu(
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
       of `q` (may be one array with split tables).
     k_table, v_table: `i32[batch_size, max_pages]`.
-    tiles: `i32[num_tiles, 5]`, a plan's `tiles` built with block_q = 128
-      and align = 8.
+    tiles: `i32[num_tiles, 5]`, a plan's `tiles` built with block_q =
+      `tile_q(num_consumers)` (64 tokens per consumer) and align = 8.
     sinks: optional `f32[num_qo_heads]`, joins the denominator only.
     causal, sm_scale, logits_soft_cap: static, as `paged_prefill`.
     block_kv: static, keys per step (64 or 128).
@@ -456,6 +625,13 @@ def paged_prefill_mgpu(
       the output (exact for per-tensor scales).
     fp8_stages: static, FP8 pages: stages of the FP8 staging ring that TMA
       fills and the producer warpgroup converts from (`_fp8_producer`).
+    num_consumers: static, consumer warpgroups per CTA: 2, or 3 at head_dim
+      64 with 16-bit pages (192-token tiles, as FlashAttention-3 there; at
+      head_dim 128 three would not fit in registers or shared memory).
+    schedule: static, how the consumers share the tensor cores: "pingpong"
+      (two consumers in lock step, a step's matmuls at a time) or "ring"
+      (a token passed around any number of consumers; each issues QK^T of
+      one step with PV of the step before).
 
   Returns:
     `(out [num_tokens, num_qo_heads, head_dim] q.dtype,
@@ -464,7 +640,8 @@ def paged_prefill_mgpu(
 
   Raises:
     ValueError: an unsupported dtype, head_dim or page_size (see `supports`;
-      the GPU model is not checked here).
+      the GPU model is not checked here), or an unsupported
+      (num_consumers, schedule, pages dtype).
   """
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
@@ -488,6 +665,14 @@ def paged_prefill_mgpu(
     raise ValueError(
         f"Invalid page_size: expected >= 8 and dividing or divisible by "
         f"block_kv={block_kv}, got {page_size}")
+  if (schedule not in SCHEDULES or num_consumers not in CONSUMERS or
+      (num_consumers != 2 and (schedule == "pingpong" or fp8 or
+                               head_dim != 64))):
+    raise ValueError(
+        f"Invalid (num_consumers, schedule): expected 2 with 'pingpong' or "
+        f"'ring', or 3 with 'ring', head_dim 64 and 16-bit pages, got "
+        f"{(num_consumers, schedule)} with head_dim {head_dim} and "
+        f"{k_pool.dtype} pages")
   if block_kv not in (64, 128) or num_stages < 2:
     raise ValueError(f"Invalid (block_kv, num_stages): expected 64/128 and "
                      f">= 2, got {(block_kv, num_stages)}")
@@ -502,20 +687,22 @@ def paged_prefill_mgpu(
       _kernel, causal=causal, sm_scale=sm_scale,
       logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
       group_size=group_size, block_kv=block_kv, num_stages=num_stages,
-      fp8_stages=fp8_stages if fp8 else 0, q_from_bf16=q_from_bf16)
+      fp8_stages=fp8_stages if fp8 else 0, q_from_bf16=q_from_bf16,
+      num_consumers=num_consumers, schedule=schedule)
+  n = num_consumers
 
   def entry(*refs):
     swizzle = 128 if head_dim * jnp.dtype(dtype).itemsize >= 128 else 64
     transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                   plgpu.SwizzleTransform(swizzle))
     smem = [
-        plgpu.SMEM((2, BLOCK_Q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((n, BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
-        plgpu.SMEM((2, BLOCK_Q, head_dim), out_dtype),
-        plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+        plgpu.SMEM((n, BLOCK_Q, head_dim), out_dtype),
+        plgpu.SMEM((n, BLOCK_Q), jnp.float32),
     ]
     # The consumers' stages fill by TMA (`copies` arrivals), or, with FP8
     # pages, by the producer's conversion (one arrival).
@@ -535,9 +722,11 @@ def paged_prefill_mgpu(
         smem,
         (plgpu.Barrier(num_arrivals=stage_arrivals, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=stage_arrivals, num_barriers=num_stages),
-         plgpu.Barrier(num_barriers=2)),
-        (plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),) * 2,
-        plgpu.Barrier(num_arrivals=2),
+         plgpu.Barrier(num_barriers=n)),
+        (plgpu.Barrier(num_arrivals=n, num_barriers=num_stages),) * 2,
+        # pingpong: a two-party rendezvous; ring: one token slot each.
+        (plgpu.Barrier(num_arrivals=2) if schedule == "pingpong" else
+         plgpu.Barrier(num_barriers=n)),
         *extra,
         collective_axes="wg",
     )
@@ -559,12 +748,12 @@ def paged_prefill_mgpu(
       out_type=[
           jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim),
                                out_dtype),
-          jax.ShapeDtypeStruct((num_qo_heads, num_tiles * TILE_Q),
+          jax.ShapeDtypeStruct((num_qo_heads, num_tiles * tile_q(n)),
                                jnp.float32),
       ],
       grid=(num_qo_heads, num_tiles),
       grid_names=("heads", "tiles"),
-      num_threads=3,
+      num_threads=n + 1,
       thread_name="wg",
       # The row reductions (WGMMA layout) stay within warps: the default
       # 2 KiB reduction scratch would push the FP8 staging past 227 KiB.
@@ -576,7 +765,7 @@ def paged_prefill_mgpu(
   q_start = tiles[:, plan_lib.Q_START][:, None]
   q_end = tiles[:, plan_lib.Q_END][:, None]
   t = (q_start - q_start % ALIGN
-       + jnp.arange(TILE_Q, dtype=jnp.int32)[None, :])
+       + jnp.arange(tile_q(n), dtype=jnp.int32)[None, :])
   token = jnp.where((t >= q_start) & (t < q_end), t, num_tokens).reshape(-1)
   lse = jnp.full((num_tokens, num_qo_heads), -jnp.inf, jnp.float32)
   lse = lse.at[token].set(lse_tiles.T, mode="drop")

@@ -390,7 +390,8 @@ def plan_prefill(
   config = kernel.Config.default_for(
       group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
       page_size=None, dtype=dtype, window_left=window_left,
-      interpret=not _checks.is_gpu())
+      interpret=not _checks.is_gpu(), num_tokens=num_tokens,
+      batch_size=kv_lens.shape[0])
   return config.plan(
       jnp.asarray(q_indptr, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
       num_tokens=num_tokens, causal=causal, window_left=window_left)

@@ -34,30 +34,34 @@ def _mosaic(group_size=4, head_dim=128):
                         page_size=16, dtype=jnp.bfloat16, backend="mosaic")
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
 @settings(max_examples=40, deadline=None)
 @given(q_lens=st.lists(st.one_of(st.integers(0, 300), st.integers(1, 9)),
                       min_size=1, max_size=5),
        extra=st.lists(st.integers(0, 200), min_size=5, max_size=5),
        padding=st.integers(0, 20))
-def test_aligned_plan_covers_every_token_once(q_lens, extra, padding):
-  """Main tiles (8-aligned origins), short tiles and decode rows together
-  cover every token exactly once, each with its sequence's metadata."""
+def test_aligned_plan_covers_every_token_once(head_dim, q_lens, extra,
+                                             padding):
+  """Main tiles (8-aligned origins; 128 tokens, or 192 with three consumers
+  at head_dim 64), short tiles and decode rows together cover every token
+  exactly once, each with its sequence's metadata."""
   q_lens = np.asarray(q_lens)
   kv_lens = (q_lens + np.asarray(extra[:len(q_lens)])).astype(np.int32)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   num_tokens = int(q_indptr[-1]) + padding
   if num_tokens == 0:
     return
-  config = _mosaic()
+  config = _mosaic(head_dim=head_dim)
   plan = config.plan(jnp.asarray(q_indptr), jnp.asarray(kv_lens),
                      num_tokens=num_tokens, causal=True, window_left=-1)
-  assert (plan.block_q, plan.align) == (mgpu.TILE_Q, 8)
+  tile = mgpu.tile_q(3 if head_dim == 64 else 2)
+  assert (plan.block_q, plan.align) == (tile, 8)
   seen = np.zeros(num_tokens, int)
   for seq, start, end, kv, off in np.asarray(plan.tiles):
     if end <= start:
       continue
     origin = start - start % 8
-    rows = np.arange(start, min(end, origin + mgpu.TILE_Q))
+    rows = np.arange(start, min(end, origin + tile))
     seen[rows] += 1
     assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
   for seq, start, end, kv, off in np.asarray(plan.short_tiles):
@@ -70,6 +74,51 @@ def test_aligned_plan_covers_every_token_once(q_lens, extra, padding):
       assert r == q_indptr[b]
       seen[r] += 1
   np.testing.assert_array_equal(seen, 1)
+
+
+def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
+  """On Hopper, head_dim 64 runs the three-consumer Mosaic-GPU kernel from
+  `MOSAIC_D64_MIN_TOKENS` new tokens per sequence, the Triton kernel below
+  (and wherever the Mosaic-GPU kernel does not serve the case)."""
+  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  kw = dict(group_size=3, head_dim=64, page_size=16, dtype=jnp.bfloat16)
+  n = kernel.MOSAIC_D64_MIN_TOKENS
+  assert _C.default_for(**kw).backend == "triton"  # tokens unknown
+  assert _C.default_for(**kw, num_tokens=4 * n - 1,
+                        batch_size=4).backend == "triton"
+  cfg = _C.default_for(**kw, num_tokens=4 * n, batch_size=4)
+  assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule) == (
+      "mosaic", mgpu.tile_q(3), "ring")
+  cfg.validate(group_size=3)
+  for other in (dict(interpret=True), dict(window_left=128),
+                dict(dtype=jnp.float32)):
+    assert _C.default_for(**{**kw, **other}, num_tokens=n,
+                          batch_size=1).backend == "triton"
+  cfg = _C.default_for(**{**kw, "head_dim": 128})
+  assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule) == (
+      "mosaic", mgpu.TILE_Q, "pingpong")
+
+
+def test_fp8_pages_in_kernel_run_two_consumers():
+  """A 192-token (three-consumer) config on FP8 pages read in the kernel
+  runs the two-consumer kernel: the lowering for CUDA must succeed (the
+  three-consumer kernel refuses FP8 pages)."""
+  t, hq, hkv, d, ps, pages, b = 64, 8, 2, 64, 16, 32, 4
+  sds = jax.ShapeDtypeStruct
+  cfg = dataclasses.replace(_mosaic(head_dim=d), fp8_pages="kernel")
+  assert cfg.block_q == mgpu.tile_q(3)
+
+  def f(q, pool, table, q_indptr, kv_lens, scale):
+    return kernel.paged_prefill(q, pool, pool, table, table, q_indptr,
+                                kv_lens, None, sm_scale=0.1, config=cfg,
+                                k_scale=scale, v_scale=scale)
+  text = jax.jit(f).trace(
+      sds((t, hq, d), jnp.bfloat16),
+      sds((pages, ps, hkv, d), jnp.float8_e4m3fn), sds((b, 8), jnp.int32),
+      sds((b + 1,), jnp.int32), sds((b,), jnp.int32),
+      sds((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def test_backend_choice_and_errors():
@@ -92,6 +141,12 @@ def test_backend_choice_and_errors():
     dataclasses.replace(cfg, backend="cuda").validate(group_size=4)
   with pytest.raises(ValueError, match="block_q"):
     dataclasses.replace(cfg, block_q=64).validate(group_size=4)
+  # 192-token tiles (three consumers) need the ring schedule.
+  dataclasses.replace(cfg, block_q=192, mosaic_schedule="ring").validate(4)
+  dataclasses.replace(cfg, mosaic_schedule="ring").validate(4)
+  for kw in (dict(block_q=192), dict(mosaic_schedule="round")):
+    with pytest.raises(ValueError, match="mosaic_schedule"):
+      dataclasses.replace(cfg, **kw).validate(group_size=4)
   with pytest.raises(ValueError, match="backend"):
     _C.default_for(group_size=4, head_dim=128, page_size=16,
                    dtype=jnp.bfloat16, backend="cuda")
@@ -119,23 +174,43 @@ def test_backend_choice_and_errors():
         jnp.zeros((4, 16, 2, 256), jnp.bfloat16),
         jnp.zeros((4, 16, 2, 256), jnp.bfloat16), table, table,
         plan.tiles, causal=True, sm_scale=0.1)
+  # Three consumers: the ring schedule, head_dim 64, 16-bit pages only.
+  for d, kv_dtype, kw in (
+      (64, jnp.bfloat16, dict(num_consumers=3)),
+      (128, jnp.bfloat16, dict(num_consumers=3, schedule="ring")),
+      (64, jnp.float8_e4m3fn, dict(num_consumers=3, schedule="ring",
+                                   k_scale=1.0, v_scale=1.0)),
+      (64, jnp.bfloat16, dict(num_consumers=4, schedule="ring")),
+      (64, jnp.bfloat16, dict(schedule="round"))):
+    with pytest.raises(ValueError, match="num_consumers, schedule"):
+      mgpu.paged_prefill_mgpu(
+          jnp.zeros((16, 8, d), jnp.bfloat16),
+          jnp.zeros((4, 16, 2, d), kv_dtype),
+          jnp.zeros((4, 16, 2, d), kv_dtype), table, table,
+          plan.tiles, causal=True, sm_scale=0.1, **kw)
 
 
 @pytest.mark.parametrize(
-    "num_tokens,page_size,head_dim,causal,soft_cap,sinks,fp8", [
-        (512, 16, 128, True, None, False, False),
-        (300, 8, 64, True, None, True, False),        # q padded to 8 rows
-        (256, 256, 128, False, 30.0, False, False),   # pages larger than a step
-        (384, 64, 128, True, 50.0, True, False),
+    "num_tokens,page_size,head_dim,causal,soft_cap,sinks,fp8,consumers,"
+    "schedule", [
+        (512, 16, 128, True, None, False, False, 2, "pingpong"),
+        (300, 8, 64, True, None, True, False, 2, "pingpong"),  # q padded
+        (256, 256, 128, False, 30.0, False, False, 2, "pingpong"),  # big pages
+        (384, 64, 128, True, 50.0, True, False, 2, "pingpong"),
         # FP8 pages: TMA into the staging ring, the producer converts.
-        (512, 16, 128, True, None, False, True),
-        (300, 8, 64, False, 30.0, True, True),
+        (512, 16, 128, True, None, False, True, 2, "pingpong"),
+        (300, 8, 64, False, 30.0, True, True, 2, "pingpong"),
+        # The token ring: two consumers, and three at head_dim 64.
+        (384, 64, 128, True, 50.0, True, False, 2, "ring"),
+        (300, 8, 64, True, None, True, False, 3, "ring"),
+        (512, 256, 64, False, 30.0, False, False, 3, "ring"),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
-                                     soft_cap, sinks, fp8):
+                                     soft_cap, sinks, fp8, consumers,
+                                     schedule):
   """Cross-lowers the kernel for CUDA on the CPU: every TMA slice, layout and
-  barrier of the Mosaic-GPU lowering must be accepted, and (FP8) the
-  staging ring must fit in shared memory."""
+  barrier of the Mosaic-GPU lowering must be accepted, and (FP8, three
+  consumers) the buffers must fit in shared memory."""
   hq, hkv, b, pages = 8, 2, 3, 64
   sds = jax.ShapeDtypeStruct
   kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -143,12 +218,12 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
           sds((pages, page_size, hkv, head_dim), kv_dtype),
           sds((pages, page_size, hkv, head_dim), kv_dtype),
           sds((b, 16), jnp.int32), sds((b, 16), jnp.int32),
-          sds((plan_lib.max_tiles(num_tokens, b, mgpu.TILE_Q),
+          sds((plan_lib.max_tiles(num_tokens, b, mgpu.tile_q(consumers)),
                plan_lib.NUM_FIELDS), jnp.int32),
           sds((hq,), jnp.float32) if sinks else None]
-  scales = {}
+  scales = dict(num_consumers=consumers, schedule=schedule)
   if fp8:
-    scales = dict(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
+    scales.update(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
   lowered = mgpu.paged_prefill_mgpu.trace(
       *args, causal=causal, sm_scale=head_dim ** -0.5,
       logits_soft_cap=soft_cap, **scales).lower(lowering_platforms=("cuda",))
@@ -179,6 +254,45 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
                             padding, q_lens, kv_lens):
   """NaN in every page a sequence does not own and past kv_len; ragged,
   unaligned sequence starts, decode rows and padding tokens."""
+  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+                       dtype=jnp.bfloat16, backend="mosaic")
+  _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
+                q_lens, kv_lens)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("block_q,schedule", [(128, "ring"), (192, "ring")])
+@pytest.mark.parametrize(
+    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens", [
+        (16, 3, 64, True, None, False, 5, [300, 1, 77, 129, 4095],
+         [300, 500, 200, 129, 4095]),
+        (8, 1, 64, True, None, True, 300, [300, 1, 7, 193],
+         [300, 500, 200, 400]),
+        (128, 8, 64, False, 30.0, False, 5, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+        (16, 5, 64, True, 50.0, True, 250, [1, 1, 4, 191], [700, 9, 300,
+                                                            191]),
+        (16, 4, 64, True, None, False, 136, [0], [0]),
+        (64, 4, 128, True, None, True, 9, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+    ])
+def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
+                                    causal, soft_cap, sinks, padding, q_lens,
+                                    kv_lens):
+  """The ring schedule with two and three consumers: the oracle cases above
+  plus groups 1-8, a 4,095-token prompt and tiles of 191 / 193 tokens."""
+  if block_q == 192 and d != 64:
+    pytest.skip("three consumers serve head_dim 64 only")
+  cfg = dataclasses.replace(
+      _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+                     dtype=jnp.bfloat16, backend="mosaic"),
+      block_q=block_q, mosaic_schedule=schedule)
+  _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
+                q_lens, kv_lens)
+
+
+def _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
+                  q_lens, kv_lens):
   rng = np.random.default_rng(page_size * 7 + group + padding)
   hkv = 2
   p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
@@ -190,8 +304,6 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
   s = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
        if sinks else None)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
-                       dtype=jnp.bfloat16, backend="mosaic")
   out, lse = kernel.paged_prefill(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(q_indptr), jnp.asarray(p.kv_lens), s, causal=causal,
