@@ -163,7 +163,7 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem,
-                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    k_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), f32))
       plgpu.barrier_arrive(k_free.at[slot])

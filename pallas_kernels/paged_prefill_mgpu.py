@@ -258,7 +258,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem,
-                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    k_smem.at[slot].transpose((1, 0)))
         rendezvous()
         return acc_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
@@ -334,7 +334,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
       def qk(s_ref):
         take()
-        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
         give()
         return s_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
@@ -352,7 +352,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         s_ref, acc_ref = refs
         take()
         plgpu.wgmma(s_ref, q_smem,
-                    plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    k_smem.at[slot].transpose((1, 0)))
         plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
         give()
       s, acc = pl.run_state(matmuls)((plgpu.ACC.init(zeros_s),
