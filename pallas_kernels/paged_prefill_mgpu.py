@@ -225,6 +225,12 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     l = l * alpha + p.sum(axis=1)
     return m_next, l, p.astype(dtype), alpha
 
+  def release(i):
+    """This consumer is done with step i's K and V stage."""
+    slot = lax.rem(i, num_stages)
+    plgpu.barrier_arrive(k_free.at[slot])
+    plgpu.barrier_arrive(v_free.at[slot])
+
   def rescale(acc, alpha):
     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -288,9 +294,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # Steps the other consumer needs and this one does not (causal: the
       # first warpgroup's rows end earlier): release the stage and keep the
       # ping-pong barrier in step.
-      slot = lax.rem(i, num_stages)
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
+      release(i)
       rendezvous()
       rendezvous()
 
@@ -379,9 +383,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     def skip(i, _):
       # A step another consumer needs and this one does not (causal: earlier
       # rows end earlier): release the stage, pass the token on.
-      slot = lax.rem(i, num_stages)
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
+      release(i)
       take()
       give()
 
