@@ -1,12 +1,14 @@
 """The Mosaic-GPU prefill backend (`pallas_kernels/paged_prefill_mgpu.py`).
 
 On the CPU CI: the 8-aligned plan it runs on (every token covered exactly
-once, tile rows inside the 128-row window from an 8-aligned origin), the
-backend choice and its errors, and a cross-lowering of the kernel for CUDA
-(Pallas -> Mosaic GPU MLIR), which runs the layout / shape checks of the
-lowering without a GPU. Mosaic GPU has no interpret mode for warp-specialised
-kernels, so the numerics run only on a Hopper GPU (`test_matches_oracle_gpu`,
-skipped elsewhere; `bench/bench_prefill.py` checks the same there).
+once, tile rows inside the 128- or 192-row window from an 8-aligned origin),
+the backend choice (head_dim 64 by tokens per sequence) and its errors, and a
+cross-lowering of the kernel for CUDA (Pallas -> Mosaic GPU MLIR) with both
+consumer schedules, which runs the layout / shape checks of the lowering
+without a GPU. Mosaic GPU has no interpret mode for warp-specialised kernels,
+so the numerics run only on a Hopper GPU (`test_matches_oracle_gpu`,
+`test_schedules_match_oracle_gpu`, skipped elsewhere;
+`bench/bench_prefill.py` checks the same there).
 """
 
 from __future__ import annotations
