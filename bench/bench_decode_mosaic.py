@@ -66,10 +66,10 @@ def correctness():
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
   import attention_utils as au  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(int(time.time()))
-  cases = [  # (group, d, page_size, fmt, kw, k_splits[, num_warps])
-      (4, 128, 16, "pair", {}, 1, 8),   # two consumer warpgroups
-      (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 8),
-      (8, 64, 8, "flashinfer", dict(logits_soft_cap=30.0), None, 8),
+  cases = [  # (group, d, page_size, fmt, kw, k_splits[, num_ctas])
+      (4, 128, 16, "pair", {}, 1, 3),   # several items per CTA
+      (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 1),
+      (8, 64, 8, "flashinfer", dict(logits_soft_cap=30.0), None, 5),
       (1, 128, 16, "pair", {}, None),
       (2, 64, 8, "pool", {}, 2),
       (3, 64, 16, "flashinfer", {}, None),
@@ -83,7 +83,7 @@ def correctness():
   ]
   rows = []
   for dtype in (jnp.bfloat16, jnp.float16):
-    for g, d, ps, fmt, kw, splits, *warps in cases:
+    for g, d, ps, fmt, kw, splits, *ctas in cases:
       if dtype == jnp.float16 and g not in (3, 8):
         continue
       hkv = 2
@@ -101,8 +101,8 @@ def correctness():
       cfg = _mosaic_config(len(kv_lens), hkv, ps, view.k_table.shape[1], d)
       if splits:
         cfg = dataclasses.replace(cfg, k_splits=splits)
-      if warps:
-        cfg = dataclasses.replace(cfg, num_warps=warps[0])
+      if ctas:
+        cfg = dataclasses.replace(cfg, num_ctas=ctas[0])
       name = f"g{g} d{d} p{ps} {fmt} {kw} sinks={sinks is not None} {cfg}"
       try:
         out, lse = kernel.paged_decode(
@@ -218,19 +218,16 @@ def speed(spec, configs):
 def _configs(d):
   """Mosaic variants timed besides its default."""
   out = [("mosaic default", {})]
-  # Two consumer warpgroups (alternate steps), smaller steps.
-  out += [("mosaic 2wg", dict(num_warps=8)),
-          ("mosaic 2wg bkv64 s4", dict(pages_per_block=-64, num_stages=4,
-                                       num_warps=8)),
-          ("mosaic 2wg splits x2", dict(k_splits=2, num_warps=8)),
-          ("mosaic 2wg splits /2", dict(k_splits=0, num_warps=8))]
+  # More or fewer splits (items per persistent CTA), other rings.
+  out += [("mosaic splits x2", dict(k_splits=2)),
+          ("mosaic splits x4", dict(k_splits=4)),
+          ("mosaic splits /2", dict(k_splits=0))]
   if d == 128:
-    out += [("mosaic bkv64 s4", dict(pages_per_block=-64, num_stages=4))]
-  else:  # fewer stages: more CTAs per SM (the 4-stage ring takes 128 KiB)
+    out += [("mosaic bkv64 s3", dict(pages_per_block=-64, num_stages=3))]
+  else:
     out += [("mosaic s2", dict(num_stages=2)),
-            ("mosaic s3", dict(num_stages=3)),
-            ("mosaic bkv64 s2", dict(pages_per_block=-64, num_stages=2)),
-            ("mosaic 2wg s2", dict(num_warps=8, num_stages=2))]
+            ("mosaic s5", dict(num_stages=5)),
+            ("mosaic bkv64 s6", dict(pages_per_block=-64, num_stages=6))]
   return out
 
 
@@ -259,8 +256,8 @@ def main():
         over = dict(over)
         if over.get("pages_per_block") == -64:
           over["pages_per_block"] = max(1, 64 // ps)
-        if over.get("k_splits") == 2:
-          over["k_splits"] = min(64, base.k_splits * 2)
+        if over.get("k_splits") in (2, 4):
+          over["k_splits"] = min(64, base.k_splits * over["k_splits"])
         elif over.get("k_splits") == 0:
           if base.k_splits == 1:
             continue

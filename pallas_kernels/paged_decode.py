@@ -72,8 +72,9 @@ class Config:
     backend: "triton" (this module's kernel) or "mosaic" (the Mosaic-GPU
       kernel, `paged_decode_mgpu`: TMA per page, wgmma, Hopper only), whose
       steps are `pages_per_block * page_size` keys (64 or 128) through
-      `num_stages` shared-memory stages, with `num_warps // 4` consumer
-      warpgroups (1, or 2 taking alternate steps; kv_eviction unused).
+      `num_stages` shared-memory stages, one consumer warpgroup
+      (`num_warps` must be 4; kv_eviction unused), on a persistent grid of
+      one CTA per SM.
     fp8_convert: Triton kernel, FP8 pages: where and how tiles convert to
       the dot dtype, "loaded", "operand" or "asm" (inline PTX, compute
       capability >= 8.9; `pallas_kernels/_fp8.py`).
@@ -91,6 +92,9 @@ class Config:
       the FLOPs, which decode does not run short of). One difference from
       unpacked heads: a non-finite K value in an owned row of one head
       reaches the logits of the heads packed with it (0 * inf).
+    num_ctas: mosaic backend: CTAs of its persistent grid (None = one per
+      SM of the device, at most one per work item); fewer make each CTA
+      serve more items (tests use this).
   """
   pages_per_block: int
   k_splits: int
@@ -100,6 +104,7 @@ class Config:
   backend: str = "triton"
   fp8_convert: str = "loaded"
   pack_heads: int = 1
+  num_ctas: int | None = None
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits", "pack_heads"):
@@ -115,6 +120,14 @@ class Config:
     if self.backend == "mosaic" and self.pack_heads != 1:
       raise ValueError(f"Invalid pack_heads for the mosaic backend: expected "
                        f"1, got {self.pack_heads}")
+    if self.num_ctas is not None and (self.backend != "mosaic"
+                                      or self.num_ctas < 1):
+      raise ValueError(f"Invalid num_ctas: expected None, or >= 1 with the "
+                       f"mosaic backend, got {self.num_ctas} "
+                       f"(backend={self.backend!r})")
+    if self.backend == "mosaic" and self.num_warps != 4:
+      raise ValueError(f"Invalid num_warps for the mosaic backend: expected "
+                       f"4 (one consumer warpgroup), got {self.num_warps}")
 
   @classmethod
   def default_for(cls, *, batch_size: int, num_kv_heads: int, page_size: int,
@@ -124,10 +137,10 @@ class Config:
                   backend: str | None = None) -> "Config":
     """Heuristic config for one decode call (static shapes only).
 
-    Backend: "mosaic" where `_mosaic_default` says so (Hopper, shapes the
-    Mosaic-GPU kernel serves and was measured faster on; `group_size`,
-    `dtype` and `kv_dtype` must be given for it), else "triton"; `backend`
-    forces one.
+    Backend: "mosaic" where `_mosaic_default` says so (Hopper, a case the
+    Mosaic-GPU kernel serves, pages of >= `MOSAIC_MIN_PAGE_SIZE` tokens,
+    where it was measured faster; `group_size`, `dtype` and `kv_dtype` must
+    be given for it), else "triton"; `backend` forces one.
 
     * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
       small pages are gathered several at a time. 32-token steps lose up to
@@ -217,14 +230,19 @@ class Config:
                num_warps=num_warps, num_stages=num_stages)
 
 
-# Shapes on which the Mosaic-GPU kernel is the default on Hopper:
-# (head_dim, group_size) pairs it was measured faster on.
-MOSAIC_DEFAULT_SHAPES: frozenset = frozenset()
+# Pages from which the Mosaic-GPU kernel is the default on Hopper. Kernel
+# time, Mosaic / Triton defaults, B=64 S=4096 (H100, 2026-11-25,
+# bench/decode_mosaic_pages.py): at
+# 128-token pages 0.92 (9/3/64), 0.93 (32/8/64), 0.95 (32/8/128), where
+# Triton's one-page steps slow down; at 16-token pages 1.02-1.08, where
+# the Mosaic kernel issues a TMA copy of 2-4 KiB per page (against
+# FlashInfer 0.7.2 there: Triton 1.00-1.02x, Mosaic 0.98-1.00x).
+MOSAIC_MIN_PAGE_SIZE = 128
 
 
 def _mosaic_default(*, group_size, head_dim, page_size, dtype,
                     kv_dtype) -> bool:
-  if dtype is None or (head_dim, group_size) not in MOSAIC_DEFAULT_SHAPES:
+  if dtype is None or page_size < MOSAIC_MIN_PAGE_SIZE:
     return False
   return paged_decode_mgpu.supports(
       dtype=dtype, kv_dtype=dtype if kv_dtype is None else kv_dtype,
@@ -233,16 +251,17 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
 
 def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
                    head_dim, num_sms) -> Config:
-  """The Mosaic-GPU kernel's config: 128-key steps through 2 stages at
-  head_dim 128 (3 do not fit next to the output tile), 4 at head_dim 64;
-  splits for about two CTAs per SM, each keeping >= 2 steps."""
+  """The Mosaic-GPU kernel's config: 128-key steps through 2 stages (at
+  head_dim 64, 4 or 5 stages took 2-4% more kernel time in two H100 runs,
+  2026-11-25; 3 do not fit at head_dim 128 next to the two q buffers and
+  the output tile); splits for about two items per persistent CTA, each
+  keeping >= 2 steps (4 per CTA lost 3-9% on the seven bench specs)."""
   block_kv = 128
-  num_stages = 2 if head_dim > 64 else 4
   pages_per_block = max(1, block_kv // page_size)
   k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
                              pages_per_block, num_sms)
   return Config(pages_per_block=pages_per_block, k_splits=k_splits,
-                num_stages=num_stages, backend="mosaic")
+                num_stages=2, backend="mosaic")
 
 
 def _default_splits(programs: int, max_pages: int, pages_per_block: int,
@@ -693,8 +712,7 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
       q, k_pool, v_pool, k_table, v_table, kv_lens, sm_scale=float(sm_scale),
       window_left=int(window_left), logits_soft_cap=logits_soft_cap,
       block_kv=block_kv, num_stages=config.num_stages,
-      k_splits=config.k_splits, final=final,
-      consumers=max(1, config.num_warps // 4))
+      k_splits=config.k_splits, final=final, num_ctas=config.num_ctas)
   lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
   if final:
     return o, lse.reshape(batch_size, num_qo_heads)

@@ -4,9 +4,12 @@ The same flash-decoding algorithm as the Pallas-Triton kernel
 (`paged_decode.py`: split-K over the visible pages, online softmax, LSE
 combine of the splits), laid out for Hopper's asynchronous units:
 
-* A CTA serves one `(kv head, sequence, split)`; its grid is
-  `(num_kv_heads, batch_size, k_splits)`, kv heads fastest. The GQA group of
-  the kv head (1..8 query heads) is packed into the M dimension of both
+* Work items are `(kv head, sequence, split)`, kv heads fastest. The grid
+  is persistent: one CTA per SM (`num_ctas`), each taking every
+  `num_ctas`-th item, so the K/V ring runs on from one item into the next
+  (the next item's pages and q arrive while this one's softmax and stores
+  finish, instead of every CTA filling its pipeline afresh). The GQA group
+  of the kv head (1..8 query heads) is packed into the M dimension of both
   wgmma matmuls: `S = Q K^T` is `[64, block_kv]` with the group in rows
   `0..group_size-1`. The other rows are computed on zeros and never stored
   (a wgmma has 64 rows; decode is bound by the K/V bytes, not the MMA).
@@ -14,7 +17,8 @@ combine of the splits), laid out for Hopper's asynchronous units:
   kv_head, :]` -> `[page_size, head_dim]` of a shared-memory stage) into a
   ring of `num_stages` stages, reading the page ids from the page table; the
   consumer runs QK^T, the base-2 softmax (scale folded into the exponent, as
-  FlashAttention-3) and PV per step of `block_kv` keys.
+  FlashAttention-3) and PV per step of `block_kv` keys, with q double
+  buffered across items.
 * Only the visible pages `[first visible page, cdiv(kv_len, page_size))` of
   the split are read; page ids outside that range (released window pages,
   pages past the end) are never read (the page index is clamped into it).
@@ -55,14 +59,23 @@ _SMEM_BYTES = 232448  # per CTA on sm_90 (227 KiB)
 
 
 def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
-               itemsize: int, final: bool, consumers: int = 1) -> int:
-  """Shared memory one CTA needs (q, K/V stages, output tile, lse, the
-  second consumer's state), bytes."""
+               itemsize: int, final: bool) -> int:
+  """Shared memory one CTA needs (two q buffers, K/V stages, output tile,
+  lse), bytes."""
   out_item = itemsize if final else 4
-  merge = BLOCK_M * head_dim * 4 + 2 * BLOCK_M * 4 if consumers == 2 else 0
-  return (BLOCK_M * head_dim * itemsize
+  return (2 * BLOCK_M * head_dim * itemsize
           + 2 * num_stages * block_kv * head_dim * itemsize
-          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + merge + 4096)
+          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 4096)
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of JAX's first device (132 where it does not
+  say: H100 / H200 SXM)."""
+  try:
+    n = int(getattr(jax.devices()[0], "core_count", 0) or 0)
+  except (RuntimeError, TypeError, ValueError):  # pragma: no cover
+    n = 0
+  return n if n > 0 else 132
 
 
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
@@ -92,176 +105,174 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             v_table_ref, out_ref, lse_ref, scoped, *, sm_scale: float,
             window_left: int, logits_soft_cap: float | None, group_size: int,
             block_kv: int, num_stages: int, k_splits: int, final: bool,
-            consumers: int):
+            num_ctas: int):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
-  (q_smem, k_smem, v_smem, o_smem, lse_smem, x_smem, ml_smem), bars, free = \
-      scoped
-  k_bar, v_bar, q_bar, merge_bar = bars
+  (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free = scoped
+  k_bar, v_bar, q_bar = bars
   k_free, v_free = free
   page_size = k_pool_ref.shape[1]
   num_kv_heads = k_pool_ref.shape[2]
+  batch_size = kv_lens_ref.shape[0]
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
   f32, i32 = jnp.float32, jnp.int32
-
-  kv_head = lax.axis_index("heads")
-  b = lax.axis_index("seqs")
-  split = lax.axis_index("splits")
-  wg = lax.axis_index("wg")
-  kv_len = kv_lens_ref[b]
   bkv = jnp.array(block_kv, i32)
-  lo = jnp.array(0, i32)
-  if window_left >= 0:
-    lo = jnp.maximum(kv_len - 1 - window_left, 0)
-  first_step = lax.div(lo, bkv)
-  end_step = lax.div(kv_len + bkv - 1, bkv)
-  steps = jnp.maximum(end_step - first_step, 0)
-  per_split = lax.div(steps + (k_splits - 1), jnp.array(k_splits, i32))
-  s0 = first_step + split * per_split
-  s1 = jnp.minimum(s0 + per_split, end_step)
-  n = jnp.maximum(s1 - s0, 0)
 
-  @pl.when(wg < consumers)
-  def _consumer():
-    if consumers == 2:
-      plgpu.set_max_registers(232, action="increase")
-    # Rows past the group compute on zeros (never stored).
-    @pl.when(wg == 0)
-    def _():
-      q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
-                                      plgpu.Layout.WGMMA)
-      plgpu.commit_smem()
-    # The group's rows of q [batch * num_qo_heads, head_dim] start at row0;
-    # TMA into 8-row swizzle tiles starts at a multiple of 8, so the CTA
-    # loads the 16 rows from row0 rounded down (the group sits at row r;
-    # the other rows are computed, never stored).
-    q_row = kv_head * group_size
-    row0 = b * (group_size * num_kv_heads) + q_row
+  cta = lax.axis_index("ctas")
+  wg = lax.axis_index("wg")
+  num_items = num_kv_heads * batch_size * k_splits
+  # Items cta, cta + num_ctas, ...: kv heads fastest, then sequences, then
+  # splits.
+  my_items = lax.div(num_items - cta + (num_ctas - 1),
+                     jnp.array(num_ctas, i32))
+
+  def item(t):
+    """(kv_head, b, split, kv_len, lo, s0, s1, n) of this CTA's item t."""
+    w = cta + t * num_ctas
+    kv_head = lax.rem(w, jnp.array(num_kv_heads, i32))
+    rest = lax.div(w, jnp.array(num_kv_heads, i32))
+    b = lax.rem(rest, jnp.array(batch_size, i32))
+    split = lax.div(rest, jnp.array(batch_size, i32))
+    kv_len = kv_lens_ref[b]
+    lo = jnp.array(0, i32)
+    if window_left >= 0:
+      lo = jnp.maximum(kv_len - 1 - window_left, 0)
+    first_step = lax.div(lo, bkv)
+    end_step = lax.div(kv_len + bkv - 1, bkv)
+    steps = jnp.maximum(end_step - first_step, 0)
+    per_split = lax.div(steps + (k_splits - 1), jnp.array(k_splits, i32))
+    s0 = first_step + split * per_split
+    s1 = jnp.minimum(s0 + per_split, end_step)
+    return kv_head, b, split, kv_len, lo, s0, s1, jnp.maximum(s1 - s0, 0)
+
+  def q_rows(kv_head, b):
+    """First q row of the 16 loaded (a multiple of 8) and the group's offset
+    in them: the group's rows of q [batch * num_qo_heads, head_dim] start at
+    row0; a TMA into 8-row swizzle tiles starts at a multiple of 8."""
+    row0 = b * (group_size * num_kv_heads) + kv_head * group_size
     first = pl.multiple_of(lax.div(row0, jnp.array(8, i32)) * 8, 8)
-    r = row0 - first
+    return first, row0 - first
 
-    @pl.when(wg == 0)
-    def _():
+  @pl.when(wg == 0)
+  def _consumer():
+    # Rows past the group compute on zeros (never stored).
+    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
+                              plgpu.Layout.WGMMA)
+    q_smem.at[0][...] = zeros
+    q_smem.at[1][...] = zeros
+    plgpu.commit_smem()
+
+    def load_q(t):
+      kv_head, b = item(t)[:2]
+      first, _ = q_rows(kv_head, b)
+      buf = lax.rem(t, jnp.array(2, i32))
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)],
-                              q_smem.at[pl.ds(0, Q_ROWS)], q_bar)
-    plgpu.barrier_wait(q_bar)
+                              q_smem.at[buf, pl.ds(0, Q_ROWS)], q_bar.at[buf])
+
+    @pl.when(my_items > 0)
+    def _():
+      load_q(0)
+
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, f32), row_layout)
-    l = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, f32), row_layout)
-    acc = plgpu.layout_cast(jnp.full((BLOCK_M, head_dim), 0.0, f32),
-                            plgpu.Layout.WGMMA)
     if logits_soft_cap is not None:
       scale = 1.0
     else:
       scale = sm_scale * _LOG2E
 
-    def step(i, carry, masked: bool):
-      acc, m, l = carry
-      slot = lax.rem(i - s0, jnp.array(num_stages, i32))
-      plgpu.barrier_wait(k_bar.at[slot])
+    def run_item(t, g):
+      kv_head, b, split, kv_len, lo, s0, s1, n = item(t)
+      buf = lax.rem(t, jnp.array(2, i32))
+      # The next item's q goes into the other buffer (its last reader, the
+      # item before this one, is done).
+      @pl.when(t + 1 < my_items)
+      def _():
+        load_q(t + 1)
+      plgpu.barrier_wait(q_bar.at[buf])
+      q_buf = q_smem.at[buf]
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem,
-                    k_smem.at[slot].transpose((1, 0)))
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), f32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      if logits_soft_cap is not None:
-        s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
-            logits_soft_cap * _LOG2E)
-      if masked:
-        shape = (BLOCK_M, block_kv)
-        key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
-        key = key + i * block_kv
-        s = jnp.where((key < kv_len) & (key >= lo), s, -jnp.inf)
-      # Every split's first step holds a visible key, so m is finite from
-      # then on and exp2(-inf - m) = 0 for the masked keys.
-      m_next = jnp.maximum(m, s.max(axis=1) * scale)
-      alpha = jnp.exp2(m - m_next)
-      p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha + p.sum(axis=1)
-      p16 = p.astype(dtype)
-      plgpu.barrier_wait(v_bar.at[slot])
-      if masked:
-        # V rows of keys outside [lo, kv_len) meet p = 0 but may be NaN:
-        # stale rows past kv_len, and before the window the rows of the
-        # first visible page loaded in place of released ones (with its
-        # own stale tail). Zero them.
-        @pl.when(((i + 1) * block_kv > kv_len) | (i * block_kv < lo))
-        def _():
-          v_slot = v_smem.at[slot]
-          key = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
+      def step(i, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(g + i - s0, jnp.array(num_stages, i32))
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_buf, k_smem.at[slot].transpose((1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), f32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if logits_soft_cap is not None:
+          s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
+              logits_soft_cap * _LOG2E)
+        if masked:
+          shape = (BLOCK_M, block_kv)
+          key = plgpu.broadcasted_iota(i32, shape, 1,
                                        layout=plgpu.Layout.WGMMA)
           key = key + i * block_kv
-          v_slot[...] = jnp.where((key < kv_len) & (key >= lo), v_slot[...],
-                                  jnp.zeros((block_kv, head_dim), dtype))
-          plgpu.commit_smem()
+          s = jnp.where((key < kv_len) & (key >= lo), s, -jnp.inf)
+        # Every split's first step holds a visible key, so m is finite
+        # from then on and exp2(-inf - m) = 0 for the masked keys.
+        m_next = jnp.maximum(m, s.max(axis=1) * scale)
+        alpha = jnp.exp2(m - m_next)
+        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        plgpu.barrier_wait(v_bar.at[slot])
+        if masked:
+          # V rows of keys outside [lo, kv_len) meet p = 0 but may be NaN:
+          # stale rows past kv_len, and before the window the rows of the
+          # first visible page loaded in place of released ones (with its
+          # own stale tail). Zero them.
+          @pl.when(((i + 1) * block_kv > kv_len) | (i * block_kv < lo))
+          def _():
+            v_slot = v_smem.at[slot]
+            key = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
+                                         layout=plgpu.Layout.WGMMA)
+            key = key + i * block_kv
+            v_slot[...] = jnp.where((key < kv_len) & (key >= lo),
+                                    v_slot[...],
+                                    jnp.zeros((block_kv, head_dim), dtype))
+            plgpu.commit_smem()
 
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_next, l
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_next, l
 
-    # Steps [s0, s1): the first may hold keys before the window, the last
-    # keys past kv_len; the ones between are fully visible. Consumer w takes
-    # the steps s0 + w, s0 + w + consumers, ... (a stage slot, and so its
-    # barriers, always serves the same consumer: num_stages % consumers ==
-    # 0).
-    full_lo = jnp.clip(lax.div(lo + bkv - 1, bkv), s0, jnp.maximum(s1, s0))
-    full_hi = jnp.clip(lax.div(kv_len, bkv), full_lo, jnp.maximum(s1, s0))
-    mine = s0 + wg
-    nc = jnp.array(consumers, i32)
+      # Steps [s0, s1): the first may hold keys before the window, the last
+      # keys past kv_len; the ones between are fully visible.
+      full_lo = jnp.clip(lax.div(lo + bkv - 1, bkv), s0, jnp.maximum(s1, s0))
+      full_hi = jnp.clip(lax.div(kv_len, bkv), full_lo, jnp.maximum(s1, s0))
 
-    def run(lo_i, hi_i, carry, masked):
-      t0 = lax.div(jnp.maximum(lo_i - mine, 0) + nc - 1, nc)
-      t1 = lax.div(jnp.maximum(hi_i - mine, 0) + nc - 1, nc)
-      return lax.fori_loop(
-          t0, t1, lambda t, c: step(mine + t * consumers, c, masked), carry)
+      def run(lo_i, hi_i, carry, masked):
+        return lax.fori_loop(lo_i, hi_i,
+                             lambda i, c: step(i, c, masked), carry)
 
-    carry = (acc, m, l)
-    carry = run(s0, full_lo, carry, True)
-    carry = run(full_lo, full_hi, carry, False)
-    carry = run(full_hi, s1, carry, True)
-    acc, m, l = carry
-    if consumers == 2:
-      # The second consumer hands its state to the first through shared
-      # memory; the first merges (both in log2 units of the same scale).
-      @pl.when(wg == 1)
-      def _():
-        x_smem[...] = acc
-        ml_smem.at[0][...] = m
-        ml_smem.at[1][...] = l
-        plgpu.barrier_arrive(merge_bar)
+      m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, f32), row_layout)
+      l = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, f32), row_layout)
+      acc = plgpu.layout_cast(jnp.full((BLOCK_M, head_dim), 0.0, f32),
+                              plgpu.Layout.WGMMA)
+      carry = (acc, m, l)
+      carry = run(s0, full_lo, carry, True)
+      carry = run(full_lo, full_hi, carry, False)
+      carry = run(full_hi, jnp.maximum(s1, s0), carry, True)
+      acc, m, l = carry
 
-      plgpu.barrier_wait(merge_bar)
-      acc1 = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA,
-                        optimized=False)
-      m1 = plgpu.load(ml_smem.at[0], (), layout=row_layout, optimized=False)
-      l1 = plgpu.load(ml_smem.at[1], (), layout=row_layout, optimized=False)
-      m_all = jnp.maximum(m, m1)
-      m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-      a0 = jnp.exp2(m - m_safe)
-      a1 = jnp.exp2(m1 - m_safe)
-      acc = (acc * lax.broadcast_in_dim(a0, acc.shape, [0])
-             + acc1 * lax.broadcast_in_dim(a1, acc.shape, [0]))
-      l = l * a0 + l1 * a1
-      m = m_all
-
-    ok = l > 0.0
-    inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2,
-                    -jnp.inf)
-
-    @pl.when(wg == 0)
-    def _():
+      ok = l > 0.0
+      inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      lse = jnp.where(
+          ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2, -jnp.inf)
+      # The last item's stores must have read o_smem / lse_smem.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_smem[...] = out.astype(o_smem.dtype)
       lse_smem[...] = lse
       plgpu.commit_smem()
       # The group's rows only, as a ladder of power-of-two TMA boxes.
+      _, r = q_rows(kv_head, b)
+      q_row = kv_head * group_size
       off = 0
       size = GROUP_ROWS
       while size >= 1:
@@ -278,45 +289,74 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head])
       else:
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
-      plgpu.wait_smem_to_gmem(0)
+      return g + n
 
-  @pl.when(wg == consumers)
+    lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-    first_page = lax.div(lo, jnp.array(page_size, i32))
-    last_page = jnp.maximum(
-        lax.div(kv_len + page_size - 1, jnp.array(page_size, i32)) - 1, 0)
+    # No register hand-over: one 256-thread CTA per SM (the K/V ring fills
+    # shared memory) leaves every thread its 255 registers; a producer cut
+    # to 40 spilled the page ids it carries.
     rows = min(page_size, block_kv)
     copies = block_kv // rows
 
-    def issue(i, slot, pool_ref, table_ref, smem, bar):
-      for c in range(copies):
-        if page_size >= block_kv:
-          per_page = page_size // block_kv
-          page_idx = lax.div(i, jnp.array(per_page, i32))
-          r0 = pl.multiple_of(
-              lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
-        else:
-          page_idx = i * copies + c
+    def produce_item(t, g):
+      kv_head, b, _, kv_len, lo, s0, _, n = item(t)
+      first_page = lax.div(lo, jnp.array(page_size, i32))
+      last_page = jnp.maximum(
+          lax.div(kv_len + page_size - 1, jnp.array(page_size, i32)) - 1, 0)
+
+      def page_ids(i):
+        """The page ids of step i, K's then V's: `copies` each."""
+        ids = []
+        for table_ref in (k_table_ref, v_table_ref):
+          for c in range(copies):
+            if page_size >= block_kv:
+              page_idx = lax.div(i, jnp.array(page_size // block_kv, i32))
+            else:
+              page_idx = i * copies + c
+            ids.append(table_ref[b, jnp.clip(page_idx, first_page, last_page)])
+        return tuple(ids)
+
+      def issue(i, slot, pages, pool_ref, smem, bar):
+        for c in range(copies):
           r0 = 0
-        page = table_ref[b, jnp.clip(page_idx, first_page, last_page)]
-        plgpu.copy_gmem_to_smem(
-            pool_ref.at[page, pl.ds(r0, rows), kv_head],
-            smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
+          if page_size >= block_kv:
+            per_page = page_size // block_kv
+            r0 = pl.multiple_of(
+                lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
+          plgpu.copy_gmem_to_smem(
+              pool_ref.at[pages[c], pl.ds(r0, rows), kv_head],
+              smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
 
-    for j in range(num_stages):
-      @pl.when(j < n)
-      def _(j=j):
-        issue(s0 + j, j, k_pool_ref, k_table_ref, k_smem, k_bar)
-        issue(s0 + j, j, v_pool_ref, v_table_ref, v_smem, v_bar)
+      # The ring runs on across items: global step g + j uses slot
+      # (g + j) % num_stages, free from the start for the first lap. The
+      # page ids of step j + 1 are loaded while step j waits for its slot
+      # (one table round trip per step, not one per page; the index is
+      # clamped into the visible pages, so a step past the end reads a
+      # valid entry and is never issued).
+      def body(j, pages):
+        gj = g + j
+        slot = lax.rem(gj, jnp.array(num_stages, i32))
+        i = s0 + j
+        nxt = page_ids(i + 1)
 
-    def refill(j, _):
-      slot = lax.rem(j, jnp.array(num_stages, i32))
-      plgpu.barrier_wait(k_free.at[slot])
-      issue(s0 + j, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
-      plgpu.barrier_wait(v_free.at[slot])
-      issue(s0 + j, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
-    lax.fori_loop(num_stages, n, refill, None)
+        @pl.when(gj >= num_stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        issue(i, slot, pages[:copies], k_pool_ref, k_smem, k_bar)
+
+        @pl.when(gj >= num_stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        issue(i, slot, pages[copies:], v_pool_ref, v_smem, v_bar)
+        return nxt
+      lax.fori_loop(0, n, body, page_ids(s0))
+      return g + n
+
+    lax.fori_loop(0, my_items, produce_item, jnp.array(0, i32))
 
 
 def group_lse(lse, *, num_qo_heads: int):
@@ -345,7 +385,7 @@ def group_lse(lse, *, num_qo_heads: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "block_kv",
-                     "num_stages", "k_splits", "final", "consumers"))
+                     "num_stages", "k_splits", "final", "num_ctas"))
 def paged_decode_mgpu(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -358,12 +398,13 @@ def paged_decode_mgpu(
     window_left: int = -1,
     logits_soft_cap: float | None = None,
     block_kv: int = 128,
-    num_stages: int = 3,
+    num_stages: int = 2,
     k_splits: int = 1,
     final: bool | None = None,
-    consumers: int = 1,
+    num_ctas: int | None = None,
 ):
-  """One Mosaic-GPU launch of split-K paged decode (see module docstring).
+  """One persistent Mosaic-GPU launch of split-K paged decode (see the module
+  docstring).
 
   Semantics are `reference.paged_decode_reference` without sinks: query `b`
   sits at position `kv_lens[b] - 1` and sees keys `j` with
@@ -386,8 +427,10 @@ def paged_decode_mgpu(
     final: static; store the output itself (needs `k_splits == 1`) or
       per-split partials; None = `k_splits == 1` (False with one split: a
       partial, for a combine that adds sinks).
-    consumers: static, consumer warpgroups (1 or 2; 2 take alternate steps
-      and merge their states at the end; num_stages must be even).
+    num_ctas: static, CTAs of the persistent grid (each takes every
+      `num_ctas`-th (kv head, sequence, split) item, with the K/V ring
+      running on from one item to the next); None = the device's SM count,
+      at most the number of items.
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -426,9 +469,6 @@ def paged_decode_mgpu(
     raise ValueError(f"Invalid (block_kv, num_stages, k_splits): expected "
                      f"64/128, >= 2, >= 1, got "
                      f"{(block_kv, num_stages, k_splits)}")
-  if consumers not in (1, 2) or num_stages % consumers:
-    raise ValueError(f"Invalid consumers={consumers}: expected 1, or 2 with "
-                     f"an even num_stages, got num_stages={num_stages}")
   if final is None:
     final = k_splits == 1
   if final and k_splits != 1:
@@ -436,40 +476,42 @@ def paged_decode_mgpu(
                      f"{k_splits}")
   itemsize = jnp.dtype(dtype).itemsize
   need = smem_bytes(head_dim=head_dim, block_kv=block_kv,
-                    num_stages=num_stages, itemsize=itemsize, final=final,
-                    consumers=consumers)
+                    num_stages=num_stages, itemsize=itemsize, final=final)
   if need > _SMEM_BYTES:
     raise ValueError(f"Invalid num_stages={num_stages}: expected at most "
                      f"{_SMEM_BYTES} bytes of shared memory, got {need}")
   copies = block_kv // min(page_size, block_kv)
+  num_items = num_kv_heads * batch_size * k_splits
+  if num_ctas is None:
+    num_ctas = num_sms()
+  if num_ctas < 1:
+    raise ValueError(f"Invalid num_ctas: expected >= 1, got {num_ctas}")
+  num_ctas = min(num_ctas, num_items)
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, group_size=group_size,
       block_kv=block_kv, num_stages=num_stages, k_splits=k_splits,
-      final=final, consumers=consumers)
+      final=final, num_ctas=num_ctas)
 
   def entry(*refs):
     swizzle = 128 if head_dim * itemsize >= 128 else 64
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
     smem = [
-        plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((2, BLOCK_M, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
         plgpu.SMEM((BLOCK_M, head_dim), dtype if final else jnp.float32),
         plgpu.SMEM((LSE_ROWS,), jnp.float32),
-        plgpu.SMEM((BLOCK_M, head_dim) if consumers == 2 else (8, 8),
-                   jnp.float32),
-        plgpu.SMEM((2, BLOCK_M), jnp.float32),
     ]
     pl.run_scoped(
         lambda *scoped: kernel(*refs, scoped),
         smem,
         (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-         plgpu.Barrier(), plgpu.Barrier()),
+         plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_barriers=num_stages),) * 2,
         collective_axes="wg",
     )
@@ -496,9 +538,9 @@ def paged_decode_mgpu(
   return plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(num_kv_heads, batch_size, k_splits),
-      grid_names=("heads", "seqs", "splits"),
-      num_threads=consumers + 1,
+      grid=(num_ctas,),
+      grid_names=("ctas",),
+      num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(kv_lens.astype(jnp.int32), q_in, k_pool, v_pool,

@@ -53,6 +53,12 @@ def test_backend_choice_and_errors():
   assert cfg.pages_per_block * 16 == 128
   with pytest.raises(ValueError, match="backend"):
     _C(pages_per_block=1, k_splits=1, backend="cuda")
+  with pytest.raises(ValueError, match="num_warps"):
+    _C(pages_per_block=8, k_splits=1, num_warps=8, backend="mosaic")
+  with pytest.raises(ValueError, match="num_ctas"):
+    _C(pages_per_block=8, k_splits=1, num_ctas=4)
+  with pytest.raises(ValueError, match="num_ctas"):
+    _C(pages_per_block=8, k_splits=1, num_ctas=0, backend="mosaic")
   with pytest.raises(ValueError, match="backend"):
     _C.default_for(batch_size=1, num_kv_heads=1, page_size=16, max_pages=4,
                    head_dim=128, backend="cuda")
@@ -71,8 +77,7 @@ def test_backend_choice_and_errors():
                     (dict(block_kv=32), "block_kv"),
                     (dict(hq=18), "group"),
                     (dict(num_stages=3), "shared memory"),
-                    (dict(num_stages=3, block_kv=64, consumers=2),
-                     "consumers"),
+                    (dict(num_ctas=0), "num_ctas"),
                     (dict(final=True, k_splits=2), "final")):
     kw = dict(kw)
     d, hq = kw.pop("head_dim", 128), kw.pop("hq", 8)
@@ -84,24 +89,54 @@ def test_backend_choice_and_errors():
           sm_scale=0.1, **kw)
 
 
+def test_default_rule_on_hopper(monkeypatch):
+  """On Hopper the Mosaic kernel is the default from 128-token pages (bf16 /
+  f16, head_dim 64 / 128, groups 1..8), Triton elsewhere: smaller pages,
+  FP8 pages, head_dim 256, interpret mode."""
+  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+
+  def backend(ps, d=64, g=3, kv_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+              interpret=False):
+    return _C.default_for(batch_size=64, num_kv_heads=3, page_size=ps,
+                          max_pages=4096 // ps, head_dim=d, group_size=g,
+                          dtype=dtype, kv_dtype=kv_dtype,
+                          interpret=interpret).backend
+
+  assert kernel.MOSAIC_MIN_PAGE_SIZE == 128
+  for d in (64, 128):
+    for g in (1, 3, 4, 6, 8):
+      assert backend(128, d, g) == "mosaic", (d, g)
+      assert backend(64, d, g) == "triton", (d, g)
+      assert backend(16, d, g) == "triton", (d, g)
+  assert backend(128, dtype=jnp.float16, kv_dtype=jnp.float16) == "mosaic"
+  assert backend(128, kv_dtype=jnp.float8_e4m3fn) == "triton"
+  assert backend(128, d=256, g=4) == "triton"
+  assert backend(128, interpret=True) == "triton"
+  cfg = _C.default_for(batch_size=64, num_kv_heads=3, page_size=128,
+                       max_pages=32, head_dim=64, group_size=3,
+                       dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
+  assert (cfg.pages_per_block, cfg.num_stages, cfg.num_warps) == (1, 2, 4)
+
+
 @pytest.mark.parametrize(
-    "hq,hkv,d,page_size,k_splits,window_left,soft_cap,sinks,warps", [
-        (32, 8, 128, 16, 1, -1, None, False, 4),    # Llama-3-8B heads
-        (32, 8, 128, 16, 1, -1, None, False, 8),    # two consumers
-        (9, 3, 64, 16, 2, 100, 30.0, True, 8),      # two consumers, split
-        (9, 3, 64, 16, 2, -1, None, False, 4),      # SmolLM2: group 3
-        (14, 2, 128, 128, 4, 100, 30.0, False, 4),  # group 7, big pages
-        (4, 4, 64, 8, 1, 7, None, True, 4),         # group 1, sinks
-        (5, 1, 128, 32, 4, -1, None, False, 4),     # group 5, 5 heads
+    "hq,hkv,d,page_size,k_splits,window_left,soft_cap,sinks,num_ctas", [
+        (32, 8, 128, 16, 1, -1, None, False, None),  # Llama-3-8B heads
+        (32, 8, 128, 16, 1, -1, None, False, 5),     # 24 items on 5 CTAs
+        (9, 3, 64, 16, 2, 100, 30.0, True, 1),       # one CTA, split
+        (9, 3, 64, 16, 2, -1, None, False, None),    # SmolLM2: group 3
+        (14, 2, 128, 128, 4, 100, 30.0, False, 7),   # group 7, big pages
+        (4, 4, 64, 8, 1, 7, None, True, None),       # group 1, sinks
+        (5, 1, 128, 32, 4, -1, None, False, 2),      # group 5, 5 heads
     ])
 def test_kernel_lowers_to_mosaic_gpu(hq, hkv, d, page_size, k_splits,
-                                     window_left, soft_cap, sinks, warps):
+                                     window_left, soft_cap, sinks, num_ctas):
   """Cross-lowers `paged_decode` with the mosaic backend for CUDA on the CPU:
   every TMA slice, layout and barrier of the lowering must be accepted."""
   b, pages = 3, 40
   sds = jax.ShapeDtypeStruct
   cfg = _mosaic(b=b, hkv=hkv, ps=page_size, max_pages=12, d=d,
-                k_splits=k_splits, num_warps=warps)
+                k_splits=k_splits, num_ctas=num_ctas)
   args = [sds((b, hq, d), jnp.bfloat16),
           sds((pages, page_size, hkv, d), jnp.bfloat16),
           sds((pages, page_size, hkv, d), jnp.bfloat16),
@@ -121,19 +156,24 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,warps", [
-    (1, 128, 16, "pair", {}, 1, 4),
-    (3, 64, 16, "flashinfer", dict(window_left=100), 4, 4),
-    (5, 128, 32, "pool", dict(sinks=True), 1, 4),
-    (6, 128, 8, "pair", dict(logits_soft_cap=30.0), 2, 4),
-    (7, 64, 128, "pool", {}, 2, 4),
-    (8, 128, 64, "flashinfer", dict(window_left=37, sinks=True), 2, 4),
-    (4, 128, 16, "pair", {}, 1, 8),            # two consumers
-    (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 8),
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,num_ctas", [
+    (1, 128, 16, "pair", {}, 1, None),
+    (3, 64, 16, "flashinfer", dict(window_left=100), 4, None),
+    (5, 128, 32, "pool", dict(sinks=True), 1, None),
+    (6, 128, 8, "pair", dict(logits_soft_cap=30.0), 2, None),
+    (7, 64, 128, "pool", {}, 2, None),
+    (8, 128, 64, "flashinfer", dict(window_left=37, sinks=True), 2, None),
+    # Several items per CTA: the ring and q buffers run across items,
+    # empty ones (kv_len 0, splits past the end) included.
+    (4, 128, 16, "pair", {}, 1, 3),
+    (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 1),
+    (2, 64, 8, "flashinfer", dict(logits_soft_cap=30.0), 8, 7),
+    (8, 128, 128, "pair", {}, 2, 4),
 ])
-def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, warps):
+def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, num_ctas):
   """NaN in every page a sequence does not own and past kv_len; odd
-  lengths; the group's rows only are written."""
+  lengths; the group's rows only are written; one CTA per SM or fewer CTAs
+  serving several items each."""
   rng = np.random.default_rng(group * 100 + page_size)
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
   p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
@@ -146,7 +186,7 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, warps):
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _mosaic(b=len(kv_lens), hkv=hkv, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
-                num_warps=warps)
+                num_ctas=num_ctas)
   out, lse = kernel.paged_decode(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
