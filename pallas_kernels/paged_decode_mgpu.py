@@ -443,7 +443,8 @@ def paged_decode_mgpu(
 
   Raises:
     ValueError: an unsupported dtype, head_dim, group size, page_size,
-      block_kv / num_stages, or more shared memory than a CTA has.
+      block_kv / num_stages, more shared memory than a CTA has, or
+      `num_ctas < 1`.
   """
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
