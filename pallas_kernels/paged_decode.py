@@ -232,11 +232,12 @@ class Config:
 
 # Pages from which the Mosaic-GPU kernel is the default on Hopper. Kernel
 # time, Mosaic / Triton defaults, B=64 S=4096 (H100, 2026-11-25,
-# bench/decode_mosaic_pages.py): at
-# 128-token pages 0.92 (9/3/64), 0.93 (32/8/64), 0.95 (32/8/128), where
-# Triton's one-page steps slow down; at 16-token pages 1.02-1.08, where
-# the Mosaic kernel issues a TMA copy of 2-4 KiB per page (against
-# FlashInfer 0.7.2 there: Triton 1.00-1.02x, Mosaic 0.98-1.00x).
+# bench/decode_mosaic_pages.py): at 128-token pages 0.87 (9/3/64), 0.91
+# (32/8/64), 0.95 (32/8/128), where Triton's one-page steps slow down; at
+# 16-token pages 1.01, 0.94, 1.02 (against FlashInfer 0.7.2 there, seven
+# specs: Triton 1.00-1.02x, Mosaic 0.98-1.02x). Head_dim 64 with 8 kv heads
+# favours Mosaic at every page size (0.95-0.98x at 16-token pages from
+# 100 us calls, `--p16-shapes`), not yet a rule.
 MOSAIC_MIN_PAGE_SIZE = 128
 
 
@@ -255,7 +256,8 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
   head_dim 64, 4 or 5 stages took 2-4% more kernel time in two H100 runs,
   2026-11-25; 3 do not fit at head_dim 128 next to the two q buffers and
   the output tile); splits for about two items per persistent CTA, each
-  keeping >= 2 steps (4 per CTA lost 3-9% on the seven bench specs)."""
+  keeping >= 2 steps (twice the splits lost 1.5-9% on the seven
+  bench_decode_mosaic specs)."""
   block_kv = 128
   pages_per_block = max(1, block_kv // page_size)
   k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
