@@ -127,13 +127,17 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   my_items = lax.div(num_items - cta + (num_ctas - 1),
                      jnp.array(num_ctas, i32))
 
+  def coords(t):
+    """(kv_head, b, split) of this CTA's item t."""
+    w = cta + t * num_ctas
+    rest = lax.div(w, jnp.array(num_kv_heads, i32))
+    return (lax.rem(w, jnp.array(num_kv_heads, i32)),
+            lax.rem(rest, jnp.array(batch_size, i32)),
+            lax.div(rest, jnp.array(batch_size, i32)))
+
   def item(t):
     """(kv_head, b, split, kv_len, lo, s0, s1, n) of this CTA's item t."""
-    w = cta + t * num_ctas
-    kv_head = lax.rem(w, jnp.array(num_kv_heads, i32))
-    rest = lax.div(w, jnp.array(num_kv_heads, i32))
-    b = lax.rem(rest, jnp.array(batch_size, i32))
-    split = lax.div(rest, jnp.array(batch_size, i32))
+    kv_head, b, split = coords(t)
     kv_len = kv_lens_ref[b]
     lo = jnp.array(0, i32)
     if window_left >= 0:
@@ -164,7 +168,7 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     plgpu.commit_smem()
 
     def load_q(t):
-      kv_head, b = item(t)[:2]
+      kv_head, b, _ = coords(t)
       first, _ = q_rows(kv_head, b)
       buf = lax.rem(t, jnp.array(2, i32))
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)],
