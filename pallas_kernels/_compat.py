@@ -46,6 +46,18 @@ def mosaic_gpu():
   return plgpu
 
 
+def mgpu_load(ref, layout):
+  """`plgpu.load` of a whole (already indexed) shared-memory ref into
+  registers of `layout`: jax 0.10 takes the index as a second argument,
+  jax 0.11 deprecates it (index the ref with `.at[...]` instead)."""
+  import inspect  # noqa: PLC0415
+  plgpu = mosaic_gpu()
+  param = inspect.signature(plgpu.load).parameters.get("idx")
+  if param is not None and param.default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
 def compute_capability() -> tuple[int, int] | None:
   """(major, minor) of JAX's first device where it is an NVIDIA GPU, else
   None."""
@@ -75,5 +87,5 @@ def is_hopper() -> bool:
 
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
-           "mosaic_gpu", "is_hopper", "compute_capability", "has_fp8_cvt"]
+           "mosaic_gpu", "mgpu_load", "is_hopper", "compute_capability", "has_fp8_cvt"]
 

@@ -432,7 +432,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt per
       # pair). q arrived as bf16 bits in an f16 buffer: convert it in place,
       # clamped to f16's range.
-      x = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA)
+      x = _compat.mgpu_load(q_smem, plgpu.Layout.WGMMA)
       q_smem[...] = _fp8.query_for_dots(
           lax.bitcast_convert_type(x, jnp.bfloat16))
       plgpu.commit_smem()
@@ -554,7 +554,7 @@ def _fp8_producer(load_k, load_v, total_steps, k_smem, v_smem, k8_smem,
     def _():
       plgpu.barrier_wait(free.at[slot])
     for r in range(0, block_kv, 64):
-      x = plgpu.load(src8.at[s8, pl.ds(r, 64)], (), layout=plgpu.Layout.WGMMA)
+      x = _compat.mgpu_load(src8.at[s8, pl.ds(r, 64)], plgpu.Layout.WGMMA)
       dst[slot, pl.ds(r, 64)] = x.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(bar.at[slot])
