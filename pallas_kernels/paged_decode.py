@@ -198,7 +198,8 @@ class Config:
             dtype=dtype, kv_dtype=kv_dtype)):
       return _mosaic_config(batch_size=batch_size, num_kv_heads=num_kv_heads,
                             page_size=page_size, max_pages=max_pages,
-                            head_dim=head_dim, num_sms=num_sms)
+                            head_dim=head_dim, num_sms=num_sms,
+                            kv_dtype=kv_dtype)
     programs = batch_size * num_kv_heads
     fp8_cvt = (not interpret and kv_dtype is not None
                and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
@@ -245,20 +246,29 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
                     kv_dtype) -> bool:
   if dtype is None or page_size < MOSAIC_MIN_PAGE_SIZE:
     return False
+  if kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
+    # FP8 pages stay on Triton: the Mosaic kernel's consumer spends about
+    # 1 us per 64-key step on 64-row wgmmas (a GQA group fills 1-8 of the
+    # rows) whatever the page bytes, so halving them does not help: kernel
+    # time 1.04-1.27x of bf16 pages against Triton's 0.69-0.92x (H200,
+    # 2026-11-25, bench/decode_mosaic_fp8.py).
+    return False
   return paged_decode_mgpu.supports(
       dtype=dtype, kv_dtype=dtype if kv_dtype is None else kv_dtype,
       head_dim=head_dim, page_size=page_size, group_size=group_size)
 
 
 def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
-                   head_dim, num_sms) -> Config:
+                   head_dim, num_sms, kv_dtype=None) -> Config:
   """The Mosaic-GPU kernel's config: 128-key steps through 2 stages (at
   head_dim 64, 4 or 5 stages took 2-4% more kernel time in two H100 runs,
   2026-11-25; 3 do not fit at head_dim 128 next to the two q buffers and
   the output tile); splits for about two items per persistent CTA, each
   keeping >= 2 steps (twice the splits lost 1.5-9% on the seven
-  bench_decode_mosaic specs)."""
-  block_kv = 128
+  bench_decode_mosaic specs). FP8 pages at head_dim 128 take 64-key
+  steps: 128-key f16 stages leave no room for the FP8 staging ring."""
+  fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
+  block_kv = 64 if fp8 and head_dim > 64 else 128
   pages_per_block = max(1, block_kv // page_size)
   k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
                              pages_per_block, num_sms)
@@ -626,8 +636,8 @@ def paged_decode(
   Raises:
     NotImplementedError: head_dim not in {64, 128, 256} or a page_size that is
       not a power of two in [8, 128].
-    ValueError: a `config` with `backend="mosaic"` in interpret mode, on FP8
-      pages, or on a case `paged_decode_mgpu` does not serve (its errors);
+    ValueError: a `config` with `backend="mosaic"` in interpret mode or on
+      a case `paged_decode_mgpu` does not serve (its errors);
       `fp8_convert="asm"` with FP8 pages where JAX's first device is a GPU
       below compute capability 8.9 (elsewhere, e.g. lowering for CUDA on a
       CPU host, it lowers); `config.pack_heads` that does not divide
@@ -669,7 +679,7 @@ def paged_decode(
     group_size *= pack
   if config.backend == "mosaic":
     return _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                          k_scale, sm_scale=sm_scale, window_left=window_left,
+                          k_scale, v_scale, sm_scale=sm_scale, window_left=window_left,
                           logits_soft_cap=logits_soft_cap, config=config,
                           interpret=interpret)
   scales = None
@@ -698,23 +708,30 @@ def _pack_pool(pool, pack: int):
 
 
 def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                   k_scale, *, sm_scale, window_left, logits_soft_cap,
+                   k_scale, v_scale, *, sm_scale, window_left, logits_soft_cap,
                    config: Config, interpret: bool):
   """`paged_decode` on the Mosaic-GPU kernel (`config.backend == "mosaic"`)."""
   batch_size, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
   group_size = num_qo_heads // num_kv_heads
-  if interpret or k_scale is not None:
+  if interpret:
     raise ValueError(
-        f"Invalid config for the mosaic backend: expected bf16/f16 pages on "
-        f"a GPU, got interpret={interpret}, FP8 pages={k_scale is not None}")
+        "Invalid config for the mosaic backend: expected a GPU, got "
+        "interpret=True")
   block_kv = config.pages_per_block * page_size
+  if k_scale is not None and head_dim > 64:
+    # FP8 pages at head_dim 128: 64-key steps (a 128-token page in two),
+    # 128-key f16 stages leave no room for the FP8 staging ring.
+    block_kv = min(block_kv, 64)
   final = config.k_splits == 1 and sinks is None
   o, lse = paged_decode_mgpu.paged_decode_mgpu(
       q, k_pool, v_pool, k_table, v_table, kv_lens, sm_scale=float(sm_scale),
       window_left=int(window_left), logits_soft_cap=logits_soft_cap,
       block_kv=block_kv, num_stages=config.num_stages,
-      k_splits=config.k_splits, final=final, num_ctas=config.num_ctas)
+      k_splits=config.k_splits, final=final, num_ctas=config.num_ctas,
+      k_scale=k_scale, v_scale=v_scale,
+      fp8_stages=_mosaic_fp8_stages(head_dim, block_kv, config.num_stages,
+                                    final))
   lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
   if final:
     return o, lse.reshape(batch_size, num_qo_heads)
@@ -722,3 +739,15 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
           lse.reshape(batch_size, num_qo_heads))
+
+
+def _mosaic_fp8_stages(head_dim: int, block_kv: int, num_stages: int,
+                       final: bool) -> int:
+  """FP8 staging stages of the Mosaic-GPU kernel: the most, up to 3, that
+  fit in shared memory next to its other buffers (at least 1)."""
+  for n in (3, 2):
+    if paged_decode_mgpu.smem_bytes(
+        head_dim=head_dim, block_kv=block_kv, num_stages=num_stages,
+        itemsize=2, final=final, fp8_stages=n) <= paged_decode_mgpu.SMEM_LIMIT:
+      return n
+  return 1

@@ -30,11 +30,20 @@ combine of the splits), laid out for Hopper's asynchronous units:
   power-of-two TMA boxes covers exactly `group_size` rows); with several it
   stores f32 partials and their LSE for `paged_decode`'s combine.
 
+FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
+FP8 staging ring and a third warpgroup converts each staged tile to f16
+(one `cvt` per pair) into the consumer's stage; q is converted to f16 in
+place, K's scale joins the logits' scale and V's the output's. Correct, but
+not faster than bf16 pages: the consumer's 64-row wgmmas per 64-key step
+(about 1 us, whatever the page bytes) bound it (Nsight Compute, H200).
+
 `paged_decode` routes here on compute capability 9.0 for bf16 / f16 q and
-pages, head_dim 64 / 128, group sizes 1..8 and page sizes 8..128
-(`supports`); FP8 pages, f32, head_dim 256 and other GPUs keep the Triton
-kernel, as does interpret mode (Mosaic GPU has none for warp-specialised
-kernels). Sinks go through the split path, whose combine adds them.
+pages of 128 tokens (`paged_decode.MOSAIC_MIN_PAGE_SIZE`), head_dim 64 /
+128, group sizes 1..8 (`supports`); `Config(backend="mosaic")` takes pages
+of 8..128 tokens and FP8 pages. f32, head_dim 256 and other GPUs keep the
+Triton kernel, as does interpret mode (Mosaic GPU has none for
+warp-specialised kernels). Sinks go through the split path, whose combine
+adds them.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _fp8
 
 BLOCK_M = 64      # wgmma rows
 GROUP_ROWS = 8    # query rows of a group (at most), partial rows per split
@@ -55,16 +65,17 @@ MAX_GROUP = GROUP_ROWS
 LSE_ROWS = BLOCK_M  # lse rows stored per CTA (a TMA box needs >= 16 bytes)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_SMEM_BYTES = 232448  # per CTA on sm_90 (227 KiB)
+SMEM_LIMIT = 232448  # per CTA on sm_90 (227 KiB)
 
 
 def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
-               itemsize: int, final: bool) -> int:
+               itemsize: int, final: bool, fp8_stages: int = 0) -> int:
   """Shared memory one CTA needs (two q buffers, K/V stages, output tile,
-  lse), bytes."""
+  lse, and with FP8 pages the FP8 staging rings), bytes."""
   out_item = itemsize if final else 4
   return (2 * BLOCK_M * head_dim * itemsize
           + 2 * num_stages * block_kv * head_dim * itemsize
+          + 2 * fp8_stages * block_kv * head_dim
           + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 4096)
 
 
@@ -83,13 +94,15 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
   """Whether this kernel serves the case on this machine's GPU.
 
   Needs a Hopper GPU (wgmma is sm_90a only), bf16 / f16 q with pages of the
-  same dtype, head_dim 64 or 128, a GQA group of 1..8 and a power-of-two
-  page size in [8, 128].
+  same dtype or float8_e4m3fn pages, head_dim 64 or 128, a GQA group of
+  1..8 and a power-of-two page size in [8, 128].
   """
   dt = jnp.dtype(dtype)
   if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False
-  if jnp.dtype(kv_dtype) != dt or head_dim not in (64, 128):
+  if jnp.dtype(kv_dtype) not in (dt, jnp.dtype(jnp.float8_e4m3fn)):
+    return False
+  if head_dim not in (64, 128):
     return False
   if not 1 <= group_size <= MAX_GROUP:
     return False
@@ -102,20 +115,28 @@ _mgpu = _compat.mosaic_gpu
 
 
 def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
-            v_table_ref, out_ref, lse_ref, scoped, *, sm_scale: float,
-            window_left: int, logits_soft_cap: float | None, group_size: int,
-            block_kv: int, num_stages: int, k_splits: int, final: bool,
-            num_ctas: int):
+            v_table_ref, *rest, sm_scale: float, window_left: int,
+            logits_soft_cap: float | None, group_size: int, block_kv: int,
+            num_stages: int, k_splits: int, final: bool, num_ctas: int,
+            fp8_stages: int = 0, q_from_bf16: bool = False):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
-  (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free = scoped
+  rest = list(rest)
+  # FP8 pages: f32[2] = (k_scale, v_scale), read as scalars.
+  scales_ref = rest.pop(0) if fp8_stages else None
+  out_ref, lse_ref, scoped = rest
+  if fp8_stages:
+    ((q_smem, k_smem, v_smem, o_smem, lse_smem, k8_smem, v8_smem), bars,
+     free, (k8_bar, v8_bar), (k8_free, v8_free)) = scoped
+  else:
+    (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free = scoped
   k_bar, v_bar, q_bar = bars
   k_free, v_free = free
   page_size = k_pool_ref.shape[1]
   num_kv_heads = k_pool_ref.shape[2]
   batch_size = kv_lens_ref.shape[0]
   head_dim = q_ref.shape[-1]
-  dtype = q_ref.dtype
+  dtype = q_ref.dtype  # the dots' dtype (f16 with FP8 pages)
   f32, i32 = jnp.float32, jnp.int32
   bkv = jnp.array(block_kv, i32)
 
@@ -179,10 +200,13 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       load_q(0)
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # FP8 pages: K's scale joins the logits' scale, V's the output's.
+    k_scale = scales_ref[0] if scales_ref is not None else 1.0
     if logits_soft_cap is not None:
       scale = 1.0
+      cap_scale = sm_scale / logits_soft_cap * k_scale
     else:
-      scale = sm_scale * _LOG2E
+      scale = sm_scale * _LOG2E * k_scale
 
     def run_item(t, g):
       kv_head, b, split, kv_len, lo, s0, s1, n = item(t)
@@ -194,6 +218,14 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         load_q(t + 1)
       plgpu.barrier_wait(q_bar.at[buf])
       q_buf = q_smem.at[buf]
+      if q_from_bf16:
+        # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt
+        # per pair). q arrived as bf16 bits in an f16 buffer: convert it in
+        # place, clamped to f16's range.
+        x = _compat.mgpu_load(q_buf, plgpu.Layout.WGMMA)
+        q_buf[...] = _fp8.query_for_dots(
+            lax.bitcast_convert_type(x, jnp.bfloat16))
+        plgpu.commit_smem()
 
       def step(i, carry, masked: bool):
         acc, m, l = carry
@@ -206,8 +238,7 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), f32))
         plgpu.barrier_arrive(k_free.at[slot])
         if logits_soft_cap is not None:
-          s = jnp.tanh(s * (sm_scale / logits_soft_cap)) * (
-              logits_soft_cap * _LOG2E)
+          s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
         if masked:
           shape = (BLOCK_M, block_kv)
           key = plgpu.broadcasted_iota(i32, shape, 1,
@@ -266,6 +297,8 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
       ok = l > 0.0
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+      if scales_ref is not None:
+        inv = inv * scales_ref[1]  # V's scale
       out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
       lse = jnp.where(
           ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2, -jnp.inf)
@@ -298,13 +331,21 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
     plgpu.wait_smem_to_gmem(0)
 
+  # The TMA ring: the consumers' stages, or with FP8 pages the FP8
+  # staging ring that the converter (warpgroup 2) empties into them.
+  if fp8_stages:
+    ring = (k8_smem, v8_smem, k8_bar, v8_bar, k8_free, v8_free, fp8_stages)
+  else:
+    ring = (k_smem, v_smem, k_bar, v_bar, k_free, v_free, num_stages)
+
   @pl.when(wg == 1)
   def _producer():
-    # No register hand-over: one 256-thread CTA per SM (the K/V ring fills
-    # shared memory) leaves every thread its 255 registers; a producer cut
-    # to 40 spilled the page ids it carries.
+    # No register hand-over: one CTA per SM (the K/V ring fills shared
+    # memory) leaves every thread its registers; a producer cut to 40
+    # spilled the page ids it carries.
     rows = min(page_size, block_kv)
     copies = block_kv // rows
+    k_dst, v_dst, k_full, v_full, k_empty, v_empty, depth = ring
 
     def produce_item(t, g):
       kv_head, b, _, kv_len, lo, s0, _, n = item(t)
@@ -336,31 +377,68 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
               smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
 
       # The ring runs on across items: global step g + j uses slot
-      # (g + j) % num_stages, free from the start for the first lap. The
+      # (g + j) % depth, free from the start for the first lap. The
       # page ids of step j + 1 are loaded while step j waits for its slot
       # (one table round trip per step, not one per page; the index is
       # clamped into the visible pages, so a step past the end reads a
       # valid entry and is never issued).
       def body(j, pages):
         gj = g + j
-        slot = lax.rem(gj, jnp.array(num_stages, i32))
+        slot = lax.rem(gj, jnp.array(depth, i32))
         i = s0 + j
         nxt = page_ids(i + 1)
 
-        @pl.when(gj >= num_stages)
+        @pl.when(gj >= depth)
         def _():
-          plgpu.barrier_wait(k_free.at[slot])
-        issue(i, slot, pages[:copies], k_pool_ref, k_smem, k_bar)
+          plgpu.barrier_wait(k_empty.at[slot])
+        issue(i, slot, pages[:copies], k_pool_ref, k_dst, k_full)
 
-        @pl.when(gj >= num_stages)
+        @pl.when(gj >= depth)
         def _():
-          plgpu.barrier_wait(v_free.at[slot])
-        issue(i, slot, pages[copies:], v_pool_ref, v_smem, v_bar)
+          plgpu.barrier_wait(v_empty.at[slot])
+        issue(i, slot, pages[copies:], v_pool_ref, v_dst, v_full)
         return nxt
       lax.fori_loop(0, n, body, page_ids(s0))
       return g + n
 
     lax.fori_loop(0, my_items, produce_item, jnp.array(0, i32))
+
+  def converter(tiles):
+    """FP8 pages: each staged tile of `tiles` converts to f16 (one cvt per
+    pair; e4m3 is exact in f16), 64 rows at a time, into the stage the
+    consumer reads. `commit_smem` orders the stores before the consumer's
+    wgmma and this warpgroup's staging reads before the TMA that refills
+    the slot."""
+    def convert_item(t, g):
+      n = item(t)[-1]
+
+      def body(j, _):
+        gj = g + j
+        s8 = lax.rem(gj, jnp.array(fp8_stages, i32))
+        slot = lax.rem(gj, jnp.array(num_stages, i32))
+        for src, full8, empty8, dst, full, empty in tiles:
+          plgpu.barrier_wait(full8.at[s8])
+
+          @pl.when(gj >= num_stages)
+          def _(empty=empty):
+            plgpu.barrier_wait(empty.at[slot])
+          for r in range(0, block_kv, 64):
+            x = _compat.mgpu_load(src.at[s8, pl.ds(r, 64)],
+                                  plgpu.Layout.WGMMA)
+            dst[slot, pl.ds(r, 64)] = x.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(full.at[slot])
+          plgpu.barrier_arrive(empty8.at[s8])
+        return None
+      lax.fori_loop(0, n, body, None)
+      return g + n
+
+    lax.fori_loop(0, my_items, convert_item, jnp.array(0, i32))
+
+  if fp8_stages:
+    pl.when(wg == 2)(lambda: converter((
+        (k8_smem, k8_bar, k8_free, k_smem, k_bar, k_free),
+        (v8_smem, v8_bar, v8_free, v_smem, v_bar, v_free))))
 
 
 def group_lse(lse, *, num_qo_heads: int):
@@ -389,7 +467,8 @@ def group_lse(lse, *, num_qo_heads: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "block_kv",
-                     "num_stages", "k_splits", "final", "num_ctas"))
+                     "num_stages", "k_splits", "final", "num_ctas",
+                     "fp8_stages"))
 def paged_decode_mgpu(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -406,6 +485,9 @@ def paged_decode_mgpu(
     k_splits: int = 1,
     final: bool | None = None,
     num_ctas: int | None = None,
+    k_scale=None,         # f32[]: FP8 pages
+    v_scale=None,         # f32[]: FP8 pages
+    fp8_stages: int = 2,
 ):
   """One persistent Mosaic-GPU launch of split-K paged decode (see the module
   docstring).
@@ -418,8 +500,8 @@ def paged_decode_mgpu(
     q: `[batch_size, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64/128,
       `num_qo_heads = group_size * num_kv_heads` with group_size 1..8.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
-      of `q` (may be one array with split tables); page_size a power of two
-      in [8, 128].
+      of `q` or float8_e4m3fn with `k_scale` / `v_scale` (may be one array
+      with split tables); page_size a power of two in [8, 128].
     k_table, v_table: `i32[batch_size, max_pages]`; only entries of visible
       pages are read.
     kv_lens: `i32[batch_size]`, tokens including the current one.
@@ -435,6 +517,14 @@ def paged_decode_mgpu(
       `num_ctas`-th (kv head, sequence, split) item, with the K/V ring
       running on from one item to the next); None = the device's SM count,
       at most the number of items.
+    k_scale, v_scale: f32 scalars (may be traced), exactly with FP8 pages:
+      a stored value `x` means `x * scale` (FlashInfer / vLLM's per-tensor
+      scales). TMA brings the FP8 pages into a staging ring of
+      `fp8_stages` stages, a third warpgroup converts each tile to f16 into
+      the consumer's stage, and the dots run in f16 (q rounded to f16 after
+      clamping to its range, as `_fp8.query_for_dots`); K's scale joins the
+      logits' scale, V's the output's.
+    fp8_stages: static, stages of the FP8 staging ring (>= 1).
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -447,8 +537,9 @@ def paged_decode_mgpu(
 
   Raises:
     ValueError: an unsupported dtype, head_dim, group size, page_size,
-      block_kv / num_stages, more shared memory than a CTA has, or
-      `num_ctas < 1`.
+      block_kv / num_stages, more shared memory than a CTA has,
+      `num_ctas < 1`, scales given without FP8 pages or missing with them,
+      or `fp8_stages < 1`.
   """
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
@@ -457,9 +548,20 @@ def paged_decode_mgpu(
   dtype = q.dtype
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"Invalid q dtype: expected bf16 or f16, got {dtype}")
-  if k_pool.dtype != dtype or v_pool.dtype != dtype:
-    raise ValueError(f"Invalid k_pool/v_pool dtype: expected {dtype}, got "
+  f8 = jnp.dtype(jnp.float8_e4m3fn)
+  fp8 = jnp.dtype(k_pool.dtype) == f8
+  if k_pool.dtype != v_pool.dtype or k_pool.dtype not in (dtype, f8):
+    raise ValueError(f"Invalid k_pool/v_pool dtype: expected {dtype} or "
+                     f"float8_e4m3fn for both, got "
                      f"{k_pool.dtype}/{v_pool.dtype}")
+  if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+    raise ValueError(
+        f"Invalid scales: expected k_scale and v_scale exactly with "
+        f"float8_e4m3fn pages, got pages {k_pool.dtype}, "
+        f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
+  if fp8 and fp8_stages < 1:
+    raise ValueError(f"Invalid fp8_stages: expected >= 1, got {fp8_stages}")
+
   if head_dim not in (64, 128):
     raise ValueError(f"Invalid head_dim: expected 64 or 128, got {head_dim}")
   group_size = num_qo_heads // num_kv_heads
@@ -481,10 +583,11 @@ def paged_decode_mgpu(
                      f"{k_splits}")
   itemsize = jnp.dtype(dtype).itemsize
   need = smem_bytes(head_dim=head_dim, block_kv=block_kv,
-                    num_stages=num_stages, itemsize=itemsize, final=final)
-  if need > _SMEM_BYTES:
+                    num_stages=num_stages, itemsize=itemsize, final=final,
+                    fp8_stages=fp8_stages if fp8 else 0)
+  if need > SMEM_LIMIT:
     raise ValueError(f"Invalid num_stages={num_stages}: expected at most "
-                     f"{_SMEM_BYTES} bytes of shared memory, got {need}")
+                     f"{SMEM_LIMIT} bytes of shared memory, got {need}")
   copies = block_kv // min(page_size, block_kv)
   num_items = num_kv_heads * batch_size * k_splits
   if num_ctas is None:
@@ -492,11 +595,18 @@ def paged_decode_mgpu(
   if num_ctas < 1:
     raise ValueError(f"Invalid num_ctas: expected >= 1, got {num_ctas}")
   num_ctas = min(num_ctas, num_items)
+  # FP8 pages: the dots run in f16; a bf16 q travels as its bits in an f16
+  # view (a free bitcast) and is converted in the kernel.
+  out_dtype = dtype
+  if fp8:
+    dtype = jnp.dtype(jnp.float16)
+  q_from_bf16 = fp8 and out_dtype != dtype
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, group_size=group_size,
       block_kv=block_kv, num_stages=num_stages, k_splits=k_splits,
-      final=final, num_ctas=num_ctas)
+      final=final, num_ctas=num_ctas, fp8_stages=fp8_stages if fp8 else 0,
+      q_from_bf16=q_from_bf16)
 
   def entry(*refs):
     swizzle = 128 if head_dim * itemsize >= 128 else 64
@@ -508,16 +618,30 @@ def paged_decode_mgpu(
                    transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
-        plgpu.SMEM((BLOCK_M, head_dim), dtype if final else jnp.float32),
+        plgpu.SMEM((BLOCK_M, head_dim), out_dtype if final else jnp.float32),
         plgpu.SMEM((LSE_ROWS,), jnp.float32),
     ]
+    # The consumer's stages fill by TMA (`copies` arrivals) or, with FP8
+    # pages, by the converter (one arrival).
+    arrivals = 1 if fp8 else copies
+    extra = []
+    if fp8:
+      swizzle8 = 128 if head_dim >= 128 else 64
+      transforms8 = (plgpu.TilingTransform((8, swizzle8)),
+                     plgpu.SwizzleTransform(swizzle8))
+      smem += [plgpu.SMEM((fp8_stages, block_kv, head_dim), f8,
+                          transforms=transforms8)] * 2
+      extra = [
+          (plgpu.Barrier(num_arrivals=copies, num_barriers=fp8_stages),) * 2,
+          (plgpu.Barrier(num_barriers=fp8_stages),) * 2]
     pl.run_scoped(
         lambda *scoped: kernel(*refs, scoped),
         smem,
-        (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        (plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
          plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_barriers=num_stages),) * 2,
+        *extra,
         collective_axes="wg",
     )
 
@@ -528,9 +652,16 @@ def paged_decode_mgpu(
   q_in = q.reshape(rows, head_dim)
   if rows % 8:
     q_in = jnp.pad(q_in, ((0, -rows % 8), (0, 0)))
+  if q_from_bf16:
+    q_in = lax.bitcast_convert_type(q_in, dtype)
+  args = [kv_lens.astype(jnp.int32), q_in, k_pool, v_pool,
+          k_table.astype(jnp.int32), v_table.astype(jnp.int32)]
+  if fp8:
+    args.append(jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
+                           jnp.asarray(v_scale, jnp.float32).reshape(())]))
   if final:
     out_type = [
-        jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), out_dtype),
         jax.ShapeDtypeStruct((batch_size, num_kv_heads, LSE_ROWS),
                              jnp.float32)]
   else:
@@ -545,8 +676,7 @@ def paged_decode_mgpu(
       out_type=out_type,
       grid=(num_ctas,),
       grid_names=("ctas",),
-      num_threads=2,
+      num_threads=3 if fp8 else 2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(kv_lens.astype(jnp.int32), q_in, k_pool, v_pool,
-    k_table.astype(jnp.int32), v_table.astype(jnp.int32))
+  )(*args)

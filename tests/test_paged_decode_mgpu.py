@@ -45,7 +45,7 @@ def test_backend_choice_and_errors():
   base = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128,
               page_size=16, group_size=4)
   for kw in (dict(dtype=jnp.float32, kv_dtype=jnp.float32),
-             dict(kv_dtype=jnp.float8_e4m3fn), dict(head_dim=256),
+             dict(kv_dtype=jnp.float16), dict(head_dim=256),
              dict(group_size=9), dict(page_size=4), dict(page_size=256)):
     assert not mgpu.supports(**{**base, **kw})
   cfg = _mosaic()
@@ -70,9 +70,19 @@ def test_backend_choice_and_errors():
     kernel.paged_decode(q, pool, pool, table, table, lens, sm_scale=0.1,
                         config=cfg, interpret=True)
   pool8 = pool.astype(jnp.float8_e4m3fn)
-  with pytest.raises(ValueError, match="mosaic backend"):
-    kernel.paged_decode(q, pool8, pool8, table, table, lens, sm_scale=0.1,
-                        config=cfg, k_scale=1.0, v_scale=1.0)
+  for kw, match in (
+      (dict(), "scales"),                             # FP8 pages, no scales
+      (dict(k_scale=1.0), "scales"),                  # one scale
+      (dict(k_scale=1.0, v_scale=1.0, fp8_stages=0), "fp8_stages"),
+      (dict(k_scale=1.0, v_scale=1.0, v8=False), "dtype")):  # mixed pools
+    kw = dict(kw)
+    v_pool = pool8 if kw.pop("v8", True) else pool
+    with pytest.raises(ValueError, match=match):
+      mgpu.paged_decode_mgpu(q, pool8, v_pool, table, table, lens,
+                             sm_scale=0.1, **kw)
+  with pytest.raises(ValueError, match="scales"):  # scales on bf16 pages
+    mgpu.paged_decode_mgpu(q, pool, pool, table, table, lens, sm_scale=0.1,
+                           k_scale=1.0, v_scale=1.0)
   for kw, match in ((dict(head_dim=256), "head_dim"),
                     (dict(block_kv=32), "block_kv"),
                     (dict(hq=18), "group"),
@@ -92,7 +102,8 @@ def test_backend_choice_and_errors():
 def test_default_rule_on_hopper(monkeypatch):
   """On Hopper the Mosaic kernel is the default from 128-token pages (bf16 /
   f16, head_dim 64 / 128, groups 1..8), Triton elsewhere: smaller pages,
-  FP8 pages, head_dim 256, interpret mode."""
+  FP8 pages (which the Mosaic kernel serves, slower), head_dim 256,
+  interpret mode."""
   from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
   monkeypatch.setattr(_compat, "is_hopper", lambda: True)
 
@@ -110,6 +121,8 @@ def test_default_rule_on_hopper(monkeypatch):
       assert backend(64, d, g) == "triton", (d, g)
       assert backend(16, d, g) == "triton", (d, g)
   assert backend(128, dtype=jnp.float16, kv_dtype=jnp.float16) == "mosaic"
+  assert mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
+                       head_dim=64, page_size=128, group_size=3)
   assert backend(128, kv_dtype=jnp.float8_e4m3fn) == "triton"
   assert backend(128, d=256, g=4) == "triton"
   assert backend(128, interpret=True) == "triton"
@@ -129,25 +142,34 @@ def test_default_rule_on_hopper(monkeypatch):
         (4, 4, 64, 8, 1, 7, None, True, None),       # group 1, sinks
         (5, 1, 128, 32, 4, -1, None, False, 2),      # group 5, 5 heads
     ])
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_kernel_lowers_to_mosaic_gpu(hq, hkv, d, page_size, k_splits,
-                                     window_left, soft_cap, sinks, num_ctas):
+                                     window_left, soft_cap, sinks, num_ctas,
+                                     kv_dtype):
   """Cross-lowers `paged_decode` with the mosaic backend for CUDA on the CPU:
-  every TMA slice, layout and barrier of the lowering must be accepted."""
+  every TMA slice, layout and barrier of the lowering must be accepted,
+  with bf16 pages and with FP8 pages (staging ring, converter warpgroup,
+  q converted in place, traced scales)."""
   b, pages = 3, 40
   sds = jax.ShapeDtypeStruct
+  fp8 = kv_dtype == jnp.float8_e4m3fn
   cfg = _mosaic(b=b, hkv=hkv, ps=page_size, max_pages=12, d=d,
                 k_splits=k_splits, num_ctas=num_ctas)
   args = [sds((b, hq, d), jnp.bfloat16),
-          sds((pages, page_size, hkv, d), jnp.bfloat16),
-          sds((pages, page_size, hkv, d), jnp.bfloat16),
+          sds((pages, page_size, hkv, d), kv_dtype),
+          sds((pages, page_size, hkv, d), kv_dtype),
           sds((b, 12), jnp.int32), sds((b, 12), jnp.int32), sds((b,), jnp.int32),
-          sds((hq,), jnp.float32) if sinks else None]
-  lowered = jax.jit(
-      lambda *a: kernel.paged_decode(
-          *a, sm_scale=d ** -0.5, window_left=window_left,
-          logits_soft_cap=soft_cap, config=cfg)).trace(*args).lower(
-              lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+          sds((hq,), jnp.float32) if sinks else None,
+          sds((), jnp.float32) if fp8 else None,
+          sds((), jnp.float32) if fp8 else None]
+
+  def run(q, k, v, kt, vt, n, s, ks, vs):
+    return kernel.paged_decode(
+        q, k, v, kt, vt, n, s, sm_scale=d ** -0.5, window_left=window_left,
+        logits_soft_cap=soft_cap, config=cfg, k_scale=ks, v_scale=vs)
+  text = jax.jit(run).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def _hopper() -> bool:
@@ -197,5 +219,48 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, num_ctas):
         window_left=kw.get("window_left", -1),
         logits_soft_cap=kw.get("logits_soft_cap"),
         sinks=None if sinks is None else np.asarray(sinks))
+    assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
+    assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,num_ctas", [
+    (4, 128, 16, "pair", {}, 1, None),               # Llama-3-8B group
+    (3, 64, 16, "flashinfer", dict(window_left=100), 2, None),  # SmolLM2
+    (8, 64, 8, "pool", dict(sinks=True), 1, 3),
+    (1, 128, 128, "pair", dict(logits_soft_cap=30.0), 4, None),
+    (5, 128, 64, "flashinfer", dict(window_left=37, sinks=True), 2, 1),
+    (7, 64, 32, "pair", {}, 8, 5),
+])
+def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
+                                num_ctas):
+  """FP8 pages with per-tensor scales: the f64 oracle over the DEQUANTIZED
+  pages (the quantization is the input, not the error) to bf16 tolerance;
+  NaN in every page a sequence does not own and past kv_len; a bf16 q."""
+  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  from test_fp8_attention import query_and_sinks  # noqa: PLC0415
+  rng = np.random.default_rng()
+  hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  q, sinks, kw = query_and_sinks(rng, len(kv_lens), group * hkv, d, kw)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  cfg = dataclasses.replace(
+      _C.default_for(batch_size=len(kv_lens), num_kv_heads=hkv,
+                     page_size=page_size, max_pages=view.k_table.shape[1],
+                     head_dim=d, kv_dtype=jnp.float8_e4m3fn,
+                     backend="mosaic"),
+      k_splits=k_splits, num_ctas=num_ctas)
+  out, lse = kernel.paged_decode(
+      jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(p.kv_lens),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d ** -0.5,
+      config=cfg, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs), **kw)
+  assert out.dtype == jnp.bfloat16
+  for b, n in enumerate(kv_lens):
+    exp, exp_lse = dense_attention(
+        q[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d ** -0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
     assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
     assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
