@@ -246,6 +246,12 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
                     kv_dtype) -> bool:
   if dtype is None or page_size < MOSAIC_MIN_PAGE_SIZE:
     return False
+  if head_dim > 128:
+    # Gemma 3 270M heads (4/1/256), 16-token pages, kernel time against
+    # FlashInfer's faster mode: Mosaic 0.97 / 0.93x at B=64 S=4096 / B=256
+    # S=1024, Triton 1.05 / 1.00x (H200, 2026-11-25,
+    # decode_mosaic_d256_NVIDIA_H200.json).
+    return False
   if kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
     # FP8 pages stay on Triton: the Mosaic kernel's consumer spends about
     # 1 us per 64-key step on 64-row wgmmas (a GQA group fills 1-8 of the
@@ -265,10 +271,11 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
   2026-11-25; 3 do not fit at head_dim 128 next to the two q buffers and
   the output tile); splits for about two items per persistent CTA, each
   keeping >= 2 steps (twice the splits lost 1.5-9% on the seven
-  bench_decode_mosaic specs). FP8 pages at head_dim 128 take 64-key
-  steps: 128-key f16 stages leave no room for the FP8 staging ring."""
+  bench_decode_mosaic specs). Head_dim 256, and FP8 pages at head_dim 128,
+  take 64-key steps: 128-key stages do not fit (next to the FP8 staging
+  ring for FP8 pages)."""
   fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
-  block_kv = 64 if fp8 and head_dim > 64 else 128
+  block_kv = 64 if head_dim > 128 or (fp8 and head_dim > 64) else 128
   pages_per_block = max(1, block_kv // page_size)
   k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
                              pages_per_block, num_sms)
@@ -719,9 +726,10 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         "Invalid config for the mosaic backend: expected a GPU, got "
         "interpret=True")
   block_kv = config.pages_per_block * page_size
-  if k_scale is not None and head_dim > 64:
-    # FP8 pages at head_dim 128: 64-key steps (a 128-token page in two),
-    # 128-key f16 stages leave no room for the FP8 staging ring.
+  if head_dim > 128 or (k_scale is not None and head_dim > 64):
+    # 64-key steps (a 128-token page in two): at head_dim 256 128-key
+    # stages do not fit, nor, with FP8 pages at 128, the FP8 staging ring
+    # next to them.
     block_kv = min(block_kv, 64)
   final = config.k_splits == 1 and sinks is None
   o, lse = paged_decode_mgpu.paged_decode_mgpu(

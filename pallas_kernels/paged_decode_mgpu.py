@@ -37,10 +37,13 @@ place, K's scale joins the logits' scale and V's the output's. Correct, but
 not faster than bf16 pages: the consumer's 64-row wgmmas per 64-key step
 (about 1 us, whatever the page bytes) bound it (Nsight Compute, H200).
 
+At head_dim 256 one q buffer (the next item's q loads during the
+epilogue) and 64-key steps fit shared memory next to the output tile.
+
 `paged_decode` routes here on compute capability 9.0 for bf16 / f16 q and
 pages of 128 tokens (`paged_decode.MOSAIC_MIN_PAGE_SIZE`), head_dim 64 /
 128, group sizes 1..8 (`supports`); `Config(backend="mosaic")` takes pages
-of 8..128 tokens and FP8 pages. f32, head_dim 256 and other GPUs keep the
+of 8..128 tokens, head_dim 256 and FP8 pages. f32 and other GPUs keep the
 Triton kernel, as does interpret mode (Mosaic GPU has none for
 warp-specialised kernels). Sinks go through the split path, whose combine
 adds them.
@@ -68,15 +71,23 @@ _LN2 = math.log(2.0)
 SMEM_LIMIT = 232448  # per CTA on sm_90 (227 KiB)
 
 
+def q_buffers(head_dim: int) -> int:
+  """q buffers of the kernel: two (the next item's q loads during this
+  item) up to head_dim 128, one at 256 (two would not fit next to the K/V
+  stages and the output tile; the next q then loads during the epilogue)."""
+  return 2 if head_dim <= 128 else 1
+
+
 def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
                itemsize: int, final: bool, fp8_stages: int = 0) -> int:
-  """Shared memory one CTA needs (two q buffers, K/V stages, output tile,
-  lse, and with FP8 pages the FP8 staging rings), bytes."""
+  """Shared memory one CTA needs (q buffers, K/V stages, output tile, lse,
+  with FP8 pages the FP8 staging rings, and 1 KiB for the barriers), bytes;
+  the row reductions stay within warps (no reduction scratch)."""
   out_item = itemsize if final else 4
-  return (2 * BLOCK_M * head_dim * itemsize
+  return (q_buffers(head_dim) * BLOCK_M * head_dim * itemsize
           + 2 * num_stages * block_kv * head_dim * itemsize
           + 2 * fp8_stages * block_kv * head_dim
-          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 4096)
+          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 1024)
 
 
 def num_sms() -> int:
@@ -94,15 +105,16 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
   """Whether this kernel serves the case on this machine's GPU.
 
   Needs a Hopper GPU (wgmma is sm_90a only), bf16 / f16 q with pages of the
-  same dtype or float8_e4m3fn pages, head_dim 64 or 128, a GQA group of
-  1..8 and a power-of-two page size in [8, 128].
+  same dtype (head_dim 64, 128 or 256) or float8_e4m3fn pages (head_dim 64
+  or 128), a GQA group of 1..8 and a power-of-two page size in [8, 128].
   """
   dt = jnp.dtype(dtype)
   if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False
-  if jnp.dtype(kv_dtype) not in (dt, jnp.dtype(jnp.float8_e4m3fn)):
+  f8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+  if jnp.dtype(kv_dtype) != dt and not f8:
     return False
-  if head_dim not in (64, 128):
+  if head_dim not in ((64, 128) if f8 else (64, 128, 256)):
     return False
   if not 1 <= group_size <= MAX_GROUP:
     return False
@@ -184,14 +196,15 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     # Rows past the group compute on zeros (never stored).
     zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
                               plgpu.Layout.WGMMA)
-    q_smem.at[0][...] = zeros
-    q_smem.at[1][...] = zeros
+    n_q = q_smem.shape[0]  # q buffers: 2, or 1 at head_dim 256
+    for i in range(n_q):
+      q_smem.at[i][...] = zeros
     plgpu.commit_smem()
 
     def load_q(t):
       kv_head, b, _ = coords(t)
       first, _ = q_rows(kv_head, b)
-      buf = lax.rem(t, jnp.array(2, i32))
+      buf = lax.rem(t, jnp.array(n_q, i32))
       plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)],
                               q_smem.at[buf, pl.ds(0, Q_ROWS)], q_bar.at[buf])
 
@@ -210,12 +223,13 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
     def run_item(t, g):
       kv_head, b, split, kv_len, lo, s0, s1, n = item(t)
-      buf = lax.rem(t, jnp.array(2, i32))
-      # The next item's q goes into the other buffer (its last reader, the
-      # item before this one, is done).
-      @pl.when(t + 1 < my_items)
-      def _():
-        load_q(t + 1)
+      buf = lax.rem(t, jnp.array(n_q, i32))
+      if n_q == 2:
+        # The next item's q goes into the other buffer (its last reader,
+        # the item before this one, is done).
+        @pl.when(t + 1 < my_items)
+        def _():
+          load_q(t + 1)
       plgpu.barrier_wait(q_bar.at[buf])
       q_buf = q_smem.at[buf]
       if q_from_bf16:
@@ -294,6 +308,12 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       carry = run(full_lo, full_hi, carry, False)
       carry = run(full_hi, jnp.maximum(s1, s0), carry, True)
       acc, m, l = carry
+      if n_q == 1:
+        # One q buffer: this item's matmuls are done, so the next item's q
+        # loads during this epilogue.
+        @pl.when(t + 1 < my_items)
+        def _():
+          load_q(t + 1)
 
       ok = l > 0.0
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
@@ -497,8 +517,9 @@ def paged_decode_mgpu(
   `max(0, kv_lens[b] - 1 - window_left) <= j < kv_lens[b]`.
 
   Args:
-    q: `[batch_size, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64/128,
-      `num_qo_heads = group_size * num_kv_heads` with group_size 1..8.
+    q: `[batch_size, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64, 128
+      or 256 (64 or 128 with FP8 pages), `num_qo_heads = group_size *
+      num_kv_heads` with group_size 1..8.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
       of `q` or float8_e4m3fn with `k_scale` / `v_scale` (may be one array
       with split tables); page_size a power of two in [8, 128].
@@ -559,11 +580,15 @@ def paged_decode_mgpu(
         f"Invalid scales: expected k_scale and v_scale exactly with "
         f"float8_e4m3fn pages, got pages {k_pool.dtype}, "
         f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
+  if fp8 and head_dim > 128:
+    raise ValueError(f"Invalid head_dim with float8_e4m3fn pages: expected "
+                     f"64 or 128, got {head_dim}")
   if fp8 and fp8_stages < 1:
     raise ValueError(f"Invalid fp8_stages: expected >= 1, got {fp8_stages}")
 
-  if head_dim not in (64, 128):
-    raise ValueError(f"Invalid head_dim: expected 64 or 128, got {head_dim}")
+  if head_dim not in (64, 128, 256):
+    raise ValueError(f"Invalid head_dim: expected 64, 128 or 256, got "
+                     f"{head_dim}")
   group_size = num_qo_heads // num_kv_heads
   if group_size * num_kv_heads != num_qo_heads or not (
       1 <= group_size <= MAX_GROUP):
@@ -613,7 +638,8 @@ def paged_decode_mgpu(
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
     smem = [
-        plgpu.SMEM((2, BLOCK_M, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((q_buffers(head_dim), BLOCK_M, head_dim), dtype,
+                   transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
@@ -678,5 +704,8 @@ def paged_decode_mgpu(
       grid_names=("ctas",),
       num_threads=3 if fp8 else 2,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # The row reductions (WGMMA layout) stay within warps: no scratch
+      # (at head_dim 256 its default 2 KiB would not fit).
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           reduction_scratch_bytes=0),
   )(*args)

@@ -45,7 +45,8 @@ def test_backend_choice_and_errors():
   base = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128,
               page_size=16, group_size=4)
   for kw in (dict(dtype=jnp.float32, kv_dtype=jnp.float32),
-             dict(kv_dtype=jnp.float16), dict(head_dim=256),
+             dict(kv_dtype=jnp.float16), dict(head_dim=96),
+             dict(head_dim=256, kv_dtype=jnp.float8_e4m3fn),
              dict(group_size=9), dict(page_size=4), dict(page_size=256)):
     assert not mgpu.supports(**{**base, **kw})
   cfg = _mosaic()
@@ -83,7 +84,7 @@ def test_backend_choice_and_errors():
   with pytest.raises(ValueError, match="scales"):  # scales on bf16 pages
     mgpu.paged_decode_mgpu(q, pool, pool, table, table, lens, sm_scale=0.1,
                            k_scale=1.0, v_scale=1.0)
-  for kw, match in ((dict(head_dim=256), "head_dim"),
+  for kw, match in ((dict(head_dim=96), "head_dim"),
                     (dict(block_kv=32), "block_kv"),
                     (dict(hq=18), "group"),
                     (dict(num_stages=3), "shared memory"),
@@ -124,6 +125,8 @@ def test_default_rule_on_hopper(monkeypatch):
   assert mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
                        head_dim=64, page_size=128, group_size=3)
   assert backend(128, kv_dtype=jnp.float8_e4m3fn) == "triton"
+  assert mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                       head_dim=256, page_size=128, group_size=4)
   assert backend(128, d=256, g=4) == "triton"
   assert backend(128, interpret=True) == "triton"
   cfg = _C.default_for(batch_size=64, num_kv_heads=3, page_size=128,
@@ -141,6 +144,8 @@ def test_default_rule_on_hopper(monkeypatch):
         (14, 2, 128, 128, 4, 100, 30.0, False, 7),   # group 7, big pages
         (4, 4, 64, 8, 1, 7, None, True, None),       # group 1, sinks
         (5, 1, 128, 32, 4, -1, None, False, 2),      # group 5, 5 heads
+        (4, 1, 256, 16, 1, -1, None, False, None),   # Gemma 3 270M heads
+        (8, 2, 256, 128, 2, 50, 30.0, True, 3),      # head_dim 256, split
     ])
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_kernel_lowers_to_mosaic_gpu(hq, hkv, d, page_size, k_splits,
@@ -153,6 +158,8 @@ def test_kernel_lowers_to_mosaic_gpu(hq, hkv, d, page_size, k_splits,
   b, pages = 3, 40
   sds = jax.ShapeDtypeStruct
   fp8 = kv_dtype == jnp.float8_e4m3fn
+  # One q buffer and 64-key steps at head_dim 256 (FP8 pages: 64 / 128 only).
+  assert mgpu.q_buffers(d) == (1 if d == 256 else 2)
   cfg = _mosaic(b=b, hkv=hkv, ps=page_size, max_pages=12, d=d,
                 k_splits=k_splits, num_ctas=num_ctas)
   args = [sds((b, hq, d), jnp.bfloat16),
@@ -167,9 +174,13 @@ def test_kernel_lowers_to_mosaic_gpu(hq, hkv, d, page_size, k_splits,
     return kernel.paged_decode(
         q, k, v, kt, vt, n, s, sm_scale=d ** -0.5, window_left=window_left,
         logits_soft_cap=soft_cap, config=cfg, k_scale=ks, v_scale=vs)
-  text = jax.jit(run).trace(*args).lower(
+  lower = lambda: jax.jit(run).trace(*args).lower(  # noqa: E731
       lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
+  if fp8 and d > 128:
+    with pytest.raises(ValueError, match="head_dim"):
+      lower()
+    return
+  assert "mosaic_gpu" in lower()
 
 
 def _hopper() -> bool:
@@ -191,6 +202,11 @@ def _hopper() -> bool:
     (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 1),
     (2, 64, 8, "flashinfer", dict(logits_soft_cap=30.0), 8, 7),
     (8, 128, 128, "pair", {}, 2, 4),
+    # Head_dim 256 (Gemma 3 270M heads: group 4): one q buffer, 64-key
+    # steps (two per 128-token page).
+    (4, 256, 16, "pair", {}, 1, None),
+    (4, 256, 128, "flashinfer", dict(window_left=100, sinks=True), 2, 3),
+    (2, 256, 32, "pool", dict(logits_soft_cap=30.0), 4, None),
 ])
 def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, num_ctas):
   """NaN in every page a sequence does not own and past kv_len; odd
