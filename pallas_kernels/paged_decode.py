@@ -95,6 +95,9 @@ class Config:
     num_ctas: mosaic backend: CTAs of its persistent grid (None = one per
       SM of the device, at most one per work item); fewer make each CTA
       serve more items (tests use this).
+    keys_m: mosaic backend: the keys in the wgmmas' M dimension (`S^T = K
+      q^T`, `O^T = V^T P^T`, the 16 loaded q rows as N) instead of the
+      query rows padded to 64 (`paged_decode_mgpu`).
   """
   pages_per_block: int
   k_splits: int
@@ -105,6 +108,7 @@ class Config:
   fp8_convert: str = "loaded"
   pack_heads: int = 1
   num_ctas: int | None = None
+  keys_m: bool = False
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits", "pack_heads"):
@@ -125,6 +129,9 @@ class Config:
       raise ValueError(f"Invalid num_ctas: expected None, or >= 1 with the "
                        f"mosaic backend, got {self.num_ctas} "
                        f"(backend={self.backend!r})")
+    if self.keys_m and self.backend != "mosaic":
+      raise ValueError(f"Invalid keys_m: expected the mosaic backend, got "
+                       f"{self.backend!r}")
     if self.backend == "mosaic" and self.num_warps != 4:
       raise ValueError(f"Invalid num_warps for the mosaic backend: expected "
                        f"4 (one consumer warpgroup), got {self.num_warps}")
@@ -253,10 +260,11 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
     # decode_mosaic_d256_NVIDIA_H200.json).
     return False
   if kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
-    # FP8 pages stay on Triton: the Mosaic kernel's consumer spends about
-    # 1 us per 64-key step on 64-row wgmmas (a GQA group fills 1-8 of the
-    # rows) whatever the page bytes, so halving them does not help: kernel
-    # time 1.04-1.27x of bf16 pages against Triton's 0.69-0.92x (H200,
+    # FP8 pages stay on Triton: the Mosaic kernel's one consumer warpgroup
+    # sets its pace whatever the page bytes (about 1 us per 64-key step
+    # with the q rows in the wgmmas' M dimension, 0.9 with the keys there),
+    # so halving them helps little: kernel time 0.90-1.15x of bf16 pages
+    # (keys_m) and 1.04-1.27x (rows) against Triton's 0.69-0.92x (H200,
     # 2026-11-25, bench/decode_mosaic_fp8.py).
     return False
   return paged_decode_mgpu.supports(
@@ -271,16 +279,17 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
   2026-11-25; 3 do not fit at head_dim 128 next to the two q buffers and
   the output tile); splits for about two items per persistent CTA, each
   keeping >= 2 steps (twice the splits lost 1.5-9% on the seven
-  bench_decode_mosaic specs). Head_dim 256, and FP8 pages at head_dim 128,
-  take 64-key steps: 128-key stages do not fit (next to the FP8 staging
-  ring for FP8 pages)."""
+  bench_decode_mosaic specs). Head_dim 256 takes 64-key steps: 128-key
+  stages do not fit. FP8 pages take the keys-in-M build (`keys_m`), 0.86-
+  0.94x of the rows-in-M build's kernel time at 128-key steps (H200,
+  2026-11-25, decode_mosaic_fp8_keys_m_NVIDIA_H200.json)."""
   fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
-  block_kv = 64 if head_dim > 128 or (fp8 and head_dim > 64) else 128
+  block_kv = 64 if head_dim > 128 else 128
   pages_per_block = max(1, block_kv // page_size)
   k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
                              pages_per_block, num_sms)
   return Config(pages_per_block=pages_per_block, k_splits=k_splits,
-                num_stages=2, backend="mosaic")
+                num_stages=2, backend="mosaic", keys_m=fp8)
 
 
 def _default_splits(programs: int, max_pages: int, pages_per_block: int,
@@ -726,7 +735,8 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         "Invalid config for the mosaic backend: expected a GPU, got "
         "interpret=True")
   block_kv = config.pages_per_block * page_size
-  if head_dim > 128 or (k_scale is not None and head_dim > 64):
+  if head_dim > 128 or (k_scale is not None and head_dim > 64
+                        and not config.keys_m):
     # 64-key steps (a 128-token page in two): at head_dim 256 128-key
     # stages do not fit, nor, with FP8 pages at 128, the FP8 staging ring
     # next to them.
@@ -739,7 +749,8 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
       k_splits=config.k_splits, final=final, num_ctas=config.num_ctas,
       k_scale=k_scale, v_scale=v_scale,
       fp8_stages=_mosaic_fp8_stages(head_dim, block_kv, config.num_stages,
-                                    final))
+                                    final, config.keys_m),
+      keys_m=config.keys_m)
   lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
   if final:
     return o, lse.reshape(batch_size, num_qo_heads)
@@ -750,12 +761,13 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
 
 
 def _mosaic_fp8_stages(head_dim: int, block_kv: int, num_stages: int,
-                       final: bool) -> int:
+                       final: bool, keys_m: bool = False) -> int:
   """FP8 staging stages of the Mosaic-GPU kernel: the most, up to 3, that
   fit in shared memory next to its other buffers (at least 1)."""
   for n in (3, 2):
     if paged_decode_mgpu.smem_bytes(
         head_dim=head_dim, block_kv=block_kv, num_stages=num_stages,
-        itemsize=2, final=final, fp8_stages=n) <= paged_decode_mgpu.SMEM_LIMIT:
+        itemsize=2, final=final, fp8_stages=n,
+        keys_m=keys_m) <= paged_decode_mgpu.SMEM_LIMIT:
       return n
   return 1

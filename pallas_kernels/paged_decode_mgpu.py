@@ -30,12 +30,20 @@ combine of the splits), laid out for Hopper's asynchronous units:
   power-of-two TMA boxes covers exactly `group_size` rows); with several it
   stores f32 partials and their LSE for `paged_decode`'s combine.
 
+Keys in M (`keys_m`): the wgmmas compute `S^T = K q^T` ([block_kv, 16],
+the 16 loaded q rows as N) and `O^T = V^T P^T` ([head_dim, 16], P^T through
+shared memory, V and P^T sharing a 32-byte swizzle), a quarter of the MMA
+work and softmax elements per key; the softmax reduces over keys across
+the warpgroup's warps, and the wrapper picks the group's columns of O^T.
+
 FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
 FP8 staging ring and a third warpgroup converts each staged tile to f16
-(one `cvt` per pair) into the consumer's stage; q is converted to f16 in
-place, K's scale joins the logits' scale and V's the output's. Correct, but
-not faster than bf16 pages: the consumer's 64-row wgmmas per 64-key step
-(about 1 us, whatever the page bytes) bound it (Nsight Compute, H200).
+(one `cvt` per pair) into the consumer's stage; q is converted to f16 (in
+place, or before the launch with `keys_m`), K's scale joins the logits'
+scale and V's the output's. Correct, but not much faster than bf16 pages:
+the one consumer warpgroup's chain per step (wgmma, softmax, wgmma; about
+1 us per 64 keys with the q rows in M, 0.9 with the keys there) sets the
+pace whatever the page bytes (Nsight Compute, H200).
 
 At head_dim 256 one q buffer (the next item's q loads during the
 epilogue) and 64-key steps fit shared memory next to the output tile.
@@ -79,11 +87,19 @@ def q_buffers(head_dim: int) -> int:
 
 
 def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
-               itemsize: int, final: bool, fp8_stages: int = 0) -> int:
+               itemsize: int, final: bool, fp8_stages: int = 0,
+               keys_m: bool = False) -> int:
   """Shared memory one CTA needs (q buffers, K/V stages, output tile, lse,
   with FP8 pages the FP8 staging rings, and 1 KiB for the barriers), bytes;
-  the row reductions stay within warps (no reduction scratch)."""
+  the row reductions stay within warps (no reduction scratch), except with
+  `keys_m` (1 KiB more, and P^T's tile)."""
   out_item = itemsize if final else 4
+  if keys_m:
+    return (q_buffers(head_dim) * Q_ROWS * head_dim * itemsize
+            + 2 * num_stages * block_kv * head_dim * itemsize
+            + 2 * fp8_stages * block_kv * head_dim
+            + block_kv * Q_ROWS * itemsize
+            + head_dim * Q_ROWS * out_item + LSE_ROWS * 4 + 2048)
   return (q_buffers(head_dim) * BLOCK_M * head_dim * itemsize
           + 2 * num_stages * block_kv * head_dim * itemsize
           + 2 * fp8_stages * block_kv * head_dim
@@ -130,18 +146,20 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             v_table_ref, *rest, sm_scale: float, window_left: int,
             logits_soft_cap: float | None, group_size: int, block_kv: int,
             num_stages: int, k_splits: int, final: bool, num_ctas: int,
-            fp8_stages: int = 0, q_from_bf16: bool = False):
+            fp8_stages: int = 0, q_from_bf16: bool = False,
+            keys_m: bool = False):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   rest = list(rest)
   # FP8 pages: f32[2] = (k_scale, v_scale), read as scalars.
   scales_ref = rest.pop(0) if fp8_stages else None
   out_ref, lse_ref, scoped = rest
+  smem, bars, free, *more = scoped
+  p_smem = smem[-1] if keys_m else None  # P^T [block_kv, 16]
+  q_smem, k_smem, v_smem, o_smem, lse_smem = smem[:5]
   if fp8_stages:
-    ((q_smem, k_smem, v_smem, o_smem, lse_smem, k8_smem, v8_smem), bars,
-     free, (k8_bar, v8_bar), (k8_free, v8_free)) = scoped
-  else:
-    (q_smem, k_smem, v_smem, o_smem, lse_smem), bars, free = scoped
+    k8_smem, v8_smem = smem[5:7]
+    (k8_bar, v8_bar), (k8_free, v8_free) = more
   k_bar, v_bar, q_bar = bars
   k_free, v_free = free
   page_size = k_pool_ref.shape[1]
@@ -191,7 +209,129 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     first = pl.multiple_of(lax.div(row0, jnp.array(8, i32)) * 8, 8)
     return first, row0 - first
 
-  @pl.when(wg == 0)
+  def _consumer_keys_m():
+    # Keys in the wgmma's M dimension: S^T = K q^T is [block_kv, 16] (the
+    # 16 q rows loaded, the group among them, as N) and O^T = V^T P^T is
+    # [head_dim, 16], a quarter of the MMA work and softmax elements of
+    # [64, block_kv] / [64, head_dim] per key. The softmax reduces over
+    # keys (axis 0, across the warpgroup's warps); the sum of p stays
+    # elementwise until the item's end.
+    n_q = q_smem.shape[0]
+
+    def load_q(t):
+      kv_head, b, _ = coords(t)
+      first, _ = q_rows(kv_head, b)
+      buf = lax.rem(t, jnp.array(n_q, i32))
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)], q_smem.at[buf],
+                              q_bar.at[buf])
+
+    @pl.when(my_items > 0)
+    def _():
+      load_q(0)
+
+    k_scale = scales_ref[0] if scales_ref is not None else 1.0
+    if logits_soft_cap is not None:
+      scale = 1.0
+      cap_scale = sm_scale / logits_soft_cap * k_scale
+    else:
+      scale = sm_scale * _LOG2E * k_scale
+    shape = (block_kv, Q_ROWS)
+
+    def run_item(t, g):
+      kv_head, b, split, kv_len, lo, s0, s1, n = item(t)
+      buf = lax.rem(t, jnp.array(n_q, i32))
+      if n_q == 2:
+        @pl.when(t + 1 < my_items)
+        def _():
+          load_q(t + 1)
+      plgpu.barrier_wait(q_bar.at[buf])
+      q_buf = q_smem.at[buf]
+
+      def step(i, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(g + i - s0, jnp.array(num_stages, i32))
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, k_smem.at[slot], q_buf.transpose((1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC(shape, f32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if logits_soft_cap is not None:
+          s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
+        if masked:
+          key = plgpu.broadcasted_iota(i32, shape, 0,
+                                       layout=plgpu.Layout.WGMMA)
+          key = key + i * block_kv
+          s = jnp.where((key < kv_len) & (key >= lo), s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=0) * scale)
+        alpha = jnp.exp2(m - m_next)
+        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, shape, [1]))
+        l = l * lax.broadcast_in_dim(alpha, shape, [1]) + p
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+        # P^T is the B operand: through shared memory (the last step's PV
+        # has read it: its wgmma was waited for).
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bar.at[slot])
+        if masked:
+          @pl.when(((i + 1) * block_kv > kv_len) | (i * block_kv < lo))
+          def _():
+            v_slot = v_smem.at[slot]
+            key = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
+                                         layout=plgpu.Layout.WGMMA)
+            key = key + i * block_kv
+            v_slot[...] = jnp.where((key < kv_len) & (key >= lo),
+                                    v_slot[...],
+                                    jnp.zeros((block_kv, head_dim), dtype))
+            plgpu.commit_smem()
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), p_smem)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_next, l
+
+      full_lo = jnp.clip(lax.div(lo + bkv - 1, bkv), s0, jnp.maximum(s1, s0))
+      full_hi = jnp.clip(lax.div(kv_len, bkv), full_lo, jnp.maximum(s1, s0))
+
+      def run(lo_i, hi_i, carry, masked):
+        return lax.fori_loop(lo_i, hi_i,
+                             lambda i, c: step(i, c, masked), carry)
+
+      col = plgpu.Layout.WGMMA.reduce(0)
+      m = plgpu.layout_cast(jnp.full((Q_ROWS,), -jnp.inf, f32), col)
+      l = plgpu.layout_cast(jnp.full(shape, 0.0, f32), plgpu.Layout.WGMMA)
+      acc = plgpu.layout_cast(jnp.full((head_dim, Q_ROWS), 0.0, f32),
+                              plgpu.Layout.WGMMA)
+      carry = (acc, m, l)
+      carry = run(s0, full_lo, carry, True)
+      carry = run(full_lo, full_hi, carry, False)
+      carry = run(full_hi, jnp.maximum(s1, s0), carry, True)
+      acc, m, l = carry
+      if n_q == 1:
+        @pl.when(t + 1 < my_items)
+        def _():
+          load_q(t + 1)
+      l = l.sum(axis=0)
+      ok = l > 0.0
+      inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+      if scales_ref is not None:
+        inv = inv * scales_ref[1]  # V's scale
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+      lse = jnp.where(
+          ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2, -jnp.inf)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = out.astype(o_smem.dtype)
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, kv_head, split])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
+      return g + n
+
+    lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
+    plgpu.wait_smem_to_gmem(0)
+
   def _consumer():
     # Rows past the group compute on zeros (never stored).
     zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
@@ -351,6 +491,8 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
     plgpu.wait_smem_to_gmem(0)
 
+  pl.when(wg == 0)(_consumer_keys_m if keys_m else _consumer)
+
   # The TMA ring: the consumers' stages, or with FP8 pages the FP8
   # staging ring that the converter (warpgroup 2) empties into them.
   if fp8_stages:
@@ -484,11 +626,26 @@ def group_lse(lse, *, num_qo_heads: int):
   return jnp.take_along_axis(lse, idx, axis=-1)
 
 
+def _group_cols(o_t, *, num_qo_heads: int):
+  """`o_t [batch_size, num_kv_heads, k_splits, head_dim, 16]` (the keys_m
+  kernel's O^T over the 16 loaded q rows) -> the group's rows
+  `[batch_size, num_kv_heads, k_splits, group_size, head_dim]`, picked as
+  `group_lse` picks lse rows."""
+  batch_size, num_kv_heads = o_t.shape[:2]
+  group_size = num_qo_heads // num_kv_heads
+  row0 = (jnp.arange(batch_size)[:, None] * num_qo_heads
+          + jnp.arange(num_kv_heads)[None, :] * group_size)
+  idx = (row0 % 8)[..., None] + jnp.arange(group_size)   # [B, Hkv, G]
+  idx = jnp.broadcast_to(idx[:, :, None, None, :],
+                         o_t.shape[:-1] + (group_size,))
+  return jnp.swapaxes(jnp.take_along_axis(o_t, idx, axis=-1), -1, -2)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "block_kv",
                      "num_stages", "k_splits", "final", "num_ctas",
-                     "fp8_stages"))
+                     "fp8_stages", "keys_m"))
 def paged_decode_mgpu(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -508,6 +665,7 @@ def paged_decode_mgpu(
     k_scale=None,         # f32[]: FP8 pages
     v_scale=None,         # f32[]: FP8 pages
     fp8_stages: int = 2,
+    keys_m: bool = False,
 ):
   """One persistent Mosaic-GPU launch of split-K paged decode (see the module
   docstring).
@@ -546,6 +704,9 @@ def paged_decode_mgpu(
       clamping to its range, as `_fp8.query_for_dots`); K's scale joins the
       logits' scale, V's the output's.
     fp8_stages: static, stages of the FP8 staging ring (>= 1).
+    keys_m: static; put the keys in the wgmmas' M dimension (`S^T = K
+      q^T`, `O^T = V^T P^T` with the 16 loaded q rows as N) instead of the
+      q rows (padded to 64); same results.
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -609,7 +770,7 @@ def paged_decode_mgpu(
   itemsize = jnp.dtype(dtype).itemsize
   need = smem_bytes(head_dim=head_dim, block_kv=block_kv,
                     num_stages=num_stages, itemsize=itemsize, final=final,
-                    fp8_stages=fp8_stages if fp8 else 0)
+                    fp8_stages=fp8_stages if fp8 else 0, keys_m=keys_m)
   if need > SMEM_LIMIT:
     raise ValueError(f"Invalid num_stages={num_stages}: expected at most "
                      f"{SMEM_LIMIT} bytes of shared memory, got {need}")
@@ -625,28 +786,47 @@ def paged_decode_mgpu(
   out_dtype = dtype
   if fp8:
     dtype = jnp.dtype(jnp.float16)
-  q_from_bf16 = fp8 and out_dtype != dtype
+  # (keys_m: a 16-row q tile has no WGMMA layout to convert it in, so q
+  # converts before the launch.)
+  q_from_bf16 = fp8 and out_dtype != dtype and not keys_m
   kernel = functools.partial(
       _kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, group_size=group_size,
       block_kv=block_kv, num_stages=num_stages, k_splits=k_splits,
       final=final, num_ctas=num_ctas, fp8_stages=fp8_stages if fp8 else 0,
-      q_from_bf16=q_from_bf16)
+      q_from_bf16=q_from_bf16, keys_m=keys_m)
 
   def entry(*refs):
     swizzle = 128 if head_dim * itemsize >= 128 else 64
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
-    smem = [
-        plgpu.SMEM((q_buffers(head_dim), BLOCK_M, head_dim), dtype,
-                   transforms=transforms),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
-                   transforms=transforms),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
-                   transforms=transforms),
-        plgpu.SMEM((BLOCK_M, head_dim), out_dtype if final else jnp.float32),
-        plgpu.SMEM((LSE_ROWS,), jnp.float32),
-    ]
+    o_dtype = out_dtype if final else jnp.float32
+    if keys_m:
+      # V^T is the A operand and P^T [block_kv, 16] the B operand of PV:
+      # their swizzles must match, and P^T's 16-element rows take 32 bytes.
+      narrow = (plgpu.TilingTransform((8, 32 // itemsize)),
+                plgpu.SwizzleTransform(32))
+      smem = [
+          plgpu.SMEM((q_buffers(head_dim), Q_ROWS, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                     transforms=narrow),
+          plgpu.SMEM((head_dim, Q_ROWS), o_dtype),
+          plgpu.SMEM((Q_ROWS,), jnp.float32),
+      ]
+    else:
+      smem = [
+          plgpu.SMEM((q_buffers(head_dim), BLOCK_M, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                     transforms=transforms),
+          plgpu.SMEM((BLOCK_M, head_dim), o_dtype),
+          plgpu.SMEM((LSE_ROWS,), jnp.float32),
+      ]
     # The consumer's stages fill by TMA (`copies` arrivals) or, with FP8
     # pages, by the converter (one arrival).
     arrivals = 1 if fp8 else copies
@@ -660,6 +840,8 @@ def paged_decode_mgpu(
       extra = [
           (plgpu.Barrier(num_arrivals=copies, num_barriers=fp8_stages),) * 2,
           (plgpu.Barrier(num_barriers=fp8_stages),) * 2]
+    if keys_m:
+      smem.append(plgpu.SMEM((block_kv, Q_ROWS), dtype, transforms=narrow))
     pl.run_scoped(
         lambda *scoped: kernel(*refs, scoped),
         smem,
@@ -680,12 +862,21 @@ def paged_decode_mgpu(
     q_in = jnp.pad(q_in, ((0, -rows % 8), (0, 0)))
   if q_from_bf16:
     q_in = lax.bitcast_convert_type(q_in, dtype)
+  elif fp8:
+    q_in = _fp8.query_for_dots(q_in)
   args = [kv_lens.astype(jnp.int32), q_in, k_pool, v_pool,
           k_table.astype(jnp.int32), v_table.astype(jnp.int32)]
   if fp8:
     args.append(jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
                            jnp.asarray(v_scale, jnp.float32).reshape(())]))
-  if final:
+  if keys_m:
+    out_type = [
+        jax.ShapeDtypeStruct(
+            (batch_size, num_kv_heads, k_splits, head_dim, Q_ROWS),
+            out_dtype if final else jnp.float32),
+        jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, Q_ROWS),
+                             jnp.float32)]
+  elif final:
     out_type = [
         jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), out_dtype),
         jax.ShapeDtypeStruct((batch_size, num_kv_heads, LSE_ROWS),
@@ -697,7 +888,7 @@ def paged_decode_mgpu(
             jnp.float32),
         jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, LSE_ROWS),
                              jnp.float32)]
-  return plgpu.kernel(
+  res = plgpu.kernel(
       entry,
       out_type=out_type,
       grid=(num_ctas,),
@@ -705,7 +896,16 @@ def paged_decode_mgpu(
       num_threads=3 if fp8 else 2,
       thread_name="wg",
       # The row reductions (WGMMA layout) stay within warps: no scratch
-      # (at head_dim 256 its default 2 KiB would not fit).
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           reduction_scratch_bytes=0),
+      # (at head_dim 256 its default 2 KiB would not fit); keys_m reduces
+      # across warps.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, reduction_scratch_bytes=1024 if keys_m else 0),
   )(*args)
+  if not keys_m:
+    return res
+  o_t, lse = res
+  o = _group_cols(o_t, num_qo_heads=num_qo_heads)
+  if final:
+    o = o.reshape(batch_size, num_qo_heads, head_dim)
+    lse = lse[:, :, 0]
+  return o, lse

@@ -133,6 +133,19 @@ def test_default_rule_on_hopper(monkeypatch):
                        max_pages=32, head_dim=64, group_size=3,
                        dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
   assert (cfg.pages_per_block, cfg.num_stages, cfg.num_warps) == (1, 2, 4)
+  assert not cfg.keys_m
+  # Asked for, the Mosaic kernel on FP8 pages puts the keys in M, 128-key
+  # steps; head_dim 256 takes 64-key steps.
+  for d, keys in ((128, 128), (64, 128)):
+    cfg = _C.default_for(batch_size=64, num_kv_heads=8, page_size=16,
+                         max_pages=256, head_dim=d, group_size=4,
+                         dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
+                         backend="mosaic")
+    assert cfg.keys_m and cfg.pages_per_block * 16 == keys, (d, cfg)
+  cfg = _C.default_for(batch_size=64, num_kv_heads=1, page_size=16,
+                       max_pages=256, head_dim=256, group_size=4,
+                       backend="mosaic")
+  assert not cfg.keys_m and cfg.pages_per_block * 16 == 64
 
 
 @pytest.mark.parametrize(
@@ -266,7 +279,7 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
                      page_size=page_size, max_pages=view.k_table.shape[1],
                      head_dim=d, kv_dtype=jnp.float8_e4m3fn,
                      backend="mosaic"),
-      k_splits=k_splits, num_ctas=num_ctas)
+      k_splits=k_splits, num_ctas=num_ctas, keys_m=False)  # rows in M
   out, lse = kernel.paged_decode(
       jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
       view.v_table, jnp.asarray(p.kv_lens),
@@ -278,5 +291,96 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
         q[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d ** -0.5,
         window_left=kw.get("window_left", -1),
         logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
+    assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
+    assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("hq,hkv,d,page_size,block,k_splits,kv_dtype", [
+    (32, 8, 128, 16, 128, 1, jnp.bfloat16),
+    (9, 3, 64, 16, 128, 2, jnp.bfloat16),
+    (4, 1, 256, 16, 64, 1, jnp.bfloat16),
+    (32, 8, 128, 16, 128, 2, jnp.float8_e4m3fn),
+    (8, 8, 64, 128, 64, 1, jnp.float8_e4m3fn),
+])
+def test_keys_m_lowers_to_mosaic_gpu(hq, hkv, d, page_size, block, k_splits,
+                                     kv_dtype):
+  """The keys-in-M build (S^T = K q^T, O^T = V^T P^T: axis-0 reductions,
+  a 32-byte swizzle shared by V and P^T) cross-lowers for CUDA."""
+  b, pages = 3, 40
+  sds = jax.ShapeDtypeStruct
+  fp8 = kv_dtype == jnp.float8_e4m3fn
+  cfg = _C(pages_per_block=max(1, block // page_size), k_splits=k_splits,
+           num_stages=2, backend="mosaic", keys_m=True)
+  args = [sds((b, hq, d), jnp.bfloat16),
+          sds((pages, page_size, hkv, d), kv_dtype),
+          sds((pages, page_size, hkv, d), kv_dtype),
+          sds((b, 12), jnp.int32), sds((b, 12), jnp.int32), sds((b,), jnp.int32),
+          sds((), jnp.float32) if fp8 else None,
+          sds((), jnp.float32) if fp8 else None]
+
+  def run(q, k, v, kt, vt, n, ks, vs):
+    return kernel.paged_decode(q, k, v, kt, vt, n, sm_scale=d ** -0.5,
+                               window_left=30, config=cfg, k_scale=ks,
+                               v_scale=vs)
+  text = jax.jit(run).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="keys_m"):
+    _C(pages_per_block=8, k_splits=1, keys_m=True)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,num_ctas,fp8", [
+    (4, 128, 16, "pair", {}, 1, None, False),
+    (3, 64, 16, "flashinfer", dict(window_left=100, sinks=True), 2, None,
+     False),
+    (1, 128, 128, "pool", dict(logits_soft_cap=30.0), 4, 3, False),
+    (8, 64, 8, "pair", {}, 2, 1, False),
+    (5, 128, 32, "flashinfer", dict(window_left=37), 1, None, False),
+    (4, 256, 16, "pool", dict(sinks=True), 2, None, False),
+    (7, 64, 64, "pair", {}, 1, 5, False),
+    (4, 128, 16, "pair", {}, 1, None, True),
+    (3, 64, 16, "flashinfer", dict(window_left=100, sinks=True), 2, None,
+     True),
+    (8, 128, 64, "pool", dict(logits_soft_cap=30.0), 2, 3, True),
+])
+def test_keys_m_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
+                                   num_ctas, fp8):
+  """The keys-in-M build against the f64 oracle: NaN in every page a
+  sequence does not own and past kv_len, odd lengths, bf16 and FP8 pages
+  (FP8: the oracle runs on the dequantized pages)."""
+  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  rng = np.random.default_rng()
+  hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
+  hq = group * hkv
+  kw = dict(kw)
+  sinks = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
+           if kw.pop("sinks", False) else None)
+  if fp8:
+    p, cache, tk, tv, ks, vs = _fp8_paged(
+        rng, kv_lens, page_size=page_size, num_kv_heads=hkv, head_dim=d,
+        fmt=fmt)
+    scales = dict(k_scale=jnp.float32(ks), v_scale=jnp.float32(vs))
+  else:
+    p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
+                   head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
+    cache, tk, tv, scales = p.kv_cache, p.k, p.v, {}
+  q = jnp.asarray(rng.standard_normal((len(kv_lens), hq, d)), jnp.bfloat16)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  block = 64 if d == 256 else 128
+  cfg = _C(pages_per_block=max(1, block // page_size), k_splits=k_splits,
+           num_stages=2, backend="mosaic", num_ctas=num_ctas, keys_m=True)
+  out, lse = kernel.paged_decode(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg,
+      **scales, **kw)
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+  qf = np.asarray(q.astype(jnp.float32))
+  for b, n in enumerate(kv_lens):
+    exp, exp_lse = dense_attention(
+        qf[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d ** -0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"),
+        sinks=None if sinks is None else np.asarray(sinks))
     assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
     assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
