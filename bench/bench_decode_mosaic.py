@@ -45,6 +45,7 @@ from bench import _flashinfer
 from bench import _timing
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
+from pkvattn.pallas_kernels import paged_decode_mgpu as mgpu
 
 SHAPES = {"llama3_8b": (32, 8, 128), "smollm2": (9, 3, 64),
           "g6_d128": (48, 8, 128), "gemma3_270m": (4, 1, 256)}
@@ -219,7 +220,17 @@ def speed(spec, configs):
 
 def _configs(d):
   """Mosaic variants timed besides its default."""
-  out = [("mosaic default", {})]
+  out = [("mosaic default", {}),
+         # Keys in the wgmmas' M dimension, 2 and 3 stages.
+         ("mosaic keys_m", dict(keys_m=True)),
+         # 64-key steps leave room for 2 (3) CTAs per SM.
+         ("mosaic keys_m bkv64 2cta", dict(keys_m=True, pages_per_block=-64,
+                                           ctas_per_sm=2)),
+         ("mosaic keys_m bkv64 2cta splits x2",
+          dict(keys_m=True, pages_per_block=-64, ctas_per_sm=2, k_splits=2))]
+  if d == 64:
+    out += [("mosaic keys_m bkv64 3cta",
+             dict(keys_m=True, pages_per_block=-64, ctas_per_sm=3))]
   # More or fewer splits (items per persistent CTA), other rings.
   out += [("mosaic splits x2", dict(k_splits=2)),
           ("mosaic splits x4", dict(k_splits=4)),
@@ -260,7 +271,11 @@ def main():
       base = _mosaic_config(b, hkv, ps, s // ps, d)
       res = []
       for label, over in _configs(d)[:1 if args.default_only else None]:
+        if d == 256 and over.get("num_stages") == 3:
+          continue  # does not fit
         over = dict(over)
+        if "ctas_per_sm" in over:
+          over["num_ctas"] = over.pop("ctas_per_sm") * mgpu.num_sms()
         if over.get("pages_per_block") == -64:
           over["pages_per_block"] = max(1, 64 // ps)
         if over.get("k_splits") in (2, 4):

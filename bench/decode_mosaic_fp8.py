@@ -14,7 +14,8 @@ full length on shuffled pages in FlashInfer's layout, with per-tensor scales
   is);
 * `fp8 mosaic ...`: `paged_decode` with `Config(backend="mosaic")` on the
   FP8 pages, its default (`Config.default_for(backend="mosaic")`) and
-  variants: FP8 staging depth, f16 stages, splits.
+  variants: FP8 staging depth, f16 stages, splits, the keys in the
+  wgmmas' M dimension (`Config.keys_m`), two CTAs per SM.
 
 Each output is compared with the Triton FP8 kernel's (`err_vs_triton_fp8`,
 relative L2; both read the same FP8 bytes). Times: GPU kernel time from a
@@ -41,6 +42,7 @@ from bench import _timing
 from bench.bench_decode import SPECS
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
+from pkvattn.pallas_kernels import paged_decode_mgpu as mgpu
 
 FP8 = jnp.float8_e4m3fn
 LLAMA32_1B = (32, 8, 64)
@@ -93,7 +95,14 @@ def variants(d):
   of the Mosaic runs."""
   out = [("fp8 mosaic", {}, None),
          ("fp8 mosaic fp8st1", {}, 1),
-         ("fp8 mosaic splits x2", dict(k_splits=2), None)]
+         ("fp8 mosaic splits x2", dict(k_splits=2), None),
+         # Keys in the wgmmas' M dimension, 128-key steps.
+         ("fp8 mosaic keys_m", dict(keys_m=True, block=128), None),
+         # 64-key steps and one FP8 stage leave room for 2 CTAs per SM.
+         ("fp8 mosaic keys_m bkv64 2cta",
+          dict(keys_m=True, block=64, ctas_per_sm=2), 1),
+         ("fp8 mosaic keys_m bkv64 2cta splits x2",
+          dict(keys_m=True, block=64, ctas_per_sm=2, k_splits=2), 1)]
   if d == 64:
     out += [("fp8 mosaic s3", dict(num_stages=3), None),
             ("fp8 mosaic fp8st2", {}, 2)]
@@ -128,6 +137,10 @@ def run_spec(name, spec):
       over = dict(over)
       if "k_splits" in over:
         over["k_splits"] = base.k_splits * over["k_splits"]
+      if "ctas_per_sm" in over:
+        over["num_ctas"] = over.pop("ctas_per_sm") * mgpu.num_sms()
+      if "block" in over:
+        over["pages_per_block"] = max(1, over.pop("block") // ps)
       cfg = dataclasses.replace(base, **over)
       runs.append((label, (cfg, st), None))
   for label, fn, _ in runs:
