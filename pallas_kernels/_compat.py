@@ -87,5 +87,6 @@ def is_hopper() -> bool:
 
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
-           "mosaic_gpu", "mgpu_load", "is_hopper", "compute_capability", "has_fp8_cvt"]
+           "mosaic_gpu", "mgpu_load", "is_hopper", "compute_capability",
+           "has_fp8_cvt"]
 

@@ -695,7 +695,8 @@ def paged_decode(
     group_size *= pack
   if config.backend == "mosaic":
     return _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                          k_scale, v_scale, sm_scale=sm_scale, window_left=window_left,
+                          k_scale, v_scale, sm_scale=sm_scale,
+                          window_left=window_left,
                           logits_soft_cap=logits_soft_cap, config=config,
                           interpret=interpret)
   scales = None
