@@ -132,6 +132,34 @@ def correctness(quick: bool):
   return rows
 
 
+def decode_inputs(spec):
+  """A decode spec's inputs (`bench_decode.SPECS` entry): every sequence at
+  full length on shuffled pages in FlashInfer's layout, bf16 and FP8 with
+  per-tensor scales (amax / 448).
+
+  Returns:
+    `(q bf16[b, hq, d], kv bf16[pages, 2, page_size, hkv, d], kv8 (same,
+    float8_e4m3fn), table i32[b, pages / b], kv_lens i32[b], k_scale,
+    v_scale)`, the scales as Python floats.
+  """
+  b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
+  hq, hkv, d = spec.get("heads", (NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM))
+  rng = np.random.default_rng(0)
+  pages_per_seq = s // ps
+  n_pages = b * pages_per_seq
+  kv = jax.random.normal(jax.random.key(1), (n_pages, 2, ps, hkv, d),
+                         jnp.bfloat16)
+  ks = float(jnp.max(jnp.abs(kv[:, 0]).astype(jnp.float32))) / 448
+  vs = float(jnp.max(jnp.abs(kv[:, 1]).astype(jnp.float32))) / 448
+  kv8 = jnp.stack([_kv.quantize(kv[:, 0], ks), _kv.quantize(kv[:, 1], vs)],
+                  axis=1)
+  table = jnp.asarray(rng.permutation(n_pages).reshape(b, pages_per_seq),
+                      jnp.int32)
+  lens = jnp.full((b,), s, jnp.int32)
+  q = jax.random.normal(jax.random.key(2), (b, hq, d), jnp.bfloat16)
+  return q, kv, kv8, table, lens, ks, vs
+
+
 def decode_speed(quick: bool):
   import flashinfer  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
@@ -139,21 +167,10 @@ def decode_speed(quick: bool):
   workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
   specs = list(SPECS.items())[:2] if quick else list(SPECS.items())
   for name, spec in specs:
-    b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
-    hq, hkv, d = spec.get("heads", (NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM))
-    rng = np.random.default_rng(0)
-    pages_per_seq = s // ps
-    n_pages = b * pages_per_seq
-    kv = jax.random.normal(jax.random.key(1), (n_pages, 2, ps, hkv, d),
-                           jnp.bfloat16)
-    ks = float(jnp.max(jnp.abs(kv[:, 0]).astype(jnp.float32))) / 448
-    vs = float(jnp.max(jnp.abs(kv[:, 1]).astype(jnp.float32))) / 448
-    kv8 = jnp.stack([_kv.quantize(kv[:, 0], ks), _kv.quantize(kv[:, 1], vs)],
-                    axis=1)
-    table = jnp.asarray(rng.permutation(n_pages).reshape(b, pages_per_seq),
-                        jnp.int32)
-    lens = jnp.full((b,), s, jnp.int32)
-    q = jax.random.normal(jax.random.key(2), (b, hq, d), jnp.bfloat16)
+    b, ps = spec["batch_size"], spec["page_size"]
+    q, kv, kv8, table, lens, ks, vs = decode_inputs(spec)
+    hq, hkv, d = q.shape[1], kv.shape[3], q.shape[2]
+    n_pages, pages_per_seq = kv.shape[0], table.shape[1]
     f16 = jax.jit(lambda q, c, t, n: pkvattn.paged_decode(q, c, t, n,
                                                           impl="pallas"))
     f8 = jax.jit(lambda q, c, t, n, a, z: pkvattn.paged_decode(

@@ -35,11 +35,11 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pkvattn
 from bench import _timing
 from bench.bench_decode import SPECS
+from bench.bench_fp8 import decode_inputs
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
 from pkvattn.pallas_kernels import paged_decode_mgpu as mgpu
@@ -55,21 +55,8 @@ EXTRA_SPECS = {
 
 
 def _inputs(spec):
-  b, s, ps = spec["batch_size"], spec["seq_len"], spec["page_size"]
-  hq, hkv, d = spec.get("heads", (32, 8, 128))
-  rng = np.random.default_rng(0)
-  pages_per_seq = s // ps
-  n_pages = b * pages_per_seq
-  kv = jax.random.normal(jax.random.key(1), (n_pages, 2, ps, hkv, d),
-                         jnp.bfloat16)
-  ks = float(jnp.max(jnp.abs(kv[:, 0]).astype(jnp.float32))) / 448
-  vs = float(jnp.max(jnp.abs(kv[:, 1]).astype(jnp.float32))) / 448
-  kv8 = jnp.stack([_kv.quantize(kv[:, 0], ks), _kv.quantize(kv[:, 1], vs)],
-                  axis=1)
-  table = jnp.asarray(rng.permutation(n_pages).reshape(b, pages_per_seq),
-                      jnp.int32)
-  lens = jnp.full((b,), s, jnp.int32)
-  q = jax.random.normal(jax.random.key(2), (b, hq, d), jnp.bfloat16)
+  """`bench_fp8.decode_inputs` with the scales as f32 scalars."""
+  q, kv, kv8, table, lens, ks, vs = decode_inputs(spec)
   return q, kv, kv8, table, lens, jnp.float32(ks), jnp.float32(vs)
 
 

@@ -209,137 +209,24 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     first = pl.multiple_of(lax.div(row0, jnp.array(8, i32)) * 8, 8)
     return first, row0 - first
 
-  def _consumer_keys_m():
-    # Keys in the wgmma's M dimension: S^T = K q^T is [block_kv, 16] (the
-    # 16 q rows loaded, the group among them, as N) and O^T = V^T P^T is
-    # [head_dim, 16], a quarter of the MMA work and softmax elements of
-    # [64, block_kv] / [64, head_dim] per key. The softmax reduces over
-    # keys (axis 0, across the warpgroup's warps); the sum of p stays
-    # elementwise until the item's end.
-    n_q = q_smem.shape[0]
-
-    def load_q(t):
-      kv_head, b, _ = coords(t)
-      first, _ = q_rows(kv_head, b)
-      buf = lax.rem(t, jnp.array(n_q, i32))
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, Q_ROWS)], q_smem.at[buf],
-                              q_bar.at[buf])
-
-    @pl.when(my_items > 0)
-    def _():
-      load_q(0)
-
-    k_scale = scales_ref[0] if scales_ref is not None else 1.0
-    if logits_soft_cap is not None:
-      scale = 1.0
-      cap_scale = sm_scale / logits_soft_cap * k_scale
-    else:
-      scale = sm_scale * _LOG2E * k_scale
-    shape = (block_kv, Q_ROWS)
-
-    def run_item(t, g):
-      kv_head, b, split, kv_len, lo, s0, s1, n = item(t)
-      buf = lax.rem(t, jnp.array(n_q, i32))
-      if n_q == 2:
-        @pl.when(t + 1 < my_items)
-        def _():
-          load_q(t + 1)
-      plgpu.barrier_wait(q_bar.at[buf])
-      q_buf = q_smem.at[buf]
-
-      def step(i, carry, masked: bool):
-        acc, m, l = carry
-        slot = lax.rem(g + i - s0, jnp.array(num_stages, i32))
-        plgpu.barrier_wait(k_bar.at[slot])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem.at[slot], q_buf.transpose((1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC(shape, f32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        if logits_soft_cap is not None:
-          s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
-        if masked:
-          key = plgpu.broadcasted_iota(i32, shape, 0,
-                                       layout=plgpu.Layout.WGMMA)
-          key = key + i * block_kv
-          s = jnp.where((key < kv_len) & (key >= lo), s, -jnp.inf)
-        m_next = jnp.maximum(m, s.max(axis=0) * scale)
-        alpha = jnp.exp2(m - m_next)
-        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, shape, [1]))
-        l = l * lax.broadcast_in_dim(alpha, shape, [1]) + p
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-        # P^T is the B operand: through shared memory (the last step's PV
-        # has read it: its wgmma was waited for).
-        p_smem[...] = p.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(v_bar.at[slot])
-        if masked:
-          @pl.when(((i + 1) * block_kv > kv_len) | (i * block_kv < lo))
-          def _():
-            v_slot = v_smem.at[slot]
-            key = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
-                                         layout=plgpu.Layout.WGMMA)
-            key = key + i * block_kv
-            v_slot[...] = jnp.where((key < kv_len) & (key >= lo),
-                                    v_slot[...],
-                                    jnp.zeros((block_kv, head_dim), dtype))
-            plgpu.commit_smem()
-
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), p_smem)
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_next, l
-
-      full_lo = jnp.clip(lax.div(lo + bkv - 1, bkv), s0, jnp.maximum(s1, s0))
-      full_hi = jnp.clip(lax.div(kv_len, bkv), full_lo, jnp.maximum(s1, s0))
-
-      def run(lo_i, hi_i, carry, masked):
-        return lax.fori_loop(lo_i, hi_i,
-                             lambda i, c: step(i, c, masked), carry)
-
-      col = plgpu.Layout.WGMMA.reduce(0)
-      m = plgpu.layout_cast(jnp.full((Q_ROWS,), -jnp.inf, f32), col)
-      l = plgpu.layout_cast(jnp.full(shape, 0.0, f32), plgpu.Layout.WGMMA)
-      acc = plgpu.layout_cast(jnp.full((head_dim, Q_ROWS), 0.0, f32),
-                              plgpu.Layout.WGMMA)
-      carry = (acc, m, l)
-      carry = run(s0, full_lo, carry, True)
-      carry = run(full_lo, full_hi, carry, False)
-      carry = run(full_hi, jnp.maximum(s1, s0), carry, True)
-      acc, m, l = carry
-      if n_q == 1:
-        @pl.when(t + 1 < my_items)
-        def _():
-          load_q(t + 1)
-      l = l.sum(axis=0)
-      ok = l > 0.0
-      inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-      if scales_ref is not None:
-        inv = inv * scales_ref[1]  # V's scale
-      out = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-      lse = jnp.where(
-          ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2, -jnp.inf)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = out.astype(o_smem.dtype)
-      lse_smem[...] = lse
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, kv_head, split])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
-      return g + n
-
-    lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
-    plgpu.wait_smem_to_gmem(0)
-
+  @pl.when(wg == 0)
   def _consumer():
-    # Rows past the group compute on zeros (never stored).
-    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
-                              plgpu.Layout.WGMMA)
+    # With `keys_m` the keys are the wgmmas' M dimension: S^T = K q^T is
+    # [block_kv, 16] (the 16 loaded q rows, the group among them, as N) and
+    # O^T = V^T P^T is [head_dim, 16], a quarter of the MMA work and softmax
+    # elements of S = q K^T [64, block_kv] and O = P V [64, head_dim] per
+    # key. Its softmax reduces over keys (axis 0, across the warpgroup's
+    # warps), and the sum of p stays elementwise until the item's end.
+    kax, qax = (0, 1) if keys_m else (1, 0)  # key / query axes of S
+    s_shape = (block_kv, Q_ROWS) if keys_m else (BLOCK_M, block_kv)
     n_q = q_smem.shape[0]  # q buffers: 2, or 1 at head_dim 256
-    for i in range(n_q):
-      q_smem.at[i][...] = zeros
-    plgpu.commit_smem()
+    if not keys_m:
+      # Rows past the group compute on zeros (never stored).
+      zeros = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), dtype),
+                                plgpu.Layout.WGMMA)
+      for i in range(n_q):
+        q_smem.at[i][...] = zeros
+      plgpu.commit_smem()
 
     def load_q(t):
       kv_head, b, _ = coords(t)
@@ -352,7 +239,6 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     def _():
       load_q(0)
 
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
     # FP8 pages: K's scale joins the logits' scale, V's the output's.
     k_scale = scales_ref[0] if scales_ref is not None else 1.0
     if logits_soft_cap is not None:
@@ -387,26 +273,35 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         plgpu.barrier_wait(k_bar.at[slot])
 
         def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_buf, k_smem.at[slot].transpose((1, 0)))
+          if keys_m:
+            plgpu.wgmma(acc_ref, k_smem.at[slot], q_buf.transpose((1, 0)))
+          else:
+            plgpu.wgmma(acc_ref, q_buf, k_smem.at[slot].transpose((1, 0)))
           return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), f32))
+        s = pl.run_scoped(qk, plgpu.ACC(s_shape, f32))
         plgpu.barrier_arrive(k_free.at[slot])
         if logits_soft_cap is not None:
           s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
         if masked:
-          shape = (BLOCK_M, block_kv)
-          key = plgpu.broadcasted_iota(i32, shape, 1,
+          key = plgpu.broadcasted_iota(i32, s_shape, kax,
                                        layout=plgpu.Layout.WGMMA)
           key = key + i * block_kv
           s = jnp.where((key < kv_len) & (key >= lo), s, -jnp.inf)
         # Every split's first step holds a visible key, so m is finite
         # from then on and exp2(-inf - m) = 0 for the masked keys.
-        m_next = jnp.maximum(m, s.max(axis=1) * scale)
+        m_next = jnp.maximum(m, s.max(axis=kax) * scale)
         alpha = jnp.exp2(m - m_next)
-        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
+        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s_shape, [qax]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [qax])
+        if keys_m:
+          l = l * lax.broadcast_in_dim(alpha, s_shape, [1]) + p
+          # P^T is PV's B operand: through shared memory (the last step's
+          # PV, whose wgmma was waited for, has read it).
+          p_smem[...] = p.astype(dtype)
+          plgpu.commit_smem()
+        else:
+          l = l * alpha + p.sum(axis=1)
+          p16 = p.astype(dtype)
         plgpu.barrier_wait(v_bar.at[slot])
         if masked:
           # V rows of keys outside [lo, kv_len) meet p = 0 but may be NaN:
@@ -425,7 +320,10 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             plgpu.commit_smem()
 
         def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          if keys_m:
+            plgpu.wgmma(acc_ref, v_smem.at[slot].transpose((1, 0)), p_smem)
+          else:
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_next, l
@@ -439,10 +337,14 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         return lax.fori_loop(lo_i, hi_i,
                              lambda i, c: step(i, c, masked), carry)
 
-      m = plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, f32), row_layout)
-      l = plgpu.layout_cast(jnp.full((BLOCK_M,), 0.0, f32), row_layout)
-      acc = plgpu.layout_cast(jnp.full((BLOCK_M, head_dim), 0.0, f32),
-                              plgpu.Layout.WGMMA)
+      wgmma_layout = plgpu.Layout.WGMMA
+      q_layout = wgmma_layout.reduce(kax)
+      acc_shape = (head_dim, Q_ROWS) if keys_m else (BLOCK_M, head_dim)
+      m = plgpu.layout_cast(jnp.full((s_shape[qax],), -jnp.inf, f32),
+                            q_layout)
+      l = plgpu.layout_cast(jnp.full(s_shape if keys_m else (BLOCK_M,), 0.0,
+                                     f32), wgmma_layout if keys_m else q_layout)
+      acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, f32), wgmma_layout)
       carry = (acc, m, l)
       carry = run(s0, full_lo, carry, True)
       carry = run(full_lo, full_hi, carry, False)
@@ -454,12 +356,14 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         @pl.when(t + 1 < my_items)
         def _():
           load_q(t + 1)
+      if keys_m:
+        l = l.sum(axis=0)
 
       ok = l > 0.0
       inv = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
       if scales_ref is not None:
         inv = inv * scales_ref[1]  # V's scale
-      out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      out = acc * lax.broadcast_in_dim(inv, acc.shape, [qax])
       lse = jnp.where(
           ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2, -jnp.inf)
       # The last item's stores must have read o_smem / lse_smem.
@@ -467,6 +371,11 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       o_smem[...] = out.astype(o_smem.dtype)
       lse_smem[...] = lse
       plgpu.commit_smem()
+      if keys_m:
+        # O^T of all 16 rows; the wrapper picks the group's.
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, kv_head, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kv_head, split])
+        return g + n
       # The group's rows only, as a ladder of power-of-two TMA boxes.
       _, r = q_rows(kv_head, b)
       q_row = kv_head * group_size
@@ -490,8 +399,6 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
     lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
     plgpu.wait_smem_to_gmem(0)
-
-  pl.when(wg == 0)(_consumer_keys_m if keys_m else _consumer)
 
   # The TMA ring: the consumers' stages, or with FP8 pages the FP8
   # staging ring that the converter (warpgroup 2) empties into them.
@@ -801,32 +708,24 @@ def paged_decode_mgpu(
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                   plgpu.SwizzleTransform(swizzle))
     o_dtype = out_dtype if final else jnp.float32
-    if keys_m:
-      # V^T is the A operand and P^T [block_kv, 16] the B operand of PV:
-      # their swizzles must match, and P^T's 16-element rows take 32 bytes.
-      narrow = (plgpu.TilingTransform((8, 32 // itemsize)),
-                plgpu.SwizzleTransform(32))
-      smem = [
-          plgpu.SMEM((q_buffers(head_dim), Q_ROWS, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
-                     transforms=narrow),
-          plgpu.SMEM((head_dim, Q_ROWS), o_dtype),
-          plgpu.SMEM((Q_ROWS,), jnp.float32),
-      ]
-    else:
-      smem = [
-          plgpu.SMEM((q_buffers(head_dim), BLOCK_M, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
-                     transforms=transforms),
-          plgpu.SMEM((BLOCK_M, head_dim), o_dtype),
-          plgpu.SMEM((LSE_ROWS,), jnp.float32),
-      ]
+    # keys_m: V^T is the A operand and P^T [block_kv, 16] the B operand of
+    # PV: their swizzles must match, and P^T's 16-element rows take 32
+    # bytes. q holds its 16 loaded rows, the output tile is O^T.
+    narrow = (plgpu.TilingTransform((8, 32 // itemsize)),
+              plgpu.SwizzleTransform(32))
+    q_rows_smem, o_shape, lse_rows = (
+        (Q_ROWS, (head_dim, Q_ROWS), Q_ROWS) if keys_m
+        else (BLOCK_M, (BLOCK_M, head_dim), LSE_ROWS))
+    smem = [
+        plgpu.SMEM((q_buffers(head_dim), q_rows_smem, head_dim), dtype,
+                   transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                   transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
+                   transforms=narrow if keys_m else transforms),
+        plgpu.SMEM(o_shape, o_dtype),
+        plgpu.SMEM((lse_rows,), jnp.float32),
+    ]
     # The consumer's stages fill by TMA (`copies` arrivals) or, with FP8
     # pages, by the converter (one arrival).
     arrivals = 1 if fp8 else copies
