@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import jax.numpy as jnp
 
 from jax.experimental import pallas as pl
 
