@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-
 from jax.experimental import pallas as pl
 
 try:  # jax >= 0.10: jax.experimental.pallas.triton
