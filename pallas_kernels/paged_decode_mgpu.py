@@ -94,16 +94,12 @@ def smem_bytes(*, head_dim: int, block_kv: int, num_stages: int,
   the row reductions stay within warps (no reduction scratch), except with
   `keys_m` (1 KiB more, and P^T's tile)."""
   out_item = itemsize if final else 4
-  if keys_m:
-    return (q_buffers(head_dim) * Q_ROWS * head_dim * itemsize
-            + 2 * num_stages * block_kv * head_dim * itemsize
-            + 2 * fp8_stages * block_kv * head_dim
-            + block_kv * Q_ROWS * itemsize
-            + head_dim * Q_ROWS * out_item + LSE_ROWS * 4 + 2048)
-  return (q_buffers(head_dim) * BLOCK_M * head_dim * itemsize
+  rows = Q_ROWS if keys_m else BLOCK_M  # of the q buffers and output tile
+  p_tile = block_kv * Q_ROWS * itemsize + 1024 if keys_m else 0
+  return (q_buffers(head_dim) * rows * head_dim * itemsize
           + 2 * num_stages * block_kv * head_dim * itemsize
           + 2 * fp8_stages * block_kv * head_dim
-          + BLOCK_M * head_dim * out_item + LSE_ROWS * 4 + 1024)
+          + rows * head_dim * out_item + LSE_ROWS * 4 + 1024 + p_tile)
 
 
 def num_sms() -> int:
@@ -472,42 +468,53 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
     lax.fori_loop(0, my_items, produce_item, jnp.array(0, i32))
 
-  def converter(tiles):
-    """FP8 pages: each staged tile of `tiles` converts to f16 (one cvt per
-    pair; e4m3 is exact in f16), 64 rows at a time, into the stage the
-    consumer reads. `commit_smem` orders the stores before the consumer's
-    wgmma and this warpgroup's staging reads before the TMA that refills
-    the slot."""
-    def convert_item(t, g):
-      n = item(t)[-1]
-
-      def body(j, _):
-        gj = g + j
-        s8 = lax.rem(gj, jnp.array(fp8_stages, i32))
-        slot = lax.rem(gj, jnp.array(num_stages, i32))
-        for src, full8, empty8, dst, full, empty in tiles:
-          plgpu.barrier_wait(full8.at[s8])
-
-          @pl.when(gj >= num_stages)
-          def _(empty=empty):
-            plgpu.barrier_wait(empty.at[slot])
-          for r in range(0, block_kv, 64):
-            x = _compat.mgpu_load(src.at[s8, pl.ds(r, 64)],
-                                  plgpu.Layout.WGMMA)
-            dst[slot, pl.ds(r, 64)] = x.astype(dtype)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(full.at[slot])
-          plgpu.barrier_arrive(empty8.at[s8])
-        return None
-      lax.fori_loop(0, n, body, None)
-      return g + n
-
-    lax.fori_loop(0, my_items, convert_item, jnp.array(0, i32))
-
   if fp8_stages:
-    pl.when(wg == 2)(lambda: converter((
-        (k8_smem, k8_bar, k8_free, k_smem, k_bar, k_free),
-        (v8_smem, v8_bar, v8_free, v_smem, v_bar, v_free))))
+    @pl.when(wg == 2)
+    def _converter():
+      """FP8 pages: each staged K and V tile converts to f16 (one cvt per
+      pair; e4m3 is exact in f16), 64 rows at a time, into the stage the
+      consumer reads. `commit_smem` orders the stores before the consumer's
+      wgmma and this warpgroup's staging reads before the TMA that refills
+      the slot."""
+      tiles = ((k8_smem, k8_bar, k8_free, k_smem, k_bar, k_free),
+               (v8_smem, v8_bar, v8_free, v_smem, v_bar, v_free))
+
+      def convert_item(t, g):
+        n = item(t)[-1]
+
+        def body(j, _):
+          gj = g + j
+          s8 = lax.rem(gj, jnp.array(fp8_stages, i32))
+          slot = lax.rem(gj, jnp.array(num_stages, i32))
+          for src, full8, empty8, dst, full, empty in tiles:
+            plgpu.barrier_wait(full8.at[s8])
+
+            @pl.when(gj >= num_stages)
+            def _(empty=empty):
+              plgpu.barrier_wait(empty.at[slot])
+            for r in range(0, block_kv, 64):
+              x = _compat.mgpu_load(src.at[s8, pl.ds(r, 64)],
+                                    plgpu.Layout.WGMMA)
+              dst[slot, pl.ds(r, 64)] = x.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(full.at[slot])
+            plgpu.barrier_arrive(empty8.at[s8])
+          return None
+        lax.fori_loop(0, n, body, None)
+        return g + n
+
+      lax.fori_loop(0, my_items, convert_item, jnp.array(0, i32))
+
+
+def _group_index(batch_size: int, num_kv_heads: int, num_qo_heads: int):
+  """i32[batch_size, num_kv_heads, group_size]: the rows of group (b, k)
+  among the 16 q rows its CTA loaded. The group starts at q row
+  `b * num_qo_heads + k * group_size`, loaded from that row rounded down
+  to 8."""
+  group_size = num_qo_heads // num_kv_heads
+  row0 = (jnp.arange(batch_size)[:, None] * num_qo_heads
+          + jnp.arange(num_kv_heads)[None, :] * group_size)
+  return (row0 % 8)[..., None] + jnp.arange(group_size)
 
 
 def group_lse(lse, *, num_qo_heads: int):
@@ -521,13 +528,8 @@ def group_lse(lse, *, num_qo_heads: int):
   Returns:
     f32[batch_size, num_kv_heads, ..., group_size]: head `h` of group `k`.
   """
-  batch_size, num_kv_heads = lse.shape[:2]
-  group_size = num_qo_heads // num_kv_heads
-  # Group (b, k) starts at q row b * num_qo_heads + k * group_size, loaded
-  # into the CTA's rows from that row rounded down to 8.
-  row0 = (jnp.arange(batch_size)[:, None] * num_qo_heads
-          + jnp.arange(num_kv_heads)[None, :] * group_size)
-  idx = (row0 % 8)[..., None] + jnp.arange(group_size)
+  idx = _group_index(*lse.shape[:2], num_qo_heads)
+  group_size = idx.shape[-1]
   idx = idx.reshape(idx.shape[:2] + (1,) * (lse.ndim - 3) + (group_size,))
   idx = jnp.broadcast_to(idx, lse.shape[:-1] + (group_size,))
   return jnp.take_along_axis(lse, idx, axis=-1)
@@ -538,13 +540,9 @@ def _group_cols(o_t, *, num_qo_heads: int):
   kernel's O^T over the 16 loaded q rows) -> the group's rows
   `[batch_size, num_kv_heads, k_splits, group_size, head_dim]`, picked as
   `group_lse` picks lse rows."""
-  batch_size, num_kv_heads = o_t.shape[:2]
-  group_size = num_qo_heads // num_kv_heads
-  row0 = (jnp.arange(batch_size)[:, None] * num_qo_heads
-          + jnp.arange(num_kv_heads)[None, :] * group_size)
-  idx = (row0 % 8)[..., None] + jnp.arange(group_size)   # [B, Hkv, G]
+  idx = _group_index(*o_t.shape[:2], num_qo_heads)
   idx = jnp.broadcast_to(idx[:, :, None, None, :],
-                         o_t.shape[:-1] + (group_size,))
+                         o_t.shape[:-1] + (idx.shape[-1],))
   return jnp.swapaxes(jnp.take_along_axis(o_t, idx, axis=-1), -1, -2)
 
 
@@ -622,7 +620,9 @@ def paged_decode_mgpu(
     partials `(o f32[batch_size, num_kv_heads, k_splits, 8, head_dim],
     lse f32[batch_size, num_kv_heads, k_splits, 64])`, normalised per split,
     o rows `0..group_size-1` written, lse rows as above (empty splits:
-    `o = 0`, `lse = -inf`).
+    `o = 0`, `lse = -inf`). With `keys_m` the lse has 16 rows (the loaded
+    q rows; `group_lse` picks the same way) and the partials
+    `group_size` rows.
 
   Raises:
     ValueError: an unsupported dtype, head_dim, group size, page_size,
