@@ -221,7 +221,7 @@ def speed(spec, configs):
 def _configs(d):
   """Mosaic variants timed besides its default."""
   out = [("mosaic default", {}),
-         # Keys in the wgmmas' M dimension, 2 and 3 stages.
+         # Keys in the wgmmas' M dimension.
          ("mosaic keys_m", dict(keys_m=True)),
          # 64-key steps leave room for 2 (3) CTAs per SM.
          ("mosaic keys_m bkv64 2cta", dict(keys_m=True, pages_per_block=-64,
@@ -235,11 +235,10 @@ def _configs(d):
   out += [("mosaic splits x2", dict(k_splits=2)),
           ("mosaic splits x4", dict(k_splits=4)),
           ("mosaic splits /2", dict(k_splits=0))]
-  if d == 256:
-    pass  # 64-key steps in 2 stages only fit (next to the output tile)
-  elif d == 128:
+  # Other rings (at head_dim 256 only 64-key steps in 2 stages fit).
+  if d == 128:
     out += [("mosaic bkv64 s3", dict(pages_per_block=-64, num_stages=3))]
-  else:
+  elif d == 64:
     out += [("mosaic s2", dict(num_stages=2)),
             ("mosaic s5", dict(num_stages=5)),
             ("mosaic bkv64 s6", dict(pages_per_block=-64, num_stages=6))]
@@ -271,8 +270,6 @@ def main():
       base = _mosaic_config(b, hkv, ps, s // ps, d)
       res = []
       for label, over in _configs(d)[:1 if args.default_only else None]:
-        if d == 256 and over.get("num_stages") == 3:
-          continue  # does not fit
         over = dict(over)
         if "ctas_per_sm" in over:
           over["num_ctas"] = over.pop("ctas_per_sm") * mgpu.num_sms()
