@@ -115,6 +115,40 @@ def device_kernel_ms(fn, make_args, calls: int = 3) -> float:
   return sum(ns for _, ns in events) / calls / 1e6
 
 
+def event_spans_ms(events, min_gap_ns: float) -> list[float]:
+  """Splits `(start_ns, duration_ns, name)` events, in start order, into
+  clusters separated by idle gaps longer than `min_gap_ns` (overlapping
+  events join one cluster) and returns each cluster's span, first start to
+  last end, ms."""
+  spans, start, end = [], None, None
+  for t0, dur, _ in events:
+    if start is not None and t0 - end > min_gap_ns:
+      spans.append((end - start) / 1e6)
+      start = None
+    if start is None:
+      start, end = t0, t0 + dur
+    end = max(end, t0 + dur)
+  if start is not None:
+    spans.append((end - start) / 1e6)
+  return spans
+
+
+def gpu_span_ms(thunks, pause_s: float = 0.005) -> list[float]:
+  """Per `thunk()`, ms: the GPU time from its first kernel's start to its
+  last kernel's end in a jax.profiler trace (`gpu_trace_events`), launch
+  gaps between its kernels included, host time before the first kernel
+  excluded. The thunks run `pause_s` apart, so each one's events form a
+  cluster separated by more than half of that (`event_spans_ms`). Empty
+  where the trace has no GPU lines (CPU)."""
+  def paused(thunk):
+    def run():
+      jax.block_until_ready(thunk())
+      time.sleep(pause_s)
+    return run
+  events = gpu_trace_events([paused(t) for t in thunks])
+  return event_spans_ms(events, pause_s * 0.5e9)
+
+
 def copy_roof_gbps(num_bytes: int = 2 << 30) -> float:
   """Measured device copy bandwidth, read + write bytes counted, decimal GB/s.
 

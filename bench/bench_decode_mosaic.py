@@ -253,6 +253,9 @@ def main():
                   help="comma-separated indices into SPECS (default: all)")
   ap.add_argument("--default-only", action="store_true",
                   help="time the Mosaic default only, not its variants")
+  ap.add_argument("--only", default=None,
+                  help="comma-separated variant labels to time besides the "
+                       "Mosaic default (default: all)")
   args = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
@@ -269,7 +272,10 @@ def main():
     def configs(d, b=b, hkv=hkv, ps=ps, s=s):
       base = _mosaic_config(b, hkv, ps, s // ps, d)
       res = []
+      only = set(args.only.split(",")) if args.only else None
       for label, over in _configs(d)[:1 if args.default_only else None]:
+        if only and label != "mosaic default" and label not in only:
+          continue
         over = dict(over)
         if "ctas_per_sm" in over:
           over["num_ctas"] = over.pop("ctas_per_sm") * mgpu.num_sms()

@@ -84,6 +84,8 @@ def variants(d):
   out = [("fp8 mosaic", {}, None),
          ("fp8 mosaic fp8st1", {}, 1),
          ("fp8 mosaic splits x2", dict(k_splits=2), None),
+         # 64-key steps through deeper rings, one CTA per SM.
+         ("fp8 mosaic keys_m bkv64 s4", dict(block=64, num_stages=4), None),
          # The q rows in the wgmmas' M dimension (the default puts the
          # keys there): 64-key steps at head_dim 128.
          ("fp8 mosaic rows in M", dict(keys_m=False), None),
@@ -98,7 +100,7 @@ def variants(d):
   return out
 
 
-def run_spec(name, spec):
+def run_spec(name, spec, only=None):
   q, kv, kv8, table, lens, ks, vs = _inputs(spec)
   b, hq, d = q.shape
   hkv = kv.shape[3]
@@ -123,6 +125,8 @@ def run_spec(name, spec):
       head_dim=d, kv_dtype=FP8, backend="mosaic")
   if d <= 128:
     for label, over, st in variants(d):
+      if only and label not in only:
+        continue
       over = dict(over)
       if "k_splits" in over:
         over["k_splits"] = base.k_splits * over["k_splits"]
@@ -160,13 +164,16 @@ def main():
   ap = argparse.ArgumentParser()
   specs = {**SPECS, **EXTRA_SPECS}
   ap.add_argument("--specs", default=",".join(specs))
+  ap.add_argument("--only", default=None,
+                  help="comma-separated Mosaic variant labels (default: all)")
   args = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
   rows = []
   dev = env["device"].replace(" ", "_")
   for name in args.specs.split(","):
-    rows += run_spec(name, specs[name])
+    rows += run_spec(name, specs[name],
+                     set(args.only.split(",")) if args.only else None)
     _timing.write_results(f"decode_mosaic_fp8_{dev}", rows)  # so far
   _timing.print_table(rows, ["spec", "impl", "kernel_ms", "ms",
                              "fp8_over_bf16", "err_vs_triton_fp8"])

@@ -10,7 +10,8 @@ loaded layout (`loaded`), where Triton puts it (`operand`) and both tiles by
 inline PTX (`asm`), after checking every FP8 variant against the f32
 reference on the same pages (`--sweep tiles` adds tiling variants around
 the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`,
-`--sweep stages` the FP8 default's pipeline depth, `--sweep pack` tilings
+`--sweep stages` the FP8 default's pipeline depth, `--sweep splits` its
+split count, `--sweep pack` tilings
 around the FP8 default where it packs two head_dim-64 kv heads per program,
 `paged_decode.Config.pack_heads`).
 Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
@@ -88,6 +89,17 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
   out = {"default": fp8_default, "loaded": base,
          "operand": dataclasses.replace(base, fp8_convert="operand"),
          "asm": dataclasses.replace(base, fp8_convert="asm")}
+  if sweep == "splits":
+    # More programs per SM for the 2-warp FP8 default (its registers allow
+    # 6 per SM; at k_splits=1 the Llama-3-8B shapes give about 4).
+    d = fp8_default
+    return {"default": d, "loaded": base,
+            **{f"default_ks_x{n}": dataclasses.replace(
+                d, k_splits=min(64, n * d.k_splits)) for n in (2, 4, 8)},
+            "default_s2_ks_x4": dataclasses.replace(
+                d, num_stages=2, k_splits=min(64, 4 * d.k_splits)),
+            "default_s4_ks_x4": dataclasses.replace(
+                d, num_stages=4, k_splits=min(64, 4 * d.k_splits))}
   if sweep == "stages":
     return {"default": fp8_default, "loaded": base,
             **{f"default_s{n}": dataclasses.replace(fp8_default, num_stages=n)
@@ -322,7 +334,8 @@ def main():
   ap.add_argument("--skip", default="", help="comma list: append,prefill,"
                   "decode")
   ap.add_argument("--specs", default="", help="comma list of SPECS names")
-  ap.add_argument("--sweep", default="", choices=("", "tiles", "asm", "stages", "pack"))
+  ap.add_argument("--sweep", default="",
+                  choices=("", "tiles", "asm", "stages", "pack", "splits"))
   args = ap.parse_args()
   if args.child:
     _child(args.child)

@@ -41,9 +41,15 @@ FP8 staging ring and a third warpgroup converts each staged tile to f16
 (one `cvt` per pair) into the consumer's stage; q is converted to f16 (in
 place, or before the launch with `keys_m`), K's scale joins the logits'
 scale and V's the output's. Correct, but not much faster than bf16 pages:
-the one consumer warpgroup's chain per step (wgmma, softmax, wgmma; about
-1 us per 64 keys with the q rows in M, 0.9 with the keys there) sets the
-pace whatever the page bytes (Nsight Compute, H200).
+the one consumer warpgroup is ~90% busy at about 1 us per 64 keys with the
+q rows in M (0.9 with the keys there) whatever the page bytes (Nsight
+Compute, H200). Shortening its chain did not help, though: issuing each
+step's QK^T together with the previous step's PV, the softmax running
+under that wgmma (FA3's intra-warpgroup overlap, P^T double buffered), was
+6-12% slower on FP8 pages, 10% slower at head_dim 64 and 2% faster on bf16
+Llama-3-8B heads, and 64-key steps through 4 stages were slower too (H200,
+2026-11-26, `bench/results/decode_mosaic_overlap_NVIDIA_H200.json`), as
+were 2 CTAs per SM (2026-11-25).
 
 At head_dim 256 one q buffer (the next item's q loads during the
 epilogue) and 64-key steps fit shared memory next to the output tile.
@@ -446,7 +452,9 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # page ids of step j + 1 are loaded while step j waits for its slot
       # (one table round trip per step, not one per page; the index is
       # clamped into the visible pages, so a step past the end reads a
-      # valid entry and is never issued).
+      # valid entry and is never issued). Loading them 2 or 3 steps ahead
+      # changed no kernel time by more than run-to-run noise (H200,
+      # 2026-11-26: SmolLM2 / Gemma 3 / Llama-3-8B heads, 16-token pages).
       def body(j, pages):
         gj = g + j
         slot = lax.rem(gj, jnp.array(depth, i32))

@@ -40,3 +40,24 @@ def test_idle_gaps_against_a_busy_timeline():
                              np.round(np.array(want) / steps, 4), atol=1e-4)
   assert sum(got["gap_counts"].values()) == len(runs)
   assert got["largest"][0][0] == round(runs.max(), 3)
+
+
+def test_event_spans_split_at_idle_gaps():
+  # Clusters of random kernels (overlapping or a few us apart) separated by
+  # idle gaps longer than the threshold: one span per cluster, first start
+  # to last end, whatever the order of overlapping ends.
+  from bench import _timing  # noqa: PLC0415
+  rng = np.random.default_rng()
+  events, want, t = [], [], 0
+  for _ in range(int(rng.integers(1, 8))):
+    first, last = t, t
+    for _ in range(int(rng.integers(1, 30))):
+      dur = int(rng.integers(1_000, 200_000))
+      events.append((t, dur, "k"))
+      last = max(last, t + dur)
+      t += int(rng.integers(0, dur + 50_000))  # overlap, or a short gap
+    want.append((last - first) / 1e6)
+    t = last + int(rng.integers(2_600_000, 10_000_000))  # > 2.5 ms idle
+  events.sort()
+  got = _timing.event_spans_ms(events, 2_500_000)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
