@@ -98,6 +98,8 @@ class Config:
     keys_m: mosaic backend: the keys in the wgmmas' M dimension (`S^T = K
       q^T`, `O^T = V^T P^T`, the 16 loaded q rows as N) instead of the
       query rows padded to 64 (`paged_decode_mgpu`).
+    prefetch_ids: Triton kernel: load each step's page ids one step ahead
+      (carried through the loop) instead of at the step's start.
   """
   pages_per_block: int
   k_splits: int
@@ -109,6 +111,7 @@ class Config:
   pack_heads: int = 1
   num_ctas: int | None = None
   keys_m: bool = False
+  prefetch_ids: bool = False
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits", "pack_heads"):
@@ -129,6 +132,9 @@ class Config:
       raise ValueError(f"Invalid num_ctas: expected None, or >= 1 with the "
                        f"mosaic backend, got {self.num_ctas} "
                        f"(backend={self.backend!r})")
+    if self.prefetch_ids and self.backend != "triton":
+      raise ValueError(f"Invalid prefetch_ids: expected the triton backend, "
+                       f"got {self.backend!r}")
     if self.keys_m and self.backend != "mosaic":
       raise ValueError(f"Invalid keys_m: expected the mosaic backend, got "
                        f"{self.backend!r}")
@@ -170,7 +176,15 @@ class Config:
       `bench/fp8_decode_diag.py --sweep asm`); splits as for 4 warps, 3
       stages (4 tie, 5 win at B=64 S=4096 p16 and lose at B=8 S=16384, 2
       lose: `--sweep stages`). With 4 warps and 64-token steps the inline
-      PTX loses (0.80x at B=64 S=4096 p16).
+      PTX loses (0.80x at B=64 S=4096 p16). With <= 4 programs per SM
+      (after splits) the page ids load a step ahead (`prefetch_ids`):
+      kernel time 0.93 / 0.78 / 0.94 / 0.98x of loading them at each step
+      on B=64 S=4096 p16 / p32 / p64 and B=8 S=16384, 0.89x on
+      Llama-3.2-1B heads packed at B=64, on an H200, and 1.01 / 0.97 /
+      0.99 / 1.02 / 1.00x on an H100 (2026-11-26, same process,
+      `bench/results/decode_prefetch_ids_*.json`); with more programs it
+      loses (1.13x at B=256 S=1024 on the H200), as it does on bf16
+      pages (1.00-1.18x) and at head_dim 256 (1.26x).
     * FP8 pages at head_dim 64 with an even number of kv heads, on the same
       GPUs: two kv heads per program (`pack_heads=2`) with the head_dim-128
       FP8 rule's tiling for half the kv heads, except with >= 4 packed
@@ -221,10 +235,11 @@ class Config:
       return dataclasses.replace(inner, pack_heads=2)
     if fp8_cvt and head_dim == 128:
       pages_per_block = max(1, 64 // page_size)
-      return cls(pages_per_block=pages_per_block,
-                 k_splits=_default_splits(programs, max_pages,
-                                          pages_per_block, num_sms),
-                 num_warps=2, num_stages=3, fp8_convert="asm")
+      k_splits = _default_splits(programs, max_pages, pages_per_block,
+                                 num_sms)
+      return cls(pages_per_block=pages_per_block, k_splits=k_splits,
+                 num_warps=2, num_stages=3, fp8_convert="asm",
+                 prefetch_ids=programs * k_splits <= 4 * num_sms)
     block_tokens = 32 if head_dim > 128 else 64
     num_warps, num_stages = 4, 3
     if head_dim <= 128 and programs >= 8 * num_sms:
@@ -326,6 +341,7 @@ def _paged_decode_kernel(
     group_padded: int,
     kv_eviction: str | None,
     fp8_convert: str = "loaded",
+    prefetch_ids: bool = False,
     interpret: bool = False,
 ):
   b = pl.program_id(0)
@@ -394,15 +410,26 @@ def _paged_decode_kernel(
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
   row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
 
-  def body(step, carry):
-    acc, m_prev, l_prev = carry
+  def page_ids(step):
+    """The K and V page ids of `step` (0 past the split's pages)."""
     page0 = split_start + step * pages_per_block
-    page_idx = page0 + lax.iota(jnp.int32, pages_per_block)
-    page_ok = page_idx < split_end
-    k_ids = pltriton.load(k_table_ref.at[pl.ds(page0, pages_per_block)],
-                          mask=page_ok, other=0)
-    v_ids = pltriton.load(v_table_ref.at[pl.ds(page0, pages_per_block)],
-                          mask=page_ok, other=0)
+    page_ok = page0 + lax.iota(jnp.int32, pages_per_block) < split_end
+    return tuple(
+        pltriton.load(table_ref.at[pl.ds(page0, pages_per_block)],
+                      mask=page_ok, other=0)
+        for table_ref in (k_table_ref, v_table_ref))
+
+  def body(step, carry):
+    if prefetch_ids:
+      # The next step's page ids load while this step's tiles do (carried),
+      # so the tile loads do not wait on a table load first.
+      acc, m_prev, l_prev, k_ids, v_ids = carry
+      next_ids = page_ids(step + 1)
+    else:
+      acc, m_prev, l_prev = carry
+      k_ids, v_ids = page_ids(step)
+      next_ids = ()
+    page0 = split_start + step * pages_per_block
     tok = (page0 + page_iota) * page_size + row_iota  # [ppb, page_size]
     tok_ok = (tok < kv_len) & (tok >= lo) & (page0 + page_iota < split_end)
     # Gather with one int index per dim, all of shape [block_k, head_dim] (the
@@ -441,12 +468,13 @@ def _paged_decode_kernel(
                          precision=precision,
                          preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
-    return acc, m_next, l_next
+    return (acc, m_next, l_next) + next_ids
 
   acc = jnp.zeros((group_padded, head_dim), jnp.float32)
   m = jnp.full((group_padded,), DEFAULT_MASK_VALUE, jnp.float32)
   l = jnp.zeros((group_padded,), jnp.float32)
-  acc, m, l = lax.fori_loop(0, num_steps, body, (acc, m, l))
+  carry = (acc, m, l) + (page_ids(0) if prefetch_ids else ())
+  acc, m, l = lax.fori_loop(0, num_steps, body, carry)[:3]
   if v_scale is not None:
     acc = acc * v_scale
 
@@ -524,7 +552,7 @@ def _paged_decode_call(
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
       k_splits=ks, group_size=group_size, group_padded=group_padded,
       kv_eviction=config.kv_eviction, fp8_convert=config.fp8_convert,
-      interpret=interpret)
+      prefetch_ids=config.prefetch_ids, interpret=interpret)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, width), lambda b, k, s: (0, 0, k, 0))
   if final:
@@ -555,6 +583,7 @@ def _paged_decode_call(
           f"_s{config.num_stages}"
           f"{'' if config.fp8_convert == 'loaded' else '_fp8' + config.fp8_convert}"
           f"{'' if config.pack_heads == 1 else f'_pk{config.pack_heads}'}"
+          f"{'_pf' if config.prefetch_ids else ''}"
           f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
   return pl.pallas_call(
       kernel,

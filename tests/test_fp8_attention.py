@@ -257,8 +257,9 @@ def _on_gpu_with_fp8_cvt():
   return _compat.has_fp8_cvt()
 
 
-@pytest.mark.parametrize("mode", ["loaded", "operand", "asm"])
-def test_decode_kernel_fp8_convert_modes(mode):
+@pytest.mark.parametrize("mode,prefetch", [
+    ("loaded", False), ("operand", False), ("asm", False), ("asm", True)])
+def test_decode_kernel_fp8_convert_modes(mode, prefetch):
   """Every placement of the conversion (`Config.fp8_convert`) computes the
   oracle's attention ("asm" runs its `astype` twin in interpret mode; its
   PTX is checked on the GPU below); a bf16 query beyond f16's range (the
@@ -275,7 +276,8 @@ def test_decode_kernel_fp8_convert_modes(mode):
   q[2, 1, :4] = [1e5, -3e5, 7e4, 2.0]  # past f16's largest finite value
   q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
   table = jnp.asarray(p.page_table)
-  cfg = kernel.Config(pages_per_block=2, k_splits=2, fp8_convert=mode)
+  cfg = kernel.Config(pages_per_block=2, k_splits=2, fp8_convert=mode,
+                      prefetch_ids=prefetch)
   out, lse = kernel.paged_decode(
       jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
       jnp.asarray(lens), sm_scale=d**-0.5, interpret=True, config=cfg,
@@ -311,9 +313,10 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
   q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
                              jnp.bfloat16).astype(jnp.float32))
   table = jnp.asarray(p.page_table)
-  for ksplit in (1, 4):
+  for ksplit, prefetch in ((1, False), (4, False), (1, True), (4, True)):
     cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit,
-                        num_warps=warps, fp8_convert="asm")
+                        num_warps=warps, fp8_convert="asm",
+                        prefetch_ids=prefetch)
     out, lse = kernel.paged_decode(
         jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
         jnp.asarray(lens), sm_scale=d**-0.5, config=cfg,
@@ -341,6 +344,13 @@ def test_decode_default_fp8_asm_rule(monkeypatch):
       if cvt:
         assert (cfg.fp8_convert, cfg.num_warps) == ("asm", 2)
         assert cfg.pages_per_block * ps == max(64, ps)
+        # 2,048 programs: more than 4 per SM, no id prefetch; 64
+        # sequences (512 programs) prefetch.
+        assert not cfg.prefetch_ids
+        few = kernel.Config.default_for(
+            page_size=ps, head_dim=128, kv_dtype=FP8,
+            **{**kw, "batch_size": 64})
+        assert few.prefetch_ids and few.k_splits == 1
       else:
         assert cfg == bf16
     for other in (dict(head_dim=64, kv_dtype=FP8),

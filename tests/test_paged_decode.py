@@ -70,6 +70,11 @@ KERNEL_CASES = [
     ("pair", 8, 16, jnp.float16, 30, None, True, kernel.Config(2, 2)),
     ("pool", 4, 8, jnp.float32, -1, 10.0, True, kernel.Config(4, 4)),
     ("flashinfer", 4, 8, jnp.bfloat16, 9, None, False, kernel.Config(1, 2)),
+    # Page ids loaded a step ahead, with and without splits.
+    ("pool", 8, 8, jnp.bfloat16, -1, None, True,
+     kernel.Config(2, 1, prefetch_ids=True)),
+    ("flashinfer", 4, 8, jnp.float32, 9, 5.0, False,
+     kernel.Config(2, 2, prefetch_ids=True)),
 ]
 
 
@@ -268,6 +273,9 @@ def test_kernel_not_implemented_and_config_validation():
                         sm_scale=1.0, interpret=True)
   with pytest.raises(ValueError, match="k_splits"):
     kernel.Config(pages_per_block=2, k_splits=3)
+  with pytest.raises(ValueError, match="prefetch_ids"):
+    kernel.Config(pages_per_block=2, k_splits=1, backend="mosaic",
+                  prefetch_ids=True)
 
 
 def test_default_config_heuristics():
