@@ -61,3 +61,31 @@ def test_event_spans_split_at_idle_gaps():
   events.sort()
   got = _timing.event_spans_ms(events, 2_500_000)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
+
+
+def test_decode_layers_program_chains_its_layers():
+  # bench/decode_layers.py's one-program form of L decode layers: each
+  # layer's q depends on the last layer's output (so XLA can neither drop
+  # nor merge a layer), and the program equals the same chain of separate
+  # calls. Interpret mode, a small SmolLM2-headed case.
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from bench import decode_layers  # noqa: PLC0415
+  rows = decode_layers.run_spec(decode_layers.SMOKE_SPEC, 2,
+                                flashinfer=False, interpret=True)
+  assert rows[0]["err_last_vs_per_call"] == 0.0
+  shape, b, s, ps = decode_layers.SMOKE_SPEC
+  hq, hkv, d = decode_layers.SHAPES[shape]
+  _, kv, table, lens = decode_layers._inputs(hq, hkv, d, b, s, ps)
+  qs = jax.random.normal(jax.random.key(3), (2, b, hq, d), jnp.bfloat16)
+  cfg = decode_layers.kernel.Config.default_for(
+      batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+      head_dim=d, interpret=True)
+  args = (jnp.asarray(table), jnp.asarray(lens))
+  _, chained = decode_layers.layers_fn(cfg, head_dim=d, num_layers=2,
+                                       interpret=True)(qs, kv, *args)
+  _, alone = decode_layers.layers_fn(cfg, head_dim=d, num_layers=1,
+                                     interpret=True)(qs[1:], kv, *args)
+  assert np.isfinite(np.asarray(chained, np.float32)).all()
+  assert not np.array_equal(np.asarray(chained, np.float32),
+                            np.asarray(alone, np.float32))
