@@ -89,6 +89,26 @@ def workspace():
   return _WORKSPACE[0]
 
 
+def decode_wrapper(kv_cache, page_table, kv_lens, *, num_qo_heads: int,
+                   num_kv_heads: int, q_dtype, use_tensor_cores: bool = False):
+  """A FlashInfer `BatchDecodeWithPagedKVCacheWrapper` planned for
+  `page_table` / `kv_lens` (numpy) over `kv_cache [num_pages, 2, page_size,
+  num_kv_heads, head_dim]` (jax; float8_e4m3fn or `q_dtype`, a torch
+  dtype), on this process's workspace; `run(q, cache)` as often as wanted."""
+  import flashinfer  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+  indptr, indices, last = paged_kv_indices(page_table, kv_lens, page_size)
+  dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
+  kv_dtype = (torch.float8_e4m3fn if kv_cache.dtype == jnp.float8_e4m3fn
+              else q_dtype)
+  w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+      workspace(), "NHD", use_tensor_cores=use_tensor_cores)
+  w.plan(dev(indptr), dev(indices), dev(last), num_qo_heads, num_kv_heads,
+         head_dim, page_size, q_data_type=q_dtype, kv_data_type=kv_dtype)
+  return w
+
+
 def decode_fn(q, kv_cache, page_table, kv_lens, *, num_qo_heads: int,
               num_kv_heads: int, k_scale: float | None = None,
               v_scale: float | None = None, use_tensor_cores: bool = False):
@@ -106,18 +126,10 @@ def decode_fn(q, kv_cache, page_table, kv_lens, *, num_qo_heads: int,
     `(run, out)`: `run()` launches the decode (no host work but the launch)
     and `out` is its first result as a jax f32 array.
   """
-  import flashinfer  # pylint: disable=import-outside-toplevel
-  import torch  # pylint: disable=import-outside-toplevel
-  page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
-  indptr, indices, last = paged_kv_indices(page_table, kv_lens, page_size)
-  dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
   qt, ct = to_torch(q), to_torch(kv_cache)
-  kv_dtype = (torch.float8_e4m3fn if kv_cache.dtype == jnp.float8_e4m3fn
-              else qt.dtype)
-  w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-      workspace(), "NHD", use_tensor_cores=use_tensor_cores)
-  w.plan(dev(indptr), dev(indices), dev(last), num_qo_heads, num_kv_heads,
-         head_dim, page_size, q_data_type=qt.dtype, kv_data_type=kv_dtype)
+  w = decode_wrapper(kv_cache, page_table, kv_lens, num_qo_heads=num_qo_heads,
+                     num_kv_heads=num_kv_heads, q_dtype=qt.dtype,
+                     use_tensor_cores=use_tensor_cores)
   scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
   run = lambda: w.run(qt, ct, **scales)  # noqa: E731
   out = jnp.asarray(run().float().cpu().numpy())

@@ -139,11 +139,7 @@ def pkvattn_rows(name, label, cfg, f, args, num_layers, ref, kernel_time=True):
 
 def flashinfer_rows(name, qs, kv, table, lens, hq, hkv, num_layers, ref):
   """FlashInfer graph-L and loop-L rows, CUDA-core and tensor-core decode."""
-  import flashinfer  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
-  ps, d = kv.shape[2], kv.shape[4]
-  indptr, indices, last = _flashinfer.paged_kv_indices(table, lens, ps)
-  dev = lambda a: torch.as_tensor(np.asarray(a, np.int32), device="cuda")  # noqa: E731
   jax.block_until_ready((qs, kv))
   qt, ct = _flashinfer.to_torch(qs), _flashinfer.to_torch(kv)
   to_jax = lambda x: jnp.asarray(x.float().cpu().numpy())  # noqa: E731
@@ -151,10 +147,9 @@ def flashinfer_rows(name, qs, kv, table, lens, hq, hkv, num_layers, ref):
   for tc in (False, True):
     tag = "flashinfer" + (" tc" if tc else "")
     try:
-      w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-          _flashinfer.workspace(), "NHD", use_tensor_cores=tc)
-      w.plan(dev(indptr), dev(indices), dev(last), hq, hkv, d, ps,
-             q_data_type=qt.dtype, kv_data_type=qt.dtype)
+      w = _flashinfer.decode_wrapper(kv, table, lens, num_qo_heads=hq,
+                                     num_kv_heads=hkv, q_dtype=qt.dtype,
+                                     use_tensor_cores=tc)
 
       def layers(w=w):
         outs = [w.run(qt[0], ct)]
