@@ -235,9 +235,15 @@ def _configs(d):
   out += [("mosaic splits x2", dict(k_splits=2)),
           ("mosaic splits x4", dict(k_splits=4)),
           ("mosaic splits /2", dict(k_splits=0))]
-  # Other rings (at head_dim 256 only 64-key steps in 2 stages fit).
+  # Other rings (at head_dim 256 only 64-key steps in 2 stages fit with the
+  # q rows in M).
   if d == 128:
     out += [("mosaic bkv64 s3", dict(pages_per_block=-64, num_stages=3))]
+  elif d == 256:
+    # keys_m's 16-row q and output tiles leave room for a third stage.
+    out += [("mosaic keys_m s3", dict(keys_m=True, num_stages=3)),
+            ("mosaic keys_m s3 splits /2",
+             dict(keys_m=True, num_stages=3, k_splits=0))]
   elif d == 64:
     out += [("mosaic s2", dict(num_stages=2)),
             ("mosaic s5", dict(num_stages=5)),

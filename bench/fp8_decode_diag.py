@@ -1,6 +1,6 @@
 """FP8 pages in the Triton kernels: configs side by side, Nsight-ready children.
 
-Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep tiles|asm|stages]`
+Run on a GPU:  `python -m bench.fp8_decode_diag [--out DIR] [--sweep NAME] [--fast]`
 
 Decode: for Llama-3-8B shapes (32 / 8 / 128 heads), the Llama-3.2-1B shape
 (32 / 8 / 64) and SmolLM2's (9 / 3 / 64), times `paged_decode`'s Triton
@@ -13,7 +13,12 @@ the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`,
 `--sweep stages` the FP8 default's pipeline depth, `--sweep splits` its
 split count, `--sweep pack` tilings
 around the FP8 default where it packs two head_dim-64 kv heads per program,
-`paged_decode.Config.pack_heads`).
+`paged_decode.Config.pack_heads`, `--sweep grid` conversion x stages x
+splits x page-id prefetch around the FP8 default of GPUs other than the
+H200, `grid_variants`, `--sweep half` that default with half-size steps and
+more splits beside the H200's; `--fast` skips the per-call timing). A
+sweep writes
+`fp8_decode_diag_<sweep>_sweep_<device>.json`.
 Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
 trace (`_timing.device_kernel_ms`); `tbps` counts the K/V bytes read.
 
@@ -83,7 +88,7 @@ def _inputs(spec, seed=0):
 
 
 def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
-             sweep: str):
+             sweep: str, fp8_other: kernel.Config | None = None):
   """name -> Config of the FP8 variants tried on one spec: the FP8 default,
   then the bf16 default's tiling with each conversion, then a sweep's."""
   out = {"default": fp8_default, "loaded": base,
@@ -100,6 +105,25 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
                 d, num_stages=2, k_splits=min(64, 4 * d.k_splits)),
             "default_s4_ks_x4": dataclasses.replace(
                 d, num_stages=4, k_splits=min(64, 4 * d.k_splits))}
+  if sweep == "grid":
+    return {"default": fp8_default,
+            **grid_variants(fp8_default if fp8_other is None else fp8_other,
+                            page_size)}
+  if sweep == "half":
+    # Half-size steps with more splits around the FP8 default.
+    # `other_gpus`: the FP8 default for a GPU other than an H200 (the
+    # H200's own rule takes these half-size steps at 16-token pages).
+    d = fp8_default if fp8_other is None else fp8_other
+    out = {"default": fp8_default, "other_gpus": d, "loaded": base,
+           "ks_x4": dataclasses.replace(d, k_splits=min(64, 4 * d.k_splits))}
+    if d.pages_per_block > 1:
+      for mult in (2, 4):
+        out[f"half_ks_x{mult}"] = dataclasses.replace(
+            d, pages_per_block=d.pages_per_block // 2,
+            k_splits=min(64, mult * d.k_splits), prefetch_ids=False)
+        out[f"half_ks_x{mult}_pf"] = dataclasses.replace(
+            out[f"half_ks_x{mult}"], prefetch_ids=True)
+    return out
   if sweep == "stages":
     return {"default": fp8_default, "loaded": base,
             **{f"default_s{n}": dataclasses.replace(fp8_default, num_stages=n)
@@ -178,7 +202,44 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
   return out
 
 
-def decode_rows(names=None, sweep=""):
+def grid_variants(d: kernel.Config, page_size: int):
+  """name -> Config: a grid around `d`, the FP8 default of GPUs other than
+  the H200 (`other_gpus`; its kv heads per
+  program kept): both tiles converted by inline PTX (`asm`), or V converted
+  in its loaded layout and multiplied by its row mask (`mul`),
+  on 2 warps with 3 or 4 stages, 1 / 2 / 4 times its splits, page ids at
+  each step or a step ahead; then 4 warps, 2 stages with more splits, and
+  half-size steps."""
+  out = {"other_gpus": d}
+  for conv in ("asm", "mul"):
+    for stages in (3, 4):
+      for mult in (1, 2, 4):
+        for pf in (False, True):
+          out[f"{conv}_w2_s{stages}_ks_x{mult}{'_pf' if pf else ''}"] = (
+              dataclasses.replace(d, fp8_convert=conv, num_warps=2,
+                                  num_stages=stages,
+                                  k_splits=min(64, mult * d.k_splits),
+                                  prefetch_ids=pf))
+  for conv in ("asm", "mul"):
+    for mult in (1, 2):
+      out[f"{conv}_w4_s3_ks_x{mult}_pf"] = dataclasses.replace(
+          d, fp8_convert=conv, num_warps=4, num_stages=3,
+          k_splits=min(64, mult * d.k_splits), prefetch_ids=True)
+  for mult in (2, 4):
+    out[f"asm_w2_s2_ks_x{mult}_pf"] = dataclasses.replace(
+        d, fp8_convert="asm", num_warps=2, num_stages=2,
+        k_splits=min(64, mult * d.k_splits), prefetch_ids=True)
+  if d.pages_per_block > 1:
+    for conv in ("asm", "mul"):
+      for mult in (2, 4):
+        out[f"{conv}_w2_s3_half_ks_x{mult}_pf"] = dataclasses.replace(
+            d, fp8_convert=conv, num_warps=2, num_stages=3,
+            pages_per_block=d.pages_per_block // 2,
+            k_splits=min(64, mult * d.k_splits), prefetch_ids=True)
+  return out
+
+
+def decode_rows(names=None, sweep="", fast=False):
   rows = []
   for name, spec in SPECS.items():
     if names and name not in names:
@@ -194,6 +255,10 @@ def decode_rows(names=None, sweep=""):
         batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
         head_dim=d, group_size=hq // hkv, dtype=q.dtype,
         kv_dtype=jnp.float8_e4m3fn)
+    fp8_other = kernel.Config.default_for(
+        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+        head_dim=d, group_size=hq // hkv, dtype=q.dtype,
+        kv_dtype=jnp.float8_e4m3fn, device_kind="")
     # Reference on a slice of the batch (the whole one is GBs in f32).
     nb = min(b, 8)
     expected, _ = reference.paged_decode_reference(
@@ -209,7 +274,7 @@ def decode_rows(names=None, sweep=""):
           q, a, c, table, table, lens, sm_scale=sm_scale, config=cfg, **kw))
       out, _ = f(q, pk, pv)
       err = _timing.rel_err(out[:nb], expected) if scaled else None
-      t = _timing.time_fn(f, q, pk, pv)["median_ms"]
+      t = None if fast else _timing.time_fn(f, q, pk, pv)["median_ms"]
       kt = _timing.device_kernel_ms(f, lambda: (q, pk, pv))
       return dict(ms=t, kernel_ms=kt, rel_err=err)
 
@@ -217,7 +282,8 @@ def decode_rows(names=None, sweep=""):
                fp8_default=dataclasses.asdict(fp8_default))
     r = timed(k, v, base, False)
     row["bf16_default"] = dict(r, tbps=kv_bytes(2) / r["kernel_ms"] / 1e9)
-    for vname, cfg in variants(base, fp8_default, ps, sweep).items():
+    for vname, cfg in variants(base, fp8_default, ps, sweep,
+                               fp8_other).items():
       try:
         r = timed(k8, v8, cfg, True)
       except Exception as e:  # noqa: BLE001  (a config that does not lower)
@@ -225,7 +291,12 @@ def decode_rows(names=None, sweep=""):
         continue
       row[f"fp8_{vname}"] = dict(
           r, tbps=kv_bytes(1) / r["kernel_ms"] / 1e9,
-          over_bf16=r["kernel_ms"] / row["bf16_default"]["kernel_ms"])
+          over_bf16=r["kernel_ms"] / row["bf16_default"]["kernel_ms"],
+          config=dataclasses.asdict(cfg))
+      if fast:
+        print(f"  {name} {vname}: {r['kernel_ms'] * 1e3:.1f} us "
+              f"{row[f'fp8_{vname}']['over_bf16']:.3f}x bf16 "
+              f"err {r['rel_err']:.1e}", flush=True)
     rows.append(row)
     print(json.dumps(row), flush=True)
     del k, v, k8, v8
@@ -335,7 +406,10 @@ def main():
                   "decode")
   ap.add_argument("--specs", default="", help="comma list of SPECS names")
   ap.add_argument("--sweep", default="",
-                  choices=("", "tiles", "asm", "stages", "pack", "splits"))
+                  choices=("", "tiles", "asm", "stages", "pack", "splits",
+                           "grid", "half"))
+  ap.add_argument("--fast", action="store_true",
+                  help="decode: kernel time only (no per-call timing)")
   args = ap.parse_args()
   if args.child:
     _child(args.child)
@@ -351,10 +425,11 @@ def main():
     res["prefill"] = prefill_rows()
   if "decode" not in skip:
     res["decode"] = decode_rows(set(filter(None, args.specs.split(","))),
-                                args.sweep)
+                                args.sweep, args.fast)
   os.makedirs(args.out, exist_ok=True)
   dev = res["environment"]["device"].replace(" ", "_")
-  path = os.path.join(args.out, f"fp8_decode_diag_{dev}.json")
+  tag = f"_{args.sweep}_sweep" if args.sweep else ""
+  path = os.path.join(args.out, f"fp8_decode_diag{tag}_{dev}.json")
   with open(path, "w") as f:
     json.dump(res, f, indent=1)
   print(f"\ncopy roof {roof:.0f} GB/s")

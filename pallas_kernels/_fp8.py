@@ -20,10 +20,11 @@ on the Llama-3-8B decode shape B=64 S=4096 page 16):
 Together: FP8-page decode time 0.59-0.67x of bf16 pages on the Llama-3-8B
 shapes, against 0.68-0.90x before.
 
-* Inline PTX (`"asm"`): both tiles convert in their loaded layout through
+* Inline PTX (`"asm"`): both tiles convert through
   `elementwise_inline_asm`, four values per instance (`cvt.rn.f16x2.e4m3x2`
-  on each 16-bit half of the register; sm_89+), an op Triton cannot move
-  past the layout change, so no select is needed. With 64-key steps on 2
+  on each 16-bit half of the register; sm_89+), with no select (meant to
+  keep V's conversion in its loaded layout; Triton places it after the
+  layout change all the same, see below). With 64-key steps on 2
   warps it is the default at head_dim 128: decode kernel time 0.56-0.60x
   of bf16 pages on the four Llama-3-8B shapes against 0.60-0.66x with
   `"loaded"` and its own best tiling (H100, 2026-11-25,
@@ -31,6 +32,16 @@ shapes, against 0.68-0.90x before.
   `"loaded"` (0.73x, Llama-3.2-1B heads) or loses (0.66 against 0.64x,
   SmolLM2 heads), and on 4 warps with 64-key steps it loses at head_dim
   128 too (0.80x), so the default keeps `"loaded"` there.
+* What the inline-PTX default executes (H200, Nsight Compute SASS counts,
+  B=64 S=4096 p16, 2026-11-26): 1,276 instructions per warp per 64-key
+  step. Triton places V's conversion after the layout change: V's 128
+  bytes per thread come from shared memory one `LDS.U8` at a time (10% of
+  the instructions) and are packed by `PRMT`s (8%) for the PTX; `IMAD.MOV`s
+  assembling q's MMA fragments are another 14%. `"mul"` (V converted by
+  Triton in its loaded layout and multiplied by the 0 / 1 row mask: packed
+  `HMUL2`s, where `"loaded"`'s select unpacks and repacks every f16 pair)
+  reads V in 16-byte words and runs 11% fewer instructions, but takes 192
+  registers against 168 and is no faster (`fp8_decode_diag --sweep grid`).
 * Head_dim 64: two kv heads packed per program read as one 128-wide head
   (`paged_decode.Config.pack_heads`) take the head_dim-128 rule, 0.56-0.60x
   of bf16 pages on Llama-3.2-1B heads (`paged_decode.Config.default_for`).
@@ -48,9 +59,10 @@ import jax.numpy as jnp
 F16_MAX = 65504.0
 # Where and how FP8 tiles convert to the dot dtype: "loaded" (V in the layout
 # it was loaded in, behind a select), "operand" (Triton's choice: after the
-# dot-operand layout change) or "asm" (K and V in their loaded layout, by
-# inline PTX; a GPU of compute capability >= 8.9).
-CONVERT_MODES = ("loaded", "operand", "asm")
+# dot-operand layout change), "asm" (K and V in their loaded layout, by
+# inline PTX; a GPU of compute capability >= 8.9) or "mul" (as "loaded", with
+# V's rows multiplied by their 0 / 1 mask instead of selected).
+CONVERT_MODES = ("loaded", "operand", "asm", "mul")
 
 # e4m3x4 (one 32-bit register) -> f16x4 (two): one `cvt.rn.f16x2.e4m3x2`
 # per pair, on the register's 16-bit halves (sm_89+).
@@ -106,6 +118,8 @@ def convert(x, dtype, rows_ok, mode: str, interpret: bool = False):
   y = x.astype(dtype)
   if mode == "operand":
     return y
+  if mode == "mul":
+    return y * rows_ok.astype(y.dtype).reshape(-1, 1)
   keep = jnp.broadcast_to(rows_ok.reshape(-1, 1), y.shape)
   return jnp.where(keep, y, jnp.zeros_like(y))
 

@@ -76,8 +76,8 @@ class Config:
       (`num_warps` must be 4; kv_eviction unused), on a persistent grid of
       one CTA per SM.
     fp8_convert: Triton kernel, FP8 pages: where and how tiles convert to
-      the dot dtype, "loaded", "operand" or "asm" (inline PTX, compute
-      capability >= 8.9; `pallas_kernels/_fp8.py`).
+      the dot dtype, "loaded", "operand", "asm" (inline PTX, compute
+      capability >= 8.9) or "mul" (`pallas_kernels/_fp8.py`).
     pack_heads: Triton kernel: kv heads per program (a power of two
       dividing `num_kv_heads`, `pack_heads * head_dim <= 256`). Adjacent kv
       heads are contiguous in every pool layout (NHD), so the pools are
@@ -147,7 +147,8 @@ class Config:
                   max_pages: int, head_dim: int,
                   num_sms: int = _NUM_SMS, group_size: int | None = None,
                   dtype=None, kv_dtype=None, interpret: bool = False,
-                  backend: str | None = None) -> "Config":
+                  backend: str | None = None,
+                  device_kind: str | None = None) -> "Config":
     """Heuristic config for one decode call (static shapes only).
 
     Backend: "mosaic" where `_mosaic_default` says so (Hopper, a case the
@@ -184,7 +185,17 @@ class Config:
       0.99 / 1.02 / 1.00x on an H100 (2026-11-26, same process,
       `bench/results/decode_prefetch_ids_*.json`); with more programs it
       loses (1.13x at B=256 S=1024 on the H200), as it does on bf16
-      pages (1.00-1.18x) and at head_dim 256 (1.26x).
+      pages (1.00-1.18x) and at head_dim 256 (1.26x). On an H200
+      (`device_kind`, None = JAX's first device's) with one kv head per
+      program, pages of <= 16 tokens and <= 4 programs per SM before
+      splits: 32-token steps and splits for about 8 programs per SM
+      instead, page ids a step ahead: 0.69 / 0.73x of bf16 pages' kernel
+      time at B=64 S=4096 / B=8 S=16384 (16-token pages) against 0.74 /
+      0.81x (2026-11-26, `bench/fp8_decode_diag.py --sweep half`, and
+      `--sweep grid`; with the page ids loaded at each step instead, 0.83 /
+      0.89x). It loses on an H100 (0.60 / 0.65x against 0.58 / 0.61x) and
+      with two kv heads packed (0.67-0.69 / 0.77-0.80x against 0.66-0.68 /
+      0.73x on Llama-3.2-1B heads, H200).
     * FP8 pages at head_dim 64 with an even number of kv heads, on the same
       GPUs: two kv heads per program (`pack_heads=2`) with the head_dim-128
       FP8 rule's tiling for half the kv heads, except with >= 4 packed
@@ -195,7 +206,10 @@ class Config:
       0.76x; packed with the head_dim-128 tiling 0.56-0.59x at B=64 S=4096
       and 0.60-0.63x at B=8 S=16384 (`"loaded"` on 4 warps: 0.61-0.62 /
       0.62-0.65x), but 0.65-0.67x at B=256 S=1024 (1,024 packed programs),
-      where `"loaded"` on 4 warps gives 0.58-0.64x. Packing reads 128-byte
+      where `"loaded"` on 4 warps gives 0.58-0.64x (on an H200 the
+      head_dim-128 tiling with splits for >= 8 programs per SM wins there
+      instead: 0.67x against 0.79x, 94 / 110 us, 2026-11-26,
+      `bench/fp8_decode_diag.py --sweep grid`). Packing reads 128-byte
       rows per token instead of 64 and fills 8 of the 16 MMA rows instead
       of 4. 128-key steps lose (0.72 / 0.89 / 1.00x), 4 heads (head_dim
       256) lose (0.76-0.83x). bf16 pages keep one head per program: packed,
@@ -225,15 +239,30 @@ class Config:
     fp8_cvt = (not interpret and kv_dtype is not None
                and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
                and _compat.has_fp8_cvt())
+    if fp8_cvt and device_kind is None:
+      device_kind = _compat.device_kind()
     if fp8_cvt and head_dim == 64 and num_kv_heads % 2 == 0:
       inner = cls.default_for(
           batch_size=batch_size, num_kv_heads=num_kv_heads // 2,
           page_size=page_size, max_pages=max_pages, head_dim=2 * head_dim,
-          num_sms=num_sms, kv_dtype=kv_dtype, backend="triton")
-      if batch_size * (num_kv_heads // 2) >= 4 * num_sms:
+          num_sms=num_sms, kv_dtype=kv_dtype, backend="triton",
+          device_kind="")  # packed heads keep the 64-token steps
+      packed = batch_size * (num_kv_heads // 2)
+      if packed >= 4 * num_sms and "H200" in device_kind:
+        inner = dataclasses.replace(inner, k_splits=_default_splits(
+            packed, max_pages, inner.pages_per_block, num_sms, per_sm=8))
+      elif packed >= 4 * num_sms:
         inner = dataclasses.replace(inner, fp8_convert="loaded", num_warps=4)
       return dataclasses.replace(inner, pack_heads=2)
     if fp8_cvt and head_dim == 128:
+      if ("H200" in device_kind and page_size <= 16
+          and programs <= 4 * num_sms):
+        pages_per_block = 32 // page_size
+        k_splits = _default_splits(programs, max_pages, pages_per_block,
+                                   num_sms, per_sm=8)
+        return cls(pages_per_block=pages_per_block, k_splits=k_splits,
+                   num_warps=2, num_stages=3, fp8_convert="asm",
+                   prefetch_ids=True)
       pages_per_block = max(1, 64 // page_size)
       k_splits = _default_splits(programs, max_pages, pages_per_block,
                                  num_sms)

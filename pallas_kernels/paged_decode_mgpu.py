@@ -49,10 +49,19 @@ under that wgmma (FA3's intra-warpgroup overlap, P^T double buffered), was
 6-12% slower on FP8 pages, 10% slower at head_dim 64 and 2% faster on bf16
 Llama-3-8B heads, and 64-key steps through 4 stages were slower too (H200,
 2026-11-26, `bench/results/decode_mosaic_overlap_NVIDIA_H200.json`), as
-were 2 CTAs per SM (2026-11-25).
+were 2 CTAs per SM (2026-11-25). Nor is the consumer alone the limit:
+with its work and the converter's removed (a probe build whose warpgroups
+only wait on and arrive at the barriers), the TMA ring by itself takes 138 /
+134 / 79 / 152 us on the four Llama-3-8B decode specs, 0.56-0.60x of bf16
+pages' time, and a second converter warpgroup changes nothing (H200,
+2026-11-26): this layout cannot go much below 0.6x of bf16 pages.
 
 At head_dim 256 one q buffer (the next item's q loads during the
-epilogue) and 64-key steps fit shared memory next to the output tile.
+epilogue) and 64-key steps fit shared memory next to the output tile. The
+keys-in-M build would leave room for a third stage there, but is slower
+with two or three (0.85-0.90x of FlashInfer's kernel time on Gemma 3 270M
+heads against 0.92-0.97x, H200, 2026-11-26,
+`bench/results/decode_mosaic_d256_keys_m_NVIDIA_H200.json`).
 
 `paged_decode` routes here on compute capability 9.0 for bf16 / f16 q and
 pages of 128 tokens (`paged_decode.MOSAIC_MIN_PAGE_SIZE`), head_dim 64 /

@@ -103,7 +103,7 @@ def test_pack_heads_default_rule(monkeypatch):
                                     **{**kw, "batch_size": batch})
     d128 = kernel.Config.default_for(
         batch_size=batch, max_pages=64, page_size=16, head_dim=128,
-        num_kv_heads=4, kv_dtype=FP8)
+        num_kv_heads=4, kv_dtype=FP8, device_kind="")
     want = {**d128.__dict__, "pack_heads": 2}
     if many:  # 1,024 packed programs >= 4 per SM
       want.update(fp8_convert="loaded", num_warps=4)

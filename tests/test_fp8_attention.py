@@ -258,7 +258,8 @@ def _on_gpu_with_fp8_cvt():
 
 
 @pytest.mark.parametrize("mode,prefetch", [
-    ("loaded", False), ("operand", False), ("asm", False), ("asm", True)])
+    ("loaded", False), ("operand", False), ("asm", False), ("asm", True),
+    ("mul", False), ("mul", True)])
 def test_decode_kernel_fp8_convert_modes(mode, prefetch):
   """Every placement of the conversion (`Config.fp8_convert`) computes the
   oracle's attention ("asm" runs its `astype` twin in interpret mode; its
@@ -300,9 +301,9 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
     (4, 128, 16, 4, 2), (3, 64, 16, 8, 4), (8, 128, 64, 1, 2),
     (1, 128, 8, 8, 4)])
 def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
-  """The inline-PTX conversion on the GPU against the oracle on the
-  dequantized pages (NaN in unowned pages and past kv_lens), splits and
-  odd lengths included."""
+  """The inline-PTX conversion (and the `mul` placement) on the GPU against
+  the oracle on the dequantized pages (NaN in unowned pages and past
+  kv_lens), splits, page-id prefetch and odd lengths included."""
   from pkvattn.pallas_kernels import paged_decode as kernel
   rng = np.random.default_rng()
   hkv = 2
@@ -313,9 +314,11 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
   q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
                              jnp.bfloat16).astype(jnp.float32))
   table = jnp.asarray(p.page_table)
-  for ksplit, prefetch in ((1, False), (4, False), (1, True), (4, True)):
+  for ksplit, prefetch, mode in ((1, False, "asm"), (4, False, "asm"),
+                                 (1, True, "asm"), (4, True, "asm"),
+                                 (4, True, "mul")):
     cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit,
-                        num_warps=warps, fp8_convert="asm",
+                        num_warps=warps, fp8_convert=mode,
                         prefetch_ids=prefetch)
     out, lse = kernel.paged_decode(
         jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
@@ -332,7 +335,7 @@ def test_decode_default_fp8_asm_rule(monkeypatch):
   from pkvattn.pallas_kernels import _compat
   from pkvattn.pallas_kernels import paged_decode as kernel
   kw = dict(batch_size=256, num_kv_heads=8, max_pages=64, group_size=4,
-            dtype=jnp.bfloat16)
+            dtype=jnp.bfloat16, device_kind="NVIDIA H100 80GB HBM3")
   for cvt in (True, False):
     monkeypatch.setattr(_compat, "has_fp8_cvt", lambda cvt=cvt: cvt)
     for ps in (16, 64):
@@ -357,6 +360,49 @@ def test_decode_default_fp8_asm_rule(monkeypatch):
                   dict(head_dim=128, kv_dtype=FP8, interpret=True)):
       assert kernel.Config.default_for(page_size=16, **other,
                                        **kw).fp8_convert == "loaded"
+
+
+@pytest.mark.parametrize("batch_size,max_pages", [(64, 256), (8, 1024),
+                                                  (256, 64)])
+def test_decode_default_fp8_h200_rule(monkeypatch, batch_size, max_pages):
+  """On an H200, with <= 4 programs per SM, FP8 pages of 16 tokens take
+  32-token steps and splits for 8-16 programs per SM; an H100, more
+  programs, 64-token pages and packed head_dim-64 heads keep the 64-token
+  rule, and packed heads with >= 4 programs per SM keep inline PTX on 2
+  warps (with splits) on an H200 where other GPUs take "loaded" on 4."""
+  from pkvattn.pallas_kernels import _compat
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
+  kw = dict(batch_size=batch_size, num_kv_heads=8, max_pages=max_pages,
+            group_size=4, dtype=jnp.bfloat16, kv_dtype=FP8)
+  few = batch_size * 8 <= 4 * 132
+
+  def cfg(ps=16, head_dim=128, kind="NVIDIA H200"):
+    return kernel.Config.default_for(page_size=ps, head_dim=head_dim,
+                                     device_kind=kind, **kw)
+  h200, h100 = cfg(), cfg(kind="NVIDIA H100 80GB HBM3")
+  assert (h200.fp8_convert, h200.num_warps) == ("asm", 2)
+  if few:
+    assert h200.pages_per_block * 16 == 32 and h200.prefetch_ids
+    programs = batch_size * 8 * h200.k_splits
+    assert 4 * 132 < programs <= 16 * 132, programs
+    # Each split keeps >= 2 of the longest sequence's 32-token steps.
+    assert h200.k_splits <= max_pages // 2 // 2
+  else:
+    assert h200 == h100
+  assert h100.pages_per_block * 16 == 64
+  assert cfg(ps=64) == cfg(ps=64, kind="NVIDIA H100 80GB HBM3")
+  packed = cfg(head_dim=64)
+  packed_h100 = cfg(head_dim=64, kind="NVIDIA H100 80GB HBM3")
+  assert packed.pack_heads == 2 and packed.pages_per_block * 16 == 64
+  if batch_size * 4 >= 4 * 132:  # >= 4 packed programs per SM
+    # H200: inline PTX on 2 warps with more splits; elsewhere "loaded" on 4.
+    assert (packed.fp8_convert, packed.num_warps) == ("asm", 2)
+    assert 8 * 132 <= batch_size * 4 * packed.k_splits <= 16 * 132
+    assert (packed_h100.fp8_convert, packed_h100.num_warps) == ("loaded", 4)
+    assert packed_h100.k_splits == 1
+  else:
+    assert packed == packed_h100
 
 
 def test_decode_kernel_fp8_asm_lowers_for_cuda(monkeypatch):
