@@ -42,6 +42,15 @@ shapes, against 0.68-0.90x before.
   `HMUL2`s, where `"loaded"`'s select unpacks and repacks every f16 pair)
   reads V in 16-byte words and runs 11% fewer instructions, but takes 192
   registers against 168 and is no faster (`fp8_decode_diag --sweep grid`).
+  The `IMAD.MOV`s come from Triton laying both dots' operands out for 8-bit
+  values (4 per thread along K) because the K and V tiles were loaded as
+  bytes. Two probe builds (H200, 2026-11-26, five decode specs) removed
+  them: the PTX lowered as impure (Triton's slice stops there) ran 25%
+  fewer instructions on 124 registers, V staged as f16 for `ldmatrix`, but
+  was 31-57% slower, its loads no longer software-pipelined; and tiles
+  loaded as 16-bit e4m3 pairs, converted into even and odd columns and
+  joined back, were 25-34% slower (the join costs a `PRMT` per value and V
+  is still read from shared memory one pair at a time).
 * Head_dim 64: two kv heads packed per program read as one 128-wide head
   (`paged_decode.Config.pack_heads`) take the head_dim-128 rule, 0.56-0.60x
   of bf16 pages on Llama-3.2-1B heads (`paged_decode.Config.default_for`).
