@@ -188,14 +188,14 @@ class Config:
       pages (1.00-1.18x) and at head_dim 256 (1.26x). On an H200
       (`device_kind`, None = JAX's first device's) with one kv head per
       program, pages of <= 16 tokens and <= 4 programs per SM before
-      splits: 32-token steps and splits for about 8 programs per SM
-      instead, page ids a step ahead: 0.69 / 0.73x of bf16 pages' kernel
-      time at B=64 S=4096 / B=8 S=16384 (16-token pages) against 0.74 /
-      0.81x (2026-11-26, `bench/fp8_decode_diag.py --sweep half`, and
-      `--sweep grid`; with the page ids loaded at each step instead, 0.83 /
-      0.89x). It loses on an H100 (0.60 / 0.65x against 0.58 / 0.61x) and
-      with two kv heads packed (0.67-0.69 / 0.77-0.80x against 0.66-0.68 /
-      0.73x on Llama-3.2-1B heads, H200).
+      splits: 32-token steps and splits for 8-16 programs per SM
+      instead, page ids a step ahead: 0.71 / 0.75x of bf16 pages' kernel
+      time at B=64 S=4096 / B=8 S=16384 (16-token pages) against 0.75 /
+      0.82x (2026-11-26, `bench/fp8_decode_diag.py --sweep half`, and
+      `--sweep grid`; with the page ids loaded at each step instead, 0.84 /
+      0.89x). It loses on an H100 (0.60-0.61 / 0.64-0.65x against 0.58 /
+      0.61x) and with two kv heads packed (0.68-0.70 / 0.76-0.80x against
+      0.66 / 0.72x on Llama-3.2-1B heads, H200).
     * FP8 pages at head_dim 64 with an even number of kv heads, on the same
       GPUs: two kv heads per program (`pack_heads=2`) with the head_dim-128
       FP8 rule's tiling for half the kv heads, except with >= 4 packed
@@ -207,9 +207,10 @@ class Config:
       and 0.60-0.63x at B=8 S=16384 (`"loaded"` on 4 warps: 0.61-0.62 /
       0.62-0.65x), but 0.65-0.67x at B=256 S=1024 (1,024 packed programs),
       where `"loaded"` on 4 warps gives 0.58-0.64x (on an H200 the
-      head_dim-128 tiling with splits for >= 8 programs per SM wins there
-      instead: 0.67x against 0.79x, 94 / 110 us, 2026-11-26,
-      `bench/fp8_decode_diag.py --sweep grid`). Packing reads 128-byte
+      head_dim-128 tiling with splits for 8-16 programs per SM wins there
+      instead: 0.67-0.72x against 0.79-0.83x, 94 against 109-110 us,
+      2026-11-26, `bench/fp8_decode_diag.py --sweep grid` and `--sweep
+      half`). Packing reads 128-byte
       rows per token instead of 64 and fills 8 of the 16 MMA rows instead
       of 4. 128-key steps lose (0.72 / 0.89 / 1.00x), 4 heads (head_dim
       256) lose (0.76-0.83x). bf16 pages keep one head per program: packed,
