@@ -41,7 +41,9 @@ shapes, against 0.68-0.90x before.
   Triton in its loaded layout and multiplied by the 0 / 1 row mask: packed
   `HMUL2`s, where `"loaded"`'s select unpacks and repacks every f16 pair)
   reads V in 16-byte words and runs 11% fewer instructions, but takes 192
-  registers against 168 and is no faster (`fp8_decode_diag --sweep grid`).
+  registers against 168 and is no faster at head_dim 128 (`fp8_decode_diag
+  --sweep grid`); at head_dim 64 without packing (SmolLM2's odd kv heads)
+  it beats `"loaded"` by 4-13% and is the default there.
   The `IMAD.MOV`s come from Triton laying both dots' operands out for 8-bit
   values (4 per thread along K) because the K and V tiles were loaded as
   bytes. Two probe builds (H200, 2026-11-26, five decode specs) removed

@@ -216,6 +216,17 @@ class Config:
       256) lose (0.76-0.83x). bf16 pages keep one head per program: packed,
       0.95-0.96x at B=64 S=4096 but 0.99-1.01x at B=256 S=1024 (two runs,
       the XLA form of packing), not measured further.
+    * FP8 pages at head_dim 64 that do not pack (odd kv heads, e.g. SmolLM2's
+      9 / 3 / 64), on the 2-warp bf16 tiling: V converted in its loaded
+      layout and multiplied by its row mask (`fp8_convert="mul"`), and on
+      an H200 with <= 4 programs per SM before splits the page ids a step
+      ahead. SmolLM2 heads, B=256 S=1024 / B=64 S=4096, kernel time in three
+      alternating runs (2026-11-26): H200 41.1 / 41.5 against 44.6 / 47.5
+      us for `"loaded"` (0.82 / 0.81x of bf16 pages in
+      `fp8_decode_diag_grid_sweep_NVIDIA_H200.json` against 0.87 / 0.92x),
+      H100 45.9 / 49.1 against 47.8 / 50.8 us (0.62 / 0.65x against 0.64 /
+      0.67x, `..._H100_80GB_HBM3.json`; the ids a step ahead lose there).
+      At head_dim 256 (Gemma 3 heads) `"mul"` ties.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
       traffic once the SMs are busy), 4 per SM for 2-warp programs (SmolLM2
@@ -279,8 +290,13 @@ class Config:
     pages_per_block = max(1, block_tokens // page_size)
     k_splits = _default_splits(programs, max_pages, pages_per_block, num_sms,
                                per_sm=4 if num_warps == 2 else 2)
+    fp8_convert, prefetch_ids = "loaded", False
+    if fp8_cvt and head_dim == 64 and num_warps == 2:
+      fp8_convert = "mul"
+      prefetch_ids = "H200" in device_kind and programs <= 4 * num_sms
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
-               num_warps=num_warps, num_stages=num_stages)
+               num_warps=num_warps, num_stages=num_stages,
+               fp8_convert=fp8_convert, prefetch_ids=prefetch_ids)
 
 
 # Pages from which the Mosaic-GPU kernel is the default on Hopper. Kernel

@@ -15,6 +15,8 @@ step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -360,6 +362,36 @@ def test_decode_default_fp8_asm_rule(monkeypatch):
                   dict(head_dim=128, kv_dtype=FP8, interpret=True)):
       assert kernel.Config.default_for(page_size=16, **other,
                                        **kw).fp8_convert == "loaded"
+
+
+def test_decode_default_fp8_unpacked_d64_rule(monkeypatch):
+  """FP8 pages at head_dim 64 that do not pack (odd kv heads) take the 2-warp
+  bf16 tiling with V multiplied by its row mask ("mul"), the page ids a step
+  ahead only on an H200 with <= 4 programs per SM; with >= 8 programs per
+  SM (4 warps), bf16 pages and GPUs without the e4m3 conversion keep
+  "loaded"."""
+  from pkvattn.pallas_kernels import _compat
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
+
+  def cfg(batch_size, kind, kv_dtype=FP8):
+    return kernel.Config.default_for(
+        batch_size=batch_size, num_kv_heads=3, page_size=16, max_pages=256,
+        head_dim=64, group_size=3, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
+        device_kind=kind)
+  h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+  for batch_size, few in ((64, True), (256, False)):  # 192 / 768 programs
+    for kind in (h200, h100):
+      c = cfg(batch_size, kind)
+      bf16 = cfg(batch_size, kind, jnp.bfloat16)
+      assert (c.fp8_convert, c.num_warps, c.pack_heads) == ("mul", 2, 1)
+      assert c.prefetch_ids == (few and kind == h200)
+      assert dataclasses.replace(c, fp8_convert="loaded",
+                                 prefetch_ids=False) == bf16
+  many = cfg(512, h200)  # 1,536 programs: 4 warps, 128-token steps
+  assert (many.fp8_convert, many.num_warps) == ("loaded", 4)
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
+  assert cfg(64, h200).fp8_convert == "loaded"
 
 
 @pytest.mark.parametrize("batch_size,max_pages", [(64, 256), (8, 1024),
