@@ -251,17 +251,15 @@ def decode_rows(names=None, sweep="", fast=False):
     q, k, v, table, lens = _inputs(spec)
     k8, v8 = _kv.quantize(k, K_SCALE), _kv.quantize(v, V_SCALE)
     sm_scale = d ** -0.5
-    base = kernel.Config.default_for(
-        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
-        head_dim=d, group_size=hq // hkv, dtype=q.dtype)
-    fp8_default = kernel.Config.default_for(
-        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
-        head_dim=d, group_size=hq // hkv, dtype=q.dtype,
-        kv_dtype=jnp.float8_e4m3fn)
+    shape = dict(batch_size=b, num_kv_heads=hkv, page_size=ps,
+                 max_pages=s // ps, head_dim=d, group_size=hq // hkv,
+                 dtype=q.dtype)
+    base = kernel.Config.default_for(**shape)
+    fp8_default = kernel.Config.default_for(**shape,
+                                            kv_dtype=jnp.float8_e4m3fn)
+    # The FP8 default of GPUs other than the H200.
     fp8_other = kernel.Config.default_for(
-        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
-        head_dim=d, group_size=hq // hkv, dtype=q.dtype,
-        kv_dtype=jnp.float8_e4m3fn, device_kind="")
+        **shape, kv_dtype=jnp.float8_e4m3fn, device_kind="")
     # Reference on a slice of the batch (the whole one is GBs in f32).
     nb = min(b, 8)
     expected, _ = reference.paged_decode_reference(

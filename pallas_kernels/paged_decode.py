@@ -253,6 +253,7 @@ class Config:
                and _compat.has_fp8_cvt())
     if fp8_cvt and device_kind is None:
       device_kind = _compat.device_kind()
+    h200 = fp8_cvt and "H200" in device_kind
     if fp8_cvt and head_dim == 64 and num_kv_heads % 2 == 0:
       inner = cls.default_for(
           batch_size=batch_size, num_kv_heads=num_kv_heads // 2,
@@ -260,15 +261,14 @@ class Config:
           num_sms=num_sms, kv_dtype=kv_dtype, backend="triton",
           device_kind="")  # packed heads keep the 64-token steps
       packed = batch_size * (num_kv_heads // 2)
-      if packed >= 4 * num_sms and "H200" in device_kind:
+      if packed >= 4 * num_sms and h200:
         inner = dataclasses.replace(inner, k_splits=_default_splits(
             packed, max_pages, inner.pages_per_block, num_sms, per_sm=8))
       elif packed >= 4 * num_sms:
         inner = dataclasses.replace(inner, fp8_convert="loaded", num_warps=4)
       return dataclasses.replace(inner, pack_heads=2)
     if fp8_cvt and head_dim == 128:
-      if ("H200" in device_kind and page_size <= 16
-          and programs <= 4 * num_sms):
+      if h200 and page_size <= 16 and programs <= 4 * num_sms:
         pages_per_block = 32 // page_size
         k_splits = _default_splits(programs, max_pages, pages_per_block,
                                    num_sms, per_sm=8)
@@ -293,7 +293,7 @@ class Config:
     fp8_convert, prefetch_ids = "loaded", False
     if fp8_cvt and head_dim == 64 and num_warps == 2:
       fp8_convert = "mul"
-      prefetch_ids = "H200" in device_kind and programs <= 4 * num_sms
+      prefetch_ids = h200 and programs <= 4 * num_sms
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
                num_warps=num_warps, num_stages=num_stages,
                fp8_convert=fp8_convert, prefetch_ids=prefetch_ids)
