@@ -6,18 +6,19 @@ Decode: for Llama-3-8B shapes (32 / 8 / 128 heads), the Llama-3.2-1B shape
 (32 / 8 / 64) and SmolLM2's (9 / 3 / 64), times `paged_decode`'s Triton
 kernel on bf16 pages (default config) and on FP8 pages: the FP8 default
 config (`default`), then the bf16 default's tiling with V converted in its
-loaded layout (`loaded`), where Triton puts it (`operand`) and both tiles by
-inline PTX (`asm`), after checking every FP8 variant against the f32
-reference on the same pages (`--sweep tiles` adds tiling variants around
-the bf16 tiling with `loaded`, `--sweep asm` around it with `asm`,
-`--sweep stages` the FP8 default's pipeline depth, `--sweep splits` its
-split count, `--sweep pack` tilings
+loaded layout (`loaded`), where Triton puts it (`operand`), both tiles by
+inline PTX (`asm`) and both read as 16-bit column pairs (`pairs`), after
+checking every FP8 variant against the f32 reference on the same pages
+(`--sweep tiles` adds tiling variants around the bf16 tiling with `loaded`,
+`--sweep asm` around it with `asm`, `--sweep stages` the FP8 default's
+pipeline depth, `--sweep splits` its split count, `--sweep pack` tilings
 around the FP8 default where it packs two head_dim-64 kv heads per program,
 `paged_decode.Config.pack_heads`, `--sweep grid` conversion x stages x
-splits x page-id prefetch around the FP8 default of GPUs other than the
-H200, `grid_variants`, `--sweep half` that default with half-size steps and
-more splits beside the H200's; `--fast` skips the per-call timing). A
-sweep writes
+splits x page-id prefetch around the FP8 default, `grid_variants` (run when
+the default was the inline-PTX rule), `--sweep half` that default with
+half-size steps and more splits, `--sweep pairs` the column-pair default
+beside the inline-PTX rule it replaced, `pairs_variants`; `--fast` skips the
+per-call timing). A sweep writes
 `fp8_decode_diag_<sweep>_sweep_<device>.json`.
 Times are per call (`_timing.time_fn`) and GPU kernel time from a profiler
 trace (`_timing.device_kernel_ms`); `tbps` counts the K/V bytes read.
@@ -91,12 +92,13 @@ def _inputs(spec, seed=0):
 
 
 def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
-             sweep: str, fp8_other: kernel.Config | None = None):
+             sweep: str, shape: dict | None = None):
   """name -> Config of the FP8 variants tried on one spec: the FP8 default,
   then the bf16 default's tiling with each conversion, then a sweep's."""
   out = {"default": fp8_default, "loaded": base,
          "operand": dataclasses.replace(base, fp8_convert="operand"),
-         "asm": dataclasses.replace(base, fp8_convert="asm")}
+         "asm": dataclasses.replace(base, fp8_convert="asm"),
+         "pairs": dataclasses.replace(base, fp8_convert="pairs")}
   if sweep == "splits":
     # More programs per SM for the 2-warp FP8 default (its registers allow
     # 6 per SM; at k_splits=1 the Llama-3-8B shapes give about 4).
@@ -108,16 +110,16 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
                 d, num_stages=2, k_splits=min(64, 4 * d.k_splits)),
             "default_s4_ks_x4": dataclasses.replace(
                 d, num_stages=4, k_splits=min(64, 4 * d.k_splits))}
+  if sweep == "pairs":
+    return {"default": fp8_default, "loaded": base,
+            **pairs_variants(fp8_default, page_size, shape["batch_size"],
+                             shape["num_kv_heads"], shape["max_pages"])}
   if sweep == "grid":
-    return {"default": fp8_default,
-            **grid_variants(fp8_default if fp8_other is None else fp8_other,
-                            page_size)}
+    return {"default": fp8_default, **grid_variants(fp8_default, page_size)}
   if sweep == "half":
     # Half-size steps with more splits around the FP8 default.
-    # `other_gpus`: the FP8 default for a GPU other than an H200 (the
-    # H200's own rule takes these half-size steps at 16-token pages).
-    d = fp8_default if fp8_other is None else fp8_other
-    out = {"default": fp8_default, "other_gpus": d, "loaded": base,
+    d = fp8_default
+    out = {"default": fp8_default, "loaded": base,
            "ks_x4": dataclasses.replace(d, k_splits=min(64, 4 * d.k_splits))}
     if d.pages_per_block > 1:
       for mult in (2, 4):
@@ -205,15 +207,46 @@ def variants(base: kernel.Config, fp8_default: kernel.Config, page_size: int,
   return out
 
 
+def pairs_variants(d: kernel.Config, page_size: int, batch_size: int,
+                   num_kv_heads: int, max_pages: int):
+  """name -> Config around `d`, an FP8 default that reads column pairs
+  (`fp8_convert="pairs"`; its kv heads per program kept): the earlier
+  inline-PTX rule (`asm_rule`: both tiles converted after Triton's layout
+  change, 64-token steps, splits for 2 programs per SM, page ids a step
+  ahead with <= 4 programs per SM) and its `mul` twin, then `d` with half /
+  twice the step (splits scaled to match), page ids at each step or ahead,
+  4 warps, 4 stages, twice the splits."""
+  programs = batch_size * num_kv_heads // d.pack_heads
+  ppb = max(1, 64 // page_size)
+  ks = kernel._default_splits(programs, max_pages, ppb, kernel._NUM_SMS)
+  rule = dataclasses.replace(
+      d, fp8_convert="asm", pages_per_block=ppb, k_splits=ks,
+      prefetch_ids=programs * ks <= 4 * kernel._NUM_SMS)
+  out = {"asm_rule": rule,
+         "mul_rule": dataclasses.replace(rule, fp8_convert="mul")}
+  if d.pages_per_block > 1:
+    out["half_step"] = dataclasses.replace(
+        d, pages_per_block=d.pages_per_block // 2,
+        k_splits=min(64, 2 * d.k_splits))
+  if d.pages_per_block * page_size < 128:
+    out["twice_step"] = dataclasses.replace(
+        d, pages_per_block=2 * d.pages_per_block,
+        k_splits=max(1, d.k_splits // 2))
+  out["ids_flip"] = dataclasses.replace(d, prefetch_ids=not d.prefetch_ids)
+  out["w4"] = dataclasses.replace(d, num_warps=4)
+  out["s4"] = dataclasses.replace(d, num_stages=4)
+  out["ks_x2"] = dataclasses.replace(d, k_splits=min(64, 2 * d.k_splits))
+  return out
+
+
 def grid_variants(d: kernel.Config, page_size: int):
-  """name -> Config: a grid around `d`, the FP8 default of GPUs other than
-  the H200 (`other_gpus`; its kv heads per
+  """name -> Config: a grid around `d`, an FP8 default (its kv heads per
   program kept): both tiles converted by inline PTX (`asm`), or V converted
   in its loaded layout and multiplied by its row mask (`mul`),
   on 2 warps with 3 or 4 stages, 1 / 2 / 4 times its splits, page ids at
   each step or a step ahead; then 4 warps, 2 stages with more splits, and
   half-size steps."""
-  out = {"other_gpus": d}
+  out = {}
   for conv in ("asm", "mul"):
     for stages in (3, 4):
       for mult in (1, 2, 4):
@@ -257,9 +290,6 @@ def decode_rows(names=None, sweep="", fast=False):
     base = kernel.Config.default_for(**shape)
     fp8_default = kernel.Config.default_for(**shape,
                                             kv_dtype=jnp.float8_e4m3fn)
-    # The FP8 default of GPUs other than the H200.
-    fp8_other = kernel.Config.default_for(
-        **shape, kv_dtype=jnp.float8_e4m3fn, device_kind="")
     # Reference on a slice of the batch (the whole one is GBs in f32).
     nb = min(b, 8)
     expected, _ = reference.paged_decode_reference(
@@ -284,7 +314,7 @@ def decode_rows(names=None, sweep="", fast=False):
     r = timed(k, v, base, False)
     row["bf16_default"] = dict(r, tbps=kv_bytes(2) / r["kernel_ms"] / 1e9)
     for vname, cfg in variants(base, fp8_default, ps, sweep,
-                               fp8_other).items():
+                               shape).items():
       try:
         r = timed(k8, v8, cfg, True)
       except Exception as e:  # noqa: BLE001  (a config that does not lower)
@@ -408,7 +438,7 @@ def main():
   ap.add_argument("--specs", default="", help="comma list of SPECS names")
   ap.add_argument("--sweep", default="",
                   choices=("", "tiles", "asm", "stages", "pack", "splits",
-                           "grid", "half"))
+                           "grid", "half", "pairs"))
   ap.add_argument("--fast", action="store_true",
                   help="decode: kernel time only (no per-call timing)")
   args = ap.parse_args()

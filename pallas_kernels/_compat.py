@@ -71,17 +71,6 @@ def compute_capability() -> tuple[int, int] | None:
   return int(major), int(minor)
 
 
-def device_kind() -> str:
-  """`device_kind` of JAX's first device where it is a GPU (e.g. "NVIDIA
-  H200"), else ""."""
-  import jax  # noqa: PLC0415
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:  # pragma: no cover
-    return ""
-  return str(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else ""
-
-
 def has_fp8_cvt() -> bool:
   """Whether the GPU converts e4m3 pairs to f16 in one instruction
   (`cvt.rn.f16x2.e4m3x2`: compute capability >= 8.9)."""
@@ -97,5 +86,5 @@ def is_hopper() -> bool:
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
            "mosaic_gpu", "mgpu_load", "is_hopper", "compute_capability",
-           "has_fp8_cvt", "device_kind"]
+           "has_fp8_cvt"]
 

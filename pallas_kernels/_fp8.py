@@ -25,7 +25,8 @@ shapes, against 0.68-0.90x before.
   on each 16-bit half of the register; sm_89+), with no select (meant to
   keep V's conversion in its loaded layout; Triton places it after the
   layout change all the same, see below). With 64-key steps on 2
-  warps it is the default at head_dim 128: decode kernel time 0.56-0.60x
+  warps it was the default at head_dim 128 until `"pairs"`: decode kernel
+  time 0.56-0.60x
   of bf16 pages on the four Llama-3-8B shapes against 0.60-0.66x with
   `"loaded"` and its own best tiling (H100, 2026-11-25,
   `bench/fp8_decode_diag.py --sweep asm`). At head_dim 64 it ties
@@ -43,7 +44,7 @@ shapes, against 0.68-0.90x before.
   reads V in 16-byte words and runs 11% fewer instructions, but takes 192
   registers against 168 and is no faster at head_dim 128 (`fp8_decode_diag
   --sweep grid`); at head_dim 64 without packing (SmolLM2's odd kv heads)
-  it beats `"loaded"` by 4-13% and is the default there.
+  it beats `"loaded"` by 4-13% (the default there until `"pairs"`).
   The `IMAD.MOV`s come from Triton laying both dots' operands out for 8-bit
   values (4 per thread along K) because the K and V tiles were loaded as
   bytes. Two probe builds (H200, 2026-11-26, five decode specs) removed
@@ -53,9 +54,24 @@ shapes, against 0.68-0.90x before.
   loaded as 16-bit e4m3 pairs, converted into even and odd columns and
   joined back, were 25-34% slower (the join costs a `PRMT` per value and V
   is still read from shared memory one pair at a time).
+* Column pairs (`"pairs"`, the decode default on GPUs with the e4m3
+  conversion, 2026-11-26): the pools are viewed as 16-bit words of two
+  adjacent columns (`pair_view`, a bitcast) and each tile is split in
+  registers into its even and odd columns (`split_pairs`: a byte permute
+  and one `cvt.rn.f16x2.e4m3x2` per two words). The logits sum two
+  half-width dots (q's even columns against K's even ones, odd against
+  odd) and V's halves feed two accumulators, whose columns interleave only
+  when the output is stored. Triton then sees 16-bit tiles: it reads them
+  from shared memory with `ldmatrix` (transposed for V) in the layout of
+  f16 operands, as for bf16 pages, and the 8-bit operand layout with its
+  register moves is gone. Decode kernel time 0.53-0.58x of bf16 pages on
+  the four Llama-3-8B shapes on an H200 and 0.55-0.57x on an H100,
+  against 0.62-0.74x / 0.55-0.59x for the inline-PTX rule
+  (`paged_decode.Config.default_for` has the figures). Unlike the
+  even / odd probe above, nothing is joined back inside the loop.
 * Head_dim 64: two kv heads packed per program read as one 128-wide head
-  (`paged_decode.Config.pack_heads`) take the head_dim-128 rule, 0.56-0.60x
-  of bf16 pages on Llama-3.2-1B heads (`paged_decode.Config.default_for`).
+  (`paged_decode.Config.pack_heads`), 0.54-0.55x of bf16 pages on
+  Llama-3.2-1B heads on an H200 (`paged_decode.Config.default_for`).
 * Prefill with many query rows per sequence dequantizes the named pages
   before the launch instead (`dequantize_pages`,
   `paged_prefill.Config.fp8_pages`): a fixed cost per key, where in-kernel
@@ -71,9 +87,11 @@ F16_MAX = 65504.0
 # Where and how FP8 tiles convert to the dot dtype: "loaded" (V in the layout
 # it was loaded in, behind a select), "operand" (Triton's choice: after the
 # dot-operand layout change), "asm" (K and V in their loaded layout, by
-# inline PTX; a GPU of compute capability >= 8.9) or "mul" (as "loaded", with
-# V's rows multiplied by their 0 / 1 mask instead of selected).
-CONVERT_MODES = ("loaded", "operand", "asm", "mul")
+# inline PTX; a GPU of compute capability >= 8.9), "mul" (as "loaded", with
+# V's rows multiplied by their 0 / 1 mask instead of selected) or "pairs"
+# (tiles read as 16-bit words of two adjacent columns, split into even and
+# odd columns: `pair_view`, `split_pairs`).
+CONVERT_MODES = ("loaded", "operand", "asm", "mul", "pairs")
 
 # e4m3x4 (one 32-bit register) -> f16x4 (two): one `cvt.rn.f16x2.e4m3x2`
 # per pair, on the register's 16-bit halves (sm_89+).
@@ -83,6 +101,52 @@ mov.b32 {lo, hi}, $2;
 cvt.rn.f16x2.e4m3x2 $0, lo;
 cvt.rn.f16x2.e4m3x2 $1, hi;
 }"""
+
+
+# e4m3 pairs (the even or odd bytes of two 16-bit words in one register) ->
+# f16x2: a byte permute, then one `cvt.rn.f16x2.e4m3x2` (sm_89+).
+_PAIRS_TO_F16X2 = """{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $1, 0, %s;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+}"""
+
+
+def pair_view(pool):
+  """An FP8 pool `[..., head_dim]` as `uint16[..., head_dim // 2]`: word `i`
+  holds columns `2i` (low byte) and `2i + 1` (high byte). A bitcast, no
+  copy."""
+  *lead, head_dim = pool.shape
+  from jax import lax  # noqa: PLC0415
+  return lax.bitcast_convert_type(
+      lax.bitcast_convert_type(pool, jnp.uint8).reshape(
+          *lead, head_dim // 2, 2), jnp.uint16)
+
+
+def split_pairs(words, dtype, interpret: bool):
+  """`uint16[rows, cols]` words of `pair_view` -> `(even, odd)`, each
+  `[rows, cols]` in `dtype`: the e4m3 values of columns `2i` and `2i + 1`.
+
+  On a GPU with an f16 dot dtype, each is inline PTX on the words in the
+  layout they were loaded in: a byte permute and one e4m3x2 -> f16x2
+  conversion per two words. Both keep 16-bit tiles, so Triton reads them
+  from shared memory with `ldmatrix` in the MMA operand layout (transposed
+  for V), as it does bf16 pages, not byte by byte."""
+  from jax import lax  # noqa: PLC0415
+  if interpret or jnp.dtype(dtype) != jnp.float16:
+    def half(shift):
+      b = ((words >> shift) & 0xFF).astype(jnp.uint8)
+      return lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(dtype)
+    return half(0), half(8)
+  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+  out = jax.ShapeDtypeStruct(words.shape, jnp.float16)
+  return tuple(
+      pltriton.elementwise_inline_asm(
+          _PAIRS_TO_F16X2 % sel, args=[words], constraints="=r,r", pack=2,
+          result_shape_dtypes=[out])[0]
+      for sel in ("0x0020", "0x0031"))
 
 
 def dot_dtype(q_dtype):

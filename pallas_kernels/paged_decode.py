@@ -147,8 +147,7 @@ class Config:
                   max_pages: int, head_dim: int,
                   num_sms: int = _NUM_SMS, group_size: int | None = None,
                   dtype=None, kv_dtype=None, interpret: bool = False,
-                  backend: str | None = None,
-                  device_kind: str | None = None) -> "Config":
+                  backend: str | None = None) -> "Config":
     """Heuristic config for one decode call (static shapes only).
 
     Backend: "mosaic" where `_mosaic_default` says so (Hopper, a case the
@@ -169,64 +168,30 @@ class Config:
       us with 4 at kv_lens ~80 / ~300 / ~960 (H200, 2026-11-23,
       bench/decode_step_ab.py). 32-token steps won at ~80 (6.0-6.1 us) but
       lost 10-18% at ~300 and ~960.
-    * FP8 pages at head_dim 128 on a GPU with e4m3 -> f16 conversion
-      (compute capability >= 8.9): 64-token steps on 2 warps, tiles
-      converted by inline PTX (`fp8_convert="asm"`): 0.56-0.60x of the bf16
-      default's kernel time on the four Llama-3-8B decode shapes, against
-      0.60-0.66x for the bf16 tiling with `"loaded"` (H100, 2026-11-25,
-      `bench/fp8_decode_diag.py --sweep asm`); splits as for 4 warps, 3
-      stages (4 tie, 5 win at B=64 S=4096 p16 and lose at B=8 S=16384, 2
-      lose: `--sweep stages`). With 4 warps and 64-token steps the inline
-      PTX loses (0.80x at B=64 S=4096 p16). With <= 4 programs per SM
-      (after splits) the page ids load a step ahead (`prefetch_ids`):
-      kernel time 0.93 / 0.78 / 0.94 / 0.98x of loading them at each step
-      on B=64 S=4096 p16 / p32 / p64 and B=8 S=16384, 0.89x on
-      Llama-3.2-1B heads packed at B=64, on an H200, and 1.01 / 0.97 /
-      0.99 / 1.02 / 1.00x on an H100 (2026-11-26, same process,
-      `bench/results/decode_prefetch_ids_*.json`); with more programs it
-      loses (1.13x at B=256 S=1024 on the H200), as it does on bf16
-      pages (1.00-1.18x) and at head_dim 256 (1.26x). On an H200
-      (`device_kind`, None = JAX's first device's) with one kv head per
-      program, pages of <= 16 tokens and <= 4 programs per SM before
-      splits: 32-token steps and splits for 8-16 programs per SM
-      instead, page ids a step ahead: 0.71 / 0.75x of bf16 pages' kernel
-      time at B=64 S=4096 / B=8 S=16384 (16-token pages) against 0.75 /
-      0.82x (2026-11-26, `bench/fp8_decode_diag.py --sweep half`, and
-      `--sweep grid`; with the page ids loaded at each step instead, 0.84 /
-      0.89x). It loses on an H100 (0.60-0.61 / 0.64-0.65x against 0.58 /
-      0.61x) and with two kv heads packed (0.68-0.70 / 0.76-0.80x against
-      0.66 / 0.72x on Llama-3.2-1B heads, H200).
-    * FP8 pages at head_dim 64 with an even number of kv heads, on the same
-      GPUs: two kv heads per program (`pack_heads=2`) with the head_dim-128
-      FP8 rule's tiling for half the kv heads, except with >= 4 packed
-      programs per SM before splits, where V converts in its loaded layout
-      on 4 warps. Llama-3.2-1B heads (32 / 8 / 64), kernel time against
-      bf16 pages (H100, 2026-11-25, `bench/fp8_decode_diag.py --sweep
-      pack`, three runs, and `bench/fp8_pack_probe.py`): unpacked 0.70-
-      0.76x; packed with the head_dim-128 tiling 0.56-0.59x at B=64 S=4096
-      and 0.60-0.63x at B=8 S=16384 (`"loaded"` on 4 warps: 0.61-0.62 /
-      0.62-0.65x), but 0.65-0.67x at B=256 S=1024 (1,024 packed programs),
-      where `"loaded"` on 4 warps gives 0.58-0.64x (on an H200 the
-      head_dim-128 tiling with splits for 8-16 programs per SM wins there
-      instead: 0.67-0.72x against 0.79-0.83x, 94 against 109-110 us,
-      2026-11-26, `bench/fp8_decode_diag.py --sweep grid` and `--sweep
-      half`). Packing reads 128-byte
-      rows per token instead of 64 and fills 8 of the 16 MMA rows instead
-      of 4. 128-key steps lose (0.72 / 0.89 / 1.00x), 4 heads (head_dim
-      256) lose (0.76-0.83x). bf16 pages keep one head per program: packed,
-      0.95-0.96x at B=64 S=4096 but 0.99-1.01x at B=256 S=1024 (two runs,
-      the XLA form of packing), not measured further.
-    * FP8 pages at head_dim 64 that do not pack (odd kv heads, e.g. SmolLM2's
-      9 / 3 / 64), on the 2-warp bf16 tiling: V converted in its loaded
-      layout and multiplied by its row mask (`fp8_convert="mul"`), and on
-      an H200 with <= 4 programs per SM before splits the page ids a step
-      ahead. SmolLM2 heads, B=256 S=1024 / B=64 S=4096, kernel time in three
-      alternating runs (2026-11-26): H200 41.1 / 41.5 against 44.6 / 47.5
-      us for `"loaded"` (0.82 / 0.81x of bf16 pages in
-      `fp8_decode_diag_grid_sweep_NVIDIA_H200.json` against 0.87 / 0.92x),
-      H100 45.9 / 49.1 against 47.8 / 50.8 us (0.62 / 0.65x against 0.64 /
-      0.67x, `..._H100_80GB_HBM3.json`; the ids a step ahead lose there).
-      At head_dim 256 (Gemma 3 heads) `"mul"` ties.
+    * FP8 pages on a GPU with e4m3 -> f16 conversion (compute capability >=
+      8.9): both tiles read as 16-bit words of two adjacent columns
+      (`fp8_convert="pairs"`, `pallas_kernels/_fp8.py`) on 2 warps, 3 stages,
+      splits for 2 programs per SM (4 at head_dim 64 without packing), page
+      ids a step ahead where a step covers <= 64 tokens. Head_dim 64 with an
+      even number of kv heads packs two per program (`pack_heads=2`: 128-byte
+      rows, 8 of the MMA's 16 rows). Steps of 64 tokens, 32 at head_dim 256 or
+      with > 4 programs per SM. Kernel time against bf16 pages' default
+      (2026-11-26, `bench/fp8_decode_diag.py --sweep pairs`,
+      `fp8_decode_diag_pairs_sweep_*.json`; the rules it replaced in
+      brackets): Llama-3-8B heads B=64 S=4096 p16 / p64, B=8 S=16384, B=256
+      S=1024: H200 0.55 / 0.55 / 0.59 / 0.56x (0.71 / 0.63 / 0.75 / 0.67x),
+      H100 0.56 / 0.55 / 0.57 / 0.55x (0.58 / 0.55 / 0.61 / 0.58x);
+      Llama-3.2-1B heads packed, B=256 S=1024 / B=64 S=4096: H200 0.53 / 0.54x
+      (0.67-0.72 / 0.66x), H100 0.53 / 0.54x; SmolLM2 heads B=256 S=1024 /
+      B=64 S=4096: H200 0.70 / 0.73x (0.82 / 0.81x), H100 0.62 / 0.64x (0.62 /
+      0.65x); Gemma 3 270M heads B=64 / B=256: H200 0.59 / 0.59x (0.83-0.85x),
+      H100 0.58 / 0.58x. Around the default (half or twice the step, the ids
+      at each step, 4 warps, 4 stages, twice the splits) nothing wins on the
+      H200 but 64-token steps for Gemma 3 heads at B=256 (0.57x). On the H100
+      the ids at each step win by 1-3% and 64-token steps at head_dim 256 by
+      up to 12% (B=256); not adopted, as they lose or tie on the H200.
+      128-token steps with the ids a step ahead lose (H200, scratch grid:
+      0.59-0.70x against 0.54-0.58x), so they load them at each step.
     * Splits: enough programs (`batch_size * num_kv_heads * k_splits`) for
       about 2 per SM (H200 sweep, 2026-11-21: more splits only add combine
       traffic once the SMs are busy), 4 per SM for 2-warp programs (SmolLM2
@@ -251,36 +216,24 @@ class Config:
     fp8_cvt = (not interpret and kv_dtype is not None
                and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
                and _compat.has_fp8_cvt())
-    if fp8_cvt and device_kind is None:
-      device_kind = _compat.device_kind()
-    h200 = fp8_cvt and "H200" in device_kind
-    if fp8_cvt and head_dim == 64 and num_kv_heads % 2 == 0:
-      inner = cls.default_for(
-          batch_size=batch_size, num_kv_heads=num_kv_heads // 2,
-          page_size=page_size, max_pages=max_pages, head_dim=2 * head_dim,
-          num_sms=num_sms, kv_dtype=kv_dtype, backend="triton",
-          device_kind="")  # packed heads keep the 64-token steps
-      packed = batch_size * (num_kv_heads // 2)
-      if packed >= 4 * num_sms and h200:
-        inner = dataclasses.replace(inner, k_splits=_default_splits(
-            packed, max_pages, inner.pages_per_block, num_sms, per_sm=8))
-      elif packed >= 4 * num_sms:
-        inner = dataclasses.replace(inner, fp8_convert="loaded", num_warps=4)
-      return dataclasses.replace(inner, pack_heads=2)
-    if fp8_cvt and head_dim == 128:
-      if h200 and page_size <= 16 and programs <= 4 * num_sms:
-        pages_per_block = 32 // page_size
-        k_splits = _default_splits(programs, max_pages, pages_per_block,
-                                   num_sms, per_sm=8)
-        return cls(pages_per_block=pages_per_block, k_splits=k_splits,
-                   num_warps=2, num_stages=3, fp8_convert="asm",
-                   prefetch_ids=True)
+    if fp8_cvt and (head_dim != 64 or num_kv_heads % 2 == 0):
+      pack = 2 if head_dim == 64 else 1
+      programs //= pack
+      block_tokens = 32 if head_dim > 128 or programs > 4 * num_sms else 64
+      pages_per_block = max(1, block_tokens // page_size)
+      return cls(pages_per_block=pages_per_block,
+                 k_splits=_default_splits(programs, max_pages,
+                                          pages_per_block, num_sms),
+                 num_warps=2, num_stages=3, fp8_convert="pairs",
+                 pack_heads=pack,
+                 prefetch_ids=pages_per_block * page_size <= 64)
+    if fp8_cvt:  # head_dim 64, an odd number of kv heads
       pages_per_block = max(1, 64 // page_size)
-      k_splits = _default_splits(programs, max_pages, pages_per_block,
-                                 num_sms)
-      return cls(pages_per_block=pages_per_block, k_splits=k_splits,
-                 num_warps=2, num_stages=3, fp8_convert="asm",
-                 prefetch_ids=programs * k_splits <= 4 * num_sms)
+      return cls(pages_per_block=pages_per_block,
+                 k_splits=_default_splits(programs, max_pages,
+                                          pages_per_block, num_sms, per_sm=4),
+                 num_warps=2, num_stages=3, fp8_convert="pairs",
+                 prefetch_ids=pages_per_block * page_size <= 64)
     block_tokens = 32 if head_dim > 128 else 64
     num_warps, num_stages = 4, 3
     if head_dim <= 128 and programs >= 8 * num_sms:
@@ -290,13 +243,8 @@ class Config:
     pages_per_block = max(1, block_tokens // page_size)
     k_splits = _default_splits(programs, max_pages, pages_per_block, num_sms,
                                per_sm=4 if num_warps == 2 else 2)
-    fp8_convert, prefetch_ids = "loaded", False
-    if fp8_cvt and head_dim == 64 and num_warps == 2:
-      fp8_convert = "mul"
-      prefetch_ids = h200 and programs <= 4 * num_sms
     return cls(pages_per_block=pages_per_block, k_splits=k_splits,
-               num_warps=num_warps, num_stages=num_stages,
-               fp8_convert=fp8_convert, prefetch_ids=prefetch_ids)
+               num_warps=num_warps, num_stages=num_stages)
 
 
 # Pages from which the Mosaic-GPU kernel is the default on Hopper. Kernel
@@ -325,8 +273,9 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
     # sets its pace whatever the page bytes (about 1 us per 64-key step
     # with the q rows in the wgmmas' M dimension, 0.9 with the keys there),
     # so halving them helps little: kernel time 0.90-1.15x of bf16 pages
-    # (keys_m) and 1.04-1.27x (rows) against Triton's 0.69-0.92x (H200,
-    # 2026-11-25, bench/decode_mosaic_fp8.py).
+    # (keys_m) and 1.04-1.27x (rows) against Triton's 0.69-0.92x then (H200,
+    # 2026-11-25, bench/decode_mosaic_fp8.py), 0.55-0.59x on the
+    # Llama-3-8B shapes since it reads column pairs (2026-11-26).
     return False
   return paged_decode_mgpu.supports(
       dtype=dtype, kv_dtype=dtype if kv_dtype is None else kv_dtype,
@@ -371,7 +320,8 @@ def _paged_decode_kernel(
     v_table_ref,   # i32[max_pages] (row b)
     q_ref,         # [num_qo_heads, head_dim] (row b)
     sinks_ref,     # f32[num_qo_heads] | None
-    scales_ref,    # f32[2] (k_scale, v_scale) of FP8 pages | None
+    k_scale_ref,   # f32[1] of FP8 pages | None
+    v_scale_ref,   # f32[1] of FP8 pages | None
     k_pool_ref,    # [num_pages, page_size, <kv head k>, pack * head_dim]
     v_pool_ref,    # [num_pages', page_size, <kv head k>, pack * head_dim]
     o_ref,         # final: [num_qo_heads, head_dim] q.dtype (row b);
@@ -394,7 +344,11 @@ def _paged_decode_kernel(
   kv_head = pl.program_id(1)
   split = pl.program_id(2)
   page_size = k_pool_ref.shape[1]
-  head_dim = k_pool_ref.shape[-1]  # pack_heads * q's head_dim when packed
+  # FP8 pages read as 16-bit words of column pairs (`fp8_convert="pairs"`):
+  # the pools' last dimension holds head_dim / 2 words.
+  pairs = k_scale_ref is not None and fp8_convert == "pairs"
+  width = k_pool_ref.shape[-1]  # words per row with `pairs`
+  head_dim = width * 2 if pairs else width  # pack_heads * q's head_dim
   q_dim = q_ref.shape[-1]
   pack = head_dim // q_dim
   block_k = pages_per_block * page_size
@@ -405,24 +359,29 @@ def _paged_decode_kernel(
   group_row = lax.iota(jnp.int32, group_padded)
   row_ok = group_row < group_size
   head_rows = kv_head * group_size + group_row
-  q_shape = (group_padded, head_dim)
-  q_rows = jnp.broadcast_to(head_rows[:, None], q_shape)
-  q_cols = lax.broadcasted_iota(jnp.int32, q_shape, 1)
-  q_mask = jnp.broadcast_to(row_ok[:, None], q_shape)
-  if pack > 1:
-    # Packed kv heads (`Config.pack_heads`): row r belongs to the
-    # (r // (group_size / pack))-th head of the pack and owns that head's
-    # q_dim columns; q is 0 elsewhere, and the output keeps owned columns.
-    block = group_row // (group_size // pack)
-    own = q_cols // q_dim == jnp.broadcast_to(block[:, None], q_shape)
-    q = pltriton.load(q_ref.at[q_rows, q_cols % q_dim], mask=q_mask & own,
-                      other=0.0)
-    o_shape = (group_padded, q_dim)
-    q_rows = jnp.broadcast_to(head_rows[:, None], o_shape)
-    q_cols = lax.broadcasted_iota(jnp.int32, o_shape, 1)
-    q_mask = jnp.broadcast_to(row_ok[:, None], o_shape)
-  else:
-    q = pltriton.load(q_ref.at[q_rows, q_cols], mask=q_mask, other=0.0)
+  step_cols = 2 if pairs else 1  # q and output columns per word
+
+  def load_q(first):
+    """q's columns `first, first + step_cols, ...` of the (packed) width."""
+    shape = (group_padded, head_dim // step_cols)
+    rows = jnp.broadcast_to(head_rows[:, None], shape)
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) * step_cols + first
+    mask = jnp.broadcast_to(row_ok[:, None], shape)
+    if pack > 1:
+      # Packed kv heads (`Config.pack_heads`): row r belongs to the
+      # (r // (group_size / pack))-th head of the pack and owns that head's
+      # q_dim columns; q is 0 elsewhere, and the output keeps owned columns.
+      block = group_row // (group_size // pack)
+      mask = mask & (cols // q_dim == jnp.broadcast_to(block[:, None], shape))
+      cols = cols % q_dim
+    return pltriton.load(q_ref.at[rows, cols], mask=mask, other=0.0)
+
+  # Output columns (per word with `pairs`: the even ones, `+ 1` the odd).
+  o_shape = (group_padded, q_dim // step_cols)
+  q_rows = jnp.broadcast_to(head_rows[:, None], o_shape)
+  q_cols = lax.broadcasted_iota(jnp.int32, o_shape, 1) * step_cols
+  q_mask = jnp.broadcast_to(row_ok[:, None], o_shape)
+  qs = tuple(load_q(first) for first in range(step_cols))
 
   kv_len = kv_lens_ref[b]
   lo = jnp.int32(0)
@@ -440,19 +399,20 @@ def _paged_decode_kernel(
   num_steps = jnp.maximum(
       (split_end - split_start + pages_per_block - 1) // pages_per_block, 0)
 
-  precision = (lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+  precision = (lax.Precision.HIGHEST if qs[0].dtype == jnp.float32
+               else None)
   # exp2 with log2(e) folded into the scale; with a soft cap the cap applies to
   # the sm_scale'd logits first (FlashInfer), then log2(e).
   qk_scale = sm_scale if logits_soft_cap is not None else sm_scale * _LOG2E
   v_scale = None
-  if scales_ref is not None:
+  if k_scale_ref is not None:
     # FP8 pages: K's scale folds into the logits scale and V's into the
     # output, both exact (per-tensor scales); the tiles and q convert to f16
     # for the dots (f32 for an f32 q): `_fp8`'s notes.
-    qk_scale = qk_scale * scales_ref[0]
-    v_scale = scales_ref[1]
-    dot_dtype = _fp8.dot_dtype(q.dtype)
-    q = _fp8.query_for_dots(q)
+    qk_scale = qk_scale * k_scale_ref[0]
+    v_scale = v_scale_ref[0]
+    dot_dtype = _fp8.dot_dtype(qs[0].dtype)
+    qs = tuple(_fp8.query_for_dots(q) for q in qs)
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
   row_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 1)
 
@@ -480,7 +440,7 @@ def _paged_decode_kernel(
     tok_ok = (tok < kv_len) & (tok >= lo) & (page0 + page_iota < split_end)
     # Gather with one int index per dim, all of shape [block_k, head_dim] (the
     # form both the Triton lowering and interpret mode accept).
-    shape = (block_k, head_dim)
+    shape = (block_k, width)
     rows = jnp.broadcast_to(row_iota.reshape(block_k, 1), shape)
     cols = lax.broadcasted_iota(jnp.int32, shape, 1)
     load_mask = jnp.broadcast_to(tok_ok.reshape(block_k, 1), shape)
@@ -489,19 +449,31 @@ def _paged_decode_kernel(
       ids = jnp.broadcast_to(ids[:, None], (pages_per_block, page_size))
       ids = jnp.broadcast_to(ids.reshape(block_k, 1), shape)
       return pltriton.load(pool_ref.at[ids, rows, cols], mask=load_mask,
-                           other=0.0, eviction_policy=kv_eviction)
+                           other=0 if pairs else 0.0,
+                           eviction_policy=kv_eviction)
 
-    k = gather(k_pool_ref, k_ids)  # [block_k, head_dim]
+    k = gather(k_pool_ref, k_ids)  # [block_k, width]
     v = gather(v_pool_ref, v_ids)
-    if scales_ref is not None:
+    if pairs:
+      # Even and odd columns as two half-width tiles each: the logits sum
+      # two dots, and each half of V feeds its own accumulator.
+      ks = _fp8.split_pairs(k, dot_dtype, interpret)
+      vs = _fp8.split_pairs(v, dot_dtype, interpret)
+    elif k_scale_ref is not None:
       # K is contracted over head_dim, its contiguous dimension: Triton's
       # placement reads it in wide words. V is contracted over tokens.
-      k = (_fp8.convert_asm(k, dot_dtype, interpret) if fp8_convert == "asm"
-           else k.astype(dot_dtype))
-      v = _fp8.convert(v, dot_dtype, tok_ok.reshape(block_k), fp8_convert,
-                       interpret)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32)  # [G, block_k]
+      ks = ((_fp8.convert_asm(k, dot_dtype, interpret)
+             if fp8_convert == "asm" else k.astype(dot_dtype)),)
+      vs = (_fp8.convert(v, dot_dtype, tok_ok.reshape(block_k), fp8_convert,
+                         interpret),)
+    else:
+      ks, vs = (k,), (v,)
+    s = None  # [G, block_k]
+    for q, k in zip(qs, ks):
+      part = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=jnp.float32)
+      s = part if s is None else s + part
     s = s * qk_scale
     if logits_soft_cap is not None:
       s = (logits_soft_cap * _LOG2E) * jnp.tanh(s * (1.0 / logits_soft_cap))
@@ -510,19 +482,22 @@ def _paged_decode_kernel(
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(s - m_next[:, None])
     l_next = l_prev * alpha + p.sum(axis=-1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         precision=precision,
-                         preferred_element_type=jnp.float32)
-    acc = acc * alpha[:, None] + pv
+    p = p.astype(vs[0].dtype)
+    acc = tuple(
+        a * alpha[:, None] + lax.dot_general(
+            p, v, (((1,), (0,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32)
+        for a, v in zip(acc, vs))
     return (acc, m_next, l_next) + next_ids
 
-  acc = jnp.zeros((group_padded, head_dim), jnp.float32)
+  acc = tuple(jnp.zeros((group_padded, head_dim // step_cols), jnp.float32)
+              for _ in range(step_cols))
   m = jnp.full((group_padded,), DEFAULT_MASK_VALUE, jnp.float32)
   l = jnp.zeros((group_padded,), jnp.float32)
   carry = (acc, m, l) + (page_ids(0) if prefetch_ids else ())
-  acc, m, l = lax.fori_loop(0, num_steps, body, carry)[:3]
+  accs, m, l = lax.fori_loop(0, num_steps, body, carry)[:3]
   if v_scale is not None:
-    acc = acc * v_scale
+    accs = tuple(acc * v_scale for acc in accs)
 
   has = l > 0.0
   l_safe = jnp.where(has, l, 1.0)
@@ -531,15 +506,27 @@ def _paged_decode_kernel(
   if pack > 1:  # each row's own head's columns: [group_padded, q_dim]
     # (a 3-D mask, not the q load's: that one would stay live in registers
     # through the loop)
-    acc3 = acc.reshape(group_padded, pack, q_dim)
-    shape3 = acc3.shape
-    block3 = lax.broadcasted_iota(jnp.int32, shape3, 0) // (
-        group_size // pack)
-    own3 = lax.broadcasted_iota(jnp.int32, shape3, 1) == block3
-    acc = jnp.where(own3, acc3, 0.0).sum(1)
+    def own_columns(acc):
+      acc3 = acc.reshape(group_padded, pack, acc.shape[1] // pack)
+      shape3 = acc3.shape
+      block3 = lax.broadcasted_iota(jnp.int32, shape3, 0) // (
+          group_size // pack)
+      own3 = lax.broadcasted_iota(jnp.int32, shape3, 1) == block3
+      return jnp.where(own3, acc3, 0.0).sum(1)
+    accs = tuple(own_columns(acc) for acc in accs)
+
+  def store_out(ref, rows, out):
+    for first, part in enumerate(out):  # with `pairs`: even, then odd
+      pltriton.store(ref.at[rows, q_cols + first], part.astype(ref.dtype),
+                     mask=q_mask)
+
   if not final:
-    out = acc / l_safe[:, None]
-    pltriton.store(o_ref, out.astype(o_ref.dtype), mask=q_mask)
+    if pairs:
+      store_out(o_ref, jnp.broadcast_to(group_row[:, None], q_mask.shape),
+                tuple(acc / l_safe[:, None] for acc in accs))
+    else:
+      pltriton.store(o_ref, (accs[0] / l_safe[:, None]).astype(o_ref.dtype),
+                     mask=q_mask)
     pltriton.store(lse_ref, lse, mask=row_ok)
     return
   den = l
@@ -549,12 +536,10 @@ def _paged_decode_kernel(
     sink = sink.astype(jnp.float32) * _LOG2E
     m_all = jnp.maximum(m, sink)
     alpha = jnp.exp2(m - m_all)
-    acc = acc * alpha[:, None]
+    accs = tuple(acc * alpha[:, None] for acc in accs)
     den = l * alpha + jnp.exp2(sink - m_all)
   den = jnp.where(den > 0.0, den, 1.0)
-  out = acc / den[:, None]
-  pltriton.store(o_ref.at[q_rows, q_cols], out.astype(o_ref.dtype),
-                 mask=q_mask)
+  store_out(o_ref, q_rows, tuple(acc / den[:, None] for acc in accs))
   pltriton.store(lse_ref.at[head_rows], lse, mask=row_ok)
 
 
@@ -566,7 +551,7 @@ def _paged_decode_call(
     k_table,   # i32[batch_size, max_pages]
     v_table,   # i32[batch_size, max_pages]
     kv_lens,   # i32[batch_size]
-    scales=None,  # f32[2] (k_scale, v_scale) of FP8 pages | None
+    scales=None,  # (k_scale f32[1], v_scale f32[1]) of FP8 pages | None
     *,
     sm_scale: float,
     window_left: int,
@@ -641,7 +626,8 @@ def _paged_decode_call(
           pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
           None if sinks is None else pl.BlockSpec((num_qo_heads,),
                                                   lambda b, k, s: (0,)),
-          None if scales is None else pl.BlockSpec((2,), lambda b, k, s: (0,)),
+          *([None, None] if scales is None else
+            [pl.BlockSpec((1,), lambda b, k, s: (0,))] * 2),
           pool_spec(k_pool.shape[0]),
           pool_spec(v_pool.shape[0]),
       ],
@@ -650,7 +636,8 @@ def _paged_decode_call(
       compiler_params=triton_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name=name,
-  )(kv_lens, k_table, v_table, q, sinks, scales, k_pool, v_pool)
+  )(kv_lens, k_table, v_table, q, sinks, *(scales or (None, None)), k_pool,
+    v_pool)
 
 
 def _combine(o, lse, sinks, group_size):
@@ -729,9 +716,10 @@ def paged_decode(
       not a power of two in [8, 128].
     ValueError: a `config` with `backend="mosaic"` in interpret mode or on
       a case `paged_decode_mgpu` does not serve (its errors);
-      `fp8_convert="asm"` with FP8 pages where JAX's first device is a GPU
-      below compute capability 8.9 (elsewhere, e.g. lowering for CUDA on a
-      CPU host, it lowers); `config.pack_heads` that does not divide
+      `fp8_convert` "asm" or "pairs" with FP8 pages where JAX's first
+      device is a GPU below compute capability 8.9 (elsewhere, e.g.
+      lowering for CUDA on a CPU host, it lowers); `config.pack_heads` that
+      does not divide
       num_kv_heads or makes rows wider than 256.
   """
   batch_size, num_qo_heads, head_dim = q.shape
@@ -747,12 +735,13 @@ def paged_decode(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim, group_size=group_size,
         dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
-  if config.fp8_convert == "asm" and k_scale is not None and not interpret:
+  if (config.fp8_convert in ("asm", "pairs") and k_scale is not None
+      and not interpret):
     cc = _compat.compute_capability()
     if cc is not None and cc < (8, 9):
       raise ValueError(
-          "Invalid config.fp8_convert: 'asm' needs a GPU of compute "
-          f"capability >= 8.9, got {cc}")
+          f"Invalid config.fp8_convert: {config.fp8_convert!r} needs a GPU "
+          f"of compute capability >= 8.9, got {cc}")
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   pack = config.pack_heads
@@ -768,6 +757,9 @@ def paged_decode(
     v_pool = _pack_pool(v_pool, pack)
     num_kv_heads //= pack
     group_size *= pack
+  if (config.fp8_convert == "pairs" and k_scale is not None
+      and config.backend == "triton"):
+    k_pool, v_pool = _fp8.pair_view(k_pool), _fp8.pair_view(v_pool)
   if config.backend == "mosaic":
     return _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
                           k_scale, v_scale, sm_scale=sm_scale,
@@ -776,8 +768,10 @@ def paged_decode(
                           interpret=interpret)
   scales = None
   if k_scale is not None:
-    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
-                        jnp.asarray(v_scale, jnp.float32).reshape(())])
+    # Two f32[1] inputs (free reshapes), not one stacked pair: a stack is
+    # one more small XLA kernel per call.
+    scales = tuple(jnp.asarray(x, jnp.float32).reshape(1)
+                   for x in (k_scale, v_scale))
   with suppress_triton_deprecation():
     o, lse = _paged_decode_call(
         q, sinks, k_pool, v_pool, k_table.astype(jnp.int32),

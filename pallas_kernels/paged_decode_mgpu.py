@@ -54,7 +54,9 @@ with its work and the converter's removed (a probe build whose warpgroups
 only wait on and arrive at the barriers), the TMA ring by itself takes 138 /
 134 / 79 / 152 us on the four Llama-3-8B decode specs, 0.56-0.60x of bf16
 pages' time, and a second converter warpgroup changes nothing (H200,
-2026-11-26): this layout cannot go much below 0.6x of bf16 pages.
+2026-11-26): this layout cannot go much below 0.6x of bf16 pages. The
+Triton kernel reading the pages as column pairs takes 0.55-0.59x there
+(`paged_decode.Config.default_for`), so FP8 pages stay on Triton.
 
 At head_dim 256 one q buffer (the next item's q loads during the
 epilogue) and 64-key steps fit shared memory next to the output tile. The

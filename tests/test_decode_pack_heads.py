@@ -12,6 +12,8 @@ lengths on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,7 +53,7 @@ def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   q, sinks, kw = query_and_sinks(rng, len(lens), g * hkv, d, kw)
   cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit, pack_heads=pack,
-                      num_warps=2 if fp8_convert == "asm" else 4,
+                      num_warps=2 if fp8_convert in ("asm", "pairs") else 4,
                       fp8_convert=fp8_convert)
   out, lse = kernel.paged_decode(
       jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
@@ -72,6 +74,15 @@ def test_packed_heads_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit, kw):
          interpret=True)
 
 
+@pytest.mark.parametrize("fmt, fp8, g, hkv, d, pack, ksplit, kw",
+                         [c for c in CASES if c[1]])
+def test_packed_heads_pairs_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit,
+                                         kw):
+  """FP8 pages read as column pairs (the FP8 default) with packed heads."""
+  _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, [1, 7, 33, 0, 70],
+         interpret=True, fp8_convert="pairs")
+
+
 def _on_gpu_with_fp8_cvt():
   return _compat.has_fp8_cvt()
 
@@ -79,7 +90,7 @@ def _on_gpu_with_fp8_cvt():
 @pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
                     reason="needs a GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("g", [1, 3, 4, 5, 8])
-@pytest.mark.parametrize("mode", ["asm", "loaded"])
+@pytest.mark.parametrize("mode", ["asm", "loaded", "pairs"])
 def test_packed_heads_gpu(g, mode):
   """On the GPU, the FP8 default's form (2 heads of 64, 64-key steps):
   group sizes 1-8, odd lengths, splits, NaN in unowned pages and tail rows."""
@@ -92,29 +103,27 @@ def test_packed_heads_gpu(g, mode):
 
 def test_pack_heads_default_rule(monkeypatch):
   """FP8 pages at head_dim 64 with an even number of kv heads pack two per
-  program on a GPU that converts e4m3 pairs, with the head_dim-128 FP8
-  tiling (with >= 4 packed programs per SM: "loaded" on 4 warps); odd kv
-  heads, bf16 pages, interpret mode and older GPUs do not pack."""
-  kw = dict(batch_size=256, max_pages=64, group_size=4, dtype=jnp.bfloat16,
-            page_size=16, head_dim=64)
+  program on a GPU that converts e4m3 pairs, with the tiling of head_dim
+  128 for half the kv heads; odd kv heads, bf16 pages, interpret mode and
+  older GPUs do not pack."""
+  kw = dict(max_pages=64, group_size=4, dtype=jnp.bfloat16, page_size=16,
+            head_dim=64)
   monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
-  for batch, many in ((64, False), (256, True)):
+  for batch in (8, 64, 256):
     cfg = kernel.Config.default_for(num_kv_heads=8, kv_dtype=FP8,
-                                    **{**kw, "batch_size": batch})
+                                    batch_size=batch, **kw)
     d128 = kernel.Config.default_for(
-        batch_size=batch, max_pages=64, page_size=16, head_dim=128,
-        num_kv_heads=4, kv_dtype=FP8, device_kind="")
-    want = {**d128.__dict__, "pack_heads": 2}
-    if many:  # 1,024 packed programs >= 4 per SM
-      want.update(fp8_convert="loaded", num_warps=4)
-    assert cfg == kernel.Config(**want)
+        batch_size=batch, num_kv_heads=4, kv_dtype=FP8,
+        **{**kw, "head_dim": 128})
+    assert cfg == dataclasses.replace(d128, pack_heads=2)
   for other in (dict(num_kv_heads=3, kv_dtype=FP8),
                 dict(num_kv_heads=8, kv_dtype=jnp.bfloat16),
                 dict(num_kv_heads=8, kv_dtype=FP8, interpret=True)):
-    assert kernel.Config.default_for(**other, **kw).pack_heads == 1
+    assert kernel.Config.default_for(batch_size=64, **other,
+                                     **kw).pack_heads == 1
   monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
-  assert kernel.Config.default_for(num_kv_heads=8, kv_dtype=FP8,
-                                   **kw).pack_heads == 1
+  assert kernel.Config.default_for(batch_size=64, num_kv_heads=8,
+                                   kv_dtype=FP8, **kw).pack_heads == 1
 
 
 def test_pack_heads_bad_config():

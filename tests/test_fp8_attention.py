@@ -15,7 +15,6 @@ step.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -261,11 +260,11 @@ def _on_gpu_with_fp8_cvt():
 
 @pytest.mark.parametrize("mode,prefetch", [
     ("loaded", False), ("operand", False), ("asm", False), ("asm", True),
-    ("mul", False), ("mul", True)])
+    ("mul", False), ("mul", True), ("pairs", False), ("pairs", True)])
 def test_decode_kernel_fp8_convert_modes(mode, prefetch):
   """Every placement of the conversion (`Config.fp8_convert`) computes the
-  oracle's attention ("asm" runs its `astype` twin in interpret mode; its
-  PTX is checked on the GPU below); a bf16 query beyond f16's range (the
+  oracle's attention ("asm" and "pairs" run their jnp twins in interpret
+  mode; their PTX is checked on the GPU below); a bf16 query beyond f16's range (the
   FP8 dots run in f16) is clamped to +-65504, never inf (the oracle clamps
   it too)."""
   from pkvattn.pallas_kernels import paged_decode as kernel
@@ -301,11 +300,12 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
                     reason="needs a GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("g, d, ps, ppb, warps", [
     (4, 128, 16, 4, 2), (3, 64, 16, 8, 4), (8, 128, 64, 1, 2),
-    (1, 128, 8, 8, 4)])
+    (1, 128, 8, 8, 4), (4, 256, 16, 2, 2), (5, 64, 16, 2, 2)])
 def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
-  """The inline-PTX conversion (and the `mul` placement) on the GPU against
-  the oracle on the dequantized pages (NaN in unowned pages and past
-  kv_lens), splits, page-id prefetch and odd lengths included."""
+  """The inline-PTX conversions ("asm", "pairs") and the `mul` placement on
+  the GPU against the oracle on the dequantized pages (NaN in unowned
+  pages and past kv_lens), splits, page-id prefetch and odd lengths
+  included."""
   from pkvattn.pallas_kernels import paged_decode as kernel
   rng = np.random.default_rng()
   hkv = 2
@@ -318,7 +318,8 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
   table = jnp.asarray(p.page_table)
   for ksplit, prefetch, mode in ((1, False, "asm"), (4, False, "asm"),
                                  (1, True, "asm"), (4, True, "asm"),
-                                 (4, True, "mul")):
+                                 (4, True, "mul"), (1, False, "pairs"),
+                                 (1, True, "pairs"), (4, True, "pairs")):
     cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit,
                         num_warps=warps, fp8_convert=mode,
                         prefetch_ids=prefetch)
@@ -330,111 +331,49 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
                              sm_scale=d**-0.5)
 
 
-def test_decode_default_fp8_asm_rule(monkeypatch):
-  """The FP8 decode default: inline-PTX conversion, 64-token steps and 2
-  warps at head_dim 128 where the GPU converts e4m3 pairs; the bf16 tiling
-  otherwise (head_dim 64, bf16 pages, interpret mode, older GPUs)."""
-  from pkvattn.pallas_kernels import _compat
-  from pkvattn.pallas_kernels import paged_decode as kernel
-  kw = dict(batch_size=256, num_kv_heads=8, max_pages=64, group_size=4,
-            dtype=jnp.bfloat16, device_kind="NVIDIA H100 80GB HBM3")
-  for cvt in (True, False):
-    monkeypatch.setattr(_compat, "has_fp8_cvt", lambda cvt=cvt: cvt)
-    for ps in (16, 64):
-      cfg = kernel.Config.default_for(page_size=ps, head_dim=128,
-                                      kv_dtype=FP8, **kw)
-      bf16 = kernel.Config.default_for(page_size=ps, head_dim=128,
-                                       kv_dtype=jnp.bfloat16, **kw)
-      assert bf16.fp8_convert == "loaded"
-      if cvt:
-        assert (cfg.fp8_convert, cfg.num_warps) == ("asm", 2)
-        assert cfg.pages_per_block * ps == max(64, ps)
-        # 2,048 programs: more than 4 per SM, no id prefetch; 64
-        # sequences (512 programs) prefetch.
-        assert not cfg.prefetch_ids
-        few = kernel.Config.default_for(
-            page_size=ps, head_dim=128, kv_dtype=FP8,
-            **{**kw, "batch_size": 64})
-        assert few.prefetch_ids and few.k_splits == 1
-      else:
-        assert cfg == bf16
-    for other in (dict(head_dim=64, kv_dtype=FP8),
-                  dict(head_dim=128, kv_dtype=FP8, interpret=True)):
-      assert kernel.Config.default_for(page_size=16, **other,
-                                       **kw).fp8_convert == "loaded"
-
-
-def test_decode_default_fp8_unpacked_d64_rule(monkeypatch):
-  """FP8 pages at head_dim 64 that do not pack (odd kv heads) take the 2-warp
-  bf16 tiling with V multiplied by its row mask ("mul"), the page ids a step
-  ahead only on an H200 with <= 4 programs per SM; with >= 8 programs per
-  SM (4 warps), bf16 pages and GPUs without the e4m3 conversion keep
-  "loaded"."""
-  from pkvattn.pallas_kernels import _compat
-  from pkvattn.pallas_kernels import paged_decode as kernel
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
-
-  def cfg(batch_size, kind, kv_dtype=FP8):
-    return kernel.Config.default_for(
-        batch_size=batch_size, num_kv_heads=3, page_size=16, max_pages=256,
-        head_dim=64, group_size=3, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
-        device_kind=kind)
-  h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
-  for batch_size, few in ((64, True), (256, False)):  # 192 / 768 programs
-    for kind in (h200, h100):
-      c = cfg(batch_size, kind)
-      bf16 = cfg(batch_size, kind, jnp.bfloat16)
-      assert (c.fp8_convert, c.num_warps, c.pack_heads) == ("mul", 2, 1)
-      assert c.prefetch_ids == (few and kind == h200)
-      assert dataclasses.replace(c, fp8_convert="loaded",
-                                 prefetch_ids=False) == bf16
-  many = cfg(512, h200)  # 1,536 programs: 4 warps, 128-token steps
-  assert (many.fp8_convert, many.num_warps) == ("loaded", 4)
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
-  assert cfg(64, h200).fp8_convert == "loaded"
-
-
 @pytest.mark.parametrize("batch_size,max_pages", [(64, 256), (8, 1024),
                                                   (256, 64)])
-def test_decode_default_fp8_h200_rule(monkeypatch, batch_size, max_pages):
-  """On an H200, with <= 4 programs per SM, FP8 pages of 16 tokens take
-  32-token steps and splits for 8-16 programs per SM; an H100, more
-  programs, 64-token pages and packed head_dim-64 heads keep the 64-token
-  rule, and packed heads with >= 4 programs per SM keep inline PTX on 2
-  warps (with splits) on an H200 where other GPUs take "loaded" on 4."""
+def test_decode_default_fp8_pairs_rule(monkeypatch, batch_size, max_pages):
+  """The FP8 decode default where the GPU converts e4m3 pairs: column pairs
+  on 2 warps, 3 stages; 64-token steps, 32 at head_dim 256 or with > 4
+  programs per SM; splits for about 2 programs per SM, each keeping >= 2
+  steps; page ids a step ahead unless a step covers more than 64 tokens;
+  head_dim 64 packs two kv heads where their number is even. bf16 pages,
+  interpret mode and older GPUs keep the bf16 tiling with "loaded"."""
   from pkvattn.pallas_kernels import _compat
   from pkvattn.pallas_kernels import paged_decode as kernel
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
-  kw = dict(batch_size=batch_size, num_kv_heads=8, max_pages=max_pages,
-            group_size=4, dtype=jnp.bfloat16, kv_dtype=FP8)
-  few = batch_size * 8 <= 4 * 132
+  kw = dict(batch_size=batch_size, max_pages=max_pages, dtype=jnp.bfloat16)
 
-  def cfg(ps=16, head_dim=128, kind="NVIDIA H200"):
-    return kernel.Config.default_for(page_size=ps, head_dim=head_dim,
-                                     device_kind=kind, **kw)
-  h200, h100 = cfg(), cfg(kind="NVIDIA H100 80GB HBM3")
-  assert (h200.fp8_convert, h200.num_warps) == ("asm", 2)
-  if few:
-    assert h200.pages_per_block * 16 == 32 and h200.prefetch_ids
-    programs = batch_size * 8 * h200.k_splits
-    assert 4 * 132 < programs <= 16 * 132, programs
-    # Each split keeps >= 2 of the longest sequence's 32-token steps.
-    assert h200.k_splits <= max_pages // 2 // 2
-  else:
-    assert h200 == h100
-  assert h100.pages_per_block * 16 == 64
-  assert cfg(ps=64) == cfg(ps=64, kind="NVIDIA H100 80GB HBM3")
-  packed = cfg(head_dim=64)
-  packed_h100 = cfg(head_dim=64, kind="NVIDIA H100 80GB HBM3")
-  assert packed.pack_heads == 2 and packed.pages_per_block * 16 == 64
-  if batch_size * 4 >= 4 * 132:  # >= 4 packed programs per SM
-    # H200: inline PTX on 2 warps with more splits; elsewhere "loaded" on 4.
-    assert (packed.fp8_convert, packed.num_warps) == ("asm", 2)
-    assert 8 * 132 <= batch_size * 4 * packed.k_splits <= 16 * 132
-    assert (packed_h100.fp8_convert, packed_h100.num_warps) == ("loaded", 4)
-    assert packed_h100.k_splits == 1
-  else:
-    assert packed == packed_h100
+  def cfg(head_dim=128, num_kv_heads=8, ps=16, kv_dtype=FP8, **extra):
+    return kernel.Config.default_for(
+        page_size=ps, head_dim=head_dim, num_kv_heads=num_kv_heads,
+        group_size=4, kv_dtype=kv_dtype, **kw, **extra)
+
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
+  for head_dim, hkv, pack in ((128, 8, 1), (64, 8, 2), (256, 1, 1),
+                              (64, 3, 1)):
+    for ps in (16, 64, 128):
+      c = cfg(head_dim, hkv, ps)
+      assert (c.fp8_convert, c.num_warps, c.num_stages, c.pack_heads) == (
+          "pairs", 2, 3, pack), (head_dim, hkv, ps, c)
+      programs = batch_size * hkv // pack
+      step = 64 if head_dim == 64 and pack == 1 else (
+          32 if head_dim > 128 or programs > 4 * 132 else 64)
+      assert c.pages_per_block == max(1, step // ps)
+      tokens = c.pages_per_block * ps
+      assert c.prefetch_ids == (tokens <= 64)
+      per_sm = 4 if head_dim == 64 and pack == 1 else 2
+      steps = max_pages // c.pages_per_block
+      assert c.k_splits == 1 or c.k_splits <= steps // 2
+      if programs * 2 <= per_sm * 132 and steps >= 4:
+        assert programs * c.k_splits >= per_sm * 132 // 2, c
+      bf16 = cfg(head_dim, hkv, ps, kv_dtype=jnp.bfloat16)
+      assert bf16.fp8_convert == "loaded" and bf16.pack_heads == 1
+      assert cfg(head_dim, hkv, ps, interpret=True) == cfg(
+          head_dim, hkv, ps, kv_dtype=jnp.bfloat16, interpret=True)
+  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
+  for head_dim, hkv in ((128, 8), (64, 8)):
+    assert cfg(head_dim, hkv) == cfg(head_dim, hkv, kv_dtype=jnp.bfloat16)
 
 
 def test_decode_kernel_fp8_asm_lowers_for_cuda(monkeypatch):
@@ -458,8 +397,32 @@ def test_decode_kernel_fp8_asm_lowers_for_cuda(monkeypatch):
     return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
   assert "cvt.rn.f16x2.e4m3x2" in lowered("asm")
+  pairs = lowered("pairs")
+  assert "cvt.rn.f16x2.e4m3x2" in pairs and "prmt.b32" in pairs
   assert "cvt.rn.f16x2.e4m3x2" not in lowered("loaded")
   monkeypatch.setattr(_compat, "compute_capability", lambda: (8, 0))
   jax.clear_caches()  # paged_decode is jitted: trace it again
-  with pytest.raises(ValueError, match="fp8_convert"):
-    lowered("asm")
+  for mode in ("asm", "pairs"):
+    with pytest.raises(ValueError, match="fp8_convert"):
+      lowered(mode)
+
+
+def test_pair_view_splits_columns():
+  """`pair_view` is a bitcast whose word `i` holds columns `2i` (low byte)
+  and `2i + 1`, and `split_pairs` (its jnp form) returns those columns'
+  values exactly, for every e4m3 bit pattern but NaN."""
+  from pkvattn.pallas_kernels import _fp8
+  rng = np.random.default_rng()
+  bits = np.arange(256, dtype=np.uint8)
+  bits = bits[(bits & 0x7F) != 0x7F]  # NaN patterns
+  pool = rng.choice(bits, size=(5, 8, 3, 64)).astype(np.uint8)
+  pool = jax.lax.bitcast_convert_type(jnp.asarray(pool), FP8)
+  words = _fp8.pair_view(pool)
+  assert words.shape == (5, 8, 3, 32) and words.dtype == jnp.uint16
+  flat = words.reshape(-1, 32)
+  for dtype in (jnp.float16, jnp.float32):
+    even, odd = _fp8.split_pairs(flat, dtype, interpret=True)
+    want = np.asarray(pool.astype(jnp.float32)).reshape(-1, 64)
+    np.testing.assert_array_equal(np.asarray(even, np.float32), want[:, 0::2])
+    np.testing.assert_array_equal(np.asarray(odd, np.float32), want[:, 1::2])
+
