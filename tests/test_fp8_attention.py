@@ -331,6 +331,33 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
                              sm_scale=d**-0.5)
 
 
+@pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
+                    reason="needs a GPU of compute capability >= 8.9")
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_kernel_fp8_pairs_f32_query_gpu(d):
+  """An f32 query over FP8 pages with the column-pair default: the words
+  split by integer ops (no PTX: the dots run in f32) on the GPU, against
+  the oracle on the dequantized pages, splits and NaN-poisoned pages
+  included."""
+  from pkvattn.pallas_kernels import paged_decode as kernel
+  rng = np.random.default_rng()
+  lens = [1, 7, 129, 0, 300]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=16,
+                                        num_kv_heads=2, head_dim=d,
+                                        fmt="pair")
+  q = rng.standard_normal((len(lens), 8, d)).astype(np.float32)
+  table = jnp.asarray(p.page_table)
+  for ksplit in (1, 4):
+    cfg = kernel.Config(pages_per_block=2, k_splits=ksplit, num_warps=2,
+                        fp8_convert="pairs", prefetch_ids=True)
+    out, lse = kernel.paged_decode(
+        jnp.asarray(q), cache[0], cache[1], table, table, jnp.asarray(lens),
+        sm_scale=d**-0.5, config=cfg, k_scale=jnp.float32(ks),
+        v_scale=jnp.float32(vs))
+    au.assert_decode_matches(out, lse, q, tk, tv, lens, jnp.float32,
+                             sm_scale=d**-0.5)
+
+
 @pytest.mark.parametrize("batch_size,max_pages", [(64, 256), (8, 1024),
                                                   (256, 64)])
 def test_decode_default_fp8_pairs_rule(monkeypatch, batch_size, max_pages):
