@@ -77,7 +77,10 @@ class Config:
       one CTA per SM.
     fp8_convert: Triton kernel, FP8 pages: where and how tiles convert to
       the dot dtype, "loaded", "operand", "asm" (inline PTX, compute
-      capability >= 8.9) or "mul" (`pallas_kernels/_fp8.py`).
+      capability >= 8.9), "mul" or "pairs" (the pools read as 16-bit words
+      of two adjacent columns, split by inline PTX into even and odd
+      columns on a GPU of compute capability >= 8.9; `pallas_kernels/
+      _fp8.py`).
     pack_heads: Triton kernel: kv heads per program (a power of two
       dividing `num_kv_heads`, `pack_heads * head_dim <= 256`). Adjacent kv
       heads are contiguous in every pool layout (NHD), so the pools are
