@@ -68,7 +68,11 @@ shapes, against 0.68-0.90x before.
   the four Llama-3-8B shapes on an H200 and 0.55-0.57x on an H100,
   against 0.62-0.74x / 0.55-0.59x for the inline-PTX rule
   (`paged_decode.Config.default_for` has the figures). Unlike the
-  even / odd probe above, nothing is joined back inside the loop.
+  even / odd probe above, nothing is joined back inside the loop. The
+  Triton prefill kernel (many query rows, compute-bound) loses with it:
+  1.02-1.27x the time of its byte tiles on Llama-3-8B, SmolLM2 and Gemma 3
+  heads, whole prompts and 128-token chunks over 4,096 keys (H200, a
+  scratch build, 2026-11-26), so prefill keeps Triton's placement.
 * Head_dim 64: two kv heads packed per program read as one 128-wide head
   (`paged_decode.Config.pack_heads`), 0.54-0.55x of bf16 pages on
   Llama-3.2-1B heads on an H200 (`paged_decode.Config.default_for`).
