@@ -85,6 +85,7 @@ shapes, against 0.68-0.90x before.
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 F16_MAX = 65504.0
@@ -123,7 +124,6 @@ def pair_view(pool):
   holds columns `2i` (low byte) and `2i + 1` (high byte). A bitcast, no
   copy."""
   *lead, head_dim = pool.shape
-  from jax import lax  # noqa: PLC0415
   return lax.bitcast_convert_type(
       lax.bitcast_convert_type(pool, jnp.uint8).reshape(
           *lead, head_dim // 2, 2), jnp.uint16)
@@ -138,7 +138,6 @@ def split_pairs(words, dtype, interpret: bool):
   conversion per two words. Both keep 16-bit tiles, so Triton reads them
   from shared memory with `ldmatrix` in the MMA operand layout (transposed
   for V), as it does bf16 pages, not byte by byte."""
-  from jax import lax  # noqa: PLC0415
   if interpret or jnp.dtype(dtype) != jnp.float16:
     def half(shift):
       b = ((words >> shift) & 0xFF).astype(jnp.uint8)
@@ -174,7 +173,6 @@ def convert_asm(x, dtype, interpret: bool):
   for an f32 dot, the same values)."""
   if interpret or jnp.dtype(dtype) != jnp.float16:
     return x.astype(dtype)
-  from jax import lax  # noqa: PLC0415
   from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
   bits = lax.bitcast_convert_type(x, jnp.uint8)
   [y] = pltriton.elementwise_inline_asm(
