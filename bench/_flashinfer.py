@@ -11,8 +11,6 @@ Needs `flashinfer-python==0.7.2.post1` and `apache-tvm-ffi==0.1.15.post2`
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +29,15 @@ def to_torch(x):
 
 
 def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
-  """`_timing.time_fn`'s method for a torch call: at least
-  `_timing.MIN_INNER` back-to-back calls and one synchronize per sample;
-  median ms per call."""
+  """`_timing.time_fn`'s method for a torch call (`_timing.pipelined_ms`
+  with `torch.cuda.synchronize`): median ms per call of back-to-back
+  calls."""
   import torch  # pylint: disable=import-outside-toplevel
   for _ in range(4):
     fn()
   torch.cuda.synchronize()
-  t0 = time.perf_counter()
-  fn()
-  torch.cuda.synchronize()
-  inner = max(_timing.MIN_INNER,
-              int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
-  samples, start = [], time.perf_counter()
-  while len(samples) < iters or time.perf_counter() - start < min_time_s:
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      fn()
-    torch.cuda.synchronize()
-    samples.append((time.perf_counter() - t0) * 1e3 / inner)
-  return statistics.median(samples)
+  return _timing.pipelined_ms(fn, lambda _: torch.cuda.synchronize(),
+                              iters=iters, min_time_s=min_time_s)["median_ms"]
 
 
 def paged_kv_indices(page_table, kv_lens, page_size: int):

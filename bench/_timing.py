@@ -21,6 +21,56 @@ import numpy as np
 # Fewest back-to-back calls per timed sample (`time_fn`,
 # `_flashinfer.torch_time`).
 MIN_INNER = 3
+# Wall time one sample of n back-to-back calls should last at least, s.
+SAMPLE_S = 5e-3
+
+
+def pipelined_ms(launch, sync, *, iters: int = 20,
+                 min_time_s: float = 0.2) -> dict:
+  """Per-call time of `launch()` in a stream of back-to-back calls, ms.
+
+  A sample times n back-to-back `launch()` calls closed by one `sync(last)`
+  (`n >= MIN_INNER`, calibrated so a sample lasts >= `SAMPLE_S`), so the
+  host launches the next call while the GPU runs the last. Samples of n
+  and 2n calls alternate; each pair gives `(T(2n) - T(n)) / n`, the wall
+  time a call adds to the stream, in which the fixed cost of a sample
+  cancels: the GPU idling while the host launches the first call and the
+  final synchronisation (about 0.1-0.6 ms for a JAX program on an H100 /
+  H200, 2026-11). Where the host launches slower than the GPU runs, the
+  difference is the host's launch time: host-bound calls show as such.
+
+  Returns dict(median_ms, p10_ms, p90_ms) of the pair estimates, and
+  `sync_ms`: the median `T(n) / n`, the per-call time with that fixed
+  cost spread over n calls (what this function reported before
+  2026-11-26, with 2 ms samples).
+  """
+  sync(launch())
+  t0 = time.perf_counter()
+  sync(launch())
+  one = max(time.perf_counter() - t0, 1e-6)
+  n = max(MIN_INNER, int(SAMPLE_S / one) + 1)
+
+  def sample(calls):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+      out = launch()
+    sync(out)
+    return (time.perf_counter() - t0) * 1e3
+
+  est, singles = [], []
+  start = time.perf_counter()
+  while len(est) < iters or time.perf_counter() - start < min_time_s:
+    t_n = sample(n)
+    t_2n = sample(2 * n)
+    est.append((t_2n - t_n) / n)
+    singles.append(t_n / n)
+    if len(est) > 10 * iters:
+      break
+  return dict(median_ms=statistics.median(est),
+              p10_ms=float(np.percentile(est, 10)),
+              p90_ms=float(np.percentile(est, 90)),
+              sync_ms=statistics.median(singles))
 
 
 def rel_err(actual, expected) -> float:
@@ -34,43 +84,21 @@ def rel_err(actual, expected) -> float:
 
 
 def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2):
-  """Times `fn(*args)` with block_until_ready around each call.
+  """Times `fn(*args)`, a jitted JAX call, the way a model's steps run:
+  back to back (`pipelined_ms`).
 
-  Returns dict(compile_ms, median_ms, p10_ms, p90_ms). The first call (compile +
-  run) is reported separately as `compile_ms`. Each sample times a batch of
-  at least `MIN_INNER` back-to-back calls (more for short calls: a sample
-  lasts ~2 ms) and one block_until_ready, so the host launches the next call
-  while the GPU runs the last: a sample of one call would add the host's
-  launch of every op of the call and the synchronisation to the GPU time.
+  Returns dict(compile_ms, median_ms, p10_ms, p90_ms, sync_ms): the first
+  call (compile + run) is reported separately as `compile_ms`; the rest
+  are `pipelined_ms`'s, ms per call.
   """
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   compile_ms = (time.perf_counter() - t0) * 1e3
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  # Calibrate the inner repeat so one sample lasts >= ~2 ms.
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  one = max(time.perf_counter() - t0, 1e-6)
-  inner = max(MIN_INNER, int(2e-3 / one))
-  samples = []
-  start = time.perf_counter()
-  while len(samples) < iters or time.perf_counter() - start < min_time_s:
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) * 1e3 / inner)
-    if len(samples) > 10 * iters:
-      break
-  samples.sort()
-  return dict(
-      compile_ms=compile_ms,
-      median_ms=statistics.median(samples),
-      p10_ms=float(np.percentile(samples, 10)),
-      p90_ms=float(np.percentile(samples, 90)),
-  )
+  t = pipelined_ms(lambda: fn(*args), jax.block_until_ready, iters=iters,
+                   min_time_s=min_time_s)
+  return dict(compile_ms=compile_ms, **t)
 
 
 def gpu_trace_events(thunks) -> list[tuple[int, int, str]]:

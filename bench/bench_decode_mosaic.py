@@ -14,11 +14,14 @@ Run on an H100 / H200:  `python -m bench.bench_decode_mosaic`
    every sequence at full length, shuffled pages in the "flashinfer"
    format, so FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` reads the
    very same buffers. All
-   three are timed the same way, per call (back-to-back calls, wall clock,
-   synchronized, median ms per call: `_timing.time_fn` /
-   `_flashinfer.torch_time`) and by GPU kernel time from one profiler trace
-   (`_timing.device_kernel_ms` / `_flashinfer.kernel_ms`; a ~0.1 ms JAX call
-   is host-bound per call); outputs are compared first. FlashInfer runs
+   three are timed the same way, per call (wall time per call of
+   back-to-back calls, median: `_timing.time_fn` / `_flashinfer.torch_time`,
+   `_timing.pipelined_ms`'s method) and by GPU kernel time from one profiler
+   trace (`_timing.device_kernel_ms` / `_flashinfer.kernel_ms`). A lone
+   jitted JAX call costs the host about 60-130 us to launch (H200,
+   2026-11-26), so a call of less GPU time than that is host-bound per call;
+   inside a model's jitted step that cost is paid once per step
+   (`bench/decode_layers.py`). Outputs are compared first. FlashInfer runs
    both its CUDA-core and its tensor-core decode; `x_flashinfer` is against
    the faster of the two.
 

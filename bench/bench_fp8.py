@@ -11,7 +11,7 @@ Run on a GPU:  `python -m bench.bench_fp8 [--out DIR] [--quick]`
    0.7.2 FP8 and bf16 (`BatchDecodeWithPagedKVCacheWrapper.plan(...,
    kv_data_type=...)`), on the same pages (FlashInfer's NHD layout is our
    "flashinfer" format), each timed per call by `_timing.time_fn`'s method
-   (back-to-back calls, wall clock, synchronized) and by GPU kernel time
+   (`_timing.pipelined_ms`: wall time per call of back-to-back calls) and by GPU kernel time
    (`_timing.device_kernel_ms` / `_flashinfer.kernel_ms`); FlashInfer's
    outputs are checked against ours first.
 3. Prefill with FP8 pages vs bf16 pages (causal, B=4 S=4096 p16): TFLOP/s

@@ -40,8 +40,9 @@ kv_cache format) with a shared page table, and both FlashInfer and
 `pkvattn.paged_prefill(impl="pallas")` ("pkvattn default, flashinfer
 layout") read that buffer (handed to torch by DLPack, no copy). FlashInfer's
 output is checked against pkvattn's on it. It is timed in the same
-interleaved rounds as every other entry and the same way: back-to-back
-calls with one synchronize per sample (`_flashinfer.torch_time`), and GPU
+interleaved rounds as every other entry and the same way: the per-call time
+of back-to-back calls (`_flashinfer.torch_time`, `_timing.pipelined_ms`'s
+method: the fixed cost of a sample's first launch and final sync cancels), and GPU
 kernel time from the same profiler trace (`_flashinfer.kernel_ms`). Needs a
 CUDA build of torch and the wheels `flashinfer-python==0.7.2.post1` +
 `apache-tvm-ffi==0.1.15.post2`; FlashInfer's kernels JIT-compile on first use

@@ -25,8 +25,9 @@ no layer can be dropped, merged or reordered:
   `_flashinfer.kernel_ms`; CUDA-core and tensor-core decode.
 * flashinfer loop-L: the same L calls from a Python loop (reference).
 
-Times are per layer: `per_layer_us` = the median time per program call / L (host
-launch of the program included, pipelined as `_timing.time_fn` does);
+Times are per layer: `per_layer_us` = the median time per program call / L (wall
+time a call adds to a stream of back-to-back calls, `_timing.pipelined_ms`;
+host launch included where it exceeds the GPU time);
 `span_us_per_layer` = the GPU time from the program's first kernel start
 to its last kernel end / L (`_timing.gpu_span_ms`: gaps between kernels
 included, host time before the first kernel not); `kernel_us_per_layer` =

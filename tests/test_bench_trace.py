@@ -89,3 +89,35 @@ def test_decode_layers_program_chains_its_layers():
   assert np.isfinite(np.asarray(chained, np.float32)).all()
   assert not np.array_equal(np.asarray(chained, np.float32),
                             np.asarray(alone, np.float32))
+
+
+def test_pipelined_time_cancels_a_samples_fixed_cost(monkeypatch):
+  # On a fake clock: every launch costs `call` (the GPU's time per call in a
+  # stream) and every sync a fixed `fixed` (first-call launch + wake-up).
+  # The pair difference must give `call` exactly, whatever the fixed cost,
+  # while T(n)/n keeps a share of it.
+  from bench import _timing  # noqa: PLC0415
+  rng = np.random.default_rng()
+  call, fixed = float(rng.uniform(1, 5)), float(rng.uniform(0.5, 50))
+  now = [0.0]
+  launches = []
+
+  def launch():
+    now[0] += call
+    launches.append(now[0])
+    return len(launches)
+
+  def sync(out):
+    assert out == len(launches)  # the last launch's output is synced
+    now[0] += fixed
+
+  monkeypatch.setattr(_timing.time, "perf_counter", lambda: now[0])
+  got = _timing.pipelined_ms(launch, sync, iters=5, min_time_s=0.0)
+  n = _timing.MIN_INNER  # the fake calls last seconds: the fewest calls
+  np.testing.assert_allclose(
+      [got["median_ms"], got["p10_ms"], got["p90_ms"]], [call * 1e3] * 3,
+      rtol=1e-9)
+  np.testing.assert_allclose(got["sync_ms"], (call + fixed / n) * 1e3,
+                             rtol=1e-9)
+  # Warm-up, calibration, then 5 pairs of n and 2n calls.
+  assert len(launches) == 2 + 5 * 3 * n
