@@ -11,7 +11,6 @@ Needs `flashinfer-python==0.7.2.post1` and `apache-tvm-ffi==0.1.15.post2`
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
