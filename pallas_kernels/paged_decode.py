@@ -219,23 +219,21 @@ class Config:
     fp8_cvt = (not interpret and kv_dtype is not None
                and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
                and _compat.has_fp8_cvt())
-    if fp8_cvt and (head_dim != 64 or num_kv_heads % 2 == 0):
-      pack = 2 if head_dim == 64 else 1
+    if fp8_cvt:
+      # head_dim 64: two kv heads per program where their number is even;
+      # an odd number keeps one, 64-token steps and 4 programs per SM.
+      odd_d64 = head_dim == 64 and num_kv_heads % 2 == 1
+      pack = 2 if head_dim == 64 and not odd_d64 else 1
       programs //= pack
-      block_tokens = 32 if head_dim > 128 or programs > 4 * num_sms else 64
+      block_tokens = (64 if odd_d64 or (head_dim <= 128
+                                        and programs <= 4 * num_sms) else 32)
       pages_per_block = max(1, block_tokens // page_size)
       return cls(pages_per_block=pages_per_block,
                  k_splits=_default_splits(programs, max_pages,
-                                          pages_per_block, num_sms),
+                                          pages_per_block, num_sms,
+                                          per_sm=4 if odd_d64 else 2),
                  num_warps=2, num_stages=3, fp8_convert="pairs",
                  pack_heads=pack,
-                 prefetch_ids=pages_per_block * page_size <= 64)
-    if fp8_cvt:  # head_dim 64, an odd number of kv heads
-      pages_per_block = max(1, 64 // page_size)
-      return cls(pages_per_block=pages_per_block,
-                 k_splits=_default_splits(programs, max_pages,
-                                          pages_per_block, num_sms, per_sm=4),
-                 num_warps=2, num_stages=3, fp8_convert="pairs",
                  prefetch_ids=pages_per_block * page_size <= 64)
     block_tokens = 32 if head_dim > 128 else 64
     num_warps, num_stages = 4, 3
