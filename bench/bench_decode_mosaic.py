@@ -68,7 +68,9 @@ def _mosaic_config(b, hkv, ps, max_pages, d, **over):
   return dataclasses.replace(cfg, **over)
 
 
-def correctness():
+def correctness(over=None):
+  """Oracle checks of the Mosaic kernel's default config, with `over`
+  (e.g. `dict(cp_async=True)`) replaced in it."""
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
   import attention_utils as au  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(int(time.time()))
@@ -109,6 +111,8 @@ def correctness():
         cfg = dataclasses.replace(cfg, k_splits=splits)
       if ctas:
         cfg = dataclasses.replace(cfg, num_ctas=ctas[0])
+      if over:
+        cfg = dataclasses.replace(cfg, **over)
       name = f"g{g} d{d} p{ps} {fmt} {kw} sinks={sinks is not None} {cfg}"
       try:
         out, lse = kernel.paged_decode(
@@ -224,6 +228,10 @@ def speed(spec, configs):
 def _configs(d):
   """Mosaic variants timed besides its default."""
   out = [("mosaic default", {}),
+         # Pages by one TMA copy each / by cp.async (the default decides
+         # by page size).
+         ("mosaic tma", dict(cp_async=False)),
+         ("mosaic cp_async", dict(cp_async=True)),
          # Keys in the wgmmas' M dimension.
          ("mosaic keys_m", dict(keys_m=True)),
          # 64-key steps leave room for 2 (3) CTAs per SM.
@@ -258,6 +266,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--skip-correctness", action="store_true")
   ap.add_argument("--skip-speed", action="store_true")
+  ap.add_argument("--cp-async", action="store_true",
+                  help="check the cp.async page loads against the oracle "
+                       "too")
   ap.add_argument("--specs", default=None,
                   help="comma-separated indices into SPECS (default: all)")
   ap.add_argument("--default-only", action="store_true",
@@ -269,6 +280,9 @@ def main():
   env = _timing.environment()
   print(env, flush=True)
   corr = [] if args.skip_correctness else correctness()
+  if args.cp_async:
+    corr += [dict(r, case="cp_async " + r["case"])
+             for r in correctness(dict(cp_async=True))]
   device = env["device"].replace(" ", "_")
   rows = []
   specs = [] if args.skip_speed else SPECS

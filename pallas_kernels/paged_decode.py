@@ -70,7 +70,8 @@ class Config:
     kv_eviction: L2 eviction hint for the streamed K/V loads
       (`"evict_first"` or None); K/V are read once, so they need not linger.
     backend: "triton" (this module's kernel) or "mosaic" (the Mosaic-GPU
-      kernel, `paged_decode_mgpu`: TMA per page, wgmma, Hopper only), whose
+      kernel, `paged_decode_mgpu`: TMA or cp.async page loads, wgmma,
+      Hopper only), whose
       steps are `pages_per_block * page_size` keys (64 or 128) through
       `num_stages` shared-memory stages, one consumer warpgroup
       (`num_warps` must be 4; kv_eviction unused), on a persistent grid of
@@ -103,6 +104,10 @@ class Config:
       query rows padded to 64 (`paged_decode_mgpu`).
     prefetch_ids: Triton kernel: load each step's page ids one step ahead
       (carried through the loop) instead of at the step's start.
+    cp_async: mosaic backend: load bf16 / f16 pages with `cp.async` (the
+      producer warpgroup's threads, 16 bytes each at a time) instead of one
+      TMA copy per page, where the q rows are in M (with `keys_m`, and for
+      FP8 pages, which stage through their own ring, pages load by TMA).
   """
   pages_per_block: int
   k_splits: int
@@ -115,6 +120,7 @@ class Config:
   num_ctas: int | None = None
   keys_m: bool = False
   prefetch_ids: bool = False
+  cp_async: bool = False
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits", "pack_heads"):
@@ -138,6 +144,9 @@ class Config:
     if self.prefetch_ids and self.backend != "triton":
       raise ValueError(f"Invalid prefetch_ids: expected the triton backend, "
                        f"got {self.backend!r}")
+    if self.cp_async and self.backend != "mosaic":
+      raise ValueError(f"Invalid cp_async: expected the mosaic backend, got "
+                       f"{self.backend!r}")
     if self.keys_m and self.backend != "mosaic":
       raise ValueError(f"Invalid keys_m: expected the mosaic backend, got "
                        f"{self.backend!r}")
@@ -283,6 +292,16 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
       head_dim=head_dim, page_size=page_size, group_size=group_size)
 
 
+# Pages up to which the Mosaic-GPU kernel loads pages by `cp.async` rather
+# than one TMA copy per page. Kernel time TMA / cp.async (H200, 2026-11-26,
+# B=64 S=4096, bench/results/decode_mosaic_pages_NVIDIA_H200.json): 1.35x
+# at 8-token pages on SmolLM2 heads (90.7 / 67.1 us), 1.40x on 32/8/64,
+# 1.00x on Llama-3-8B heads; at 16-token pages 0.97-1.03x over eleven
+# specs (there and decode_mosaic_cp_async_NVIDIA_H200.json), no clear
+# winner, so TMA stays there; from 32 tokens TMA is 1.00-1.09x faster.
+CP_ASYNC_MAX_PAGE_SIZE = 8
+
+
 def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
                    head_dim, num_sms, kv_dtype=None) -> Config:
   """The Mosaic-GPU kernel's config: 128-key steps through 2 stages (at
@@ -293,14 +312,16 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
   bench_decode_mosaic specs). Head_dim 256 takes 64-key steps: 128-key
   stages do not fit. FP8 pages take the keys-in-M build (`keys_m`), 0.86-
   0.94x of the rows-in-M build's kernel time at 128-key steps (H200,
-  2026-11-25, decode_mosaic_fp8_keys_m_NVIDIA_H200.json)."""
+  2026-11-25, decode_mosaic_fp8_keys_m_NVIDIA_H200.json). Pages of 8
+  tokens load by `cp.async` (`CP_ASYNC_MAX_PAGE_SIZE`)."""
   fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
   block_kv = 64 if head_dim > 128 else 128
   pages_per_block = max(1, block_kv // page_size)
   k_splits = _default_splits(batch_size * num_kv_heads, max_pages,
                              pages_per_block, num_sms)
   return Config(pages_per_block=pages_per_block, k_splits=k_splits,
-                num_stages=2, backend="mosaic", keys_m=fp8)
+                num_stages=2, backend="mosaic", keys_m=fp8,
+                cp_async=not fp8 and page_size <= CP_ASYNC_MAX_PAGE_SIZE)
 
 
 def _default_splits(programs: int, max_pages: int, pages_per_block: int,
@@ -821,7 +842,8 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
       k_scale=k_scale, v_scale=v_scale,
       fp8_stages=_mosaic_fp8_stages(head_dim, block_kv, config.num_stages,
                                     final, config.keys_m),
-      keys_m=config.keys_m)
+      keys_m=config.keys_m,
+      cp_async=config.cp_async and k_scale is None and not config.keys_m)
   lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
   if final:
     return o, lse.reshape(batch_size, num_qo_heads)

@@ -15,7 +15,9 @@ combine of the splits), laid out for Hopper's asynchronous units:
   (a wgmma has 64 rows; decode is bound by the K/V bytes, not the MMA).
 * Two warpgroups: a producer issues one TMA copy per page (`pool[page, rows,
   kv_head, :]` -> `[page_size, head_dim]` of a shared-memory stage) into a
-  ring of `num_stages` stages, reading the page ids from the page table; the
+  ring of `num_stages` stages, reading the page ids from the page table (or,
+  with `cp_async`, its 128 threads copy the pages 16 bytes at a time,
+  `_mgpu_async`); the
   consumer runs QK^T, the base-2 softmax (scale folded into the exponent, as
   FlashAttention-3) and PV per step of `block_kv` keys, with q double
   buffered across items.
@@ -65,6 +67,17 @@ with two or three (0.85-0.90x of FlashInfer's kernel time on Gemma 3 270M
 heads against 0.92-0.97x, H200, 2026-11-26,
 `bench/results/decode_mosaic_d256_keys_m_NVIDIA_H200.json`).
 
+Page loads by `cp.async` (`cp_async`, the default at 8-token pages): in
+Pallas's per-thread lowering each TMA copy also takes a warpgroup barrier
+and 128 barrier arrivals, a fixed cost per page. With 8-token pages (1 KiB
+boxes at head_dim 64) that cost sets the pace: 90.7 us with TMA against
+67.1 with cp.async on SmolLM2 heads, B=64 S=4096 (H200, 2026-11-26); at
+16-token pages the two are within 3% either way. Neither load path
+is what keeps this kernel behind the Triton one on small heads: its ring
+alone (the consumer only waiting on and releasing the stages) takes 55.8
+us there with 16-token pages, the Triton kernel's whole time, and the
+Llama-3-8B heads' ring 246 us against Triton's 245 (same run).
+
 `paged_decode` routes here on compute capability 9.0 for bf16 / f16 q and
 pages of 128 tokens (`paged_decode.MOSAIC_MIN_PAGE_SIZE`), head_dim 64 /
 128, group sizes 1..8 (`supports`); `Config(backend="mosaic")` takes pages
@@ -85,6 +98,7 @@ from jax import lax
 
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import _fp8
+from pkvattn.pallas_kernels import _mgpu_async
 
 BLOCK_M = 64      # wgmma rows
 GROUP_ROWS = 8    # query rows of a group (at most), partial rows per split
@@ -157,10 +171,11 @@ _mgpu = _compat.mosaic_gpu
 
 def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             v_table_ref, *rest, sm_scale: float, window_left: int,
-            logits_soft_cap: float | None, group_size: int, block_kv: int,
+            stage_transforms=(), logits_soft_cap: float | None,
+            group_size: int, block_kv: int,
             num_stages: int, k_splits: int, final: bool, num_ctas: int,
             fp8_stages: int = 0, q_from_bf16: bool = False,
-            keys_m: bool = False):
+            keys_m: bool = False, cp_async: bool = False):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   rest = list(rest)
@@ -168,6 +183,8 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   scales_ref = rest.pop(0) if fp8_stages else None
   out_ref, lse_ref, scoped = rest
   smem, bars, free, *more = scoped
+  # cp.async pages: the stages' own barriers, K's then V's (i32 pairs).
+  page_bars = more.pop() if cp_async else None
   p_smem = smem[-1] if keys_m else None  # P^T [block_kv, 16]
   q_smem, k_smem, v_smem, o_smem, lse_smem = smem[:5]
   if fp8_stages:
@@ -185,6 +202,8 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
   cta = lax.axis_index("ctas")
   wg = lax.axis_index("wg")
+  if cp_async:
+    _mgpu_async.init_barriers(page_bars, 2 * num_stages)
   num_items = num_kv_heads * batch_size * k_splits
   # Items cta, cta + num_ctas, ...: kv heads fastest, then sequences, then
   # splits.
@@ -283,7 +302,12 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       def step(i, carry, masked: bool):
         acc, m, l = carry
         slot = lax.rem(g + i - s0, jnp.array(num_stages, i32))
-        plgpu.barrier_wait(k_bar.at[slot])
+        if cp_async:
+          parity = lax.rem(lax.div(g + i - s0, jnp.array(num_stages, i32)),
+                           jnp.array(2, i32))
+          _mgpu_async.wait(page_bars, slot, parity)
+        else:
+          plgpu.barrier_wait(k_bar.at[slot])
 
         def qk(acc_ref):
           if keys_m:
@@ -315,7 +339,10 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         else:
           l = l * alpha + p.sum(axis=1)
           p16 = p.astype(dtype)
-        plgpu.barrier_wait(v_bar.at[slot])
+        if cp_async:
+          _mgpu_async.wait(page_bars, slot + num_stages, parity)
+        else:
+          plgpu.barrier_wait(v_bar.at[slot])
         if masked:
           # V rows of keys outside [lo, kv_len) meet p = 0 but may be NaN:
           # stale rows past kv_len, and before the window the rows of the
@@ -448,12 +475,21 @@ def _kernel(kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         return tuple(ids)
 
       def issue(i, slot, pages, pool_ref, smem, bar):
+        r0 = 0
+        if page_size >= block_kv:
+          per_page = page_size // block_kv
+          r0 = pl.multiple_of(
+              lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
+        if cp_async:
+          # The whole warpgroup copies the tile, one 16-byte chunk per
+          # thread at a time, and arrives at the stage's own barrier.
+          _mgpu_async.copy_page_rows(
+              pool_ref, smem, page_bars, slot=slot,
+              bar_index=slot + (0 if bar is k_full else num_stages),
+              kv_head=kv_head, row0=jnp.asarray(r0, i32), pages=pages,
+              rows_per_page=rows, transforms=stage_transforms)
+          return
         for c in range(copies):
-          r0 = 0
-          if page_size >= block_kv:
-            per_page = page_size // block_kv
-            r0 = pl.multiple_of(
-                lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
           plgpu.copy_gmem_to_smem(
               pool_ref.at[pages[c], pl.ds(r0, rows), kv_head],
               smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
@@ -569,7 +605,7 @@ def _group_cols(o_t, *, num_qo_heads: int):
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "block_kv",
                      "num_stages", "k_splits", "final", "num_ctas",
-                     "fp8_stages", "keys_m"))
+                     "fp8_stages", "keys_m", "cp_async"))
 def paged_decode_mgpu(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -590,6 +626,7 @@ def paged_decode_mgpu(
     v_scale=None,         # f32[]: FP8 pages
     fp8_stages: int = 2,
     keys_m: bool = False,
+    cp_async: bool = False,
 ):
   """One persistent Mosaic-GPU launch of split-K paged decode (see the module
   docstring).
@@ -631,6 +668,10 @@ def paged_decode_mgpu(
     keys_m: static; put the keys in the wgmmas' M dimension (`S^T = K
       q^T`, `O^T = V^T P^T` with the 16 loaded q rows as N) instead of the
       q rows (padded to 64); same results.
+    cp_async: static; the producer warpgroup loads the pages with
+      `cp.async` (every thread 16 bytes at a time, `_mgpu_async`) instead
+      of one TMA copy per page; same results. bf16 / f16 pages without
+      `keys_m` only.
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -647,7 +688,7 @@ def paged_decode_mgpu(
     ValueError: an unsupported dtype, head_dim, group size, page_size,
       block_kv / num_stages, more shared memory than a CTA has,
       `num_ctas < 1`, scales given without FP8 pages or missing with them,
-      or `fp8_stages < 1`.
+      `fp8_stages < 1`, or `cp_async` with FP8 pages or `keys_m`.
   """
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
@@ -672,6 +713,10 @@ def paged_decode_mgpu(
                      f"64 or 128, got {head_dim}")
   if fp8 and fp8_stages < 1:
     raise ValueError(f"Invalid fp8_stages: expected >= 1, got {fp8_stages}")
+  if cp_async and (fp8 or keys_m):
+    raise ValueError(f"Invalid cp_async=True: expected bf16 / f16 pages "
+                     f"without keys_m, got pages {k_pool.dtype}, "
+                     f"keys_m={keys_m}")
 
   if head_dim not in (64, 128, 256):
     raise ValueError(f"Invalid head_dim: expected 64, 128 or 256, got "
@@ -720,7 +765,7 @@ def paged_decode_mgpu(
       logits_soft_cap=logits_soft_cap, group_size=group_size,
       block_kv=block_kv, num_stages=num_stages, k_splits=k_splits,
       final=final, num_ctas=num_ctas, fp8_stages=fp8_stages if fp8 else 0,
-      q_from_bf16=q_from_bf16, keys_m=keys_m)
+      q_from_bf16=q_from_bf16, keys_m=keys_m, cp_async=cp_async)
 
   def entry(*refs):
     swizzle = 128 if head_dim * itemsize >= 128 else 64
@@ -760,8 +805,12 @@ def paged_decode_mgpu(
           (plgpu.Barrier(num_barriers=fp8_stages),) * 2]
     if keys_m:
       smem.append(plgpu.SMEM((block_kv, Q_ROWS), dtype, transforms=narrow))
+    if cp_async:
+      # One mbarrier (two i32 words) per K and per V stage.
+      extra.append(plgpu.SMEM((4 * num_stages,), jnp.int32))
     pl.run_scoped(
-        lambda *scoped: kernel(*refs, scoped),
+        lambda *scoped: kernel(*refs, scoped,
+                               stage_transforms=transforms),
         smem,
         (plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),

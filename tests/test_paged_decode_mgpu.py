@@ -84,6 +84,16 @@ def test_backend_choice_and_errors():
   with pytest.raises(ValueError, match="scales"):  # scales on bf16 pages
     mgpu.paged_decode_mgpu(q, pool, pool, table, table, lens, sm_scale=0.1,
                            k_scale=1.0, v_scale=1.0)
+  # cp.async page loads: bf16 / f16 pages with the q rows in M only.
+  for kw in (dict(k_pool=pool8, k_scale=1.0, v_scale=1.0),
+             dict(keys_m=True)):
+    kw = dict(kw)
+    k = kw.pop("k_pool", pool)
+    with pytest.raises(ValueError, match="cp_async"):
+      mgpu.paged_decode_mgpu(q, k, k, table, table, lens, sm_scale=0.1,
+                             cp_async=True, **kw)
+  with pytest.raises(ValueError, match="cp_async"):
+    _C(pages_per_block=8, k_splits=1, cp_async=True)  # the Triton kernel
   for kw, match in ((dict(head_dim=96), "head_dim"),
                     (dict(block_kv=32), "block_kv"),
                     (dict(hq=18), "group"),
@@ -133,7 +143,17 @@ def test_default_rule_on_hopper(monkeypatch):
                        max_pages=32, head_dim=64, group_size=3,
                        dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
   assert (cfg.pages_per_block, cfg.num_stages, cfg.num_warps) == (1, 2, 4)
-  assert not cfg.keys_m
+  assert not cfg.keys_m and not cfg.cp_async
+  # The Mosaic kernel loads 8-token pages by cp.async, larger ones by TMA;
+  # FP8 pages (keys in M) always by TMA.
+  assert kernel.CP_ASYNC_MAX_PAGE_SIZE == 8
+  for ps, want in ((8, True), (16, False), (32, False), (128, False)):
+    for kv_dtype, fp8 in ((jnp.bfloat16, False), (jnp.float8_e4m3fn, True)):
+      cfg = _C.default_for(batch_size=64, num_kv_heads=3, page_size=ps,
+                           max_pages=4096 // ps, head_dim=64, group_size=3,
+                           dtype=jnp.bfloat16, kv_dtype=kv_dtype,
+                           backend="mosaic")
+      assert cfg.cp_async == (want and not fp8), (ps, kv_dtype, cfg)
   # Asked for, the Mosaic kernel on FP8 pages puts the keys in M, 128-key
   # steps; head_dim 256 takes 64-key steps.
   for d, keys in ((128, 128), (64, 128)):
@@ -225,7 +245,30 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, num_ctas):
   """NaN in every page a sequence does not own and past kv_len; odd
   lengths; the group's rows only are written; one CTA per SM or fewer CTAs
   serving several items each."""
-  rng = np.random.default_rng(group * 100 + page_size)
+  _check_oracle(group, d, page_size, fmt, kw, k_splits, num_ctas)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,cp_async", [
+    (3, 64, 8, "flashinfer", dict(window_left=100), 2, True),
+    (4, 128, 32, "pair", {}, 1, True),
+    (7, 64, 128, "pool", dict(logits_soft_cap=30.0), 2, True),
+    (4, 256, 16, "pair", dict(sinks=True), 1, True),
+    (3, 64, 16, "pool", {}, 2, True),
+    (8, 64, 8, "pair", dict(window_left=37), 1, False),
+])
+def test_page_loads_match_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
+                                     cp_async):
+  """Each page-load path where the default picks the other: cp.async at
+  pages of 16, 32 and 128 tokens, TMA at 8."""
+  _check_oracle(group, d, page_size, fmt, kw, k_splits, None,
+                cp_async=cp_async, seed=None)
+
+
+def _check_oracle(group, d, page_size, fmt, kw, k_splits, num_ctas,
+                  seed=0, **over):
+  rng = np.random.default_rng(
+      None if seed is None else group * 100 + page_size)
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
   p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
                  head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
@@ -237,7 +280,7 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, num_ctas):
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _mosaic(b=len(kv_lens), hkv=hkv, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
-                num_ctas=num_ctas)
+                num_ctas=num_ctas, **over)
   out, lse = kernel.paged_decode(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
@@ -293,6 +336,40 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
         logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
     assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
     assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("hq,hkv,d,page_size,block_kv,cp_async", [
+    (9, 3, 64, 8, 128, True),      # a pass of 16 rows spans two pages
+    (9, 3, 64, 16, 64, True),
+    (32, 8, 128, 32, 128, True),
+    (14, 2, 128, 128, 64, True),   # half a page per step
+    (4, 1, 256, 16, 64, True),     # 4 column tiles per row
+    (32, 8, 128, 16, 128, False),  # TMA at 16-token pages
+    (9, 3, 64, 8, 64, False),
+])
+def test_page_loads_lower_to_mosaic_gpu(hq, hkv, d, page_size, block_kv,
+                                        cp_async):
+  """Both page-load paths of the kernel (one TMA copy per page, or
+  `cp.async` by the producer warpgroup with its own barriers) cross-lower
+  for CUDA at every page size / step shape the config allows; the cp.async
+  build carries the PTX (copies, barrier arrivals and waits)."""
+  b, pages = 3, 40
+  sds = jax.ShapeDtypeStruct
+  args = [sds((b, hq, d), jnp.bfloat16),
+          sds((pages, page_size, hkv, d), jnp.bfloat16),
+          sds((pages, page_size, hkv, d), jnp.bfloat16),
+          sds((b, 12), jnp.int32), sds((b, 12), jnp.int32),
+          sds((b,), jnp.int32)]
+
+  def run(*a):
+    return mgpu.paged_decode_mgpu(*a, sm_scale=d ** -0.5, block_kv=block_kv,
+                                  k_splits=2, num_ctas=5, cp_async=cp_async)
+  text = jax.jit(run).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  for ptx in ("cp.async.cg.shared.global",
+              "cp.async.mbarrier.arrive.noinc"):
+    assert (ptx in text) == cp_async, ptx
 
 
 @pytest.mark.parametrize("hq,hkv,d,page_size,block,k_splits,kv_dtype", [
