@@ -8,7 +8,9 @@ Run on an H100 / H200:  `python -m bench.bench_decode_mosaic`
    NaN-poisoned caches (NaN in every page a sequence does not own and past
    `kv_len`): GQA groups 1..8, head_dim 64 / 128, pages 8..128, the three
    kv_cache formats, window / soft cap / sinks, one and several splits, kv
-   lengths 0, 1, 7, 129, 4095.
+   lengths 0, 1, 7, 129, 4095. `--cp-async` checks every case again with
+   the pages loaded by `cp.async` (`Config.cp_async`), whatever the page
+   size.
 2. Speed: the four Llama-3-8B decode specs (32/8/128) and the small-head
    shapes (SmolLM2 9/3/64; group 6 at head_dim 128; Gemma 3 270M 4/1/256),
    every sequence at full length, shuffled pages in the "flashinfer"
