@@ -10,7 +10,7 @@ one-page steps slow down at 128-token pages. This bench times both
 backends' defaults
 (`Config.default_for(backend=...)`) on the same shuffled pages (the
 "flashinfer" kv_cache format, every sequence at full length, B=64 S=4096)
-for three head shapes and page sizes 16..128, by GPU kernel time from a
+for three head shapes and page sizes 8..128, by GPU kernel time from a
 profiler trace (`_timing.device_kernel_ms`), after checking that both give
 the same output, and the Mosaic kernel with the other load path
 (`mosaic_other_ms`: TMA where the default is cp.async, and the reverse).
