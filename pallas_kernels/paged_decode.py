@@ -299,6 +299,8 @@ def _mosaic_default(*, group_size, head_dim, page_size, dtype,
 # 1.00x on Llama-3-8B heads; at 16-token pages 0.97-1.03x over eleven
 # specs (there and decode_mosaic_cp_async_NVIDIA_H200.json), no clear
 # winner, so TMA stays there; from 32 tokens TMA is 1.00-1.09x faster.
+# H100, 8-token pages: 1.11 / 1.17 / 1.00x on the same three head shapes
+# (decode_mosaic_pages_p8_NVIDIA_H100_80GB_HBM3.json).
 CP_ASYNC_MAX_PAGE_SIZE = 8
 
 
