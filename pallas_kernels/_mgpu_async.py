@@ -59,16 +59,19 @@ def _asm(text: str, operands, constraints: str, result=None):
                          has_side_effects=True)
 
 
+def _int(bits: int):
+  ir, _, _ = _mlir()
+  return ir.IntegerType.get_signless(bits)
+
+
 def _i32(x: int):
-  ir, arith, _ = _mlir()
-  i32 = ir.IntegerType.get_signless(32)
-  return arith.constant(i32, ir.IntegerAttr.get(i32, x))
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  return utils.c(x, _int(32))
 
 
 def _i64(x: int):
-  ir, arith, _ = _mlir()
-  i64 = ir.IntegerType.get_signless(64)
-  return arith.constant(i64, ir.IntegerAttr.get(i64, x))
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  return utils.c(x, _int(64))
 
 
 def _scalar(x):
@@ -78,28 +81,24 @@ def _scalar(x):
   return x if regs is None else regs.flat[0]
 
 
-def _smem_addr(ref):
-  """Shared-window byte address (i32) of a shared-memory memref."""
-  ir, _, llvm = _mlir()
+def _addr(ref, bits: int):
+  """Byte address of a memref as an integer of `bits`: 32 for the
+  shared-window address of a shared-memory ref, 64 for the generic address
+  of a global-memory one."""
+  _, _, llvm = _mlir()
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  i32 = ir.IntegerType.get_signless(32)
-  return llvm.ptrtoint(i32, utils.memref_ptr(ref))
+  return llvm.ptrtoint(_int(bits), utils.memref_ptr(ref))
 
 
-def _gmem_addr(ref):
-  """Generic byte address (i64) of a global-memory memref."""
-  ir, _, llvm = _mlir()
-  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  i64 = ir.IntegerType.get_signless(64)
-  return llvm.ptrtoint(i64, utils.memref_ptr(ref))
+def _tid():
+  """This thread's index in the CTA (i32)."""
+  return _asm("mov.u32 $0, %tid.x;", [], "=r", result=_int(32))
 
 
 def _lane():
   """This thread's index in its warpgroup (i32)."""
-  ir, arith, _ = _mlir()
-  i32 = ir.IntegerType.get_signless(32)
-  tid = _asm("mov.u32 $0, %tid.x;", [], "=r", result=i32)
-  return arith.remui(tid, _i32(WARPGROUP))
+  _, arith, _ = _mlir()
+  return arith.remui(_tid(), _i32(WARPGROUP))
 
 
 def _splat():
@@ -118,9 +117,8 @@ def init_barriers(bars_ref, num_barriers: int):
   def _init(ctx, bars):
     del ctx
     _, arith, _ = _mlir()
-    base = _smem_addr(bars)
-    tid = _asm("mov.u32 $0, %tid.x;", [], "=r",
-               result=_mlir()[0].IntegerType.get_signless(32))
+    base = _addr(bars, 32)
+    tid = _tid()
     for i in range(num_barriers):
       addr = arith.addi(base, _i32(8 * i))
       _asm("{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n"
@@ -142,7 +140,7 @@ def wait(bars_ref, index, parity):
   def _wait(ctx, bars, idx, par):
     del ctx
     _, arith, _ = _mlir()
-    addr = arith.addi(_smem_addr(bars),
+    addr = arith.addi(_addr(bars, 32),
                       arith.muli(_scalar(idx), _i32(8)))
     # PTX labels are local to their { } block (as CUTLASS's waits use).
     _asm("{\n.reg .pred done;\nLAB_WAIT:\n"
@@ -195,18 +193,18 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
       _splat(), _splat(), _splat(), _splat(), *([_splat()] * n_pages)))
   def _copy(ctx, pool, stage, bars, slot_v, bar_v, head_v, row0_v, *page_v):
     del ctx
-    ir, arith, _ = _mlir()
-    i64 = ir.IntegerType.get_signless(64)
+    _, arith, _ = _mlir()
+    i64 = _int(64)
     lane = _lane()
     t_row = arith.divui(lane, _i32(row_chunks))      # row within a pass
     cc = arith.remui(lane, _i32(row_chunks))         # chunk within a row
     c_tile = arith.divui(cc, _i32(tile_chunks))      # column tile
     c_in = arith.remui(cc, _i32(tile_chunks))        # chunk in tile row
-    dst0 = arith.addi(_smem_addr(stage),
+    dst0 = arith.addi(_addr(stage, 32),
                       arith.muli(_scalar(slot_v), _i32(stage_bytes)))
     # Global address of (page 0, row 0, kv_head, chunk cc).
     src0 = arith.addi(
-        _gmem_addr(pool),
+        _addr(pool, 64),
         arith.extui(i64, arith.addi(
             arith.muli(_scalar(head_v), _i32(head_dim * itemsize)),
             arith.muli(cc, _i32(CHUNK)))))
@@ -234,7 +232,7 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
       src = arith.addi(arith.addi(src0, page), arith.extui(
           i64, arith.muli(in_page, _i32(row_bytes))))
       _asm("cp.async.cg.shared.global [$0], [$1], 16;", [dst, src], "r,l")
-    bar = arith.addi(_smem_addr(bars), arith.muli(_scalar(bar_v), _i32(8)))
+    bar = arith.addi(_addr(bars, 32), arith.muli(_scalar(bar_v), _i32(8)))
     # Arrives once this thread's copies so far have landed; `.noinc`: the
     # arrival is one of the barrier's 128 expected ones.
     _asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", [bar], "r")
