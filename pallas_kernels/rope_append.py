@@ -1,5 +1,10 @@
 """Fused RoPE + paged K/V append: one Pallas (Triton) pass over the tokens.
 
+`rope_append` / `rope_append_qkv` run this kernel, or on Hopper the
+Mosaic-GPU one of `rope_append_mgpu.py` (`default_config`), which takes the
+same arguments and does the same f32 math (its outputs were bit-identical to
+this kernel's on every benchmarked shape).
+
 TensorRT-LLM's `qkv_preprocessing` (PR #11667) as a Pallas kernel. The grid is
 `(token tiles, head splits)`; program `(i, j)` owns `block_tokens` tokens and
 `1 / num_splits` of the q and kv heads. It computes the tile's cos/sin once
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import rope_append_mgpu
 from pkvattn.pallas_kernels._compat import pl
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (pkvattn._kv.FP8_MAX)
@@ -437,7 +443,7 @@ def rope_append(
     v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None (= k_pool)
     *,
     interleaved: bool = False,
-    config: Config | None = None,
+    config: "Config | rope_append_mgpu.Config | None" = None,
     interpret: bool = False,
     paged=None,
     k_scale=None,  # f32[]: FP8 pools
@@ -461,20 +467,74 @@ def rope_append(
       rows store `clip(x * (1 / scale), -448, 448)` with x the rotated K (f32) or
       V, as `pkvattn._kv.quantize`.
 
+    config: a `Config` (this module's Pallas-Triton kernel) or a
+      `rope_append_mgpu.Config` (the Mosaic-GPU kernel, Hopper); None =
+      `default_config`.
+
   Raises:
-    ValueError: an unknown `table_kind`.
+    ValueError: an unknown `table_kind`; a `rope_append_mgpu.Config` in
+      interpret mode, with FP8 scales or for a case its kernel lacks
+      (`rope_append_mgpu.supports`).
     NotImplementedError: a config whose `num_splits` does not divide the head
       counts, or `block_tokens` not a power of two.
   """
+  scales = _scales(k_scale, v_scale)
   if config is None:
-    config = Config.default_for(k.shape[0], 0 if q is None else q.shape[1],
-                                k.shape[1])
+    config = default_config(
+        k.shape[0], 0 if q is None else q.shape[1], k.shape[1],
+        head_dim=k.shape[2], half=0 if inv_freq is None else inv_freq.shape[0],
+        interleaved=interleaved, dtype=k.dtype if q is None else q.dtype,
+        kv_dtype=k.dtype, pool_dtype=k_pool.dtype, scales=scales,
+        interpret=interpret)
   if k.shape[0] == 0:
     return q, k_pool, v_pool
+  return _launch(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
+                 v_pool, interleaved=interleaved, config=config,
+                 interpret=interpret, paged=paged, scales=scales)
+
+
+def default_config(num_tokens: int, num_qo_heads: int, num_kv_heads: int, *,
+                   head_dim: int, half: int, interleaved: bool, dtype,
+                   kv_dtype, pool_dtype, scales, interpret: bool):
+  """The launch config `rope_append` uses when given none: the Mosaic-GPU
+  kernel's (`rope_append_mgpu.Config.default_for`) on compute capability
+  9.0 for the cases it takes (bf16 / f16 q, k, v and pools of one dtype,
+  no FP8 scales, `rope_append_mgpu.supports`), else this module's
+  `Config.default_for`.
+  Kernel time of the Mosaic kernel against this one, both defaults, same
+  run (2026-11-26, `bench/rope_append_mosaic.py`; Llama-3-8B, SmolLM2-135M
+  and Gemma 3 270M heads, 8 to 65,536 tokens): 0.42-0.95x on an H200,
+  0.45-0.97x on an H100, bit-identical outputs."""
+  if (not interpret and scales is None
+      and jnp.dtype(dtype) == jnp.dtype(kv_dtype) and _compat.is_hopper()):
+    config = rope_append_mgpu.Config.default_for(num_tokens, num_qo_heads,
+                                                 num_kv_heads)
+    if rope_append_mgpu.supports(
+        dtype=kv_dtype, pool_dtype=pool_dtype, head_dim=head_dim, half=half,
+        interleaved=interleaved, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, num_splits=config.num_splits,
+        has_scales=False, chunk_bytes=config.chunk_bytes) is None:
+      return config
+  return Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
+
+
+def _launch(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool, v_pool, *,
+            interleaved, config, interpret, paged=None, scales=None,
+            qkv=None):
+  """`config`'s kernel (see `rope_append`)."""
+  if isinstance(config, rope_append_mgpu.Config):
+    if interpret or scales is not None:
+      raise ValueError(
+          f"Invalid config for this call: a rope_append_mgpu.Config needs a "
+          f"Hopper GPU and pools without FP8 scales, got interpret="
+          f"{interpret}, scales={'given' if scales is not None else None}")
+    return rope_append_mgpu.rope_append_mgpu(
+        q, k, v, positions, k_rows, v_rows, inv_freq, k_pool, v_pool,
+        interleaved=interleaved, config=config, qkv=qkv, paged=paged)
   return _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq,
                            k_pool, v_pool, interleaved=interleaved,
                            config=config, interpret=interpret, paged=paged,
-                           scales=_scales(k_scale, v_scale))
+                           scales=scales, qkv=qkv)
 
 
 def _scales(k_scale, v_scale):
@@ -495,7 +555,7 @@ def rope_append_qkv(
     v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None (= k_pool)
     *,
     interleaved: bool = False,
-    config: Config | None = None,
+    config: "Config | rope_append_mgpu.Config | None" = None,
     interpret: bool = False,
     paged=None,
     k_scale=None,  # f32[]: FP8 pools
@@ -514,11 +574,17 @@ def rope_append_qkv(
   heads = qkv.shape[1] // head_dim
   num_qo_heads = heads - 2 * num_kv_heads
   qkv = qkv.reshape(num_tokens, heads, head_dim)
+  scales = _scales(k_scale, v_scale)
   if config is None:
-    config = Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
+    config = default_config(
+        num_tokens, num_qo_heads, num_kv_heads, head_dim=head_dim,
+        half=0 if inv_freq is None else inv_freq.shape[0],
+        interleaved=interleaved, dtype=qkv.dtype, kv_dtype=qkv.dtype,
+        pool_dtype=k_pool.dtype, scales=scales, interpret=interpret)
   if num_tokens == 0:
     return qkv[:, :num_qo_heads], k_pool, v_pool
-  return _rope_append_call(None, None, None, positions, k_rows, v_rows,
-                           inv_freq, k_pool, v_pool, interleaved=interleaved,
-                           config=config, interpret=interpret, qkv=qkv,
-                           paged=paged, scales=_scales(k_scale, v_scale))
+  q_shape = jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim),
+                                 qkv.dtype)
+  return _launch(q_shape, None, None, positions, k_rows, v_rows, inv_freq,
+                 k_pool, v_pool, interleaved=interleaved, config=config,
+                 interpret=interpret, paged=paged, scales=scales, qkv=qkv)

@@ -413,6 +413,7 @@ def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll,
   if fused:  # one [t, (hq + 2 hkv) * d] input replaces q, k, v
     args = [sds((t, (hq + 2 * hkv) * d), jnp.bfloat16)] + args[3:]
     f = functools.partial(kernel.rope_append_qkv, interleaved=interleaved,
+                          config=kernel.Config.default_for(t, hq, hkv),
                           interpret=False)
     donate = (5, 6)
   elif not paged:

@@ -1,0 +1,621 @@
+"""Fused RoPE + paged K/V append for Hopper: Pallas on Mosaic GPU.
+
+The same pass as the Pallas-Triton kernel (`rope_append.py`; TensorRT-LLM's
+`qkv_preprocessing`): read q, k and v once, rotate q and k in f32, write
+the rotated q and scatter the k and v rows into the pool at
+`page * page_size + position % page_size`. It is a gather / scatter of
+small chunks with a little f32 math per element, which Pallas's
+array-level Mosaic GPU lowering cannot express (its register layouts have
+no per-row gather, and its copies are TMA boxes with a fixed cost each),
+so the kernel body is per-thread code written through `plgpu.inline_mgpu`
+in MLIR's `arith` / `math` / `llvm` dialects, as a CUDA kernel would be:
+
+* The grid is `(token tiles, head programs)`, one warpgroup (128 threads)
+  per CTA. Each token's head is cut into `units` (one per thread) of
+  `chunk_bytes`-byte chunks (4, 8 or 16): with GPT-NeoX pairs `(i, i +
+  half)` a unit is the chunk at column `c` and its partner at `c + half`;
+  with GPT-J pairs `(2i, 2i + 1)` one chunk holds its pairs; columns past
+  `rotary_dim` (partial rotary) are plain chunks. A tile has `128 // units`
+  tokens, one thread per (token, unit).
+* A thread computes the cos / sin of its unit's frequencies once
+  (`positions * inv_freq` in f32, libdevice `cos` / `sin`) and applies
+  them to every head of its program: a `1 / num_splits` share of the q
+  heads (to `q_out`) and of the kv heads (k rotated, v copied, to their
+  pool rows), or with `one_head` a single head. It issues its first
+  `max_loads` chunk loads before the cos / sin and the pool rows, so
+  their latencies overlap, and every later batch's loads before that
+  batch's stores (the compiler cannot move a load above a store to a pool
+  it cannot prove distinct).
+* A token's pool rows come from `k_rows` / `v_rows` or, with `paged`, from
+  the page table as `reference.append_rows` computes them, in the kernel;
+  a row outside the pool (`>= num_rows`, or negative) is not written.
+  Tokens past `num_tokens` in the last tile do nothing.
+
+The pools go in as `jax.Ref` arguments of `pl.kernel`, which aliases them
+in and out: under a donated jit they are updated in place. FP8 pools, f32
+and head dims that do not split into the chunks stay on the Triton kernel
+(`supports`). `rope_append.rope_append` routes here by default on
+compute capability 9.0 (`rope_append.default_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels._compat import pl
+
+WARPGROUP = 128      # threads per CTA
+CHUNK = 16           # bytes per load / store
+MAX_LOADS = 32       # chunk loads a thread issues before their stores
+SMALL_CHUNK_MAX_TOKENS = 4096  # the default's 4-byte chunks up to here
+TABLE_KINDS = ("shared", "split", "flashinfer")
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def units_per_token(head_dim: int, half: int, interleaved: bool,
+                    itemsize: int, chunk_bytes: int = CHUNK) -> int:
+  """Threads per (token, head): one per `chunk_bytes` chunk of the head,
+  except that a GPT-NeoX rotated pair of chunks (`c`, `c + half`) is one
+  thread."""
+  vec = chunk_bytes // itemsize
+  rot = 2 * half
+  rotated = (half if not interleaved else rot) // vec
+  return rotated + (head_dim - rot) // vec
+
+
+def supports(*, dtype, pool_dtype, head_dim: int, half: int,
+             interleaved: bool, num_qo_heads: int, num_kv_heads: int,
+             num_splits: int, has_scales: bool,
+             chunk_bytes: int = CHUNK) -> str | None:
+  """Why the kernel does not take a case (a sentence), or None when it
+  does: bf16 / f16 q, k, v and pools of that dtype (no FP8 scales), the
+  rotated half and the pass-through columns in whole `chunk_bytes` chunks,
+  at most 128 threads per token, and `num_splits` dividing both head
+  counts."""
+  vec = chunk_bytes // 2
+  if has_scales or jnp.dtype(pool_dtype) != jnp.dtype(dtype):
+    return "FP8 pools (or pools of another dtype) stay on the Triton kernel"
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return f"dtype {jnp.dtype(dtype).name} is not bf16 / f16"
+  rot = 2 * half
+  if half % vec or (head_dim - rot) % vec or (interleaved and rot % vec):
+    return (f"head_dim {head_dim} / rotary_dim {rot} do not split into "
+            f"{vec}-element chunks")
+  if units_per_token(head_dim, half, interleaved, 2,
+                     chunk_bytes) > WARPGROUP:
+    return f"head_dim {head_dim} needs more than {WARPGROUP} threads a token"
+  if num_kv_heads % num_splits or num_qo_heads % num_splits:
+    return (f"num_splits {num_splits} does not divide num_qo_heads "
+            f"{num_qo_heads} and num_kv_heads {num_kv_heads}")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Launch config of the Mosaic-GPU kernel.
+
+  Attributes:
+    num_splits: programs per token tile over the heads, dividing both head
+      counts (each program: `1 / num_splits` of the q heads and of the kv
+      heads, its loads batched across them).
+    one_head: overrides `num_splits`: `num_qo_heads + num_kv_heads` programs
+      per tile, each rotating one q head or appending one kv head (the most
+      programs, for few tokens and head counts that do not split evenly).
+    max_loads: chunk loads a thread issues before their stores.
+    chunk_bytes: bytes per load / store (16, 8 or 4): smaller chunks spread
+      a token over more threads, each with fewer cos / sin to compute.
+  """
+  num_splits: int = 1
+  one_head: bool = False
+  max_loads: int = MAX_LOADS
+  chunk_bytes: int = CHUNK
+
+  def __post_init__(self):
+    if self.chunk_bytes not in (4, 8, 16):
+      raise ValueError(f"Invalid chunk_bytes: expected 4, 8 or 16, got "
+                       f"{self.chunk_bytes}")
+    if self.num_splits < 1 or self.max_loads < 1:
+      raise ValueError(f"Invalid Config: expected num_splits >= 1 and "
+                       f"max_loads >= 1, got {self.num_splits} and "
+                       f"{self.max_loads}")
+
+  @staticmethod
+  def default_for(num_tokens: int, num_qo_heads: int,
+                  num_kv_heads: int) -> "Config":
+    """The heads split over the largest power of two <= 8 programs
+    dividing both head counts; 4-byte chunks up to `SMALL_CHUNK_MAX_TOKENS`
+    tokens, 8-byte chunks beyond: a thread's cos / sin chain is what the
+    small batches wait on, so more threads with shorter chains win, and
+    even on 65,536 tokens 16-byte chunks were 1-6% slower (H200,
+    2026-11-26, `bench/results/rope_append_mosaic_NVIDIA_H200.json`). The
+    case must fit the chunks (`supports`)."""
+    splits = 1
+    while (2 * splits <= 8 and num_kv_heads % (2 * splits) == 0
+           and num_qo_heads % (2 * splits) == 0):
+      splits *= 2
+    chunk = 4 if num_tokens <= SMALL_CHUNK_MAX_TOKENS else 8
+    return Config(num_splits=splits, chunk_bytes=chunk)
+
+  def programs(self, num_qo_heads: int, num_kv_heads: int) -> int:
+    """Programs per token tile."""
+    return num_qo_heads + num_kv_heads if self.one_head else self.num_splits
+
+
+# ---------------------------------------------------------------- MLIR helpers
+
+def _mlir():
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import math as mmath  # noqa: PLC0415
+  return ir, arith, llvm, mmath
+
+
+def _ty(name: str):
+  ir = _mlir()[0]
+  return ir.Type.parse(name)
+
+
+def _c(x, ty):
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  return utils.c(x, ty)
+
+
+def _scalar(x):
+  regs = getattr(x, "registers", None)
+  return x if regs is None else regs.flat[0]
+
+
+def _base(ref):
+  """Generic address (i64) of a global-memory ref's first element."""
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  _, _, llvm, _ = _mlir()
+  return llvm.ptrtoint(_ty("i64"), utils.memref_ptr(ref))
+
+
+def _load(addr, ty, align: int):
+  _, _, llvm, _ = _mlir()
+  ptr = llvm.inttoptr(_ty("!llvm.ptr<1>"), addr)
+  return llvm.load(ty, ptr, alignment=align)
+
+
+def _store(value, addr, align: int):
+  _, _, llvm, _ = _mlir()
+  ptr = llvm.inttoptr(_ty("!llvm.ptr<1>"), addr)
+  llvm.store(value, ptr, alignment=align)
+
+
+def _elements(vec, n: int):
+  _, _, llvm, _ = _mlir()
+  i32 = _ty("i32")
+  return [llvm.extractelement(vec, _c(i, i32)) for i in range(n)]
+
+
+def _vector(values, ty):
+  _, _, llvm, _ = _mlir()
+  i32 = _ty("i32")
+  out = llvm.mlir_undef(ty)
+  for i, x in enumerate(values):
+    out = llvm.insertelement(out, x, _c(i, i32))
+  return out
+
+
+# ---------------------------------------------------------------- the kernel
+
+def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
+          head_dim, half, interleaved, rotate, has_q, fused, same_pool,
+          table_kind, page_size, num_splits, one_head, max_loads, units,
+          chunk_bytes, dtype_name, itemsize):
+  """Per-thread body (inside `inline_mgpu`); see the module docstring.
+  `args`: tile id, split id, then the refs in `_call`'s order."""
+  del ctx
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  ir, arith, _, mmath = _mlir()
+  i32, i64, f32 = _ty("i32"), _ty("i64"), _ty("f32")
+  el = _ty(dtype_name)
+  vec = chunk_bytes // itemsize
+  vty = ir.VectorType.get((vec,), el)
+  args = list(args)
+  tile, split = _scalar(args.pop(0)), _scalar(args.pop(0))
+  pos_ref = args.pop(0)
+  if table_kind is None:
+    k_rows_ref, v_rows_ref = args.pop(0), args.pop(0)
+  else:
+    bi_ref, table_ref = args.pop(0), args.pop(0)
+    tshape = ir.MemRefType(table_ref.type).shape
+    batch_size, max_pages = tshape[0], tshape[-1]
+  inv_ref = args.pop(0) if rotate else None
+  if fused:
+    q_ref = k_ref = v_ref = args.pop(0)
+    src_heads = num_qo_heads + 2 * num_kv_heads
+    k_off, v_off = num_qo_heads, num_qo_heads + num_kv_heads
+  else:
+    q_ref = args.pop(0) if has_q else None
+    k_ref, v_ref = args.pop(0), args.pop(0)
+    k_off = v_off = 0
+  q_out_ref = args.pop(0) if has_q else None
+  k_pool_ref = args.pop(0)
+  v_pool_ref = k_pool_ref if same_pool else args.pop(0)
+
+  def ci(x):
+    return _c(x, i32)
+
+  def wide(x):
+    return arith.extui(i64, x)
+
+  tid = utils.thread_idx()
+  lane = arith.remui(tid, ci(WARPGROUP))
+  per_tile = WARPGROUP // units
+  t = arith.addi(arith.muli(tile, ci(per_tile)), arith.divui(lane, ci(units)))
+  u = arith.remui(lane, ci(units))
+  active = arith.andi(
+      arith.cmpi(arith.CmpIPredicate.ult, lane, ci(per_tile * units)),
+      arith.cmpi(arith.CmpIPredicate.ult, t, ci(num_tokens)))
+
+  def at(ref, index_i32, size):
+    """Address of element `index` (i32, elements) of a global ref."""
+    return arith.addi(_base(ref), arith.muli(wide(index_i32), _c(size, i64)))
+
+  def head_addr(ref, heads, row, h, col):
+    """Byte address of chunk `col` (element column, i32) of head `h` of row
+    `row` of a `[rows, heads, head_dim]` ref."""
+    elem = arith.addi(arith.muli(arith.addi(
+        arith.muli(wide(row), _c(heads, i64)), wide(h)),
+        _c(head_dim, i64)), wide(col))
+    return arith.addi(_base(ref), arith.muli(elem, _c(itemsize, i64)))
+
+  nrot = (half if not interleaved else 2 * half) // vec if rotate else 0
+  src_q = num_qo_heads if not fused else src_heads
+  src_kv = num_kv_heads if not fused else src_heads
+
+  with utils.when(active):
+    pos = _load(at(pos_ref, t, 4), i32, 4)
+    bi = _load(at(bi_ref, t, 4), i32, 4) if table_kind is not None else None
+
+    def rows():
+      """(k_row, v_row, k_ok, v_ok) of the thread's token."""
+      if table_kind is None:
+        k_row = _load(at(k_rows_ref, t, 4), i32, 4)
+        v_row = _load(at(v_rows_ref, t, 4), i32, 4)
+      else:
+        k_row, v_row = _table_rows(table_ref, bi, pos, table_kind,
+                                   page_size, num_rows, batch_size,
+                                   max_pages)
+      # Unsigned: a negative row is outside the pool too.
+      return (k_row, v_row,
+              arith.cmpi(arith.CmpIPredicate.ult, k_row, ci(num_rows)),
+              arith.cmpi(arith.CmpIPredicate.ult, v_row, ci(num_rows)))
+
+    def trig_for(u_rot):
+      """cos, sin (f32 lists) of rotated unit `u_rot`'s frequencies."""
+      npairs = vec if not interleaved else vec // 2
+      f0 = arith.muli(u_rot, ci(npairs))
+      inv = _elements(_load(at(inv_ref, f0, 4),
+                            ir.VectorType.get((npairs,), f32),
+                            4 * min(npairs, 4)), npairs)
+      p = arith.sitofp(f32, pos)
+      ang = [arith.mulf(p, f) for f in inv]
+      return [mmath.cos(x) for x in ang], [mmath.sin(x) for x in ang]
+
+    # A job: (kind "q" / "k" / "v", head index). Sources and destinations:
+    # q -> q_out rows of the token, k / v -> their pool rows.
+    def src_of(kind, h):
+      if kind == "q":
+        return q_ref, src_q, h
+      off = k_off if kind == "k" else v_off
+      return ((k_ref if kind == "k" else v_ref), src_kv,
+              arith.addi(h, ci(off)) if off else h)
+
+    def run_jobs(jobs, cols, trig_fn):
+      """`jobs` on chunk columns `cols` (i32 element columns; one, or a
+      NeoX pair): q and k rotated with `trig_fn()`'s cos / sin, or copied
+      (trig_fn None), v copied. The first `max_loads` chunk loads are
+      issued before the cos / sin and the pool rows are computed (so
+      their latencies overlap), and each later batch's before its
+      stores."""
+      per_batch = max(1, max_loads // len(cols))
+      state = {}
+      for b0 in range(0, len(jobs), per_batch):
+        batch = jobs[b0:b0 + per_batch]
+        loaded = []
+        for kind, h in batch:
+          ref, heads, hs = src_of(kind, h)
+          loaded.append([_load(head_addr(ref, heads, t, hs, c), vty, chunk_bytes)
+                         for c in cols])
+        if not state:
+          state["trig"] = trig_fn() if trig_fn is not None else None
+          state["rows"] = rows() if any(k != "q" for k, _ in jobs) else None
+        for (kind, h), xs in zip(batch, loaded):
+          outs = xs
+          if kind != "v" and state["trig"] is not None:
+            outs = _rotate(xs, state["trig"], interleaved, vec, el, vty)
+          if kind == "q":
+            addrs = [head_addr(q_out_ref, num_qo_heads, t, h, c)
+                     for c in cols]
+            for o, a in zip(outs, addrs):
+              _store(o, a, chunk_bytes)
+            continue
+          k_row, v_row, k_ok, v_ok = state["rows"]
+          dst, row, ok = ((k_pool_ref, k_row, k_ok) if kind == "k"
+                          else (v_pool_ref, v_row, v_ok))
+          with utils.when(ok):
+            for o, c in zip(outs, cols):
+              _store(o, head_addr(dst, num_kv_heads, row, h, c), chunk_bytes)
+
+    def run(cols, trig_fn):
+      """This program's jobs: a `1 / num_splits` share of the q heads and
+      of the kv heads, or with `one_head` program `split`'s one head (q
+      head `split`, else kv head `split - num_qo_heads`)."""
+      if one_head:
+        nq = num_qo_heads if has_q else 0
+        if nq:
+          with utils.when(arith.cmpi(arith.CmpIPredicate.ult, split,
+                                     ci(nq))):
+            run_jobs([("q", split)], cols, trig_fn)
+        with utils.when(arith.cmpi(arith.CmpIPredicate.uge, split, ci(nq))):
+          h = arith.subi(split, ci(nq))
+          run_jobs([("k", h), ("v", h)], cols, trig_fn)
+        return
+      jobs = []
+      if has_q:
+        hq = num_qo_heads // num_splits
+        jobs += [("q", arith.addi(arith.muli(split, ci(hq)), ci(i)))
+                 for i in range(hq)]
+      hk = num_kv_heads // num_splits
+      for i in range(hk):
+        h = arith.addi(arith.muli(split, ci(hk)), ci(i))
+        jobs += [("k", h), ("v", h)]
+      run_jobs(jobs, cols, trig_fn)
+
+    if nrot:
+      with utils.when(arith.cmpi(arith.CmpIPredicate.ult, u, ci(nrot))):
+        c0 = arith.muli(u, ci(vec))
+        cols = [c0, arith.addi(c0, ci(half))] if not interleaved else [c0]
+        run(cols, lambda: trig_for(u))
+    if units > nrot:
+      with utils.when(arith.cmpi(arith.CmpIPredicate.uge, u, ci(nrot))):
+        col = arith.addi(ci(2 * half if rotate else 0),
+                         arith.muli(arith.subi(u, ci(nrot)), ci(vec)))
+        run([col], None)
+
+
+def _rotate(xs, trig, interleaved, vec, el, vty):
+  """Rotated chunks: `xs` = [x1, x2] (NeoX, chunk and its partner) or [x]
+  (GPT-J, pairs within the chunk), vectors of `vec` elements of `el`; f32
+  math, rounded to `el`."""
+  _, arith, _, _ = _mlir()
+  f32 = _ty("f32")
+  cos, sin = trig
+
+  def f(x):
+    return arith.extf(f32, x)
+
+  def g(x):
+    return arith.truncf(el, x)
+
+  if not interleaved:
+    a = [f(x) for x in _elements(xs[0], vec)]
+    b = [f(x) for x in _elements(xs[1], vec)]
+    o1 = [arith.subf(arith.mulf(a[i], cos[i]), arith.mulf(b[i], sin[i]))
+          for i in range(vec)]
+    o2 = [arith.addf(arith.mulf(b[i], cos[i]), arith.mulf(a[i], sin[i]))
+          for i in range(vec)]
+    return [_vector([g(x) for x in o1], vty), _vector([g(x) for x in o2], vty)]
+  x = [f(e) for e in _elements(xs[0], vec)]
+  out = []
+  for i in range(vec // 2):
+    a, b = x[2 * i], x[2 * i + 1]
+    out.append(arith.subf(arith.mulf(a, cos[i]), arith.mulf(b, sin[i])))
+    out.append(arith.addf(arith.mulf(b, cos[i]), arith.mulf(a, sin[i])))
+  return [_vector([g(o) for o in out], vty)]
+
+
+def _table_rows(table_ref, b, pos, table_kind, page_size, num_rows,
+                batch_size, max_pages):
+  """K and V pool rows of a token of sequence `b` at position `pos` (i32)
+  from the page table (`reference.append_rows`' rule): `num_rows` where
+  the sequence, position or page is out of range."""
+  _, arith, _, _ = _mlir()
+  i32, i64 = _ty("i32"), _ty("i64")
+  lt, ge = arith.CmpIPredicate.slt, arith.CmpIPredicate.sge
+
+  def ci(x):
+    return _c(x, i32)
+
+  block = arith.divsi(pos, ci(page_size))
+  ok = arith.andi(
+      arith.andi(arith.cmpi(ge, b, ci(0)), arith.cmpi(lt, b, ci(batch_size))),
+      arith.andi(arith.cmpi(ge, pos, ci(0)),
+                 arith.cmpi(lt, block, ci(max_pages))))
+  bc = arith.select(ok, b, ci(0))
+  kc = arith.select(ok, block, ci(0))
+  per_seq = 2 * max_pages if table_kind == "split" else max_pages
+
+  def entry(which):
+    idx = arith.addi(arith.muli(bc, ci(per_seq)),
+                     arith.addi(ci(which * max_pages), kc))
+    return _load(arith.addi(_base(table_ref), arith.muli(
+        arith.extui(i64, idx), _c(4, i64))), i32, 4)
+
+  if table_kind == "split":
+    k_page, v_page = entry(0), entry(1)
+  else:
+    page = entry(0)
+    if table_kind == "flashinfer":
+      neg = arith.cmpi(lt, page, ci(0))
+      k_page = arith.select(neg, ci(-1), arith.muli(page, ci(2)))
+      v_page = arith.select(neg, ci(-1), arith.addi(arith.muli(page, ci(2)),
+                                                    ci(1)))
+    else:
+      k_page = v_page = page
+  offset = arith.remsi(pos, ci(page_size))
+  num_pages = num_rows // page_size
+
+  def rows(page):
+    good = arith.andi(ok, arith.andi(arith.cmpi(ge, page, ci(0)),
+                                     arith.cmpi(lt, page, ci(num_pages))))
+    return arith.select(good, arith.addi(arith.muli(page, ci(page_size)),
+                                         offset), ci(num_rows))
+  return rows(k_page), rows(v_page)
+
+
+def rope_append_mgpu(
+    q,          # [num_tokens, num_qo_heads, head_dim] | None | shape only
+    k,          # [num_tokens, num_kv_heads, head_dim] | None (with qkv)
+    v,          # [num_tokens, num_kv_heads, head_dim] | None (with qkv)
+    positions,  # i32[num_tokens]
+    k_rows,     # i32[num_tokens] | None (with paged)
+    v_rows,     # i32[num_tokens] | None (with paged)
+    inv_freq,   # f32[rotary_dim // 2] | None (no rotation)
+    k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None
+    *,
+    interleaved: bool,
+    config: Config | None = None,
+    qkv=None,   # [num_tokens, num_qo_heads + 2 * num_kv_heads, head_dim]
+    paged=None,
+):
+  """`rope_append.rope_append` (or, with `qkv`, `rope_append_qkv`) on the
+  Mosaic-GPU kernel, with the same semantics (`reference.rope_reference`
+  on q and k, `reference.append_rows`' rows, TensorRT-LLM's
+  `qkv_preprocessing`).
+
+  Args:
+    q, k, v: bf16 or f16, one dtype. With `qkv` (the fused rows, heads q,
+      then k, then v), `q` stands for the rotated q's shape only and `k`,
+      `v` are None.
+    positions: token positions (the RoPE angle is `positions * inv_freq`
+      in f32).
+    k_rows, v_rows: flat pool rows per token (`page * page_size +
+      position % page_size`); a row `>= num_pages * page_size` or negative
+      is not written. None with `paged`.
+    inv_freq: per-pair inverse frequencies (scaling applied); the first
+      `2 * len(inv_freq)` features of each head rotate (GPT-NeoX pairs, or
+      GPT-J pairs with `interleaved`), the rest pass through. None: no
+      rotation (a plain append; q is copied).
+    k_pool, v_pool: the cache pools, dtype of k; `v_pool` None when V
+      shares `k_pool` (split or FlashInfer-layout tables).
+    config: launch config; None = `Config.default_for`.
+    paged: `(batch_indices i32[num_tokens], page_table, table_kind)`:
+      the rows looked up in the kernel, as `rope_append.rope_append`.
+
+  Returns:
+    `(q_rotated [num_tokens, num_qo_heads, head_dim] or None, k_pool,
+    v_pool or None)`, the pools aliased to the inputs (in place under a
+    donated jit).
+
+  Raises:
+    ValueError: a case `supports` rejects, q / k / v of different dtypes,
+      or an unknown `table_kind`.
+  """
+  plgpu = _compat.mosaic_gpu()
+  fused = qkv is not None
+  num_pages, page_size, num_kv_heads, head_dim = k_pool.shape
+  if fused:
+    num_tokens = qkv.shape[0]
+    num_qo_heads = qkv.shape[1] - 2 * num_kv_heads
+    dtype = qkv.dtype
+  else:
+    num_tokens = k.shape[0]
+    num_qo_heads = 0 if q is None else q.shape[1]
+    dtype = k.dtype
+  has_q = fused or q is not None
+  got = [x.dtype for x in ((q, k, v) if not fused else ()) if x is not None]
+  if any(jnp.dtype(x) != jnp.dtype(dtype) for x in got):
+    raise ValueError(f"Invalid dtypes of q, k, v: expected one dtype, got "
+                     f"{[jnp.dtype(x).name for x in got]}")
+  rotate = inv_freq is not None
+  half = inv_freq.shape[0] if rotate else 0
+  same_pool = v_pool is None
+  itemsize = jnp.dtype(dtype).itemsize
+  if config is None:
+    config = Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
+  why = supports(dtype=dtype, pool_dtype=k_pool.dtype, head_dim=head_dim,
+                 half=half, interleaved=interleaved,
+                 num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                 num_splits=1 if config.one_head else config.num_splits,
+                 has_scales=False, chunk_bytes=config.chunk_bytes)
+  if why is not None:
+    raise ValueError(f"Invalid case for the Mosaic-GPU rope_append: {why}")
+  units = units_per_token(head_dim, half, interleaved, itemsize,
+                          config.chunk_bytes)
+  per_tile = WARPGROUP // units
+  num_rows = num_pages * page_size
+  flat_k = k_pool.reshape(num_rows, num_kv_heads, head_dim)
+  if paged is None:
+    table_kind = None
+    inputs = [positions.astype(jnp.int32), k_rows.astype(jnp.int32),
+              v_rows.astype(jnp.int32)]
+  else:
+    batch_indices, page_table, table_kind = paged
+    if table_kind not in TABLE_KINDS:
+      raise ValueError(f"Invalid table_kind: expected one of {TABLE_KINDS}, "
+                       f"got {table_kind!r}")
+    inputs = [positions.astype(jnp.int32), batch_indices.astype(jnp.int32),
+              page_table.astype(jnp.int32)]
+  if rotate:
+    inputs.append(inv_freq.astype(jnp.float32))
+  if fused:
+    inputs.append(qkv)
+  else:
+    if has_q:
+      inputs.append(q)
+    inputs += [k, v]
+  # The pools go in as `jax.Ref`s: the kernel writes them, and Pallas
+  # aliases a Ref argument in and out of the kernel (under a donated jit
+  # the pool is updated in place).
+  k_ref = jax.new_ref(flat_k)
+  refs = [k_ref]
+  if not same_pool:
+    refs.append(jax.new_ref(v_pool.reshape(num_rows, num_kv_heads,
+                                           head_dim)))
+  out_type = ([jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim),
+                                    dtype)] if has_q else [])
+  body = functools.partial(
+      _body, num_tokens=num_tokens, num_rows=num_rows,
+      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+      head_dim=head_dim, half=half, interleaved=interleaved, rotate=rotate,
+      has_q=has_q, fused=fused, same_pool=same_pool, table_kind=table_kind,
+      page_size=page_size, num_splits=config.num_splits,
+      one_head=config.one_head, max_loads=config.max_loads, units=units,
+      chunk_bytes=config.chunk_bytes,
+      dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
+      itemsize=itemsize)
+  n_refs = len(inputs) + len(refs) + len(out_type)
+  splat = plgpu.Layout.WG_SPLAT(shape=())
+  inline = plgpu.inline_mgpu(
+      arg_types=(splat, splat) + (plgpu.RefType(),) * n_refs)(body)
+  n_in = len(inputs)
+
+  def kernel(*all_refs):
+    # Inputs, the pool Refs, then q_out: `_body` takes q_out before the
+    # pools.
+    ins, pools, outs = (all_refs[:n_in], all_refs[n_in:n_in + len(refs)],
+                        all_refs[n_in + len(refs):])
+    inline(lax.axis_index("tiles"), lax.axis_index("splits"), *ins, *outs,
+           *pools)
+
+  programs = config.programs(num_qo_heads if has_q else 0, num_kv_heads)
+  name = (f"rope_append_mgpu{'_qkv' if fused else ''}_s{programs}"
+          f"_{'gptj' if interleaved else 'neox'}{'' if rotate else '_norope'}")
+  # `pl.kernel` (not `plgpu.kernel`, whose batching wrapper has no rule to
+  # discharge Ref arguments) on a Mosaic-GPU mesh.
+  res = pl.kernel(
+      kernel,
+      out_type=out_type,
+      mesh=plgpu.Mesh(grid=(-(-num_tokens // per_tile), programs),
+                      grid_names=("tiles", "splits")),
+      compiler_params=plgpu.CompilerParams(),
+      name=name,
+  )(*inputs, *refs)
+  q_out = res[0] if has_q else None
+  k_pool = k_ref[...].reshape(num_pages, page_size, num_kv_heads, head_dim)
+  if not same_pool:
+    v_pool = refs[1][...].reshape(num_pages, page_size, num_kv_heads,
+                                  head_dim)
+  return q_out, k_pool, v_pool
