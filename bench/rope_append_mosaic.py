@@ -11,8 +11,11 @@ compiled module), page 16, the rows looked up in the kernel, bf16,
 Llama-3-8B / SmolLM2-135M / Gemma 3 270M heads, from 65,536 tokens
 (16 x 4,096-token prefill) down to 8 decode tokens. The two defaults'
 outputs are compared (`identical`: bit for bit). `bytes_moved` counts q, k,
-v read and q, k, v rows written once (decimal GB/s). The numerics against
-the float64 oracle are `tests/test_rope_append_mgpu.py`'s.
+v read and q, k, v rows written once (decimal GB/s). `--fp8`: float8_e4m3fn
+pools with k_scale = v_scale = 0.05 (quantized on write). Each spec also
+times 30 chained calls in one program (`*_chained_us`, launch gaps
+included). The numerics against the float64 oracle are
+`tests/test_rope_append_mgpu.py`'s.
 
 Writes `bench/results/rope_append_mosaic_<device>.json` (and under `$OUT`)
 and prints a table last.
@@ -65,21 +68,25 @@ def _inputs(hq, hkv, d, batch, q_len, seed=0):
           jnp.asarray(table), num_pages)
 
 
-def _fn(backend, d, config=None):
+FP8_SCALES = (0.05, 0.05)  # k_scale, v_scale of the FP8 pools (--fp8)
+
+
+def _fn(backend, d, config=None, fp8=False):
   inv = jnp.asarray(_inv_freq(d, 500000.0))
+  scales = (dict(k_scale=jnp.float32(FP8_SCALES[0]),
+                 v_scale=jnp.float32(FP8_SCALES[1])) if fp8 else {})
 
   def f(q, k, v, bi, pos, cache, table):
     paged = (bi, table, "shared")
     if backend == "triton":
-      q, kp, vp = triton_kernel.rope_append(
-          q, k, v, pos, None, None, inv, cache[0], cache[1],
-          interleaved=False, paged=paged,
-          config=triton_kernel.Config.default_for(
-              k.shape[0], q.shape[1], k.shape[1]))
+      cfg = triton_kernel.Config.default_for(k.shape[0], q.shape[1],
+                                             k.shape[1])
     else:
-      q, kp, vp = mosaic_kernel.rope_append_mgpu(
-          q, k, v, pos, None, None, inv, cache[0], cache[1],
-          interleaved=False, config=config, paged=paged)
+      cfg = config or mosaic_kernel.Config.default_for(
+          k.shape[0], q.shape[1], k.shape[1])
+    q, kp, vp = triton_kernel.rope_append(
+        q, k, v, pos, None, None, inv, cache[0], cache[1],
+        interleaved=False, paged=paged, config=cfg, **scales)
     return q, (kp, vp)
   return jax.jit(f, donate_argnums=(5,))
 
@@ -95,17 +102,20 @@ def _label(c) -> str:
 CHAINED_STEPS = 30  # calls per program (a 30-layer model's appends)
 
 
-def timings(variants_too: bool = True):
+def timings(variants_too: bool = True, fp8: bool = False):
   rows = []
   for hname, (hq, hkv, d) in HEADS.items():
     for wname, (batch, q_len) in WORK.items():
       q, k, v, bi, pos, table, num_pages = _inputs(hq, hkv, d, batch, q_len)
       t = q.shape[0]
-      bytes_moved = 2 * t * (hq + 2 * hkv) * d * 2
+      # q, k, v read, q written (2 bytes), k, v rows written (1 with FP8).
+      bytes_moved = t * d * ((2 * hq + 2 * hkv) * 2 + 2 * hkv * (
+          1 if fp8 else 2))
       shape = (num_pages, PAGE, hkv, d)
+      pool_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
 
       def cache():
-        return (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+        return (jnp.zeros(shape, pool_dtype), jnp.zeros(shape, pool_dtype))
 
       default = mosaic_kernel.Config.default_for(t, hq, hkv)
       variants = [("triton", None), ("mosaic", None)]
@@ -120,7 +130,7 @@ def timings(variants_too: bool = True):
       for backend, ns in variants:
         key = backend if ns is None else "mosaic_" + _label(ns)
         try:
-          f = _fn(backend, d, ns)
+          f = _fn(backend, d, ns, fp8)
           outs[key] = f(q, k, v, bi, pos, cache(), table)
           ms = _timing.device_kernel_ms(
               f, lambda: (q, k, v, bi, pos, cache(), table), calls=5)
@@ -132,15 +142,15 @@ def timings(variants_too: bool = True):
       for backend in ("triton", "mosaic"):  # launch gaps included
         try:
           row[f"{backend}_chained_us"] = 1e3 * device_ms(
-              _fn(backend, d), (q, k, v, bi, pos, cache(), table),
+              _fn(backend, d, fp8=fp8), (q, k, v, bi, pos, cache(), table),
               CHAINED_STEPS)
         except Exception:  # keep the run
           row[f"{backend}_chained_error"] = traceback.format_exc()[-800:]
       try:  # in place: the donated pools aliased, never copied
-        f = _fn("mosaic", d)
+        f = _fn("mosaic", d, fp8=fp8)
         row["mosaic_hlo"] = hlo_report(
             f, (q, k, v, bi, pos, cache(), table),
-            num_pages * PAGE * hkv * d * 2)
+            num_pages * PAGE * hkv * d * (1 if fp8 else 2))
       except Exception:  # keep the run
         row["mosaic_hlo"] = traceback.format_exc()[-800:]
       if "triton" in outs and "mosaic" in outs:
@@ -163,12 +173,15 @@ def main():
   ap.add_argument("--defaults-only", action="store_true",
                   help="time only the two defaults (no Mosaic variants)")
   ap.add_argument("--tag", default="", help="suffix of the results name")
+  ap.add_argument("--fp8", action="store_true",
+                  help="float8_e4m3fn pools (k_scale = v_scale = 0.05)")
   args = ap.parse_args()
   env = _timing.environment()
   env["xla_flags"] = os.environ.get("XLA_FLAGS", "")
   print(env, flush=True)
-  rows = timings(variants_too=not args.defaults_only)
-  name = ("rope_append_mosaic_" + env["device"].replace(" ", "_")
+  rows = timings(variants_too=not args.defaults_only, fp8=args.fp8)
+  name = ("rope_append_mosaic_" + ("fp8_" if args.fp8 else "")
+          + env["device"].replace(" ", "_")
           + (f"_{args.tag}" if args.tag else ""))
   _timing.write_results(name, rows, extra=dict(xla_flags=env["xla_flags"]))
   cols = ["heads", "work", "num_tokens", "triton_us", "mosaic_us",

@@ -473,7 +473,7 @@ def rope_append(
 
   Raises:
     ValueError: an unknown `table_kind`; a `rope_append_mgpu.Config` in
-      interpret mode, with FP8 scales or for a case its kernel lacks
+      interpret mode or for a case its kernel lacks
       (`rope_append_mgpu.supports`).
     NotImplementedError: a config whose `num_splits` does not divide the head
       counts, or `block_tokens` not a power of two.
@@ -498,22 +498,24 @@ def default_config(num_tokens: int, num_qo_heads: int, num_kv_heads: int, *,
                    kv_dtype, pool_dtype, scales, interpret: bool):
   """The launch config `rope_append` uses when given none: the Mosaic-GPU
   kernel's (`rope_append_mgpu.Config.default_for`) on compute capability
-  9.0 for the cases it takes (bf16 / f16 q, k, v and pools of one dtype,
-  no FP8 scales, `rope_append_mgpu.supports`), else this module's
-  `Config.default_for`.
+  9.0 for the cases it takes (bf16 / f16 q, k, v, pools of that dtype or
+  float8_e4m3fn with scales, `rope_append_mgpu.supports`), else this
+  module's `Config.default_for`.
   Kernel time of the Mosaic kernel against this one, both defaults, same
   run (2026-11-26, `bench/rope_append_mosaic.py`; Llama-3-8B, SmolLM2-135M
   and Gemma 3 270M heads, 8 to 65,536 tokens): 0.42-0.95x on an H200,
-  0.45-0.97x on an H100, bit-identical outputs."""
-  if (not interpret and scales is None
-      and jnp.dtype(dtype) == jnp.dtype(kv_dtype) and _compat.is_hopper()):
+  0.45-0.97x on an H100, 0.49-0.98x with FP8 pools (H200), bit-identical
+  outputs."""
+  if (not interpret and jnp.dtype(dtype) == jnp.dtype(kv_dtype)
+      and _compat.is_hopper()):
     config = rope_append_mgpu.Config.default_for(num_tokens, num_qo_heads,
                                                  num_kv_heads)
     if rope_append_mgpu.supports(
         dtype=kv_dtype, pool_dtype=pool_dtype, head_dim=head_dim, half=half,
         interleaved=interleaved, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, num_splits=config.num_splits,
-        has_scales=False, chunk_bytes=config.chunk_bytes) is None:
+        has_scales=scales is not None,
+        chunk_bytes=config.chunk_bytes) is None:
       return config
   return Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
 
@@ -523,14 +525,15 @@ def _launch(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool, v_pool, *,
             qkv=None):
   """`config`'s kernel (see `rope_append`)."""
   if isinstance(config, rope_append_mgpu.Config):
-    if interpret or scales is not None:
+    if interpret:
       raise ValueError(
-          f"Invalid config for this call: a rope_append_mgpu.Config needs a "
-          f"Hopper GPU and pools without FP8 scales, got interpret="
-          f"{interpret}, scales={'given' if scales is not None else None}")
+          "Invalid config for interpret mode: a rope_append_mgpu.Config "
+          "needs a Hopper GPU (Mosaic GPU has no interpret mode), got "
+          "interpret=True")
     return rope_append_mgpu.rope_append_mgpu(
         q, k, v, positions, k_rows, v_rows, inv_freq, k_pool, v_pool,
-        interleaved=interleaved, config=config, qkv=qkv, paged=paged)
+        interleaved=interleaved, config=config, qkv=qkv, paged=paged,
+        scales=scales)
   return _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq,
                            k_pool, v_pool, interleaved=interleaved,
                            config=config, interpret=interpret, paged=paged,

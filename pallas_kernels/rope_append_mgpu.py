@@ -32,7 +32,9 @@ in MLIR's `arith` / `math` / `llvm` dialects, as a CUDA kernel would be:
   Tokens past `num_tokens` in the last tile do nothing.
 
 The pools go in as `jax.Ref` arguments of `pl.kernel`, which aliases them
-in and out: under a donated jit they are updated in place. FP8 pools, f32
+in and out: under a donated jit they are updated in place. float8_e4m3fn
+pools (per-tensor `k_scale` / `v_scale`) store `pkvattn._kv.quantize` of
+the f32 values (`cvt.rn.satfinite.e4m3x2.f32`, two per instruction). f32
 and head dims that do not split into the chunks stay on the Triton kernel
 (`supports`). `rope_append.rope_append` routes here by default on
 compute capability 9.0 (`rope_append.default_config`).
@@ -56,6 +58,8 @@ MAX_LOADS = 32       # chunk loads a thread issues before their stores
 SMALL_CHUNK_MAX_TOKENS = 4096  # the default's 4-byte chunks up to here
 TABLE_KINDS = ("shared", "split", "flashinfer")
 DTYPES = (jnp.bfloat16, jnp.float16)
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (pkvattn._kv.FP8_MAX)
 
 
 def units_per_token(head_dim: int, half: int, interleaved: bool,
@@ -74,13 +78,17 @@ def supports(*, dtype, pool_dtype, head_dim: int, half: int,
              num_splits: int, has_scales: bool,
              chunk_bytes: int = CHUNK) -> str | None:
   """Why the kernel does not take a case (a sentence), or None when it
-  does: bf16 / f16 q, k, v and pools of that dtype (no FP8 scales), the
-  rotated half and the pass-through columns in whole `chunk_bytes` chunks,
+  does: bf16 / f16 q, k, v and pools of that dtype, or float8_e4m3fn pools
+  with their scales (`has_scales`), the rotated half and the pass-through columns in whole `chunk_bytes` chunks,
   at most 128 threads per token, and `num_splits` dividing both head
   counts."""
   vec = chunk_bytes // 2
-  if has_scales or jnp.dtype(pool_dtype) != jnp.dtype(dtype):
-    return "FP8 pools (or pools of another dtype) stay on the Triton kernel"
+  fp8 = jnp.dtype(pool_dtype) == jnp.dtype(FP8)
+  if fp8 != has_scales:
+    return "FP8 pools need k_scale / v_scale, and only FP8 pools take them"
+  if not fp8 and jnp.dtype(pool_dtype) != jnp.dtype(dtype):
+    return (f"pools of {jnp.dtype(pool_dtype).name} for "
+            f"{jnp.dtype(dtype).name} rows")
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
     return f"dtype {jnp.dtype(dtype).name} is not bf16 / f16"
   rot = 2 * half
@@ -210,9 +218,11 @@ def _vector(values, ty):
 def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
           head_dim, half, interleaved, rotate, has_q, fused, same_pool,
           table_kind, page_size, num_splits, one_head, max_loads, units,
-          chunk_bytes, dtype_name, itemsize):
+          chunk_bytes, dtype_name, itemsize, fp8):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
-  `args`: tile id, split id, then the refs in `_call`'s order."""
+  `args`: tile id, split id, then the refs in `rope_append_mgpu`'s order
+  (inputs, q_out, pools). `fp8`: the pools hold float8_e4m3fn (scales in
+  an f32[2] input after `inv_freq`)."""
   del ctx
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
   ir, arith, _, mmath = _mlir()
@@ -230,6 +240,7 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
     tshape = ir.MemRefType(table_ref.type).shape
     batch_size, max_pages = tshape[0], tshape[-1]
   inv_ref = args.pop(0) if rotate else None
+  scales_ref = args.pop(0) if fp8 else None
   if fused:
     q_ref = k_ref = v_ref = args.pop(0)
     src_heads = num_qo_heads + 2 * num_kv_heads
@@ -261,13 +272,13 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
     """Address of element `index` (i32, elements) of a global ref."""
     return arith.addi(_base(ref), arith.muli(wide(index_i32), _c(size, i64)))
 
-  def head_addr(ref, heads, row, h, col):
+  def head_addr(ref, heads, row, h, col, size=itemsize):
     """Byte address of chunk `col` (element column, i32) of head `h` of row
-    `row` of a `[rows, heads, head_dim]` ref."""
+    `row` of a `[rows, heads, head_dim]` ref of `size`-byte elements."""
     elem = arith.addi(arith.muli(arith.addi(
         arith.muli(wide(row), _c(heads, i64)), wide(h)),
         _c(head_dim, i64)), wide(col))
-    return arith.addi(_base(ref), arith.muli(elem, _c(itemsize, i64)))
+    return arith.addi(_base(ref), arith.muli(elem, _c(size, i64)))
 
   nrot = (half if not interleaved else 2 * half) // vec if rotate else 0
   src_q = num_qo_heads if not fused else src_heads
@@ -302,6 +313,12 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
       ang = [arith.mulf(p, f) for f in inv]
       return [mmath.cos(x) for x in ang], [mmath.sin(x) for x in ang]
 
+    def inv_scales():
+      """f32 reciprocals of (k_scale, v_scale), as the Triton kernel's."""
+      one = _c(1.0, f32)
+      return [arith.divf(one, _load(at(scales_ref, ci(i), 4), f32, 4))
+              for i in (0, 1)]
+
     # A job: (kind "q" / "k" / "v", head index). Sources and destinations:
     # q -> q_out rows of the token, k / v -> their pool rows.
     def src_of(kind, h):
@@ -325,27 +342,40 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
         loaded = []
         for kind, h in batch:
           ref, heads, hs = src_of(kind, h)
-          loaded.append([_load(head_addr(ref, heads, t, hs, c), vty, chunk_bytes)
-                         for c in cols])
+          loaded.append([_load(head_addr(ref, heads, t, hs, c), vty,
+                               chunk_bytes) for c in cols])
         if not state:
           state["trig"] = trig_fn() if trig_fn is not None else None
           state["rows"] = rows() if any(k != "q" for k, _ in jobs) else None
+          if fp8 and state["rows"] is not None:
+            state["inv"] = inv_scales()
         for (kind, h), xs in zip(batch, loaded):
-          outs = xs
-          if kind != "v" and state["trig"] is not None:
-            outs = _rotate(xs, state["trig"], interleaved, vec, el, vty)
+          trig = state["trig"] if kind != "v" else None
           if kind == "q":
-            addrs = [head_addr(q_out_ref, num_qo_heads, t, h, c)
-                     for c in cols]
-            for o, a in zip(outs, addrs):
-              _store(o, a, chunk_bytes)
+            outs = xs if trig is None else [
+                _pack(c, el, vty)
+                for c in _f32_chunks(xs, trig, interleaved, vec)]
+            for o, c in zip(outs, cols):
+              _store(o, head_addr(q_out_ref, num_qo_heads, t, h, c),
+                     chunk_bytes)
             continue
           k_row, v_row, k_ok, v_ok = state["rows"]
           dst, row, ok = ((k_pool_ref, k_row, k_ok) if kind == "k"
                           else (v_pool_ref, v_row, v_ok))
+          if fp8:  # from f32, rounded once (to FP8)
+            inv = state["inv"][0 if kind == "k" else 1]
+            outs = [_pack_fp8(c, inv)
+                    for c in _f32_chunks(xs, trig, interleaved, vec)]
+          elif trig is not None:
+            outs = [_pack(c, el, vty)
+                    for c in _f32_chunks(xs, trig, interleaved, vec)]
+          else:
+            outs = xs
+          size = 1 if fp8 else itemsize
           with utils.when(ok):
             for o, c in zip(outs, cols):
-              _store(o, head_addr(dst, num_kv_heads, row, h, c), chunk_bytes)
+              _store(o, head_addr(dst, num_kv_heads, row, h, c, size),
+                     vec * size)
 
     def run(cols, trig_fn):
       """This program's jobs: a `1 / num_splits` share of the q heads and
@@ -384,35 +414,54 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
         run([col], None)
 
 
-def _rotate(xs, trig, interleaved, vec, el, vty):
-  """Rotated chunks: `xs` = [x1, x2] (NeoX, chunk and its partner) or [x]
-  (GPT-J, pairs within the chunk), vectors of `vec` elements of `el`; f32
-  math, rounded to `el`."""
+def _f32_chunks(xs, trig, interleaved, vec):
+  """The f32 values of chunks `xs` (vectors of `vec` 2-byte floats), one
+  list per chunk, rotated with `trig` = (cos, sin) lists, or only widened
+  (trig None). Rotated: `xs` = [x1, x2] (NeoX, a chunk and its partner)
+  or [x] (GPT-J, pairs within the chunk)."""
   _, arith, _, _ = _mlir()
   f32 = _ty("f32")
+  vals = [[arith.extf(f32, e) for e in _elements(x, vec)] for x in xs]
+  if trig is None:
+    return vals
   cos, sin = trig
-
-  def f(x):
-    return arith.extf(f32, x)
-
-  def g(x):
-    return arith.truncf(el, x)
-
   if not interleaved:
-    a = [f(x) for x in _elements(xs[0], vec)]
-    b = [f(x) for x in _elements(xs[1], vec)]
-    o1 = [arith.subf(arith.mulf(a[i], cos[i]), arith.mulf(b[i], sin[i]))
-          for i in range(vec)]
-    o2 = [arith.addf(arith.mulf(b[i], cos[i]), arith.mulf(a[i], sin[i]))
-          for i in range(vec)]
-    return [_vector([g(x) for x in o1], vty), _vector([g(x) for x in o2], vty)]
-  x = [f(e) for e in _elements(xs[0], vec)]
-  out = []
+    a, b = vals
+    return [[arith.subf(arith.mulf(a[i], cos[i]), arith.mulf(b[i], sin[i]))
+             for i in range(vec)],
+            [arith.addf(arith.mulf(b[i], cos[i]), arith.mulf(a[i], sin[i]))
+             for i in range(vec)]]
+  x, out = vals[0], []
   for i in range(vec // 2):
     a, b = x[2 * i], x[2 * i + 1]
     out.append(arith.subf(arith.mulf(a, cos[i]), arith.mulf(b, sin[i])))
     out.append(arith.addf(arith.mulf(b, cos[i]), arith.mulf(a, sin[i])))
-  return [_vector([g(o) for o in out], vty)]
+  return [out]
+
+
+def _pack(vals, el, vty):
+  """f32 values rounded to `el`, as a vector of type `vty`."""
+  _, arith, _, _ = _mlir()
+  return _vector([arith.truncf(el, x) for x in vals], vty)
+
+
+def _pack_fp8(vals, inv_scale):
+  """f32 values as float8_e4m3fn bytes, `pkvattn._kv.quantize`'s math:
+  times the f32 reciprocal of the scale, clipped to +-FP8_MAX (NaN kept),
+  rounded to nearest even (`cvt.rn.satfinite.e4m3x2.f32`, two per
+  instruction); a vector of `len(vals) // 2` i16, little-endian pairs."""
+  ir, arith, llvm, _ = _mlir()
+  f32 = _ty("f32")
+  hi, lo = _c(FP8_MAX, f32), _c(-FP8_MAX, f32)
+  ys = [arith.maximumf(arith.minimumf(arith.mulf(x, inv_scale), hi), lo)
+        for x in vals]
+  # cvt's first source lands in the upper byte: (odd, even) for memory
+  # order (even, odd).
+  pairs = [llvm.inline_asm(_ty("i16"), [ys[2 * i + 1], ys[2 * i]],
+                           "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;",
+                           "=h,f,f", has_side_effects=False)
+           for i in range(len(ys) // 2)]
+  return _vector(pairs, ir.VectorType.get((len(pairs),), _ty("i16")))
 
 
 def _table_rows(table_ref, b, pos, table_kind, page_size, num_rows,
@@ -479,6 +528,7 @@ def rope_append_mgpu(
     config: Config | None = None,
     qkv=None,   # [num_tokens, num_qo_heads + 2 * num_kv_heads, head_dim]
     paged=None,
+    scales=None,  # f32[2]: (k_scale, v_scale) of float8_e4m3fn pools
 ):
   """`rope_append.rope_append` (or, with `qkv`, `rope_append_qkv`) on the
   Mosaic-GPU kernel, with the same semantics (`reference.rope_reference`
@@ -498,11 +548,15 @@ def rope_append_mgpu(
       `2 * len(inv_freq)` features of each head rotate (GPT-NeoX pairs, or
       GPT-J pairs with `interleaved`), the rest pass through. None: no
       rotation (a plain append; q is copied).
-    k_pool, v_pool: the cache pools, dtype of k; `v_pool` None when V
-      shares `k_pool` (split or FlashInfer-layout tables).
+    k_pool, v_pool: the cache pools, dtype of k, or float8_e4m3fn with
+      `scales`; `v_pool` None when V shares `k_pool` (split or
+      FlashInfer-layout tables).
     config: launch config; None = `Config.default_for`.
     paged: `(batch_indices i32[num_tokens], page_table, table_kind)`:
       the rows looked up in the kernel, as `rope_append.rope_append`.
+    scales: `f32[2]` (k_scale, v_scale), may be traced, exactly with
+      float8_e4m3fn pools: rows store `clip(x * (1 / scale), -448, 448)`
+      rounded to nearest, x the rotated K (f32) or V (`pkvattn._kv.quantize`).
 
   Returns:
     `(q_rotated [num_tokens, num_qo_heads, head_dim] or None, k_pool,
@@ -539,7 +593,8 @@ def rope_append_mgpu(
                  half=half, interleaved=interleaved,
                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                  num_splits=1 if config.one_head else config.num_splits,
-                 has_scales=False, chunk_bytes=config.chunk_bytes)
+                 has_scales=scales is not None,
+                 chunk_bytes=config.chunk_bytes)
   if why is not None:
     raise ValueError(f"Invalid case for the Mosaic-GPU rope_append: {why}")
   units = units_per_token(head_dim, half, interleaved, itemsize,
@@ -560,6 +615,8 @@ def rope_append_mgpu(
               page_table.astype(jnp.int32)]
   if rotate:
     inputs.append(inv_freq.astype(jnp.float32))
+  if scales is not None:
+    inputs.append(jnp.asarray(scales, jnp.float32).reshape(2))
   if fused:
     inputs.append(qkv)
   else:
@@ -585,7 +642,7 @@ def rope_append_mgpu(
       one_head=config.one_head, max_loads=config.max_loads, units=units,
       chunk_bytes=config.chunk_bytes,
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
-      itemsize=itemsize)
+      itemsize=itemsize, fp8=scales is not None)
   n_refs = len(inputs) + len(refs) + len(out_type)
   splat = plgpu.Layout.WG_SPLAT(shape=())
   inline = plgpu.inline_mgpu(

@@ -50,7 +50,16 @@ CASES = [  # hq, hkv, d, rotary_dim (None: no rotation), style, dtype, fused,
      _M(one_head=True)),
     (4, 2, 128, 96, "neox", jnp.float16, False, "split", False,
      _M(one_head=True, chunk_bytes=4)),
+    # float8_e4m3fn pools (k_scale, v_scale = FP8_SCALES).
+    (8, 2, 128, 128, "neox", jnp.bfloat16, False, "shared", True,
+     _M(chunk_bytes=8), True),
+    (9, 3, 64, 64, "gptj", jnp.float16, True, "flashinfer", True,
+     _M(chunk_bytes=4), True),
+    (4, 1, 256, 128, "neox", jnp.bfloat16, False, "split", False,
+     _M(chunk_bytes=16, one_head=True), True),
 ]
+FP8_SCALES = (0.03, 0.02)
+FP8_TOL = 2 ** -4 + 1e-3  # e4m3: 3 mantissa bits, half an ulp relative
 
 
 def _tokens(rng):
@@ -83,9 +92,13 @@ def _tables(rng, table_kind):
 
 
 def _run(case, seed, *, lower_only=False):
-  """The kernel on one case: returns (outputs, expected) as float64 numpy,
-  or with `lower_only` the lowered module's text."""
-  hq, hkv, d, rot, style, dtype, fused, table_kind, has_q, cfg = case
+  """The kernel on one case: returns (outputs, expected) as float64 numpy
+  (FP8 pools dequantized), or with `lower_only` the lowered module's
+  text."""
+  hq, hkv, d, rot, style, dtype, fused, table_kind, has_q, cfg, *fp8 = case
+  fp8 = bool(fp8 and fp8[0])
+  scales = (dict(k_scale=jnp.float32(FP8_SCALES[0]),
+                 v_scale=jnp.float32(FP8_SCALES[1])) if fp8 else {})
   rng = np.random.default_rng(seed)
   x = [rng.standard_normal((NUM_TOKENS, h, d)) for h in (hq, hkv, hkv)]
   q, k, v = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32),
@@ -108,14 +121,15 @@ def _run(case, seed, *, lower_only=False):
     if fused:
       return kernel.rope_append_qkv(
           qkv_in.reshape(NUM_TOKENS, -1), pos_in, *rows, inv_in, kp, vp,
-          interleaved=interleaved, config=cfg, paged=paged)
+          interleaved=interleaved, config=cfg, paged=paged, **scales)
     return kernel.rope_append(
         q_in if has_q else None, k_in, v_in, pos_in, *rows, inv_in, kp, vp,
-        interleaved=interleaved, config=cfg, paged=paged)
+        interleaved=interleaved, config=cfg, paged=paged, **scales)
 
   j = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-  args = (j(q), j(k), j(v), j(np.concatenate([q, k, v], axis=1)), j(pool),
-          None if shared else j(pool), jnp.asarray(pos), jnp.asarray(bi),
+  jp = (lambda a: jnp.asarray(a, jnp.float8_e4m3fn)) if fp8 else j
+  args = (j(q), j(k), j(v), j(np.concatenate([q, k, v], axis=1)), jp(pool),
+          None if shared else jp(pool), jnp.asarray(pos), jnp.asarray(bi),
           jnp.asarray(table), jnp.asarray(k_rows), jnp.asarray(v_rows))
   if lower_only:
     return jax.jit(call, donate_argnums=(4,)).trace(*args).lower(
@@ -131,6 +145,16 @@ def _run(case, seed, *, lower_only=False):
     if v_rows[i] < exp_v.shape[0]:
       exp_v[v_rows[i]] = v[i]
   got = [k_pool, k_pool if shared else v_pool]
+  if fp8:  # dequantized row by row (a shared pool holds K and V rows)
+    per_row = []
+    for i in range(2):
+      sc = np.full(exp_k.shape[0], FP8_SCALES[i])
+      if shared:
+        sc[v_rows[v_rows < sc.shape[0]]] = FP8_SCALES[1]
+        sc[k_rows[k_rows < sc.shape[0]]] = FP8_SCALES[0]
+      per_row.append(sc)
+    got = [np.asarray(g.astype(jnp.float32)).reshape(exp_k.shape)
+           * sc[:, None, None] for g, sc in zip(got, per_row)]
   want = [exp_k, exp_v]
   if has_q or fused:
     got.append(q_out)
@@ -140,9 +164,13 @@ def _run(case, seed, *, lower_only=False):
   return got, want
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: (
-    f"{c[0]}-{c[1]}-{c[2]}-rot{c[3]}-{c[4]}-{jnp.dtype(c[5]).name}"
-    f"-{'qkv' if c[6] else 'sep'}-{c[7]}-q{int(c[8])}"))
+def _case_id(c) -> str:
+  return (f"{c[0]}-{c[1]}-{c[2]}-rot{c[3]}-{c[4]}-{jnp.dtype(c[5]).name}"
+          f"-{'qkv' if c[6] else 'sep'}-{c[7]}-q{int(c[8])}"
+          f"{'-fp8' if len(c) > 10 and c[10] else ''}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_lowers_to_mosaic_gpu_aliasing_the_pools(case):
   """Pallas -> Mosaic GPU cross-lowering for CUDA: the layout, address
   and shape code of every variant runs, and the pools are aliased in and
@@ -157,14 +185,16 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_matches_oracle_gpu(case):
-  dtype = case[5]
-  for got, want in zip(*_run(case, CASES.index(case))):
+  fp8 = len(case) > 10 and case[10]
+  got_all, want_all = _run(case, CASES.index(case))
+  for i, (got, want) in enumerate(zip(got_all, want_all)):
     assert np.array_equal(np.isnan(got), np.isnan(want))
     m = ~np.isnan(want)
     err = np.max(np.abs(got[m] - want[m]) / (1 + np.abs(want[m])))
-    assert err <= TOL[dtype], err
+    pool = i < 2
+    assert err <= (FP8_TOL if fp8 and pool else TOL[case[5]]), (i, err)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
@@ -224,8 +254,11 @@ def test_config_routing_and_errors():
             half=64, interleaved=False, num_qo_heads=32, num_kv_heads=8,
             num_splits=8, has_scales=False)
   assert mgpu.supports(**ok) is None
+  assert mgpu.supports(**{**ok, "pool_dtype": jnp.float8_e4m3fn,
+                          "has_scales": True}) is None
   for over, why in [(dict(pool_dtype=jnp.float8_e4m3fn), "FP8"),
                     (dict(has_scales=True), "FP8"),
+                    (dict(pool_dtype=jnp.float16), "pools of float16"),
                     (dict(dtype=jnp.float32, pool_dtype=jnp.float32), "not bf16"),
                     (dict(half=20), "chunks"),
                     (dict(num_splits=3), "divide"),
@@ -240,9 +273,10 @@ def test_config_routing_and_errors():
   with pytest.raises(ValueError, match="interpret"):
     kernel.rope_append(q, kv, kv, rows, rows, rows, inv, pool, pool,
                        config=_M(), interpret=True)
-  with pytest.raises(ValueError, match="scales"):
-    kernel.rope_append(q, kv, kv, rows, rows, rows, inv, pool, pool,
-                       config=_M(), k_scale=1.0, v_scale=1.0)
+  with pytest.raises(ValueError, match="FP8"):  # scales for bf16 pools
+    jax.jit(lambda: kernel.rope_append(
+        q, kv, kv, rows, rows, rows, inv, pool, pool, config=_M(),
+        k_scale=1.0, v_scale=1.0)).trace()
   with pytest.raises(ValueError, match="dtype"):
     jax.jit(lambda: mgpu.rope_append_mgpu(
         q.astype(jnp.float16), kv, kv, rows, rows, rows, inv, pool, pool,
