@@ -218,7 +218,6 @@ def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
     """Reads head h (+ src_off) of the tile's tokens from src, writes it
     rotated to head h of the dst rows."""
     r_ld, r_st = rows_ld[:, None], rows_st[:, None]
-    dt = dst_ref.dtype
     for c1, c2, cos, sin, size in trig:
       x1 = src_ref[r_ld, h + src_off, c1].astype(jnp.float32)
       x2 = src_ref[r_ld, h + src_off, c2].astype(jnp.float32)
@@ -314,7 +313,7 @@ def _table_rows(table_ref, p, b, table_kind, page_size, num_rows):
   return rows(k_page), rows(v_page)
 
 
-TABLE_KINDS = ("shared", "split", "flashinfer")
+TABLE_KINDS = rope_append_mgpu.TABLE_KINDS
 
 
 def _loop(n: int, body, unroll: bool):
@@ -363,21 +362,8 @@ def _rope_append_call(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
   check_supported(num_qo_heads, num_kv_heads, config)
 
   flat_k = k_pool.reshape(num_rows, num_kv_heads, head_dim)
-  if paged is None:
-    table_kind = None
-    inputs = [positions.astype(jnp.int32), k_rows.astype(jnp.int32),
-              v_rows.astype(jnp.int32)]
-  else:
-    batch_indices, page_table, table_kind = paged
-    if table_kind not in TABLE_KINDS:
-      raise ValueError(f"Invalid table_kind: expected one of {TABLE_KINDS}, "
-                       f"got {table_kind!r}")
-    inputs = [positions.astype(jnp.int32), batch_indices.astype(jnp.int32),
-              page_table.astype(jnp.int32)]
-  if rotate:
-    inputs.append(inv_freq.astype(jnp.float32))
-  if scales is not None:
-    inputs.append(scales)
+  table_kind, inputs = rope_append_mgpu.index_inputs(
+      positions, k_rows, v_rows, paged, inv_freq, scales)
   if fused:
     inputs += [qkv, flat_k]
   else:

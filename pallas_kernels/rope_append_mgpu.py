@@ -513,6 +513,33 @@ def _table_rows(table_ref, b, pos, table_kind, page_size, num_rows,
   return rows(k_page), rows(v_page)
 
 
+def index_inputs(positions, k_rows, v_rows, paged, inv_freq, scales):
+  """The leading kernel inputs both RoPE + append kernels take, in order:
+  positions, then `k_rows, v_rows` or (with `paged`) `batch_indices,
+  page_table` (all i32), then `inv_freq` (f32) if given and the FP8
+  `scales` (f32[2]) if given. Returns `(table_kind or None, inputs)`.
+
+  Raises:
+    ValueError: an unknown `table_kind` in `paged`.
+  """
+  if paged is None:
+    table_kind = None
+    inputs = [positions.astype(jnp.int32), k_rows.astype(jnp.int32),
+              v_rows.astype(jnp.int32)]
+  else:
+    batch_indices, page_table, table_kind = paged
+    if table_kind not in TABLE_KINDS:
+      raise ValueError(f"Invalid table_kind: expected one of {TABLE_KINDS}, "
+                       f"got {table_kind!r}")
+    inputs = [positions.astype(jnp.int32), batch_indices.astype(jnp.int32),
+              page_table.astype(jnp.int32)]
+  if inv_freq is not None:
+    inputs.append(inv_freq.astype(jnp.float32))
+  if scales is not None:
+    inputs.append(jnp.asarray(scales, jnp.float32).reshape(2))
+  return table_kind, inputs
+
+
 def rope_append_mgpu(
     q,          # [num_tokens, num_qo_heads, head_dim] | None | shape only
     k,          # [num_tokens, num_kv_heads, head_dim] | None (with qkv)
@@ -602,21 +629,8 @@ def rope_append_mgpu(
   per_tile = WARPGROUP // units
   num_rows = num_pages * page_size
   flat_k = k_pool.reshape(num_rows, num_kv_heads, head_dim)
-  if paged is None:
-    table_kind = None
-    inputs = [positions.astype(jnp.int32), k_rows.astype(jnp.int32),
-              v_rows.astype(jnp.int32)]
-  else:
-    batch_indices, page_table, table_kind = paged
-    if table_kind not in TABLE_KINDS:
-      raise ValueError(f"Invalid table_kind: expected one of {TABLE_KINDS}, "
-                       f"got {table_kind!r}")
-    inputs = [positions.astype(jnp.int32), batch_indices.astype(jnp.int32),
-              page_table.astype(jnp.int32)]
-  if rotate:
-    inputs.append(inv_freq.astype(jnp.float32))
-  if scales is not None:
-    inputs.append(jnp.asarray(scales, jnp.float32).reshape(2))
+  table_kind, inputs = index_inputs(positions, k_rows, v_rows, paged,
+                                    inv_freq, scales)
   if fused:
     inputs.append(qkv)
   else:
