@@ -4,7 +4,8 @@ On the CPU CI: the config rule and its errors, the routing of
 `rope_append`'s default (the Triton kernel off Hopper and in interpret
 mode), and a cross-lowering of the kernel for CUDA (Pallas -> Mosaic GPU
 MLIR, pools aliased in and out) for every table kind, RoPE style, partial
-rotary, fused qkv rows, chunk size and head split. Mosaic GPU has no
+rotary, fused qkv rows, chunk size and head split, and inside `shard_map`,
+`lax.scan` and `checkify` as the engine runs it. Mosaic GPU has no
 interpret mode, so the numerics run only on a Hopper GPU
 (`test_matches_oracle_gpu`, skipped elsewhere): against the float64 numpy
 oracle of `test_rope_append` on NaN-filled pools, where every row the
@@ -281,3 +282,48 @@ def test_config_routing_and_errors():
     jax.jit(lambda: mgpu.rope_append_mgpu(
         q.astype(jnp.float16), kv, kv, rows, rows, rows, inv, pool, pool,
         interleaved=False)).trace()
+
+
+def test_lowers_inside_shard_map_scan_and_checkify():
+  """The pools' `jax.Ref`s compose with what the engine wraps the op in:
+  `shard_map` (tensor parallel), `lax.scan` (scanned layers, bursts) and
+  `checkify` (checked mode); each still lowers to the Mosaic kernel with
+  the pools aliased."""
+  from jax.experimental import checkify
+  from jax.sharding import Mesh, PartitionSpec as P
+  from pkvattn import parallel
+  t, hq, hkv, d = 16, 8, 4, 64
+  sds = jax.ShapeDtypeStruct
+  args = [sds((t, hq, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16),
+          sds((t, hkv, d), jnp.bfloat16), sds((t,), jnp.int32),
+          sds((t,), jnp.int32), sds((2, 4), jnp.int32),
+          sds((d // 2,), jnp.float32), sds((8, 16, hkv, d), jnp.bfloat16),
+          sds((8, 16, hkv, d), jnp.bfloat16)]
+
+  def op(q, k, v, pos, bi, table, inv, kp, vp):
+    return mgpu.rope_append_mgpu(q, k, v, pos, None, None, inv, kp, vp,
+                                 interleaved=False, paged=(bi, table,
+                                                           "shared"))
+
+  def scanned(q, k, v, pos, bi, table, inv, kp, vp):
+    def layer(pools, _):
+      q_out, *pools = op(q, k, v, pos, bi, table, inv, *pools)
+      return tuple(pools), q_out
+    pools, q_out = jax.lax.scan(layer, (kp, vp), None, length=3)
+    return q_out, *pools
+
+  def checked(*a):
+    checkify.check(jnp.all(a[3] >= 0), "negative position")
+    return op(*a)
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  heads = P(None, "tp")
+  sharded = parallel.shard_map(
+      op, mesh=mesh, in_specs=(heads, heads, heads, P(), P(), P(), P(),
+                               P(None, None, "tp"), P(None, None, "tp")),
+      out_specs=(heads, P(None, None, "tp"), P(None, None, "tp")))
+  for f in (sharded, scanned, checkify.checkify(checked)):
+    text = jax.jit(f, donate_argnums=(7, 8)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert "output_operand_aliases" in text
