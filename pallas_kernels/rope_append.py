@@ -470,7 +470,9 @@ def rope_append(
         k.shape[0], 0 if q is None else q.shape[1], k.shape[1],
         head_dim=k.shape[2], half=0 if inv_freq is None else inv_freq.shape[0],
         interleaved=interleaved, dtype=k.dtype if q is None else q.dtype,
-        kv_dtype=k.dtype, pool_dtype=k_pool.dtype, scales=scales,
+        # v of another dtype than k: not one dtype, the Triton kernel.
+        kv_dtype=k.dtype if v.dtype == k.dtype else v.dtype,
+        pool_dtype=k_pool.dtype, scales=scales,
         interpret=interpret)
   if k.shape[0] == 0:
     return q, k_pool, v_pool
