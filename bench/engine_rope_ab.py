@@ -12,7 +12,8 @@ Pallas-Triton kernel (`rope_append.default_config` patched to
 compiled; later arms reuse what XLA cached), throughput after warm-up and
 the compilations during it, the decode step's wall time and GPU time at
 256 rows and its RoPE + append kernels' share, and the greedy tokens of
-the first batch, which must be the same in every arm.
+the first batch (eight requests), which must be the same in every arm
+(the file keeps their SHA-1).
 
 Writes `bench/results/engine_rope_ab_<model>_<device>.json` (and under
 `$OUT`) and prints a table last.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
 import time
 from unittest import mock
 
@@ -100,6 +103,9 @@ def main(argv=None):
     print({k: v for k, v in rows[-1].items()
            if k not in ("first_tokens", "top")}, flush=True)
   same = all(r["first_tokens"] == rows[0]["first_tokens"] for r in rows)
+  for r in rows:  # the file keeps a digest of the tokens
+    r["first_tokens_sha1"] = hashlib.sha1(
+        json.dumps(r.pop("first_tokens")).encode()).hexdigest()
   env = _timing.environment()
   _timing.write_results(
       f"engine_rope_ab_{args.model}_" + env["device"].replace(" ", "_"),
