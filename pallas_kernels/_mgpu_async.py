@@ -74,17 +74,18 @@ def _i64(x: int):
   return utils.c(x, _int(64))
 
 
-def _scalar(x):
+def scalar(x):
   """The i32 value of a scalar argument of `inline_mgpu` (a splat array in
   the per-thread lowering, a plain value in the warpgroup one)."""
   regs = getattr(x, "registers", None)
   return x if regs is None else regs.flat[0]
 
 
-def _addr(ref, bits: int):
+def address(ref, bits: int):
   """Byte address of a memref as an integer of `bits`: 32 for the
   shared-window address of a shared-memory ref, 64 for the generic address
-  of a global-memory one."""
+  of a global-memory one. (With `scalar`, shared with the per-thread RoPE +
+  append kernel, `rope_append_mgpu`.)"""
   _, _, llvm = _mlir()
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
   return llvm.ptrtoint(_int(bits), utils.memref_ptr(ref))
@@ -117,7 +118,7 @@ def init_barriers(bars_ref, num_barriers: int):
   def _init(ctx, bars):
     del ctx
     _, arith, _ = _mlir()
-    base = _addr(bars, 32)
+    base = address(bars, 32)
     tid = _tid()
     for i in range(num_barriers):
       addr = arith.addi(base, _i32(8 * i))
@@ -140,12 +141,12 @@ def wait(bars_ref, index, parity):
   def _wait(ctx, bars, idx, par):
     del ctx
     _, arith, _ = _mlir()
-    addr = arith.addi(_addr(bars, 32),
-                      arith.muli(_scalar(idx), _i32(8)))
+    addr = arith.addi(address(bars, 32),
+                      arith.muli(scalar(idx), _i32(8)))
     # PTX labels are local to their { } block (as CUTLASS's waits use).
     _asm("{\n.reg .pred done;\nLAB_WAIT:\n"
          "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
-         "@!done bra LAB_WAIT;\n}", [addr, _scalar(par)], "r,r")
+         "@!done bra LAB_WAIT;\n}", [addr, scalar(par)], "r,r")
     _asm("fence.proxy.async.shared::cta;", [], "")
 
   _wait(bars_ref, index, parity)
@@ -200,17 +201,17 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
     cc = arith.remui(lane, _i32(row_chunks))         # chunk within a row
     c_tile = arith.divui(cc, _i32(tile_chunks))      # column tile
     c_in = arith.remui(cc, _i32(tile_chunks))        # chunk in tile row
-    dst0 = arith.addi(_addr(stage, 32),
-                      arith.muli(_scalar(slot_v), _i32(stage_bytes)))
+    dst0 = arith.addi(address(stage, 32),
+                      arith.muli(scalar(slot_v), _i32(stage_bytes)))
     # Global address of (page 0, row 0, kv_head, chunk cc).
     src0 = arith.addi(
-        _addr(pool, 64),
+        address(pool, 64),
         arith.extui(i64, arith.addi(
-            arith.muli(_scalar(head_v), _i32(head_dim * itemsize)),
+            arith.muli(scalar(head_v), _i32(head_dim * itemsize)),
             arith.muli(cc, _i32(CHUNK)))))
-    pages64 = [arith.muli(arith.extui(i64, _scalar(p)), _i64(page_bytes))
+    pages64 = [arith.muli(arith.extui(i64, scalar(p)), _i64(page_bytes))
                for p in page_v]
-    row0 = _scalar(row0_v)
+    row0 = scalar(row0_v)
     for p in range(passes):
       row = arith.addi(t_row, _i32(p * rows_per_pass))  # row of the tile
       r = arith.remui(row, _i32(TILE_ROWS))
@@ -232,7 +233,7 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
       src = arith.addi(arith.addi(src0, page), arith.extui(
           i64, arith.muli(in_page, _i32(row_bytes))))
       _asm("cp.async.cg.shared.global [$0], [$1], 16;", [dst, src], "r,l")
-    bar = arith.addi(_addr(bars, 32), arith.muli(_scalar(bar_v), _i32(8)))
+    bar = arith.addi(address(bars, 32), arith.muli(scalar(bar_v), _i32(8)))
     # Arrives once this thread's copies so far have landed; `.noinc`: the
     # arrival is one of the barrier's 128 expected ones.
     _asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", [bar], "r")

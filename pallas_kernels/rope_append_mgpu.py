@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _mgpu_async
 from pkvattn.pallas_kernels._compat import pl
 
 WARPGROUP = 128      # threads per CTA
@@ -174,16 +175,9 @@ def _c(x, ty):
   return utils.c(x, ty)
 
 
-def _scalar(x):
-  regs = getattr(x, "registers", None)
-  return x if regs is None else regs.flat[0]
-
-
 def _base(ref):
   """Generic address (i64) of a global-memory ref's first element."""
-  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  _, _, llvm, _ = _mlir()
-  return llvm.ptrtoint(_ty("i64"), utils.memref_ptr(ref))
+  return _mgpu_async.address(ref, 64)
 
 
 def _load(addr, ty, align: int):
@@ -231,7 +225,8 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
   vec = chunk_bytes // itemsize
   vty = ir.VectorType.get((vec,), el)
   args = list(args)
-  tile, split = _scalar(args.pop(0)), _scalar(args.pop(0))
+  tile, split = (_mgpu_async.scalar(args.pop(0)),
+                 _mgpu_async.scalar(args.pop(0)))
   pos_ref = args.pop(0)
   if table_kind is None:
     k_rows_ref, v_rows_ref = args.pop(0), args.pop(0)
