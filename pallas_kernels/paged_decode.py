@@ -39,6 +39,7 @@ from jax import lax
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import paged_decode_mgpu
+from pkvattn.pallas_kernels import paged_decode_mma
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._compat import pltriton
 from pkvattn.pallas_kernels._compat import suppress_triton_deprecation
@@ -51,6 +52,7 @@ DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 _NUM_SMS = 132  # H100 / H200; only steers the split heuristic.
 _SUPPORTED_HEAD_DIMS = (64, 128, 256)
+BACKENDS = ("triton", "mosaic", "mosaic_mma")
 
 
 def _next_pow2(x: int) -> int:
@@ -69,8 +71,9 @@ class Config:
     num_stages: Triton software-pipelining stages of the page loop.
     kv_eviction: L2 eviction hint for the streamed K/V loads
       (`"evict_first"` or None); K/V are read once, so they need not linger.
-    backend: "triton" (this module's kernel) or "mosaic" (the Mosaic-GPU
-      kernel, `paged_decode_mgpu`: TMA or cp.async page loads, wgmma,
+    backend: "triton" (this module's kernel), "mosaic_mma" (the per-warp
+      Mosaic-GPU kernel, `paged_decode_mma`, see below) or "mosaic" (the
+      TMA Mosaic-GPU kernel, `paged_decode_mgpu`: TMA or cp.async page loads, wgmma,
       Hopper only), whose
       steps are `pages_per_block * page_size` keys (64 or 128) through
       `num_stages` shared-memory stages, one consumer warpgroup
@@ -108,6 +111,13 @@ class Config:
       producer warpgroup's threads, 16 bytes each at a time) instead of one
       TMA copy per page, where the q rows are in M (with `keys_m`, and for
       FP8 pages, which stage through their own ring, pages load by TMA).
+    mma_tiles: mosaic_mma backend: 16-key tiles per warp step (1, 2 or 4;
+      None = `paged_decode_mma.default_tiles`).
+
+  Backend "mosaic_mma" is the per-warp Mosaic-GPU kernel
+  (`paged_decode_mma`: `mma.sync` on fragments loaded straight from the
+  pages, four warps per (kv head, sequence, split)); it uses `k_splits`
+  and `mma_tiles` only.
   """
   pages_per_block: int
   k_splits: int
@@ -121,6 +131,7 @@ class Config:
   keys_m: bool = False
   prefetch_ids: bool = False
   cp_async: bool = False
+  mma_tiles: int | None = None
 
   def __post_init__(self):
     for name in ("pages_per_block", "k_splits", "pack_heads"):
@@ -130,10 +141,15 @@ class Config:
     if self.fp8_convert not in _fp8.CONVERT_MODES:
       raise ValueError(f"Invalid fp8_convert: expected one of "
                        f"{_fp8.CONVERT_MODES}, got {self.fp8_convert!r}")
-    if self.backend not in ("triton", "mosaic"):
-      raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
+    if self.backend not in BACKENDS:
+      raise ValueError(f"Invalid backend: expected one of {BACKENDS}, got "
                        f"{self.backend!r}")
-    if self.backend == "mosaic" and self.pack_heads != 1:
+    if self.mma_tiles is not None and (self.backend != "mosaic_mma"
+                                       or self.mma_tiles not in (1, 2, 4)):
+      raise ValueError(f"Invalid mma_tiles: expected None, or 1, 2 or 4 with "
+                       f"the mosaic_mma backend, got {self.mma_tiles} "
+                       f"(backend={self.backend!r})")
+    if self.backend != "triton" and self.pack_heads != 1:
       raise ValueError(f"Invalid pack_heads for the mosaic backend: expected "
                        f"1, got {self.pack_heads}")
     if self.num_ctas is not None and (self.backend != "mosaic"
@@ -162,10 +178,15 @@ class Config:
                   backend: str | None = None) -> "Config":
     """Heuristic config for one decode call (static shapes only).
 
-    Backend: "mosaic" where `_mosaic_default` says so (Hopper, a case the
-    Mosaic-GPU kernel serves, pages of >= `MOSAIC_MIN_PAGE_SIZE` tokens,
-    where it was measured faster; `group_size`, `dtype` and `kv_dtype` must
-    be given for it), else "triton"; `backend` forces one.
+    Backend: "mosaic_mma" where `_mma_default` says so (Hopper, bf16 / f16
+    q and pages, pages below `MOSAIC_MIN_PAGE_SIZE` tokens; its config is
+    `_mma_config`'s), "mosaic" where `_mosaic_default` says so (Hopper, a
+    case the TMA Mosaic-GPU kernel serves, pages of >=
+    `MOSAIC_MIN_PAGE_SIZE` tokens, where it was measured faster), else
+    "triton" (FP8 pages, f32, other GPUs, interpret mode); `group_size`,
+    `dtype` and `kv_dtype` must be given for either Mosaic default.
+    `backend` forces one. The rest of this docstring is the Triton
+    kernel's config.
 
     * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
       small pages are gathered several at a time. 32-token steps lose up to
@@ -213,9 +234,16 @@ class Config:
       into empty programs. With one split the kernel writes the final output
       itself (no combine).
     """
-    if backend not in (None, "triton", "mosaic"):
-      raise ValueError(f"Invalid backend: expected None, 'triton' or "
-                       f"'mosaic', got {backend!r}")
+    if backend is not None and backend not in BACKENDS:
+      raise ValueError(f"Invalid backend: expected None or one of "
+                       f"{BACKENDS}, got {backend!r}")
+    if backend == "mosaic_mma" or backend is None and not interpret and (
+        group_size is not None and _mma_default(
+            group_size=group_size, head_dim=head_dim, page_size=page_size,
+            dtype=dtype, kv_dtype=kv_dtype)):
+      return _mma_config(batch_size=batch_size, num_kv_heads=num_kv_heads,
+                         page_size=page_size, max_pages=max_pages,
+                         head_dim=head_dim, num_sms=num_sms)
     if backend == "mosaic" or backend is None and not interpret and (
         group_size is not None and _mosaic_default(
             group_size=group_size, head_dim=head_dim, page_size=page_size,
@@ -266,6 +294,28 @@ class Config:
 # favours Mosaic at every page size (0.95-0.98x at 16-token pages from
 # 100 us calls, `--p16-shapes`), not yet a rule.
 MOSAIC_MIN_PAGE_SIZE = 128
+
+
+def _mma_default(*, group_size, head_dim, page_size, dtype,
+                 kv_dtype) -> bool:
+  """The per-warp Mosaic-GPU kernel (`paged_decode_mma`) is the default on
+  compute capability 9.0 for bf16 / f16 q and pages of that dtype below
+  `MOSAIC_MIN_PAGE_SIZE` tokens (from there the TMA kernel), head_dim 64 /
+  128 / 256, groups 1..8. On the nine decode specs (16-token pages; H100,
+  2026-11-26) its kernel time is 0.99-1.02x the Triton kernel's in the
+  16-layer program (`bench/decode_layers.py`) and 1.00-1.07x FlashInfer
+  0.7.2's faster decode; the engine (SmolLM2 shape, 256 x 256 tokens) gave
+  the same tokens (`bench/engine_rope_ab.py --op decode`). It takes the
+  Hopper decode off the deprecated Pallas-Triton backend."""
+  if dtype is None or page_size >= MOSAIC_MIN_PAGE_SIZE:
+    return False
+  if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+    return False
+  if paged_decode_mma.supports(dtype=dtype, kv_dtype=dtype,
+                               head_dim=head_dim, page_size=page_size,
+                               group_size=group_size) is not None:
+    return False
+  return _compat.is_hopper()
 
 
 def _mosaic_default(*, group_size, head_dim, page_size, dtype,
@@ -324,6 +374,37 @@ def _mosaic_config(*, batch_size, num_kv_heads, page_size, max_pages,
   return Config(pages_per_block=pages_per_block, k_splits=k_splits,
                 num_stages=2, backend="mosaic", keys_m=fp8,
                 cp_async=not fp8 and page_size <= CP_ASYNC_MAX_PAGE_SIZE)
+
+
+# CTAs per SM the per-warp Mosaic-GPU kernel's splits aim at (rounded to
+# the nearest power of two of splits).
+MMA_CTAS_PER_SM = 2.5
+
+
+def _mma_config(*, batch_size, num_kv_heads, page_size, max_pages, head_dim,
+                num_sms, ctas_per_sm: float | None = None) -> Config:
+  """The per-warp Mosaic-GPU kernel's config: 16-key steps, and splits for
+  about `ctas_per_sm` CTAs per SM (None: `MMA_CTAS_PER_SM`, half at
+  head_dim 256, whose CTAs hold about twice the registers), the nearest
+  power of two, each split keeping >= 2 rounds of its four warps' steps.
+  Kernel time on the nine `bench/decode_mma.py` specs (H100, 2026-11-26):
+  about 4 CTAs per SM took 1.6-7% more than about 2; rounding the splits up
+  rather than to the nearest power of two took 2-8% more on Llama-3-8B
+  heads B=8 S=16384 and on Gemma 3 270M heads (twice the splits), rounding
+  down 4% more on SmolLM2 heads B=64 (192 CTAs on 132 SMs); Gemma 3 heads
+  B=64 at 4 splits 1.03x the time of 2."""
+  if ctas_per_sm is None:
+    ctas_per_sm = MMA_CTAS_PER_SM / (2 if head_dim > 128 else 1)
+  tiles = paged_decode_mma.default_tiles(head_dim)
+  round_keys = paged_decode_mma.WARPS * paged_decode_mma.KEYS * tiles
+  pages_per_round = max(1, round_keys // page_size)
+  want = ctas_per_sm * num_sms / max(1, batch_size * num_kv_heads)
+  splits = 1 << max(0, round(math.log2(want))) if want > 1 else 1
+  max_rounds = max(1, -(-max_pages // pages_per_round))
+  while splits > 1 and 2 * splits > max_rounds:
+    splits //= 2
+  return Config(pages_per_block=1, k_splits=min(splits, 64),
+                backend="mosaic_mma")
 
 
 def _default_splits(programs: int, max_pages: int, pages_per_block: int,
@@ -784,6 +865,11 @@ def paged_decode(
   if (config.fp8_convert == "pairs" and k_scale is not None
       and config.backend == "triton"):
     k_pool, v_pool = _fp8.pair_view(k_pool), _fp8.pair_view(v_pool)
+  if config.backend == "mosaic_mma":
+    return _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                       k_scale, sm_scale=sm_scale, window_left=window_left,
+                       logits_soft_cap=logits_soft_cap, config=config,
+                       interpret=interpret)
   if config.backend == "mosaic":
     return _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
                           k_scale, v_scale, sm_scale=sm_scale,
@@ -849,6 +935,36 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
   lse = paged_decode_mgpu.group_lse(lse, num_qo_heads=num_qo_heads)
   if final:
     return o, lse.reshape(batch_size, num_qo_heads)
+  sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
+  out, lse = _combine(o, lse, sk, group_size)
+  return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
+          lse.reshape(batch_size, num_qo_heads))
+
+
+def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
+                *, sm_scale, window_left, logits_soft_cap, config: Config,
+                interpret: bool):
+  """`paged_decode` on the per-warp Mosaic-GPU kernel (`config.backend ==
+  "mosaic_mma"`)."""
+  if interpret or k_scale is not None:
+    raise ValueError(
+        f"Invalid config for the mosaic_mma backend: expected a GPU and bf16 "
+        f"/ f16 pages, got interpret={interpret}, FP8 pages="
+        f"{k_scale is not None}")
+  if config.k_splits == 1:
+    # The kernel stores the output, sinks added.
+    return paged_decode_mma.paged_decode_mma(
+        q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+        sm_scale=float(sm_scale), window_left=int(window_left),
+        logits_soft_cap=logits_soft_cap, tiles=config.mma_tiles)
+  batch_size, num_qo_heads, head_dim = q.shape
+  num_kv_heads = k_pool.shape[2]
+  group_size = num_qo_heads // num_kv_heads
+  o, lse = paged_decode_mma.paged_decode_mma(
+      q, k_pool, v_pool, k_table, v_table, kv_lens,
+      sm_scale=float(sm_scale), window_left=int(window_left),
+      logits_soft_cap=logits_soft_cap, k_splits=config.k_splits,
+      tiles=config.mma_tiles, final=False)
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),

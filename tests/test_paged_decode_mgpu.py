@@ -111,10 +111,11 @@ def test_backend_choice_and_errors():
 
 
 def test_default_rule_on_hopper(monkeypatch):
-  """On Hopper the Mosaic kernel is the default from 128-token pages (bf16 /
-  f16, head_dim 64 / 128, groups 1..8), Triton elsewhere: smaller pages,
-  FP8 pages (which the Mosaic kernel serves, slower), head_dim 256,
-  interpret mode."""
+  """On Hopper the TMA Mosaic kernel is the default from 128-token pages
+  (bf16 / f16, head_dim 64 / 128, groups 1..8); below that the per-warp
+  Mosaic kernel (`paged_decode_mma`, bf16 / f16 pages, head_dim 64 / 128 /
+  256); Triton for FP8 pages (which the TMA kernel serves, slower), head_dim
+  256 at 128-token pages, f32 and interpret mode."""
   from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
   monkeypatch.setattr(_compat, "is_hopper", lambda: True)
 
@@ -129,8 +130,14 @@ def test_default_rule_on_hopper(monkeypatch):
   for d in (64, 128):
     for g in (1, 3, 4, 6, 8):
       assert backend(128, d, g) == "mosaic", (d, g)
-      assert backend(64, d, g) == "triton", (d, g)
-      assert backend(16, d, g) == "triton", (d, g)
+      for ps in (8, 16, 64):
+        assert backend(ps, d, g) == "mosaic_mma", (d, g, ps)
+        assert backend(ps, d, g, kv_dtype=jnp.float8_e4m3fn) == "triton"
+  assert backend(16, d=256, g=4) == "mosaic_mma"
+  assert backend(16, dtype=jnp.float16, kv_dtype=jnp.float16) == "mosaic_mma"
+  assert backend(16, dtype=jnp.float32, kv_dtype=jnp.float32) == "triton"
+  assert backend(16, kv_dtype=jnp.float16) == "triton"
+  assert backend(16, interpret=True) == "triton"
   assert backend(128, dtype=jnp.float16, kv_dtype=jnp.float16) == "mosaic"
   assert mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
                        head_dim=64, page_size=128, group_size=3)

@@ -1,0 +1,820 @@
+"""Paged decode attention for Hopper, one warp per key stream: Pallas on
+Mosaic GPU, `mma.sync` from registers.
+
+The same flash-decoding algorithm as the other two decode kernels
+(`paged_decode.py`, Pallas-Triton; `paged_decode_mgpu.py`, TMA + wgmma):
+split-K over the visible pages, online softmax in base 2 (the scale folded
+into the exponent), an LSE combine of the splits. It is laid out as a
+CUDA decode kernel for small pages would be, not as a warp-specialised
+pipeline: a page of 16 tokens of one kv head at head_dim 64 is 2 KiB, and a
+descriptor-driven copy per page plus a producer / consumer hand-over per
+stage costs the TMA kernel its lead there. So the body is per-thread code
+written through `plgpu.inline_mgpu` (MLIR `arith` / `scf` / `llvm` and PTX),
+as `rope_append_mgpu` is:
+
+* A CTA (4 warps) serves one work item `(kv head, sequence, split)`, kv
+  heads fastest. Its warps take turns over the split's steps of
+  `16 * tiles` keys (warp `w` takes steps `w, w + 4, ...`), each with its
+  own online-softmax state; at the end the four states merge through
+  shared memory and the CTA stores its output rows (or a partial and its
+  LSE for `paged_decode`'s combine).
+* Keys are the M dimension of `mma.sync.m16n8k16` (bf16 / f16 in, f32
+  accumulators) and the GQA group (<= 8 query heads, zero rows past it) is
+  N: `S^T = K q^T` per 16 keys, `O^T += V^T P^T`. P^T's operand comes
+  from S^T's accumulators by `movmatrix` (an 8x8 transpose in registers).
+* No shared memory in the loop: every thread loads its own fragments'
+  bytes straight from the pool into registers, 16 bytes per load. The dots
+  sum over head_dim (and keys), so each thread may own any columns, as
+  long as q and K agree (and V and the output): a thread of lane `l` owns
+  16-byte chunks `l % 4, l % 4 + 4, ...` of a K row (a warp's load covers
+  whole 64-byte runs of 8 rows) and chunks `l // 4, l // 4 + 8, ...` of a V
+  row (whole 128-byte runs of 4 rows); V's key pairs are interleaved with
+  `prmt`. The next step's K and V loads are issued before this step's
+  matmuls (at head_dim 256, K's after QK^T and V's after PV, to bound the
+  registers), and the page ids two steps ahead.
+* Keys outside `[max(0, kv_len - 1 - window_left), kv_len)` and steps past
+  the warp's last are not loaded (their registers are zero) and their
+  logits are -inf. The page index is clamped into the visible pages, so
+  table entries outside them are never read.
+* At head_dim 256 q's fragments are read from shared memory at each step
+  (`q_in_smem`): in registers they cost 4-8% of kernel time on Gemma 3
+  270M heads (H100, 2026-11-26).
+* With one split the CTA stores the output rows and the LSE itself, sinks
+  added to the denominator; with several it stores f32 partials and their
+  LSE for `paged_decode`'s jnp combine. (A combine in the kernel, by the
+  last CTA of each (sequence, kv head) to finish, counted by one atomic
+  per CTA, took 2-6% more time than the jnp combine on the specs that
+  split: the atomic's round trip and the last CTA's reads add to every
+  CTA and to the kernel's tail. Not kept.)
+
+Speed (kernel time, `bench/decode_mma.py` and the 16-layer program of
+`bench/decode_layers.py`, H100, 2026-11-26, `bench/results/
+decode_mma_*.json`, `decode_layers_mma_*.json`): 0.99-1.02x the Triton
+kernel's default and 1.00-1.04x FlashInfer 0.7.2's faster decode on nine
+specs (four Llama-3-8B, two SmolLM2, group 6, two Gemma 3 270M, 16-token
+pages). Around the default, 32-key steps, four CTAs per SM and
+`.L1::no_allocate` / `.L2::256B` loads did not win across the specs.
+
+`paged_decode` routes here (`Config.backend == "mosaic_mma"`, the default
+on compute capability 9.0 for bf16 / f16 q and pages of that dtype below
+128-token pages: `paged_decode._mma_default`). FP8 pages, f32, other GPUs
+and interpret mode take the other kernels (`supports`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _mgpu_async
+from pkvattn.pallas_kernels._compat import pl
+
+WARPS = 4          # warps per CTA (one warpgroup)
+KEYS = 16          # keys per m-tile (mma.sync M)
+COLS = 8           # query rows per kv head (mma.sync N), the group padded
+MAX_GROUP = COLS
+HEAD_DIMS = (64, 128, 256)
+LOAD_HINTS = ("", ".L1::no_allocate", ".L2::256B", ".L1::no_allocate.L2::256B",
+              ".L2::128B")
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
+             group_size: int) -> str | None:
+  """Why the kernel does not take a case (a sentence), or None when it does:
+  bf16 / f16 q with pages of the same dtype, head_dim 64 / 128 / 256, a GQA
+  group of 1..8 and a power-of-two page size in [8, 128]. (Whether the GPU
+  is a Hopper one is the caller's check: the kernel also lowers elsewhere.)
+  """
+  dt = jnp.dtype(dtype)
+  if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"q dtype {dt.name} is not bf16 / f16"
+  if jnp.dtype(kv_dtype) != dt:
+    return f"pages of {jnp.dtype(kv_dtype).name} for a {dt.name} q"
+  if head_dim not in HEAD_DIMS:
+    return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+  if not 1 <= group_size <= MAX_GROUP:
+    return f"a GQA group of {group_size} is not in [1, {MAX_GROUP}]"
+  if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
+    return f"page_size {page_size} is not a power of two in [8, 128]"
+  return None
+
+
+def default_tiles(head_dim: int) -> int:
+  """m-tiles (16 keys) per warp step: 1 (16-key steps). At head_dim 64,
+  32-key steps took 0.98-1.02x the time on SmolLM2 heads (H100,
+  2026-11-26, `bench/decode_mma.py`); above, two steps' K and V fragments
+  (the one in flight and the one in use) would not fit the registers."""
+  del head_dim
+  return 1
+
+
+# ---------------------------------------------------------------- MLIR helpers
+
+def _mlir():
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import arith, llvm, scf  # noqa: PLC0415
+  return ir, arith, llvm, scf
+
+
+def _ty(name: str):
+  return _mlir()[0].Type.parse(name)
+
+
+def _c(x, ty):
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  return utils.c(x, ty)
+
+
+def _asm(text, operands, constraints, results=None, side_effects=False):
+  """Inline PTX; `results`: None (no result), one type, or a list of types
+  (returned as a list)."""
+  ir, _, llvm, _ = _mlir()
+  if results is None:
+    llvm.inline_asm(_ty("!llvm.void"), list(operands), text, constraints,
+                    has_side_effects=True)
+    return None
+  if not isinstance(results, (list, tuple)):
+    return llvm.inline_asm(results, list(operands), text, constraints,
+                           has_side_effects=side_effects)
+  struct = llvm.StructType.get_literal(list(results))
+  out = llvm.inline_asm(struct, list(operands), text, constraints,
+                        has_side_effects=side_effects)
+  return [llvm.extractvalue(t, out, [i]) for i, t in enumerate(results)]
+
+
+class _Ops:
+  """The per-thread instructions the kernel is made of."""
+
+  def __init__(self, dtype_name: str, load_hint: str = ""):
+    _, arith, _, _ = _mlir()
+    self.load_hint = load_hint
+    self.arith = arith
+    self.i32, self.i64, self.f32 = _ty("i32"), _ty("i64"), _ty("f32")
+    self.pair = "bf16x2" if dtype_name == "bf16" else "f16x2"
+    self.mma_in = "bf16" if dtype_name == "bf16" else "f16"
+
+  def ci(self, x):
+    return _c(x, self.i32)
+
+  def cf(self, x):
+    return _c(float(x), self.f32)
+
+  def wide(self, x):
+    return self.arith.extui(self.i64, x)
+
+  def load16(self, addr, pred):
+    """4 x i32 from global `addr` (16-byte aligned) where `pred` (i1), else
+    zeros."""
+    i32 = self.i32
+    return _asm(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
+        f"@p ld.global.nc{self.load_hint}.v4.u32 {{$0, $1, $2, $3}}, "
+        "[$4];\n}",
+        [addr, self.arith.extui(i32, pred)], "=r,=r,=r,=r,l,r",
+        [i32] * 4, side_effects=True)
+
+  def load_i32(self, addr):
+    return _asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", self.i32,
+                side_effects=True)
+
+  def mma(self, a, b, acc):
+    """acc (4 f32) += A (4 x i32 pairs) @ B (2 x i32 pairs), m16n8k16."""
+    f32 = self.f32
+    return _asm(
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{self.mma_in}.{self.mma_in}"
+        ".f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        [*a, *b, *acc], "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [f32] * 4)
+
+  def pack(self, lo, hi):
+    """(lo, hi) f32 -> one i32 of two 16-bit values (lo in the low half)."""
+    return _asm(f"cvt.rn.{self.pair}.f32 $0, $1, $2;", [hi, lo], "=r,f,f",
+                self.i32)
+
+  def movt(self, x):
+    """8x8 16-bit transpose across the warp (`movmatrix`)."""
+    return _asm("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", [x],
+                "=r,r", self.i32)
+
+  def prmt(self, a, b, sel: int):
+    return _asm(f"prmt.b32 $0, $1, $2, {sel:#x};", [a, b], "=r,r,r",
+                self.i32)
+
+  def shfl_xor(self, x, mask: int):
+    return _asm(f"shfl.sync.bfly.b32 $0, $1, {mask}, 31, 0xffffffff;", [x],
+                "=f,f", self.f32)
+
+  def ex2(self, x):
+    return _asm("ex2.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
+
+  def lg2(self, x):
+    return _asm("lg2.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
+
+  def tanh(self, x):
+    return _asm("tanh.approx.f32 $0, $1;", [x], "=f,f", self.f32)
+
+  def rcp(self, x):
+    return _asm("rcp.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
+
+  def fmax(self, a, b):
+    return self.arith.maximumf(a, b)
+
+  def sel(self, pred, a, b):
+    return self.arith.select(pred, a, b)
+
+  def st_shared(self, addr, x):
+    _asm("st.shared.f32 [$0], $1;", [addr, x], "r,f")
+
+  def ld_shared(self, addr):
+    return _asm("ld.shared.f32 $0, [$1];", [addr], "=f,r", self.f32,
+                side_effects=True)
+
+  def st_global_b32(self, addr, x):
+    _asm("st.global.b32 [$0], $1;", [addr, x], "l,r")
+
+  def st_global_f32x2(self, addr, a, b):
+    _asm("st.global.v2.f32 [$0], {$1, $2};", [addr, a, b], "l,f,f")
+
+  def st_global_f32(self, addr, a):
+    _asm("st.global.f32 [$0], $1;", [addr, a], "l,f")
+
+
+# ---------------------------------------------------------------- the kernel
+
+def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
+          head_dim, page_size, max_pages, k_splits, tiles, mode, has_sinks,
+          sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
+          late_loads, load_hint, q_in_smem):
+  """Per-thread body (inside `inline_mgpu`); see the module docstring.
+  `refs`: kv_lens, q, k_pool, v_pool, k_table, v_table, [sinks], out, lse,
+  smem; `mode`: "final" (the output) or "partial" (per-split partials)."""
+  del ctx
+  refs = list(refs)
+  (kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
+   v_table_ref) = refs[:6]
+  refs = refs[6:]
+  sinks_ref = refs.pop(0) if has_sinks else None
+  o_ref, lse_ref, smem_ref = refs
+  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
+  _, arith, _, _ = _mlir()
+  o = _Ops(dtype_name, load_hint)
+  i32 = o.i32
+  o.true = _c(1, _ty("i1"))
+  ci, cf, wide = o.ci, o.cf, o.wide
+  ult, lt, ge = (arith.CmpIPredicate.ult, arith.CmpIPredicate.slt,
+                 arith.CmpIPredicate.sge)
+  D, P, G = head_dim, page_size, group_size
+  num_qo_heads = G * num_kv_heads
+  step_keys = KEYS * tiles
+  k_loads = D // 32      # 16-byte K loads per key (4 lanes share a row)
+  v_loads = D // 64      # 16-byte V loads per key (8 lanes share a row)
+  m_tiles = D // KEYS    # m-tiles of head_dim in O^T
+  row_bytes = num_kv_heads * D * 2
+  # Pages a step touches: keys [s * step_keys, (s + 1) * step_keys).
+  ids_per_step = max(1, step_keys // P)
+
+  item = _mgpu_async.scalar(item_v)
+  tid = utils.thread_idx()
+  warp = arith.divui(tid, ci(32))
+  lane = arith.remui(tid, ci(32))
+  r = arith.divui(lane, ci(4))   # mma groupID
+  c = arith.remui(lane, ci(4))   # mma threadID_in_group
+  kv_head = arith.remui(item, ci(num_kv_heads))
+  rest = arith.divui(item, ci(num_kv_heads))
+  b = arith.remui(rest, ci(batch_size))
+  split = arith.divui(rest, ci(batch_size))
+
+  def gaddr(ref, elem_i64, size):
+    return arith.addi(_mgpu_async.address(ref, 64),
+                      arith.muli(elem_i64, _c(size, o.i64)))
+
+  kv_len = o.load_i32(gaddr(kv_lens_ref, wide(b), 4))
+  zero = ci(0)
+  if window_left >= 0:
+    lo = arith.maxsi(arith.subi(kv_len, ci(1 + window_left)), zero)
+  else:
+    lo = zero
+  first_step = arith.divsi(lo, ci(step_keys))
+  end_step = arith.divsi(arith.addi(kv_len, ci(step_keys - 1)),
+                         ci(step_keys))
+  steps = arith.maxsi(arith.subi(end_step, first_step), zero)
+  per_split = arith.divsi(arith.addi(steps, ci(k_splits - 1)), ci(k_splits))
+  s0 = arith.addi(first_step, arith.muli(split, per_split))
+  s1 = arith.minsi(arith.addi(s0, per_split), end_step)
+  n = arith.maxsi(arith.subi(s1, s0), zero)
+  # This warp's steps: s0 + warp + 4 j, j < n_w.
+  n_w = arith.divsi(arith.addi(arith.subi(n, warp), ci(WARPS - 1)),
+                    ci(WARPS))
+  n_w = arith.maxsi(n_w, zero)
+  first_page = arith.divsi(lo, ci(P))
+  last_page = arith.maxsi(
+      arith.subi(arith.divsi(arith.addi(kv_len, ci(P - 1)), ci(P)), ci(1)),
+      zero)
+
+  def step_of(j):
+    return arith.addi(arith.addi(s0, warp), arith.muli(j, ci(WARPS)))
+
+  # q^T fragments (B operand of QK^T): row g = r of the group, the 16-byte
+  # chunks c, c + 4, ... of it; zero rows past the group.
+  g_ok = arith.cmpi(ult, r, ci(G))
+  q_row = arith.addi(arith.muli(b, ci(num_qo_heads)),
+                     arith.addi(arith.muli(kv_head, ci(G)), r))
+  q_words = []
+  for x in range(k_loads):
+    col = arith.muli(arith.addi(c, ci(4 * x)), ci(8))
+    elem = arith.addi(wide(arith.muli(q_row, ci(D))), wide(col))
+    q_words += o.load16(gaddr(q_ref, elem, 2), g_ok)
+  # Shared memory: [q words [word][lane] with `q_in_smem`], then the
+  # merge's region (`saddr`).
+  q_region = k_loads * 4 * 32 if q_in_smem else 0
+  sbase = arith.addi(_mgpu_async.address(smem_ref, 32), ci(4 * q_region))
+  if q_in_smem:
+    # Registers are short at head_dim 256: every warp reads its q
+    # fragments from shared memory at each step instead (all warps hold
+    # the same q; warp 0 writes them).
+    qbase = _mgpu_async.address(smem_ref, 32)
+    with utils.when(arith.cmpi(arith.CmpIPredicate.eq, warp, zero)):
+      for idx, wd in enumerate(q_words):
+        _asm("st.shared.b32 [$0], $1;", [arith.addi(
+            qbase, arith.muli(arith.addi(ci(32 * idx), lane), ci(4))), wd],
+             "r,r")
+    _asm("bar.sync 0;", [], "")
+
+    def q_word(idx):
+      return _asm("ld.shared.b32 $0, [$1];", [arith.addi(
+          qbase, arith.muli(arith.addi(ci(32 * idx), lane), ci(4)))],
+                  "=r,r", i32)
+    q_words = [functools.partial(q_word, idx)
+               for idx in range(len(q_words))]
+  else:
+    q_words = [functools.partial(lambda wd: wd, wd) for wd in q_words]
+
+  def kw(words, i, h):
+    """The word of K chunk `i` (16 columns of the permuted head), half
+    `h`, among one key's `k_loads * 4` loaded words."""
+    return words[4 * (i // 2) + 2 * (i % 2) + h]
+
+  def page_ids(s):
+    """Page ids of step s (K's, V's): `ids_per_step` each, the page index
+    clamped into the visible pages."""
+    base = arith.divsi(arith.muli(s, ci(step_keys)), ci(P))
+    out = []
+    tables = (k_table_ref,) if same_table else (k_table_ref, v_table_ref)
+    for table_ref in tables:
+      ids = []
+      for q_ in range(ids_per_step):
+        idx = arith.maxsi(arith.minsi(arith.addi(base, ci(q_)), last_page),
+                          first_page)
+        elem = arith.addi(wide(arith.muli(b, ci(max_pages))), wide(idx))
+        ids.append(o.load_i32(gaddr(table_ref, elem, 4)))
+      out.append(ids)
+    if same_table:
+      out.append(out[0])
+    return out
+
+  def key_ok(key, step_ok):
+    return arith.andi(step_ok, arith.andi(arith.cmpi(ge, key, lo),
+                                          arith.cmpi(lt, key, kv_len)))
+
+  def row_addr(pool_ref, page, key, chunk_bytes):
+    """Address of `chunk_bytes` into the kv head's row of `key` in `page`."""
+    row = arith.addi(arith.muli(page, ci(P)), arith.andi(key, ci(P - 1)))
+    off = arith.addi(
+        arith.muli(wide(row), _c(row_bytes, o.i64)),
+        wide(arith.addi(arith.muli(kv_head, ci(D * 2)), chunk_bytes)))
+    return arith.addi(_mgpu_async.address(pool_ref, 64), off)
+
+  def slot_of(offset: int) -> int:
+    """Which of a step's page ids holds key `offset` of the step."""
+    return 0 if P >= step_keys else offset // P
+
+  def load_k(s, ids, step_ok):
+    """K words of step s: [tile][key r, r + 8] -> k_loads * 4 words."""
+    out = []
+    base = arith.muli(s, ci(step_keys))
+    for t in range(tiles):
+      per_key = []
+      for h in range(2):
+        key = arith.addi(base, arith.addi(r, ci(KEYS * t + 8 * h)))
+        ok = key_ok(key, step_ok)
+        page = ids[slot_of(KEYS * t + 8 * h)]
+        words = []
+        for x in range(k_loads):
+          chunk = arith.muli(arith.addi(c, ci(4 * x)), ci(16))
+          words += o.load16(row_addr(k_pool_ref, page, key, chunk), ok)
+        per_key.append(words)
+      out.append(per_key)
+    return out
+
+  def load_v(s, ids, step_ok):
+    """V words of step s: [tile][key 2c, 2c + 1, 2c + 8, 2c + 9] ->
+    v_loads * 4 words."""
+    out = []
+    base = arith.muli(s, ci(step_keys))
+    c2 = arith.muli(c, ci(2))
+    for t in range(tiles):
+      per_key = []
+      for off in (0, 1, 8, 9):
+        key = arith.addi(base, arith.addi(c2, ci(KEYS * t + off)))
+        ok = key_ok(key, step_ok)
+        page = ids[slot_of(KEYS * t + (8 if off >= 8 else 0))]
+        words = []
+        for x in range(v_loads):
+          chunk = arith.muli(arith.addi(r, ci(8 * x)), ci(16))
+          words += o.load16(row_addr(v_pool_ref, page, key, chunk), ok)
+        per_key.append(words)
+      out.append(per_key)
+    return out
+
+  neg_inf = cf(-math.inf)
+  if logits_soft_cap is not None:
+    cap_in = cf(sm_scale / logits_soft_cap)
+    cap_out = cf(logits_soft_cap * _LOG2E)
+  else:
+    scale = cf(sm_scale * _LOG2E)
+
+  def qk_softmax(s, kregs, m, l):
+    """Logits of step s (base 2, masked) -> (P^T fragments per tile, m, l,
+    alpha per column)."""
+    base = arith.muli(s, ci(step_keys))
+    logits = []
+    for t in range(tiles):
+      acc = [cf(0.0)] * 4
+      for i in range(D // 16):
+        a = [kw(kregs[t][0], i, 0), kw(kregs[t][1], i, 0),
+             kw(kregs[t][0], i, 1), kw(kregs[t][1], i, 1)]
+        bq = [kw(q_words, i, 0)(), kw(q_words, i, 1)()]
+        acc = o.mma(a, bq, acc)
+      vals = []
+      for e in range(4):
+        x = acc[e]
+        if logits_soft_cap is not None:
+          x = arith.mulf(o.tanh(arith.mulf(x, cap_in)), cap_out)
+        else:
+          x = arith.mulf(x, scale)
+        key = arith.addi(base, arith.addi(r, ci(KEYS * t + 8 * (e // 2))))
+        x = o.sel(key_ok(key, o.true), x, neg_inf)
+        vals.append(x)
+      logits.append(vals)
+    m_new, alpha, m_use = [], [], []
+    for col in range(2):
+      mx = m[col]
+      for t in range(tiles):
+        mx = o.fmax(mx, o.fmax(logits[t][col], logits[t][col + 2]))
+      for mask in (4, 8, 16):
+        mx = o.fmax(mx, o.shfl_xor(mx, mask))
+      # All keys masked so far: subtract 0, so exp2(-inf) = 0, never NaN.
+      use = o.sel(arith.cmpf(arith.CmpFPredicate.OEQ, mx, neg_inf), cf(0.0),
+                  mx)
+      m_new.append(mx)
+      m_use.append(use)
+      alpha.append(o.ex2(arith.subf(m[col], use)))
+    l_new = [arith.mulf(l[col], alpha[col]) for col in range(2)]
+    p_frags = []
+    for t in range(tiles):
+      p = [o.ex2(arith.subf(logits[t][e], m_use[e % 2])) for e in range(4)]
+      for col in range(2):
+        l_new[col] = arith.addf(l_new[col], arith.addf(p[col], p[col + 2]))
+      # S^T rows r (keys 0..7) and r + 8 (keys 8..15): two 8x8 blocks,
+      # transposed into P^T's B fragments.
+      p_frags.append([o.movt(o.pack(p[0], p[1])),
+                      o.movt(o.pack(p[2], p[3]))])
+    return p_frags, m_new, l_new, alpha
+
+  def pv(acc, alpha, p_frags, vregs):
+    acc = [[arith.mulf(a[e], alpha[e % 2]) for e in range(4)] for a in acc]
+    for t in range(tiles):
+      ka, ka1, kb, kb1 = vregs[t]
+      for j in range(m_tiles):
+        x, w = divmod(j, 4)
+        idx = 4 * x + w
+        frag = [o.prmt(ka[idx], ka1[idx], 0x5410),
+                o.prmt(ka[idx], ka1[idx], 0x7632),
+                o.prmt(kb[idx], kb1[idx], 0x5410),
+                o.prmt(kb[idx], kb1[idx], 0x7632)]
+        acc[j] = o.mma(frag, p_frags[t], acc[j])
+    return acc
+
+  def flat(tree):
+    return jax.tree.leaves(tree)
+
+  # The loop carries acc (m_tiles x 4), m (2), l (2), the next step's K and
+  # V words and the page ids of the step after it.
+  j0 = zero
+  ids0 = page_ids(step_of(j0))
+  ok0 = arith.cmpi(lt, j0, n_w)
+  k0 = load_k(step_of(j0), ids0[0], ok0)
+  v0 = load_v(step_of(j0), ids0[1], ok0)
+  ids1 = page_ids(step_of(ci(1)))
+  init = dict(acc=[[cf(0.0)] * 4 for _ in range(m_tiles)],
+              m=[neg_inf, neg_inf], l=[cf(0.0), cf(0.0)], k=k0, v=v0,
+              ids=ids1)
+
+  @utils.fori(n_w, init)
+  def loop(j, carry):
+    s = step_of(j)
+    nxt = arith.addi(j, ci(1))
+    ok_next = arith.cmpi(lt, nxt, n_w)
+    ids2 = page_ids(step_of(arith.addi(j, ci(2))))
+    if not late_loads:
+      k_next = load_k(step_of(nxt), carry["ids"][0], ok_next)
+      v_next = load_v(step_of(nxt), carry["ids"][1], ok_next)
+    p_frags, m, l, alpha = qk_softmax(s, carry["k"], carry["m"],
+                                      carry["l"])
+    if late_loads:
+      k_next = load_k(step_of(nxt), carry["ids"][0], ok_next)
+    acc = pv(carry["acc"], alpha, p_frags, carry["v"])
+    if late_loads:
+      v_next = load_v(step_of(nxt), carry["ids"][1], ok_next)
+    return dict(acc=acc, m=m, l=l, k=k_next, v=v_next, ids=ids2)
+
+  res = loop.results[0]
+  acc, m, l = res["acc"], res["m"], res["l"]
+  for col in range(2):
+    for mask in (4, 8, 16):
+      l[col] = arith.addf(l[col], o.shfl_xor(l[col], mask))
+
+  # Merge the four warps' states through shared memory: acc as
+  # [warp][reg][lane], then (m, l) as [warp][2][8].
+  regs = 4 * m_tiles
+  ml0 = WARPS * regs * 32
+
+  def saddr(idx):
+    return arith.addi(sbase, arith.muli(idx, ci(4)))
+
+  for j in range(m_tiles):
+    for e in range(4):
+      idx = arith.addi(arith.muli(arith.addi(arith.muli(warp, ci(regs)),
+                                             ci(4 * j + e)), ci(32)), lane)
+      o.st_shared(saddr(idx), acc[j][e])
+  with utils.when(arith.cmpi(ult, lane, ci(4))):
+    for which, vals in ((0, m), (1, l)):
+      for col in range(2):
+        idx = arith.addi(
+            ci(ml0), arith.addi(arith.muli(arith.addi(
+                arith.muli(warp, ci(2)), ci(which)), ci(COLS)),
+                arith.addi(arith.muli(c, ci(2)), ci(col))))
+        o.st_shared(saddr(idx), vals[col])
+  _asm("bar.sync 0;", [], "")
+
+  def ml(w, which, col):
+    idx = ci(ml0 + (w * 2 + which) * COLS + col)
+    return o.ld_shared(saddr(arith.addi(idx, arith.muli(c, ci(2)))))
+
+  # Per column (g = 2c + col): the merged max, weights, 1 / sum and LSE;
+  # with sinks (final output only) the sink joins the sum, not the LSE.
+  g = [arith.addi(arith.muli(c, ci(2)), ci(col)) for col in range(2)]
+  g_in = [arith.cmpi(ult, x, ci(G)) for x in g]
+  qo_row = [arith.addi(arith.muli(b, ci(num_qo_heads)),
+                       arith.addi(arith.muli(kv_head, ci(G)), x)) for x in g]
+
+  def sink2(col):
+    """This column's sink in base-2 logits (-inf past the group)."""
+    head = arith.addi(arith.muli(kv_head, ci(G)),
+                      arith.minui(g[col], ci(G - 1)))
+    x = o.load_i32(gaddr(sinks_ref, wide(head), 4))
+    x = arith.bitcast(o.f32, x)
+    return o.sel(g_in[col], arith.mulf(x, cf(_LOG2E)), neg_inf)
+
+  final = mode == "final"
+  weights, inv, lse = [], [], []
+  for col in range(2):
+    ms = [ml(w, 0, col) for w in range(WARPS)]
+    ls = [ml(w, 1, col) for w in range(WARPS)]
+    mx = ms[0]
+    for x in ms[1:]:
+      mx = o.fmax(mx, x)
+    use = o.sel(arith.cmpf(arith.CmpFPredicate.OEQ, mx, neg_inf), cf(0.0),
+                mx)
+    wts = [o.ex2(arith.subf(x, use)) for x in ms]
+    tot = cf(0.0)
+    for wt, x in zip(wts, ls):
+      tot = arith.addf(tot, arith.mulf(wt, x))
+    pos = arith.cmpf(arith.CmpFPredicate.OGT, tot, cf(0.0))
+    safe = o.sel(pos, tot, cf(1.0))
+    den = tot
+    if final and has_sinks:
+      den = arith.addf(tot, o.ex2(arith.subf(sink2(col), use)))
+    den_pos = arith.cmpf(arith.CmpFPredicate.OGT, den, cf(0.0))
+    weights.append(wts)
+    inv.append(o.sel(den_pos, o.rcp(o.sel(den_pos, den, cf(1.0))), cf(0.0)))
+    lse.append(o.sel(pos, arith.mulf(arith.addf(use, o.lg2(safe)),
+                                     cf(_LN2)), neg_inf))
+
+  # Warp w merges and stores the head_dim m-tiles j = w, w + 4, ...: the
+  # output rows, or this split's partial rows.
+  part = arith.addi(arith.muli(arith.addi(
+      arith.muli(b, ci(num_kv_heads)), kv_head), ci(k_splits)), split)
+  part_row = [arith.addi(arith.muli(part, ci(COLS)), x) for x in g]
+  out_row = qo_row if final else part_row
+  dst_o, dst_lse = o_ref, lse_ref
+
+  def d_of(j):
+    """First of the two head_dim columns of m-tile j this thread holds."""
+    x, wd = divmod(j, 4)
+    return arith.addi(arith.muli(arith.addi(r, ci(8 * x)), ci(8)),
+                      ci(2 * wd))
+
+  def store_out(row, j, col, lo_v, hi_v):
+    """Columns (d, d + 1) of m-tile j of output row `row` (dtype)."""
+    elem = arith.addi(wide(arith.muli(row, ci(D))), wide(d_of(j)))
+    with utils.when(g_in[col]):
+      o.st_global_b32(gaddr(o_ref, elem, 2), o.pack(lo_v, hi_v))
+
+  def warps_tiles(fn):
+    for w in range(WARPS):
+      with utils.when(arith.cmpi(arith.CmpIPredicate.eq, warp, ci(w))):
+        for j in range(w, m_tiles, WARPS):
+          fn(j)
+
+  def merge_tile(j):
+    vals = []
+    for e in range(4):
+      tot = cf(0.0)
+      for w2 in range(WARPS):
+        idx = ci(((w2 * regs) + 4 * j + e) * 32)
+        y = o.ld_shared(saddr(arith.addi(idx, lane)))
+        tot = arith.addf(tot, arith.mulf(weights[e % 2][w2], y))
+      vals.append(arith.mulf(tot, inv[e % 2]))
+    for col in range(2):
+      lo_v, hi_v = vals[col], vals[col + 2]   # columns d, d + 1
+      if final:
+        store_out(out_row[col], j, col, lo_v, hi_v)
+      else:
+        elem = arith.addi(wide(arith.muli(out_row[col], ci(D))),
+                          wide(d_of(j)))
+        o.st_global_f32x2(gaddr(dst_o, elem, 4), lo_v, hi_v)
+
+  warps_tiles(merge_tile)
+  lane0 = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, warp, zero),
+                     arith.cmpi(ult, lane, ci(4)))
+  with utils.when(lane0):
+    for col in range(2):
+      ok = g_in[col] if final else o.true
+      with utils.when(ok):
+        o.st_global_f32(gaddr(dst_lse, wide(out_row[col]), 4), lse[col])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "window_left", "logits_soft_cap", "k_splits",
+                     "tiles", "final", "late_loads", "load_hint",
+                     "q_in_smem"))
+def paged_decode_mma(
+    q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
+    k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool: jax.Array,    # [num_pages', page_size, num_kv_heads, head_dim]
+    k_table: jax.Array,   # i32[batch_size, max_pages]
+    v_table: jax.Array,   # i32[batch_size, max_pages]
+    kv_lens: jax.Array,   # i32[batch_size]
+    sinks: jax.Array | None = None,  # f32[num_qo_heads]
+    *,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    k_splits: int = 1,
+    tiles: int | None = None,
+    final: bool = True,
+    late_loads: bool | None = None,
+    load_hint: str = "",
+    q_in_smem: bool | None = None,
+):
+  """One Mosaic-GPU launch of split-K paged decode on `mma.sync` (see the
+  module docstring).
+
+  Semantics are `reference.paged_decode_reference` (vLLM / FlashInfer
+  paged decode; sinks as gpt-oss's, in the denominator only): query `b`
+  sits at position `kv_lens[b] - 1` and sees keys `j` with `max(0,
+  kv_lens[b] - 1 - window_left) <= j < kv_lens[b]`.
+
+  Args:
+    q: `[batch_size, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64, 128
+      or 256, `num_qo_heads = group_size * num_kv_heads`, group_size 1..8.
+    k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
+      of `q` (may be one array); page_size a power of two in [8, 128].
+    k_table, v_table: `i32[batch_size, max_pages]` (may be one array); only
+      entries of visible pages are read.
+    kv_lens: `i32[batch_size]`, tokens including the current one.
+    sinks: optional `f32[num_qo_heads]` logits (natural-log units) joining
+      the softmax denominator only (not the LSE); only with `final`.
+    sm_scale, window_left, logits_soft_cap: static, as `paged_decode`.
+    k_splits: static, splits of each sequence's visible steps (one CTA
+      each).
+    tiles: static, 16-key m-tiles per warp step (1, 2 or 4); None =
+      `default_tiles(head_dim)`.
+    final: static; return the output (True, needs `k_splits == 1`) or
+      per-split partials for the caller's combine (False).
+    late_loads: static; issue the next step's K loads after this step's
+      QK^T and its V loads after PV (fewer live registers) instead of both
+      before the matmuls; None = at head_dim 256 only.
+    load_hint: static; cache qualifiers of the K / V loads after
+      `ld.global.nc` (PTX), one of `LOAD_HINTS`.
+    q_in_smem: static; read q's fragments from shared memory at each step
+      instead of holding them in registers; None = at head_dim 256 only.
+
+  Returns:
+    With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype, lse
+    f32[batch_size, num_qo_heads])` (natural log; an empty sequence gives
+    zeros and -inf). Otherwise per-split partials `(o f32[batch_size,
+    num_kv_heads, k_splits, 8, head_dim], lse f32[batch_size, num_kv_heads,
+    k_splits, 8])`, normalised per split, rows `0..group_size-1` meaningful
+    (empty splits: `o = 0`, `lse = -inf`).
+
+  Raises:
+    ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in
+      (1, 2, 4), `final=True` with `k_splits > 1`, sinks with `final=False`
+      or of another shape, or an unknown `load_hint`.
+  """
+  plgpu = _compat.mosaic_gpu()
+  batch_size, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  group_size = num_qo_heads // num_kv_heads
+  if group_size * num_kv_heads != num_qo_heads:
+    raise ValueError(f"Invalid num_qo_heads: expected a multiple of "
+                     f"num_kv_heads={num_kv_heads}, got {num_qo_heads}")
+  why = supports(dtype=q.dtype, kv_dtype=k_pool.dtype, head_dim=head_dim,
+                 page_size=page_size, group_size=group_size)
+  if why is None and v_pool.dtype != k_pool.dtype:
+    why = f"v_pool of {v_pool.dtype} next to k_pool of {k_pool.dtype}"
+  if why is not None:
+    raise ValueError(f"Invalid case for the mma.sync decode kernel: {why}")
+  if k_splits < 1:
+    raise ValueError(f"Invalid k_splits: expected >= 1, got {k_splits}")
+  if tiles is None:
+    tiles = default_tiles(head_dim)
+  if tiles not in (1, 2, 4):
+    raise ValueError(f"Invalid tiles: expected 1, 2 or 4, got {tiles}")
+  if not final and sinks is not None:
+    raise ValueError("Invalid sinks with final=False: expected None (the "
+                     "caller's combine adds them)")
+  if sinks is not None and sinks.shape != (num_qo_heads,):
+    raise ValueError(f"Invalid sinks shape: expected ({num_qo_heads},), got "
+                     f"{sinks.shape}")
+  if final and k_splits != 1:
+    raise ValueError(f"Invalid final=True: expected k_splits == 1, got "
+                     f"{k_splits}")
+  mode = "final" if final else "partial"
+  if late_loads is None:
+    late_loads = head_dim > 128
+  if q_in_smem is None:
+    q_in_smem = head_dim > 128
+  if load_hint not in LOAD_HINTS:
+    raise ValueError(f"Invalid load_hint: expected one of {LOAD_HINTS}, got "
+                     f"{load_hint!r}")
+  same_table = k_table is v_table
+  max_pages = k_table.shape[1]
+  dtype = q.dtype
+  has_sinks = sinks is not None
+  body = functools.partial(
+      _body, batch_size=batch_size, num_kv_heads=num_kv_heads,
+      group_size=group_size, head_dim=head_dim, page_size=page_size,
+      max_pages=max_pages, k_splits=k_splits, tiles=tiles, mode=mode,
+      has_sinks=has_sinks, sm_scale=float(sm_scale),
+      window_left=int(window_left), logits_soft_cap=logits_soft_cap,
+      same_table=same_table,
+      dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
+      late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem)
+  tables = [k_table.astype(jnp.int32)]
+  tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
+  inputs = [kv_lens.astype(jnp.int32), q, k_pool, v_pool, *tables]
+  if has_sinks:
+    inputs.append(sinks.astype(jnp.float32))
+  if final:
+    out_type = [
+        jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((batch_size, num_qo_heads), jnp.float32)]
+  else:
+    out_type = [
+        jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, COLS,
+                              head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, COLS),
+                             jnp.float32)]
+  splat = plgpu.Layout.WG_SPLAT(shape=())
+  n_refs = len(inputs) + len(out_type) + 1
+  inline = plgpu.inline_mgpu(
+      arg_types=(splat,) + (plgpu.RefType(),) * n_refs)(body)
+  # Per warp: acc [regs][lane]; then (m, l) [warp][2][8].
+  smem_words = WARPS * (head_dim // 4) * 32 + WARPS * 2 * COLS
+  if q_in_smem:
+    smem_words += head_dim // 8 * 32   # q's words [word][lane]
+
+  def kernel(*refs):
+    pl.run_scoped(lambda smem: inline(lax.axis_index("items"), *refs, smem),
+                  plgpu.SMEM((smem_words,), jnp.float32))
+
+  return pl.kernel(
+      kernel,
+      out_type=out_type,
+      mesh=plgpu.Mesh(grid=(batch_size * num_kv_heads * k_splits,),
+                      grid_names=("items",)),
+      compiler_params=plgpu.CompilerParams(),
+      name=f"paged_decode_mma_t{tiles}_{mode}",
+  )(*inputs)

@@ -1,0 +1,202 @@
+"""The per-warp Mosaic-GPU decode backend (`pallas_kernels/paged_decode_mma.py`).
+
+On the CPU CI: the config and its errors, and a cross-lowering of the kernel
+for CUDA (Pallas -> Mosaic GPU, the per-thread MLIR built by
+`inline_mgpu`) through `paged_decode` for every head_dim, page size,
+table kind and option. The numerics run on a Hopper GPU only
+(`test_matches_oracle_gpu`, skipped elsewhere): Mosaic GPU has no
+interpret mode for per-thread code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_utils import assert_close, assert_lse_close, dense_attention
+from attention_utils import make_paged
+from pkvattn import _kv
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import paged_decode as kernel
+from pkvattn.pallas_kernels import paged_decode_mma as mma
+
+_C = kernel.Config
+
+
+def _config(b=4, hkv=2, ps=16, max_pages=64, d=128, **over):
+  cfg = _C.default_for(batch_size=b, num_kv_heads=hkv, page_size=ps,
+                       max_pages=max_pages, head_dim=d, backend="mosaic_mma")
+  return dataclasses.replace(cfg, **over)
+
+
+def test_config_and_errors():
+  cfg = _config()
+  assert cfg.backend == "mosaic_mma" and cfg.mma_tiles is None
+  # Splits: about MMA_CTAS_PER_SM CTAs per SM, none without >= 2 rounds of
+  # the four warps' steps.
+  many = _config(b=64, hkv=3, ps=16, max_pages=256, d=64)
+  assert many.k_splits == 2   # 192 items -> 384 CTAs on 132 SMs
+  short = _config(b=1, hkv=1, ps=16, max_pages=8, d=64)
+  assert short.k_splits == 1  # 128 keys: one round of 4 x 32 keys
+  for kw, match in ((dict(mma_tiles=3), "mma_tiles"),
+                    (dict(mma_tiles=2, backend="triton"), "mma_tiles"),
+                    (dict(pack_heads=2), "pack_heads"),
+                    (dict(backend="cuda"), "backend")):
+    with pytest.raises(ValueError, match=match):
+      _C(**{**dict(pages_per_block=1, k_splits=1, backend="mosaic_mma"),
+            **kw})
+  base = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128,
+              page_size=16, group_size=4)
+  assert mma.supports(**base) is None
+  for kw, word in ((dict(dtype=jnp.float32, kv_dtype=jnp.float32), "dtype"),
+                   (dict(kv_dtype=jnp.float8_e4m3fn), "pages"),
+                   (dict(head_dim=96), "head_dim"),
+                   (dict(group_size=9), "group"),
+                   (dict(page_size=4), "page_size"),
+                   (dict(page_size=48), "page_size")):
+    assert word in mma.supports(**{**base, **kw})
+  q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+  pool = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+  table = jnp.zeros((2, 4), jnp.int32)
+  lens = jnp.array([3, 5], jnp.int32)
+  with pytest.raises(ValueError, match="mosaic_mma"):
+    kernel.paged_decode(q, pool, pool, table, table, lens, sm_scale=0.1,
+                        config=cfg, interpret=True)
+  with pytest.raises(ValueError, match="mosaic_mma"):
+    kernel.paged_decode(q, pool.astype(jnp.float8_e4m3fn),
+                        pool.astype(jnp.float8_e4m3fn), table, table, lens,
+                        sm_scale=0.1, config=cfg, k_scale=1.0, v_scale=1.0)
+  for kw, match in ((dict(k_splits=0), "k_splits"), (dict(tiles=3), "tiles"),
+                    (dict(k_splits=2), "final"),
+                    (dict(load_hint=".L3"), "load_hint"),
+                    (dict(final=False, sinks=jnp.zeros(8)), "sinks"),
+                    (dict(sinks=jnp.zeros(7)), "sinks")):
+    with pytest.raises(ValueError, match=match):
+      mma.paged_decode_mma(q, pool, pool, table, table, lens, sm_scale=0.1,
+                           **kw)
+  with pytest.raises(ValueError, match="group"):
+    mma.paged_decode_mma(jnp.zeros((2, 18, 128), jnp.bfloat16), pool, pool,
+                         table, table, lens, sm_scale=0.1)
+
+
+@pytest.mark.parametrize("hq,hkv,d,page_size,fmt,kw,k_splits,tiles", [
+    (9, 3, 64, 16, "flashinfer", {}, 4, None),         # SmolLM2 heads
+    (32, 8, 128, 8, "pair", dict(window_left=100), 1, None),
+    (4, 1, 256, 128, "pool", dict(logits_soft_cap=30.0), 2, None),
+    (6, 1, 128, 32, "pair", dict(sinks=True), 1, 4),
+    (16, 2, 64, 64, "flashinfer", dict(window_left=37, sinks=True), 2, 1),
+])
+def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
+                              tiles):
+  """Pallas -> Mosaic GPU cross-lowering for CUDA (no GPU needed): the
+  kernel's MLIR is built and verified for each table kind and option."""
+  rng = np.random.default_rng(0)
+  p = make_paged(rng, [5, 40], page_size=page_size, num_kv_heads=hkv,
+                 head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cfg = _config(b=2, hkv=hkv, ps=page_size, max_pages=view.k_table.shape[1],
+                d=d, k_splits=k_splits, mma_tiles=tiles)
+  kw = dict(kw)
+  sinks = jnp.zeros((hq,), jnp.float32) if kw.pop("sinks", False) else None
+  q = jnp.zeros((2, hq, d), jnp.bfloat16)
+
+  def f(q, kp, vp, kt, vt, n, s):
+    return kernel.paged_decode(q, kp, vp, kt, vt, n, s, sm_scale=d ** -0.5,
+                               config=cfg, **kw)
+  text = jax.jit(f).trace(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(p.kv_lens), sinks).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  # One split: the kernel stores the output, sinks added (no combine).
+  assert (k_splits > 1) == ("exponential" in text)
+
+
+def _hopper() -> bool:
+  return _compat.is_hopper()
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,tiles", [
+    (1, 128, 16, "pair", {}, 1, None),
+    (2, 64, 8, "flashinfer", dict(logits_soft_cap=30.0), 8, None),
+    (3, 64, 16, "flashinfer", dict(window_left=100), 4, None),
+    (3, 64, 16, "pool", dict(window_left=300, sinks=True), 2, 4),
+    (4, 128, 16, "pair", {}, 1, 2),
+    (4, 256, 16, "pair", {}, 1, None),
+    (4, 256, 128, "flashinfer", dict(window_left=100, sinks=True), 2, None),
+    (2, 256, 32, "pool", dict(logits_soft_cap=30.0), 4, 2),
+    (5, 128, 32, "pool", dict(sinks=True), 1, None),
+    (6, 128, 8, "pair", dict(logits_soft_cap=30.0), 2, None),
+    (7, 64, 128, "pool", {}, 2, 1),
+    (8, 128, 64, "flashinfer", dict(window_left=37, sinks=True), 2, None),
+    (8, 64, 8, "pair", {}, 16, 2),
+])
+def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, tiles):
+  """Against the float64 dense oracle: NaN in every page a sequence does
+  not own and past kv_len; kv lengths 0, 1, 7, 129, 4095; GQA groups 1..8;
+  the three kv_cache formats; window, soft cap, sinks; splits past the end
+  of short sequences."""
+  rng = np.random.default_rng(group * 1000 + d + page_size)
+  hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
+  p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
+                 head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
+  hq = group * hkv
+  q = jnp.asarray(rng.standard_normal((len(kv_lens), hq, d)), jnp.bfloat16)
+  kw = dict(kw)
+  sinks = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
+           if kw.pop("sinks", False) else None)
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cfg = _config(b=len(kv_lens), hkv=hkv, ps=page_size,
+                max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
+                mma_tiles=tiles)
+  out, lse = kernel.paged_decode(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (len(kv_lens), hq)
+  qf = np.asarray(q.astype(jnp.float32))
+  for b, n in enumerate(kv_lens):
+    exp, exp_lse = dense_attention(
+        qf[b:b + 1], p.k[b], p.v[b], [n - 1], n, sm_scale=d ** -0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"),
+        sinks=None if sinks is None else np.asarray(sinks))
+    assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
+    assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_f16_and_partials_match_oracle_gpu():
+  """f16 q and pages; the per-split partials and their LSE as the kernel
+  returns them (rows past the group included in the shape)."""
+  rng = np.random.default_rng(7)
+  hkv, group, d, ps, kv_lens = 3, 3, 64, 16, [300, 1, 0, 77]
+  p = make_paged(rng, kv_lens, page_size=ps, num_kv_heads=hkv, head_dim=d,
+                 dtype=jnp.float16, fmt="pair")
+  q = jnp.asarray(rng.standard_normal((len(kv_lens), group * hkv, d)),
+                  jnp.float16)
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  out, lse = mma.paged_decode_mma(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(p.kv_lens), sm_scale=0.125)
+  o_part, lse_part = mma.paged_decode_mma(
+      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(p.kv_lens), sm_scale=0.125, k_splits=3, final=False)
+  assert o_part.shape == (len(kv_lens), hkv, 3, 8, d)
+  assert lse_part.shape == (len(kv_lens), hkv, 3, 8)
+  qf = np.asarray(q.astype(jnp.float32))
+  for b, n in enumerate(kv_lens):
+    exp, exp_lse = dense_attention(qf[b:b + 1], p.k[b], p.v[b], [n - 1], n,
+                                   sm_scale=0.125)
+    assert_close(out[b:b + 1], exp, jnp.float16, f"b={b}")
+    assert_lse_close(lse[b], exp_lse[0], jnp.float16)
+    # The splits' LSE combine to the whole.
+    part = np.asarray(lse_part[b, :, :, :group])       # [hkv, 3, group]
+    with np.errstate(invalid="ignore"):
+      tot = np.logaddexp.reduce(part, axis=1).reshape(-1)
+    assert_lse_close(jnp.asarray(tot), exp_lse[0], jnp.float16)
