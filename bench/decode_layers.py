@@ -14,8 +14,9 @@ both libraries, `q_l' = q_l + 1e-3 * out_{l-1}` (one rounding to bf16), so
 no layer can be dropped, merged or reordered:
 
 * pkvattn jit-L: one `jax.jit` of L unrolled `paged_decode` calls (pkvattn's
-  default routing, and `backend="mosaic"` as `bench_decode_mosaic`'s
-  "mosaic default" where the default is not already that), timed by
+  default routing, and the Triton kernel's default and `backend="mosaic"`
+  as `bench_decode_mosaic`'s "mosaic default" where the default is not
+  already that), timed by
   `_timing.time_fn` (one launch of the executable per call); kernel time by
   `_timing.device_kernel_ms` (every kernel of the program: attention,
   combine, the q add).
@@ -206,9 +207,14 @@ def run_spec(spec, num_layers, *, flashinfer=True, interpret=False):
       interpret=interpret)
   runs = [("pkvattn default jit-L", default)]
   if not interpret:
+    triton = kernel.Config.default_for(
+        batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+        head_dim=d, backend="triton")
     mosaic = _mosaic_config(b, hkv, ps, s // ps, d)
-    if mosaic != default:
-      runs.append(("pkvattn mosaic jit-L", mosaic))
+    for label, cfg in (("pkvattn triton jit-L", triton),
+                       ("pkvattn mosaic jit-L", mosaic)):
+      if cfg != default:
+        runs.append((label, cfg))
   rows, ref = [], None
   for label, cfg in runs:
     f = layers_fn(cfg, head_dim=d, num_layers=num_layers, interpret=interpret)

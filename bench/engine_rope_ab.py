@@ -1,6 +1,8 @@
-"""The engine with its RoPE + paged append on each kernel (Hopper).
+"""The engine with its RoPE + paged append, or its decode attention, on
+each kernel (Hopper).
 
-Run on an H100 / H200:  `python -m bench.engine_rope_ab [--model smollm2]`
+Run on an H100 / H200:
+  `python -m bench.engine_rope_ab [--model smollm2] [--op rope|decode]`
 
 `bench/bench_serving.py`'s pkvattn workload (random bf16 weights of the
 model's shape, 256 prompts x 256 new tokens, its `EngineConfig`) in one
@@ -8,20 +10,25 @@ process, in arms that alternate (`--arms`, each a fresh engine after
 `jax.clear_caches()`): with `rope_append`'s default, the Mosaic-GPU kernel
 on Hopper (`rope_append_mgpu`), and with the default forced to the
 Pallas-Triton kernel (`rope_append.default_config` patched to
-`Config.default_for`). Each arm reports warm-up time (every program
+`Config.default_for`). With `--op decode` the arms are the decode
+attention's default (on Hopper the per-warp Mosaic-GPU kernel,
+`paged_decode_mma`, where the engine's pages are bf16 and smaller than
+128 tokens) and the Triton kernel (`paged_decode._mma_default` patched to
+False). Each arm reports warm-up time (every program
 compiled; later arms reuse what XLA cached), throughput after warm-up and
 the compilations during it, the decode step's wall time and GPU time at
-256 rows and its RoPE + append kernels' share, and the greedy tokens of
+256 rows and the op's kernels' share, and the greedy tokens of
 the first batch (eight requests), which must be the same in every arm
 (the file keeps their SHA-1).
 
-Writes `bench/results/engine_rope_ab_<model>_<device>.json` (and under
-`$OUT`) and prints a table last.
+Writes `bench/results/engine_rope_ab_<model>_<device>.json` (`--op decode`:
+`engine_decode_ab_...`; and under `$OUT`) and prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -36,6 +43,7 @@ from bench import _timing
 from bench import bench_serving as serving
 from pkvattn.engine import Engine, SamplingParams
 from pkvattn.models import Model, init_params
+from pkvattn.pallas_kernels import paged_decode
 from pkvattn.pallas_kernels import rope_append
 
 
@@ -44,7 +52,7 @@ def _triton_default(num_tokens, num_qo_heads, num_kv_heads, **_):
                                         num_kv_heads)
 
 
-def _arm(mcfg, params, batch1, batch2, sp) -> dict:
+def _arm(mcfg, params, batch1, batch2, sp, op: str = "rope") -> dict:
   res = {}
   t0 = time.perf_counter()
   engine = Engine(Model("bench", mcfg, params, None), serving.CFG)
@@ -67,9 +75,10 @@ def _arm(mcfg, params, batch1, batch2, sp) -> dict:
   res["decode_step_wall_ms"] = engine.profile()["step_ms"]
   kb = serving.kernel_breakdown(engine, top=40)
   res["decode_step_gpu_us"] = kb["gpu_us_per_step"]
-  rope = [r for r in kb["top"] if "rope_append" in r["kernel"]]
-  res["rope_us_per_step"] = sum(r["us"] for r in rope)
-  res["rope_kernels"] = sorted({r["kernel"] for r in rope})
+  name = "rope_append" if op == "rope" else "paged_decode"
+  ks = [r for r in kb["top"] if name in r["kernel"]]
+  res[f"{op}_us_per_step"] = sum(r["us"] for r in ks)
+  res[f"{op}_kernels"] = sorted({r["kernel"] for r in ks})
   res["top"] = kb["top"][:8]
   while engine.has_unfinished():
     engine.step()
@@ -84,6 +93,8 @@ def main(argv=None):
                   default="smollm2")
   ap.add_argument("--arms", default="triton,mosaic,triton,mosaic",
                   help="the arms in order (each a fresh engine)")
+  ap.add_argument("--op", choices=("rope", "decode"), default="rope",
+                  help="the op whose kernel the arms change")
   args = ap.parse_args(argv)
   mcfg = serving.MODELS[args.model]
   rng = np.random.default_rng(0)
@@ -94,12 +105,17 @@ def main(argv=None):
   rows = []
   for name in args.arms.split(","):
     jax.clear_caches()  # the other arm's traces hold its kernel
-    if name == "triton":
-      with mock.patch.object(rope_append, "default_config", _triton_default):
-        res = _arm(mcfg, params, batch1, batch2, sp)
+    if name == "triton" and args.op == "rope":
+      patch = mock.patch.object(rope_append, "default_config",
+                                _triton_default)
+    elif name == "triton":
+      patch = mock.patch.object(paged_decode, "_mma_default",
+                                lambda **_: False)
     else:
-      res = _arm(mcfg, params, batch1, batch2, sp)
-    rows.append(dict(rope_kernel=name, **res))
+      patch = contextlib.nullcontext()
+    with patch:
+      res = _arm(mcfg, params, batch1, batch2, sp, args.op)
+    rows.append({f"{args.op}_kernel": name, **res})
     print({k: v for k, v in rows[-1].items()
            if k not in ("first_tokens", "top")}, flush=True)
   same = all(r["first_tokens"] == rows[0]["first_tokens"] for r in rows)
@@ -108,12 +124,13 @@ def main(argv=None):
         json.dumps(r.pop("first_tokens")).encode()).hexdigest()
   env = _timing.environment()
   _timing.write_results(
-      f"engine_rope_ab_{args.model}_" + env["device"].replace(" ", "_"),
+      f"engine_{args.op}_ab_{args.model}_" + env["device"].replace(" ", "_"),
       rows, extra=dict(model=args.model, same_tokens=same))
   print(f"same greedy tokens in every arm: {same}")
-  _timing.print_table(rows, ["rope_kernel", "warmup_s", "throughput_tok_s",
-                             "compiles_in_timed_run", "decode_step_wall_ms",
-                             "decode_step_gpu_us", "rope_us_per_step"])
+  _timing.print_table(rows, [f"{args.op}_kernel", "warmup_s",
+                             "throughput_tok_s", "compiles_in_timed_run",
+                             "decode_step_wall_ms", "decode_step_gpu_us",
+                             f"{args.op}_us_per_step"])
 
 
 if __name__ == "__main__":

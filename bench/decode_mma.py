@@ -1,0 +1,180 @@
+"""Per-warp Mosaic-GPU decode (`paged_decode_mma`) beside the Triton
+default, the TMA Mosaic kernel and FlashInfer 0.7.2, in one process.
+
+Run on an H100 / H200:  `python -m bench.decode_mma [--specs 0,4]`
+
+The nine decode specs of `bench_decode_mosaic` (four Llama-3-8B, two
+SmolLM2, group 6 at head_dim 128, two Gemma 3 270M; every sequence at full
+length, shuffled pages in the "flashinfer" format, so FlashInfer reads the
+very same buffers). Each implementation's output is compared with the
+Triton default's first; then per-call time (`_timing.time_fn`, back to
+back) and GPU kernel time from one profiler trace
+(`_timing.device_kernel_ms`, `_flashinfer.kernel_ms`). Variants of the mma
+kernel: its default, twice / half the splits, 32-key steps at head_dim 64,
+q in registers at head_dim 256, L1 no-allocate loads (`_variants`).
+`x_flashinfer_kernel` is against FlashInfer's faster mode (CUDA-core or
+tensor-core decode) by kernel time.
+
+Prints a table last; writes `bench/results/decode_mma_<device>[_tag].json`
+(and under `$OUT`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from bench import _flashinfer
+from bench import _timing
+from bench.bench_decode_mosaic import SHAPES, SPECS, _inputs, decode_fn
+from pkvattn import _kv
+from pkvattn.pallas_kernels import paged_decode as kernel
+from pkvattn.pallas_kernels import paged_decode_mgpu as mgpu
+from pkvattn.pallas_kernels import paged_decode_mma as mma
+
+
+def _variants(base, d: int, full: bool):
+  """(label, config, kernel options) of the mma kernel runs: its default,
+  then (with `full`) twice / half the splits, 32-key steps at head_dim
+  64, q in registers at head_dim 256, L1 no-allocate loads."""
+  out = [("mma default", base, {})]
+  if not full:
+    return out
+  out.append(("mma splits x2",
+              dataclasses.replace(base, k_splits=min(64, 2 * base.k_splits)),
+              {}))
+  if base.k_splits > 1:
+    out.append(("mma splits /2",
+                dataclasses.replace(base, k_splits=base.k_splits // 2), {}))
+  if d == 64:
+    out.append(("mma tiles 2", dataclasses.replace(base, mma_tiles=2), {}))
+  if d == 256:
+    out.append(("mma q in registers", base, dict(q_in_smem=False)))
+  out.append(("mma .L1::no_allocate", base,
+              dict(load_hint=".L1::no_allocate")))
+  return out
+
+
+def mma_fn(cfg, opts, *, head_dim):
+  """Jitted decode on the mma kernel with kernel options `opts` (as
+  `paged_decode`'s mosaic_mma path: the jnp combine after several
+  splits)."""
+  if not opts:
+    return decode_fn(cfg, head_dim=head_dim)
+
+  def f(q, kv, t, n):
+    v = _kv.make_view(kv, t)
+    final = cfg.k_splits == 1
+    o, lse = mma.paged_decode_mma(
+        q, v.k_pool, v.v_pool, v.k_table, v.v_table, n,
+        sm_scale=head_dim ** -0.5, k_splits=cfg.k_splits,
+        tiles=cfg.mma_tiles, final=final, **opts)
+    if final:
+      return o
+    b, hq, d = q.shape
+    hkv = v.k_pool.shape[2]
+    out, _ = kernel._combine(o, lse, None, hq // hkv)  # noqa: SLF001
+    return out.reshape(b, hq, d).astype(q.dtype)
+  return jax.jit(f)
+
+
+def speed(spec, *, full: bool, with_tma: bool):
+  shape, b, s, ps = spec
+  hq, hkv, d = SHAPES[shape]
+  q, kv, table, lens = _inputs(hq, hkv, d, b, s, ps)
+  jt, jl = jnp.asarray(table), jnp.asarray(lens)
+  nbytes = 2 * b * hq * d * 2 + 2 * b * s * hkv * d * 2
+  name = f"{shape}_b{b}_s{s}_p{ps}"
+  kw = dict(batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
+            head_dim=d)
+  triton = kernel.Config.default_for(**kw, backend="triton")
+  runs = [("triton default", triton, {})]
+  if with_tma and mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                                head_dim=d, page_size=ps, group_size=hq // hkv):
+    runs.append(("mosaic tma", kernel.Config.default_for(**kw,
+                                                         backend="mosaic"),
+                 {}))
+  runs += _variants(kernel.Config.default_for(**kw, backend="mosaic_mma"), d,
+                    full)
+  rows = []
+  ref = None
+  for label, cfg, opts in runs:
+    try:
+      f = mma_fn(cfg, opts, head_dim=d)
+      out = f(q, kv, jt, jl)
+      if ref is None:
+        ref = out
+      t = _timing.time_fn(f, q, kv, jt, jl, iters=30, min_time_s=0.3)
+      kt = _timing.device_kernel_ms(f, lambda f=f: (q, kv, jt, jl), calls=5)
+      rows.append(dict(spec=name, impl=label, config=str(cfg), opts=opts,
+                       ms=t["median_ms"], kernel_ms=kt,
+                       tbps_kernel=nbytes / kt / 1e9,
+                       err_vs_triton=_timing.rel_err(out, ref)))
+    except Exception:  # noqa: BLE001
+      traceback.print_exc()
+      rows.append(dict(spec=name, impl=label, config=str(cfg),
+                       error=traceback.format_exc()[-800:]))
+    print(rows[-1], flush=True)
+  for tc in (False, True):
+    label = "flashinfer 0.7.2" + (" tc" if tc else "")
+    try:
+      run, out = _flashinfer.decode_fn(q, kv, table, lens, num_qo_heads=hq,
+                                       num_kv_heads=hkv, use_tensor_cores=tc)
+      ms = _flashinfer.torch_time(run, iters=30, min_time_s=0.3)
+      km = _flashinfer.kernel_ms(run, calls=5)
+      rows.append(dict(spec=name, impl=label, ms=ms, kernel_ms=km,
+                       tbps_kernel=nbytes / km / 1e9,
+                       err_vs_triton=_timing.rel_err(out, ref)))
+    except Exception:  # noqa: BLE001
+      traceback.print_exc()
+      rows.append(dict(spec=name, impl=label,
+                       error=traceback.format_exc()[-800:]))
+    print(rows[-1], flush=True)
+  fi = [r for r in rows if r["impl"].startswith("flashinfer")
+        and r.get("kernel_ms") and r["err_vs_triton"] < 2e-2]
+  tri = [r for r in rows if r["impl"] == "triton default" and "kernel_ms" in r]
+  for r in rows:
+    if "kernel_ms" not in r:
+      continue
+    if fi:
+      r["x_flashinfer_kernel"] = min(x["kernel_ms"] for x in fi) / r[
+          "kernel_ms"]
+      r["x_flashinfer"] = min(x["ms"] for x in fi) / r["ms"]
+    if tri:
+      r["x_triton_kernel"] = tri[0]["kernel_ms"] / r["kernel_ms"]
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--specs", default=None,
+                  help="comma-separated indices into SPECS (default: all)")
+  ap.add_argument("--default-only", action="store_true",
+                  help="time the mma kernel's default only, not variants")
+  ap.add_argument("--tma", action="store_true",
+                  help="time the TMA Mosaic kernel too")
+  ap.add_argument("--tag", default="", help="suffix of the results file")
+  args = ap.parse_args()
+  env = _timing.environment()
+  print(env, flush=True)
+  specs = SPECS
+  if args.specs:
+    specs = [SPECS[int(i)] for i in args.specs.split(",")]
+  device = env["device"].replace(" ", "_")
+  name = f"decode_mma_{device}" + (f"_{args.tag}" if args.tag else "")
+  rows = []
+  for spec in specs:
+    rows += speed(spec, full=not args.default_only, with_tma=args.tma)
+    _timing.write_results(name, rows)
+  print()
+  _timing.print_table(rows, ["spec", "impl", "kernel_ms", "tbps_kernel",
+                             "x_triton_kernel", "x_flashinfer_kernel",
+                             "x_flashinfer", "err_vs_triton"])
+
+
+if __name__ == "__main__":
+  main()
