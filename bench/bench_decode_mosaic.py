@@ -186,34 +186,11 @@ def speed(spec, configs):
       (label, _mosaic_config(b, hkv, ps, s // ps, d, **over))
       for label, over in configs(d)]
   for label, cfg in runs:
-    try:
-      f = fn_for(cfg)
-      out = f(q, kv, jt, jl)
-      err = _timing.rel_err(out, ref)
-      t = _timing.time_fn(f, q, kv, jt, jl, iters=30, min_time_s=0.3)
-      kt = _timing.device_kernel_ms(f, lambda: (q, kv, jt, jl), calls=5)
-      rows.append(dict(spec=name, impl=label, config=str(cfg), ms=t["median_ms"],
-                       kernel_ms=kt, tbps=nbytes / t["median_ms"] / 1e9,
-                       err_vs_triton=err))
-    except Exception:  # noqa: BLE001
-      traceback.print_exc()
-      rows.append(dict(spec=name, impl=label, config=str(cfg),
-                       error=traceback.format_exc()[-600:]))
-    print(rows[-1], flush=True)
-  for tc in (False, True):
-    label = "flashinfer 0.7.2" + (" tc" if tc else "")
-    try:
-      run, out = _flashinfer.decode_fn(q, kv, table, lens, num_qo_heads=hq,
-                                       num_kv_heads=hkv, use_tensor_cores=tc)
-      ms = _flashinfer.torch_time(run, iters=30, min_time_s=0.3)
-      rows.append(dict(spec=name, impl=label, ms=ms, tbps=nbytes / ms / 1e9,
-                       kernel_ms=_flashinfer.kernel_ms(run, calls=5),
-                       err_vs_triton=_timing.rel_err(out, ref)))
-    except Exception:  # noqa: BLE001
-      traceback.print_exc()
-      rows.append(dict(spec=name, impl=label,
-                       error=traceback.format_exc()[-600:]))
-    print(rows[-1], flush=True)
+    row, _ = timed_row(dict(spec=name, impl=label, config=str(cfg)),
+                       lambda cfg=cfg: fn_for(cfg), (q, kv, jt, jl), nbytes,
+                       ref)
+    rows.append(row)
+  rows += flashinfer_rows(name, q, kv, table, lens, hq, hkv, nbytes, ref)
   # > 1: faster than FlashInfer's faster mode on this spec, per call and
   # by kernel time (per call, a ~0.1 ms JAX call is host-bound).
   fi = [r for r in rows if r["impl"].startswith("flashinfer")
@@ -224,6 +201,52 @@ def speed(spec, configs):
       if r.get("kernel_ms") and all(x.get("kernel_ms") for x in fi):
         r["x_flashinfer_kernel"] = (min(x["kernel_ms"] for x in fi)
                                     / r["kernel_ms"])
+  return rows
+
+
+def timed_row(row, make_fn, args, nbytes, ref):
+  """`row` plus the per-call time (`ms`, `_timing.time_fn`) and GPU kernel
+  time (`kernel_ms`, `_timing.device_kernel_ms`) of the jitted function
+  `make_fn()` on `args`, GB/s of both (`tbps`, `tbps_kernel`) for `nbytes`
+  moved, and its output's error against `ref` (`err_vs_triton`; None: its
+  own). Returns `(row, output)`, or an `error` row and None where it
+  fails."""
+  try:
+    f = make_fn()
+    out = f(*args)
+    err = _timing.rel_err(out, out if ref is None else ref)
+    t = _timing.time_fn(f, *args, iters=30, min_time_s=0.3)
+    kt = _timing.device_kernel_ms(f, lambda: args, calls=5)
+    row = dict(row, ms=t["median_ms"], kernel_ms=kt,
+               tbps=nbytes / t["median_ms"] / 1e9,
+               tbps_kernel=nbytes / kt / 1e9, err_vs_triton=err)
+  except Exception:  # noqa: BLE001
+    traceback.print_exc()
+    row, out = dict(row, error=traceback.format_exc()[-600:]), None
+  print(row, flush=True)
+  return row, out
+
+
+def flashinfer_rows(name, q, kv, table, lens, hq, hkv, nbytes, ref):
+  """FlashInfer 0.7.2's CUDA-core and tensor-core decode on the same pages:
+  per-call and kernel time, GB/s (`tbps`, `tbps_kernel`), error against
+  `ref` (one row each; an `error` row where it fails)."""
+  rows = []
+  for tc in (False, True):
+    label = "flashinfer 0.7.2" + (" tc" if tc else "")
+    try:
+      run, out = _flashinfer.decode_fn(q, kv, table, lens, num_qo_heads=hq,
+                                       num_kv_heads=hkv, use_tensor_cores=tc)
+      ms = _flashinfer.torch_time(run, iters=30, min_time_s=0.3)
+      km = _flashinfer.kernel_ms(run, calls=5)
+      rows.append(dict(spec=name, impl=label, ms=ms, tbps=nbytes / ms / 1e9,
+                       kernel_ms=km, tbps_kernel=nbytes / km / 1e9,
+                       err_vs_triton=_timing.rel_err(out, ref)))
+    except Exception:  # noqa: BLE001
+      traceback.print_exc()
+      rows.append(dict(spec=name, impl=label,
+                       error=traceback.format_exc()[-600:]))
+    print(rows[-1], flush=True)
   return rows
 
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import traceback
 
 import jax
 import jax.numpy as jnp
 
-from bench import _flashinfer
 from bench import _timing
 from bench.bench_decode_mosaic import SHAPES, SPECS, _inputs, decode_fn
+from bench.bench_decode_mosaic import flashinfer_rows, timed_row
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
 from pkvattn.pallas_kernels import paged_decode_mgpu as mgpu
@@ -103,37 +102,14 @@ def speed(spec, *, full: bool, with_tma: bool):
   rows = []
   ref = None
   for label, cfg, opts in runs:
-    try:
-      f = mma_fn(cfg, opts, head_dim=d)
-      out = f(q, kv, jt, jl)
-      if ref is None:
-        ref = out
-      t = _timing.time_fn(f, q, kv, jt, jl, iters=30, min_time_s=0.3)
-      kt = _timing.device_kernel_ms(f, lambda f=f: (q, kv, jt, jl), calls=5)
-      rows.append(dict(spec=name, impl=label, config=str(cfg), opts=opts,
-                       ms=t["median_ms"], kernel_ms=kt,
-                       tbps_kernel=nbytes / kt / 1e9,
-                       err_vs_triton=_timing.rel_err(out, ref)))
-    except Exception:  # noqa: BLE001
-      traceback.print_exc()
-      rows.append(dict(spec=name, impl=label, config=str(cfg),
-                       error=traceback.format_exc()[-800:]))
-    print(rows[-1], flush=True)
-  for tc in (False, True):
-    label = "flashinfer 0.7.2" + (" tc" if tc else "")
-    try:
-      run, out = _flashinfer.decode_fn(q, kv, table, lens, num_qo_heads=hq,
-                                       num_kv_heads=hkv, use_tensor_cores=tc)
-      ms = _flashinfer.torch_time(run, iters=30, min_time_s=0.3)
-      km = _flashinfer.kernel_ms(run, calls=5)
-      rows.append(dict(spec=name, impl=label, ms=ms, kernel_ms=km,
-                       tbps_kernel=nbytes / km / 1e9,
-                       err_vs_triton=_timing.rel_err(out, ref)))
-    except Exception:  # noqa: BLE001
-      traceback.print_exc()
-      rows.append(dict(spec=name, impl=label,
-                       error=traceback.format_exc()[-800:]))
-    print(rows[-1], flush=True)
+    row, out = timed_row(
+        dict(spec=name, impl=label, config=str(cfg), opts=opts),
+        lambda cfg=cfg, opts=opts: mma_fn(cfg, opts, head_dim=d),
+        (q, kv, jt, jl), nbytes, ref)
+    rows.append(row)
+    if ref is None:
+      ref = out
+  rows += flashinfer_rows(name, q, kv, table, lens, hq, hkv, nbytes, ref)
   fi = [r for r in rows if r["impl"].startswith("flashinfer")
         and r.get("kernel_ms") and r["err_vs_triton"] < 2e-2]
   tri = [r for r in rows if r["impl"] == "triton default" and "kernel_ms" in r]

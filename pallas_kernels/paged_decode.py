@@ -237,21 +237,16 @@ class Config:
     if backend is not None and backend not in BACKENDS:
       raise ValueError(f"Invalid backend: expected None or one of "
                        f"{BACKENDS}, got {backend!r}")
-    if backend == "mosaic_mma" or backend is None and not interpret and (
-        group_size is not None and _mma_default(
-            group_size=group_size, head_dim=head_dim, page_size=page_size,
-            dtype=dtype, kv_dtype=kv_dtype)):
-      return _mma_config(batch_size=batch_size, num_kv_heads=num_kv_heads,
-                         page_size=page_size, max_pages=max_pages,
-                         head_dim=head_dim, num_sms=num_sms)
-    if backend == "mosaic" or backend is None and not interpret and (
-        group_size is not None and _mosaic_default(
-            group_size=group_size, head_dim=head_dim, page_size=page_size,
-            dtype=dtype, kv_dtype=kv_dtype)):
-      return _mosaic_config(batch_size=batch_size, num_kv_heads=num_kv_heads,
-                            page_size=page_size, max_pages=max_pages,
-                            head_dim=head_dim, num_sms=num_sms,
-                            kv_dtype=kv_dtype)
+    for name, is_default, make in (
+        ("mosaic_mma", _mma_default, _mma_config),
+        ("mosaic", _mosaic_default, _mosaic_config)):
+      if backend == name or backend is None and not interpret and (
+          group_size is not None and is_default(
+              group_size=group_size, head_dim=head_dim, page_size=page_size,
+              dtype=dtype, kv_dtype=kv_dtype)):
+        return make(batch_size=batch_size, num_kv_heads=num_kv_heads,
+                    page_size=page_size, max_pages=max_pages,
+                    head_dim=head_dim, num_sms=num_sms, kv_dtype=kv_dtype)
     programs = batch_size * num_kv_heads
     fp8_cvt = (not interpret and kv_dtype is not None
                and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
@@ -382,7 +377,8 @@ MMA_CTAS_PER_SM = 2.5
 
 
 def _mma_config(*, batch_size, num_kv_heads, page_size, max_pages, head_dim,
-                num_sms, ctas_per_sm: float | None = None) -> Config:
+                num_sms, kv_dtype=None,
+                ctas_per_sm: float | None = None) -> Config:
   """The per-warp Mosaic-GPU kernel's config: 16-key steps, and splits for
   about `ctas_per_sm` CTAs per SM (None: `MMA_CTAS_PER_SM`, half at
   head_dim 256, whose CTAs hold about twice the registers), the nearest
@@ -392,7 +388,9 @@ def _mma_config(*, batch_size, num_kv_heads, page_size, max_pages, head_dim,
   rather than to the nearest power of two took 2-8% more on Llama-3-8B
   heads B=8 S=16384 and on Gemma 3 270M heads (twice the splits), rounding
   down 4% more on SmolLM2 heads B=64 (192 CTAs on 132 SMs); Gemma 3 heads
-  B=64 at 4 splits 1.03x the time of 2."""
+  B=64 at 4 splits 1.03x the time of 2. (`kv_dtype`: bf16 / f16 pages
+  only, as the kernel serves.)"""
+  del kv_dtype
   if ctas_per_sm is None:
     ctas_per_sm = MMA_CTAS_PER_SM / (2 if head_dim > 128 else 1)
   tiles = paged_decode_mma.default_tiles(head_dim)

@@ -396,43 +396,41 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     """Which of a step's page ids holds key `offset` of the step."""
     return 0 if P >= step_keys else offset // P
 
-  def load_k(s, ids, step_ok):
-    """K words of step s: [tile][key r, r + 8] -> k_loads * 4 words."""
+  def load_keys(pool_ref, s, ids, step_ok, key_offs, key_lane, chunk_lane,
+                chunk_stride, n_loads):
+    """Words of step s: [tile][key key_lane() + off for off in key_offs] ->
+    `n_loads` 16-byte chunks `chunk_lane + chunk_stride * x` of its row, 4
+    words each (zeros for a key outside the visible range or the warp's
+    steps)."""
     out = []
     base = arith.muli(s, ci(step_keys))
+    key_lane = key_lane()
     for t in range(tiles):
       per_key = []
-      for h in range(2):
-        key = arith.addi(base, arith.addi(r, ci(KEYS * t + 8 * h)))
+      for off in key_offs:
+        key = arith.addi(base, arith.addi(key_lane, ci(KEYS * t + off)))
         ok = key_ok(key, step_ok)
-        page = ids[slot_of(KEYS * t + 8 * h)]
+        page = ids[slot_of(KEYS * t + (8 if off >= 8 else 0))]
         words = []
-        for x in range(k_loads):
-          chunk = arith.muli(arith.addi(c, ci(4 * x)), ci(16))
-          words += o.load16(row_addr(k_pool_ref, page, key, chunk), ok)
+        for x in range(n_loads):
+          chunk = arith.muli(arith.addi(chunk_lane, ci(chunk_stride * x)),
+                             ci(16))
+          words += o.load16(row_addr(pool_ref, page, key, chunk), ok)
         per_key.append(words)
       out.append(per_key)
     return out
 
+  def load_k(s, ids, step_ok):
+    """K (A operand of S^T = K q^T): keys r, r + 8 of each tile, chunks c,
+    c + 4, ..."""
+    return load_keys(k_pool_ref, s, ids, step_ok, (0, 8), lambda: r, c, 4,
+                     k_loads)
+
   def load_v(s, ids, step_ok):
-    """V words of step s: [tile][key 2c, 2c + 1, 2c + 8, 2c + 9] ->
-    v_loads * 4 words."""
-    out = []
-    base = arith.muli(s, ci(step_keys))
-    c2 = arith.muli(c, ci(2))
-    for t in range(tiles):
-      per_key = []
-      for off in (0, 1, 8, 9):
-        key = arith.addi(base, arith.addi(c2, ci(KEYS * t + off)))
-        ok = key_ok(key, step_ok)
-        page = ids[slot_of(KEYS * t + (8 if off >= 8 else 0))]
-        words = []
-        for x in range(v_loads):
-          chunk = arith.muli(arith.addi(r, ci(8 * x)), ci(16))
-          words += o.load16(row_addr(v_pool_ref, page, key, chunk), ok)
-        per_key.append(words)
-      out.append(per_key)
-    return out
+    """V (A operand of O^T = V^T P^T): keys 2c, 2c + 1, 2c + 8, 2c + 9 of
+    each tile, chunks r, r + 8, ..."""
+    return load_keys(v_pool_ref, s, ids, step_ok, (0, 1, 8, 9),
+                     lambda: arith.muli(c, ci(2)), r, 8, v_loads)
 
   neg_inf = cf(-math.inf)
   if logits_soft_cap is not None:

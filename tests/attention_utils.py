@@ -128,6 +128,24 @@ def dense_attention(q, k, v, q_positions, kv_len, *, causal=True,
   return out, lse
 
 
+def paged_decode_case(rng, *, group, head_dim, page_size, fmt, kw,
+                      num_kv_heads=2, kv_lens=(0, 1, 7, 129, 4095),
+                      dtype=jnp.bfloat16):
+  """Inputs of a paged decode oracle test: `(paged, q, sinks, kw)`, the
+  NaN-poisoned cache of `make_paged`, q `[B, group * num_kv_heads,
+  head_dim]` of `dtype`, sinks `f32[num_qo_heads]` where `kw` has
+  `sinks=True` (else None), and `kw` without that key."""
+  p = make_paged(rng, list(kv_lens), page_size=page_size,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                 fmt=fmt)
+  hq = group * num_kv_heads
+  q = jnp.asarray(rng.standard_normal((len(kv_lens), hq, head_dim)), dtype)
+  kw = dict(kw)
+  sinks = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
+           if kw.pop("sinks", False) else None)
+  return p, q, sinks, kw
+
+
 def assert_decode_matches(out, lse, q, k, v, kv_lens, dtype, *, sm_scale,
                           window_left=-1, logits_soft_cap=None, sinks=None):
   """Each decode row `b` of `out [B, Hq, D]` / `lse [B, Hq]` against

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_utils import assert_close, assert_lse_close, dense_attention
-from attention_utils import make_paged
+from attention_utils import assert_close, assert_decode_matches
+from attention_utils import assert_lse_close, dense_attention, make_paged
+from attention_utils import paged_decode_case
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
 from pkvattn.pallas_kernels import paged_decode_mgpu as mgpu
@@ -276,30 +277,19 @@ def _check_oracle(group, d, page_size, fmt, kw, k_splits, num_ctas,
                   seed=0, **over):
   rng = np.random.default_rng(
       None if seed is None else group * 100 + page_size)
-  hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
-  p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
-                 head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
-  hq = group * hkv
-  q = jnp.asarray(rng.standard_normal((len(kv_lens), hq, d)), jnp.bfloat16)
-  kw = dict(kw)
-  sinks = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
-           if kw.pop("sinks", False) else None)
+  p, q, sinks, kw = paged_decode_case(rng, group=group, head_dim=d,
+                                      page_size=page_size, fmt=fmt, kw=kw)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  cfg = _mosaic(b=len(kv_lens), hkv=hkv, ps=page_size,
+  cfg = _mosaic(b=q.shape[0], hkv=2, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
                 num_ctas=num_ctas, **over)
   out, lse = kernel.paged_decode(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
-  qf = np.asarray(q.astype(jnp.float32))
-  for b, n in enumerate(kv_lens):
-    exp, exp_lse = dense_attention(
-        qf[b:b + 1], p.k[b], p.v[b], [n - 1], n, sm_scale=d ** -0.5,
-        window_left=kw.get("window_left", -1),
-        logits_soft_cap=kw.get("logits_soft_cap"),
-        sinks=None if sinks is None else np.asarray(sinks))
-    assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
-    assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
+  assert_decode_matches(
+      out, lse, np.asarray(q.astype(jnp.float32)), p.k, p.v, p.kv_lens,
+      jnp.bfloat16, sm_scale=d ** -0.5, sinks=None if sinks is None
+      else np.asarray(sinks), **kw)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")

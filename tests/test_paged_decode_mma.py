@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_utils import assert_close, assert_lse_close, dense_attention
-from attention_utils import make_paged
+from attention_utils import assert_decode_matches, assert_lse_close
+from attention_utils import dense_attention, make_paged, paged_decode_case
 from pkvattn import _kv
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import paged_decode as kernel
@@ -142,32 +142,21 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, tiles):
   the three kv_cache formats; window, soft cap, sinks; splits past the end
   of short sequences."""
   rng = np.random.default_rng(group * 1000 + d + page_size)
-  hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
-  p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
-                 head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
-  hq = group * hkv
-  q = jnp.asarray(rng.standard_normal((len(kv_lens), hq, d)), jnp.bfloat16)
-  kw = dict(kw)
-  sinks = (jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32)
-           if kw.pop("sinks", False) else None)
+  p, q, sinks, kw = paged_decode_case(rng, group=group, head_dim=d,
+                                      page_size=page_size, fmt=fmt, kw=kw)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  cfg = _config(b=len(kv_lens), hkv=hkv, ps=page_size,
+  cfg = _config(b=q.shape[0], hkv=2, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
                 mma_tiles=tiles)
   out, lse = kernel.paged_decode(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
-  assert lse.shape == (len(kv_lens), hq)
-  qf = np.asarray(q.astype(jnp.float32))
-  for b, n in enumerate(kv_lens):
-    exp, exp_lse = dense_attention(
-        qf[b:b + 1], p.k[b], p.v[b], [n - 1], n, sm_scale=d ** -0.5,
-        window_left=kw.get("window_left", -1),
-        logits_soft_cap=kw.get("logits_soft_cap"),
-        sinks=None if sinks is None else np.asarray(sinks))
-    assert_close(out[b:b + 1], exp, jnp.bfloat16, f"b={b}")
-    assert_lse_close(lse[b], exp_lse[0], jnp.bfloat16)
+  assert lse.shape == q.shape[:2]
+  assert_decode_matches(
+      out, lse, np.asarray(q.astype(jnp.float32)), p.k, p.v, p.kv_lens,
+      jnp.bfloat16, sm_scale=d ** -0.5, sinks=None if sinks is None
+      else np.asarray(sinks), **kw)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
@@ -190,12 +179,12 @@ def test_f16_and_partials_match_oracle_gpu():
   assert o_part.shape == (len(kv_lens), hkv, 3, 8, d)
   assert lse_part.shape == (len(kv_lens), hkv, 3, 8)
   qf = np.asarray(q.astype(jnp.float32))
+  assert_decode_matches(out, lse, qf, p.k, p.v, kv_lens, jnp.float16,
+                        sm_scale=0.125)
   for b, n in enumerate(kv_lens):
-    exp, exp_lse = dense_attention(qf[b:b + 1], p.k[b], p.v[b], [n - 1], n,
-                                   sm_scale=0.125)
-    assert_close(out[b:b + 1], exp, jnp.float16, f"b={b}")
-    assert_lse_close(lse[b], exp_lse[0], jnp.float16)
-    # The splits' LSE combine to the whole.
+    # The splits' LSEs combine to the whole.
+    _, exp_lse = dense_attention(qf[b:b + 1], p.k[b], p.v[b], [n - 1], n,
+                                 sm_scale=0.125)
     part = np.asarray(lse_part[b, :, :, :group])       # [hkv, 3, group]
     with np.errstate(invalid="ignore"):
       tot = np.logaddexp.reduce(part, axis=1).reshape(-1)
