@@ -296,9 +296,9 @@ def _mma_default(*, group_size, head_dim, page_size, dtype,
   """The per-warp Mosaic-GPU kernel (`paged_decode_mma`) is the default on
   compute capability 9.0 for bf16 / f16 q and pages of that dtype below
   `MOSAIC_MIN_PAGE_SIZE` tokens (from there the TMA kernel), head_dim 64 /
-  128 / 256, groups 1..8. On the nine decode specs (16-token pages; H100,
-  2026-11-26) its kernel time is 0.99-1.02x the Triton kernel's in the
-  16-layer program (`bench/decode_layers.py`) and 1.00-1.07x FlashInfer
+  128 / 256, groups 1..8. On the nine decode specs (16-token pages; H100 and
+  H200, 2026-11-26) its kernel time is 0.99-1.03x the Triton kernel's in
+  the 16-layer program (`bench/decode_layers.py`) and 1.00-1.18x FlashInfer
   0.7.2's faster decode; the engine (SmolLM2 shape, 256 x 256 tokens) gave
   the same tokens (`bench/engine_rope_ab.py --op decode`). It takes the
   Hopper decode off the deprecated Pallas-Triton backend."""

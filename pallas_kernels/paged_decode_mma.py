@@ -48,11 +48,11 @@ as `rope_append_mgpu` is:
   CTA and to the kernel's tail. Not kept.)
 
 Speed (kernel time, `bench/decode_mma.py` and the 16-layer program of
-`bench/decode_layers.py`, H100, 2026-11-26, `bench/results/
-decode_mma_*.json`, `decode_layers_mma_*.json`): 0.99-1.02x the Triton
-kernel's default and 1.00-1.04x FlashInfer 0.7.2's faster decode on nine
+`bench/decode_layers.py`, H100 and H200, 2026-11-26, `bench/results/
+decode_mma_*.json`, `decode_layers_mma_*.json`): 0.99-1.05x the Triton
+kernel's default and 1.00-1.18x FlashInfer 0.7.2's faster decode on nine
 specs (four Llama-3-8B, two SmolLM2, group 6, two Gemma 3 270M, 16-token
-pages). Around the default, 32-key steps, four CTAs per SM and
+pages). Around the default (H100), 32-key steps, four CTAs per SM and
 `.L1::no_allocate` / `.L2::256B` loads did not win across the specs.
 
 `paged_decode` routes here (`Config.backend == "mosaic_mma"`, the default
