@@ -24,6 +24,11 @@ close to the copy bandwidth.
 Layouts (see `pkvattn/_kv.py`): K block `i` of sequence `b` is
 `k_pool[k_table[b, i]]`, V block `i` is `v_pool[v_table[b, i]]`; pools are NHD
 `[num_pages, page_size, num_kv_heads, head_dim]`; the pools may be one array.
+
+`paged_decode` runs this module's Pallas-Triton kernel on other GPUs, in
+interpret mode, for f32 and for FP8 pages; on Hopper it routes bf16 / f16
+pages to the Mosaic-GPU kernels (`paged_decode_mma` below 128-token pages,
+`paged_decode_mgpu` from there; `Config.default_for`).
 """
 
 from __future__ import annotations

@@ -107,10 +107,11 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
 
 
 def default_tiles(head_dim: int) -> int:
-  """m-tiles (16 keys) per warp step: 1 (16-key steps). At head_dim 64,
-  32-key steps took 0.98-1.02x the time on SmolLM2 heads (H100,
-  2026-11-26, `bench/decode_mma.py`); above, two steps' K and V fragments
-  (the one in flight and the one in use) would not fit the registers."""
+  """m-tiles (16 keys) per warp step: 1 (16-key steps). 32-key steps took
+  1.02-1.03x the kernel time on SmolLM2 heads and 1.00-1.01x on Llama-3-8B
+  heads, 64-key steps up to twice it at head_dim >= 128 (two steps' K and
+  V fragments, the one in flight and the one in use, spill; H100,
+  2026-11-26, `bench/decode_mma.py`)."""
   del head_dim
   return 1
 
