@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attention_utils import assert_decode_matches, assert_lse_close
 from attention_utils import dense_attention, make_paged, paged_decode_case
@@ -81,6 +83,28 @@ def test_config_and_errors():
   with pytest.raises(ValueError, match="group"):
     mma.paged_decode_mma(jnp.zeros((2, 18, 128), jnp.bfloat16), pool, pool,
                          table, table, lens, sm_scale=0.1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(b=st.integers(1, 512), hkv=st.integers(1, 16),
+       log_ps=st.integers(3, 7), max_pages=st.integers(1, 4096),
+       d=st.sampled_from(mma.HEAD_DIMS), num_sms=st.sampled_from([78, 132]))
+def test_split_rule(b, hkv, log_ps, max_pages, d, num_sms):
+  """The default splits: a power of two in [1, 64], each split keeping
+  >= 2 rounds of the four warps' 16-key steps, and the power of two
+  nearest the CTAs-per-SM target unless that cap binds."""
+  ps = 1 << log_ps
+  cfg = kernel.Config.default_for(
+      batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=max_pages,
+      head_dim=d, num_sms=num_sms, backend="mosaic_mma")
+  k = cfg.k_splits
+  assert 1 <= k <= 64 and k & (k - 1) == 0
+  rounds = -(-max_pages // max(1, mma.WARPS * mma.KEYS // ps))
+  assert k == 1 or 2 * k <= rounds
+  target = (kernel.MMA_CTAS_PER_SM / (2 if d > 128 else 1) * num_sms
+            / (b * hkv))
+  if 2 * k * 2 <= rounds and k < 64:   # the cap did not bind
+    assert abs(np.log2(max(target, 1.0)) - np.log2(k)) <= 0.5 + 1e-9
 
 
 @pytest.mark.parametrize("hq,hkv,d,page_size,fmt,kw,k_splits,tiles", [
