@@ -356,7 +356,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     q_words = [functools.partial(q_word, idx)
                for idx in range(len(q_words))]
   else:
-    q_words = [functools.partial(lambda wd: wd, wd) for wd in q_words]
+    q_words = [lambda wd=wd: wd for wd in q_words]
 
   def kw(words, i, h):
     """The word of K chunk `i` (16 columns of the permuted head), half
@@ -502,9 +502,6 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
         acc[j] = o.mma(frag, p_frags[t], acc[j])
     return acc
 
-  def flat(tree):
-    return jax.tree.leaves(tree)
-
   # The loop carries acc (m_tiles x 4), m (2), l (2), the next step's K and
   # V words and the page ids of the step after it.
   j0 = zero
@@ -614,7 +611,6 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
       arith.muli(b, ci(num_kv_heads)), kv_head), ci(k_splits)), split)
   part_row = [arith.addi(arith.muli(part, ci(COLS)), x) for x in g]
   out_row = qo_row if final else part_row
-  dst_o, dst_lse = o_ref, lse_ref
 
   def d_of(j):
     """First of the two head_dim columns of m-tile j this thread holds."""
@@ -623,10 +619,14 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                       ci(2 * wd))
 
   def store_out(row, j, col, lo_v, hi_v):
-    """Columns (d, d + 1) of m-tile j of output row `row` (dtype)."""
+    """Columns (d, d + 1) of m-tile j of row `row`: of the output (dtype,
+    rows of the group only), or of the partials (f32)."""
     elem = arith.addi(wide(arith.muli(row, ci(D))), wide(d_of(j)))
-    with utils.when(g_in[col]):
-      o.st_global_b32(gaddr(o_ref, elem, 2), o.pack(lo_v, hi_v))
+    if final:
+      with utils.when(g_in[col]):
+        o.st_global_b32(gaddr(o_ref, elem, 2), o.pack(lo_v, hi_v))
+    else:
+      o.st_global_f32x2(gaddr(o_ref, elem, 4), lo_v, hi_v)
 
   def warps_tiles(fn):
     for w in range(WARPS):
@@ -644,13 +644,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
         tot = arith.addf(tot, arith.mulf(weights[e % 2][w2], y))
       vals.append(arith.mulf(tot, inv[e % 2]))
     for col in range(2):
-      lo_v, hi_v = vals[col], vals[col + 2]   # columns d, d + 1
-      if final:
-        store_out(out_row[col], j, col, lo_v, hi_v)
-      else:
-        elem = arith.addi(wide(arith.muli(out_row[col], ci(D))),
-                          wide(d_of(j)))
-        o.st_global_f32x2(gaddr(dst_o, elem, 4), lo_v, hi_v)
+      # Columns d, d + 1.
+      store_out(out_row[col], j, col, vals[col], vals[col + 2])
 
   warps_tiles(merge_tile)
   lane0 = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, warp, zero),
@@ -659,7 +654,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     for col in range(2):
       ok = g_in[col] if final else o.true
       with utils.when(ok):
-        o.st_global_f32(gaddr(dst_lse, wide(out_row[col]), 4), lse[col])
+        o.st_global_f32(gaddr(lse_ref, wide(out_row[col]), 4), lse[col])
 
 
 @functools.partial(
