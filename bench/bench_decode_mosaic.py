@@ -227,16 +227,19 @@ def timed_row(row, make_fn, args, nbytes, ref):
   return row, out
 
 
-def flashinfer_rows(name, q, kv, table, lens, hq, hkv, nbytes, ref):
-  """FlashInfer 0.7.2's CUDA-core and tensor-core decode on the same pages:
-  per-call and kernel time, GB/s (`tbps`, `tbps_kernel`), error against
-  `ref` (one row each; an `error` row where it fails)."""
+def flashinfer_rows(name, q, kv, table, lens, hq, hkv, nbytes, ref,
+                    **scales):
+  """FlashInfer 0.7.2's CUDA-core and tensor-core decode on the same pages
+  (FP8 ones with `k_scale=` / `v_scale=` floats): per-call and kernel time,
+  GB/s (`tbps`, `tbps_kernel`), error against `ref` (one row each; an
+  `error` row where it fails)."""
   rows = []
   for tc in (False, True):
     label = "flashinfer 0.7.2" + (" tc" if tc else "")
     try:
       run, out = _flashinfer.decode_fn(q, kv, table, lens, num_qo_heads=hq,
-                                       num_kv_heads=hkv, use_tensor_cores=tc)
+                                       num_kv_heads=hkv, use_tensor_cores=tc,
+                                       **scales)
       ms = _flashinfer.torch_time(run, iters=30, min_time_s=0.3)
       km = _flashinfer.kernel_ms(run, calls=5)
       rows.append(dict(spec=name, impl=label, ms=ms, tbps=nbytes / ms / 1e9,

@@ -133,6 +133,8 @@ def main():
                   help="time the mma kernel's default only, not variants")
   ap.add_argument("--tma", action="store_true",
                   help="time the TMA Mosaic kernel too")
+  ap.add_argument("--page-size", type=int, default=None,
+                  help="pages of this many tokens instead of the specs'")
   ap.add_argument("--tag", default="", help="suffix of the results file")
   args = ap.parse_args()
   env = _timing.environment()
@@ -140,6 +142,8 @@ def main():
   specs = SPECS
   if args.specs:
     specs = [SPECS[int(i)] for i in args.specs.split(",")]
+  if args.page_size:
+    specs = [(*spec[:3], args.page_size) for spec in specs]
   device = env["device"].replace(" ", "_")
   name = f"decode_mma_{device}" + (f"_{args.tag}" if args.tag else "")
   rows = []

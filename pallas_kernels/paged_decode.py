@@ -26,9 +26,10 @@ Layouts (see `pkvattn/_kv.py`): K block `i` of sequence `b` is
 `[num_pages, page_size, num_kv_heads, head_dim]`; the pools may be one array.
 
 `paged_decode` runs this module's Pallas-Triton kernel on other GPUs, in
-interpret mode, for f32 and for FP8 pages; on Hopper it routes bf16 / f16
-pages to the Mosaic-GPU kernels (`paged_decode_mma` below 128-token pages,
-`paged_decode_mgpu` from there; `Config.default_for`).
+interpret mode and for f32; on Hopper it routes bf16 / f16 q over pages of
+that dtype or FP8 pages to the per-warp Mosaic-GPU kernel
+(`paged_decode_mma`; `Config.default_for`). The TMA Mosaic-GPU kernel
+(`paged_decode_mgpu`) runs when a config asks for it.
 """
 
 from __future__ import annotations
@@ -184,14 +185,11 @@ class Config:
     """Heuristic config for one decode call (static shapes only).
 
     Backend: "mosaic_mma" where `_mma_default` says so (Hopper, bf16 / f16
-    q and pages, pages below `MOSAIC_MIN_PAGE_SIZE` tokens; its config is
-    `_mma_config`'s), "mosaic" where `_mosaic_default` says so (Hopper, a
-    case the TMA Mosaic-GPU kernel serves, pages of >=
-    `MOSAIC_MIN_PAGE_SIZE` tokens, where it was measured faster), else
-    "triton" (FP8 pages, f32, other GPUs, interpret mode); `group_size`,
-    `dtype` and `kv_dtype` must be given for either Mosaic default.
-    `backend` forces one. The rest of this docstring is the Triton
-    kernel's config.
+    q with pages of that dtype or FP8 ones; its config is `_mma_config`'s;
+    `group_size`, `dtype` and `kv_dtype` must be given), else "triton"
+    (f32, other GPUs, interpret mode). `backend` forces one ("mosaic", the
+    TMA Mosaic-GPU kernel, only so: `_mosaic_config`). The rest of this
+    docstring is the Triton kernel's config.
 
     * A step covers >= 64 tokens (>= 32 at head_dim 256, to bound registers):
       small pages are gathered several at a time. 32-token steps lose up to
@@ -242,16 +240,16 @@ class Config:
     if backend is not None and backend not in BACKENDS:
       raise ValueError(f"Invalid backend: expected None or one of "
                        f"{BACKENDS}, got {backend!r}")
-    for name, is_default, make in (
-        ("mosaic_mma", _mma_default, _mma_config),
-        ("mosaic", _mosaic_default, _mosaic_config)):
-      if backend == name or backend is None and not interpret and (
-          group_size is not None and is_default(
-              group_size=group_size, head_dim=head_dim, page_size=page_size,
-              dtype=dtype, kv_dtype=kv_dtype)):
-        return make(batch_size=batch_size, num_kv_heads=num_kv_heads,
-                    page_size=page_size, max_pages=max_pages,
-                    head_dim=head_dim, num_sms=num_sms, kv_dtype=kv_dtype)
+    kw = dict(batch_size=batch_size, num_kv_heads=num_kv_heads,
+              page_size=page_size, max_pages=max_pages, head_dim=head_dim,
+              num_sms=num_sms, kv_dtype=kv_dtype)
+    if backend == "mosaic":
+      return _mosaic_config(**kw)
+    if backend == "mosaic_mma" or backend is None and not interpret and (
+        group_size is not None and _mma_default(
+            group_size=group_size, head_dim=head_dim, page_size=page_size,
+            dtype=dtype, kv_dtype=kv_dtype)):
+      return _mma_config(**kw)
     programs = batch_size * num_kv_heads
     fp8_cvt = (not interpret and kv_dtype is not None
                and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
@@ -285,61 +283,43 @@ class Config:
                num_warps=num_warps, num_stages=num_stages)
 
 
-# Pages from which the Mosaic-GPU kernel is the default on Hopper. Kernel
-# time, Mosaic / Triton defaults, B=64 S=4096 (H100, 2026-11-25,
-# bench/decode_mosaic_pages.py): at 128-token pages 0.87 (9/3/64), 0.91
-# (32/8/64), 0.95 (32/8/128), where Triton's one-page steps slow down; at
-# 16-token pages 1.01, 0.94, 1.02 (against FlashInfer 0.7.2 there, seven
-# specs: Triton 1.00-1.02x, Mosaic 0.98-1.02x). Head_dim 64 with 8 kv heads
-# favours Mosaic at every page size (0.95-0.98x at 16-token pages from
-# 100 us calls, `--p16-shapes`), not yet a rule.
-MOSAIC_MIN_PAGE_SIZE = 128
-
-
 def _mma_default(*, group_size, head_dim, page_size, dtype,
                  kv_dtype) -> bool:
   """The per-warp Mosaic-GPU kernel (`paged_decode_mma`) is the default on
-  compute capability 9.0 for bf16 / f16 q and pages of that dtype below
-  `MOSAIC_MIN_PAGE_SIZE` tokens (from there the TMA kernel), head_dim 64 /
-  128 / 256, groups 1..8. On the nine decode specs (16-token pages; H100 and
-  H200, 2026-11-26) its kernel time is 0.99-1.03x the Triton kernel's in
-  the 16-layer program (`bench/decode_layers.py`) and 1.00-1.18x FlashInfer
-  0.7.2's faster decode; the engine (SmolLM2 shape, 256 x 256 tokens) gave
-  the same tokens (`bench/engine_rope_ab.py --op decode`). It takes the
-  Hopper decode off the deprecated Pallas-Triton backend."""
-  if dtype is None or page_size >= MOSAIC_MIN_PAGE_SIZE:
+  compute capability 9.0 for bf16 / f16 q with pages of that dtype or FP8
+  ones, head_dim 64 / 128 / 256, groups 1..8, pages of 8..128 tokens. It
+  takes the Hopper decode off the deprecated Pallas-Triton backend.
+
+  Kernel time, same process as FlashInfer 0.7.2 (`bench/decode_mma.py`,
+  `bench/decode_mma_fp8.py`, `bench/results/decode_mma*.json`):
+
+  * bf16 pages of 16 tokens, the nine decode specs (H100 and H200,
+    2026-11-26): 0.99-1.03x the Triton kernel's time in the 16-layer
+    program (`bench/decode_layers.py`), 1.00-1.18x FlashInfer's faster
+    decode; the engine (SmolLM2 shape, 256 x 256 tokens) gave the same
+    tokens (`bench/engine_rope_ab.py --op decode`).
+  * 128-token pages (2026-11-26, `decode_mma_*_p128_tma.json`): 0.99-1.06x
+    (H200) / 0.99-1.02x (H100) the speed of the TMA Mosaic kernel
+    (`paged_decode_mgpu`, the default there before) on five head_dim 64 /
+    128 specs, 1.01-1.11x FlashInfer's faster decode; at head_dim 256
+    (Gemma 3 270M heads B=64 / B=256, on Triton before) 1.16 / 1.25x
+    (H200) and 1.09 / 1.10x (H100) the Triton kernel, 1.02-1.04x
+    FlashInfer.
+  * FP8 pages of 16 tokens, the nine specs (`decode_mma_fp8_*.json`):
+    1.03-1.12x the Triton kernel's FP8 default (column pairs) on the H100
+    and 0.96-1.20x on the H200 (0.96x: Llama-3-8B heads B=256 S=1024),
+    1.21-1.93x / 1.47-2.27x FlashInfer's FP8 decode; at 128-token pages
+    (H200) 1.05 / 1.26 / 2.68x Triton on Llama-3-8B / SmolLM2 / Gemma 3
+    heads.
+  """
+  if dtype is None:
     return False
-  if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
-    return False
-  if paged_decode_mma.supports(dtype=dtype, kv_dtype=dtype,
-                               head_dim=head_dim, page_size=page_size,
-                               group_size=group_size) is not None:
+  if paged_decode_mma.supports(
+      dtype=dtype, kv_dtype=dtype if kv_dtype is None else kv_dtype,
+      head_dim=head_dim, page_size=page_size,
+      group_size=group_size) is not None:
     return False
   return _compat.is_hopper()
-
-
-def _mosaic_default(*, group_size, head_dim, page_size, dtype,
-                    kv_dtype) -> bool:
-  if dtype is None or page_size < MOSAIC_MIN_PAGE_SIZE:
-    return False
-  if head_dim > 128:
-    # Gemma 3 270M heads (4/1/256), 16-token pages, kernel time against
-    # FlashInfer's faster mode: Mosaic 0.97 / 0.93x at B=64 S=4096 / B=256
-    # S=1024, Triton 1.05 / 1.00x (H200, 2026-11-25,
-    # decode_mosaic_d256_NVIDIA_H200.json).
-    return False
-  if kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
-    # FP8 pages stay on Triton: the Mosaic kernel's one consumer warpgroup
-    # sets its pace whatever the page bytes (about 1 us per 64-key step
-    # with the q rows in the wgmmas' M dimension, 0.9 with the keys there),
-    # so halving them helps little: kernel time 0.90-1.15x of bf16 pages
-    # (keys_m) and 1.04-1.27x (rows) against Triton's 0.69-0.92x then (H200,
-    # 2026-11-25, bench/decode_mosaic_fp8.py), 0.55-0.59x on the
-    # Llama-3-8B shapes since it reads column pairs (2026-11-26).
-    return False
-  return paged_decode_mgpu.supports(
-      dtype=dtype, kv_dtype=dtype if kv_dtype is None else kv_dtype,
-      head_dim=head_dim, page_size=page_size, group_size=group_size)
 
 
 # Pages up to which the Mosaic-GPU kernel loads pages by `cp.async` rather
@@ -393,12 +373,21 @@ def _mma_config(*, batch_size, num_kv_heads, page_size, max_pages, head_dim,
   rather than to the nearest power of two took 2-8% more on Llama-3-8B
   heads B=8 S=16384 and on Gemma 3 270M heads (twice the splits), rounding
   down 4% more on SmolLM2 heads B=64 (192 CTAs on 132 SMs); Gemma 3 heads
-  B=64 at 4 splits 1.03x the time of 2. (`kv_dtype`: bf16 / f16 pages
-  only, as the kernel serves.)"""
-  del kv_dtype
+  B=64 at 4 splits 1.03x the time of 2.
+
+  FP8 pages (half the bytes per key, half the registers in flight) take
+  32-key steps at head_dim <= 128 (`mma_tiles=2`; 16-key steps took
+  1.01-1.24x the time on the seven such specs on the H200 and 0.98-1.11x
+  on the H100, 64-key steps 0.96-1.22x and 1.02-1.08x; at head_dim 256,
+  32-key steps took 1.03-1.04x on the H200) and `MMA_CTAS_PER_SM` at every
+  head_dim (at head_dim 256 half as many CTAs, the 16-bit rule, took 1.17x
+  / 1.06x the time on Gemma 3 270M heads B=64, H200 / H100; 2026-11-26,
+  `bench/decode_mma_fp8.py`)."""
+  fp8 = kv_dtype is not None and jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
   if ctas_per_sm is None:
-    ctas_per_sm = MMA_CTAS_PER_SM / (2 if head_dim > 128 else 1)
-  tiles = paged_decode_mma.default_tiles(head_dim)
+    ctas_per_sm = MMA_CTAS_PER_SM / (2 if head_dim > 128 and not fp8 else 1)
+  tiles = (2 if fp8 and head_dim <= 128
+           else paged_decode_mma.default_tiles(head_dim))
   round_keys = paged_decode_mma.WARPS * paged_decode_mma.KEYS * tiles
   pages_per_round = max(1, round_keys // page_size)
   want = ctas_per_sm * num_sms / max(1, batch_size * num_kv_heads)
@@ -407,7 +396,7 @@ def _mma_config(*, batch_size, num_kv_heads, page_size, max_pages, head_dim,
   while splits > 1 and 2 * splits > max_rounds:
     splits //= 2
   return Config(pages_per_block=1, k_splits=min(splits, 64),
-                backend="mosaic_mma")
+                backend="mosaic_mma", mma_tiles=2 if tiles == 2 else None)
 
 
 def _default_splits(programs: int, max_pages: int, pages_per_block: int,
@@ -870,7 +859,8 @@ def paged_decode(
     k_pool, v_pool = _fp8.pair_view(k_pool), _fp8.pair_view(v_pool)
   if config.backend == "mosaic_mma":
     return _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                       k_scale, sm_scale=sm_scale, window_left=window_left,
+                       k_scale, v_scale, sm_scale=sm_scale,
+                       window_left=window_left,
                        logits_soft_cap=logits_soft_cap, config=config,
                        interpret=interpret)
   if config.backend == "mosaic":
@@ -945,29 +935,35 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
 
 
 def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
-                *, sm_scale, window_left, logits_soft_cap, config: Config,
-                interpret: bool):
+                v_scale, *, sm_scale, window_left, logits_soft_cap,
+                config: Config, interpret: bool):
   """`paged_decode` on the per-warp Mosaic-GPU kernel (`config.backend ==
   "mosaic_mma"`)."""
-  if interpret or k_scale is not None:
+  if interpret:
     raise ValueError(
-        f"Invalid config for the mosaic_mma backend: expected a GPU and bf16 "
-        f"/ f16 pages, got interpret={interpret}, FP8 pages="
-        f"{k_scale is not None}")
+        "Invalid config for the mosaic_mma backend: expected a GPU, got "
+        "interpret=True")
+  if k_scale is not None:
+    cc = _compat.compute_capability()
+    if cc is not None and cc < (8, 9):
+      raise ValueError(
+          f"Invalid config for the mosaic_mma backend with FP8 pages: "
+          f"expected a GPU of compute capability >= 8.9, got {cc}")
   if config.k_splits == 1:
     # The kernel stores the output, sinks added.
     return paged_decode_mma.paged_decode_mma(
         q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         sm_scale=float(sm_scale), window_left=int(window_left),
-        logits_soft_cap=logits_soft_cap, tiles=config.mma_tiles)
+        logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+        tiles=config.mma_tiles)
   batch_size, num_qo_heads, head_dim = q.shape
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
   o, lse = paged_decode_mma.paged_decode_mma(
       q, k_pool, v_pool, k_table, v_table, kv_lens,
       sm_scale=float(sm_scale), window_left=int(window_left),
-      logits_soft_cap=logits_soft_cap, k_splits=config.k_splits,
-      tiles=config.mma_tiles, final=False)
+      logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+      k_splits=config.k_splits, tiles=config.mma_tiles, final=False)
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),

@@ -78,13 +78,15 @@ alone (the consumer only waiting on and releasing the stages) takes 55.8
 us there with 16-token pages, the Triton kernel's whole time, and the
 Llama-3-8B heads' ring 246 us against Triton's 245 (same run).
 
-`paged_decode` routes here on compute capability 9.0 for bf16 / f16 q and
-pages of 128 tokens (`paged_decode.MOSAIC_MIN_PAGE_SIZE`), head_dim 64 /
-128, group sizes 1..8 (`supports`); `Config(backend="mosaic")` takes pages
-of 8..128 tokens, head_dim 256 and FP8 pages. f32 and other GPUs keep the
-Triton kernel, as does interpret mode (Mosaic GPU has none for
-warp-specialised kernels). Sinks go through the split path, whose combine
-adds them.
+`paged_decode` routes here when a config asks for it
+(`Config(backend="mosaic")`: pages of 8..128 tokens, head_dim 64 / 128 /
+256, group sizes 1..8, bf16 / f16 or FP8 pages, `supports`). Until
+2026-11-26 it was the Hopper default at 128-token pages; the per-warp
+kernel (`paged_decode_mma`) took that over at 0.99-1.06x of this kernel's
+time (H200, five head_dim 64 / 128 specs,
+`bench/results/decode_mma_NVIDIA_H200_p128_tma.json`). Interpret mode has
+no Mosaic GPU for warp-specialised kernels. Sinks go through the split
+path, whose combine adds them.
 """
 
 from __future__ import annotations

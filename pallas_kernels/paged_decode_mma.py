@@ -53,18 +53,35 @@ decode_mma_*.json`, `decode_layers_mma_*.json`): 0.99-1.05x the Triton
 kernel's default and 1.00-1.18x FlashInfer 0.7.2's faster decode on nine
 specs (four Llama-3-8B, two SmolLM2, group 6, two Gemma 3 270M, 16-token
 pages). Around the default (H100), 32-key steps, four CTAs per SM and
-`.L1::no_allocate` / `.L2::256B` loads did not win across the specs.
+`.L1::no_allocate` / `.L2::256B` loads did not win across the specs. At
+128-token pages 0.99-1.06x the speed of the TMA kernel
+(`paged_decode_mgpu`) and 1.01-1.11x FlashInfer's on seven specs, 1.09-1.25x
+the Triton kernel's at head_dim 256 (`decode_mma_*_p128_tma.json`).
+
+FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): the same
+loads carry twice the keys' columns. The matmuls run in f16 (every e4m3
+value is an f16 one; q is clamped to +-65504 and rounded to f16 once, as
+the Triton kernel's FP8 path does), each 32-bit word of K converting to
+two f16 pairs by `cvt.rn.f16x2.e4m3x2` just before its `mma`; V's words of
+two keys are byte-interleaved by one `prmt` per pair of columns, then
+converted the same way. K's scale joins the logits' scale and V's the
+output's normalisation. At head_dim 64 a V row is 64 bytes, so its loads
+are 8 bytes a lane. Steps of 32 keys at head_dim <= 128
+(`paged_decode._mma_config`): 1.03-1.12x (H100) and 0.96-1.20x (H200) the
+speed of the Triton kernel's FP8 default on the nine specs, 1.21-2.27x
+FlashInfer's FP8 decode (2026-11-26, `bench/decode_mma_fp8.py`).
 
 `paged_decode` routes here (`Config.backend == "mosaic_mma"`, the default
-on compute capability 9.0 for bf16 / f16 q and pages of that dtype below
-128-token pages: `paged_decode._mma_default`). FP8 pages, f32, other GPUs
-and interpret mode take the other kernels (`supports`).
+on compute capability 9.0 for bf16 / f16 q with pages of that dtype or FP8
+ones: `paged_decode._mma_default`). f32, other GPUs and interpret mode take
+the Triton kernel (`supports`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +98,8 @@ MAX_GROUP = COLS
 HEAD_DIMS = (64, 128, 256)
 LOAD_HINTS = ("", ".L1::no_allocate", ".L2::256B", ".L1::no_allocate.L2::256B",
               ".L2::128B")
+FP8 = jnp.float8_e4m3fn
+F16_MAX = 65504.0
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -88,14 +107,15 @@ _LN2 = math.log(2.0)
 def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
              group_size: int) -> str | None:
   """Why the kernel does not take a case (a sentence), or None when it does:
-  bf16 / f16 q with pages of the same dtype, head_dim 64 / 128 / 256, a GQA
+  bf16 / f16 q with pages of the same dtype or of float8_e4m3fn (FP8, which
+  needs compute capability >= 8.9), head_dim 64 / 128 / 256, a GQA
   group of 1..8 and a power-of-two page size in [8, 128]. (Whether the GPU
   is a Hopper one is the caller's check: the kernel also lowers elsewhere.)
   """
   dt = jnp.dtype(dtype)
   if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"q dtype {dt.name} is not bf16 / f16"
-  if jnp.dtype(kv_dtype) != dt:
+  if jnp.dtype(kv_dtype) not in (dt, jnp.dtype(FP8)):
     return f"pages of {jnp.dtype(kv_dtype).name} for a {dt.name} q"
   if head_dim not in HEAD_DIMS:
     return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
@@ -117,6 +137,11 @@ def default_tiles(head_dim: int) -> int:
 
 
 # ---------------------------------------------------------------- MLIR helpers
+
+def _ptx_f32(x: float) -> str:
+  """A float32 immediate in PTX's hex form (`0fXXXXXXXX`)."""
+  return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
+
 
 def _mlir():
   from jax._src.lib.mlir import ir  # noqa: PLC0415
@@ -153,12 +178,17 @@ def _asm(text, operands, constraints, results=None, side_effects=False):
 class _Ops:
   """The per-thread instructions the kernel is made of."""
 
-  def __init__(self, dtype_name: str, load_hint: str = ""):
+  def __init__(self, dtype_name: str, load_hint: str = "",
+               out_name: str | None = None):
+    """`dtype_name`: the matmuls' inputs ("bf16" / "f16"); `out_name`: the
+    output's (None: the same)."""
     _, arith, _, _ = _mlir()
     self.load_hint = load_hint
     self.arith = arith
     self.i32, self.i64, self.f32 = _ty("i32"), _ty("i64"), _ty("f32")
     self.pair = "bf16x2" if dtype_name == "bf16" else "f16x2"
+    self.out_pair = ("bf16x2" if (out_name or dtype_name) == "bf16"
+                     else "f16x2")
     self.mma_in = "bf16" if dtype_name == "bf16" else "f16"
 
   def ci(self, x):
@@ -170,17 +200,38 @@ class _Ops:
   def wide(self, x):
     return self.arith.extui(self.i64, x)
 
-  def load16(self, addr, pred):
-    """4 x i32 from global `addr` (16-byte aligned) where `pred` (i1), else
-    zeros."""
+  def load16(self, addr, pred, words: int = 4):
+    """`words` (4 or 2) x i32 from global `addr` (aligned to their size)
+    where `pred` (i1), else zeros."""
     i32 = self.i32
+    outs = ", ".join(f"${i}" for i in range(words))
+    zeros = "".join(f"mov.b32 ${i}, 0;\n" for i in range(words))
     return _asm(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-        "mov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\nmov.b32 $3, 0;\n"
-        f"@p ld.global.nc{self.load_hint}.v4.u32 {{$0, $1, $2, $3}}, "
-        "[$4];\n}",
-        [addr, self.arith.extui(i32, pred)], "=r,=r,=r,=r,l,r",
-        [i32] * 4, side_effects=True)
+        f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${words + 1}, 0;\n{zeros}"
+        f"@p ld.global.nc{self.load_hint}.v{words}.u32 {{{outs}}}, "
+        f"[${words}];\n}}",
+        [addr, self.arith.extui(i32, pred)],
+        ",".join(["=r"] * words + ["l", "r"]), [i32] * words,
+        side_effects=True)
+
+  def e4m3_f16(self, x):
+    """One i32 of four e4m3 bytes -> two f16x2 words (bytes 0, 1 and 2,
+    3; exact: every e4m3 value is an f16 one)."""
+    return _asm(
+        "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
+        [x], "=r,=r,r", [self.i32] * 2)
+
+  def bf16_f16(self, x):
+    """A bf16x2 word -> f16x2, each value clamped to +-65504 first (NaN
+    stays NaN), as `_fp8.query_for_dots`."""
+    m, n = _ptx_f32(F16_MAX), _ptx_f32(-F16_MAX)
+    return _asm(
+        "{\n.reg .b32 lo, hi;\nshl.b32 lo, $1, 16;\n"
+        "and.b32 hi, $1, 0xffff0000;\n"
+        f"min.NaN.f32 lo, lo, {m};\nmax.NaN.f32 lo, lo, {n};\n"
+        f"min.NaN.f32 hi, hi, {m};\nmax.NaN.f32 hi, hi, {n};\n"
+        "cvt.rn.f16x2.f32 $0, hi, lo;\n}", [x], "=r,r", self.i32)
 
   def load_i32(self, addr):
     return _asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", self.i32,
@@ -199,6 +250,11 @@ class _Ops:
     """(lo, hi) f32 -> one i32 of two 16-bit values (lo in the low half)."""
     return _asm(f"cvt.rn.{self.pair}.f32 $0, $1, $2;", [hi, lo], "=r,f,f",
                 self.i32)
+
+  def pack_out(self, lo, hi):
+    """`pack` in the output's dtype."""
+    return _asm(f"cvt.rn.{self.out_pair}.f32 $0, $1, $2;", [hi, lo],
+                "=r,f,f", self.i32)
 
   def movt(self, x):
     """8x8 16-bit transpose across the warp (`movmatrix`)."""
@@ -253,20 +309,25 @@ class _Ops:
 def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           head_dim, page_size, max_pages, k_splits, tiles, mode, has_sinks,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
-          late_loads, load_hint, q_in_smem):
+          late_loads, load_hint, q_in_smem, fp8):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
-  `refs`: kv_lens, q, k_pool, v_pool, k_table, v_table, [sinks], out, lse,
-  smem; `mode`: "final" (the output) or "partial" (per-split partials)."""
+  `refs`: kv_lens, q, k_pool, v_pool, k_table, v_table, [k_scale, v_scale
+  with `fp8`], [sinks], out, lse, smem; `mode`: "final" (the output) or
+  "partial" (per-split partials)."""
   del ctx
   refs = list(refs)
   (kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
    v_table_ref) = refs[:6]
   refs = refs[6:]
+  k_scale_ref, v_scale_ref = (refs.pop(0), refs.pop(0)) if fp8 else (None,
+                                                                     None)
   sinks_ref = refs.pop(0) if has_sinks else None
   o_ref, lse_ref, smem_ref = refs
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
   _, arith, _, _ = _mlir()
-  o = _Ops(dtype_name, load_hint)
+  # FP8 pages: the matmuls run in f16 (e4m3 converts exactly; q is
+  # rounded to f16), the output is stored in q's dtype.
+  o = _Ops("f16" if fp8 else dtype_name, load_hint, out_name=dtype_name)
   i32 = o.i32
   o.true = _c(1, _ty("i1"))
   ci, cf, wide = o.ci, o.cf, o.wide
@@ -275,10 +336,15 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   D, P, G = head_dim, page_size, group_size
   num_qo_heads = G * num_kv_heads
   step_keys = KEYS * tiles
-  k_loads = D // 32      # 16-byte K loads per key (4 lanes share a row)
-  v_loads = D // 64      # 16-byte V loads per key (8 lanes share a row)
+  E = 1 if fp8 else 2    # bytes per page element
+  k_loads = D * E // 64  # 16-byte K loads per key (4 lanes share a row)
+  # V: D * E / 8 bytes per key and lane (8 lanes share a row), in loads of
+  # `v_bytes` (8 for FP8 at head_dim 64, else 16).
+  v_bytes = min(16, D * E // 8)
+  v_loads = D * E // 8 // v_bytes
+  v_cols = v_bytes // E  # head columns per V load
   m_tiles = D // KEYS    # m-tiles of head_dim in O^T
-  row_bytes = num_kv_heads * D * 2
+  row_bytes = num_kv_heads * D * E
   # Pages a step touches: keys [s * step_keys, (s + 1) * step_keys).
   ids_per_step = max(1, step_keys // P)
 
@@ -330,12 +396,17 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                      arith.addi(arith.muli(kv_head, ci(G)), r))
   q_words = []
   for x in range(k_loads):
-    col = arith.muli(arith.addi(c, ci(4 * x)), ci(8))
-    elem = arith.addi(wide(arith.muli(q_row, ci(D))), wide(col))
-    q_words += o.load16(gaddr(q_ref, elem, 2), g_ok)
+    # The q columns of K chunk c + 4x: 8 (16-bit pages) or 16 (FP8).
+    col = arith.muli(arith.addi(c, ci(4 * x)), ci(16 // E))
+    for half in range(3 - E):
+      elem = arith.addi(wide(arith.muli(q_row, ci(D))), wide(
+          arith.addi(col, ci(8 * half)) if half else col))
+      q_words += o.load16(gaddr(q_ref, elem, 2), g_ok)
+  if fp8 and dtype_name == "bf16":
+    q_words = [o.bf16_f16(wd) for wd in q_words]
   # Shared memory: [q words [word][lane] with `q_in_smem`], then the
   # merge's region (`saddr`).
-  q_region = k_loads * 4 * 32 if q_in_smem else 0
+  q_region = len(q_words) * 32 if q_in_smem else 0
   sbase = arith.addi(_mgpu_async.address(smem_ref, 32), ci(4 * q_region))
   if q_in_smem:
     # Registers are short at head_dim 256: every warp reads its q
@@ -359,9 +430,15 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     q_words = [lambda wd=wd: wd for wd in q_words]
 
   def kw(words, i, h):
-    """The word of K chunk `i` (16 columns of the permuted head), half
-    `h`, among one key's `k_loads * 4` loaded words."""
-    return words[4 * (i // 2) + 2 * (i % 2) + h]
+    """The 16-bit pair `h` (0, 1) of q's or K's columns for m-tile `i` of
+    QK^T (16 columns of the permuted head) among one key's `D / 8` pairs."""
+    return words[2 * i + h]
+
+  def k_pairs(words, i):
+    """K's two pairs of m-tile `i` from one key's loaded words."""
+    if fp8:
+      return o.e4m3_f16(words[i])
+    return words[2 * i], words[2 * i + 1]
 
   def page_ids(s):
     """Page ids of step s (K's, V's): `ids_per_step` each, the page index
@@ -390,7 +467,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     row = arith.addi(arith.muli(page, ci(P)), arith.andi(key, ci(P - 1)))
     off = arith.addi(
         arith.muli(wide(row), _c(row_bytes, o.i64)),
-        wide(arith.addi(arith.muli(kv_head, ci(D * 2)), chunk_bytes)))
+        wide(arith.addi(arith.muli(kv_head, ci(D * E)), chunk_bytes)))
     return arith.addi(_mgpu_async.address(pool_ref, 64), off)
 
   def slot_of(offset: int) -> int:
@@ -398,11 +475,11 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     return 0 if P >= step_keys else offset // P
 
   def load_keys(pool_ref, s, ids, step_ok, key_offs, key_lane, chunk_lane,
-                chunk_stride, n_loads):
+                chunk_stride, n_loads, chunk_size=16):
     """Words of step s: [tile][key key_lane() + off for off in key_offs] ->
-    `n_loads` 16-byte chunks `chunk_lane + chunk_stride * x` of its row, 4
-    words each (zeros for a key outside the visible range or the warp's
-    steps)."""
+    `n_loads` chunks `chunk_lane + chunk_stride * x` of `chunk_size` bytes
+    (16 or 8) of its row, 4 bytes a word (zeros for a key outside the
+    visible range or the warp's steps)."""
     out = []
     base = arith.muli(s, ci(step_keys))
     key_lane = key_lane()
@@ -415,8 +492,9 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
         words = []
         for x in range(n_loads):
           chunk = arith.muli(arith.addi(chunk_lane, ci(chunk_stride * x)),
-                             ci(16))
-          words += o.load16(row_addr(pool_ref, page, key, chunk), ok)
+                             ci(chunk_size))
+          words += o.load16(row_addr(pool_ref, page, key, chunk), ok,
+                            chunk_size // 4)
         per_key.append(words)
       out.append(per_key)
     return out
@@ -431,14 +509,24 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     """V (A operand of O^T = V^T P^T): keys 2c, 2c + 1, 2c + 8, 2c + 9 of
     each tile, chunks r, r + 8, ..."""
     return load_keys(v_pool_ref, s, ids, step_ok, (0, 1, 8, 9),
-                     lambda: arith.muli(c, ci(2)), r, 8, v_loads)
+                     lambda: arith.muli(c, ci(2)), r, 8, v_loads, v_bytes)
 
   neg_inf = cf(-math.inf)
+
+  def scalar_f32(ref):
+    return arith.bitcast(o.f32, o.load_i32(gaddr(ref, _c(0, o.i64), 4)))
+
+  # FP8 pages: K's scale joins the logits' scale, V's the output's.
+  k_scale = scalar_f32(k_scale_ref) if fp8 else None
   if logits_soft_cap is not None:
     cap_in = cf(sm_scale / logits_soft_cap)
+    if fp8:
+      cap_in = arith.mulf(cap_in, k_scale)
     cap_out = cf(logits_soft_cap * _LOG2E)
   else:
     scale = cf(sm_scale * _LOG2E)
+    if fp8:
+      scale = arith.mulf(scale, k_scale)
 
   def qk_softmax(s, kregs, m, l):
     """Logits of step s (base 2, masked) -> (P^T fragments per tile, m, l,
@@ -448,8 +536,9 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     for t in range(tiles):
       acc = [cf(0.0)] * 4
       for i in range(D // 16):
-        a = [kw(kregs[t][0], i, 0), kw(kregs[t][1], i, 0),
-             kw(kregs[t][0], i, 1), kw(kregs[t][1], i, 1)]
+        (a0, a2), (a1, a3) = (k_pairs(kregs[t][0], i),
+                              k_pairs(kregs[t][1], i))
+        a = [a0, a1, a2, a3]
         bq = [kw(q_words, i, 0)(), kw(q_words, i, 1)()]
         acc = o.mma(a, bq, acc)
       vals = []
@@ -493,12 +582,19 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     for t in range(tiles):
       ka, ka1, kb, kb1 = vregs[t]
       for j in range(m_tiles):
-        x, w = divmod(j, 4)
-        idx = 4 * x + w
-        frag = [o.prmt(ka[idx], ka1[idx], 0x5410),
-                o.prmt(ka[idx], ka1[idx], 0x7632),
-                o.prmt(kb[idx], kb1[idx], 0x5410),
-                o.prmt(kb[idx], kb1[idx], 0x7632)]
+        # Rows r / r + 8 of m-tile j: this lane's V columns 2j / 2j + 1
+        # (`d_of`), for keys (2c, 2c + 1) and (2c + 8, 2c + 9).
+        if fp8:
+          # Bytes 2(j % 2), + 1 of word j // 2: the two keys' bytes
+          # interleaved, then converted to the f16 pairs.
+          idx, sel = j // 2, (0x5140, 0x7362)[j % 2]
+          frag = [*o.e4m3_f16(o.prmt(ka[idx], ka1[idx], sel)),
+                  *o.e4m3_f16(o.prmt(kb[idx], kb1[idx], sel))]
+        else:
+          frag = [o.prmt(ka[j], ka1[j], 0x5410),
+                  o.prmt(ka[j], ka1[j], 0x7632),
+                  o.prmt(kb[j], kb1[j], 0x5410),
+                  o.prmt(kb[j], kb1[j], 0x7632)]
         acc[j] = o.mma(frag, p_frags[t], acc[j])
     return acc
 
@@ -602,6 +698,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     den_pos = arith.cmpf(arith.CmpFPredicate.OGT, den, cf(0.0))
     weights.append(wts)
     inv.append(o.sel(den_pos, o.rcp(o.sel(den_pos, den, cf(1.0))), cf(0.0)))
+    if fp8:
+      inv[-1] = arith.mulf(inv[-1], scalar_f32(v_scale_ref))
     lse.append(o.sel(pos, arith.mulf(arith.addf(use, o.lg2(safe)),
                                      cf(_LN2)), neg_inf))
 
@@ -613,10 +711,11 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   out_row = qo_row if final else part_row
 
   def d_of(j):
-    """First of the two head_dim columns of m-tile j this thread holds."""
-    x, wd = divmod(j, 4)
-    return arith.addi(arith.muli(arith.addi(r, ci(8 * x)), ci(8)),
-                      ci(2 * wd))
+    """First of the two head_dim columns of m-tile j this thread holds:
+    its V column 2j, in load x (chunk r + 8x) of `v_cols` columns."""
+    x, within = divmod(2 * j, v_cols)
+    return arith.addi(arith.muli(arith.addi(r, ci(8 * x)), ci(v_cols)),
+                      ci(within))
 
   def store_out(row, j, col, lo_v, hi_v):
     """Columns (d, d + 1) of m-tile j of row `row`: of the output (dtype,
@@ -624,7 +723,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     elem = arith.addi(wide(arith.muli(row, ci(D))), wide(d_of(j)))
     if final:
       with utils.when(g_in[col]):
-        o.st_global_b32(gaddr(o_ref, elem, 2), o.pack(lo_v, hi_v))
+        o.st_global_b32(gaddr(o_ref, elem, 2), o.pack_out(lo_v, hi_v))
     else:
       o.st_global_f32x2(gaddr(o_ref, elem, 4), lo_v, hi_v)
 
@@ -674,6 +773,8 @@ def paged_decode_mma(
     sm_scale: float,
     window_left: int = -1,
     logits_soft_cap: float | None = None,
+    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
     k_splits: int = 1,
     tiles: int | None = None,
     final: bool = True,
@@ -693,13 +794,18 @@ def paged_decode_mma(
     q: `[batch_size, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64, 128
       or 256, `num_qo_heads = group_size * num_kv_heads`, group_size 1..8.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
-      of `q` (may be one array); page_size a power of two in [8, 128].
+      of `q`, or float8_e4m3fn with `k_scale` / `v_scale` (compute
+      capability >= 8.9); may be one array; page_size a power of two in
+      [8, 128].
     k_table, v_table: `i32[batch_size, max_pages]` (may be one array); only
       entries of visible pages are read.
     kv_lens: `i32[batch_size]`, tokens including the current one.
     sinks: optional `f32[num_qo_heads]` logits (natural-log units) joining
       the softmax denominator only (not the LSE); only with `final`.
     sm_scale, window_left, logits_soft_cap: static, as `paged_decode`.
+    k_scale, v_scale: f32 scalars (traced) of FP8 pages, as `paged_decode`:
+      a stored value `x` means `x * scale`. The matmuls then run in f16
+      (q clamped to +-65504 and rounded to f16, as `_fp8.query_for_dots`).
     k_splits: static, splits of each sequence's visible steps (one CTA
       each).
     tiles: static, 16-key m-tiles per warp step (1, 2 or 4); None =
@@ -725,7 +831,8 @@ def paged_decode_mma(
   Raises:
     ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in
       (1, 2, 4), `final=True` with `k_splits > 1`, sinks with `final=False`
-      or of another shape, or an unknown `load_hint`.
+      or of another shape, an unknown `load_hint`, or FP8 pages without both
+      scales (or scales with 16-bit pages).
   """
   plgpu = _compat.mosaic_gpu()
   batch_size, num_qo_heads, head_dim = q.shape
@@ -740,6 +847,14 @@ def paged_decode_mma(
     why = f"v_pool of {v_pool.dtype} next to k_pool of {k_pool.dtype}"
   if why is not None:
     raise ValueError(f"Invalid case for the mma.sync decode kernel: {why}")
+  fp8 = jnp.dtype(k_pool.dtype) == jnp.dtype(FP8)
+  if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+    raise ValueError(
+        f"Invalid k_scale / v_scale: expected both with FP8 pages and neither "
+        f"with {jnp.dtype(q.dtype).name} pages, got pages of "
+        f"{jnp.dtype(k_pool.dtype).name}, k_scale "
+        f"{'set' if k_scale is not None else 'None'}, v_scale "
+        f"{'set' if v_scale is not None else 'None'}")
   if k_splits < 1:
     raise ValueError(f"Invalid k_splits: expected >= 1, got {k_splits}")
   if tiles is None:
@@ -775,10 +890,16 @@ def paged_decode_mma(
       window_left=int(window_left), logits_soft_cap=logits_soft_cap,
       same_table=same_table,
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
-      late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem)
+      late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
+      fp8=fp8)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
   inputs = [kv_lens.astype(jnp.int32), q, k_pool, v_pool, *tables]
+  if fp8:
+    # Two f32[1] inputs (free reshapes), not one stacked pair (one more
+    # small XLA kernel per call).
+    inputs += [jnp.asarray(x, jnp.float32).reshape(1)
+               for x in (k_scale, v_scale)]
   if has_sinks:
     inputs.append(sinks.astype(jnp.float32))
   if final:
@@ -810,5 +931,5 @@ def paged_decode_mma(
       mesh=plgpu.Mesh(grid=(batch_size * num_kv_heads * k_splits,),
                       grid_names=("items",)),
       compiler_params=plgpu.CompilerParams(),
-      name=f"paged_decode_mma_t{tiles}_{mode}",
+      name=f"paged_decode_mma_t{tiles}_{mode}{'_fp8' if fp8 else ''}",
   )(*inputs)

@@ -112,44 +112,51 @@ def test_backend_choice_and_errors():
 
 
 def test_default_rule_on_hopper(monkeypatch):
-  """On Hopper the TMA Mosaic kernel is the default from 128-token pages
-  (bf16 / f16, head_dim 64 / 128, groups 1..8); below that the per-warp
-  Mosaic kernel (`paged_decode_mma`, bf16 / f16 pages, head_dim 64 / 128 /
-  256); Triton for FP8 pages (which the TMA kernel serves, slower), head_dim
-  256 at 128-token pages, f32 and interpret mode."""
+  """On Hopper the per-warp Mosaic kernel (`paged_decode_mma`) is the
+  default for bf16 / f16 q over pages of that dtype or FP8 ones, head_dim
+  64 / 128 / 256, groups 1..8, pages of 8..128 tokens; Triton for f32,
+  mixed 16-bit dtypes and interpret mode. The TMA Mosaic kernel runs only
+  when asked for (`backend="mosaic"`)."""
   from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
   monkeypatch.setattr(_compat, "is_hopper", lambda: True)
 
-  def backend(ps, d=64, g=3, kv_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+  def cfg_for(ps, d=64, g=3, kv_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
               interpret=False):
     return _C.default_for(batch_size=64, num_kv_heads=3, page_size=ps,
                           max_pages=4096 // ps, head_dim=d, group_size=g,
                           dtype=dtype, kv_dtype=kv_dtype,
-                          interpret=interpret).backend
+                          interpret=interpret)
 
-  assert kernel.MOSAIC_MIN_PAGE_SIZE == 128
-  for d in (64, 128):
+  def backend(*a, **kw):
+    return cfg_for(*a, **kw).backend
+
+  for d in (64, 128, 256):
     for g in (1, 3, 4, 6, 8):
-      assert backend(128, d, g) == "mosaic", (d, g)
-      for ps in (8, 16, 64):
+      for ps in (8, 16, 64, 128):
         assert backend(ps, d, g) == "mosaic_mma", (d, g, ps)
-        assert backend(ps, d, g, kv_dtype=jnp.float8_e4m3fn) == "triton"
-  assert backend(16, d=256, g=4) == "mosaic_mma"
+        fp8 = cfg_for(ps, d, g, kv_dtype=jnp.float8_e4m3fn)
+        assert fp8.backend == "mosaic_mma", (d, g, ps)
+        # FP8 pages: 32-key steps up to head_dim 128.
+        assert fp8.mma_tiles == (2 if d <= 128 else None), (d, fp8)
+        assert cfg_for(ps, d, g).mma_tiles is None
   assert backend(16, dtype=jnp.float16, kv_dtype=jnp.float16) == "mosaic_mma"
+  assert backend(128, dtype=jnp.float16,
+                 kv_dtype=jnp.float8_e4m3fn) == "mosaic_mma"
   assert backend(16, dtype=jnp.float32, kv_dtype=jnp.float32) == "triton"
+  assert backend(16, dtype=jnp.float32,
+                 kv_dtype=jnp.float8_e4m3fn) == "triton"
   assert backend(16, kv_dtype=jnp.float16) == "triton"
+  assert backend(16, g=9) == "triton"
   assert backend(16, interpret=True) == "triton"
-  assert backend(128, dtype=jnp.float16, kv_dtype=jnp.float16) == "mosaic"
-  assert mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
-                       head_dim=64, page_size=128, group_size=3)
-  assert backend(128, kv_dtype=jnp.float8_e4m3fn) == "triton"
-  assert mgpu.supports(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
-                       head_dim=256, page_size=128, group_size=4)
-  assert backend(128, d=256, g=4) == "triton"
   assert backend(128, interpret=True) == "triton"
+  monkeypatch.setattr(_compat, "is_hopper", lambda: False)
+  assert backend(16) == "triton"
+  assert backend(16, kv_dtype=jnp.float8_e4m3fn) == "triton"
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
   cfg = _C.default_for(batch_size=64, num_kv_heads=3, page_size=128,
                        max_pages=32, head_dim=64, group_size=3,
-                       dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
+                       dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                       backend="mosaic")
   assert (cfg.pages_per_block, cfg.num_stages, cfg.num_warps) == (1, 2, 4)
   assert not cfg.keys_m and not cfg.cp_async
   # The Mosaic kernel loads 8-token pages by cp.async, larger ones by TMA;

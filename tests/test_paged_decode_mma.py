@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_utils import assert_decode_matches, assert_lse_close
+from attention_utils import assert_close, assert_decode_matches, assert_lse_close
 from attention_utils import dense_attention, make_paged, paged_decode_case
 from pkvattn import _kv
 from pkvattn.pallas_kernels import _compat
@@ -54,8 +54,9 @@ def test_config_and_errors():
   base = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128,
               page_size=16, group_size=4)
   assert mma.supports(**base) is None
+  assert mma.supports(**{**base, "kv_dtype": jnp.float8_e4m3fn}) is None
   for kw, word in ((dict(dtype=jnp.float32, kv_dtype=jnp.float32), "dtype"),
-                   (dict(kv_dtype=jnp.float8_e4m3fn), "pages"),
+                   (dict(kv_dtype=jnp.float16), "pages"),
                    (dict(head_dim=96), "head_dim"),
                    (dict(group_size=9), "group"),
                    (dict(page_size=4), "page_size"),
@@ -68,10 +69,14 @@ def test_config_and_errors():
   with pytest.raises(ValueError, match="mosaic_mma"):
     kernel.paged_decode(q, pool, pool, table, table, lens, sm_scale=0.1,
                         config=cfg, interpret=True)
-  with pytest.raises(ValueError, match="mosaic_mma"):
-    kernel.paged_decode(q, pool.astype(jnp.float8_e4m3fn),
-                        pool.astype(jnp.float8_e4m3fn), table, table, lens,
-                        sm_scale=0.1, config=cfg, k_scale=1.0, v_scale=1.0)
+  fp8 = pool.astype(jnp.float8_e4m3fn)
+  for kw in (dict(), dict(k_scale=1.0), dict(v_scale=1.0)):
+    with pytest.raises(ValueError, match="k_scale / v_scale"):
+      mma.paged_decode_mma(q, fp8, fp8, table, table, lens, sm_scale=0.1,
+                           **kw)
+  with pytest.raises(ValueError, match="k_scale / v_scale"):
+    mma.paged_decode_mma(q, pool, pool, table, table, lens, sm_scale=0.1,
+                         k_scale=1.0, v_scale=1.0)
   for kw, match in ((dict(k_splits=0), "k_splits"), (dict(tiles=3), "tiles"),
                     (dict(k_splits=2), "final"),
                     (dict(load_hint=".L3"), "load_hint"),
@@ -107,35 +112,45 @@ def test_split_rule(b, hkv, log_ps, max_pages, d, num_sms):
     assert abs(np.log2(max(target, 1.0)) - np.log2(k)) <= 0.5 + 1e-9
 
 
-@pytest.mark.parametrize("hq,hkv,d,page_size,fmt,kw,k_splits,tiles", [
-    (9, 3, 64, 16, "flashinfer", {}, 4, None),         # SmolLM2 heads
-    (32, 8, 128, 8, "pair", dict(window_left=100), 1, None),
-    (4, 1, 256, 128, "pool", dict(logits_soft_cap=30.0), 2, None),
-    (6, 1, 128, 32, "pair", dict(sinks=True), 1, 4),
-    (16, 2, 64, 64, "flashinfer", dict(window_left=37, sinks=True), 2, 1),
+@pytest.mark.parametrize("hq,hkv,d,page_size,fmt,kw,k_splits,tiles,fp8", [
+    (9, 3, 64, 16, "flashinfer", {}, 4, None, False),   # SmolLM2 heads
+    (32, 8, 128, 8, "pair", dict(window_left=100), 1, None, False),
+    (4, 1, 256, 128, "pool", dict(logits_soft_cap=30.0), 2, None, False),
+    (6, 1, 128, 32, "pair", dict(sinks=True), 1, 4, False),
+    (16, 2, 64, 64, "flashinfer", dict(window_left=37, sinks=True), 2, 1,
+     False),
+    (9, 3, 64, 16, "flashinfer", dict(sinks=True), 1, None, True),
+    (32, 8, 128, 8, "pair", dict(logits_soft_cap=30.0), 4, 2, True),
+    (4, 1, 256, 32, "pool", dict(window_left=100), 2, None, True),
 ])
 def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
-                              tiles):
+                              tiles, fp8):
   """Pallas -> Mosaic GPU cross-lowering for CUDA (no GPU needed): the
-  kernel's MLIR is built and verified for each table kind and option."""
+  kernel's MLIR is built and verified for each table kind and option, on
+  bf16 and FP8 pages."""
   rng = np.random.default_rng(0)
   p = make_paged(rng, [5, 40], page_size=page_size, num_kv_heads=hkv,
                  head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
-  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cache = (jax.tree.map(lambda x: x.astype(jnp.float8_e4m3fn), p.kv_cache)
+           if fp8 else p.kv_cache)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
   cfg = _config(b=2, hkv=hkv, ps=page_size, max_pages=view.k_table.shape[1],
                 d=d, k_splits=k_splits, mma_tiles=tiles)
   kw = dict(kw)
   sinks = jnp.zeros((hq,), jnp.float32) if kw.pop("sinks", False) else None
   q = jnp.zeros((2, hq, d), jnp.bfloat16)
 
-  def f(q, kp, vp, kt, vt, n, s):
+  def f(q, kp, vp, kt, vt, n, s, ks, vs):
+    scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
     return kernel.paged_decode(q, kp, vp, kt, vt, n, s, sm_scale=d ** -0.5,
-                               config=cfg, **kw)
+                               config=cfg, **scales, **kw)
   text = jax.jit(f).trace(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
-      jnp.asarray(p.kv_lens), sinks).lower(
-          lowering_platforms=("cuda",)).as_text()
+      jnp.asarray(p.kv_lens), sinks, jnp.float32(0.5),
+      jnp.float32(2.0)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  # FP8 pages: the e4m3 -> f16 conversions are in the kernel's PTX.
+  assert ("cvt.rn.f16x2.e4m3x2" in text) == fp8
   # One split: the kernel stores the output, sinks added (no combine).
   assert (k_splits > 1) == ("exponential" in text)
 
@@ -213,3 +228,59 @@ def test_f16_and_partials_match_oracle_gpu():
     with np.errstate(invalid="ignore"):
       tot = np.logaddexp.reduce(part, axis=1).reshape(-1)
     assert_lse_close(jnp.asarray(tot), exp_lse[0], jnp.float16)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,tiles,dtype", [
+    (3, 64, 16, "flashinfer", {}, 1, None, jnp.bfloat16),   # SmolLM2
+    (4, 128, 16, "pair", dict(window_left=100), 4, None, jnp.bfloat16),
+    (1, 256, 16, "pool", dict(sinks=True), 1, None, jnp.bfloat16),
+    (4, 256, 128, "flashinfer", dict(logits_soft_cap=30.0), 2, None,
+     jnp.float16),
+    (2, 64, 8, "pair", dict(window_left=37, sinks=True), 8, 2,
+     jnp.bfloat16),
+    (5, 128, 32, "pool", dict(logits_soft_cap=30.0), 2, 4, jnp.float16),
+    (6, 128, 64, "flashinfer", dict(sinks=True), 1, 2, jnp.bfloat16),
+    (7, 64, 128, "pair", {}, 16, None, jnp.float16),
+    (8, 64, 16, "flashinfer", dict(window_left=300), 2, None, jnp.bfloat16),
+])
+def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
+                                tiles, dtype):
+  """FP8 pages with per-tensor scales: the float64 oracle over the
+  DEQUANTIZED pages (the quantization is the input, not the error) to the
+  q dtype's tolerance; NaN in every page a sequence does not own and past
+  kv_len; kv lengths 0, 1, 7, 129, 4095; groups 1..8; bf16 and f16 q; a
+  bf16 q beyond f16's range is clamped to +-65504 (the matmuls run in f16),
+  never inf."""
+  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  from test_fp8_attention import query_and_sinks  # noqa: PLC0415
+  rng = np.random.default_rng()
+  hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  q, sinks, kw = query_and_sinks(rng, len(kv_lens), group * hkv, d, kw)
+  q = np.array(jnp.asarray(q, dtype).astype(jnp.float32))
+  big = dtype == jnp.bfloat16 and "logits_soft_cap" not in kw
+  if big:   # row 2 (7 keys), head 1: past f16's largest finite value
+    q[2, 1, :3] = np.asarray(jnp.asarray([1e5, -3e5, 7e4], jnp.bfloat16),
+                             np.float32)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  cfg = _config(b=len(kv_lens), hkv=hkv, ps=page_size,
+                max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
+                mma_tiles=tiles)
+  out, lse = kernel.paged_decode(
+      jnp.asarray(q, dtype), view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(p.kv_lens),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d ** -0.5,
+      config=cfg, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs), **kw)
+  assert out.dtype == dtype and out.shape == q.shape
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  q_f16 = np.clip(q, -65504, 65504)
+  for b, n in enumerate(kv_lens):
+    exp, exp_lse = dense_attention(
+        q_f16[b:b + 1], tk[b], tv[b], [n - 1], n, sm_scale=d ** -0.5,
+        window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"), sinks=sinks)
+    assert_close(out[b:b + 1], exp, dtype, f"b={b}")
+    if not (big and b == 2):   # logits ~1e4: the LSE's tolerance is relative
+      assert_lse_close(lse[b], exp_lse[0], dtype)
