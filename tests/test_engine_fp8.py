@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,6 +80,22 @@ def test_calibrated_scales_fit_the_calibration_prompts(model, fp8_run):
   limit = _kv.FP8_MAX / calibrate.DEFAULT_HEADROOM
   assert (top <= limit * 1.07).all(), top  # e4m3 rounding: 3 mantissa bits
   assert (top >= limit * 0.5).all(), top
+
+
+def test_profile_on_fp8_pages(model, fp8_run):
+  """`Engine.profile()` times an FP8 engine's step and its attention alone
+  (q in the model's compute dtype, FP8 pages read with scales), leaving
+  the engine's state alone."""
+  engine = fp8_run[0]
+  engine.add_request([256, 5, 6, 7, 8], SamplingParams(max_new_tokens=3))
+  engine.step()
+  before = [np.asarray(x) for x in jax.tree.leaves(engine.state)]
+  prof = engine.profile(iters=1)
+  assert prof["step_ms"] > 0 and prof["attention_ms"] > 0
+  for a, b in zip(before, jax.tree.leaves(engine.state)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  while engine.has_unfinished():
+    engine.step()
 
 
 def test_given_scales_skip_calibration(model):

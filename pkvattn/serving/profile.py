@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pkvattn import _kv
 from pkvattn import attention as _attention
 from pkvattn import cache as _cache
 from pkvattn.models import decoder as _decoder
@@ -101,7 +102,8 @@ def profile(engine, iters: int = 10) -> dict:
       divided by `decode_steps`) in one jit on a donated state, less the
       time of a trivial jitted call (the dispatch floor), per step;
     * `attention_ms`: every layer's `paged_prefill` on the step's plan (q
-      random), alone;
+      of ones in the model's compute dtype; FP8 pages with unit scales,
+      which the kernels' time does not depend on), alone;
     * `rest_ms = step_ms - attention_ms - bookkeeping_ms` (projections,
       MLP, RoPE + append, sampling).
   Nothing here changes the engine's state.
@@ -137,17 +139,22 @@ def profile(engine, iters: int = 10) -> dict:
   step_ms = timed(prog["step"], prog["step_args"], per=per)
   bare_ms = timed(prog["step"], prog["bare_args"], per=per)
 
+  dtype = engine.model.params["embed"].dtype   # the compute dtype
+
   def attention_only(pool, state, inp):
     tables = _programs.layer_tables(state, L, S)
     q = jnp.ones((inp.tokens.shape[0], mcfg.num_qo_heads, mcfg.head_dim),
-                 pool.dtype)
+                 dtype)
+    scales = {}
+    if pool.dtype == _kv.FP8_DTYPE:
+      scales = dict(k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
     acc = jnp.zeros((), jnp.float32)
     kernel_plan = None
     if _decoder._uses_pallas(cfg.impl):  # as the model does: one plan a step
       kernel_plan = _attention.plan_prefill(
           inp.q_indptr, inp.kv_lens, num_tokens=q.shape[0],
           num_qo_heads=mcfg.num_qo_heads, num_kv_heads=mcfg.num_kv_heads,
-          head_dim=mcfg.head_dim, dtype=pool.dtype,
+          head_dim=mcfg.head_dim, dtype=dtype,
           window_left=max(mcfg.windows))
     for layer in range(L):
       spec = mcfg.attention_spec(layer)
@@ -155,7 +162,7 @@ def profile(engine, iters: int = 10) -> dict:
           q, pool, tables[layer], inp.q_indptr, inp.kv_lens,
           sm_scale=spec.sm_scale, window_left=spec.window_left,
           logits_soft_cap=spec.logits_soft_cap, impl=cfg.impl,
-          plan=kernel_plan)
+          plan=kernel_plan, **scales)
       acc = acc + o[0, 0, 0].astype(jnp.float32)
       q = q + o * 0  # keep the layers sequential, as in the model
     return acc
