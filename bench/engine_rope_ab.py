@@ -12,9 +12,8 @@ on Hopper (`rope_append_mgpu`), and with the default forced to the
 Pallas-Triton kernel (`rope_append.default_config` patched to
 `Config.default_for`). With `--op decode` the arms are the decode
 attention's default (on Hopper the per-warp Mosaic-GPU kernel,
-`paged_decode_mma`, where the engine's pages are bf16 and smaller than
-128 tokens) and the Triton kernel (`paged_decode._mma_default` patched to
-False). Each arm reports warm-up time (every program
+`paged_decode_mma`) and the Triton kernel (`paged_decode._mma_default`
+patched to False); `--kv-cache-dtype fp8_e4m3` runs them on FP8 pages. Each arm reports warm-up time (every program
 compiled; later arms reuse what XLA cached), throughput after warm-up and
 the compilations during it, the decode step's wall time and GPU time at
 256 rows and the op's kernels' share, and the greedy tokens of
@@ -29,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import json
@@ -52,10 +52,11 @@ def _triton_default(num_tokens, num_qo_heads, num_kv_heads, **_):
                                         num_kv_heads)
 
 
-def _arm(mcfg, params, batch1, batch2, sp, op: str = "rope") -> dict:
+def _arm(mcfg, params, batch1, batch2, sp, op: str = "rope",
+         ecfg=None) -> dict:
   res = {}
   t0 = time.perf_counter()
-  engine = Engine(Model("bench", mcfg, params, None), serving.CFG)
+  engine = Engine(Model("bench", mcfg, params, None), ecfg or serving.CFG)
   engine.warmup()
   res["warmup_s"] = time.perf_counter() - t0
   out = engine.generate(batch1, sp)
@@ -95,7 +96,13 @@ def main(argv=None):
                   help="the arms in order (each a fresh engine)")
   ap.add_argument("--op", choices=("rope", "decode"), default="rope",
                   help="the op whose kernel the arms change")
+  ap.add_argument("--kv-cache-dtype", default=None,
+                  help="EngineConfig.kv_cache_dtype (e.g. fp8_e4m3); "
+                       "default: the serving config's")
   args = ap.parse_args(argv)
+  ecfg = serving.CFG
+  if args.kv_cache_dtype:
+    ecfg = dataclasses.replace(ecfg, kv_cache_dtype=args.kv_cache_dtype)
   mcfg = serving.MODELS[args.model]
   rng = np.random.default_rng(0)
   batch1 = serving.prompts(rng, 256, mcfg.vocab_size)
@@ -114,7 +121,7 @@ def main(argv=None):
     else:
       patch = contextlib.nullcontext()
     with patch:
-      res = _arm(mcfg, params, batch1, batch2, sp, args.op)
+      res = _arm(mcfg, params, batch1, batch2, sp, args.op, ecfg)
     rows.append({f"{args.op}_kernel": name, **res})
     print({k: v for k, v in rows[-1].items()
            if k not in ("first_tokens", "top")}, flush=True)
@@ -123,9 +130,12 @@ def main(argv=None):
     r["first_tokens_sha1"] = hashlib.sha1(
         json.dumps(r.pop("first_tokens")).encode()).hexdigest()
   env = _timing.environment()
+  tag = f"_{args.kv_cache_dtype}" if args.kv_cache_dtype else ""
   _timing.write_results(
-      f"engine_{args.op}_ab_{args.model}_" + env["device"].replace(" ", "_"),
-      rows, extra=dict(model=args.model, same_tokens=same))
+      f"engine_{args.op}_ab_{args.model}{tag}_"
+      + env["device"].replace(" ", "_"),
+      rows, extra=dict(model=args.model, same_tokens=same,
+                       kv_cache_dtype=ecfg.kv_cache_dtype))
   print(f"same greedy tokens in every arm: {same}")
   _timing.print_table(rows, [f"{args.op}_kernel", "warmup_s",
                              "throughput_tok_s", "compiles_in_timed_run",

@@ -8,11 +8,18 @@ checked and timed by `bench_prefill.run_spec` (per call and by kernel time;
 cuDNN on contiguous K/V beside them). Writes
 `bench/results/prefill_d64_len_<device>.json`.
 
-  python bench/prefill_d64_len.py
+With `--short`: prompts of 256 / 512 / 1,024 tokens (64 / 32 / 16
+sequences), the Mosaic-GPU kernel also with two consumer warpgroups
+(128-token tiles, ping-pong), and FlashInfer 0.7.2's FA3 prefill on the
+same pages; writes `prefill_d64_len_short_<device>.json`.
+
+  python bench/prefill_d64_len.py [--short]
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import sys
 
@@ -27,7 +34,15 @@ from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
 SHAPES = [(16, 1024), (8, 2048), (2, 8192)]  # (sequences, tokens each)
 
 
+SHORT_SHAPES = [(64, 256), (32, 512), (16, 1024)]
+
+
 def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--short", action="store_true",
+                  help="256..1,024-token prompts, two-consumer Mosaic "
+                       "and FlashInfer FA3 too")
+  args = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
   rows, checks = [], []
@@ -37,14 +52,20 @@ def main():
               dtype=jnp.bfloat16)
     configs = [pp.Config.default_for(**kw, backend="triton"),
                pp.Config.default_for(**kw, backend="mosaic")]
-    for b, s in SHAPES:
+    if args.short:
+      configs.append(dataclasses.replace(
+          configs[1], block_q=pp.paged_prefill_mgpu.tile_q(2),
+          mosaic_schedule="pingpong"))
+    for b, s in SHORT_SHAPES if args.short else SHAPES:
       bp.run_spec(f"causal_b{b}_s{s}_p16_{hq}_{hkv}_{d}", [s] * b, [s] * b,
                   16, configs, with_xla=False, with_mha=False, rows=rows,
-                  checks=checks, heads=heads, with_flashinfer=False)
+                  checks=checks, heads=heads, with_flashinfer=args.short)
   dev = env["device"].replace(" ", "_")
-  print("wrote", _timing.write_results(f"prefill_d64_len_{dev}", rows,
+  name = "prefill_d64_len_short" if args.short else "prefill_d64_len"
+  print("wrote", _timing.write_results(f"{name}_{dev}", rows,
                                        extra=dict(checks=checks)))
-  _timing.print_table([r for r in rows if r["impl"].startswith("pallas")],
+  _timing.print_table([r for r in rows if r["impl"].startswith(
+      ("pallas", "flashinfer", "cudnn"))],
                       ["spec", "impl", "median_ms", "kernel_ms"])
 
 
