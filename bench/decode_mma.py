@@ -125,17 +125,23 @@ def speed(spec, *, full: bool, with_tma: bool):
   return rows
 
 
-def main():
+def run_main(prefix, speed_fn, columns, extra_args=None):
+  """The decode benches' command line: `--specs` (indices into SPECS),
+  `--default-only`, `--page-size` (instead of the specs'), `--tag` (a
+  suffix of the results file), and what `extra_args(parser)` adds; rows of
+  `speed_fn(spec, args)` for each spec go to `bench/results/
+  <prefix>_<device>[_tag].json` as they come, and a table of `columns`
+  is printed last."""
   ap = argparse.ArgumentParser()
   ap.add_argument("--specs", default=None,
                   help="comma-separated indices into SPECS (default: all)")
   ap.add_argument("--default-only", action="store_true",
                   help="time the mma kernel's default only, not variants")
-  ap.add_argument("--tma", action="store_true",
-                  help="time the TMA Mosaic kernel too")
   ap.add_argument("--page-size", type=int, default=None,
                   help="pages of this many tokens instead of the specs'")
   ap.add_argument("--tag", default="", help="suffix of the results file")
+  if extra_args is not None:
+    extra_args(ap)
   args = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
@@ -145,15 +151,23 @@ def main():
   if args.page_size:
     specs = [(*spec[:3], args.page_size) for spec in specs]
   device = env["device"].replace(" ", "_")
-  name = f"decode_mma_{device}" + (f"_{args.tag}" if args.tag else "")
+  name = f"{prefix}_{device}" + (f"_{args.tag}" if args.tag else "")
   rows = []
   for spec in specs:
-    rows += speed(spec, full=not args.default_only, with_tma=args.tma)
+    rows += speed_fn(spec, args)
     _timing.write_results(name, rows)
   print()
-  _timing.print_table(rows, ["spec", "impl", "kernel_ms", "tbps_kernel",
-                             "x_triton_kernel", "x_flashinfer_kernel",
-                             "x_flashinfer", "err_vs_triton"])
+  _timing.print_table(rows, columns)
+
+
+def main():
+  run_main(
+      "decode_mma",
+      lambda spec, a: speed(spec, full=not a.default_only, with_tma=a.tma),
+      ["spec", "impl", "kernel_ms", "tbps_kernel", "x_triton_kernel",
+       "x_flashinfer_kernel", "x_flashinfer", "err_vs_triton"],
+      lambda ap: ap.add_argument("--tma", action="store_true",
+                                 help="time the TMA Mosaic kernel too"))
 
 
 if __name__ == "__main__":

@@ -27,16 +27,15 @@ last; writes `bench/results/decode_mma_fp8_<device>[_tag].json` (and under
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import _timing
-from bench.bench_decode_mosaic import SHAPES, SPECS, _inputs, decode_fn
+from bench.bench_decode_mosaic import SHAPES, _inputs, decode_fn
 from bench.bench_decode_mosaic import flashinfer_rows, timed_row
+from bench.decode_mma import run_main
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
 
@@ -133,32 +132,10 @@ def speed(spec, *, full: bool):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--specs", default=None,
-                  help="comma-separated indices into SPECS (default: all)")
-  ap.add_argument("--default-only", action="store_true",
-                  help="time the mma kernel's default only, not variants")
-  ap.add_argument("--page-size", type=int, default=None,
-                  help="pages of this many tokens instead of the specs'")
-  ap.add_argument("--tag", default="", help="suffix of the results file")
-  args = ap.parse_args()
-  env = _timing.environment()
-  print(env, flush=True)
-  specs = SPECS
-  if args.specs:
-    specs = [SPECS[int(i)] for i in args.specs.split(",")]
-  if args.page_size:
-    specs = [(*spec[:3], args.page_size) for spec in specs]
-  device = env["device"].replace(" ", "_")
-  name = f"decode_mma_fp8_{device}" + (f"_{args.tag}" if args.tag else "")
-  rows = []
-  for spec in specs:
-    rows += speed(spec, full=not args.default_only)
-    _timing.write_results(name, rows)
-  print()
-  _timing.print_table(rows, ["spec", "impl", "kernel_ms", "tbps_kernel",
-                             "x_triton_kernel", "x_flashinfer_kernel",
-                             "fp8_over_bf16", "err_vs_triton"])
+  run_main("decode_mma_fp8",
+           lambda spec, a: speed(spec, full=not a.default_only),
+           ["spec", "impl", "kernel_ms", "tbps_kernel", "x_triton_kernel",
+            "x_flashinfer_kernel", "fp8_over_bf16", "err_vs_triton"])
 
 
 if __name__ == "__main__":

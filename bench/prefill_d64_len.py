@@ -13,7 +13,11 @@ sequences), the Mosaic-GPU kernel also with two consumer warpgroups
 (128-token tiles, ping-pong), and FlashInfer 0.7.2's FA3 prefill on the
 same pages; writes `prefill_d64_len_short_<device>.json`.
 
-  python bench/prefill_d64_len.py [--short]
+With `--sweep`: the Triton kernel's tiling around its default (query rows
+per tile, keys per step, warps, stages, launch order) at 512 / 1,024
+tokens with FlashInfer FA3 beside it; writes `prefill_d64_sweep_<device>`.
+
+  python bench/prefill_d64_len.py [--short | --sweep]
 """
 
 from __future__ import annotations
@@ -37,11 +41,25 @@ SHAPES = [(16, 1024), (8, 2048), (2, 8192)]  # (sequences, tokens each)
 SHORT_SHAPES = [(64, 256), (32, 512), (16, 1024)]
 
 
+def sweep_configs(base):
+  """The Triton kernel's tiling around `base`: half / twice the query
+  rows per tile (8 warps for twice), 32 / 128 keys per step, 8 warps, 2
+  stages, kv heads inner."""
+  r = dataclasses.replace
+  return [r(base, block_q=base.block_q // 2),
+          r(base, block_q=base.block_q * 2, num_warps=8),
+          r(base, block_k=32), r(base, block_k=128, num_stages=2),
+          r(base, num_warps=8), r(base, num_stages=2),
+          r(base, heads_outer=False)]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--short", action="store_true",
                   help="256..1,024-token prompts, two-consumer Mosaic "
                        "and FlashInfer FA3 too")
+  ap.add_argument("--sweep", action="store_true",
+                  help="the Triton kernel's tiling at 512 / 1,024 tokens")
   args = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
@@ -56,12 +74,18 @@ def main():
       configs.append(dataclasses.replace(
           configs[1], block_q=pp.paged_prefill_mgpu.tile_q(2),
           mosaic_schedule="pingpong"))
-    for b, s in SHORT_SHAPES if args.short else SHAPES:
+    shapes = SHORT_SHAPES if args.short else SHAPES
+    if args.sweep:
+      configs = [configs[0]] + sweep_configs(configs[0])
+      shapes = SHORT_SHAPES[1:]
+    for b, s in shapes:
       bp.run_spec(f"causal_b{b}_s{s}_p16_{hq}_{hkv}_{d}", [s] * b, [s] * b,
                   16, configs, with_xla=False, with_mha=False, rows=rows,
-                  checks=checks, heads=heads, with_flashinfer=args.short)
+                  checks=checks, heads=heads,
+                  with_flashinfer=args.short or args.sweep)
   dev = env["device"].replace(" ", "_")
-  name = "prefill_d64_len_short" if args.short else "prefill_d64_len"
+  name = ("prefill_d64_len_short" if args.short else
+          "prefill_d64_sweep" if args.sweep else "prefill_d64_len")
   print("wrote", _timing.write_results(f"{name}_{dev}", rows,
                                        extra=dict(checks=checks)))
   _timing.print_table([r for r in rows if r["impl"].startswith(
