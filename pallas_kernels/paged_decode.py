@@ -303,14 +303,14 @@ def _mma_default(*, group_size, head_dim, page_size, dtype,
     (`paged_decode_mgpu`, the default there before) on five head_dim 64 /
     128 specs, 1.01-1.11x FlashInfer's faster decode; at head_dim 256
     (Gemma 3 270M heads B=64 / B=256, on Triton before) 1.16 / 1.25x
-    (H200) and 1.09 / 1.10x (H100) the Triton kernel, 1.02-1.04x
-    FlashInfer.
+    (H200) and 1.09 / 1.10x (H100) the Triton kernel's speed, 1.02-1.04x
+    FlashInfer's.
   * FP8 pages of 16 tokens, the nine specs (`decode_mma_fp8_*.json`):
-    1.03-1.12x the Triton kernel's FP8 default (column pairs) on the H100
-    and 0.96-1.20x on the H200 (0.96x: Llama-3-8B heads B=256 S=1024),
-    1.21-1.93x / 1.47-2.27x FlashInfer's FP8 decode; at 128-token pages
-    (H200) 1.05 / 1.26 / 2.68x Triton on Llama-3-8B / SmolLM2 / Gemma 3
-    heads.
+    1.03-1.12x the speed of the Triton kernel's FP8 default (column pairs)
+    on the H100 and 0.96-1.20x on the H200 (0.96x: Llama-3-8B heads B=256
+    S=1024), 1.21-1.93x / 1.47-2.27x that of FlashInfer's FP8 decode; at
+    128-token pages (H200) 1.05 / 1.26 / 2.68x Triton's on Llama-3-8B /
+    SmolLM2 / Gemma 3 heads.
   """
   if dtype is None:
     return False
@@ -812,7 +812,10 @@ def paged_decode(
     NotImplementedError: head_dim not in {64, 128, 256} or a page_size that is
       not a power of two in [8, 128].
     ValueError: a `config` with `backend="mosaic"` in interpret mode or on
-      a case `paged_decode_mgpu` does not serve (its errors);
+      a case `paged_decode_mgpu` does not serve (its errors); one with
+      `backend="mosaic_mma"` in interpret mode, with FP8 pages where JAX's
+      first device is a GPU below compute capability 8.9, or on a case
+      `paged_decode_mma` does not serve (its errors);
       `fp8_convert` "asm" or "pairs" with FP8 pages where JAX's first
       device is a GPU below compute capability 8.9 (elsewhere, e.g.
       lowering for CUDA on a CPU host, it lowers); `config.pack_heads` that
