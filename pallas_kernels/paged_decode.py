@@ -835,13 +835,16 @@ def paged_decode(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim, group_size=group_size,
         dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
-  if (config.fp8_convert in ("asm", "pairs") and k_scale is not None
-      and not interpret):
+  if k_scale is not None and not interpret and (
+      config.backend == "mosaic_mma" or config.fp8_convert in ("asm", "pairs")):
+    # Both convert e4m3 pairs with `cvt.rn.f16x2.e4m3x2` (sm_89+).
     cc = _compat.compute_capability()
     if cc is not None and cc < (8, 9):
-      raise ValueError(
-          f"Invalid config.fp8_convert: {config.fp8_convert!r} needs a GPU "
-          f"of compute capability >= 8.9, got {cc}")
+      what = ("config.backend: 'mosaic_mma' on FP8 pages"
+              if config.backend == "mosaic_mma" else
+              f"config.fp8_convert: {config.fp8_convert!r}")
+      raise ValueError(f"Invalid {what} needs a GPU of compute capability "
+                       f">= 8.9, got {cc}")
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   pack = config.pack_heads
@@ -946,12 +949,6 @@ def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
     raise ValueError(
         "Invalid config for the mosaic_mma backend: expected a GPU, got "
         "interpret=True")
-  if k_scale is not None:
-    cc = _compat.compute_capability()
-    if cc is not None and cc < (8, 9):
-      raise ValueError(
-          f"Invalid config for the mosaic_mma backend with FP8 pages: "
-          f"expected a GPU of compute capability >= 8.9, got {cc}")
   if config.k_splits == 1:
     # The kernel stores the output, sinks added.
     return paged_decode_mma.paged_decode_mma(

@@ -90,6 +90,19 @@ def test_config_and_errors():
                          table, table, lens, sm_scale=0.1)
 
 
+def test_fp8_needs_compute_capability_8_9(monkeypatch):
+  """FP8 pages on the mosaic_mma backend are refused by name where JAX's
+  first device is a GPU below compute capability 8.9 (no e4m3 convert)."""
+  monkeypatch.setattr(_compat, "compute_capability", lambda: (8, 0))
+  q = jnp.zeros((2, 8, 128), jnp.bfloat16)
+  fp8 = jnp.zeros((4, 16, 2, 128), jnp.float8_e4m3fn)
+  table = jnp.zeros((2, 4), jnp.int32)
+  with pytest.raises(ValueError, match="mosaic_mma.*8.9"):
+    kernel.paged_decode(q, fp8, fp8, table, table, jnp.array([3, 5]),
+                        sm_scale=0.1, config=_config(), k_scale=1.0,
+                        v_scale=1.0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(b=st.integers(1, 512), hkv=st.integers(1, 16),
        log_ps=st.integers(3, 7), max_pages=st.integers(1, 4096),
