@@ -110,19 +110,28 @@ def speed(spec, *, full: bool, with_tma: bool):
     if ref is None:
       ref = out
   rows += flashinfer_rows(name, q, kv, table, lens, hq, hkv, nbytes, ref)
+  add_ratios(rows, "triton default", max_err=2e-2)
+  return rows
+
+
+def add_ratios(rows, triton_impl: str, *, max_err: float):
+  """On every row with a kernel time: `x_flashinfer_kernel` / `x_flashinfer`
+  (FlashInfer's faster mode, among its rows within `max_err` of the
+  reference, over this row's kernel / per-call time) and `x_triton_kernel`
+  (the `triton_impl` row's kernel time over this row's)."""
   fi = [r for r in rows if r["impl"].startswith("flashinfer")
-        and r.get("kernel_ms") and r["err_vs_triton"] < 2e-2]
-  tri = [r for r in rows if r["impl"] == "triton default" and "kernel_ms" in r]
+        and r.get("kernel_ms") and r["err_vs_triton"] < max_err]
+  tri = [r["kernel_ms"] for r in rows
+         if r["impl"] == triton_impl and r.get("kernel_ms")]
   for r in rows:
-    if "kernel_ms" not in r:
+    if not r.get("kernel_ms"):
       continue
     if fi:
       r["x_flashinfer_kernel"] = min(x["kernel_ms"] for x in fi) / r[
           "kernel_ms"]
       r["x_flashinfer"] = min(x["ms"] for x in fi) / r["ms"]
     if tri:
-      r["x_triton_kernel"] = tri[0]["kernel_ms"] / r["kernel_ms"]
-  return rows
+      r["x_triton_kernel"] = tri[0] / r["kernel_ms"]
 
 
 def run_main(prefix, speed_fn, columns, extra_args=None):

@@ -35,7 +35,7 @@ import numpy as np
 
 from bench.bench_decode_mosaic import SHAPES, _inputs, decode_fn
 from bench.bench_decode_mosaic import flashinfer_rows, timed_row
-from bench.decode_mma import run_main
+from bench.decode_mma import add_ratios, run_main
 from pkvattn import _kv
 from pkvattn.pallas_kernels import paged_decode as kernel
 
@@ -114,20 +114,12 @@ def speed(spec, *, full: bool):
   rows.append(row)
   rows += flashinfer_rows(name, q, kv8, table, lens, hq, hkv, nbytes, ref,
                           k_scale=ks, v_scale=vs)
-  fi = [r for r in rows if r["impl"].startswith("flashinfer")
-        and r.get("kernel_ms") and r["err_vs_triton"] < 5e-2]
-  base = {r["impl"]: r.get("kernel_ms") for r in rows}
+  add_ratios(rows, "triton fp8 default", max_err=5e-2)
+  bf16_ms = next((r.get("kernel_ms") for r in rows
+                  if r["impl"] == "mma bf16 default"), None)
   for r in rows:
-    if not r.get("kernel_ms"):
-      continue
-    if fi:
-      r["x_flashinfer_kernel"] = min(x["kernel_ms"] for x in fi) / r[
-          "kernel_ms"]
-      r["x_flashinfer"] = min(x["ms"] for x in fi) / r["ms"]
-    if base.get("triton fp8 default"):
-      r["x_triton_kernel"] = base["triton fp8 default"] / r["kernel_ms"]
-    if base.get("mma bf16 default"):
-      r["fp8_over_bf16"] = r["kernel_ms"] / base["mma bf16 default"]
+    if r.get("kernel_ms") and bf16_ms:
+      r["fp8_over_bf16"] = r["kernel_ms"] / bf16_ms
   return rows
 
 
