@@ -13,15 +13,17 @@ Pallas-Triton kernel (`rope_append.default_config` patched to
 `Config.default_for`). With `--op decode` the arms are the decode
 attention's default (on Hopper the per-warp Mosaic-GPU kernel,
 `paged_decode_mma`) and the Triton kernel (`paged_decode._mma_default`
-patched to False); `--kv-cache-dtype fp8_e4m3` runs them on FP8 pages. Each arm reports warm-up time (every program
-compiled; later arms reuse what XLA cached), throughput after warm-up and
-the compilations during it, the decode step's wall time and GPU time at
-256 rows and the op's kernels' share, and the greedy tokens of
-the first batch (eight requests), which must be the same in every arm
-(the file keeps their SHA-1).
+patched to False); `--kv-cache-dtype fp8_e4m3` runs them on FP8 pages.
+Each arm reports warm-up time (every program compiled; later arms reuse
+what XLA cached), throughput after warm-up and the compilations during
+it, the decode step's wall time and GPU time at 256 rows and the op's
+kernels' share, and the greedy tokens of the first batch (eight
+requests), which must be the same in every arm (the file keeps their
+SHA-1).
 
 Writes `bench/results/engine_rope_ab_<model>_<device>.json` (`--op decode`:
-`engine_decode_ab_...`; and under `$OUT`) and prints a table last.
+`engine_decode_ab_...`, with `_<kv_cache_dtype>` after the model where
+given; and under `$OUT`) and prints a table last.
 """
 
 from __future__ import annotations

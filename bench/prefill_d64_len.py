@@ -55,11 +55,12 @@ def sweep_configs(base):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--short", action="store_true",
-                  help="256..1,024-token prompts, two-consumer Mosaic "
-                       "and FlashInfer FA3 too")
-  ap.add_argument("--sweep", action="store_true",
-                  help="the Triton kernel's tiling at 512 / 1,024 tokens")
+  mode = ap.add_mutually_exclusive_group()
+  mode.add_argument("--short", action="store_true",
+                    help="256..1,024-token prompts, two-consumer Mosaic "
+                         "and FlashInfer FA3 too")
+  mode.add_argument("--sweep", action="store_true",
+                    help="the Triton kernel's tiling at 512 / 1,024 tokens")
   args = ap.parse_args()
   env = _timing.environment()
   print(env, flush=True)
