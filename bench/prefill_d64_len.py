@@ -5,7 +5,10 @@ against the three-consumer Mosaic-GPU kernel (the basis of
 Causal prompts of 1,024 / 2,048 / 8,192 tokens (16 / 8 / 2 sequences, page
 16) with Llama-3.2-1B (32/8/64) and SmolLM2 (9/3/64) heads, each config
 checked and timed by `bench_prefill.run_spec` (per call and by kernel time;
-cuDNN on contiguous K/V beside them). Writes
+cuDNN on contiguous K/V beside them). With SmolLM2's group of 3 the Triton
+kernel also runs 32-token tiles (`128 // next_pow2(group)`): the tile count
+and rows of its earlier layout, each token padded to 4 rows, against the
+default's 42 tokens in 128 rows. Writes
 `bench/results/prefill_d64_len_<device>.json`.
 
 With `--short`: prompts of 256 / 512 / 1,024 tokens (64 / 32 / 16
@@ -17,7 +20,7 @@ With `--sweep`: the Triton kernel's tiling around its default (query rows
 per tile, keys per step, warps, stages, launch order) at 512 / 1,024
 tokens with FlashInfer FA3 beside it; writes `prefill_d64_sweep_<device>`.
 
-  python bench/prefill_d64_len.py [--short | --sweep]
+  python bench/prefill_d64_len.py [--short | --sweep] [--heads smollm2]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 from bench import _timing  # noqa: E402
 from bench import bench_prefill as bp  # noqa: E402
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
+from pkvattn.pallas_kernels._compat import pl  # noqa: E402
 
 SHAPES = [(16, 1024), (8, 2048), (2, 8192)]  # (sequences, tokens each)
 
@@ -61,19 +65,27 @@ def main():
                          "and FlashInfer FA3 too")
   mode.add_argument("--sweep", action="store_true",
                     help="the Triton kernel's tiling at 512 / 1,024 tokens")
+  ap.add_argument("--heads", choices=("all", "llama32_1b", "smollm2"),
+                  default="all", help="which head shapes (default both)")
   args = ap.parse_args()
+  heads_list = {"all": (bp.LLAMA32_1B, bp.SMOLLM2),
+                "llama32_1b": (bp.LLAMA32_1B,),
+                "smollm2": (bp.SMOLLM2,)}[args.heads]
   env = _timing.environment()
   print(env, flush=True)
   rows, checks = [], []
-  for heads in (bp.LLAMA32_1B, bp.SMOLLM2):
+  for heads in heads_list:
     hq, hkv, d = heads
     kw = dict(group_size=hq // hkv, head_dim=d, page_size=16,
               dtype=jnp.bfloat16)
     configs = [pp.Config.default_for(**kw, backend="triton"),
                pp.Config.default_for(**kw, backend="mosaic")]
+    if hq // hkv & (hq // hkv - 1):
+      configs.insert(1, dataclasses.replace(
+          configs[0], block_q=128 // pl.next_power_of_2(hq // hkv)))
     if args.short:
       configs.append(dataclasses.replace(
-          configs[1], block_q=pp.paged_prefill_mgpu.tile_q(2),
+          configs[-1], block_q=pp.paged_prefill_mgpu.tile_q(2),
           mosaic_schedule="pingpong"))
     shapes = SHORT_SHAPES if args.short else SHAPES
     if args.sweep:
@@ -86,7 +98,8 @@ def main():
                   with_flashinfer=args.short or args.sweep)
   dev = env["device"].replace(" ", "_")
   name = ("prefill_d64_len_short" if args.short else
-          "prefill_d64_sweep" if args.sweep else "prefill_d64_len")
+          "prefill_d64_sweep" if args.sweep else "prefill_d64_len") + (
+              "" if args.heads == "all" else "_" + args.heads)
   print("wrote", _timing.write_results(f"{name}_{dev}", rows,
                                        extra=dict(checks=checks)))
   _timing.print_table([r for r in rows if r["impl"].startswith(

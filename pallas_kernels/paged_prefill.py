@@ -6,10 +6,12 @@ end, causal tiles skipped and masks applied only where a tile crosses the
 diagonal) with FlashInfer's paged, ragged addressing:
 
 * A query tile is `block_q` consecutive new tokens of ONE sequence times the
-  GQA group of one kv head, packed into the M dimension of the dot
-  (`M = block_q * group_pad`, `group_pad = next_pow2(group_size)`). So a KV
-  tile loaded once serves the whole group, and a decode row (q_len 1) still
-  fills `group_size` rows of the MMA.
+  GQA group of one kv head, packed densely into the M dimension of the dot
+  (row `r` is token `r // group_size`, head `r % group_size`; `M =
+  next_pow2(block_q * group_size)`, `tile_rows`). So a KV tile loaded once
+  serves the whole group, a decode row (q_len 1) still fills `group_size`
+  rows of the MMA, and a group that is not a power of two wastes at most
+  `group_size - 1` rows of a tile (42 tokens of group 3 in 128 rows).
 * The grid is static, `(num_kv_heads, num_tokens // block_q + batch_size + 1)`
   (no dynamic grid on Pallas-Triton); the tile -> (sequence, first token) map
   is the plan (`pallas_kernels.plan`, FlashInfer's plan/run split), computed
@@ -19,7 +21,8 @@ diagonal) with FlashInfer's paged, ragged addressing:
 * Sequences with `q_len <= short_block_q` (decode rows of a mixed batch,
   multi-token decode) run in a second launch with `short_block_q`-token tiles
   that updates the first launch's outputs in place (`input_output_aliases`),
-  so a decode row costs ~`group_size` MMA rows, not `block_q * group_pad`.
+  so a decode row costs ~`group_size` MMA rows, not a main tile's
+  `tile_rows(block_q, group_size)`.
 * Each program walks KV tiles of `block_k` tokens from the first block any of
   its rows can see (window) to the last (causality, `kv_len`). With
   `block_k <= page_size` a tile lies in one page: one scalar table read and
@@ -73,6 +76,12 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
+def tile_rows(block_q: int, group_size: int) -> int:
+  """Rows (M of the dots) of a Triton query tile: `block_q` tokens times the
+  group, rounded up to a power of two."""
+  return pl.next_power_of_2(block_q * group_size)
+
+
 def _ptx_f32(x: float) -> str:
   """A float32 immediate in PTX's hex form (`0fXXXXXXXX`)."""
   return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
@@ -105,8 +114,10 @@ class Config:
   """Tile sizes and Triton launch parameters of the prefill kernel.
 
   Attributes:
-    block_q: new tokens per query tile; `block_q * next_pow2(group_size)` rows
-      go into the M dimension of the dots (power of two, >= 16).
+    block_q: new tokens per query tile; `tile_rows(block_q, group_size)` =
+      `next_pow2(block_q * group_size)` rows (>= 16) go into the M dimension
+      of the Triton kernel's dots (any `block_q` >= 1; the default fills
+      them: `rows // group_size` tokens).
     block_k: keys per KV tile (power of two, >= 16); need not align to pages.
     num_warps, num_stages: Triton launch parameters.
     single_loop: one KV loop that masks every tile (as JAX's `mha`) instead
@@ -121,8 +132,8 @@ class Config:
       inner: 1.3x faster on a mixed batch's decode rows.
     short_block_q: > 0 runs sequences with q_len <= short_block_q (decode
       rows of a mixed batch, multi-token decode) in a second launch with
-      tiles of `short_block_q` tokens (`short_block_q * group_pad >= 16`
-      rows) instead of `block_q`; 0 = one launch.
+      tiles of `short_block_q` tokens (`tile_rows(short_block_q,
+      group_size) >= 16` rows) instead of `block_q`; 0 = one launch.
     fast_exp2: on the GPU, the softmax exponentials are one `fma.rn.ftz` +
       `ex2.approx.ftz` each (inline PTX, as FlashAttention-3) instead of
       libdevice's `exp2f`, whose denormal handling costs a compare and two
@@ -207,7 +218,8 @@ class Config:
     bench/fp8_decode_diag.py). Otherwise (or with `backend="triton"`), the
     Pallas-Triton kernel:
 
-    At head_dim <= 128: 128 query rows (tokens x group) per tile, 64-key
+    At head_dim <= 128: 128 query rows (tokens x group, the group's heads
+    packed densely: 42 tokens at group 3) per tile, 64-key
     tiles, 4 warps (one warpgroup) and 3 stages (2 for f32, whose tiles would
     not fit in shared memory). 256 rows on 8 warps (two warpgroups in lock
     step) ran 0.89x as fast on H100; 3 stages beat 2 by 1-7% on H200 and
@@ -244,7 +256,7 @@ class Config:
       num_warps, num_stages, block_k, short_block_k = 8, 2, 32, 64
     if wide:
       short_block_k //= 2
-    block_q = max(1, rows // group_pad)
+    block_q = max(1, rows // group_size)
     if short_block_q >= block_q:
       short_block_q = 0
     return cls(block_q=block_q, block_k=block_k, num_warps=num_warps,
@@ -307,18 +319,20 @@ class Config:
             f"{paged_prefill_mgpu.SCHEDULES} ('ring' with block_q="
             f"{paged_prefill_mgpu.tile_q(3)}), got {self.mosaic_schedule!r} "
             f"with block_q={self.block_q}")
-    rows = self.block_q * pl.next_power_of_2(group_size)
-    checked = (("block_k", self.block_k),) + (
-        (("block_q", self.block_q),) if self.backend == "triton" else ())
-    for name, v in checked:
-      if v < 1 or v & (v - 1):
-        raise ValueError(f"Invalid {name}: expected a power of two, got {v}")
+    if self.block_k < 1 or self.block_k & (self.block_k - 1):
+      raise ValueError(f"Invalid block_k: expected a power of two, got "
+                       f"{self.block_k}")
+    if self.block_q < 1 or self.short_block_q < 0:
+      raise ValueError(
+          f"Invalid block_q / short_block_q: expected >= 1 / >= 0, got "
+          f"{self.block_q} / {self.short_block_q}")
+    rows = tile_rows(self.block_q, group_size)
     short = self.short_block_q
-    if short and (short & (short - 1) or
-                  short * pl.next_power_of_2(group_size) < 16):
+    if short and tile_rows(short, group_size) < 16:
       raise NotImplementedError(
-          f"Invalid short_block_q={short}: expected a power of two with "
-          f"short_block_q * group_pad >= 16")
+          f"Invalid short_block_q={short}: expected tile_rows(short_block_q, "
+          f"group_size={group_size}) >= 16, got "
+          f"{tile_rows(short, group_size)}")
     if short and (self.short_block_k < 16 or
                   self.short_block_k & (self.short_block_k - 1)):
       raise ValueError(
@@ -326,8 +340,8 @@ class Config:
           f"{self.short_block_k}")
     if self.backend == "triton" and (rows < 16 or self.block_k < 16):
       raise NotImplementedError(
-          f"Triton dots need >= 16 rows per operand: block_q * group_pad = "
-          f"{rows}, block_k = {self.block_k}")
+          f"Triton dots need >= 16 rows per operand: tile_rows(block_q, "
+          f"group_size) = {rows}, block_k = {self.block_k}")
 
 
 def _paged_prefill_kernel(
@@ -361,8 +375,7 @@ def _paged_prefill_kernel(
   o_ref, lse_ref = rest
   page_size = k_pool_ref.shape[1]
   head_dim = q_ref.shape[2]
-  group_pad = pl.next_power_of_2(group_size)
-  rows = block_q * group_pad
+  rows = tile_rows(block_q, group_size)
 
   if heads_outer:
     tile, kv_head = pl.program_id(0), pl.program_id(1)
@@ -374,16 +387,18 @@ def _paged_prefill_kernel(
   kv_len = tiles_ref[tile, plan_lib.KV_LEN]
   pos_offset = tiles_ref[tile, plan_lib.POS_OFFSET]
 
-  # Row r of the tile is token q_start + r // group_pad, head g = r % group_pad.
+  # Row r of the tile is token q_start + r // group_size, head g = r %
+  # group_size: the group's heads packed densely, so group 3 wastes 2 of 128
+  # rows (42 tokens a tile) where padding each token to 4 rows wasted 32.
   r = jnp.arange(rows, dtype=jnp.int32)
-  token = q_start + r // group_pad
-  g = r % group_pad
-  row_ok = (token < q_end) & (g < group_size)
+  token = q_start + r // group_size
+  g = r % group_size
+  row_ok = (token < q_end) & (r < block_q * group_size)
   # Masked rows point one past the end: never touched on the GPU, and dropped
   # (not written back) by interpret mode's scatter, where an in-bounds
   # duplicate of a valid row could overwrite it with the stale value.
   token = jnp.where(row_ok, token, q_ref.shape[0])
-  head = kv_head * group_size + jnp.minimum(g, group_size - 1)
+  head = kv_head * group_size + g
   # Every index is an int array (no slices): one addressing form that both the
   # Triton lowering and interpret mode accept for masked gathers.
   d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]

@@ -43,7 +43,7 @@ class PrefillPlan:
   (decode rows, multi-token decode) are left out of `tiles` and get one tile
   each in `short_tiles` (row b: sequence b, or an unused tile), run by a
   second launch with `short_block_q` tokens per tile, so a decode row does
-  not pay for `block_q * group_pad` MMA rows. With `decode_rows`, sequences
+  not pay for a main tile's MMA rows. With `decode_rows`, sequences
   with `q_len == 1` go to the split-K decode kernel instead (memory-bound
   rows at the decode kernel's bandwidth; a short tile walks a long KV in
   one program).

@@ -79,7 +79,8 @@ CASES = [
          dtype=jnp.bfloat16),
     Case("f16_prompts_pair_g8_p8", "pair", 8, 8, (23, 8), (23, 3),
          dtype=jnp.float16),
-    # group_size 3 (not a power of two: padded to 4 rows per token).
+    # group_size 3 (not a power of two: heads packed densely, 21 tokens in
+    # 64 rows per tile).
     Case("g3_mixed_pool_p8_window", "pool", 3, 8, (26, 1, 9), (10, 1, 9),
          window_left=6, num_padding=2),
 ]
@@ -151,14 +152,14 @@ def test_kernel_interpret_matches_oracle(case):
   _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
 
 
-def _direct(case, p, q, q_indptr, sinks, config, plan=None):
+def _direct(case, p, q, q_indptr, sinks, config, plan=None, interpret=True):
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   return kernel.paged_prefill(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(q_indptr), jnp.asarray(p.kv_lens),
       None if sinks is None else jnp.asarray(sinks), causal=case.causal,
       sm_scale=1 / np.sqrt(HEAD_DIM), window_left=case.window_left,
-      logits_soft_cap=case.logits_soft_cap, interpret=True, config=config,
+      logits_soft_cap=case.logits_soft_cap, interpret=interpret, config=config,
       plan=plan)
 
 
@@ -167,10 +168,11 @@ _C = kernel.Config
 CONFIG_CASES = [
     # block_k == page_size: one page per KV tile (strided loads, scalar table
     # read); single loop that masks every tile; token-order plan; kv heads
-    # inner launch order; libdevice exp2.
-    (Case("within_page_1loop_pair_g4_p16", "pair", 4, 16, (40, 17, 1),
+    # inner launch order; libdevice exp2; group 3 with 5 tokens a tile (15
+    # of 16 rows used).
+    (Case("within_page_1loop_pair_g3_p16", "pair", 3, 16, (40, 17, 1),
           (40, 3, 1), num_padding=2),
-     _C(block_q=4, block_k=16, single_loop=True, longest_first=False,
+     _C(block_q=5, block_k=16, single_loop=True, longest_first=False,
         short_block_q=0, heads_outer=False, fast_exp2=False)),
     # block_k < page_size: half pages; window edge loops; short-tile launch.
     (Case("half_page_window_pool_g8_p32", "pool", 8, 32, (70, 1, 33),
@@ -189,6 +191,39 @@ CONFIG_CASES = [
 def test_kernel_configs_match_oracle(case, config):
   p, q, q_indptr, sinks = _build(case, seed=2)
   out, lse = _direct(case, p, q, q_indptr, sinks, config)
+  _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
+
+
+# On the GPU (in bf16 / f16: f32 dots may run in TF32 there): the 16-bit
+# cases, a mixed batch and group 3 of the list above, plus groups that are
+# not powers of two on longer, unaligned prompts.
+GPU_CASES = [
+    c if c.dtype != jnp.float32 else
+    dataclasses.replace(c, name=c.name + "_bf16", dtype=jnp.bfloat16)
+    for c in CASES if c.dtype != jnp.float32 or c.group_size == 3 or
+    c.name.startswith("mixed")] + [
+    Case("g3_prompts_pool_p16", "pool", 3, 16, (1024, 700, 1, 129),
+         (1024, 129, 1, 129), num_padding=3, dtype=jnp.bfloat16),
+    Case("g5_chunked_pair_p16_softcap", "pair", 5, 16, (4095, 200, 7),
+         (300, 7, 7), logits_soft_cap=30.0, dtype=jnp.bfloat16),
+    Case("g6_flashinfer_p8_sinks", "flashinfer", 6, 8, (130, 64, 1),
+         (129, 64, 1), sinks=True, num_padding=5, dtype=jnp.float16),
+    Case("g7_window_pool_p32", "pool", 7, 32, (300, 77), (300, 77),
+         window_left=100, dtype=jnp.bfloat16),
+]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_kernel_matches_oracle_gpu(case):
+  """The Triton kernel compiled for the GPU (default tiles: groups packed
+  densely, 42 tokens of group 3 a tile) against the float64 oracle, with NaN
+  in every page a sequence does not own and past kv_len."""
+  p, q, q_indptr, sinks = _build(case, seed=5)
+  config = _C.default_for(
+      group_size=case.group_size, head_dim=HEAD_DIM, page_size=case.page_size,
+      dtype=case.dtype, window_left=case.window_left, backend="triton")
+  out, lse = _direct(case, p, q, q_indptr, sinks, config, interpret=False)
   _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
 
 
@@ -240,8 +275,16 @@ def test_plan_covers_every_token_once():
 def test_config_validation():
   with pytest.raises(NotImplementedError):
     _C(block_q=2, block_k=64).validate(group_size=4)  # 8 rows < 16
-  with pytest.raises(ValueError):
-    _C(block_q=24, block_k=64).validate(group_size=1)
+  with pytest.raises(NotImplementedError, match="short_block_q"):
+    _C(block_q=8, short_block_q=2).validate(group_size=3)  # 8 rows < 16
+  with pytest.raises(ValueError, match="block_k"):
+    _C(block_q=16, block_k=48).validate(group_size=1)
+  with pytest.raises(ValueError, match="block_q"):
+    _C(block_q=0).validate(group_size=8)
+  _C(block_q=24, block_k=64).validate(group_size=1)  # 32 rows, 8 unused
+  assert kernel.tile_rows(42, 3) == 128 and kernel.tile_rows(5, 3) == 16
+  assert _C.default_for(group_size=3, head_dim=64, page_size=16,
+                        dtype=jnp.bfloat16, backend="triton").block_q == 42
   _C.default_for(group_size=6, head_dim=128, page_size=16,
                  dtype=jnp.bfloat16).validate(group_size=6)
 
