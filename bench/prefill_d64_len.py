@@ -17,8 +17,9 @@ sequences), the Mosaic-GPU kernel also with two consumer warpgroups
 same pages; writes `prefill_d64_len_short_<device>.json`.
 
 With `--sweep`: the Triton kernel's tiling around its default (query rows
-per tile, keys per step, warps, stages, launch order) at 512 / 1,024
-tokens with FlashInfer FA3 beside it; writes `prefill_d64_sweep_<device>`.
+per tile, keys per step, warps, stages, launch order) at 256 / 512 /
+1,024 tokens with FlashInfer FA3 beside it; writes
+`prefill_d64_sweep_<device>`.
 
   python bench/prefill_d64_len.py [--short | --sweep] [--heads smollm2]
 """
@@ -48,11 +49,12 @@ SHORT_SHAPES = [(64, 256), (32, 512), (16, 1024)]
 def sweep_configs(base):
   """The Triton kernel's tiling around `base`: half / twice the query
   rows per tile (8 warps for twice), 32 / 128 keys per step, 8 warps, 2
-  stages, kv heads inner."""
+  stages, kv heads inner; 32 keys per step on 4 stages."""
   r = dataclasses.replace
   return [r(base, block_q=base.block_q // 2),
           r(base, block_q=base.block_q * 2, num_warps=8),
-          r(base, block_k=32), r(base, block_k=128, num_stages=2),
+          r(base, block_k=32), r(base, block_k=32, num_stages=4),
+          r(base, block_k=128, num_stages=2),
           r(base, num_warps=8), r(base, num_stages=2),
           r(base, heads_outer=False)]
 
@@ -64,7 +66,7 @@ def main():
                     help="256..1,024-token prompts, two-consumer Mosaic "
                          "and FlashInfer FA3 too")
   mode.add_argument("--sweep", action="store_true",
-                    help="the Triton kernel's tiling at 512 / 1,024 tokens")
+                    help="the Triton kernel's tiling at 256..1,024 tokens")
   ap.add_argument("--heads", choices=("all", "llama32_1b", "smollm2"),
                   default="all", help="which head shapes (default both)")
   args = ap.parse_args()
@@ -90,7 +92,7 @@ def main():
     shapes = SHORT_SHAPES if args.short else SHAPES
     if args.sweep:
       configs = [configs[0]] + sweep_configs(configs[0])
-      shapes = SHORT_SHAPES[1:]
+      shapes = SHORT_SHAPES
     for b, s in shapes:
       bp.run_spec(f"causal_b{b}_s{s}_p16_{hq}_{hkv}_{d}", [s] * b, [s] * b,
                   16, configs, with_xla=False, with_mha=False, rows=rows,

@@ -204,12 +204,18 @@ class Config:
     `MOSAIC_D64_MIN_TOKENS` new tokens per sequence (`num_tokens >= 2048 *
     batch_size`; both static, unknown = below), with 192 tokens per tile
     (three consumer warpgroups passing a token, as FlashAttention-3 at
-    head_dim 64). Kernel time against the Triton kernel, causal, page 16,
-    H100, 2026-11-25 (bench/results/prefill_d64_len_*.json): 0.95 / 0.81 /
-    0.69x at 1,024 / 2,048 / 8,192 tokens per sequence with SmolLM2's
-    9/3 heads, 1.13 / 0.95 / 0.83x with Llama-3.2-1B's 32/8; in the engine
-    (1,024-token prompts, 8,192-token steps) a tie on prefill tok/s with
-    some 5 s more of warm-up compilation. FP8 pages
+    head_dim 64). Kernel time against the Triton kernel (its group packed
+    densely), causal, page 16, H100, 2026-11-26
+    (bench/results/prefill_d64_len_*.json): 1.07 / 0.985 / 0.82x at 1,024
+    / 2,048 / 8,192 tokens per sequence with SmolLM2's 9/3 heads, 1.14 /
+    0.94 / 0.83x with Llama-3.2-1B's 32/8; below 1,024 tokens the Triton
+    kernel's lead grows (`prefill_d64_len_short_*.json`): the Mosaic
+    kernel's lse takes an XLA transpose and scatter (5.3-5.7 us a call,
+    `prefill_call_breakdown_*.json`), and it holds a whole SM's registers,
+    so one CTA per SM pays each short tile's pipeline fill alone (a
+    reading, not profiled). In the engine
+    (1,024-token prompts, 8,192-token steps, 2026-11-25) a tie on prefill
+    tok/s with some 5 s more of warm-up compilation. FP8 pages
     read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
     at either head_dim: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
