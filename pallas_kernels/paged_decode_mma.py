@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +88,7 @@ from jax import lax
 
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import _mgpu_async
+from pkvattn.pallas_kernels import _ptx
 from pkvattn.pallas_kernels._compat import pl
 
 WARPS = 4          # warps per CTA (one warpgroup)
@@ -137,11 +137,6 @@ def default_tiles(head_dim: int) -> int:
 
 
 # ---------------------------------------------------------------- MLIR helpers
-
-def _ptx_f32(x: float) -> str:
-  """A float32 immediate in PTX's hex form (`0fXXXXXXXX`)."""
-  return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
-
 
 def _mlir():
   from jax._src.lib.mlir import ir  # noqa: PLC0415
@@ -225,7 +220,7 @@ class _Ops:
   def bf16_f16(self, x):
     """A bf16x2 word -> f16x2, each value clamped to +-65504 first (NaN
     stays NaN), as `_fp8.query_for_dots`."""
-    m, n = _ptx_f32(F16_MAX), _ptx_f32(-F16_MAX)
+    m, n = _ptx.f32(F16_MAX), _ptx.f32(-F16_MAX)
     return _asm(
         "{\n.reg .b32 lo, hi;\nshl.b32 lo, $1, 16;\n"
         "and.b32 hi, $1, 0xffff0000;\n"

@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +57,7 @@ from jax import lax
 
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import _fp8
+from pkvattn.pallas_kernels import _ptx
 from pkvattn.pallas_kernels import paged_prefill_mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
 from pkvattn.pallas_kernels._compat import pl
@@ -82,11 +82,6 @@ def tile_rows(block_q: int, group_size: int) -> int:
   return pl.next_power_of_2(block_q * group_size)
 
 
-def _ptx_f32(x: float) -> str:
-  """A float32 immediate in PTX's hex form (`0fXXXXXXXX`)."""
-  return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
-
-
 def _exp2(x, fast: bool):
   """2**x (f32); `fast`: one `ex2.approx.ftz.f32` (results < 2**-126 -> 0)."""
   if not fast:
@@ -102,7 +97,7 @@ def _exp2_fma(x, scale: float, shift, fast: bool):
   if not fast:
     return jnp.exp2(x * scale + shift)
   [y] = plgpu.elementwise_inline_asm(
-      "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, " + _ptx_f32(scale)
+      "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, " + _ptx.f32(scale)
       + ", $2; ex2.approx.ftz.f32 $0, t; }",
       args=[x, shift], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
