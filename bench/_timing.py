@@ -6,6 +6,7 @@ bytes per second), compute in TFLOP/s (1e12 FLOP per second).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
@@ -129,6 +130,19 @@ def gpu_stream_events(thunks) -> list[tuple[str, int]]:
   """`(name, duration_ns)` of `gpu_trace_events(thunks)`: GPU time without
   launch gaps or host time."""
   return [(name, dur) for _, dur, name in gpu_trace_events(thunks)]
+
+
+def kernel_groups(events, per: float, name_len: int = 80):
+  """`gpu_stream_events` grouped by kernel name (cut at its first `(` and
+  to `name_len` characters): `[(name, launches / per, us / per)]`, most
+  time first. `per`: the calls (or steps) the events cover."""
+  groups = collections.defaultdict(lambda: [0, 0.0])
+  for name, ns in events:
+    key = name.split("(")[0][:name_len]
+    groups[key][0] += 1
+    groups[key][1] += ns / 1e3
+  return sorted(((k, n / per, t / per) for k, (n, t) in groups.items()),
+                key=lambda r: -r[2])
 
 
 def device_kernel_ms(fn, make_args, calls: int = 3) -> float:

@@ -29,7 +29,6 @@ Results: JSON `bench/results/serving_<model>.json` (and $OUT).
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import os
@@ -85,13 +84,7 @@ def kernel_breakdown(engine: Engine, top: int = 12):
   events = _timing.gpu_stream_events(
       [lambda a=a: prog["step"](*a) for a in args])
   per = len(args) * prog["per"]
-  groups = collections.defaultdict(lambda: [0, 0.0])
-  for name, ns in events:
-    key = name.split("(")[0][:60]
-    groups[key][0] += 1
-    groups[key][1] += ns / 1e3
-  rows = sorted(([k, n / per, t / per] for k, (n, t) in groups.items()),
-                key=lambda r: -r[2])
+  rows = _timing.kernel_groups(events, per, name_len=60)
   total = sum(r[2] for r in rows)
   return dict(gpu_us_per_step=total,
               kernels_per_step=sum(r[1] for r in rows),

@@ -43,7 +43,6 @@ Usage: `python bench/decode_step_ab.py [--variants a,b] [--no-extras]`
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
 import gzip
@@ -205,13 +204,7 @@ def decode_state(mcfg, cfg, num_prompts):
 
 
 def breakdown(events, per):
-  groups = collections.defaultdict(lambda: [0, 0.0])
-  for name, ns in events:
-    key = name.split("(")[0][:80]
-    groups[key][0] += 1
-    groups[key][1] += ns / 1e3
-  rows = sorted(([k, n / per, t / per] for k, (n, t) in groups.items()),
-                key=lambda r: -r[2])
+  rows = _timing.kernel_groups(events, per, name_len=80)
   return dict(gpu_us_per_step=sum(r[2] for r in rows),
               kernels_per_step=sum(r[1] for r in rows),
               kernels=[dict(kernel=k, count=round(c, 3), us=round(t, 3))

@@ -24,7 +24,6 @@ Writes `bench/results/prefill_call_breakdown_<device>.json` (and under
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -50,10 +49,7 @@ def breakdown(fn, args) -> dict[str, float]:
   """GPU time per kernel name of one `fn(*args)` call, us."""
   jax.block_until_ready(fn(*args))
   events = _timing.gpu_stream_events([lambda: fn(*args)] * CALLS)
-  by = collections.defaultdict(float)
-  for name, ns in events:
-    by[name] += ns / CALLS / 1e3
-  return dict(by)
+  return {name: us for name, _, us in _timing.kernel_groups(events, CALLS)}
 
 
 def configs(heads):

@@ -17,7 +17,6 @@ Usage: `python bench/trace_kernels.py [target ...]` (default: all).
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import time
@@ -108,17 +107,14 @@ def trace(name: str) -> dict:
   for _ in range(CALLS):
     jax.block_until_ready(fn())
   wall_us = (time.perf_counter() - t0) / CALLS * 1e6
-  groups = collections.defaultdict(lambda: [0, 0.0])
-  for ev_name, ns in _timing.gpu_stream_events([fn] * CALLS):
-    key = ev_name.split("(")[0][:70]
-    groups[key][0] += 1
-    groups[key][1] += ns / 1e3
-  total = sum(t for _, t in groups.values()) / CALLS
-  count = sum(n for n, _ in groups.values()) / CALLS
+  rows = _timing.kernel_groups(
+      _timing.gpu_stream_events([fn] * CALLS), CALLS, name_len=70)
+  total = sum(t for _, _, t in rows)
+  count = sum(n for _, n, _ in rows)
   print(f"{name}: wall {wall_us:.1f} us/call, kernels {count:.0f}/call, "
         f"device time {total:.1f} us/call", flush=True)
-  for key, (n, t) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:12]:
-    print(f"   {t / CALLS:9.1f} us  {n / CALLS:5.0f}x  {key}")
+  for key, n, t in rows[:12]:
+    print(f"   {t:9.1f} us  {n:5.0f}x  {key}")
   return dict(target=name, wall_us=wall_us, kernels_per_call=count,
               device_us=total)
 

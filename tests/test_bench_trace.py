@@ -63,6 +63,32 @@ def test_event_spans_split_at_idle_gaps():
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
 
 
+def test_kernel_groups_sum_by_name_per_call():
+  # Random launches of a few kernels (names with and without a "(...)"
+  # suffix), shuffled: per name, launches and us divided by `per`, most
+  # time first, names cut at "(" and to `name_len`.
+  from bench import _timing  # noqa: PLC0415
+  rng = np.random.default_rng()
+  names = ["fusion_a", "paged_prefill_bq42", "x" * 90]
+  events, want = [], {}
+  for name in names:
+    for _ in range(int(rng.integers(1, 20))):
+      ns = int(rng.integers(1_000, 100_000))
+      suffix = "(id=%d)" % rng.integers(9) if rng.random() < 0.5 else ""
+      events.append((name + suffix, ns))
+      n, us = want.get(name[:80], (0, 0.0))
+      want[name[:80]] = (n + 1, us + ns / 1e3)
+  rng.shuffle(events)
+  per = int(rng.integers(1, 5))
+  got = _timing.kernel_groups(events, per, name_len=80)
+  assert [us for _, _, us in got] == sorted((us for _, _, us in got),
+                                           reverse=True)
+  assert {k for k, _, _ in got} == set(want)
+  for key, n, us in got:
+    assert n == want[key][0] / per
+    np.testing.assert_allclose(us, want[key][1] / per, rtol=1e-12)
+
+
 def test_decode_layers_program_chains_its_layers():
   # bench/decode_layers.py's one-program form of L decode layers: each
   # layer's q depends on the last layer's output (so XLA can neither drop
