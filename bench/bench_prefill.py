@@ -370,6 +370,8 @@ def run_spec(name, q_lens, kv_lens, page_size, configs, *, with_xla, with_mha,
             f"s{cfg.num_stages}") + (" 1loop" if cfg.single_loop else "")
            + (f" {cfg.mosaic_schedule}" if cfg.backend == "mosaic" and
               cfg.mosaic_schedule != "pingpong" else "")
+           + (" pack" if cfg.mosaic_pack_gqa else "")
+           + (" persist" if cfg.mosaic_persistent else "")
            + ("" if cfg.longest_first else " tokenorder")
            + ("" if cfg.heads_outer else " headsinner")
            + ("" if cfg.fast_exp2 else " libdevice-exp2")

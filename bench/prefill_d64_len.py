@@ -1,6 +1,6 @@
 """Head_dim-64 prefill by tokens per sequence: the Pallas-Triton kernel
-against the three-consumer Mosaic-GPU kernel (the basis of
-`paged_prefill.MOSAIC_D64_MIN_TOKENS`).
+against the Mosaic-GPU kernel (the basis of
+`paged_prefill.MOSAIC_D64_MIN_TOKENS` and `MOSAIC_D64_PACKED_MIN_TOKENS`).
 
 Causal prompts of 1,024 / 2,048 / 8,192 tokens (16 / 8 / 2 sequences, page
 16) with Llama-3.2-1B (32/8/64) and SmolLM2 (9/3/64) heads, each config
@@ -10,6 +10,10 @@ kernel also runs 32-token tiles (`128 // next_pow2(group)`): the tile count
 and rows of its earlier layout, each token padded to 4 rows, against the
 default's 42 tokens in 128 rows. Writes
 `bench/results/prefill_d64_len_<device>.json`.
+
+Every mode also runs the Mosaic kernel persistent (`Config.mosaic_persistent`:
+one CTA per SM) and with the GQA group packed into its tile rows
+(`Config.mosaic_pack_gqa`), with three and two consumers.
 
 With `--short`: prompts of 256 / 512 / 1,024 tokens (64 / 32 / 16
 sequences), the Mosaic-GPU kernel also with two consumer warpgroups
@@ -89,6 +93,18 @@ def main():
       configs.append(dataclasses.replace(
           configs[-1], block_q=pp.paged_prefill_mgpu.tile_q(2),
           mosaic_schedule="pingpong"))
+    # The Mosaic kernel persistent (one CTA per SM), and with the GQA group
+    # packed into its tile rows: three consumers (ring) and two (ping-pong),
+    # persistent or not.
+    g = hq // hkv
+    mosaic3 = pp.Config.default_for(**kw, backend="mosaic")
+    configs.append(dataclasses.replace(mosaic3, mosaic_persistent=True))
+    configs += [dataclasses.replace(
+        mosaic3, mosaic_pack_gqa=True,
+        block_q=pp.paged_prefill_mgpu.tile_q(n, g), mosaic_schedule=sched,
+        mosaic_persistent=per)
+                for n, sched, per in ((3, "ring", True), (2, "pingpong", True),
+                                      (2, "pingpong", False))]
     shapes = SHORT_SHAPES if args.short else SHAPES
     if args.sweep:
       configs = [configs[0]] + sweep_configs(configs[0])

@@ -45,33 +45,33 @@ SWIZZLE = 128     # bytes per swizzled row of a tile
 TILE_ROWS = 8
 
 
-def _mlir():
+def mlir():
   """(ir, arith, llvm) of the MLIR bindings jax ships."""
   from jax._src.lib.mlir import ir  # noqa: PLC0415
   from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
   return ir, arith, llvm
 
 
-def _asm(text: str, operands, constraints: str, result=None):
-  ir, _, llvm = _mlir()
+def asm(text: str, operands, constraints: str, result=None):
+  ir, _, llvm = mlir()
   ty = result if result is not None else ir.Type.parse("!llvm.void")
   return llvm.inline_asm(ty, list(operands), text, constraints,
                          has_side_effects=True)
 
 
-def _int(bits: int):
-  ir, _, _ = _mlir()
+def int_type(bits: int):
+  ir, _, _ = mlir()
   return ir.IntegerType.get_signless(bits)
 
 
-def _i32(x: int):
+def const_i32(x: int):
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  return utils.c(x, _int(32))
+  return utils.c(x, int_type(32))
 
 
-def _i64(x: int):
+def const_i64(x: int):
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  return utils.c(x, _int(64))
+  return utils.c(x, int_type(64))
 
 
 def scalar(x):
@@ -86,20 +86,20 @@ def address(ref, bits: int):
   shared-window address of a shared-memory ref, 64 for the generic address
   of a global-memory one. (With `scalar`, shared with the per-thread RoPE +
   append kernel, `rope_append_mgpu`.)"""
-  _, _, llvm = _mlir()
+  _, _, llvm = mlir()
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  return llvm.ptrtoint(_int(bits), utils.memref_ptr(ref))
+  return llvm.ptrtoint(int_type(bits), utils.memref_ptr(ref))
 
 
-def _tid():
+def thread_index():
   """This thread's index in the CTA (i32)."""
-  return _asm("mov.u32 $0, %tid.x;", [], "=r", result=_int(32))
+  return asm("mov.u32 $0, %tid.x;", [], "=r", result=int_type(32))
 
 
-def _lane():
+def lane_index():
   """This thread's index in its warpgroup (i32)."""
-  _, arith, _ = _mlir()
-  return arith.remui(_tid(), _i32(WARPGROUP))
+  _, arith, _ = mlir()
+  return arith.remui(thread_index(), const_i32(WARPGROUP))
 
 
 def _splat():
@@ -117,16 +117,16 @@ def init_barriers(bars_ref, num_barriers: int):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def _init(ctx, bars):
     del ctx
-    _, arith, _ = _mlir()
+    _, arith, _ = mlir()
     base = address(bars, 32)
-    tid = _tid()
+    tid = thread_index()
     for i in range(num_barriers):
-      addr = arith.addi(base, _i32(8 * i))
-      _asm("{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n"
+      addr = arith.addi(base, const_i32(8 * i))
+      asm("{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n"
            f"@p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP};\n}}",
            [addr, tid], "r,r")
-    _asm("fence.mbarrier_init.release.cluster;", [], "")
-    _asm("bar.sync 0;", [], "")
+    asm("fence.mbarrier_init.release.cluster;", [], "")
+    asm("bar.sync 0;", [], "")
 
   _init(bars_ref)
 
@@ -140,14 +140,14 @@ def wait(bars_ref, index, parity):
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _splat(), _splat()))
   def _wait(ctx, bars, idx, par):
     del ctx
-    _, arith, _ = _mlir()
+    _, arith, _ = mlir()
     addr = arith.addi(address(bars, 32),
-                      arith.muli(scalar(idx), _i32(8)))
+                      arith.muli(scalar(idx), const_i32(8)))
     # PTX labels are local to their { } block (as CUTLASS's waits use).
-    _asm("{\n.reg .pred done;\nLAB_WAIT:\n"
+    asm("{\n.reg .pred done;\nLAB_WAIT:\n"
          "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
          "@!done bra LAB_WAIT;\n}", [addr, scalar(par)], "r,r")
-    _asm("fence.proxy.async.shared::cta;", [], "")
+    asm("fence.proxy.async.shared::cta;", [], "")
 
   _wait(bars_ref, index, parity)
 
@@ -194,49 +194,49 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
       _splat(), _splat(), _splat(), _splat(), *([_splat()] * n_pages)))
   def _copy(ctx, pool, stage, bars, slot_v, bar_v, head_v, row0_v, *page_v):
     del ctx
-    _, arith, _ = _mlir()
-    i64 = _int(64)
-    lane = _lane()
-    t_row = arith.divui(lane, _i32(row_chunks))      # row within a pass
-    cc = arith.remui(lane, _i32(row_chunks))         # chunk within a row
-    c_tile = arith.divui(cc, _i32(tile_chunks))      # column tile
-    c_in = arith.remui(cc, _i32(tile_chunks))        # chunk in tile row
+    _, arith, _ = mlir()
+    i64 = int_type(64)
+    lane = lane_index()
+    t_row = arith.divui(lane, const_i32(row_chunks))      # row within a pass
+    cc = arith.remui(lane, const_i32(row_chunks))         # chunk within a row
+    c_tile = arith.divui(cc, const_i32(tile_chunks))      # column tile
+    c_in = arith.remui(cc, const_i32(tile_chunks))        # chunk in tile row
     dst0 = arith.addi(address(stage, 32),
-                      arith.muli(scalar(slot_v), _i32(stage_bytes)))
+                      arith.muli(scalar(slot_v), const_i32(stage_bytes)))
     # Global address of (page 0, row 0, kv_head, chunk cc).
     src0 = arith.addi(
         address(pool, 64),
         arith.extui(i64, arith.addi(
-            arith.muli(scalar(head_v), _i32(head_dim * itemsize)),
-            arith.muli(cc, _i32(CHUNK)))))
-    pages64 = [arith.muli(arith.extui(i64, scalar(p)), _i64(page_bytes))
+            arith.muli(scalar(head_v), const_i32(head_dim * itemsize)),
+            arith.muli(cc, const_i32(CHUNK)))))
+    pages64 = [arith.muli(arith.extui(i64, scalar(p)), const_i64(page_bytes))
                for p in page_v]
     row0 = scalar(row0_v)
     for p in range(passes):
-      row = arith.addi(t_row, _i32(p * rows_per_pass))  # row of the tile
-      r = arith.remui(row, _i32(TILE_ROWS))
+      row = arith.addi(t_row, const_i32(p * rows_per_pass))  # row of the tile
+      r = arith.remui(row, const_i32(TILE_ROWS))
       tile = arith.addi(
-          arith.muli(arith.divui(row, _i32(TILE_ROWS)), _i32(col_tiles)),
+          arith.muli(arith.divui(row, const_i32(TILE_ROWS)), const_i32(col_tiles)),
           c_tile)
       dst = arith.addi(dst0, arith.addi(
-          arith.muli(arith.addi(arith.muli(tile, _i32(TILE_ROWS)), r),
-                     _i32(SWIZZLE)),
-          arith.muli(arith.xori(c_in, r), _i32(CHUNK))))
+          arith.muli(arith.addi(arith.muli(tile, const_i32(TILE_ROWS)), r),
+                     const_i32(SWIZZLE)),
+          arith.muli(arith.xori(c_in, r), const_i32(CHUNK))))
       first = p * rows_per_pass // rows_per_page
       last = ((p + 1) * rows_per_pass - 1) // rows_per_page
       page = pages64[first]
       for c in range(first + 1, last + 1):   # a pass over several pages
         later = arith.cmpi(arith.CmpIPredicate.uge, row,
-                           _i32(c * rows_per_page))
+                           const_i32(c * rows_per_page))
         page = arith.select(later, pages64[c], page)
-      in_page = arith.addi(row0, arith.remui(row, _i32(rows_per_page)))
+      in_page = arith.addi(row0, arith.remui(row, const_i32(rows_per_page)))
       src = arith.addi(arith.addi(src0, page), arith.extui(
-          i64, arith.muli(in_page, _i32(row_bytes))))
-      _asm("cp.async.cg.shared.global [$0], [$1], 16;", [dst, src], "r,l")
-    bar = arith.addi(address(bars, 32), arith.muli(scalar(bar_v), _i32(8)))
+          i64, arith.muli(in_page, const_i32(row_bytes))))
+      asm("cp.async.cg.shared.global [$0], [$1], 16;", [dst, src], "r,l")
+    bar = arith.addi(address(bars, 32), arith.muli(scalar(bar_v), const_i32(8)))
     # Arrives once this thread's copies so far have landed; `.noinc`: the
     # arrival is one of the barrier's 128 expected ones.
-    _asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", [bar], "r")
+    asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", [bar], "r")
 
   _copy(pool_ref, stage_ref, bars_ref, slot, bar_index, kv_head, row0,
         *pages)

@@ -69,8 +69,11 @@ DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # `Config.fp8_pages == "auto"`: FP8 pages are dequantized before the launch
 # from this many query rows (tokens x group) per sequence.
 DEQUANTIZE_MIN_ROWS = 1024
-# `Config.default_for` at head_dim 64 on Hopper: the Mosaic-GPU kernel from
-# this many new tokens per sequence (the Pallas-Triton kernel below).
+# `Config.default_for` at head_dim 64 on Hopper: the Mosaic-GPU kernel with
+# the GQA group packed into its rows, persistent, from this many new tokens
+# per sequence (the Pallas-Triton kernel below) ...
+MOSAIC_D64_PACKED_MIN_TOKENS = 1024
+# ... and its three-consumer form, one query head per CTA, from this many.
 MOSAIC_D64_MIN_TOKENS = 2048
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -144,8 +147,15 @@ class Config:
       way.
     mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
       (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
-      "ring" (a token passed around the consumers; required with 192-token
-      tiles).
+      "ring" (a token passed around the consumers; required with three).
+    mosaic_pack_gqa: the Mosaic-GPU kernel packs the GQA group into its
+      tile rows (`paged_prefill_mgpu(pack_gqa=True)`): a consumer's 64
+      rows are `64 // group_size` tokens of every head of the group, so
+      `block_q` is `tile_q(n, group_size)` (42 tokens at group 3 with two
+      consumers) and tiles start at any token (`plan_align` 1).
+    mosaic_persistent: the Mosaic-GPU kernel runs one CTA per SM, each
+      taking every num_sms-th (head, tile) item with its K/V ring running
+      on across items (`paged_prefill_mgpu(persistent=True)`).
     split_decode_rows: sequences with q_len == 1 (the decode rows of a mixed
       batch) run through the split-K decode kernel (`paged_decode`) instead
       of a short tile: a memory-bound row streams its KV across several
@@ -181,6 +191,8 @@ class Config:
   split_decode_rows: bool = True
   fp8_pages: str = "auto"
   mosaic_schedule: str = "pingpong"
+  mosaic_pack_gqa: bool = False
+  mosaic_persistent: bool = False
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
@@ -203,14 +215,20 @@ class Config:
     densely), causal, page 16, H100, 2026-11-26
     (bench/results/prefill_d64_len_*.json): 1.07 / 0.985 / 0.82x at 1,024
     / 2,048 / 8,192 tokens per sequence with SmolLM2's 9/3 heads, 1.14 /
-    0.94 / 0.83x with Llama-3.2-1B's 32/8; below 1,024 tokens the Triton
-    kernel's lead grows (`prefill_d64_len_short_*.json`): the Mosaic
-    kernel's lse takes an XLA transpose and scatter (5.3-5.7 us a call,
-    `prefill_call_breakdown_*.json`), and it holds a whole SM's registers,
-    so one CTA per SM pays each short tile's pipeline fill alone (a
-    reading, not profiled). In the engine
-    (1,024-token prompts, 8,192-token steps, 2026-11-25) a tie on prefill
-    tok/s with some 5 s more of warm-up compilation. FP8 pages
+    0.94 / 0.83x with Llama-3.2-1B's 32/8. From
+    `MOSAIC_D64_PACKED_MIN_TOKENS` (1,024) new tokens per sequence to 2,048
+    it runs with the GQA group packed into the rows of two consumers
+    (`mosaic_pack_gqa`: 42 tokens x 3 heads per tile at group 3) on one CTA
+    per SM (`mosaic_persistent`): per call 0.99 / 1.01-1.07x the Triton
+    kernel's speed at 512 / 1,024 tokens (kernel time 1.00 / 1.04-1.05x),
+    and 0.94x at 256; one CTA per tile is 0.90-0.94x at these lengths
+    (SmolLM2 heads, H200, 2026-11-26,
+    `prefill_d64_len_short_smollm2_NVIDIA_H200.json`,
+    `prefill_d64_len_smollm2_NVIDIA_H200.json`); at 2,048 tokens the
+    three-consumer form leads it (156 against 161 us a call). In the engine
+    (1,024-token prompts, 8,192-token steps, 2026-11-25) the three-consumer
+    form tied the Triton kernel on prefill tok/s with some 5 s more of
+    warm-up compilation. FP8 pages
     read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
     at either head_dim: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
@@ -234,13 +252,26 @@ class Config:
     if backend not in (None, "triton", "mosaic"):
       raise ValueError(f"Invalid backend: expected None, 'triton' or "
                        f"'mosaic', got {backend!r}")
-    long_rows = num_tokens is not None and (
-        num_tokens >= MOSAIC_D64_MIN_TOKENS * max(batch_size or 1, 1))
+    def per_seq_at_least(tokens):
+      return num_tokens is not None and (
+          num_tokens >= tokens * max(batch_size or 1, 1))
+    long_rows = per_seq_at_least(MOSAIC_D64_MIN_TOKENS)
+    packed = (head_dim == 64 and not long_rows and
+              per_seq_at_least(MOSAIC_D64_PACKED_MIN_TOKENS) and
+              group_size <= paged_prefill_mgpu.BLOCK_Q)
     if backend == "mosaic" or backend is None and (not interpret) and (
-        head_dim == 128 or head_dim == 64 and long_rows) and (
+        head_dim == 128 or head_dim == 64 and (long_rows or packed)) and (
         paged_prefill_mgpu.supports(
             dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
             window_left=window_left)):
+      if packed:
+        # Shorter prompts: the group in the rows of two consumers, one CTA
+        # per SM (a short tile's pipeline fill and epilogue overlap the
+        # next tile's loads).
+        return cls(block_q=paged_prefill_mgpu.tile_q(2, group_size),
+                   block_k=128, num_stages=2, short_block_q=short_block_q,
+                   short_block_k=128, backend="mosaic",
+                   mosaic_pack_gqa=True, mosaic_persistent=True)
       # head_dim 64: three consumers on 192-token tiles (half the matmul
       # per softmax element calls for more warpgroups to hide it).
       three = head_dim == 64
@@ -289,7 +320,23 @@ class Config:
   @property
   def plan_align(self) -> int:
     """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins."""
-    return paged_prefill_mgpu.ALIGN if self.backend == "mosaic" else 1
+    if self.backend != "mosaic":
+      return 1
+    return paged_prefill_mgpu.plan_align(self.mosaic_pack_gqa)
+
+  def mosaic_consumers(self, group_size: int) -> int:
+    """Consumer warpgroups of the Mosaic-GPU kernel that `block_q` gives
+    (`paged_prefill_mgpu.tile_q`); raises ValueError for any other."""
+    tiles = self._mosaic_tiles(group_size)
+    if self.block_q not in tiles:
+      raise ValueError(f"Invalid block_q for the mosaic backend: expected "
+                       f"one of {sorted(tiles)}, got {self.block_q}")
+    return tiles[self.block_q]
+
+  def _mosaic_tiles(self, group_size: int) -> dict[int, int]:
+    pack = group_size if self.mosaic_pack_gqa else 1
+    return {paged_prefill_mgpu.tile_q(n, pack): n
+            for n in paged_prefill_mgpu.CONSUMERS}
 
   def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
            window_left: int) -> plan_lib.PrefillPlan:
@@ -308,17 +355,19 @@ class Config:
       raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
                        f"{self.backend!r}")
     if self.backend == "mosaic":
-      tiles = {paged_prefill_mgpu.tile_q(n): n
-               for n in paged_prefill_mgpu.CONSUMERS}
-      if self.block_q not in tiles:
-        raise ValueError(f"Invalid block_q for the mosaic backend: expected "
-                         f"one of {sorted(tiles)}, got {self.block_q}")
+      if self.mosaic_pack_gqa and not 1 <= group_size <= (
+          paged_prefill_mgpu.BLOCK_Q):
+        raise ValueError(f"Invalid group_size for mosaic_pack_gqa: expected "
+                         f"1..{paged_prefill_mgpu.BLOCK_Q}, got {group_size}")
+      consumers = self.mosaic_consumers(group_size)
       if (self.mosaic_schedule not in paged_prefill_mgpu.SCHEDULES or
-          tiles[self.block_q] != 2 and self.mosaic_schedule != "ring"):
+          consumers != 2 and self.mosaic_schedule != "ring"):
+        three = self._mosaic_tiles(group_size)
+        three = [b for b, n in three.items() if n == 3]
         raise ValueError(
             f"Invalid mosaic_schedule: expected one of "
             f"{paged_prefill_mgpu.SCHEDULES} ('ring' with block_q="
-            f"{paged_prefill_mgpu.tile_q(3)}), got {self.mosaic_schedule!r} "
+            f"{three[0]}), got {self.mosaic_schedule!r} "
             f"with block_q={self.block_q}")
     if self.block_k < 1 or self.block_k & (self.block_k - 1):
       raise ValueError(f"Invalid block_k: expected a power of two, got "
@@ -699,11 +748,13 @@ def paged_prefill(
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None
   if fp8 and config.backend == "mosaic" and (
-      config.block_q != paged_prefill_mgpu.TILE_Q):
+      config.mosaic_consumers(group_size) != 2):
     # FP8 tiles read in the kernel are converted by the producer warpgroup,
     # which three consumers leave too few registers: two consumers.
-    config = dataclasses.replace(config, block_q=paged_prefill_mgpu.TILE_Q,
-                                 mosaic_schedule="pingpong")
+    config = dataclasses.replace(
+        config, block_q=paged_prefill_mgpu.tile_q(
+            2, group_size if config.mosaic_pack_gqa else 1),
+        mosaic_schedule="pingpong")
   scales = None
   if fp8:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
@@ -743,8 +794,9 @@ def paged_prefill(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
         block_kv=config.block_k, num_stages=config.num_stages,
         k_scale=k_scale, v_scale=v_scale,
-        num_consumers=config.block_q // paged_prefill_mgpu.BLOCK_Q,
-        schedule=config.mosaic_schedule)
+        num_consumers=config.mosaic_consumers(group_size),
+        schedule=config.mosaic_schedule, pack_gqa=config.mosaic_pack_gqa,
+        persistent=config.mosaic_persistent)
   else:
     out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
                num_warps=config.num_warps, num_stages=config.num_stages,

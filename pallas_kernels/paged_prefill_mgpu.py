@@ -8,15 +8,28 @@ consumer warpgroups, TMA loads into a ring of shared-memory stages, two
 consumer warpgroups whose matmuls alternate with each other's softmax) over
 FlashInfer's paged, ragged layout:
 
-* A CTA serves one query head and one plan tile of `tile_q(n)` = 64 n
+* An item is one query head and one plan tile of `tile_q(n)` = 64 n
   consecutive new tokens of one sequence (`plan.plan_prefill(block_q=...)`;
   with `align=8`, heaviest tiles first: a tile's rows start at its first
   token rounded down to 8, so TMA lands them on whole 8-row swizzle tiles;
   rows of other sequences are computed and never stored). n = 2 or 3
-  consumer warpgroups take 64 tokens each; one more (the producer) issues
-  TMA.
-  The grid is `(num_qo_heads, num_tiles)` with heads fastest, so the heads of
-  one GQA group run together and share the K/V they read through L2.
+  consumer warpgroups take 64 rows each; one more (the producer) issues
+  TMA. Items run heads fastest, so the heads of one GQA group run together
+  and share the K/V they read through L2.
+* `pack_gqa` (FlashAttention-3's PackGQA): an item is one kv head and a
+  tile of `tile_q(n, G)` tokens, and a consumer's 64 rows are 64 // G
+  tokens x the group's G query heads (row r: token r // G, head r % G). A
+  K/V stage then serves the whole group, and a causal tile's diagonal
+  spans 64 // G tokens instead of 64. Those rows are no TMA box: the
+  consumers load q and store the output and lse row by row, per thread
+  (`_mgpu_rows`), which also writes lse in place; tiles start at their
+  first token (`plan_align`).
+* One CTA per item, or with `persistent` one per SM, each taking every
+  num_sms-th item: the K/V ring runs on from one item into the next (step
+  i of an item whose first step is the CTA's global step g uses stage
+  (g + i) % num_stages), so the producer loads the next item's pages while
+  the consumers finish the last one, and a short tile's pipeline fill and
+  epilogue overlap other work.
 * A KV step is `block_kv` keys. The producer reads the step's page ids from
   the page table (scalars) and issues one TMA copy per page
   (`pool[page, rows, kv_head, :]` -> `[page_size, head_dim]` of the stage),
@@ -36,11 +49,12 @@ FlashInfer's paged, ragged layout:
   since 0 * NaN would otherwise reach the output.
 * Softmax in base 2 with the scale folded into the exponent (FA3); the
   optional soft cap is applied first; sinks join the denominator at the end.
-* Output rows are stored with TMA in a ladder of power-of-two row counts
-  (a tile's rows past its sequence's end belong to another sequence and must
-  not be written); `lse` goes to a per-tile scratch `[num_qo_heads,
-  num_tiles * tile_q(n)]` that the wrapper scatters to `[num_tokens,
-  num_qo_heads]` (a TMA box needs >= 16 bytes in its minor dimension).
+* Unpacked output rows are stored with TMA in a ladder of power-of-two row
+  counts (a tile's rows past its sequence's end belong to another sequence
+  and must not be written); `lse` goes to a per-tile scratch
+  `[num_qo_heads, num_tiles * tile_q(n)]` that the wrapper scatters to
+  `[num_tokens, num_qo_heads]` (a TMA box needs >= 16 bytes in its minor
+  dimension).
 
 FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
 FP8 staging ring and the producer warpgroup converts each staged tile to f16
@@ -54,7 +68,7 @@ the registers a third consumer would take.
 No sliding window (the consumers' barrier phases would have to skip the
 window's leading steps); `paged_prefill` keeps the Triton kernel for
 windows, f32, head_dim 256 and non-Hopper GPUs (`supports`), and by default
-for head_dim 64 with short prompts (see `Config.default_for`).
+for head_dim 64 below 1,024 new tokens per sequence (`Config.default_for`).
 """
 
 from __future__ import annotations
@@ -107,10 +121,28 @@ _CONSUMER_REGS = {(2, False): 232, (2, True): 224, (3, False): 160}
 _PRODUCER_REGS = {(2, False): 40, (2, True): 56, (3, False): 24}
 
 
-def tile_q(num_consumers: int) -> int:
+def tile_q(num_consumers: int, pack_group: int = 1) -> int:
   """Tokens per CTA (the plan's `block_q`) with `num_consumers` consumer
-  warpgroups of `BLOCK_Q` tokens each."""
-  return num_consumers * BLOCK_Q
+  warpgroups of `BLOCK_Q` rows each: `BLOCK_Q` tokens of one query head
+  (`pack_group` 1), or with a GQA group of `pack_group` heads packed into
+  the rows (`pack_gqa`), `BLOCK_Q // pack_group` tokens of all of them."""
+  return num_consumers * (BLOCK_Q // pack_group)
+
+
+def plan_align(pack_gqa: bool) -> int:
+  """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins;
+  the per-thread loads of packed tiles (`pack_gqa`) need none."""
+  return 1 if pack_gqa else ALIGN
+
+
+def _tile_transforms(head_dim: int, dtype):
+  """Tiling + swizzle of a `[rows, head_dim]` wgmma operand in shared
+  memory (rows of 128 bytes or more: the 128-byte swizzle)."""
+  plgpu = _mgpu()
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = 128 if head_dim * itemsize >= 128 else 64
+  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+          plgpu.SwizzleTransform(swizzle))
 
 
 def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
@@ -118,19 +150,27 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             logits_soft_cap: float | None, has_sinks: bool, group_size: int,
             block_kv: int, num_stages: int, fp8_stages: int = 0,
             q_from_bf16: bool = False, num_consumers: int = 2,
-            schedule: str = "pingpong"):
+            schedule: str = "pingpong", pack_gqa: bool = False,
+            num_ctas: int):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
+  from pkvattn.pallas_kernels import _mgpu_rows  # noqa: PLC0415
+  packed = pack_gqa
+  pack_group = group_size if packed else 1
+  # Rows per consumer: BLOCK_Q tokens of one head, or tq tokens x G heads.
+  tq = BLOCK_Q // pack_group
   rest = list(rest)
   sinks_ref = rest.pop(0) if has_sinks else None
   # FP8 pages: f32[2] = (k_scale, v_scale), read as scalars.
   scales_ref = rest.pop(0) if fp8_stages else None
   out_ref, lse_ref, scoped = rest
+  bufs, bars, free, sched, *fp8_bars = scoped
+  q_smem2, k_smem, v_smem, o_smem2, lse_smem2, *bufs = bufs
   if fp8_stages:
-    (q_smem2, k_smem, v_smem, o_smem2, lse_smem2, k8_smem,
-     v8_smem), bars, free, sched, (k8_bar, v8_bar) = scoped
-  else:
-    (q_smem2, k_smem, v_smem, o_smem2, lse_smem2), bars, free, sched = scoped
+    k8_smem, v8_smem, *bufs = bufs
+    (k8_bar, v8_bar), = fp8_bars
+  # Packed tiles with sinks: each row's sink logit, `f32[n, BLOCK_Q]`.
+  sink_smem2 = bufs.pop(0) if packed and has_sinks else None
   k_bar, v_bar, q_bar = bars
   k_free, v_free = free
   page_size = k_pool_ref.shape[1]
@@ -138,45 +178,68 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   dtype = q_ref.dtype
   f32 = jnp.float32
   i32 = jnp.int32
+  num_tiles = tiles_ref.shape[0]
+  # CTAs serve (head, tile) items: a query head, or a kv head when packed.
+  grid_heads = (q_ref.shape[1] // group_size) if packed else q_ref.shape[1]
+  num_items = grid_heads * num_tiles
 
-  head = lax.axis_index("heads")
-  tile = lax.axis_index("tiles")
+  cta = lax.axis_index("ctas")
   wg = lax.axis_index("wg")
-  seq = tiles_ref[tile, plan_lib.SEQ]
-  q_start = tiles_ref[tile, plan_lib.Q_START]
-  q_end = tiles_ref[tile, plan_lib.Q_END]
-  kv_len = tiles_ref[tile, plan_lib.KV_LEN]
-  pos_offset = tiles_ref[tile, plan_lib.POS_OFFSET]
+  # Items cta, cta + num_ctas, ... (one each when num_ctas == num_items):
+  # heads fastest, so the heads of one tile run side by side and share its
+  # K/V through L2, tiles in the plan's order (heaviest first).
+  my_items = lax.div(num_items - cta + (num_ctas - 1),
+                     jnp.array(num_ctas, i32))
   bkv = jnp.array(block_kv, i32)
-  # The plan (align=8) puts the tile's origin at q_start rounded down to 8
-  # rows (TMA into 8-row swizzle tiles); rows before q_start or at / past
-  # q_end belong to other sequences: computed, never stored.
-  origin = pl.multiple_of(q_start - lax.rem(q_start, jnp.array(ALIGN, i32)),
-                          ALIGN)
-
-  def wg_steps(w):
-    """(first row token, first / end valid row, KV steps, unmasked steps)."""
-    t0 = origin + w * BLOCK_Q
-    lo = jnp.clip(q_start - t0, 0, BLOCK_Q)
-    hi_row = jnp.clip(q_end - t0, lo, BLOCK_Q)
-    if causal:
-      hi = jnp.minimum(kv_len, t0 + hi_row + pos_offset)  # last pos + 1
-      full = jnp.minimum(kv_len, t0 + lo + pos_offset + 1)
-    else:
-      hi = full = kv_len
-    # The padding pseudo-sequence (kv_len 0) has negative positions: clamp,
-    # or a negative "unmasked" step count would run a step at index -1.
-    some = hi_row > lo
-    hi = jnp.where(some, jnp.maximum(hi, 0), 0)
-    full = jnp.where(some, jnp.maximum(full, 0), 0)
-    return t0, lo, hi_row, lax.div(hi + bkv - 1, bkv), lax.div(full, bkv)
-
-  # The producer loads every step some consumer needs; with causal masking
-  # a later warpgroup (later rows) needs at least as many as an earlier one.
   n_cons = num_consumers
-  total_steps = wg_steps(0)[3]
-  for w in range(1, n_cons):
-    total_steps = jnp.maximum(total_steps, wg_steps(w)[3])
+
+  class Item:
+    """This CTA's item t: its head, tile and the tile's plan row."""
+
+    def __init__(self, t):
+      w = cta + t * num_ctas
+      self.head = lax.rem(w, jnp.array(grid_heads, i32))
+      self.tile = lax.div(w, jnp.array(grid_heads, i32))
+      self.seq = tiles_ref[self.tile, plan_lib.SEQ]
+      self.q_start = tiles_ref[self.tile, plan_lib.Q_START]
+      self.q_end = tiles_ref[self.tile, plan_lib.Q_END]
+      self.kv_len = tiles_ref[self.tile, plan_lib.KV_LEN]
+      self.pos_offset = tiles_ref[self.tile, plan_lib.POS_OFFSET]
+      # The plan (align=8) puts the tile's origin at q_start rounded down
+      # to 8 rows (TMA into 8-row swizzle tiles); rows before q_start or at
+      # / past q_end belong to other sequences: computed, never stored.
+      # Packed tiles load their rows per thread and start at q_start.
+      if packed:
+        self.origin = self.q_start
+      else:
+        self.origin = pl.multiple_of(
+            self.q_start - lax.rem(self.q_start, jnp.array(ALIGN, i32)),
+            ALIGN)
+      # The producer loads every step some consumer needs; with causal
+      # masking a later warpgroup (later rows) needs at least as many.
+      total = self.wg_steps(0)[3]
+      for w in range(1, n_cons):
+        total = jnp.maximum(total, self.wg_steps(w)[3])
+      self.total_steps = total
+
+    def wg_steps(self, w):
+      """(first row token, first / end valid token, KV steps, unmasked
+      steps) of consumer w."""
+      t0 = self.origin + w * tq
+      lo = jnp.clip(self.q_start - t0, 0, tq)
+      hi_row = jnp.clip(self.q_end - t0, lo, tq)
+      if causal:
+        # last position + 1
+        hi = jnp.minimum(self.kv_len, t0 + hi_row + self.pos_offset)
+        full = jnp.minimum(self.kv_len, t0 + lo + self.pos_offset + 1)
+      else:
+        hi = full = self.kv_len
+      # The padding pseudo-sequence (kv_len 0) has negative positions:
+      # clamp, or a negative "unmasked" step count would run a step at -1.
+      some = hi_row > lo
+      hi = jnp.where(some, jnp.maximum(hi, 0), 0)
+      full = jnp.where(some, jnp.maximum(full, 0), 0)
+      return t0, lo, hi_row, lax.div(hi + bkv - 1, bkv), lax.div(full, bkv)
 
   def rendezvous():
     plgpu.barrier_arrive(sched)
@@ -196,7 +259,12 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     logit_scale = scales_ref[0]
     qk_scale = qk_scale * logit_scale
 
-  def softmax(s, i, t0, m, l, masked: bool):
+  # The K/V ring runs on across a CTA's items: step i of an item whose
+  # first step is global step g uses stage (g + i) % num_stages.
+  def stage(g, i):
+    return lax.rem(g + i, jnp.array(num_stages, i32))
+
+  def softmax(s, i, it, t0, m, l, masked: bool):
     """Online softmax of step i's logits: (m, l, P in the dot dtype, the
     factor alpha that rescales the accumulator)."""
     if logits_soft_cap is not None:
@@ -212,9 +280,13 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       row = plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.WGMMA)
       key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
       key = key + i * block_kv
-      vis = key < kv_len
-      if causal:
-        vis = vis & (key <= row + (t0 + pos_offset))
+      vis = key < it.kv_len
+      if causal and packed:
+        # Row r is token t0 + r // G: key <= pos + r // G <=> (key - pos)
+        # * G <= r (integers), with pos the position of token t0.
+        vis = vis & ((key - (t0 + it.pos_offset)) * pack_group <= row)
+      elif causal:
+        vis = vis & (key <= row + (t0 + it.pos_offset))
       s = jnp.where(vis, s, -jnp.inf)
     # Every valid row sees key 0 in step 0 (causal or not), so its m is
     # finite from the first step on and exp2(-inf - m) = 0 for masked
@@ -225,16 +297,19 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     l = l * alpha + p.sum(axis=1)
     return m_next, l, p.astype(dtype), alpha
 
-  def release(i):
-    """This consumer is done with step i's K and V stage."""
-    slot = lax.rem(i, num_stages)
+  def pass_stage(slot):
+    """A stage this consumer does not read: wait for it all the same (each
+    thread keeps a barrier's phase by counting its own waits, and the ring
+    runs on into the next item), then release it."""
+    plgpu.barrier_wait(k_bar.at[slot])
+    plgpu.barrier_wait(v_bar.at[slot])
     plgpu.barrier_arrive(k_free.at[slot])
     plgpu.barrier_arrive(v_free.at[slot])
 
   def rescale(acc, alpha):
     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-  def zero_stale_v(i, slot):
+  def zero_stale_v(i, slot, kv_len):
     # Stale V rows past kv_len (NaN in tests) would turn 0 * NaN into NaN:
     # zero them in shared memory. Several consumers may do this for the
     # same stage; they write identical values.
@@ -247,20 +322,20 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                               jnp.zeros((block_kv, head_dim), dtype))
       plgpu.commit_smem()
 
-  def pingpong(q_smem, t0, steps, full_steps, carry):
+  def pingpong(q_smem, it, g, t0, steps, full_steps, carry):
     """Two consumers in lock step (FA3's ping-pong): a step's QK^T, softmax
     and PV in turn, one warpgroup's matmuls alternating with the other's
     softmax."""
     @pl.when(steps > 0)
     def _():
-      plgpu.barrier_wait(k_bar.at[0])
+      plgpu.barrier_wait(k_bar.at[stage(g, 0)])
 
     # Offset the two consumers by one matmul: from here on their QK^T / PV
     # matmuls alternate with each other's softmax.
     pl.when(wg == 1)(rendezvous)
 
     def step(i, carry, masked: bool):
-      slot = lax.rem(i, num_stages)
+      slot = stage(g, i)
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem,
@@ -270,13 +345,13 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
       plgpu.barrier_arrive(k_free.at[slot])
       acc, m, l = carry
-      m_next, l, p16, alpha = softmax(s, i, t0, m, l, masked)
+      m_next, l, p16, alpha = softmax(s, i, it, t0, m, l, masked)
       acc = rescale(acc, alpha)
       acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
       plgpu.barrier_arrive(sched)  # softmax done
       plgpu.barrier_wait(v_bar.at[slot])
       if masked:
-        zero_stale_v(i, slot)
+        zero_stale_v(i, slot, it.kv_len)
       plgpu.barrier_wait(sched)  # the other consumer's matmul is issued
 
       def pv(acc_ref):
@@ -285,7 +360,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
         @pl.when(nxt < steps)
         def _():
-          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, num_stages)])
+          plgpu.barrier_wait(k_bar.at[stage(g, nxt)])
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_next, l
@@ -294,7 +369,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # Steps the other consumer needs and this one does not (causal: the
       # first warpgroup's rows end earlier): release the stage and keep the
       # ping-pong barrier in step.
-      release(i)
+      pass_stage(stage(g, i))
       rendezvous()
       rendezvous()
 
@@ -302,17 +377,18 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                           carry)
     carry = lax.fori_loop(full_steps, steps,
                           functools.partial(step, masked=True), carry)
-    lax.fori_loop(steps, total_steps, skip, None)
+    lax.fori_loop(steps, it.total_steps, skip, None)
     pl.when(wg == 0)(rendezvous)  # matches the second consumer's first one
     return carry
 
-  def ring(q_smem, t0, steps, full_steps, carry):
+  def ring(q_smem, it, g, t0, steps, full_steps, carry):
     """Any number of consumers passing a token (FA3's warp-scheduler
     barrier): a warpgroup issues QK^T of step i with PV of step i - 1 while
     it holds the token, passes it on, and runs step i's softmax while the
     others' matmuls run. Every warpgroup takes the token `total_steps + 1`
     times, in order: a first QK^T, `steps - 1` pairs, a last PV, then one
     empty turn per step it does not need."""
+    total_steps = it.total_steps
     # A warpgroup with no rows of its own still runs the first step (its
     # rows are never stored) so that every consumer's turns line up.
     steps = jnp.where(total_steps > 0, jnp.maximum(steps, 1), 0)
@@ -325,32 +401,33 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # K of step i + 1 before its QK^T.
       plgpu.barrier_wait(v_bar.at[slot])
       if masked:
-        zero_stale_v(i, slot)
+        zero_stale_v(i, slot, it.kv_len)
       nxt = i + 1
 
       @pl.when(nxt < steps)
       def _():
-        plgpu.barrier_wait(k_bar.at[lax.rem(nxt, num_stages)])
+        plgpu.barrier_wait(k_bar.at[stage(g, nxt)])
 
     def first_step(i, carry, masked: bool):
       # Step 0, without a PV.
       acc, m, l, _ = carry
+      slot = stage(g, 0)
 
       def qk(s_ref):
         take()
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
         give()
         return s_ref[...]
       s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), f32))
-      plgpu.barrier_arrive(k_free.at[0])
-      m, l, p16, _ = softmax(s, i, t0, m, l, masked)  # acc is 0
-      after_softmax(i, 0, masked)
+      plgpu.barrier_arrive(k_free.at[slot])
+      m, l, p16, _ = softmax(s, i, it, t0, m, l, masked)  # acc is 0
+      after_softmax(i, slot, masked)
       return acc, m, l, p16
 
     def step(i, carry, masked: bool):
       acc, m, l, p16 = carry
-      slot = lax.rem(i, num_stages)
-      prev = lax.rem(i + num_stages - 1, num_stages)
+      slot = stage(g, i)
+      prev = stage(g, i - 1)
 
       def matmuls(refs):
         s_ref, acc_ref = refs
@@ -363,14 +440,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                                       plgpu.ACC.init(acc)))
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_arrive(v_free.at[prev])
-      m, l, p16, alpha = softmax(s, i, t0, m, l, masked)
+      m, l, p16, alpha = softmax(s, i, it, t0, m, l, masked)
       acc = rescale(acc, alpha)
       after_softmax(i, slot, masked)
       return acc, m, l, p16
 
     def last_step(i, carry):
       acc, m, l, p16 = carry
-      slot = lax.rem(steps - 1, num_stages)
+      slot = stage(g, steps - 1)
 
       def pv(acc_ref):
         take()
@@ -383,19 +460,13 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     def skip(i, _):
       # A step another consumer needs and this one does not (causal: earlier
       # rows end earlier): release the stage, pass the token on.
-      release(i)
+      pass_stage(stage(g, i))
       take()
       give()
 
     @pl.when(first > 0)
     def _():
-      plgpu.barrier_wait(k_bar.at[0])
-
-    # The last consumer hands the first token to the first one, which takes
-    # back the last token at the end.
-    @pl.when(wg == n_cons - 1)
-    def _():
-      plgpu.barrier_arrive(sched.at[0])
+      plgpu.barrier_wait(k_bar.at[stage(g, 0)])
 
     acc, m, l = carry
     p16 = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), dtype),
@@ -414,7 +485,6 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                           functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(0, first, last_step, carry)
     lax.fori_loop(steps, total_steps, skip, None)
-    pl.when(wg == 0)(take)
     return carry[:3]
 
   @pl.when(wg < n_cons)
@@ -423,134 +493,193 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     plgpu.set_max_registers(_CONSUMER_REGS[(n_cons, bool(fp8_stages))],
                             action="increase")
     q_smem = q_smem2.at[wg]
-    t0, row_lo, row_hi, steps, full_steps = wg_steps(wg)
-    t0 = pl.multiple_of(t0, ALIGN)
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
-                            q_bar.at[wg])
-    plgpu.barrier_wait(q_bar.at[wg])
-    if q_from_bf16:
-      # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt per
-      # pair). q arrived as bf16 bits in an f16 buffer: convert it in place,
-      # clamped to f16's range.
-      x = _compat.mgpu_load(q_smem, plgpu.Layout.WGMMA)
-      q_smem[...] = _fp8.query_for_dots(
-          lax.bitcast_convert_type(x, jnp.bfloat16))
-      plgpu.commit_smem()
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
-    l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
-    acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, f32),
-                            plgpu.Layout.WGMMA)
-    run = ring if schedule == "ring" else pingpong
-    acc, m, l = run(q_smem, t0, steps, full_steps, (acc, m, l))
-
-    ok = l > 0.0
-    if has_sinks:
-      sink = sinks_ref[head] * _LOG2E
-      m_all = jnp.maximum(m, sink)
-      keep = jnp.exp2(m - m_all)
-      denom = l * keep + jnp.exp2(sink - m_all)
-      scale_out = keep / denom
-    else:
-      scale_out = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
-    if scales_ref is not None:
-      scale_out = scale_out * scales_ref[1]  # V's scale
-    out = acc * lax.broadcast_in_dim(scale_out, acc.shape, [0])
-    lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E) * _LN2,
-                    -jnp.inf)
     o_smem = o_smem2.at[wg]
     lse_smem = lse_smem2.at[wg]
-    o_smem[...] = out.astype(out_ref.dtype)
-    lse_smem[...] = lse
-    plgpu.commit_smem()
-    # Rows outside [row_lo, row_hi) belong to other sequences: store the
-    # valid ones as a ladder of power-of-two TMA boxes.
-    n = row_hi - row_lo
-    off = row_lo
-    size = BLOCK_Q
-    while size >= 1:
-      @pl.when((n & size) != 0)
-      def _(off=off, size=size):
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)],
-                                out_ref.at[pl.ds(t0 + off, size), head])
-      off = off + (n & size)
-      size //= 2
-    plgpu.copy_smem_to_gmem(
-        lse_smem, lse_ref.at[head, pl.ds(tile * tile_q(n_cons) + wg * BLOCK_Q,
-                                         BLOCK_Q)])
-    plgpu.wait_smem_to_gmem(0)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def run_item(t, g):
+      it = Item(t)
+      head = it.head
+      t0, row_lo, row_hi, steps, full_steps = it.wg_steps(wg)
+      # q_smem's last reader, the previous item's last QK^T, is done (its
+      # result was read before that item's last softmax).
+      if packed:
+        _mgpu_rows.load_q_rows(
+            q_ref, q_smem2, sinks_ref, sink_smem2, index=wg, t0=t0,
+            kv_head=head, group_size=pack_group,
+            transforms=_tile_transforms(head_dim, q_smem2.dtype))
+        plgpu.commit_smem()
+      else:
+        t0 = pl.multiple_of(t0, ALIGN)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
+                                q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+      if q_from_bf16:
+        # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt
+        # per pair). q arrived as bf16 bits in an f16 buffer: convert it in
+        # place, clamped to f16's range.
+        x = _compat.mgpu_load(q_smem, plgpu.Layout.WGMMA)
+        q_smem[...] = _fp8.query_for_dots(
+            lax.bitcast_convert_type(x, jnp.bfloat16))
+        plgpu.commit_smem()
+      m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
+      l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
+      acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, f32),
+                              plgpu.Layout.WGMMA)
+      run = ring if schedule == "ring" else pingpong
+      acc, m, l = run(q_smem, it, g, t0, steps, full_steps, (acc, m, l))
+
+      ok = l > 0.0
+      if has_sinks:
+        if packed:
+          sink = _compat.mgpu_load(sink_smem2.at[wg], row_layout) * _LOG2E
+        else:
+          sink = sinks_ref[head] * _LOG2E
+        m_all = jnp.maximum(m, sink)
+        keep = jnp.exp2(m - m_all)
+        denom = l * keep + jnp.exp2(sink - m_all)
+        scale_out = keep / denom
+      else:
+        scale_out = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
+      if scales_ref is not None:
+        scale_out = scale_out * scales_ref[1]  # V's scale
+      out = acc * lax.broadcast_in_dim(scale_out, acc.shape, [0])
+      lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E)
+                      * _LN2, -jnp.inf)
+      if not packed:
+        # The previous item's TMA stores must have read o_smem / lse_smem.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = out.astype(out_ref.dtype)
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      if packed:
+        _mgpu_rows.store_rows(o_smem2, lse_smem2, out_ref, lse_ref, index=wg,
+                              t0=t0, kv_head=head, row_lo=row_lo,
+                              row_hi=row_hi, group_size=pack_group)
+        return g + it.total_steps
+      # Rows outside [row_lo, row_hi) belong to other sequences: store the
+      # valid ones as a ladder of power-of-two TMA boxes.
+      n = row_hi - row_lo
+      off = row_lo
+      size = BLOCK_Q
+      while size >= 1:
+        @pl.when((n & size) != 0)
+        def _(off=off, size=size):
+          plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, size)],
+                                  out_ref.at[pl.ds(t0 + off, size), head])
+        off = off + (n & size)
+        size //= 2
+      plgpu.copy_smem_to_gmem(
+          lse_smem, lse_ref.at[head, pl.ds(
+              it.tile * tile_q(n_cons) + wg * BLOCK_Q, BLOCK_Q)])
+      return g + it.total_steps
+
+    if schedule == "ring":
+      # The last consumer hands the first token to the first one. Every
+      # consumer takes it equally often in an item, so it ends each item
+      # where it started; the first consumer takes back the last one. (A
+      # hand-over per item would let the last consumer arrive twice at the
+      # first one's barrier before it waits: a phase it would never see.)
+      pl.when(wg == n_cons - 1)(give)
+    lax.fori_loop(0, my_items, run_item, jnp.array(0, i32))
+    if schedule == "ring":
+      pl.when(wg == 0)(take)
+    if not packed:
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == n_cons)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGS[(n_cons, bool(fp8_stages))],
                             action="decrease")
-    kv_head = lax.div(head, jnp.array(group_size, i32))
-    last_page = jnp.maximum(lax.div(kv_len + page_size - 1,
-                                    jnp.array(page_size, i32)) - 1, 0)
     rows = min(page_size, block_kv)
     copies = block_kv // rows
 
-    def issue(i, slot, pool_ref, table_ref, smem, bar):
-      first = i * block_kv
-      for c in range(copies):
-        if page_size >= block_kv:
-          per_page = page_size // block_kv
-          page_idx = lax.div(i, jnp.array(per_page, i32))
-          r0 = pl.multiple_of(
-              lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
-        else:
-          page_idx = lax.div(first, jnp.array(page_size, i32)) + c
-          r0 = 0
-        page = table_ref[seq, jnp.minimum(page_idx, last_page)]
-        plgpu.copy_gmem_to_smem(
-            pool_ref.at[page, pl.ds(r0, rows), kv_head],
-            smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
+    def item_loads(it):
+      kv_head = it.head if packed else lax.div(it.head,
+                                               jnp.array(group_size, i32))
+      last_page = jnp.maximum(lax.div(it.kv_len + page_size - 1,
+                                      jnp.array(page_size, i32)) - 1, 0)
+
+      def issue(i, slot, pool_ref, table_ref, smem, bar):
+        first = i * block_kv
+        for c in range(copies):
+          if page_size >= block_kv:
+            per_page = page_size // block_kv
+            page_idx = lax.div(i, jnp.array(per_page, i32))
+            r0 = pl.multiple_of(
+                lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
+          else:
+            page_idx = lax.div(first, jnp.array(page_size, i32)) + c
+            r0 = 0
+          page = table_ref[it.seq, jnp.minimum(page_idx, last_page)]
+          plgpu.copy_gmem_to_smem(
+              pool_ref.at[page, pl.ds(r0, rows), kv_head],
+              smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
+      return issue
 
     if fp8_stages:
-      _fp8_producer(
-          lambda i, s8: issue(i, s8, k_pool_ref, k_table_ref, k8_smem, k8_bar),
-          lambda i, s8: issue(i, s8, v_pool_ref, v_table_ref, v8_smem, v8_bar),
-          total_steps, k_smem, v_smem, k8_smem, v8_smem, k_bar, v_bar, k8_bar,
-          v8_bar, k_free, v_free, num_stages=num_stages,
-          fp8_stages=fp8_stages)
+      def produce_fp8(t, g):
+        it = Item(t)
+        issue = item_loads(it)
+        return _fp8_producer(
+            lambda i, s8: issue(i, s8, k_pool_ref, k_table_ref, k8_smem,
+                                k8_bar),
+            lambda i, s8: issue(i, s8, v_pool_ref, v_table_ref, v8_smem,
+                                v8_bar),
+            it.total_steps, g, k_smem, v_smem, k8_smem, v8_smem, k_bar,
+            v_bar, k8_bar, v8_bar, k_free, v_free, num_stages=num_stages,
+            fp8_stages=fp8_stages)
+      lax.fori_loop(0, my_items, produce_fp8, jnp.array(0, i32))
       return
 
-    for j in range(num_stages):
-      @pl.when(j < total_steps)
-      def _(j=j):
-        issue(j, j, k_pool_ref, k_table_ref, k_smem, k_bar)
-        issue(j, j, v_pool_ref, v_table_ref, v_smem, v_bar)
+    def produce(t, g):
+      it = Item(t)
+      issue = item_loads(it)
 
-    def refill(i, _):
-      slot = lax.rem(i, num_stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      issue(i, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
-      plgpu.barrier_wait(v_free.at[slot])
-      issue(i, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
-    lax.fori_loop(num_stages, total_steps, refill, None)
+      def body(i, _):
+        gi = g + i
+        slot = lax.rem(gi, jnp.array(num_stages, i32))
+
+        @pl.when(gi >= num_stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        issue(i, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
+
+        @pl.when(gi >= num_stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        issue(i, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
+      lax.fori_loop(0, it.total_steps, body, None)
+      return g + it.total_steps
+    lax.fori_loop(0, my_items, produce, jnp.array(0, i32))
 
 
-def _fp8_producer(load_k, load_v, total_steps, k_smem, v_smem, k8_smem,
+def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
                   v8_smem, k_bar, v_bar, k8_bar, v8_bar, k_free, v_free, *,
                   num_stages: int, fp8_stages: int):
-  """The producer warpgroup with FP8 pages: TMA brings each step's pages
-  into FP8 staging rings (`fp8_stages` deep, one for K, one for V); the
-  warpgroup converts a staged tile to the dot dtype (f16), 64 rows at a time
-  (a 56-register budget), into the stage the consumers read, then arrives
-  on that stage's barrier, so the consumers run unchanged. A staging slot
-  is refilled right after its conversion (`commit_smem`: the warpgroup's
-  reads are done and ordered before the next TMA write), so the next K
-  load flies while V converts, and the next V load while K does."""
+  """The producer warpgroup's work for one item with FP8 pages: TMA brings
+  each step's pages into FP8 staging rings (`fp8_stages` deep, one for K,
+  one for V); the warpgroup converts a staged tile to the dot dtype (f16),
+  64 rows at a time (a 56-register budget), into the stage the consumers
+  read, then arrives on that stage's barrier, so the consumers run
+  unchanged. A staging slot is refilled right after its conversion
+  (`commit_smem`: the warpgroup's reads are done and ordered before the
+  next TMA write), so the next K load flies while V converts, and the next
+  V load while K does. `g`: the item's first global step (both rings run
+  on across items); returns the next item's."""
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   dtype = k_smem.dtype
   block_kv = k_smem.shape[1]
+  i32 = jnp.int32
 
-  def convert(src8, bar8, dst, bar, free, i, slot):
-    s8 = lax.rem(i, fp8_stages)
+  def convert(src8, bar8, dst, bar, free, i):
+    gi = g + i
+    s8 = lax.rem(gi, jnp.array(fp8_stages, i32))
+    slot = lax.rem(gi, jnp.array(num_stages, i32))
     plgpu.barrier_wait(bar8.at[s8])
 
-    @pl.when(i >= num_stages)
+    @pl.when(gi >= num_stages)
     def _():
       plgpu.barrier_wait(free.at[slot])
     for r in range(0, block_kv, 64):
@@ -559,31 +688,34 @@ def _fp8_producer(load_k, load_v, total_steps, k_smem, v_smem, k8_smem,
     plgpu.commit_smem()
     plgpu.barrier_arrive(bar.at[slot])
 
+  # A staging slot is free once its previous tile is converted, which this
+  # warpgroup did itself (in program order) before loading the next one.
   for j in range(fp8_stages):
     @pl.when(j < total_steps)
     def _(j=j):
-      load_k(j, j)
-      load_v(j, j)
+      s8 = lax.rem(g + j, jnp.array(fp8_stages, i32))
+      load_k(j, s8)
+      load_v(j, s8)
 
   def step(i, _):
-    slot = lax.rem(i, num_stages)
     later = i + fp8_stages
     for src8, bar8, dst, bar, free, load in (
         (k8_smem, k8_bar, k_smem, k_bar, k_free, load_k),
         (v8_smem, v8_bar, v_smem, v_bar, v_free, load_v)):
-      convert(src8, bar8, dst, bar, free, i, slot)
+      convert(src8, bar8, dst, bar, free, i)
 
       @pl.when(later < total_steps)
       def _(load=load):
-        load(later, lax.rem(later, fp8_stages))
+        load(later, lax.rem(g + later, jnp.array(fp8_stages, i32)))
   lax.fori_loop(0, total_steps, step, None)
+  return g + total_steps
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("causal", "sm_scale", "logits_soft_cap", "block_kv",
                      "num_stages", "fp8_stages", "num_consumers",
-                     "schedule"))
+                     "schedule", "pack_gqa", "persistent"))
 def paged_prefill_mgpu(
     q: jax.Array,         # [num_tokens, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -603,13 +735,16 @@ def paged_prefill_mgpu(
     fp8_stages: int = 1,
     num_consumers: int = 2,
     schedule: str = "pingpong",
+    pack_gqa: bool = False,
+    persistent: bool = False,
 ):
   """One Mosaic-GPU launch over the plan's main tiles (see module docstring).
 
   Semantics are `reference.paged_prefill_reference` without a window, for
   the tokens the `tiles` cover (`plan.plan_prefill(...,
-  block_q=tile_q(num_consumers))`);
-  rows of other tokens (the plan's short tiles) are left unwritten.
+  block_q=tile_q(num_consumers, G), align=plan_align(pack_gqa))`, G the
+  group size with `pack_gqa`, else 1); rows of other tokens (the plan's short
+  tiles) are left unwritten.
 
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64/128.
@@ -617,7 +752,8 @@ def paged_prefill_mgpu(
       of `q` (may be one array with split tables).
     k_table, v_table: `i32[batch_size, max_pages]`.
     tiles: `i32[num_tiles, 5]`, a plan's `tiles` built with block_q =
-      `tile_q(num_consumers)` (64 tokens per consumer) and align = 8.
+      `tile_q(num_consumers, G)` and align = `plan_align(pack_gqa)` (G as
+      above).
     sinks: optional `f32[num_qo_heads]`, joins the denominator only.
     causal, sm_scale, logits_soft_cap: static, as `paged_prefill`.
     block_kv: static, keys per step (64 or 128).
@@ -634,11 +770,22 @@ def paged_prefill_mgpu(
       (two consumers in lock step, a step's matmuls at a time) or "ring"
       (a token passed around any number of consumers; each issues QK^T of
       one step with PV of the step before).
+    pack_gqa: static; pack the GQA group into the rows of a consumer's
+      tile (FlashAttention-3's PackGQA): 64 // G tokens x G query heads
+      per consumer, one CTA per kv head and tile, so a K/V stage serves
+      the whole group (`_mgpu_rows`). False: one query head per CTA, 64
+      tokens per consumer.
+    persistent: static; one CTA per SM (`paged_decode_mgpu.num_sms`), each
+      taking every num_sms-th (head, tile) item, its K/V ring running on
+      from one item into the next, so the producer loads the next item's
+      pages while the consumers finish the last one. False: one CTA per
+      item.
 
   Returns:
     `(out [num_tokens, num_qo_heads, head_dim] q.dtype,
       lse f32[num_tokens, num_qo_heads])`; natural-log lse; rows of tokens no
-    tile covers are unspecified (out) / -inf (lse).
+    tile covers are unspecified (out, and lse with `pack_gqa`) / -inf (lse
+    without).
 
   Raises:
     ValueError: an unsupported dtype, head_dim or page_size (see `supports`;
@@ -679,24 +826,32 @@ def paged_prefill_mgpu(
     raise ValueError(f"Invalid (block_kv, num_stages): expected 64/128 and "
                      f">= 2, got {(block_kv, num_stages)}")
   group_size = num_qo_heads // num_kv_heads
+  if pack_gqa and not 1 <= group_size <= BLOCK_Q:
+    raise ValueError(f"Invalid group size for pack_gqa: expected 1..{BLOCK_Q}"
+                     f", got {group_size}")
   copies = block_kv // min(page_size, block_kv)
   out_dtype = q.dtype
   # FP8 pages: the dots run in f16; a bf16 q travels as its bits in an f16
   # view (a free bitcast) and is converted in the kernel.
   dtype = jnp.dtype(jnp.float16) if fp8 else q.dtype
   q_from_bf16 = fp8 and q.dtype != dtype
+  grid_heads = num_kv_heads if pack_gqa else num_qo_heads
+  num_items = grid_heads * num_tiles
+  num_ctas = num_items
+  if persistent:
+    from pkvattn.pallas_kernels import paged_decode_mgpu  # noqa: PLC0415
+    num_ctas = max(1, min(paged_decode_mgpu.num_sms(), num_items))
   kernel = functools.partial(
       _kernel, causal=causal, sm_scale=sm_scale,
       logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
       group_size=group_size, block_kv=block_kv, num_stages=num_stages,
       fp8_stages=fp8_stages if fp8 else 0, q_from_bf16=q_from_bf16,
-      num_consumers=num_consumers, schedule=schedule)
+      num_consumers=num_consumers, schedule=schedule, pack_gqa=pack_gqa,
+      num_ctas=num_ctas)
   n = num_consumers
 
   def entry(*refs):
-    swizzle = 128 if head_dim * jnp.dtype(dtype).itemsize >= 128 else 64
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = _tile_transforms(head_dim, dtype)
     smem = [
         plgpu.SMEM((n, BLOCK_Q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
@@ -719,6 +874,8 @@ def paged_prefill_mgpu(
                           transforms=transforms8)] * 2
       extra = [(plgpu.Barrier(num_arrivals=copies,
                               num_barriers=fp8_stages),) * 2]
+    if pack_gqa and sinks is not None:
+      smem.append(plgpu.SMEM((n, BLOCK_Q), jnp.float32))
     pl.run_scoped(
         lambda *scoped: kernel(*refs, scoped),
         smem,
@@ -733,8 +890,9 @@ def paged_prefill_mgpu(
         collective_axes="wg",
     )
 
-  # TMA into 8-row swizzle tiles views q's token axis in tiles of 8 rows.
-  q_in = q if num_tokens % ALIGN == 0 else jnp.pad(
+  # TMA into 8-row swizzle tiles views q's token axis in tiles of 8 rows
+  # (packed tiles load rows per thread).
+  q_in = q if pack_gqa or num_tokens % ALIGN == 0 else jnp.pad(
       q, ((0, -num_tokens % ALIGN), (0, 0), (0, 0)))
   if q_from_bf16:
     q_in = lax.bitcast_convert_type(q_in, dtype)
@@ -745,16 +903,19 @@ def paged_prefill_mgpu(
   if fp8:
     args.append(jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
                            jnp.asarray(v_scale, jnp.float32).reshape(())]))
+  # Packed tiles store lse rows in place; others per tile (a TMA box needs
+  # >= 16 bytes in its minor dimension), scattered below.
+  lse_shape = ((num_tokens, num_qo_heads) if pack_gqa else
+               (num_qo_heads, num_tiles * tile_q(n)))
   out, lse_tiles = plgpu.kernel(
       entry,
       out_type=[
           jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim),
                                out_dtype),
-          jax.ShapeDtypeStruct((num_qo_heads, num_tiles * tile_q(n)),
-                               jnp.float32),
+          jax.ShapeDtypeStruct(lse_shape, jnp.float32),
       ],
-      grid=(num_qo_heads, num_tiles),
-      grid_names=("heads", "tiles"),
+      grid=(num_ctas,),
+      grid_names=("ctas",),
       num_threads=n + 1,
       thread_name="wg",
       # The row reductions (WGMMA layout) stay within warps: the default
@@ -763,6 +924,8 @@ def paged_prefill_mgpu(
           approx_math=True, **(dict(reduction_scratch_bytes=0) if fp8
                                else {})),
   )(*args)
+  if pack_gqa:
+    return out, lse_tiles
   # lse: per-tile rows -> tokens (rows of other sequences are dropped).
   q_start = tiles[:, plan_lib.Q_START][:, None]
   q_end = tiles[:, plan_lib.Q_END][:, None]

@@ -36,33 +36,42 @@ def _mosaic(group_size=4, head_dim=128):
                         page_size=16, dtype=jnp.bfloat16, backend="mosaic")
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim,pack", [(128, False), (64, False),
+                                           (64, True)])
 @settings(max_examples=40, deadline=None)
 @given(q_lens=st.lists(st.one_of(st.integers(0, 300), st.integers(1, 9)),
                       min_size=1, max_size=5),
        extra=st.lists(st.integers(0, 200), min_size=5, max_size=5),
        padding=st.integers(0, 20))
-def test_aligned_plan_covers_every_token_once(head_dim, q_lens, extra,
+def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
                                              padding):
   """Main tiles (8-aligned origins; 128 tokens, or 192 with three consumers
-  at head_dim 64), short tiles and decode rows together cover every token
-  exactly once, each with its sequence's metadata."""
+  at head_dim 64; with the group of 3 packed, 42 tokens from the first
+  token), short tiles and decode rows together cover every token exactly
+  once, each with its sequence's metadata."""
   q_lens = np.asarray(q_lens)
   kv_lens = (q_lens + np.asarray(extra[:len(q_lens)])).astype(np.int32)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   num_tokens = int(q_indptr[-1]) + padding
   if num_tokens == 0:
     return
-  config = _mosaic(head_dim=head_dim)
+  config = _mosaic(group_size=3, head_dim=head_dim)
+  if pack:
+    config = dataclasses.replace(config, mosaic_pack_gqa=True,
+                                 block_q=mgpu.tile_q(2, 3),
+                                 mosaic_schedule="pingpong")
+    config.validate(group_size=3)
   plan = config.plan(jnp.asarray(q_indptr), jnp.asarray(kv_lens),
                      num_tokens=num_tokens, causal=True, window_left=-1)
-  tile = mgpu.tile_q(3 if head_dim == 64 else 2)
-  assert (plan.block_q, plan.align) == (tile, 8)
+  tile = mgpu.tile_q(2, 3) if pack else mgpu.tile_q(
+      3 if head_dim == 64 else 2)
+  align = 1 if pack else 8
+  assert (plan.block_q, plan.align) == (tile, align)
   seen = np.zeros(num_tokens, int)
   for seq, start, end, kv, off in np.asarray(plan.tiles):
     if end <= start:
       continue
-    origin = start - start % 8
+    origin = start - start % align
     rows = np.arange(start, min(end, origin + tile))
     seen[rows] += 1
     assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
@@ -80,19 +89,32 @@ def test_aligned_plan_covers_every_token_once(head_dim, q_lens, extra,
 
 def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
   """On Hopper, head_dim 64 runs the three-consumer Mosaic-GPU kernel from
-  `MOSAIC_D64_MIN_TOKENS` new tokens per sequence, the Triton kernel below
-  (and wherever the Mosaic-GPU kernel does not serve the case)."""
+  `MOSAIC_D64_MIN_TOKENS` new tokens per sequence, its packed persistent
+  form from `MOSAIC_D64_PACKED_MIN_TOKENS`, the Triton kernel below (and
+  wherever the Mosaic-GPU kernel does not serve the case)."""
   from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
   monkeypatch.setattr(_compat, "is_hopper", lambda: True)
   kw = dict(group_size=3, head_dim=64, page_size=16, dtype=jnp.bfloat16)
   n = kernel.MOSAIC_D64_MIN_TOKENS
   assert _C.default_for(**kw).backend == "triton"  # tokens unknown
-  assert _C.default_for(**kw, num_tokens=4 * n - 1,
-                        batch_size=4).backend == "triton"
   cfg = _C.default_for(**kw, num_tokens=4 * n, batch_size=4)
   assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule) == (
       "mosaic", mgpu.tile_q(3), "ring")
+  assert not (cfg.mosaic_pack_gqa or cfg.mosaic_persistent)
   cfg.validate(group_size=3)
+  # From MOSAIC_D64_PACKED_MIN_TOKENS: the group packed into the rows of
+  # two consumers, one CTA per SM.
+  p = kernel.MOSAIC_D64_PACKED_MIN_TOKENS
+  assert p < n
+  assert _C.default_for(**kw, num_tokens=4 * p - 1,
+                        batch_size=4).backend == "triton"
+  for tokens in (4 * p, 4 * n - 1):
+    cfg = _C.default_for(**kw, num_tokens=tokens, batch_size=4)
+    assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
+            cfg.mosaic_pack_gqa, cfg.mosaic_persistent, cfg.plan_align) == (
+                "mosaic", 42, "pingpong", True, True, 1)
+    assert cfg.mosaic_consumers(3) == 2
+    cfg.validate(group_size=3)
   for other in (dict(interpret=True), dict(window_left=128),
                 dict(dtype=jnp.float32)):
     assert _C.default_for(**{**kw, **other}, num_tokens=n,
@@ -149,6 +171,18 @@ def test_backend_choice_and_errors():
   for kw in (dict(block_q=192), dict(mosaic_schedule="round")):
     with pytest.raises(ValueError, match="mosaic_schedule"):
       dataclasses.replace(cfg, **kw).validate(group_size=4)
+  # Packed tiles: 64 // group tokens per consumer; groups up to 64.
+  packed = dataclasses.replace(cfg, mosaic_pack_gqa=True, block_q=32)
+  packed.validate(group_size=4)
+  assert packed.plan_align == 1
+  dataclasses.replace(packed, block_q=48,
+                      mosaic_schedule="ring").validate(group_size=4)
+  with pytest.raises(ValueError, match="block_q"):
+    packed.validate(group_size=3)  # expects 42 or 63
+  with pytest.raises(ValueError, match="mosaic_schedule"):
+    dataclasses.replace(packed, block_q=48).validate(group_size=4)
+  with pytest.raises(ValueError, match="group_size"):
+    dataclasses.replace(packed, block_q=0).validate(group_size=65)
   with pytest.raises(ValueError, match="backend"):
     _C.default_for(group_size=4, head_dim=128, page_size=16,
                    dtype=jnp.bfloat16, backend="cuda")
@@ -194,25 +228,32 @@ def test_backend_choice_and_errors():
 
 @pytest.mark.parametrize(
     "num_tokens,page_size,head_dim,causal,soft_cap,sinks,fp8,consumers,"
-    "schedule", [
-        (512, 16, 128, True, None, False, False, 2, "pingpong"),
-        (300, 8, 64, True, None, True, False, 2, "pingpong"),  # q padded
-        (256, 256, 128, False, 30.0, False, False, 2, "pingpong"),  # big pages
-        (384, 64, 128, True, 50.0, True, False, 2, "pingpong"),
+    "schedule,pack,persistent", [
+        # (..., pack, persistent) last.
+        (512, 16, 128, True, None, False, False, 2, "pingpong", 0, 0),
+        (300, 8, 64, True, None, True, False, 2, "pingpong", 0, 0),  # q pad
+        (256, 256, 128, False, 30.0, False, False, 2, "pingpong", 0, 0),
+        (384, 64, 128, True, 50.0, True, False, 2, "pingpong", 0, 0),
         # FP8 pages: TMA into the staging ring, the producer converts.
-        (512, 16, 128, True, None, False, True, 2, "pingpong"),
-        (300, 8, 64, False, 30.0, True, True, 2, "pingpong"),
+        (512, 16, 128, True, None, False, True, 2, "pingpong", 0, 0),
+        (300, 8, 64, False, 30.0, True, True, 2, "pingpong", 0, 0),
         # The token ring: two consumers, and three at head_dim 64.
-        (384, 64, 128, True, 50.0, True, False, 2, "ring"),
-        (300, 8, 64, True, None, True, False, 3, "ring"),
-        (512, 256, 64, False, 30.0, False, False, 3, "ring"),
+        (384, 64, 128, True, 50.0, True, False, 2, "ring", 0, 0),
+        (300, 8, 64, True, None, True, False, 3, "ring", 0, 0),
+        (512, 256, 64, False, 30.0, False, False, 3, "ring", 0, 0),
+        # The group packed into the rows (per-thread q loads and stores),
+        # one CTA per SM, and both.
+        (300, 16, 64, True, None, True, False, 2, "pingpong", 1, 1),
+        (384, 64, 128, True, 50.0, False, True, 2, "pingpong", 1, 0),
+        (300, 8, 64, False, 30.0, True, False, 3, "ring", 0, 1),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                                      soft_cap, sinks, fp8, consumers,
-                                     schedule):
+                                     schedule, pack, persistent):
   """Cross-lowers the kernel for CUDA on the CPU: every TMA slice, layout and
-  barrier of the Mosaic-GPU lowering must be accepted, and (FP8, three
-  consumers) the buffers must fit in shared memory."""
+  barrier of the Mosaic-GPU lowering (and the per-thread row copies of
+  packed tiles) must be accepted, and (FP8, three consumers) the buffers
+  must fit in shared memory."""
   hq, hkv, b, pages = 8, 2, 3, 64
   sds = jax.ShapeDtypeStruct
   kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -220,10 +261,12 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
           sds((pages, page_size, hkv, head_dim), kv_dtype),
           sds((pages, page_size, hkv, head_dim), kv_dtype),
           sds((b, 16), jnp.int32), sds((b, 16), jnp.int32),
-          sds((plan_lib.max_tiles(num_tokens, b, mgpu.tile_q(consumers)),
+          sds((plan_lib.max_tiles(
+              num_tokens, b, mgpu.tile_q(consumers, hq // hkv if pack else 1)),
                plan_lib.NUM_FIELDS), jnp.int32),
           sds((hq,), jnp.float32) if sinks else None]
-  scales = dict(num_consumers=consumers, schedule=schedule)
+  scales = dict(num_consumers=consumers, schedule=schedule,
+                pack_gqa=bool(pack), persistent=bool(persistent))
   if fp8:
     scales.update(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
   lowered = mgpu.paged_prefill_mgpu.trace(
@@ -252,12 +295,15 @@ def _hopper() -> bool:
         (16, 4, 128, True, None, False, 250, [1, 1, 4], [700, 9, 300]),
         (16, 4, 64, True, None, False, 136, [0], [0]),
     ])
+@pytest.mark.parametrize("persistent", [False, True])
 def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
-                            padding, q_lens, kv_lens):
+                            padding, q_lens, kv_lens, persistent):
   """NaN in every page a sequence does not own and past kv_len; ragged,
-  unaligned sequence starts, decode rows and padding tokens."""
+  unaligned sequence starts, decode rows and padding tokens; one CTA per
+  item or one per SM."""
   cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
                        dtype=jnp.bfloat16, backend="mosaic")
+  cfg = dataclasses.replace(cfg, mosaic_persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
 
@@ -289,6 +335,45 @@ def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
       _C.default_for(group_size=group, head_dim=d, page_size=page_size,
                      dtype=jnp.bfloat16, backend="mosaic"),
       block_q=block_q, mosaic_schedule=schedule)
+  _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
+                q_lens, kv_lens)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("consumers,schedule", [(2, "pingpong"),
+                                                (3, "ring")])
+@pytest.mark.parametrize(
+    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens", [
+        (16, 3, 64, True, None, False, 5, [300, 1, 77, 129, 4095],
+         [300, 500, 200, 129, 4095]),
+        (8, 1, 64, True, None, True, 300, [300, 1, 7, 193],
+         [300, 500, 200, 400]),
+        (128, 8, 64, False, 30.0, False, 5, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+        (16, 5, 64, True, 50.0, True, 250, [1, 1, 4, 191],
+         [700, 9, 300, 191]),
+        (16, 7, 64, True, None, False, 3, [129, 7, 43], [4095, 7, 60]),
+        (16, 6, 128, True, None, True, 9, [300, 1, 77, 129],
+         [300, 500, 200, 129]),
+        (64, 4, 128, True, None, False, 136, [0], [0]),
+        (32, 2, 128, False, 30.0, False, 0, [511, 1], [700, 1]),
+    ])
+def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
+                                       page_size, group, d, causal, soft_cap,
+                                       sinks, padding, q_lens, kv_lens):
+  """The GQA group packed into the tile rows (`mosaic_pack_gqa`): groups
+  1-8, 64 // group tokens per consumer, rows loaded and stored per thread;
+  NaN-poisoned pages, ragged starts, decode rows, padding, a prompt of
+  4,095 tokens and one chunk at kv 4,095; one CTA per item, or one per SM
+  (`mosaic_persistent`) with the K/V ring running on across items."""
+  if consumers == 3 and d != 64:
+    pytest.skip("three consumers serve head_dim 64 only")
+  cfg = dataclasses.replace(
+      _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+                     dtype=jnp.bfloat16, backend="mosaic"),
+      mosaic_pack_gqa=True, block_q=mgpu.tile_q(consumers, group),
+      mosaic_schedule=schedule, mosaic_persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
 
@@ -330,13 +415,15 @@ def _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("fmt,page_size,group,d,causal,soft_cap", [
     ("pool", 16, 4, 128, True, None),
     ("pair", 8, 1, 64, True, None),
     ("flashinfer", 128, 8, 128, False, 30.0),
+    ("pool", 16, 3, 64, True, None),
 ])
 def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
-                                    soft_cap):
+                                    soft_cap, pack):
   """FP8 pages through the mosaic backend (the producer warpgroup converts
   TMA-staged tiles) against the float64 oracle over the dequantised pages;
   NaN in every page no sequence owns and past kv_len; decode rows, padding."""
@@ -353,6 +440,11 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
                        dtype=jnp.bfloat16, backend="mosaic")
+  if pack:  # three consumers become two for FP8 pages in paged_prefill
+    cfg = dataclasses.replace(cfg, mosaic_pack_gqa=True,
+                              block_q=mgpu.tile_q(3 if d == 64 else 2, group),
+                              mosaic_persistent=True)
+  cfg = dataclasses.replace(cfg, fp8_pages="kernel")
   out, _ = kernel.paged_prefill(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(q_indptr), jnp.asarray(kv_lens), None, causal=causal,
