@@ -48,23 +48,16 @@ def _geometry(head_dim: int, itemsize: int):
   return row_chunks, rows_per_pass, ROWS // rows_per_pass
 
 
-def _ld_global_v4(addr):
+def _load_v4(addr, space: str):
+  """Four i32 words from `addr` in state space `space` ("global.nc": an
+  i64 generic address, "shared": an i32 shared-window one)."""
   _, _, llvm = _ma.mlir()
   i32 = _ma.int_type(32)
   struct = llvm.StructType.get_literal([i32] * 4)
+  ptr = "l" if space.startswith("global") else "r"
   out = llvm.inline_asm(struct, [addr],
-                        "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                        "=r,=r,=r,=r,l", has_side_effects=True)
-  return [llvm.extractvalue(i32, out, [i]) for i in range(4)]
-
-
-def _ld_shared_v4(addr):
-  _, _, llvm = _ma.mlir()
-  i32 = _ma.int_type(32)
-  struct = llvm.StructType.get_literal([i32] * 4)
-  out = llvm.inline_asm(struct, [addr],
-                        "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
-                        "=r,=r,=r,=r,r", has_side_effects=True)
+                        f"ld.{space}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+                        f"=r,=r,=r,=r,{ptr}", has_side_effects=True)
   return [llvm.extractvalue(i32, out, [i]) for i in range(4)]
 
 
@@ -132,7 +125,7 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
       src = arith.addi(q0, arith.extui(i64, arith.addi(
           arith.muli(elem, c(head_dim * itemsize)),
           arith.muli(cc, c(CHUNK)))))
-      words.append(_ld_global_v4(src))
+      words.append(_load_v4(src, "global.nc"))
       r = arith.remui(row, c(_ma.TILE_ROWS))
       tile = arith.addi(
           arith.muli(arith.divui(row, c(_ma.TILE_ROWS)), c(col_tiles)),
@@ -212,8 +205,8 @@ def store_rows(o_smem, lse_smem, out_ref, lse_ref, *, index, t0, kv_head,
 
     for p in range(passes):
       row = arith.addi(t_row, c(p * rows_per_pass))
-      w = _ld_shared_v4(arith.addi(
-          src0, arith.muli(row, c(head_dim * itemsize))))
+      w = _load_v4(arith.addi(
+          src0, arith.muli(row, c(head_dim * itemsize))), "shared")
       dst = arith.addi(out0, arith.addi(
           arith.muli(elem_of(row), _ma.const_i64(head_dim * itemsize)),
           arith.extui(i64, arith.muli(cc, c(CHUNK)))))

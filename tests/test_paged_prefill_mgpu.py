@@ -308,18 +308,24 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
                 q_lens, kv_lens)
 
 
+# Oracle cases of both ring-schedule tests: (page_size, group, d, causal,
+# soft_cap, sinks, padding, q_lens, kv_lens).
+_RING_CASES = [
+    (16, 3, 64, True, None, False, 5, [300, 1, 77, 129, 4095],
+     [300, 500, 200, 129, 4095]),
+    (8, 1, 64, True, None, True, 300, [300, 1, 7, 193],
+     [300, 500, 200, 400]),
+    (128, 8, 64, False, 30.0, False, 5, [300, 1, 77, 129],
+     [300, 500, 200, 129]),
+    (16, 5, 64, True, 50.0, True, 250, [1, 1, 4, 191], [700, 9, 300, 191]),
+]
+
+
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("block_q,schedule", [(128, "ring"), (192, "ring")])
 @pytest.mark.parametrize(
-    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens", [
-        (16, 3, 64, True, None, False, 5, [300, 1, 77, 129, 4095],
-         [300, 500, 200, 129, 4095]),
-        (8, 1, 64, True, None, True, 300, [300, 1, 7, 193],
-         [300, 500, 200, 400]),
-        (128, 8, 64, False, 30.0, False, 5, [300, 1, 77, 129],
-         [300, 500, 200, 129]),
-        (16, 5, 64, True, 50.0, True, 250, [1, 1, 4, 191], [700, 9, 300,
-                                                            191]),
+    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens",
+    _RING_CASES + [
         (16, 4, 64, True, None, False, 136, [0], [0]),
         (64, 4, 128, True, None, True, 9, [300, 1, 77, 129],
          [300, 500, 200, 129]),
@@ -344,15 +350,8 @@ def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
 @pytest.mark.parametrize("consumers,schedule", [(2, "pingpong"),
                                                 (3, "ring")])
 @pytest.mark.parametrize(
-    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens", [
-        (16, 3, 64, True, None, False, 5, [300, 1, 77, 129, 4095],
-         [300, 500, 200, 129, 4095]),
-        (8, 1, 64, True, None, True, 300, [300, 1, 7, 193],
-         [300, 500, 200, 400]),
-        (128, 8, 64, False, 30.0, False, 5, [300, 1, 77, 129],
-         [300, 500, 200, 129]),
-        (16, 5, 64, True, 50.0, True, 250, [1, 1, 4, 191],
-         [700, 9, 300, 191]),
+    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens",
+    _RING_CASES + [
         (16, 7, 64, True, None, False, 3, [129, 7, 43], [4095, 7, 60]),
         (16, 6, 128, True, None, True, 9, [300, 1, 77, 129],
          [300, 500, 200, 129]),
