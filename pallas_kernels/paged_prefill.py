@@ -221,7 +221,7 @@ class Config:
     (`mosaic_pack_gqa`: 42 tokens x 3 heads per tile at group 3) on one CTA
     per SM (`mosaic_persistent`): per call 0.99 / 1.01-1.07x the Triton
     kernel's speed at 512 / 1,024 tokens (kernel time 1.00 / 1.04-1.05x),
-    and 0.94x at 256; one CTA per tile is 0.90-0.94x at these lengths
+    and 0.94x at 256; one CTA per tile is 0.89-0.97x at 256-1,024 tokens
     (SmolLM2 heads, H200, 2026-11-26,
     `prefill_d64_len_short_smollm2_NVIDIA_H200.json`,
     `prefill_d64_len_smollm2_NVIDIA_H200.json`); at 2,048 tokens the
