@@ -123,8 +123,8 @@ def init_barriers(bars_ref, num_barriers: int):
     for i in range(num_barriers):
       addr = arith.addi(base, const_i32(8 * i))
       asm("{\n.reg .pred p;\nsetp.eq.u32 p, $1, 0;\n"
-           f"@p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP};\n}}",
-           [addr, tid], "r,r")
+          f"@p mbarrier.init.shared::cta.b64 [$0], {WARPGROUP};\n}}",
+          [addr, tid], "r,r")
     asm("fence.mbarrier_init.release.cluster;", [], "")
     asm("bar.sync 0;", [], "")
 
@@ -145,8 +145,8 @@ def wait(bars_ref, index, parity):
                       arith.muli(scalar(idx), const_i32(8)))
     # PTX labels are local to their { } block (as CUTLASS's waits use).
     asm("{\n.reg .pred done;\nLAB_WAIT:\n"
-         "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
-         "@!done bra LAB_WAIT;\n}", [addr, scalar(par)], "r,r")
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n"
+        "@!done bra LAB_WAIT;\n}", [addr, scalar(par)], "r,r")
     asm("fence.proxy.async.shared::cta;", [], "")
 
   _wait(bars_ref, index, parity)
@@ -216,7 +216,8 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
       row = arith.addi(t_row, const_i32(p * rows_per_pass))  # row of the tile
       r = arith.remui(row, const_i32(TILE_ROWS))
       tile = arith.addi(
-          arith.muli(arith.divui(row, const_i32(TILE_ROWS)), const_i32(col_tiles)),
+          arith.muli(arith.divui(row, const_i32(TILE_ROWS)),
+                     const_i32(col_tiles)),
           c_tile)
       dst = arith.addi(dst0, arith.addi(
           arith.muli(arith.addi(arith.muli(tile, const_i32(TILE_ROWS)), r),

@@ -136,7 +136,7 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
           arith.muli(arith.xori(c_in, r), c(CHUNK)))))
     for dst, w in zip(dsts, words):
       _ma.asm("st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
-               [dst, *w], "r,r,r,r,r")
+              [dst, *w], "r,r,r,r,r")
     if has_sinks:
       sinks, sink_stage = srefs
       _, head = _row_token_head(lane, t0, kv_head, group_size)
