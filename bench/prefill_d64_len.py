@@ -84,8 +84,8 @@ def main():
     hq, hkv, d = heads
     kw = dict(group_size=hq // hkv, head_dim=d, page_size=16,
               dtype=jnp.bfloat16)
-    configs = [pp.Config.default_for(**kw, backend="triton"),
-               pp.Config.default_for(**kw, backend="mosaic")]
+    mosaic3 = pp.Config.default_for(**kw, backend="mosaic")
+    configs = [pp.Config.default_for(**kw, backend="triton"), mosaic3]
     if hq // hkv & (hq // hkv - 1):
       configs.insert(1, dataclasses.replace(
           configs[0], block_q=128 // pl.next_power_of_2(hq // hkv)))
@@ -97,7 +97,6 @@ def main():
     # packed into its tile rows: three consumers (ring) and two (ping-pong),
     # persistent or not.
     g = hq // hkv
-    mosaic3 = pp.Config.default_for(**kw, backend="mosaic")
     configs.append(dataclasses.replace(mosaic3, mosaic_persistent=True))
     configs += [dataclasses.replace(
         mosaic3, mosaic_pack_gqa=True,

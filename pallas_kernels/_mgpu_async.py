@@ -102,7 +102,8 @@ def lane_index():
   return arith.remui(thread_index(), const_i32(WARPGROUP))
 
 
-def _splat():
+def splat():
+  """The layout of an i32 scalar argument of `inline_mgpu`."""
   plgpu = _compat.mosaic_gpu()
   return plgpu.Layout.WG_SPLAT(shape=())
 
@@ -137,7 +138,7 @@ def wait(bars_ref, index, parity):
   then fences the copied bytes for the async proxy (wgmma)."""
   plgpu = _compat.mosaic_gpu()
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _splat(), _splat()))
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat(), splat()))
   def _wait(ctx, bars, idx, par):
     del ctx
     _, arith, _ = mlir()
@@ -191,7 +192,7 @@ def copy_page_rows(pool_ref, stage_ref, bars_ref, *, slot, bar_index,
 
   @plgpu.inline_mgpu(arg_types=(
       plgpu.RefType(), plgpu.RefType(transforms=transforms), plgpu.RefType(),
-      _splat(), _splat(), _splat(), _splat(), *([_splat()] * n_pages)))
+      splat(), splat(), splat(), splat(), *([splat()] * n_pages)))
   def _copy(ctx, pool, stage, bars, slot_v, bar_v, head_v, row0_v, *page_v):
     del ctx
     _, arith, _ = mlir()

@@ -37,10 +37,6 @@ ROWS = 64      # rows of a consumer's tile
 CHUNK = 16     # bytes per copy
 
 
-def _splat():
-  return _compat.mosaic_gpu().Layout.WG_SPLAT(shape=())
-
-
 def _geometry(head_dim: int, itemsize: int):
   """(16-byte chunks per row, rows per pass of 128 threads, passes)."""
   row_chunks = head_dim * itemsize // CHUNK
@@ -101,7 +97,7 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
   if has_sinks:
     refs += (plgpu.RefType(), plgpu.RefType())
 
-  @plgpu.inline_mgpu(arg_types=(*refs, _splat(), _splat(), _splat()))
+  @plgpu.inline_mgpu(arg_types=(*refs, *[_ma.splat()] * 3))
   def _load(ctx, q, stage, *rest):
     del ctx
     _, arith, _ = _ma.mlir()
@@ -175,7 +171,7 @@ def store_rows(o_smem, lse_smem, out_ref, lse_ref, *, index, t0, kv_head,
   row_chunks, rows_per_pass, passes = _geometry(head_dim, itemsize)
   stage_bytes = ROWS * head_dim * itemsize
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (_splat(),) * 5)
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (_ma.splat(),) * 5)
   def _store(ctx, o_s, lse_s, out, lse, index_v, t0_v, head_v, lo_v, hi_v):
     del ctx
     _, arith, _ = _ma.mlir()

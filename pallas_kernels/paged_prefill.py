@@ -324,19 +324,21 @@ class Config:
       return 1
     return paged_prefill_mgpu.plan_align(self.mosaic_pack_gqa)
 
+  def mosaic_tile_q(self, num_consumers: int, group_size: int) -> int:
+    """The Mosaic-GPU kernel's tokens per tile with `num_consumers`
+    consumers under this config's packing (`paged_prefill_mgpu.tile_q`)."""
+    return paged_prefill_mgpu.tile_q(
+        num_consumers, group_size if self.mosaic_pack_gqa else 1)
+
   def mosaic_consumers(self, group_size: int) -> int:
     """Consumer warpgroups of the Mosaic-GPU kernel that `block_q` gives
-    (`paged_prefill_mgpu.tile_q`); raises ValueError for any other."""
-    tiles = self._mosaic_tiles(group_size)
+    (`mosaic_tile_q`); raises ValueError for any other."""
+    tiles = {self.mosaic_tile_q(n, group_size): n
+             for n in paged_prefill_mgpu.CONSUMERS}
     if self.block_q not in tiles:
       raise ValueError(f"Invalid block_q for the mosaic backend: expected "
                        f"one of {sorted(tiles)}, got {self.block_q}")
     return tiles[self.block_q]
-
-  def _mosaic_tiles(self, group_size: int) -> dict[int, int]:
-    pack = group_size if self.mosaic_pack_gqa else 1
-    return {paged_prefill_mgpu.tile_q(n, pack): n
-            for n in paged_prefill_mgpu.CONSUMERS}
 
   def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
            window_left: int) -> plan_lib.PrefillPlan:
@@ -362,12 +364,11 @@ class Config:
       consumers = self.mosaic_consumers(group_size)
       if (self.mosaic_schedule not in paged_prefill_mgpu.SCHEDULES or
           consumers != 2 and self.mosaic_schedule != "ring"):
-        three = self._mosaic_tiles(group_size)
-        three = [b for b, n in three.items() if n == 3]
         raise ValueError(
             f"Invalid mosaic_schedule: expected one of "
             f"{paged_prefill_mgpu.SCHEDULES} ('ring' with block_q="
-            f"{three[0]}), got {self.mosaic_schedule!r} "
+            f"{self.mosaic_tile_q(3, group_size)}), got "
+            f"{self.mosaic_schedule!r} "
             f"with block_q={self.block_q}")
     if self.block_k < 1 or self.block_k & (self.block_k - 1):
       raise ValueError(f"Invalid block_k: expected a power of two, got "
@@ -752,8 +753,7 @@ def paged_prefill(
     # FP8 tiles read in the kernel are converted by the producer warpgroup,
     # which three consumers leave too few registers: two consumers.
     config = dataclasses.replace(
-        config, block_q=paged_prefill_mgpu.tile_q(
-            2, group_size if config.mosaic_pack_gqa else 1),
+        config, block_q=config.mosaic_tile_q(2, group_size),
         mosaic_schedule="pingpong")
   scales = None
   if fp8:

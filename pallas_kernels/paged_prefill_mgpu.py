@@ -637,15 +637,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       issue = item_loads(it)
 
       def body(i, _):
-        gi = g + i
-        slot = lax.rem(gi, jnp.array(num_stages, i32))
+        slot = stage(g, i)
 
-        @pl.when(gi >= num_stages)
+        @pl.when(g + i >= num_stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
         issue(i, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
 
-        @pl.when(gi >= num_stages)
+        @pl.when(g + i >= num_stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
         issue(i, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
