@@ -537,7 +537,10 @@ def small_head_configs(heads, page_size: int, num_tokens: int | None = None,
                                    batch_size=batch_size),
              pp.Config.default_for(**kw, backend="triton")]
   try:
-    mosaic = pp.Config.default_for(**kw, backend="mosaic")
+    # The unpacked form (one query head per CTA) that long prompts get.
+    mosaic = pp.Config.default_for(**kw, backend="mosaic",
+                                   num_tokens=pp.MOSAIC_D64_MIN_TOKENS,
+                                   batch_size=1)
   except Exception as e:  # noqa: BLE001
     print(f"mosaic config for heads {hq}/{hkv}/{d}: {repr(e)[:200]}")
   else:

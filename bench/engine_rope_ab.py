@@ -1,8 +1,8 @@
-"""The engine with its RoPE + paged append, or its decode attention, on
-each kernel (Hopper).
+"""The engine with its RoPE + paged append, its decode attention or its
+prefill attention on each kernel (Hopper).
 
 Run on an H100 / H200:
-  `python -m bench.engine_rope_ab [--model smollm2] [--op rope|decode]`
+  `python -m bench.engine_rope_ab [--model smollm2] [--op rope|decode|prefill]`
 
 `bench/bench_serving.py`'s pkvattn workload (random bf16 weights of the
 model's shape, 256 prompts x 256 new tokens, its `EngineConfig`) in one
@@ -13,7 +13,10 @@ Pallas-Triton kernel (`rope_append.default_config` patched to
 `Config.default_for`). With `--op decode` the arms are the decode
 attention's default (on Hopper the per-warp Mosaic-GPU kernel,
 `paged_decode_mma`) and the Triton kernel (`paged_decode._mma_default`
-patched to False); `--kv-cache-dtype fp8_e4m3` runs them on FP8 pages.
+patched to False); with `--op prefill` the prefill attention's default
+(at head_dim 64 on Hopper the packed, persistent Mosaic-GPU kernel) and
+the Triton kernel (`paged_prefill.Config.default_for` patched to
+`backend="triton"`); `--kv-cache-dtype fp8_e4m3` runs them on FP8 pages.
 Each arm reports warm-up time (every program compiled; later arms reuse
 what XLA cached), throughput after warm-up and the compilations during
 it, the decode step's wall time and GPU time at 256 rows and the op's
@@ -21,8 +24,8 @@ kernels' share, and the greedy tokens of the first batch (eight
 requests), which must be the same in every arm (the file keeps their
 SHA-1).
 
-Writes `bench/results/engine_rope_ab_<model>_<device>.json` (`--op decode`:
-`engine_decode_ab_...`, with `_<kv_cache_dtype>` after the model where
+Writes `bench/results/engine_rope_ab_<model>_<device>.json` (`--op decode`
+/ `prefill`: `engine_decode_ab_...` / `engine_prefill_ab_...`, with `_<kv_cache_dtype>` after the model where
 given; and under `$OUT`) and prints a table last.
 """
 
@@ -46,6 +49,7 @@ from bench import bench_serving as serving
 from pkvattn.engine import Engine, SamplingParams
 from pkvattn.models import Model, init_params
 from pkvattn.pallas_kernels import paged_decode
+from pkvattn.pallas_kernels import paged_prefill
 from pkvattn.pallas_kernels import rope_append
 
 
@@ -78,10 +82,11 @@ def _arm(mcfg, params, batch1, batch2, sp, op: str = "rope",
   res["decode_step_wall_ms"] = engine.profile()["step_ms"]
   kb = serving.kernel_breakdown(engine, top=40)
   res["decode_step_gpu_us"] = kb["gpu_us_per_step"]
-  name = "rope_append" if op == "rope" else "paged_decode"
-  ks = [r for r in kb["top"] if name in r["kernel"]]
-  res[f"{op}_us_per_step"] = sum(r["us"] for r in ks)
-  res[f"{op}_kernels"] = sorted({r["kernel"] for r in ks})
+  name = {"rope": "rope_append", "decode": "paged_decode"}.get(op)
+  if name:  # prefill runs in no decode step
+    ks = [r for r in kb["top"] if name in r["kernel"]]
+    res[f"{op}_us_per_step"] = sum(r["us"] for r in ks)
+    res[f"{op}_kernels"] = sorted({r["kernel"] for r in ks})
   res["top"] = kb["top"][:8]
   while engine.has_unfinished():
     engine.step()
@@ -96,7 +101,8 @@ def main(argv=None):
                   default="smollm2")
   ap.add_argument("--arms", default="triton,mosaic,triton,mosaic",
                   help="the arms in order (each a fresh engine)")
-  ap.add_argument("--op", choices=("rope", "decode"), default="rope",
+  ap.add_argument("--op", choices=("rope", "decode", "prefill"),
+                  default="rope",
                   help="the op whose kernel the arms change")
   ap.add_argument("--kv-cache-dtype", default=None,
                   help="EngineConfig.kv_cache_dtype (e.g. fp8_e4m3); "
@@ -117,6 +123,12 @@ def main(argv=None):
     if name == "triton" and args.op == "rope":
       patch = mock.patch.object(rope_append, "default_config",
                                 _triton_default)
+    elif name == "triton" and args.op == "prefill":
+      default_for = paged_prefill.Config.default_for.__func__
+      patch = mock.patch.object(
+          paged_prefill.Config, "default_for", classmethod(
+              lambda cls, **kw: default_for(cls, **{**kw,
+                                                    "backend": "triton"})))
     elif name == "triton":
       patch = mock.patch.object(paged_decode, "_mma_default",
                                 lambda **_: False)
@@ -141,8 +153,9 @@ def main(argv=None):
   print(f"same greedy tokens in every arm: {same}")
   _timing.print_table(rows, [f"{args.op}_kernel", "warmup_s",
                              "throughput_tok_s", "compiles_in_timed_run",
-                             "decode_step_wall_ms", "decode_step_gpu_us",
-                             f"{args.op}_us_per_step"])
+                             "decode_step_wall_ms", "decode_step_gpu_us"]
+                      + ([] if args.op == "prefill" else
+                         [f"{args.op}_us_per_step"]))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ calls with the plan reused, on causal prompts of 256 / 512 / 1,024 tokens
   rows (`split_decode_rows=False`), then its main launch alone (no short
   launch either): what a pure prompt batch pays for the launches that serve
   a mixed batch's decode rows and multi-token decode;
-* the Mosaic-GPU kernel with two and with three consumer warpgroups, and
-  two consumers' main launch alone (its lse's transpose and scatter
-  included);
+* the Mosaic-GPU kernel's packed, persistent form (`Config.mosaic_pack_gqa`,
+  `Config.mosaic_persistent`): the whole call, its main launch alone, and
+  the main launch with three stages or with 64-key steps on four;
 * the plan alone (`Config.plan`, once per step in a model);
 * FlashInfer 0.7.2's FA3 prefill on the same pages (its `run`; its plan is
   host work), when the wheel is installed.
@@ -58,16 +58,18 @@ def configs(heads):
             dtype=jnp.bfloat16)
   r = dataclasses.replace
   triton = pp.Config.default_for(**kw, backend="triton")
-  mosaic3 = pp.Config.default_for(**kw, backend="mosaic")
-  mosaic2 = r(mosaic3, block_q=pp.paged_prefill_mgpu.tile_q(2),
-              mosaic_schedule="pingpong")
+  # The packed, persistent Mosaic-GPU form (two consumers).
+  packed = pp.Config.default_for(**kw, backend="mosaic")
   bare = dict(split_decode_rows=False, short_block_q=0)
   return {"triton default": triton,
           "triton, no decode path": r(triton, split_decode_rows=False),
           "triton main launch only": r(triton, **bare),
-          "mosaic two consumers": mosaic2,
-          "mosaic two consumers, main launch only": r(mosaic2, **bare),
-          "mosaic three consumers": mosaic3}
+          "mosaic packed persistent": packed,
+          "mosaic packed persistent, main launch only": r(packed, **bare),
+          "mosaic packed persistent, 3 stages, main only": r(
+              packed, num_stages=3, **bare),
+          "mosaic packed persistent, 64-key steps x 4, main only": r(
+              packed, block_k=64, num_stages=4, **bare)}
 
 
 def main():

@@ -1,6 +1,7 @@
 """Head_dim-64 prefill by tokens per sequence: the Pallas-Triton kernel
-against the Mosaic-GPU kernel (the basis of
-`paged_prefill.MOSAIC_D64_MIN_TOKENS` and `MOSAIC_D64_PACKED_MIN_TOKENS`).
+against the Mosaic-GPU kernel's forms (the basis of
+`paged_prefill.MOSAIC_D64_MIN_TOKENS`); paged_prefill's default for each
+shape runs first (the reference check, and a row with its plan reused).
 
 Causal prompts of 1,024 / 2,048 / 8,192 tokens (16 / 8 / 2 sequences, page
 16) with Llama-3.2-1B (32/8/64) and SmolLM2 (9/3/64) heads, each config
@@ -84,7 +85,9 @@ def main():
     hq, hkv, d = heads
     kw = dict(group_size=hq // hkv, head_dim=d, page_size=16,
               dtype=jnp.bfloat16)
-    mosaic3 = pp.Config.default_for(**kw, backend="mosaic")
+    mosaic3 = pp.Config.default_for(**kw, backend="mosaic",
+                                    num_tokens=pp.MOSAIC_D64_MIN_TOKENS,
+                                    batch_size=1)
     configs = [pp.Config.default_for(**kw, backend="triton"), mosaic3]
     if hq // hkv & (hq // hkv - 1):
       configs.insert(1, dataclasses.replace(
@@ -109,8 +112,14 @@ def main():
       configs = [configs[0]] + sweep_configs(configs[0])
       shapes = SHORT_SHAPES
     for b, s in shapes:
+      # First (checked against the reference, and timed with its plan
+      # reused too): paged_prefill's default for the shape.
+      run = configs
+      if not args.sweep:
+        first = pp.Config.default_for(**kw, num_tokens=b * s, batch_size=b)
+        run = [first] + [c for c in configs if c != first]
       bp.run_spec(f"causal_b{b}_s{s}_p16_{hq}_{hkv}_{d}", [s] * b, [s] * b,
-                  16, configs, with_xla=False, with_mha=False, rows=rows,
+                  16, run, with_xla=False, with_mha=False, rows=rows,
                   checks=checks, heads=heads,
                   with_flashinfer=args.short or args.sweep)
   dev = env["device"].replace(" ", "_")

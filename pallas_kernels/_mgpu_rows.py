@@ -68,7 +68,7 @@ def _row_token_head(row, t0, kv_head, group_size: int):
 
 
 def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
-                group_size: int, transforms):
+                group_size: int, transforms, asynchronous: bool = False):
   """Loads one consumer's packed query tile (all 128 threads of it).
 
   Row `r` of stage `index` of `q_smem` (`[n, 64, head_dim]`, 2-byte
@@ -80,6 +80,9 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
   `sinks_ref[kv_head * G + r % G]`.
 
   `index`, `t0` and `kv_head` are i32 scalars; `group_size` is static.
+  `asynchronous`: the bytes travel by `cp.async` (global to shared, no
+  registers) and have landed only after this thread's `wait_rows()`;
+  otherwise by loads and stores, landed on return.
   """
   plgpu = _compat.mosaic_gpu()
   num_tokens, num_qo_heads, head_dim = q_ref.shape
@@ -121,15 +124,20 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
       src = arith.addi(q0, arith.extui(i64, arith.addi(
           arith.muli(elem, c(head_dim * itemsize)),
           arith.muli(cc, c(CHUNK)))))
-      words.append(_load_v4(src, "global.nc"))
       r = arith.remui(row, c(_ma.TILE_ROWS))
       tile = arith.addi(
           arith.muli(arith.divui(row, c(_ma.TILE_ROWS)), c(col_tiles)),
           c_tile)
-      dsts.append(arith.addi(dst0, arith.addi(
+      dst = arith.addi(dst0, arith.addi(
           arith.muli(arith.addi(arith.muli(tile, c(_ma.TILE_ROWS)), r),
                      c(_ma.SWIZZLE)),
-          arith.muli(arith.xori(c_in, r), c(CHUNK)))))
+          arith.muli(arith.xori(c_in, r), c(CHUNK))))
+      if asynchronous:
+        _ma.asm("cp.async.cg.shared.global [$0], [$1], 16;", [dst, src],
+                "r,l")
+        continue
+      words.append(_load_v4(src, "global.nc"))
+      dsts.append(dst)
     for dst, w in zip(dsts, words):
       _ma.asm("st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
               [dst, *w], "r,r,r,r,r")
@@ -143,13 +151,28 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
           arith.addi(arith.muli(_ma.scalar(index_v), c(ROWS * 4)),
                      arith.muli(lane, c(4))))
       # Threads 0..63 carry one row each.
+      move = ("@p cp.async.ca.shared.global [$1], [$0], 4;" if asynchronous
+              else "@p ld.global.nc.f32 s, [$0];\n@p st.shared.f32 [$1], s;")
       _ma.asm(
           "{\n.reg .pred p;\n.reg .f32 s;\nsetp.lt.u32 p, $2, 64;\n"
-          "@p ld.global.nc.f32 s, [$0];\n@p st.shared.f32 [$1], s;\n}",
-          [src, dst, lane], "l,r,r")
+          + move + "\n}", [src, dst, lane], "l,r,r")
 
   args = (q_ref, q_smem) + ((sinks_ref, sink_smem) if has_sinks else ())
   _load(*args, index, t0, kv_head)
+
+
+def wait_rows():
+  """Waits (each calling thread) until its `load_q_rows(asynchronous=True)`
+  copies have landed; a `plgpu.commit_smem()` after it orders them, for the
+  whole warpgroup, before a wgmma reads them."""
+  plgpu = _compat.mosaic_gpu()
+
+  @plgpu.inline_mgpu()
+  def _wait(ctx):
+    del ctx
+    _ma.asm("cp.async.wait_all;", [], "")
+
+  _wait()
 
 
 def store_rows(o_smem, lse_smem, out_ref, lse_ref, *, index, t0, kv_head,

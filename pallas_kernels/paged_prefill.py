@@ -70,10 +70,8 @@ DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # from this many query rows (tokens x group) per sequence.
 DEQUANTIZE_MIN_ROWS = 1024
 # `Config.default_for` at head_dim 64 on Hopper: the Mosaic-GPU kernel with
-# the GQA group packed into its rows, persistent, from this many new tokens
-# per sequence (the Pallas-Triton kernel below) ...
-MOSAIC_D64_PACKED_MIN_TOKENS = 1024
-# ... and its three-consumer form, one query head per CTA, from this many.
+# the GQA group packed into its rows, persistent, below this many new tokens
+# per sequence; its three-consumer form, one query head per CTA, from it.
 MOSAIC_D64_MIN_TOKENS = 2048
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -203,32 +201,27 @@ class Config:
                   batch_size: int | None = None) -> "Config":
     """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
 
-    On a Hopper GPU, bf16/f16 with head_dim 128 and no window, the main
-    launch is the Mosaic-GPU kernel (`paged_prefill_mgpu.supports`): 128
-    tokens per tile (two consumer warpgroups of 64), 128-key steps, two
-    stages; 0.93-0.98x cuDNN on H200 where the Triton kernel reaches
-    0.70-0.78x. At head_dim 64 it is the default from
-    `MOSAIC_D64_MIN_TOKENS` new tokens per sequence (`num_tokens >= 2048 *
-    batch_size`; both static, unknown = below), with 192 tokens per tile
-    (three consumer warpgroups passing a token, as FlashAttention-3 at
-    head_dim 64). Kernel time against the Triton kernel (its group packed
-    densely), causal, page 16, H100, 2026-11-26
-    (bench/results/prefill_d64_len_*.json): 1.07 / 0.985 / 0.82x at 1,024
-    / 2,048 / 8,192 tokens per sequence with SmolLM2's 9/3 heads, 1.14 /
-    0.94 / 0.83x with Llama-3.2-1B's 32/8. From
-    `MOSAIC_D64_PACKED_MIN_TOKENS` (1,024) new tokens per sequence to 2,048
-    it runs with the GQA group packed into the rows of two consumers
+    On a Hopper GPU, bf16/f16 with head_dim 64 or 128 and no window, the
+    main launch is the Mosaic-GPU kernel (`paged_prefill_mgpu.supports`).
+    At head_dim 128: 128 tokens per tile (two consumer warpgroups of 64),
+    128-key steps, two stages; 0.93-0.98x cuDNN on H200 where the Triton
+    kernel reaches 0.70-0.78x. At head_dim 64, from `MOSAIC_D64_MIN_TOKENS` new tokens per
+    sequence (`num_tokens >= 2048 * batch_size`; both static), it runs 192
+    tokens per tile (three consumer warpgroups passing a token, as
+    FlashAttention-3 at head_dim 64): kernel time against the Triton kernel
+    (its group packed densely), causal, page 16, H100, 2026-11-26
+    (bench/results/prefill_d64_len_*.json): 0.985 / 0.82x at 2,048 /
+    8,192 tokens per sequence with SmolLM2's 9/3 heads, 0.94 / 0.83x with
+    Llama-3.2-1B's 32/8. Below that (or with the tokens unknown) it runs
+    with the GQA group packed into the rows of two consumers
     (`mosaic_pack_gqa`: 42 tokens x 3 heads per tile at group 3) on one CTA
-    per SM (`mosaic_persistent`): per call 0.99 / 1.01-1.07x the Triton
-    kernel's speed at 512 / 1,024 tokens (kernel time 1.00 / 1.04-1.05x),
-    and 0.94x at 256; one CTA per tile is 0.89-0.97x at 256-1,024 tokens
-    (SmolLM2 heads, H200, 2026-11-26,
-    `prefill_d64_len_short_smollm2_NVIDIA_H200.json`,
-    `prefill_d64_len_smollm2_NVIDIA_H200.json`); at 2,048 tokens the
-    three-consumer form leads it (156 against 161 us a call). In the engine
-    (1,024-token prompts, 8,192-token steps, 2026-11-25) the three-consumer
-    form tied the Triton kernel on prefill tok/s with some 5 s more of
-    warm-up compilation. FP8 pages
+    per SM (`mosaic_persistent`), each CTA copying its next tile's query
+    rows while one runs: kernel time with the plan reused 1.03 / 1.08 /
+    1.12x the Triton kernel's speed at 256 / 512 / 1,024 tokens per
+    sequence, 1.07 / 1.00 / 1.02x FlashInfer FA3's `run` (SmolLM2 heads,
+    H200, 2026-11-26, `prefill_call_breakdown_NVIDIA_H200.json`); at 2,048
+    tokens the three-consumer form leads it (156 against 161 us a call,
+    `prefill_d64_len_smollm2_NVIDIA_H200.json`). FP8 pages
     read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
     at either head_dim: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
@@ -255,12 +248,10 @@ class Config:
     def per_seq_at_least(tokens):
       return num_tokens is not None and (
           num_tokens >= tokens * max(batch_size or 1, 1))
-    long_rows = per_seq_at_least(MOSAIC_D64_MIN_TOKENS)
-    packed = (head_dim == 64 and not long_rows and
-              per_seq_at_least(MOSAIC_D64_PACKED_MIN_TOKENS) and
+    packed = (head_dim == 64 and
+              not per_seq_at_least(MOSAIC_D64_MIN_TOKENS) and
               group_size <= paged_prefill_mgpu.BLOCK_Q)
     if backend == "mosaic" or backend is None and (not interpret) and (
-        head_dim == 128 or head_dim == 64 and (long_rows or packed)) and (
         paged_prefill_mgpu.supports(
             dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
             window_left=window_left)):

@@ -31,9 +31,14 @@ from pkvattn.pallas_kernels import plan as plan_lib
 _C = kernel.Config
 
 
-def _mosaic(group_size=4, head_dim=128):
+def _mosaic(group_size=4, head_dim=128, page_size=16):
+  """The Mosaic-GPU config for long prompts: one query head per CTA, one
+  CTA per tile (at head_dim 64 three consumers; shorter prompts get the
+  packed, persistent form, `test_default_for_head_dim_64_by_tokens_...`)."""
   return _C.default_for(group_size=group_size, head_dim=head_dim,
-                        page_size=16, dtype=jnp.bfloat16, backend="mosaic")
+                        page_size=page_size, dtype=jnp.bfloat16,
+                        backend="mosaic",
+                        num_tokens=kernel.MOSAIC_D64_MIN_TOKENS, batch_size=1)
 
 
 @pytest.mark.parametrize("head_dim,pack", [(128, False), (64, False),
@@ -90,25 +95,19 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
 def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
   """On Hopper, head_dim 64 runs the three-consumer Mosaic-GPU kernel from
   `MOSAIC_D64_MIN_TOKENS` new tokens per sequence, its packed persistent
-  form from `MOSAIC_D64_PACKED_MIN_TOKENS`, the Triton kernel below (and
-  wherever the Mosaic-GPU kernel does not serve the case)."""
+  form below (and with the tokens unknown), the Triton kernel wherever the
+  Mosaic-GPU kernel does not serve the case."""
   from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
   monkeypatch.setattr(_compat, "is_hopper", lambda: True)
   kw = dict(group_size=3, head_dim=64, page_size=16, dtype=jnp.bfloat16)
   n = kernel.MOSAIC_D64_MIN_TOKENS
-  assert _C.default_for(**kw).backend == "triton"  # tokens unknown
   cfg = _C.default_for(**kw, num_tokens=4 * n, batch_size=4)
   assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule) == (
       "mosaic", mgpu.tile_q(3), "ring")
   assert not (cfg.mosaic_pack_gqa or cfg.mosaic_persistent)
   cfg.validate(group_size=3)
-  # From MOSAIC_D64_PACKED_MIN_TOKENS: the group packed into the rows of
-  # two consumers, one CTA per SM.
-  p = kernel.MOSAIC_D64_PACKED_MIN_TOKENS
-  assert p < n
-  assert _C.default_for(**kw, num_tokens=4 * p - 1,
-                        batch_size=4).backend == "triton"
-  for tokens in (4 * p, 4 * n - 1):
+  # Below: the group packed into the rows of two consumers, one CTA per SM.
+  for tokens in (None, 1, 4 * n - 1):
     cfg = _C.default_for(**kw, num_tokens=tokens, batch_size=4)
     assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
             cfg.mosaic_pack_gqa, cfg.mosaic_persistent, cfg.plan_align) == (
@@ -120,8 +119,8 @@ def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
     assert _C.default_for(**{**kw, **other}, num_tokens=n,
                           batch_size=1).backend == "triton"
   cfg = _C.default_for(**{**kw, "head_dim": 128})
-  assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule) == (
-      "mosaic", mgpu.TILE_Q, "pingpong")
+  assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
+          cfg.mosaic_pack_gqa) == ("mosaic", mgpu.TILE_Q, "pingpong", False)
 
 
 def test_fp8_pages_in_kernel_run_two_consumers():
@@ -301,8 +300,7 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
   """NaN in every page a sequence does not own and past kv_len; ragged,
   unaligned sequence starts, decode rows and padding tokens; one CTA per
   item or one per SM."""
-  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
-                       dtype=jnp.bfloat16, backend="mosaic")
+  cfg = _mosaic(group, d, page_size)
   cfg = dataclasses.replace(cfg, mosaic_persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
@@ -338,8 +336,7 @@ def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
   if block_q == 192 and d != 64:
     pytest.skip("three consumers serve head_dim 64 only")
   cfg = dataclasses.replace(
-      _C.default_for(group_size=group, head_dim=d, page_size=page_size,
-                     dtype=jnp.bfloat16, backend="mosaic"),
+      _mosaic(group, d, page_size),
       block_q=block_q, mosaic_schedule=schedule)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
@@ -353,6 +350,10 @@ def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
     "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens",
     _RING_CASES + [
         (16, 7, 64, True, None, False, 3, [129, 7, 43], [4095, 7, 60]),
+        # Some 240 (kv head, tile) items: persistent CTAs take two or more,
+        # each item's q rows (and sinks) copied while the one before runs.
+        (16, 3, 64, True, None, True, 7, [2000, 1500, 1100, 333],
+         [2000, 1600, 1100, 400]),
         (16, 6, 128, True, None, True, 9, [300, 1, 77, 129],
          [300, 500, 200, 129]),
         (64, 4, 128, True, None, False, 136, [0], [0]),
@@ -365,12 +366,12 @@ def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
   1-8, 64 // group tokens per consumer, rows loaded and stored per thread;
   NaN-poisoned pages, ragged starts, decode rows, padding, a prompt of
   4,095 tokens and one chunk at kv 4,095; one CTA per item, or one per SM
-  (`mosaic_persistent`) with the K/V ring running on across items."""
+  (`mosaic_persistent`) with the K/V ring running on across items and
+  each item's q rows copied during the item before."""
   if consumers == 3 and d != 64:
     pytest.skip("three consumers serve head_dim 64 only")
   cfg = dataclasses.replace(
-      _C.default_for(group_size=group, head_dim=d, page_size=page_size,
-                     dtype=jnp.bfloat16, backend="mosaic"),
+      _mosaic(group, d, page_size),
       mosaic_pack_gqa=True, block_q=mgpu.tile_q(consumers, group),
       mosaic_schedule=schedule, mosaic_persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
@@ -437,8 +438,7 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
   q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
-  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
-                       dtype=jnp.bfloat16, backend="mosaic")
+  cfg = _mosaic(group, d, page_size)
   if pack:  # three consumers become two for FP8 pages in paged_prefill
     cfg = dataclasses.replace(cfg, mosaic_pack_gqa=True,
                               block_q=mgpu.tile_q(3 if d == 64 else 2, group),
