@@ -158,7 +158,8 @@ def kernel_ms(run, calls: int = 5) -> float:
 
 def prefill_fn(q, kv_cache, page_table, q_indptr, kv_lens, *,
                num_qo_heads: int, num_kv_heads: int, causal: bool = True,
-               sm_scale: float | None = None, backend: str = "fa3"):
+               sm_scale: float | None = None, backend: str = "fa3",
+               window_left: int = -1):
   """A planned FlashInfer `BatchPrefillWithPagedKVCacheWrapper` call.
 
   Args:
@@ -170,6 +171,8 @@ def prefill_fn(q, kv_cache, page_table, q_indptr, kv_lens, *,
       the new ones (queries are the last `q_len` positions, FlashInfer's
       causal convention too).
     backend: FlashInfer's prefill backend ("fa3" on Hopper, "fa2", "auto").
+    window_left: FlashInfer's (and pkvattn's) sliding window: a query at
+      position p sees keys from p - window_left on; -1: none.
 
   Returns:
     `(run, out)` as `decode_fn`: `run()` launches the prefill, `out` is
@@ -185,7 +188,8 @@ def prefill_fn(q, kv_cache, page_table, q_indptr, kv_lens, *,
                                                      backend=backend)
   w.plan(dev(q_indptr), dev(indptr), dev(indices), dev(last), num_qo_heads,
          num_kv_heads, head_dim, page_size, causal=causal, sm_scale=sm_scale,
-         q_data_type=qt.dtype, kv_data_type=ct.dtype)
+         window_left=window_left, q_data_type=qt.dtype,
+         kv_data_type=ct.dtype)
   run = lambda: w.run(qt, ct)  # noqa: E731
   out = jnp.asarray(run().float().cpu().numpy())
   return run, out

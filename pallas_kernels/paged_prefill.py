@@ -201,8 +201,9 @@ class Config:
                   batch_size: int | None = None) -> "Config":
     """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
 
-    On a Hopper GPU, bf16/f16 with head_dim 64 or 128 and no window, the
-    main launch is the Mosaic-GPU kernel (`paged_prefill_mgpu.supports`).
+    On a Hopper GPU, bf16/f16 with head_dim 64 or 128 (with or without a
+    window), the main launch is the Mosaic-GPU kernel
+    (`paged_prefill_mgpu.supports`).
     At head_dim 128: 128 tokens per tile (two consumer warpgroups of 64),
     128-key steps, two stages; 0.93-0.98x cuDNN on H200 where the Triton
     kernel reaches 0.70-0.78x. At head_dim 64, from `MOSAIC_D64_MIN_TOKENS` new tokens per
@@ -219,9 +220,14 @@ class Config:
     rows while one runs: kernel time with the plan reused 1.03 / 1.08 /
     1.12x the Triton kernel's speed at 256 / 512 / 1,024 tokens per
     sequence, 1.07 / 1.00 / 1.02x FlashInfer FA3's `run` (SmolLM2 heads,
-    H200, 2026-11-26, `prefill_call_breakdown_NVIDIA_H200.json`); at 2,048
+    H200, 2026-11-26, `prefill_call_breakdown_NVIDIA_H200.json`; H100:
+    1.05 / 1.10 / 1.13x Triton, 1.06 / 0.98 / 1.03x FA3); at 2,048
     tokens the three-consumer form leads it (156 against 161 us a call,
-    `prefill_d64_len_smollm2_NVIDIA_H200.json`). FP8 pages
+    `prefill_d64_len_smollm2_NVIDIA_H200.json`). Windows take the same
+    rule: Mistral-7B heads, 2 x 8,192 tokens, window 4,096, per call 1.48x
+    the Triton kernel's speed and 1.09x FA3's with the same window; a
+    512-token chunk at kv 8,192 with window 2,048 (Llama-3-8B heads)
+    1.52x / 1.01x (H100, 2026-11-26, `prefill_window_*.json`). FP8 pages
     read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
     at either head_dim: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
@@ -717,7 +723,7 @@ def paged_prefill(
 
   Raises:
     ValueError: a plan built for a different block_q / num_tokens / batch;
-      a mosaic `config` with a window or in interpret mode; an unknown
+      a mosaic `config` in interpret mode; an unknown
       `config.fp8_pages`.
     NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
   """
@@ -750,10 +756,10 @@ def paged_prefill(
   if fp8:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
-  if config.backend == "mosaic" and (interpret or window_left >= 0):
+  if config.backend == "mosaic" and interpret:
     raise ValueError(
-        f"Invalid config: the mosaic backend needs a GPU and no window, got "
-        f"interpret={interpret}, window_left={window_left}")
+        f"Invalid config: the mosaic backend needs a GPU, got "
+        f"interpret={interpret}")
   if plan is not None:
     got = (plan.block_q, plan.short_block_q, plan.align,
            plan.decode_rows is not None, plan.num_tokens, plan.batch_size)
@@ -766,8 +772,9 @@ def paged_prefill(
             f"split_decode_rows, num_tokens, batch_size) = {got}, expected "
             f"{want}")
       # A step's one plan serves layers of both backends (a model whose
-      # windowed layers run the Triton kernel and the others the mosaic
-      # one): the layers the plan was not made for plan for themselves.
+      # head_dim-256 or f32 layers run the Triton kernel and the others
+      # the mosaic one): the layers the plan was not made for plan for
+      # themselves.
       plan = None
   if plan is None:
     plan = config.plan(q_indptr, kv_lens, num_tokens=num_tokens,
@@ -787,7 +794,7 @@ def paged_prefill(
         k_scale=k_scale, v_scale=v_scale,
         num_consumers=config.mosaic_consumers(group_size),
         schedule=config.mosaic_schedule, pack_gqa=config.mosaic_pack_gqa,
-        persistent=config.mosaic_persistent)
+        persistent=config.mosaic_persistent, window_left=window_left)
   else:
     out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
                num_warps=config.num_warps, num_stages=config.num_stages,

@@ -70,9 +70,15 @@ reduction scratch, unused by the row reductions of the WGMMA layout, is
 given up for it). FP8 pages run two consumers: the converting producer needs
 the registers a third consumer would take.
 
-No sliding window (the consumers' barrier phases would have to skip the
-window's leading steps); `paged_prefill` keeps the Triton kernel for
-windows, f32, head_dim 256 and non-Hopper GPUs (`supports`).
+Sliding window (`window_left`): an item's steps start at the block of the
+first key its first token sees, for the producer and every consumer alike
+(the consumers' barrier phases stay in step; a later consumer's first
+steps may be wholly masked for its rows, which the softmax allows for).
+Steps before the keys every row of a consumer sees are masked like the
+diagonal's. Pages before the one of that first key may be released: they
+are never read (the page index is clamped up to it), and the V rows the
+clamped copies bring are zeroed. `paged_prefill` keeps the Triton kernel
+for f32, head_dim 256 and non-Hopper GPUs (`supports`).
 """
 
 from __future__ import annotations
@@ -99,17 +105,18 @@ SMEM_BYTES = 227 * 1024  # per CTA on Hopper
 _SLACK = 4096            # barriers, reduction scratch, alignment
 
 
-def supports(*, dtype, head_dim: int, page_size: int, window_left: int,
+def supports(*, dtype, head_dim: int, page_size: int, window_left: int = -1,
              block_kv: int = 128) -> bool:
   """Whether this kernel serves the case (else the Triton kernel does).
 
   Needs a Hopper GPU (wgmma is sm_90a only), bf16/f16, head_dim 64 or 128,
-  page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing `block_kv`
-  or divisible by it, and no sliding window.
+  and page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing
+  `block_kv` or divisible by it; any `window_left`.
   """
+  del window_left  # any window
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False
-  if head_dim not in (64, 128) or window_left >= 0 or page_size < 8:
+  if head_dim not in (64, 128) or page_size < 8:
     return False
   if page_size < block_kv and block_kv % page_size:
     return False
@@ -171,7 +178,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             block_kv: int, num_stages: int, fp8_stages: int = 0,
             q_from_bf16: bool = False, num_consumers: int = 2,
             schedule: str = "pingpong", pack_gqa: bool = False,
-            num_ctas: int, q_buffers: int = 1):
+            num_ctas: int, q_buffers: int = 1, window_left: int = -1):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from pkvattn.pallas_kernels import _mgpu_rows  # noqa: PLC0415
@@ -212,6 +219,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                      jnp.array(num_ctas, i32))
   bkv = jnp.array(block_kv, i32)
   n_cons = num_consumers
+  window = window_left >= 0
 
   def fetch(t):
     """The plan row (`plan.NUM_FIELDS` i32 scalars) of this CTA's item t,
@@ -241,6 +249,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         self.origin = pl.multiple_of(
             self.q_start - lax.rem(self.q_start, jnp.array(ALIGN, i32)),
             ALIGN)
+      # With a window, the item's steps start at the block of the first
+      # key its first token sees (`kv_first`; every consumer walks from
+      # there, and steps count from that block); else at key 0.
+      self.kv_first = self.lo_blk = jnp.array(0, i32)
+      if window:
+        self.kv_first = jnp.maximum(
+            self.q_start + self.pos_offset - window_left, 0)
+        self.lo_blk = lax.div(self.kv_first, bkv)
       # The producer loads every step some consumer needs; with causal
       # masking a later warpgroup (later rows) needs at least as many.
       total = self.wg_steps(0)[3]
@@ -249,15 +265,18 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       self.total_steps = total
 
     def wg_steps(self, w):
-      """(first row token, first / end valid token, KV steps, unmasked
-      steps) of consumer w."""
+      """(first row token, first / end valid token, KV steps, first and
+      end unmasked step) of consumer w; steps count from block `lo_blk`.
+      Steps before the unmasked ones are the window's edge, those after
+      cross the diagonal or kv_len."""
       t0 = self.origin + w * tq
       lo = jnp.clip(self.q_start - t0, 0, tq)
       hi_row = jnp.clip(self.q_end - t0, lo, tq)
+      first_pos = t0 + lo + self.pos_offset
+      last_pos = t0 + hi_row - 1 + self.pos_offset
       if causal:
-        # last position + 1
-        hi = jnp.minimum(self.kv_len, t0 + hi_row + self.pos_offset)
-        full = jnp.minimum(self.kv_len, t0 + lo + self.pos_offset + 1)
+        hi = jnp.minimum(self.kv_len, last_pos + 1)
+        full = jnp.minimum(self.kv_len, first_pos + 1)
       else:
         hi = full = self.kv_len
       # The padding pseudo-sequence (kv_len 0) has negative positions:
@@ -265,7 +284,15 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       some = hi_row > lo
       hi = jnp.where(some, jnp.maximum(hi, 0), 0)
       full = jnp.where(some, jnp.maximum(full, 0), 0)
-      return t0, lo, hi_row, lax.div(hi + bkv - 1, bkv), lax.div(full, bkv)
+      steps = jnp.maximum(lax.div(hi + bkv - 1, bkv) - self.lo_blk, 0)
+      if not window:
+        return t0, lo, hi_row, steps, jnp.array(0, i32), lax.div(full, bkv)
+      # Keys every row sees start at the last row's window start.
+      full_lo = jnp.maximum(last_pos - window_left, 0)
+      u_lo = jnp.clip(lax.div(full_lo + bkv - 1, bkv) - self.lo_blk, 0,
+                      steps)
+      u_hi = jnp.clip(lax.div(full, bkv) - self.lo_blk, u_lo, steps)
+      return t0, lo, hi_row, steps, u_lo, u_hi
 
   def rendezvous():
     plgpu.barrier_arrive(sched)
@@ -291,8 +318,9 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     return lax.rem(g + i, jnp.array(num_stages, i32))
 
   def softmax(s, i, it, t0, m, l, masked: bool):
-    """Online softmax of step i's logits: (m, l, P in the dot dtype, the
-    factor alpha that rescales the accumulator)."""
+    """Online softmax of step i's logits (i counts from block `it.lo_blk`):
+    (m, l, P in the dot dtype, the factor alpha that rescales the
+    accumulator)."""
     if logits_soft_cap is not None:
       cap_scale = sm_scale / logits_soft_cap
       if logit_scale is not None:
@@ -305,21 +333,33 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       shape = (BLOCK_Q, block_kv)
       row = plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.WGMMA)
       key = plgpu.broadcasted_iota(i32, shape, 1, layout=plgpu.Layout.WGMMA)
-      key = key + i * block_kv
+      key = key + (it.lo_blk + i) * block_kv
       vis = key < it.kv_len
+      pos = t0 + it.pos_offset  # position of token t0
       if causal and packed:
         # Row r is token t0 + r // G: key <= pos + r // G <=> (key - pos)
-        # * G <= r (integers), with pos the position of token t0.
-        vis = vis & ((key - (t0 + it.pos_offset)) * pack_group <= row)
+        # * G <= r (integers).
+        vis = vis & ((key - pos) * pack_group <= row)
       elif causal:
-        vis = vis & (key <= row + (t0 + it.pos_offset))
+        vis = vis & (key <= row + pos)
+      if window and packed:
+        # key >= pos + r // G - W <=> (key - pos + W + 1) * G > r.
+        vis = vis & ((key - pos + window_left + 1) * pack_group > row)
+      elif window:
+        vis = vis & (key >= row + pos - window_left)
       s = jnp.where(vis, s, -jnp.inf)
-    # Every valid row sees key 0 in step 0 (causal or not), so its m is
-    # finite from the first step on and exp2(-inf - m) = 0 for masked
-    # keys. (Rows of other sequences may go NaN; rows do not mix.)
+    # Without a window every valid row sees key 0 in step 0 (causal or
+    # not), so its m is finite from the first step on and exp2(-inf - m)
+    # = 0 for masked keys. With one, a row may see no key of a step at the
+    # window's edge: its m stays -inf, so the exponents take 0 for it
+    # (alpha = p = 0). (Rows of other sequences may go NaN; rows do not
+    # mix.)
     m_next = jnp.maximum(m, s.max(axis=1) * scale)
-    alpha = jnp.exp2(m - m_next)
-    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_next, s.shape, [0]))
+    m_ref = m_next
+    if masked and window:
+      m_ref = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp2(m - m_ref)
+    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_ref, s.shape, [0]))
     l = l * alpha + p.sum(axis=1)
     return m_next, l, p.astype(dtype), alpha
 
@@ -335,20 +375,30 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   def rescale(acc, alpha):
     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-  def zero_stale_v(i, slot, kv_len):
+  def zero_stale_v(i, slot, it):
     # Stale V rows past kv_len (NaN in tests) would turn 0 * NaN into NaN:
-    # zero them in shared memory. Several consumers may do this for the
-    # same stage; they write identical values.
-    @pl.when((i + 1) * block_kv > kv_len)
+    # zero them in shared memory, and with a window the rows before the
+    # item's first key (their pages, read in place of released ones, may
+    # hold anything). Several consumers may do this for the same stage;
+    # they write identical values.
+    first = (it.lo_blk + i) * block_kv
+    stale = first + block_kv > it.kv_len
+    if window:
+      stale = stale | (first < it.kv_first)
+
+    @pl.when(stale)
     def _():
       v_slot = v_smem.at[slot]
       vrow = plgpu.broadcasted_iota(i32, (block_kv, head_dim), 0,
-                                    layout=plgpu.Layout.WGMMA)
-      v_slot[...] = jnp.where(vrow + i * block_kv < kv_len, v_slot[...],
+                                    layout=plgpu.Layout.WGMMA) + first
+      keep = vrow < it.kv_len
+      if window:
+        keep = keep & (vrow >= it.kv_first)
+      v_slot[...] = jnp.where(keep, v_slot[...],
                               jnp.zeros((block_kv, head_dim), dtype))
       plgpu.commit_smem()
 
-  def pingpong(q_smem, it, g, t0, steps, full_steps, carry):
+  def pingpong(q_smem, it, g, t0, steps, u_lo, u_hi, carry):
     """Two consumers in lock step (FA3's ping-pong): a step's QK^T, softmax
     and PV in turn, one warpgroup's matmuls alternating with the other's
     softmax."""
@@ -377,7 +427,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       plgpu.barrier_arrive(sched)  # softmax done
       plgpu.barrier_wait(v_bar.at[slot])
       if masked:
-        zero_stale_v(i, slot, it.kv_len)
+        zero_stale_v(i, slot, it)
       plgpu.barrier_wait(sched)  # the other consumer's matmul is issued
 
       def pv(acc_ref):
@@ -399,15 +449,18 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       rendezvous()
       rendezvous()
 
-    carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False),
+    if window:  # the window's edge
+      carry = lax.fori_loop(0, u_lo, functools.partial(step, masked=True),
+                            carry)
+    carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False),
                           carry)
-    carry = lax.fori_loop(full_steps, steps,
-                          functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(u_hi, steps, functools.partial(step, masked=True),
+                          carry)
     lax.fori_loop(steps, it.total_steps, skip, None)
     pl.when(wg == 0)(rendezvous)  # matches the second consumer's first one
     return carry
 
-  def ring(q_smem, it, g, t0, steps, full_steps, carry):
+  def ring(q_smem, it, g, t0, steps, u_lo, u_hi, carry):
     """Any number of consumers passing a token (FA3's warp-scheduler
     barrier): a warpgroup issues QK^T of step i with PV of step i - 1 while
     it holds the token, passes it on, and runs step i's softmax while the
@@ -427,7 +480,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # K of step i + 1 before its QK^T.
       plgpu.barrier_wait(v_bar.at[slot])
       if masked:
-        zero_stale_v(i, slot, it.kv_len)
+        zero_stale_v(i, slot, it)
       nxt = i + 1
 
       @pl.when(nxt < steps)
@@ -498,17 +551,17 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     p16 = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), dtype),
                             plgpu.Layout.WGMMA)
     carry = (acc, m, l, p16)
-    # Step 0 runs once, masked only if it needs to be (one of these two
-    # loops runs).
-    first_full = jnp.minimum(first, full_steps)
-    carry = lax.fori_loop(0, first_full,
-                          functools.partial(first_step, masked=False), carry)
-    carry = lax.fori_loop(first_full, first,
-                          functools.partial(first_step, masked=True), carry)
-    carry = lax.fori_loop(first, jnp.maximum(full_steps, first),
-                          functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(jnp.maximum(full_steps, first), steps,
-                          functools.partial(step, masked=True), carry)
+    # Runs of masked / unmasked steps; step 0 (first_step) runs once, in
+    # the run that holds it.
+    runs = [(0, u_lo, True)] if window else []
+    runs += [(u_lo, u_hi, False), (u_hi, steps, True)]
+    for a, b, masked in runs:
+      carry = lax.fori_loop(a, jnp.minimum(b, first),
+                            functools.partial(first_step, masked=masked),
+                            carry)
+    for a, b, masked in runs:
+      carry = lax.fori_loop(jnp.maximum(a, first), jnp.maximum(b, first),
+                            functools.partial(step, masked=masked), carry)
     carry = lax.fori_loop(0, first, last_step, carry)
     lax.fori_loop(steps, total_steps, skip, None)
     return carry[:3]
@@ -535,7 +588,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       it = Item(t, row)
       row_after = fetch(t + 2)
       head = it.head
-      t0, row_lo, row_hi, steps, full_steps = it.wg_steps(wg)
+      t0, row_lo, row_hi, steps, u_lo, u_hi = it.wg_steps(wg)
       buf = lax.rem(t, jnp.array(q_buffers, i32))
       q_smem = q_smem2.at[buf * n_cons + wg]
       # A q buffer's last reader, the QK^T of the last item that used it,
@@ -570,7 +623,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       acc = plgpu.layout_cast(jnp.full((BLOCK_Q, head_dim), 0.0, f32),
                               plgpu.Layout.WGMMA)
       run = ring if schedule == "ring" else pingpong
-      acc, m, l = run(q_smem, it, g, t0, steps, full_steps, (acc, m, l))
+      acc, m, l = run(q_smem, it, g, t0, steps, u_lo, u_hi, (acc, m, l))
 
       ok = l > 0.0
       if has_sinks:
@@ -646,8 +699,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                                                jnp.array(group_size, i32))
       last_page = jnp.maximum(lax.div(it.kv_len + page_size - 1,
                                       jnp.array(page_size, i32)) - 1, 0)
+      # With a window, pages before the one of the item's first key may be
+      # released (-1 in the table): never read (`zero_stale_v` clears what
+      # the clamped copies bring).
+      first_page = lax.div(it.kv_first, jnp.array(page_size, i32))
 
-      def issue(i, slot, pool_ref, table_ref, smem, bar):
+      def issue(j, slot, pool_ref, table_ref, smem, bar):
+        # Step j of the item: block lo_blk + j.
+        i = it.lo_blk + j
         first = i * block_kv
         for c in range(copies):
           if page_size >= block_kv:
@@ -658,6 +717,8 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
           else:
             page_idx = lax.div(first, jnp.array(page_size, i32)) + c
             r0 = 0
+          if window:
+            page_idx = jnp.maximum(page_idx, first_page)
           page = table_ref[it.seq, jnp.minimum(page_idx, last_page)]
           plgpu.copy_gmem_to_smem(
               pool_ref.at[page, pl.ds(r0, rows), kv_head],
@@ -765,7 +826,7 @@ def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
     jax.jit,
     static_argnames=("causal", "sm_scale", "logits_soft_cap", "block_kv",
                      "num_stages", "fp8_stages", "num_consumers",
-                     "schedule", "pack_gqa", "persistent"))
+                     "schedule", "pack_gqa", "persistent", "window_left"))
 def paged_prefill_mgpu(
     q: jax.Array,         # [num_tokens, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -787,11 +848,12 @@ def paged_prefill_mgpu(
     schedule: str = "pingpong",
     pack_gqa: bool = False,
     persistent: bool = False,
+    window_left: int = -1,
 ):
   """One Mosaic-GPU launch over the plan's main tiles (see module docstring).
 
-  Semantics are `reference.paged_prefill_reference` without a window, for
-  the tokens the `tiles` cover (`plan.plan_prefill(...,
+  Semantics are `reference.paged_prefill_reference`, for the tokens the
+  `tiles` cover (`plan.plan_prefill(...,
   block_q=tile_q(num_consumers, G), align=plan_align(pack_gqa))`, G the
   group size with `pack_gqa`, else 1); rows of other tokens (the plan's short
   tiles) are left unwritten.
@@ -805,7 +867,9 @@ def paged_prefill_mgpu(
       `tile_q(num_consumers, G)` and align = `plan_align(pack_gqa)` (G as
       above).
     sinks: optional `f32[num_qo_heads]`, joins the denominator only.
-    causal, sm_scale, logits_soft_cap: static, as `paged_prefill`.
+    causal, sm_scale, logits_soft_cap, window_left: static, as
+      `paged_prefill` (window_left -1: no window; else token t sees keys
+      from position - window_left on).
     block_kv: static, keys per step (64 or 128).
     num_stages: static, shared-memory stages of the K/V ring (>= 2).
     k_scale, v_scale: f32 scalars (may be traced) of float8_e4m3fn pages
@@ -905,7 +969,7 @@ def paged_prefill_mgpu(
       group_size=group_size, block_kv=block_kv, num_stages=num_stages,
       fp8_stages=fp8_stages if fp8 else 0, q_from_bf16=q_from_bf16,
       num_consumers=num_consumers, schedule=schedule, pack_gqa=pack_gqa,
-      num_ctas=num_ctas, q_buffers=q_buffers)
+      num_ctas=num_ctas, q_buffers=q_buffers, window_left=window_left)
 
   def entry(*refs):
     transforms = _tile_transforms(head_dim, dtype)

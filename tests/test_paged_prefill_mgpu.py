@@ -114,10 +114,12 @@ def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
                 "mosaic", 42, "pingpong", True, True, 1)
     assert cfg.mosaic_consumers(3) == 2
     cfg.validate(group_size=3)
-  for other in (dict(interpret=True), dict(window_left=128),
-                dict(dtype=jnp.float32)):
+  for other in (dict(interpret=True), dict(dtype=jnp.float32),
+                dict(head_dim=256)):
     assert _C.default_for(**{**kw, **other}, num_tokens=n,
                           batch_size=1).backend == "triton"
+  cfg = _C.default_for(**kw, window_left=128)  # windows too
+  assert (cfg.backend, cfg.mosaic_pack_gqa) == ("mosaic", True)
   cfg = _C.default_for(**{**kw, "head_dim": 128})
   assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
           cfg.mosaic_pack_gqa) == ("mosaic", mgpu.TILE_Q, "pingpong", False)
@@ -153,11 +155,14 @@ def test_backend_choice_and_errors():
     assert cfg.backend == "triton" and cfg.plan_align == 1
   # Unsupported features fall back whatever the GPU.
   for kw in (dict(dtype=jnp.float32), dict(head_dim=256),
-             dict(window_left=64), dict(page_size=4)):
+             dict(page_size=4)):
     args = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16,
                 window_left=-1)
     args.update(kw)
     assert not mgpu.supports(**args)
+  # A window changes nothing.
+  assert mgpu.supports(dtype=jnp.bfloat16, head_dim=64, page_size=16,
+                       window_left=64) == _hopper()
   cfg = _mosaic()
   assert (cfg.backend, cfg.block_q, cfg.plan_align) == ("mosaic", 128, 8)
   with pytest.raises(ValueError, match="backend"):
@@ -188,12 +193,11 @@ def test_backend_choice_and_errors():
   q = jnp.zeros((16, 8, 128), jnp.bfloat16)
   pool = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
   table = jnp.zeros((1, 4), jnp.int32)
-  for kw in (dict(interpret=True), dict(window_left=8, interpret=False)):
-    with pytest.raises(ValueError, match="mosaic backend"):
-      kernel.paged_prefill(q, pool, pool, table, table,
-                           jnp.array([0, 16], jnp.int32),
-                           jnp.array([16], jnp.int32), sm_scale=0.1,
-                           config=cfg, **kw)
+  with pytest.raises(ValueError, match="mosaic backend"):
+    kernel.paged_prefill(q, pool, pool, table, table,
+                         jnp.array([0, 16], jnp.int32),
+                         jnp.array([16], jnp.int32), sm_scale=0.1,
+                         config=cfg, interpret=True)
   # A plan without the 8-row alignment does not fit the mosaic kernel.
   plan = plan_lib.plan_prefill(jnp.array([0, 16], jnp.int32),
                                jnp.array([16], jnp.int32), num_tokens=16,
@@ -227,28 +231,33 @@ def test_backend_choice_and_errors():
 
 @pytest.mark.parametrize(
     "num_tokens,page_size,head_dim,causal,soft_cap,sinks,fp8,consumers,"
-    "schedule,pack,persistent", [
-        # (..., pack, persistent) last.
-        (512, 16, 128, True, None, False, False, 2, "pingpong", 0, 0),
-        (300, 8, 64, True, None, True, False, 2, "pingpong", 0, 0),  # q pad
-        (256, 256, 128, False, 30.0, False, False, 2, "pingpong", 0, 0),
-        (384, 64, 128, True, 50.0, True, False, 2, "pingpong", 0, 0),
+    "schedule,pack,persistent,window_left", [
+        # (..., pack, persistent, window_left) last.
+        (512, 16, 128, True, None, False, False, 2, "pingpong", 0, 0, -1),
+        (300, 8, 64, True, None, True, False, 2, "pingpong", 0, 0, -1),  # q pad
+        (256, 256, 128, False, 30.0, False, False, 2, "pingpong", 0, 0, -1),
+        (384, 64, 128, True, 50.0, True, False, 2, "pingpong", 0, 0, -1),
         # FP8 pages: TMA into the staging ring, the producer converts.
-        (512, 16, 128, True, None, False, True, 2, "pingpong", 0, 0),
-        (300, 8, 64, False, 30.0, True, True, 2, "pingpong", 0, 0),
+        (512, 16, 128, True, None, False, True, 2, "pingpong", 0, 0, -1),
+        (300, 8, 64, False, 30.0, True, True, 2, "pingpong", 0, 0, -1),
         # The token ring: two consumers, and three at head_dim 64.
-        (384, 64, 128, True, 50.0, True, False, 2, "ring", 0, 0),
-        (300, 8, 64, True, None, True, False, 3, "ring", 0, 0),
-        (512, 256, 64, False, 30.0, False, False, 3, "ring", 0, 0),
+        (384, 64, 128, True, 50.0, True, False, 2, "ring", 0, 0, -1),
+        (300, 8, 64, True, None, True, False, 3, "ring", 0, 0, -1),
+        (512, 256, 64, False, 30.0, False, False, 3, "ring", 0, 0, -1),
         # The group packed into the rows (per-thread q loads and stores),
         # one CTA per SM, and both.
-        (300, 16, 64, True, None, True, False, 2, "pingpong", 1, 1),
-        (384, 64, 128, True, 50.0, False, True, 2, "pingpong", 1, 0),
-        (300, 8, 64, False, 30.0, True, False, 3, "ring", 0, 1),
+        (300, 16, 64, True, None, True, False, 2, "pingpong", 1, 1, -1),
+        (384, 64, 128, True, 50.0, False, True, 2, "pingpong", 1, 0, -1),
+        (300, 8, 64, False, 30.0, True, False, 3, "ring", 0, 1, -1),
+        # Sliding windows: steps from the first key's block, edge masks.
+        (512, 16, 128, True, None, True, False, 2, "pingpong", 0, 0, 100),
+        (300, 16, 64, True, 30.0, False, False, 2, "pingpong", 1, 1, 7),
+        (300, 8, 64, False, None, True, False, 3, "ring", 0, 1, 64),
+        (384, 64, 128, True, None, False, True, 2, "pingpong", 1, 0, 300),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                                      soft_cap, sinks, fp8, consumers,
-                                     schedule, pack, persistent):
+                                     schedule, pack, persistent, window_left):
   """Cross-lowers the kernel for CUDA on the CPU: every TMA slice, layout and
   barrier of the Mosaic-GPU lowering (and the per-thread row copies of
   packed tiles) must be accepted, and (FP8, three consumers) the buffers
@@ -265,7 +274,8 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                plan_lib.NUM_FIELDS), jnp.int32),
           sds((hq,), jnp.float32) if sinks else None]
   scales = dict(num_consumers=consumers, schedule=schedule,
-                pack_gqa=bool(pack), persistent=bool(persistent))
+                pack_gqa=bool(pack), persistent=bool(persistent),
+                window_left=window_left)
   if fp8:
     scales.update(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
   lowered = mgpu.paged_prefill_mgpu.trace(
@@ -378,12 +388,29 @@ def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
                 q_lens, kv_lens)
 
 
+def _release_before_window(p, q_lens, kv_lens, page_size, window_left):
+  """As a sliding-window cache does: the pages wholly before the window of
+  a prompt's first token go back to the pool (NaN there, -1 in the table)
+  for sequences of more than 16 new tokens (the main launch's)."""
+  pool = np.array(p.kv_cache.astype(jnp.float32))
+  table = p.page_table.copy()
+  for b, (ql, n) in enumerate(zip(q_lens, kv_lens)):
+    if ql > 16:
+      gone = max(n - ql - window_left, 0) // page_size
+      pool[table[b, :, :gone].ravel()] = np.nan
+      table[b, :, :gone] = -1
+  p.kv_cache = jnp.asarray(pool, p.kv_cache.dtype)
+  p.page_table = table
+
+
 def _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
-                  q_lens, kv_lens):
+                  q_lens, kv_lens, window_left=-1):
   rng = np.random.default_rng(page_size * 7 + group + padding)
   hkv = 2
   p = make_paged(rng, kv_lens, page_size=page_size, num_kv_heads=hkv,
                  head_dim=d, dtype=jnp.bfloat16, fmt="pool")
+  if window_left >= 0:
+    _release_before_window(p, q_lens, kv_lens, page_size, window_left)
   hq = hkv * group
   t = sum(q_lens) + padding
   q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
@@ -394,7 +421,8 @@ def _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
   out, lse = kernel.paged_prefill(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(q_indptr), jnp.asarray(p.kv_lens), s, causal=causal,
-      sm_scale=d ** -0.5, logits_soft_cap=soft_cap, config=cfg)
+      sm_scale=d ** -0.5, logits_soft_cap=soft_cap, config=cfg,
+      window_left=window_left)
   out = np.asarray(out.astype(jnp.float32))
   lse = np.asarray(lse)
   qf = np.asarray(q.astype(jnp.float32))
@@ -403,7 +431,7 @@ def _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
       continue
     exp, exp_lse = dense_attention(
         qf[q_indptr[b]:q_indptr[b + 1]], p.k[b], p.v[b],
-        np.arange(n - ql, n), n, causal=causal, window_left=-1,
+        np.arange(n - ql, n), n, causal=causal, window_left=window_left,
         sm_scale=d ** -0.5, logits_soft_cap=soft_cap,
         sinks=None if s is None else np.asarray(s))
     np.testing.assert_allclose(out[q_indptr[b]:q_indptr[b + 1]], exp,
@@ -412,6 +440,41 @@ def _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                                atol=2e-2, rtol=2e-2)
   assert (out[q_indptr[-1]:] == 0).all()
   assert np.isneginf(lse[q_indptr[-1]:]).all()
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("form", ["unpacked", "packed", "packed ring"])
+@pytest.mark.parametrize(
+    "page_size,group,d,causal,soft_cap,sinks,padding,q_lens,kv_lens,window",
+    [
+        (16, 4, 128, True, None, True, 5, [1500, 1, 77, 129],
+         [1500, 500, 200, 4095], 100),
+        (16, 3, 64, True, 30.0, False, 3, [2000, 7, 300], [2000, 900, 300],
+         7),
+        (8, 1, 64, False, None, True, 0, [300, 1, 129], [700, 500, 129], 64),
+        (64, 5, 64, True, None, False, 9, [1000, 33], [3000, 33], 1000),
+        (128, 8, 128, True, None, False, 0, [700], [700], 127),
+    ])
+def test_window_matches_oracle_gpu(form, page_size, group, d, causal,
+                                   soft_cap, sinks, padding, q_lens, kv_lens,
+                                   window):
+  """Sliding windows (`window_left`) against the float64 oracle: windows of
+  7 keys to 1,000, causal or not, chunks at kv 3,000 / 4,095, decode rows;
+  the pages before each prompt's window released (NaN, -1 in the table),
+  besides NaN in unowned pages and past kv_len; one query head per CTA,
+  or the group packed into the rows, persistent (two consumers in ping-pong
+  or three in the ring)."""
+  if form == "packed ring" and d != 64:
+    pytest.skip("three consumers serve head_dim 64 only")
+  cfg = _mosaic(group, d, page_size)
+  if form != "unpacked":
+    n = 3 if form == "packed ring" else 2
+    cfg = dataclasses.replace(
+        cfg, mosaic_pack_gqa=True, block_q=mgpu.tile_q(n, group),
+        mosaic_schedule="ring" if n == 3 else "pingpong",
+        mosaic_persistent=True)
+  _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
+                q_lens, kv_lens, window_left=window)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
