@@ -25,8 +25,9 @@ requests), which must be the same in every arm (the file keeps their
 SHA-1).
 
 Writes `bench/results/engine_rope_ab_<model>_<device>.json` (`--op decode`
-/ `prefill`: `engine_decode_ab_...` / `engine_prefill_ab_...`, with `_<kv_cache_dtype>` after the model where
-given; and under `$OUT`) and prints a table last.
+/ `prefill`: `engine_decode_ab_...` / `engine_prefill_ab_...`, with
+`_<kv_cache_dtype>` after the model where given; and under `$OUT`) and
+prints a table last.
 """
 
 from __future__ import annotations

@@ -203,11 +203,11 @@ class Config:
 
     On a Hopper GPU, bf16/f16 with head_dim 64 or 128 (with or without a
     window), the main launch is the Mosaic-GPU kernel
-    (`paged_prefill_mgpu.supports`).
-    At head_dim 128: 128 tokens per tile (two consumer warpgroups of 64),
-    128-key steps, two stages; 0.93-0.98x cuDNN on H200 where the Triton
-    kernel reaches 0.70-0.78x. At head_dim 64, from `MOSAIC_D64_MIN_TOKENS` new tokens per
-    sequence (`num_tokens >= 2048 * batch_size`; both static), it runs 192
+    (`paged_prefill_mgpu.supports`). At head_dim 128: 128 tokens per tile
+    (two consumer warpgroups of 64), 128-key steps, two stages; 0.93-0.98x
+    cuDNN on H200 where the Triton kernel reaches 0.70-0.78x. At head_dim
+    64, from `MOSAIC_D64_MIN_TOKENS` new tokens per sequence (`num_tokens
+    >= 2048 * batch_size`; both static), it runs 192
     tokens per tile (three consumer warpgroups passing a token, as
     FlashAttention-3 at head_dim 64): kernel time against the Triton kernel
     (its group packed densely), causal, page 16, H100, 2026-11-26
