@@ -64,7 +64,7 @@ FlashInfer's paged, ragged layout:
 FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
 FP8 staging ring and the producer warpgroup converts each staged tile to f16
 into the stage the consumers read (`_fp8_producer`); q is converted to f16
-once per CTA; K's scale multiplies the logits and V's the output. 128-key
+once per item; K's scale multiplies the logits and V's the output. 128-key
 steps with one staging stage is what fits in 227 KiB of shared memory (the
 reduction scratch, unused by the row reductions of the WGMMA layout, is
 given up for it). FP8 pages run two consumers: the converting producer needs
