@@ -9,8 +9,8 @@ Specs (page 16, causal, bf16):
 * SmolLM2 heads (9/3/64), 4 prompts of 4,096 tokens, window 1,024;
 * SmolLM2 heads, 64 prompts of 256 tokens, window 128.
 
-Each config is checked against the Triton kernel's output (and FA3's
-against the default's), then timed per call (`_timing.time_fn`, plan
+Each config's output, and FA3's, is checked against the Triton kernel's,
+then timed per call (`_timing.time_fn`, plan
 counted) and by GPU kernel time (profiler), with the plan reused for the
 default too (a model plans once per step). Writes
 `bench/results/prefill_window_<device>.json` and prints a table last.
