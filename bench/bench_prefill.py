@@ -213,10 +213,15 @@ def build_spec(key, q_lens, kv_lens, page_size, heads=LLAMA3_8B):
               q_lens=list(q_lens), kv_list=list(kv_lens))
 
 
-def visible_pairs(q_lens, kv_lens):
+def visible_pairs(q_lens, kv_lens, window_left: int = -1):
+  """(query, key) pairs causal attention computes over the sequences;
+  with `window_left` >= 0 a query at position p sees min(p, window_left)
+  + 1 keys."""
   total = 0
   for ql, kl in zip(q_lens, kv_lens):
     pos = np.arange(kl - ql, kl)
+    if window_left >= 0:
+      pos = np.minimum(pos, window_left)
     total += int(np.sum(pos + 1))
   return total
 

@@ -48,12 +48,6 @@ SPECS = [
 ]
 
 
-def visible_pairs(q_len: int, kv_len: int, window_left: int) -> int:
-  """(query, key) pairs a causal windowed prompt computes, per sequence."""
-  pos = np.arange(kv_len - q_len, kv_len)
-  return int(np.sum(np.minimum(pos, window_left) + 1))
-
-
 def main():
   env = _timing.environment()
   print(env, flush=True)
@@ -69,7 +63,7 @@ def main():
     default = pp.Config.default_for(**kw, num_tokens=b * ql, batch_size=b)
     configs = {"default": default,
                "triton": pp.Config.default_for(**kw, backend="triton")}
-    flops = 4 * d * hq * b * visible_pairs(ql, kl, w)
+    flops = 4 * d * hq * bp.visible_pairs([ql] * b, [kl] * b, w)
 
     def fn(cfg):
       return jax.jit(lambda q, pool, kt, vt, qi, kl, cfg=cfg: pp.paged_prefill(
