@@ -272,6 +272,23 @@ def test_plan_covers_every_token_once():
     assert plan.num_tiles == plan_lib.max_tiles(num_tokens, len(q_lens), 4)
 
 
+@pytest.mark.parametrize("rank_max_rows", [0, plan_lib.RANK_MAX_ROWS])
+def test_plan_order_and_prefix_sum_match_numpy(monkeypatch, rank_max_rows):
+  # Both forms: the rank count and scatter / compare-all sum, and (with
+  # RANK_MAX_ROWS = 0) argsort / cumsum. Eager, so each form is traced anew.
+  monkeypatch.setattr(plan_lib, "RANK_MAX_ROWS", rank_max_rows)
+  rng = np.random.default_rng()
+  for n in (1, 2, 37, 300):
+    work = rng.integers(-1, 6, n).astype(np.int32)  # many ties
+    rows = rng.integers(-2**20, 2**20, (n, 5)).astype(np.int32)
+    np.testing.assert_array_equal(
+        plan_lib.order_by_work(jnp.asarray(rows), jnp.asarray(work)),
+        rows[np.argsort(-work, kind="stable")])
+    x = rng.integers(0, 50, n).astype(np.int32)
+    np.testing.assert_array_equal(plan_lib.prefix_sum(jnp.asarray(x)),
+                                  np.cumsum(x))
+
+
 def test_config_validation():
   with pytest.raises(NotImplementedError):
     _C(block_q=2, block_k=64).validate(group_size=4)  # 8 rows < 16

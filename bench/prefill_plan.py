@@ -1,0 +1,193 @@
+"""The prefill plan's longest-first order: a sort against a rank count.
+
+`plan.order_by_work` puts the plan's tiles in descending work. Up to
+`plan.RANK_MAX_ROWS` rows it counts, for every row, the rows that go before
+it and scatters each row to its rank (and `plan.prefix_sum` sums by
+comparing all pairs); above, it sorts (`jnp.argsort`, `jnp.cumsum`). This
+bench runs both in one process (the sort arm by tracing with
+`RANK_MAX_ROWS = 0`), on head_dim-64 prompts of 256 / 512 / 1,024 tokens
+(64 / 32 / 16 sequences, SmolLM2's 9/3/64 heads, page 16, bf16), and on
+a mixed step of 4 prompts of 512 tokens and 124 decode rows at 2,048 keys:
+
+* the plan alone, and a call with it: GPU time per kernel
+  (`jax.profiler` trace, launch gaps excluded); the two plans, and the
+  two calls' outputs, checked equal;
+* `paged_prefill` with its default config, the plan computed in the call
+  (plan counted) and passed in (plan reused): per-call time
+  (`_timing.time_fn`) and GPU time, in `ROUNDS` interleaved rounds;
+* FlashInfer 0.7.2's FA3 prefill on the same pages (`run` only; its plan is
+  host work), timed the same way, when the wheel is installed; its output
+  checked against ours.
+
+Writes `bench/results/prefill_plan_<device>.json` and prints a table last.
+
+  python -m bench.prefill_plan [--specs causal_b64_s256,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+from bench import _flashinfer  # noqa: E402
+from bench import _timing  # noqa: E402
+from bench import bench_prefill as bp  # noqa: E402
+from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
+from pkvattn.pallas_kernels import plan as plan_lib  # noqa: E402
+
+# (name, q_lens, kv_lens)
+SPECS = [(f"causal_b{b}_s{s}", [s] * b, [s] * b)
+         for b, s in ((64, 256), (32, 512), (16, 1024))]
+SPECS.append(("mixed_4x512_124x2048", [512] * 4 + [1] * 124,
+              [512] * 4 + [2048] * 124))
+ROUNDS = 3
+CALLS = 5
+
+
+@contextlib.contextmanager
+def ordered_by(order: str):
+  """Traces inside use `order` ("sort" or "rank") for the plan's order."""
+  before = plan_lib.RANK_MAX_ROWS
+  plan_lib.RANK_MAX_ROWS = 0 if order == "sort" else before
+  try:
+    yield
+  finally:
+    plan_lib.RANK_MAX_ROWS = before
+
+
+def breakdown(fn, args) -> dict[str, float]:
+  """GPU time per kernel name of one `fn(*args)` call, us."""
+  events = _timing.gpu_stream_events([lambda: fn(*args)] * CALLS)
+  return {name: us for name, _, us in _timing.kernel_groups(events, CALLS)}
+
+
+def run_spec(name, q_lens, kv_lens, rows, checks):
+  heads = bp.SMOLLM2
+  hq, hkv, d = heads
+  sm_scale = 1 / math.sqrt(d)
+  num_tokens = int(sum(q_lens))
+  sp = bp.build_spec(jax.random.key(0), q_lens, kv_lens, 16, heads)
+  args = (sp["q"], sp["pool"], sp["k_table"], sp["v_table"], sp["q_indptr"],
+          sp["kv_lens"])
+  cfg = pp.Config.default_for(group_size=hq // hkv, head_dim=d, page_size=16,
+                              dtype=jnp.bfloat16)
+
+  def call(q, pool, kt, vt, qi, kl, plan=None):
+    return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None, causal=True,
+                            sm_scale=sm_scale, config=cfg, plan=plan)[0]
+
+  entries, plans, outs = [], {}, {}
+  for order in ("sort", "rank"):
+    # Compiled ahead, after clearing the trace caches: `paged_prefill` is a
+    # jitted function, and a cached trace of the other order would serve.
+    jax.clear_caches()
+    with ordered_by(order):
+      plan_fn = jax.jit(lambda qi, kl: cfg.plan(
+          qi, kl, num_tokens=num_tokens, causal=True,
+          window_left=-1)).lower(*args[4:]).compile()
+      plans[order] = jax.block_until_ready(plan_fn(*args[4:]))
+      counted = jax.jit(call).lower(*args).compile()
+      reused = jax.jit(call).lower(*args, plans[order]).compile()
+    outs[order] = jax.block_until_ready(counted(*args))
+    rows.append(dict(spec=name, impl=f"plan alone, {order}",
+                     kernels_us=breakdown(plan_fn, args[4:])))
+    rows.append(dict(spec=name, impl=f"call, plan counted, {order}",
+                     kernels_us=breakdown(counted, args)))
+    entries += [(f"pkvattn default, plan counted, {order}", counted, args),
+                (f"pkvattn default, plan reused, {order}", reused,
+                 args + (plans[order],))]
+  same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree.leaves(plans["sort"]), jax.tree.leaves(plans["rank"])))
+  checks.append(dict(spec=name, check="rank plan == sort plan", ok=same))
+  same_out = np.array_equal(np.asarray(outs["sort"], np.float32),
+                            np.asarray(outs["rank"], np.float32))
+  checks.append(dict(spec=name, check="outputs equal", ok=same_out))
+  fi_run = None
+  try:
+    cache, table = bp.flashinfer_cache(sp, 16)
+    fi_run, fi_out = _flashinfer.prefill_fn(
+        sp["q"], cache, table, np.asarray(sp["q_indptr"]),
+        np.asarray(sp["kv_lens"]), num_qo_heads=hq, num_kv_heads=hkv,
+        causal=True, sm_scale=sm_scale, backend="fa3")
+    err = _timing.rel_err(fi_out, outs["rank"])
+    checks.append(dict(spec=name, check="flashinfer fa3 vs pkvattn",
+                       rel_err=err, ok=err < 1e-2))
+  except Exception as e:  # noqa: BLE001  (no flashinfer wheel, no JIT)
+    if not isinstance(e, ImportError):
+      traceback.print_exc()
+    print(f"  {name} flashinfer fa3: skipped ({repr(e)[:200]})")
+  timed = {}
+  for _ in range(ROUNDS):  # interleaved: the GPU's clocks drift
+    for impl, fn, fargs in entries:
+      t = _timing.time_fn(fn, *fargs, iters=10, min_time_s=0.1)
+      k = _timing.device_kernel_ms(fn, lambda fargs=fargs: fargs, calls=3)
+      timed.setdefault(impl, []).append((t["median_ms"], k))
+    if fi_run is not None:
+      timed.setdefault("flashinfer fa3", []).append(
+          (_flashinfer.torch_time(fi_run, iters=10, min_time_s=0.1),
+           _flashinfer.kernel_ms(fi_run, calls=3)))
+  for impl, ts in timed.items():
+    per_call = min(t for t, _ in ts)
+    rows.append(dict(spec=name, impl=impl, per_call_us=1e3 * per_call,
+                     gpu_us=1e3 * min(k for _, k in ts),
+                     round_per_call_us=[1e3 * t for t, _ in ts]))
+  fa3 = next((r for r in rows if r["spec"] == name and
+              r["impl"] == "flashinfer fa3"), None)
+  for r in rows:
+    if r["spec"] != name:
+      continue
+    if "kernels_us" in r:
+      r["gpu_us"] = sum(r["kernels_us"].values())
+      r["kernels"] = len(r["kernels_us"])
+    elif fa3 is not None:
+      r["fa3_over_ours"] = fa3["per_call_us"] / r["per_call_us"]
+      r["fa3_over_ours_gpu"] = fa3["gpu_us"] / r["gpu_us"]
+    print(f"  {name} {r['impl']:40s} per call "
+          f"{r.get('per_call_us', float('nan')):7.1f} us  GPU "
+          f"{r['gpu_us']:7.1f} us", flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--specs", default=",".join(n for n, _, _ in SPECS),
+                  help="comma-separated spec names (default: all)")
+  names = ap.parse_args().specs.split(",")
+  unknown = set(names) - {n for n, _, _ in SPECS}
+  if unknown:
+    ap.error(f"unknown --specs {sorted(unknown)}")
+  env = _timing.environment()
+  print(env, flush=True)
+  rows, checks = [], []
+  for name, q_lens, kv_lens in SPECS:
+    if name not in names:
+      continue
+    run_spec(name, q_lens, kv_lens, rows, checks)
+  for c in checks:
+    print(c)
+  dev = env["device"].replace(" ", "_")
+  try:
+    from importlib import metadata  # pylint: disable=import-outside-toplevel
+    versions = {p: metadata.version(p) for p in ("flashinfer-python",
+                                                 "torch")}
+  except Exception:  # noqa: BLE001  (not installed)
+    versions = {}
+  print("wrote", _timing.write_results(
+      f"prefill_plan_{dev}", rows,
+      extra=dict(checks=checks, versions=versions)))
+  _timing.print_table(rows, ["spec", "impl", "per_call_us", "gpu_us",
+                             "kernels", "fa3_over_ours",
+                             "fa3_over_ours_gpu"])
+
+
+if __name__ == "__main__":
+  main()
