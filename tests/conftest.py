@@ -46,6 +46,33 @@ os.environ["XLA_FLAGS"] = _fast_cpu_compile_flags().strip()
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pkvattn-test-cache-")
 
 
+@pytest.fixture(scope="module")
+def shared_gguf_readers():
+  """One `gguf.GGUFReader` per GGUF file for the module's tests.
+
+  transformers parses a GGUF file's metadata for its config, its weights
+  and its tokenizer (`from_pretrained(..., gguf_file=...)`), and pkvattn's
+  loader parses it once more: four parses of one file, about 20 s each for
+  Gemma 3's 262k-token vocabulary on a 2-core CI machine. A reader is a
+  read-only memory map, so one per file (keyed by path, modification time
+  and size) returns what four would.
+  """
+  gguf = pytest.importorskip("gguf")
+  original = gguf.GGUFReader
+  readers = {}
+
+  def shared(path, mode="r"):
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, mode)
+    if key not in readers:
+      readers[key] = original(path, mode)
+    return readers[key]
+
+  gguf.GGUFReader = shared
+  yield
+  gguf.GGUFReader = original
+
+
 @pytest.fixture(autouse=True)
 def _no_persistent_cache_leak():
   """A test that turns JAX's persistent compilation cache on (the CLI does

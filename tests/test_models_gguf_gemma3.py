@@ -45,6 +45,9 @@ except ValueError as e:
     raise
   pytest.skip(str(e), allow_module_level=True)
 
+# transformers and pkvattn parse the file once between them (conftest).
+pytestmark = pytest.mark.usefixtures("shared_gguf_readers")
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village,",

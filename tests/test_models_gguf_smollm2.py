@@ -53,6 +53,9 @@ except ValueError as e:
     raise
   pytest.skip(str(e), allow_module_level=True)
 
+# transformers and pkvattn parse the file once between them (conftest).
+pytestmark = pytest.mark.usefixtures("shared_gguf_readers")
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
