@@ -39,6 +39,16 @@ def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
                               iters=iters, min_time_s=min_time_s)["median_ms"]
 
 
+def versions() -> dict[str, str]:
+  """Installed versions of flashinfer-python and torch (empty if either is
+  missing), for a results file."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  try:
+    return {p: metadata.version(p) for p in ("flashinfer-python", "torch")}
+  except metadata.PackageNotFoundError:
+    return {}
+
+
 def paged_kv_indices(page_table, kv_lens, page_size: int):
   """FlashInfer's CSR description of a shared page table.
 

@@ -145,6 +145,14 @@ def kernel_groups(events, per: float, name_len: int = 80):
                 key=lambda r: -r[2])
 
 
+def kernel_breakdown_us(fn, args, calls: int = 5) -> dict[str, float]:
+  """GPU time per kernel name of one `fn(*args)` call, us (`kernel_groups`
+  over `calls` calls, run once first)."""
+  jax.block_until_ready(fn(*args))
+  events = gpu_stream_events([lambda: fn(*args)] * calls)
+  return {name: us for name, _, us in kernel_groups(events, calls)}
+
+
 def device_kernel_ms(fn, make_args, calls: int = 3) -> float:
   """GPU kernel time of one `fn(*make_args())` call, ms: the sum of kernel and
   memcpy durations on the device's stream lines of a jax.profiler trace

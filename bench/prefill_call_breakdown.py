@@ -45,13 +45,6 @@ SHAPES = [(64, 256), (32, 512), (16, 1024)]  # (sequences, tokens each)
 CALLS = 5
 
 
-def breakdown(fn, args) -> dict[str, float]:
-  """GPU time per kernel name of one `fn(*args)` call, us."""
-  jax.block_until_ready(fn(*args))
-  events = _timing.gpu_stream_events([lambda: fn(*args)] * CALLS)
-  return {name: us for name, _, us in _timing.kernel_groups(events, CALLS)}
-
-
 def configs(heads):
   hq, hkv, d = heads
   kw = dict(group_size=hq // hkv, head_dim=d, page_size=16,
@@ -91,13 +84,14 @@ def main():
                    pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None,
                                     causal=True, sm_scale=sm_scale,
                                     config=cfg, plan=plan)[0])
-      rows.append(dict(spec=spec, impl=name,
-                       kernels_us=breakdown(fn, args + (plan,))))
+      rows.append(dict(spec=spec, impl=name, kernels_us=(
+          _timing.kernel_breakdown_us(fn, args + (plan,), CALLS))))
     cfg = configs(heads)["triton default"]
     plan_fn = jax.jit(lambda qi, kl, cfg=cfg, n=b * s: cfg.plan(
         qi, kl, num_tokens=n, causal=True, window_left=-1))
-    rows.append(dict(spec=spec, impl="plan alone", kernels_us=breakdown(
-        plan_fn, (sp["q_indptr"], sp["kv_lens"]))))
+    rows.append(dict(spec=spec, impl="plan alone",
+                     kernels_us=_timing.kernel_breakdown_us(
+                         plan_fn, (sp["q_indptr"], sp["kv_lens"]), CALLS)))
     try:
       cache, table = bp.flashinfer_cache(sp, 16)
       run, _ = _flashinfer.prefill_fn(
@@ -118,12 +112,7 @@ def main():
         print(f"  {spec} {row['impl']:40s} {row['total_us']:7.1f} us  "
               + "  ".join(f"{k[:32]}={v:.1f}" for k, v in top), flush=True)
   dev = env["device"].replace(" ", "_")
-  try:
-    from importlib import metadata  # pylint: disable=import-outside-toplevel
-    versions = {p: metadata.version(p) for p in ("flashinfer-python",
-                                                 "torch")}
-  except Exception:  # noqa: BLE001  (not installed)
-    versions = {}
+  versions = _flashinfer.versions()
   print("wrote", _timing.write_results(f"prefill_call_breakdown_{dev}",
                                        rows, extra=dict(versions=versions)))
   _timing.print_table(rows, ["spec", "impl", "total_us"])

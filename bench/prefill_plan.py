@@ -65,12 +65,6 @@ def ordered_by(order: str):
     plan_lib.RANK_MAX_ROWS = before
 
 
-def breakdown(fn, args) -> dict[str, float]:
-  """GPU time per kernel name of one `fn(*args)` call, us."""
-  events = _timing.gpu_stream_events([lambda: fn(*args)] * CALLS)
-  return {name: us for name, _, us in _timing.kernel_groups(events, CALLS)}
-
-
 def run_spec(name, q_lens, kv_lens, rows, checks):
   heads = bp.SMOLLM2
   hq, hkv, d = heads
@@ -100,9 +94,11 @@ def run_spec(name, q_lens, kv_lens, rows, checks):
       reused = jax.jit(call).lower(*args, plans[order]).compile()
     outs[order] = jax.block_until_ready(counted(*args))
     rows.append(dict(spec=name, impl=f"plan alone, {order}",
-                     kernels_us=breakdown(plan_fn, args[4:])))
+                     kernels_us=_timing.kernel_breakdown_us(
+                         plan_fn, args[4:], CALLS)))
     rows.append(dict(spec=name, impl=f"call, plan counted, {order}",
-                     kernels_us=breakdown(counted, args)))
+                     kernels_us=_timing.kernel_breakdown_us(
+                         counted, args, CALLS)))
     entries += [(f"pkvattn default, plan counted, {order}", counted, args),
                 (f"pkvattn default, plan reused, {order}", reused,
                  args + (plans[order],))]
@@ -175,12 +171,7 @@ def main():
   for c in checks:
     print(c)
   dev = env["device"].replace(" ", "_")
-  try:
-    from importlib import metadata  # pylint: disable=import-outside-toplevel
-    versions = {p: metadata.version(p) for p in ("flashinfer-python",
-                                                 "torch")}
-  except Exception:  # noqa: BLE001  (not installed)
-    versions = {}
+  versions = _flashinfer.versions()
   print("wrote", _timing.write_results(
       f"prefill_plan_{dev}", rows,
       extra=dict(checks=checks, versions=versions)))
