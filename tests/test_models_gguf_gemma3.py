@@ -148,11 +148,12 @@ def test_gemma3_270m_matches_transformers(pair):
 
   # One engine for both parts (two programs: 64-token steps, which prefill
   # the long prompts in chunks, and the decode burst), per-window-group
-  # spaces by default for this model.
+  # spaces by default for this model. Bursts of 8 steps: a burst runs all
+  # its steps, and the long prompts want 5 decode tokens each.
   engine = Engine(model, EngineConfig(
       page_size=16, num_slots=192, max_seqs=8, max_num_tokens=64,
       max_model_len=640, token_buckets=(64,), impl="xla",
-      decode_steps=NEW_TOKENS))
+      decode_steps=8))
   assert isinstance(engine.cache_config, cache.HybridCacheConfig)
   prompts = [tok.encode(p) for p in PROMPTS]
   actual = engine.generate(
