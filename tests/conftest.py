@@ -46,32 +46,6 @@ os.environ["XLA_FLAGS"] = _fast_cpu_compile_flags().strip()
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pkvattn-test-cache-")
 
 
-def _shared_compilation_cache():
-  """JAX's persistent compilation cache, one directory for the whole run.
-
-  Under `pytest -n 2` both workers compile the same programs (the tiny
-  models' engine programs, the kernels' interpret-mode calls), and tests
-  that make a fresh engine or clear JAX's caches compile them again. With
-  one cache directory (created by the first process to import this file,
-  pytest-xdist's controller, and inherited by its workers), a program is
-  compiled once a run; the engine and kernel tests took 16% less CPU time
-  (2-core CI machine). Removed when the process that made it exits.
-  """
-  import atexit
-  import jax
-  path = os.environ.get("PKVATTN_TEST_XLA_CACHE")
-  if path is None:
-    path = tempfile.mkdtemp(prefix="pkvattn-test-xla-")
-    os.environ["PKVATTN_TEST_XLA_CACHE"] = path
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-_shared_compilation_cache()
-
-
 @pytest.fixture(scope="module")
 def shared_gguf_readers():
   """One `gguf.GGUFReader` per GGUF file for the module's tests.

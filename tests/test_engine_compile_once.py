@@ -27,18 +27,6 @@ CFG = EngineConfig(page_size=8, num_slots=12, max_seqs=4, max_num_tokens=32,
                    max_model_len=64, decode_steps=4, check=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_persistent_cache():
-  """The run's persistent compilation cache (conftest) off here: a program
-  it serves is not compiled, and these tests count compilations."""
-  before = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir", None)
-  compile_cache.reset()
-  yield
-  jax.config.update("jax_compilation_cache_dir", before)
-  compile_cache.reset()
-
-
 @pytest.fixture(scope="module")
 def model():
   return load_model("tiny-llama")
