@@ -22,10 +22,6 @@ from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import calibrate, load_model
 from test_engine_compile_once import count_compiles
 
-# One xdist worker runs the module (`--dist loadgroup`): `fp8_run` warms up
-# an engine once for three tests.
-pytestmark = pytest.mark.xdist_group("engine_fp8")
-
 CFG = EngineConfig(page_size=8, num_slots=24, max_seqs=2, max_num_tokens=32,
                    max_model_len=64, kv_cache_dtype="fp8",
                    calibration_tokens=64)

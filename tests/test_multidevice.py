@@ -137,10 +137,6 @@ res["cli"] = json.loads(buf.getvalue())
 print("RESULT" + json.dumps(res))
 '''
 
-# One xdist worker runs the module (`--dist loadgroup`), so the subprocess,
-# about a minute on the CI machine, runs once.
-pytestmark = pytest.mark.xdist_group("multidevice")
-
 
 @pytest.fixture(scope="module")
 def results():
