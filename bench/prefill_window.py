@@ -49,10 +49,17 @@ SPECS = [
 
 
 def main():
+  run_specs(SPECS, "prefill_window")
+
+
+def run_specs(specs, result_name: str):
+  """Checks and times the default, the Triton kernel and FA3 on each
+  `(name, (num_qo_heads, num_kv_heads, head_dim), sequences, new tokens,
+  kv tokens, window_left)` spec; writes `<result_name>_<device>.json`."""
   env = _timing.environment()
   print(env, flush=True)
   rows, checks = [], []
-  for name, heads, b, ql, kl, w in SPECS:
+  for name, heads, b, ql, kl, w in specs:
     hq, hkv, d = heads
     sm_scale = 1 / math.sqrt(d)
     sp = bp.build_spec(jax.random.key(0), [ql] * b, [kl] * b, 16, heads)
@@ -117,7 +124,7 @@ def main():
     if not c["ok"]:
       print("CHECK FAILED", c)
   dev = env["device"].replace(" ", "_")
-  print("wrote", _timing.write_results(f"prefill_window_{dev}", rows,
+  print("wrote", _timing.write_results(f"{result_name}_{dev}", rows,
                                        extra=dict(checks=checks)))
   _timing.print_table(rows, ["spec", "impl", "median_ms", "kernel_ms",
                              "kernel_tflops"])

@@ -233,8 +233,17 @@ class Config:
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
     TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
     pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
-    bench/fp8_decode_diag.py). Otherwise (or with `backend="triton"`), the
-    Pallas-Triton kernel:
+    bench/fp8_decode_diag.py). At head_dim 256 (16-bit pages): 128-token
+    tiles of one query head, 64-key steps, ping-pong, the output tiles in
+    the q tiles' shared memory; GPU time per call, plan counted, against
+    the Triton kernel / FA3 (H100, 2026-11-27,
+    `prefill_d256_*.json`): Gemma 3 270M heads (4/1/256) 4 x 2,048 tokens
+    1.44 / 1.36x, with its 511-key window 1.01 / 0.82x, 16 x 512 tokens
+    1.00 / 0.78x (0.92x FA3 with the plan reused); Gemma 2 2B / 9B heads
+    1.56 / 1.73x Triton, 1.23 / 1.29x FA3 (H200 within 0.04 of these).
+    Otherwise (f32, FP8 pages read in the kernel at head_dim 256, other
+    GPUs, interpret mode, or with `backend="triton"`), the Pallas-Triton
+    kernel:
 
     At head_dim <= 128: 128 query rows (tokens x group, the group's heads
     packed densely: 42 tokens at group 3) per tile, 64-key
@@ -257,24 +266,31 @@ class Config:
     packed = (head_dim == 64 and
               not per_seq_at_least(MOSAIC_D64_MIN_TOKENS) and
               group_size <= paged_prefill_mgpu.BLOCK_Q)
+    # head_dim 256: 64-key steps (two stages fit in shared memory with
+    # the output tiles in the q tiles' memory, `paged_prefill_mgpu`), and
+    # 64-key tiles in the short launch (Triton), as below: with 128, its
+    # launch took 14.7 us with no short tile to run beside a window (4.2
+    # with 64; Gemma 3 270M heads, 4 x 2,048 tokens, window 511, H200).
+    mosaic_block_k = 64 if head_dim > 128 else 128
     if backend == "mosaic" or backend is None and (not interpret) and (
         paged_prefill_mgpu.supports(
             dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
-            window_left=window_left)):
+            window_left=window_left, block_kv=mosaic_block_k)):
       if packed:
         # Shorter prompts: the group in the rows of two consumers, one CTA
         # per SM (a short tile's pipeline fill and epilogue overlap the
         # next tile's loads).
         return cls(block_q=paged_prefill_mgpu.tile_q(2, group_size),
                    block_k=128, num_stages=2, short_block_q=short_block_q,
-                   short_block_k=128, backend="mosaic",
+                   short_block_k=mosaic_block_k, backend="mosaic",
                    mosaic_pack_gqa=True, mosaic_persistent=True)
       # head_dim 64: three consumers on 192-token tiles (half the matmul
       # per softmax element calls for more warpgroups to hide it).
       three = head_dim == 64
       return cls(block_q=paged_prefill_mgpu.tile_q(3 if three else 2),
-                 block_k=128, num_stages=2, short_block_q=short_block_q,
-                 short_block_k=128, backend="mosaic",
+                 block_k=mosaic_block_k, num_stages=2,
+                 short_block_q=short_block_q,
+                 short_block_k=mosaic_block_k, backend="mosaic",
                  mosaic_schedule="ring" if three else "pingpong")
     wide = jnp.dtype(dtype).itemsize >= 4
     rows = 64 if wide else 128
@@ -745,6 +761,19 @@ def paged_prefill(
     k_pool, k_table = _fp8.dequantize_pages(k_pool, k_table, k_scale, q.dtype)
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None
+  if fp8 and config.backend == "mosaic" and head_dim == 256:
+    # FP8 pages read in the kernel at head_dim 256: the Triton kernel (the
+    # Mosaic-GPU kernel's FP8 staging does not fit beside 256-wide tiles).
+    if not defaulted:
+      raise ValueError(
+          "Invalid config: the mosaic backend reads FP8 pages at head_dim "
+          "64 or 128, got head_dim 256 (use fp8_pages='dequantize' or the "
+          "triton backend)")
+    config = Config.default_for(group_size=group_size, head_dim=head_dim,
+                                page_size=k_pool.shape[1], dtype=q.dtype,
+                                window_left=window_left, backend="triton",
+                                num_tokens=num_tokens,
+                                batch_size=kv_lens.shape[0])
   if fp8 and config.backend == "mosaic" and (
       config.mosaic_consumers(group_size) != 2):
     # FP8 tiles read in the kernel are converted by the producer warpgroup,
@@ -771,8 +800,8 @@ def paged_prefill(
             f"Invalid plan: built for (block_q, short_block_q, align, "
             f"split_decode_rows, num_tokens, batch_size) = {got}, expected "
             f"{want}")
-      # A step's one plan serves layers of both backends (a model whose
-      # head_dim-256 or f32 layers run the Triton kernel and the others
+      # A step's one plan serves layers of both backends (f32 layers, or
+      # FP8 pages at head_dim 256, run the Triton kernel where others run
       # the mosaic one): the layers the plan was not made for plan for
       # themselves.
       plan = None

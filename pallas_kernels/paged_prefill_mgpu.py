@@ -77,8 +77,15 @@ steps may be wholly masked for its rows, which the softmax allows for).
 Steps before the keys every row of a consumer sees are masked like the
 diagonal's. Pages before the one of that first key may be released: they
 are never read (the page index is clamped up to it), and the V rows the
-clamped copies bring are zeroed. `paged_prefill` keeps the Triton kernel
-for f32, head_dim 256 and non-Hopper GPUs (`supports`).
+clamped copies bring are zeroed.
+
+Head_dim 256 (Gemma 2 / Gemma 3 layers): two consumers' q tiles, their
+output tiles and two 64-key K/V stages would take 256 KiB. A consumer's q
+tile is dead once its last QK^T has run, so there its output tile takes
+the same shared memory (`RefUnion`): 196 KiB with 64-key steps, as
+FlashAttention-3 reuses q's shared memory for the output at that size.
+16-bit pages only. `paged_prefill` keeps the Triton kernel for f32, FP8
+pages at head_dim 256 and non-Hopper GPUs (`supports`).
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ from pkvattn.pallas_kernels import plan as plan_lib
 BLOCK_Q = 64          # tokens per consumer warpgroup
 TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q), two consumers
 CONSUMERS = (2, 3)    # consumer warpgroups per CTA
+HEAD_DIMS = (64, 128, 256)
 SCHEDULES = ("pingpong", "ring")
 ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
@@ -109,14 +117,15 @@ def supports(*, dtype, head_dim: int, page_size: int, window_left: int = -1,
              block_kv: int = 128) -> bool:
   """Whether this kernel serves the case (else the Triton kernel does).
 
-  Needs a Hopper GPU (wgmma is sm_90a only), bf16/f16, head_dim 64 or 128,
-  and page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing
-  `block_kv` or divisible by it; any `window_left`.
+  Needs a Hopper GPU (wgmma is sm_90a only), bf16/f16, head_dim 64, 128 or
+  256, and page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing
+  `block_kv` or divisible by it; any `window_left`. (FP8 pages at head_dim
+  256 are not served: `paged_prefill` routes them.)
   """
   del window_left  # any window
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return False
-  if head_dim not in (64, 128) or page_size < 8:
+  if head_dim not in HEAD_DIMS or page_size < 8:
     return False
   if page_size < block_kv and block_kv % page_size:
     return False
@@ -136,12 +145,14 @@ _PRODUCER_REGS = {(2, False): 40, (2, True): 56, (3, False): 24}
 
 def _smem_bytes(num_consumers: int, q_buffers: int, head_dim: int,
                 block_kv: int, num_stages: int, fp8_stages: int,
-                sinks: bool) -> int:
+                sinks: bool, out_in_q: bool = False) -> int:
   """Shared memory the kernel allocates (2-byte q and pages in the dots;
-  FP8 staging; the barriers and the 2 KiB reduction scratch in `_SLACK`)."""
+  FP8 staging; the barriers and the 2 KiB reduction scratch in `_SLACK`).
+  `out_in_q`: the output tiles share the q tiles' memory."""
   n = num_consumers
   rows = BLOCK_Q * head_dim * 2
-  total = (q_buffers + 1) * n * rows + n * BLOCK_Q * 4  # q, out, lse
+  q_and_out = (max(q_buffers, 1) if out_in_q else q_buffers + 1) * n * rows
+  total = q_and_out + n * BLOCK_Q * 4  # q, out, lse
   total += 2 * num_stages * block_kv * head_dim * 2
   total += 2 * fp8_stages * block_kv * head_dim
   total += q_buffers * n * BLOCK_Q * 4 if sinks else 0
@@ -178,7 +189,8 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             block_kv: int, num_stages: int, fp8_stages: int = 0,
             q_from_bf16: bool = False, num_consumers: int = 2,
             schedule: str = "pingpong", pack_gqa: bool = False,
-            num_ctas: int, q_buffers: int = 1, window_left: int = -1):
+            num_ctas: int, q_buffers: int = 1, window_left: int = -1,
+            out_in_q: bool = False):
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from pkvattn.pallas_kernels import _mgpu_rows  # noqa: PLC0415
@@ -192,7 +204,13 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   scales_ref = rest.pop(0) if fp8_stages else None
   out_ref, lse_ref, scoped = rest
   bufs, bars, free, sched, *fp8_bars = scoped
-  q_smem2, k_smem, v_smem, o_smem2, lse_smem2, *bufs = bufs
+  if out_in_q:
+    # A consumer's output tile shares its q tile's memory (`RefUnion`):
+    # written after its last QK^T, read by its TMA stores before the next
+    # item's q arrives.
+    (q_smem2, o_smem2), k_smem, v_smem, lse_smem2, *bufs = bufs
+  else:
+    q_smem2, k_smem, v_smem, o_smem2, lse_smem2, *bufs = bufs
   if fp8_stages:
     k8_smem, v8_smem, *bufs = bufs
     (k8_bar, v8_bar), = fp8_bars
@@ -607,6 +625,9 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         plgpu.commit_smem()
       else:
         t0 = pl.multiple_of(t0, ALIGN)
+        if out_in_q:
+          # The previous item's output stores read this memory.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0, BLOCK_Q), head], q_smem,
                                 q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -922,8 +943,13 @@ def paged_prefill_mgpu(
         f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
   if fp8 and fp8_stages < 1:
     raise ValueError(f"Invalid fp8_stages: expected >= 1, got {fp8_stages}")
-  if head_dim not in (64, 128):
-    raise ValueError(f"Invalid head_dim: expected 64 or 128, got {head_dim}")
+  if head_dim not in HEAD_DIMS:
+    raise ValueError(
+        f"Invalid head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
+  if fp8 and head_dim == 256:
+    raise ValueError(
+        "Invalid pages dtype: head_dim 256 expects bf16 or f16 pages, got "
+        f"{k_pool.dtype}")
   if page_size < 8 or (page_size < block_kv and block_kv % page_size):
     raise ValueError(
         f"Invalid page_size: expected >= 8 and dividing or divisible by "
@@ -958,29 +984,43 @@ def paged_prefill_mgpu(
   n = num_consumers
   # Persistent packed tiles copy the next item's q rows while one runs, into
   # a second q buffer where shared memory has room for it.
+  smem_args = (head_dim, block_kv, num_stages, fp8_stages if fp8 else 0,
+               sinks is not None)
   q_buffers = 1
-  if pack_gqa and persistent and _smem_bytes(
-      n, 2, head_dim, block_kv, num_stages, fp8_stages if fp8 else 0,
-      sinks is not None) <= SMEM_BYTES:
+  if pack_gqa and persistent and _smem_bytes(n, 2, *smem_args) <= SMEM_BYTES:
     q_buffers = 2
+  # At head_dim 256, q and output tiles do not fit side by side: a
+  # consumer's output tile takes its q tile's memory (the per-row stores of
+  # packed tiles would race with the next item's q rows: unpacked only).
+  out_in_q = head_dim > 128
+  if out_in_q and (pack_gqa or _smem_bytes(
+      n, q_buffers, *smem_args, out_in_q=True) > SMEM_BYTES):
+    raise ValueError(
+        f"Invalid (head_dim, block_kv, num_stages, num_consumers, pack_gqa):"
+        f" expected a build within {SMEM_BYTES} bytes of shared memory, got "
+        f"{(head_dim, block_kv, num_stages, n, pack_gqa)} needing "
+        f"{_smem_bytes(n, q_buffers, *smem_args, out_in_q=not pack_gqa)}")
   kernel = functools.partial(
       _kernel, causal=causal, sm_scale=sm_scale,
       logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
       group_size=group_size, block_kv=block_kv, num_stages=num_stages,
       fp8_stages=fp8_stages if fp8 else 0, q_from_bf16=q_from_bf16,
       num_consumers=num_consumers, schedule=schedule, pack_gqa=pack_gqa,
-      num_ctas=num_ctas, q_buffers=q_buffers, window_left=window_left)
+      num_ctas=num_ctas, q_buffers=q_buffers, window_left=window_left,
+      out_in_q=out_in_q)
 
   def entry(*refs):
     transforms = _tile_transforms(head_dim, dtype)
+    q_smem = plgpu.SMEM((q_buffers * n, BLOCK_Q, head_dim), dtype,
+                        transforms=transforms)
+    o_smem = plgpu.SMEM((n, BLOCK_Q, head_dim), out_dtype)
     smem = [
-        plgpu.SMEM((q_buffers * n, BLOCK_Q, head_dim), dtype,
-                   transforms=transforms),
+        plgpu.RefUnion(q_smem, o_smem) if out_in_q else q_smem,
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
         plgpu.SMEM((num_stages, block_kv, head_dim), dtype,
                    transforms=transforms),
-        plgpu.SMEM((n, BLOCK_Q, head_dim), out_dtype),
+        *(() if out_in_q else (o_smem,)),
         plgpu.SMEM((n, BLOCK_Q), jnp.float32),
     ]
     # The consumers' stages fill by TMA (`copies` arrivals), or, with FP8

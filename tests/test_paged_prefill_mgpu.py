@@ -7,7 +7,8 @@ cross-lowering of the kernel for CUDA (Pallas -> Mosaic GPU MLIR) with both
 consumer schedules, which runs the layout / shape checks of the lowering
 without a GPU. Mosaic GPU has no interpret mode for warp-specialised kernels,
 so the numerics run only on a Hopper GPU (`test_matches_oracle_gpu`,
-`test_schedules_match_oracle_gpu`, skipped elsewhere;
+`test_schedules_match_oracle_gpu`, `test_head_dim_256_matches_oracle_gpu`,
+skipped elsewhere;
 `bench/bench_prefill.py` checks the same there).
 """
 
@@ -115,14 +116,16 @@ def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
     assert cfg.mosaic_consumers(3) == 2
     cfg.validate(group_size=3)
   for other in (dict(interpret=True), dict(dtype=jnp.float32),
-                dict(head_dim=256)):
+                dict(head_dim=96)):
     assert _C.default_for(**{**kw, **other}, num_tokens=n,
                           batch_size=1).backend == "triton"
   cfg = _C.default_for(**kw, window_left=128)  # windows too
   assert (cfg.backend, cfg.mosaic_pack_gqa) == ("mosaic", True)
-  cfg = _C.default_for(**{**kw, "head_dim": 128})
-  assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
-          cfg.mosaic_pack_gqa) == ("mosaic", mgpu.TILE_Q, "pingpong", False)
+  for d, block_k in ((128, 128), (256, 64)):  # any length
+    cfg = _C.default_for(**{**kw, "head_dim": d})
+    assert (cfg.backend, cfg.block_q, cfg.block_k, cfg.mosaic_schedule,
+            cfg.mosaic_pack_gqa) == ("mosaic", mgpu.TILE_Q, block_k,
+                                     "pingpong", False)
 
 
 def test_fp8_pages_in_kernel_run_two_consumers():
@@ -154,7 +157,7 @@ def test_backend_choice_and_errors():
                          dtype=jnp.bfloat16)
     assert cfg.backend == "triton" and cfg.plan_align == 1
   # Unsupported features fall back whatever the GPU.
-  for kw in (dict(dtype=jnp.float32), dict(head_dim=256),
+  for kw in (dict(dtype=jnp.float32), dict(head_dim=96),
              dict(page_size=4)):
     args = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16,
                 window_left=-1)
@@ -209,10 +212,36 @@ def test_backend_choice_and_errors():
                          config=cfg, plan=plan)
   with pytest.raises(ValueError, match="head_dim"):
     mgpu.paged_prefill_mgpu(
-        jnp.zeros((16, 8, 256), jnp.bfloat16),
-        jnp.zeros((4, 16, 2, 256), jnp.bfloat16),
-        jnp.zeros((4, 16, 2, 256), jnp.bfloat16), table, table,
+        jnp.zeros((16, 8, 96), jnp.bfloat16),
+        jnp.zeros((4, 16, 2, 96), jnp.bfloat16),
+        jnp.zeros((4, 16, 2, 96), jnp.bfloat16), table, table,
         plan.tiles, causal=True, sm_scale=0.1)
+  # head_dim 256: 64-key steps by default; 16-bit pages; 128-key steps or
+  # packed tiles do not fit in shared memory.
+  d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
+                        dtype=jnp.bfloat16, backend="mosaic")
+  assert (d256.block_q, d256.block_k, d256.short_block_k,
+          d256.mosaic_pack_gqa) == (128, 64, 64, False)
+  assert mgpu.supports(dtype=jnp.bfloat16, head_dim=256, page_size=16,
+                       block_kv=64) == _hopper()
+  q256 = jnp.zeros((16, 8, 256), jnp.bfloat16)
+  pool256 = jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
+  for kv_dtype, kw, match in (
+      (jnp.float8_e4m3fn, dict(block_kv=64, k_scale=1.0, v_scale=1.0),
+       "pages dtype"),
+      (jnp.bfloat16, dict(block_kv=128), "shared memory"),
+      (jnp.bfloat16, dict(block_kv=64, pack_gqa=True), "shared memory")):
+    with pytest.raises(ValueError, match=match):
+      mgpu.paged_prefill_mgpu(q256, pool256.astype(kv_dtype),
+                              pool256.astype(kv_dtype), table, table,
+                              plan.tiles, causal=True, sm_scale=0.1, **kw)
+  with pytest.raises(ValueError, match="head_dim 256"):
+    kernel.paged_prefill(q256, pool256.astype(jnp.float8_e4m3fn),
+                         pool256.astype(jnp.float8_e4m3fn), table, table,
+                         jnp.array([0, 16], jnp.int32),
+                         jnp.array([16], jnp.int32), sm_scale=0.1,
+                         config=dataclasses.replace(d256, fp8_pages="kernel"),
+                         k_scale=1.0, v_scale=1.0)
   # Three consumers: the ring schedule, head_dim 64, 16-bit pages only.
   for d, kv_dtype, kw in (
       (64, jnp.bfloat16, dict(num_consumers=3)),
@@ -254,6 +283,9 @@ def test_backend_choice_and_errors():
         (300, 16, 64, True, 30.0, False, False, 2, "pingpong", 1, 1, 7),
         (300, 8, 64, False, None, True, False, 3, "ring", 0, 1, 64),
         (384, 64, 128, True, None, False, True, 2, "pingpong", 1, 0, 300),
+        # head_dim 256: output tiles in the q tiles' memory, 64-key steps.
+        (512, 16, 256, True, None, True, False, 2, "pingpong", 0, 0, -1),
+        (300, 8, 256, True, 50.0, False, False, 2, "ring", 0, 1, 511),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                                      soft_cap, sinks, fp8, consumers,
@@ -275,7 +307,8 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
           sds((hq,), jnp.float32) if sinks else None]
   scales = dict(num_consumers=consumers, schedule=schedule,
                 pack_gqa=bool(pack), persistent=bool(persistent),
-                window_left=window_left)
+                window_left=window_left,
+                block_kv=64 if head_dim == 256 else 128)
   if fp8:
     scales.update(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
   lowered = mgpu.paged_prefill_mgpu.trace(
@@ -314,6 +347,39 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
   cfg = dataclasses.replace(cfg, mosaic_persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize(
+    "page_size,group,causal,soft_cap,sinks,padding,q_lens,kv_lens,window",
+    [
+        # Gemma 3 270M's group and its sliding layers' window; odd lengths.
+        (16, 4, True, None, False, 5, [300, 1, 7, 129, 1500],
+         [300, 500, 200, 129, 1501], -1),
+        (16, 4, True, None, True, 3, [2000, 7, 300], [2000, 900, 300], 511),
+        # Gemma 2's soft cap, group 2; page sizes 8 and 64; not causal.
+        (8, 2, True, 50.0, False, 250, [1, 1, 4, 191], [700, 9, 300, 191],
+         -1),
+        (64, 1, False, None, True, 9, [300, 1, 77, 129], [300, 500, 200, 129],
+         -1),
+    ])
+@pytest.mark.parametrize("schedule,persistent", [("pingpong", False),
+                                                 ("ring", True)])
+def test_head_dim_256_matches_oracle_gpu(page_size, group, causal, soft_cap,
+                                         sinks, padding, q_lens, kv_lens,
+                                         window, schedule, persistent):
+  """Head_dim 256 (output tiles in the q tiles' shared memory, 64-key
+  steps), the default at that size: against the float64 oracle with NaN in
+  unowned pages and past kv_len, decode rows, padding, released pages
+  before a window; one CTA per tile, or one per SM taking several (the
+  next item's q lands where the last item's output was stored from)."""
+  cfg = _C.default_for(group_size=group, head_dim=256, page_size=page_size,
+                       dtype=jnp.bfloat16, window_left=window)
+  assert (cfg.backend, cfg.block_k) == ("mosaic", 64)
+  cfg = dataclasses.replace(cfg, mosaic_schedule=schedule,
+                            mosaic_persistent=persistent)
+  _check_oracle(cfg, page_size, group, 256, causal, soft_cap, sinks, padding,
+                q_lens, kv_lens, window_left=window)
 
 
 # Oracle cases of both ring-schedule tests: (page_size, group, d, causal,
@@ -522,6 +588,37 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
     np.testing.assert_allclose(out[q_indptr[b]:q_indptr[b + 1]], exp,
                                atol=2e-2, rtol=2e-2)
   assert (out[q_indptr[-1]:] == 0).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_dim_256_default_on_hopper(monkeypatch, fp8):
+  """Cross-lowered for CUDA as on a Hopper GPU, the default at head_dim 256
+  runs the main launch on the Mosaic-GPU kernel with 16-bit pages, and on
+  the Triton kernel with FP8 pages read in the kernel (which the Mosaic-GPU
+  kernel does not serve at that size), replanning for its tiles."""
+  import re
+  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  t, hq, hkv, d, ps, pages, b = 48, 8, 2, 256, 16, 32, 3
+  sds = jax.ShapeDtypeStruct
+  kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+  scales = dict(k_scale=0.5, v_scale=0.25) if fp8 else {}
+
+  def f(q, pool, table, q_indptr, kv_lens):
+    cfg = _C.default_for(group_size=hq // hkv, head_dim=d, page_size=ps,
+                         dtype=jnp.bfloat16)
+    plan = cfg.plan(q_indptr, kv_lens, num_tokens=t, causal=True,
+                    window_left=-1)  # a step's plan, made for the default
+    return kernel.paged_prefill(q, pool, pool, table[:, 0], table[:, 1],
+                                q_indptr, kv_lens, None, sm_scale=0.1,
+                                plan=plan, **scales)
+  text = jax.jit(f).trace(
+      sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), kv_dtype),
+      sds((b, 2, 8), jnp.int32), sds((b + 1,), jnp.int32),
+      sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  # The Triton main launch at head_dim 256: 32 tokens x group 4 per tile,
+  # 32-key tiles (`Config.default_for`); the short launch has 8 tokens.
+  assert bool(re.search(r"paged_prefill_bq32_bk32_g4", text)) == fp8
 
 
 def test_mosaic_path_has_no_pool_copies():
