@@ -46,43 +46,6 @@ os.environ["XLA_FLAGS"] = _fast_cpu_compile_flags().strip()
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pkvattn-test-cache-")
 
 
-# The slowest test modules (seconds of CPU time under `pytest -n 2` on the
-# 2-core CI machine, `--durations`), started first. The README's command
-# schedules whole modules (`--dist loadfile`, so a module's tests share
-# one worker's compiled programs and module fixtures) in this order
-# (`--no-loadscope-reorder`), and a worker that finishes one takes the
-# next: the long modules overlap the short ones instead of leaving one core
-# idle at the end of the run.
-SLOW_FIRST = (
-    "test_models_gguf_gemma3.py",
-    "test_engine.py",
-    "test_models_gguf_smollm2.py",
-    "test_engine_hybrid.py",
-    "test_models_hf.py",
-    "test_cache_hybrid_model.py",
-    "test_engine_reliability.py",
-    "test_engine_compile_once.py",
-    "test_multidevice.py",
-    "test_cache_model.py",
-    "test_cli.py",
-    "test_cache_reliability.py",
-    "test_readme.py",
-    "test_engine_fp8.py",
-    "test_swa_scratch.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-  """Runs the `SLOW_FIRST` modules first, in its order (a stable sort: the
-  rest, and the tests within a module, keep pytest's order). Every xdist
-  worker sorts its identical collection the same way."""
-  def rank(item):
-    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return (SLOW_FIRST.index(module) if module in SLOW_FIRST
-            else len(SLOW_FIRST))
-  items.sort(key=rank)
-
-
 @pytest.fixture(scope="module")
 def shared_gguf_readers():
   """One `gguf.GGUFReader` per GGUF file for the module's tests.

