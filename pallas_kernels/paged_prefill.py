@@ -141,8 +141,8 @@ class Config:
       tokens (two consumer warpgroups of 64) or 192 (three, head_dim 64,
       16-bit pages: FP8 pages read in the kernel run 128-token tiles
       instead), `block_k` keys per step and `num_stages` shared-memory
-      stages (num_warps unused). The short launch is Pallas-Triton either
-      way.
+      stages (num_warps unused). The short launch, where a config has
+      one (`short_block_q`), is Pallas-Triton either way.
     mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
       (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
       "ring" (a token passed around the consumers; required with three).
@@ -217,7 +217,13 @@ class Config:
     with the GQA group packed into the rows of two consumers
     (`mosaic_pack_gqa`: 42 tokens x 3 heads per tile at group 3) on one CTA
     per SM (`mosaic_persistent`), each CTA copying its next tile's query
-    rows while one runs: kernel time with the plan reused 1.03 / 1.08 /
+    rows while one runs, with no short launch (`short_block_q` 0:
+    sequences of 2-8 tokens are tiles of the main launch; GPU time per
+    call with the plan counted 63.6 / 74.0 us against 70.3 / 79.9 with
+    the short launch at 256 / 512 tokens, 65.4 against 78.9 on 64 x 4
+    tokens at 2,048 keys, SmolLM2 heads, H200, 2026-11-27,
+    `prefill_short_launch_NVIDIA_H200.json`): kernel time with the plan
+    reused 1.03 / 1.08 /
     1.12x the Triton kernel's speed at 256 / 512 / 1,024 tokens per
     sequence, 1.07 / 1.00 / 1.02x FlashInfer FA3's `run` (SmolLM2 heads,
     H200, 2026-11-26, `prefill_call_breakdown_NVIDIA_H200.json`; H100:
@@ -252,8 +258,10 @@ class Config:
     step) ran 0.89x as fast on H100; 3 stages beat 2 by 1-7% on H200 and
     tied on H100 (2026-11-22). At head_dim 256: 128 rows on 8 warps and
     32-key tiles, 2 stages (one warpgroup's accumulator would not fit in
-    registers). f32 halves the rows. Decode rows and multi-token decode
-    (q_len <= 8) go to the short launch with 128-key tiles.
+    registers). f32 halves the rows. Multi-token decode (q_len <= 8) goes
+    to the short launch with 128-key tiles (64 at head_dim 256), except
+    in the packed Mosaic-GPU config; decode rows (q_len 1) to the split-K
+    decode kernel (`split_decode_rows`).
     """
     group_pad = pl.next_power_of_2(group_size)
     short_block_q = max(8, 16 // group_pad)
@@ -279,9 +287,12 @@ class Config:
       if packed:
         # Shorter prompts: the group in the rows of two consumers, one CTA
         # per SM (a short tile's pipeline fill and epilogue overlap the
-        # next tile's loads).
+        # next tile's loads). Sequences of 2-8 tokens (multi-token decode)
+        # run as tiles of this launch too: a packed tile holds the whole
+        # group, and without a short launch (and its part of the plan) a
+        # call has two XLA / Triton launches fewer.
         return cls(block_q=paged_prefill_mgpu.tile_q(2, group_size),
-                   block_k=128, num_stages=2, short_block_q=short_block_q,
+                   block_k=128, num_stages=2, short_block_q=0,
                    short_block_k=mosaic_block_k, backend="mosaic",
                    mosaic_pack_gqa=True, mosaic_persistent=True)
       # head_dim 64: three consumers on 192-token tiles (half the matmul

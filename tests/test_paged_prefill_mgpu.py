@@ -63,9 +63,10 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
     return
   config = _mosaic(group_size=3, head_dim=head_dim)
   if pack:
-    config = dataclasses.replace(config, mosaic_pack_gqa=True,
-                                 block_q=mgpu.tile_q(2, 3),
-                                 mosaic_schedule="pingpong")
+    # The packed default: no short launch, 2-8-token sequences in tiles.
+    config = _C.default_for(group_size=3, head_dim=head_dim, page_size=16,
+                            dtype=jnp.bfloat16, backend="mosaic")
+    assert config.mosaic_pack_gqa and config.short_block_q == 0
     config.validate(group_size=3)
   plan = config.plan(jnp.asarray(q_indptr), jnp.asarray(kv_lens),
                      num_tokens=num_tokens, causal=True, window_left=-1)
@@ -81,7 +82,9 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
     rows = np.arange(start, min(end, origin + tile))
     seen[rows] += 1
     assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
-  for seq, start, end, kv, off in np.asarray(plan.short_tiles):
+  assert (plan.short_tiles is None) == pack
+  for seq, start, end, kv, off in np.asarray(
+      plan.short_tiles if not pack else np.zeros((0, 5), int)):
     assert end - start != 1  # q_len == 1 goes to the decode kernel
     seen[start:end] += 1
   rows = np.asarray(plan.decode_rows)
@@ -111,8 +114,9 @@ def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
   for tokens in (None, 1, 4 * n - 1):
     cfg = _C.default_for(**kw, num_tokens=tokens, batch_size=4)
     assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
-            cfg.mosaic_pack_gqa, cfg.mosaic_persistent, cfg.plan_align) == (
-                "mosaic", 42, "pingpong", True, True, 1)
+            cfg.mosaic_pack_gqa, cfg.mosaic_persistent, cfg.plan_align,
+            cfg.short_block_q) == ("mosaic", 42, "pingpong", True, True, 1,
+                                   0)  # 2-8-token sequences: main tiles
     assert cfg.mosaic_consumers(3) == 2
     cfg.validate(group_size=3)
   for other in (dict(interpret=True), dict(dtype=jnp.float32),
@@ -452,6 +456,25 @@ def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
       mosaic_schedule=schedule, mosaic_persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("page_size,group,window,q_lens,kv_lens", [
+    (16, 3, -1, [4, 8, 2, 300, 1, 7, 3], [2048, 900, 5, 300, 500, 7, 4095]),
+    (8, 1, 64, [5, 2, 129, 8, 1], [700, 2, 129, 1000, 90]),
+    (16, 8, 100, [6, 1500, 3, 2], [3000, 1500, 130, 2]),
+])
+def test_packed_default_runs_multi_token_rows_gpu(page_size, group, window,
+                                                  q_lens, kv_lens):
+  """The packed default at head_dim 64 has no short launch: sequences of
+  2-8 new tokens (multi-token decode) run as tiles of the main launch,
+  beside prompts and split-K decode rows; against the float64 oracle with
+  NaN in unowned pages and past kv_len, with and without a window."""
+  cfg = _C.default_for(group_size=group, head_dim=64, page_size=page_size,
+                       dtype=jnp.bfloat16, window_left=window)
+  assert cfg.mosaic_pack_gqa and cfg.short_block_q == 0
+  _check_oracle(cfg, page_size, group, 64, True, None, False, 5, q_lens,
+                kv_lens, window_left=window)
 
 
 def _release_before_window(p, q_lens, kv_lens, page_size, window_left):
