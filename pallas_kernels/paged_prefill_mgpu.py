@@ -82,9 +82,8 @@ clamped copies bring are zeroed.
 Head_dim 256 (Gemma 2 / Gemma 3 layers): two consumers' q tiles, their
 output tiles and two 64-key K/V stages would take 256 KiB. A consumer's q
 tile is dead once its last QK^T has run, so there its output tile takes
-the same shared memory (`RefUnion`): 196 KiB with 64-key steps, as
-FlashAttention-3 reuses q's shared memory for the output at that size.
-16-bit pages only. `paged_prefill` keeps the Triton kernel for f32, FP8
+the same shared memory (`RefUnion`): 196 KiB with 64-key steps. Unpacked
+tiles and 16-bit pages only. `paged_prefill` keeps the Triton kernel for f32, FP8
 pages at head_dim 256 and non-Hopper GPUs (`supports`).
 """
 
@@ -880,7 +879,8 @@ def paged_prefill_mgpu(
   tiles) are left unwritten.
 
   Args:
-    q: `[num_tokens, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64/128.
+    q: `[num_tokens, num_qo_heads, head_dim]`, bf16 or f16, head_dim 64,
+      128 or 256.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype
       of `q` (may be one array with split tables).
     k_table, v_table: `i32[batch_size, max_pages]`.
@@ -891,7 +891,8 @@ def paged_prefill_mgpu(
     causal, sm_scale, logits_soft_cap, window_left: static, as
       `paged_prefill` (window_left -1: no window; else token t sees keys
       from position - window_left on).
-    block_kv: static, keys per step (64 or 128).
+    block_kv: static, keys per step (64 or 128; 64 at head_dim 256, where
+      the output tiles take the q tiles' shared memory).
     num_stages: static, shared-memory stages of the K/V ring (>= 2).
     k_scale, v_scale: f32 scalars (may be traced) of float8_e4m3fn pages
       (stored value = x / scale): K's scale multiplies the logits and V's
@@ -924,8 +925,10 @@ def paged_prefill_mgpu(
 
   Raises:
     ValueError: an unsupported dtype, head_dim or page_size (see `supports`;
-      the GPU model is not checked here), or an unsupported
-      (num_consumers, schedule, pages dtype).
+      the GPU model is not checked here), an unsupported
+      (num_consumers, schedule, pages dtype), FP8 pages at head_dim 256,
+      or a head_dim-256 build past the shared memory (packed tiles, 128-key
+      steps).
   """
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
