@@ -108,28 +108,31 @@ def run_spec(name, q_lens, kv_lens, rows, checks):
   same_out = np.array_equal(np.asarray(outs["sort"], np.float32),
                             np.asarray(outs["rank"], np.float32))
   checks.append(dict(spec=name, check="outputs equal", ok=same_out))
-  fi_run = fa3_run(name, sp, bp.SMOLLM2, outs["rank"], checks)
+  fi_run = fa3_run(name, sp, heads, outs["rank"], checks)
   time_rounds(name, entries, fi_run, rows)
 
 
-def fa3_run(name, sp, heads, want, checks):
-  """FlashInfer 0.7.2's FA3 prefill (causal, page 16) on `sp`'s pages, its
-  output checked against `want` (a check row in `checks`): its `run`, or
-  None without the wheel (or its JIT)."""
+def fa3_run(name, sp, heads, want, checks, *, window_left: int = -1,
+            against: str = "pkvattn"):
+  """FlashInfer 0.7.2's FA3 prefill (causal, page 16, `window_left`) on
+  `sp`'s pages, its output checked against `want` (a check row
+  "flashinfer fa3 vs <against>" in `checks`): its `run`, or None without
+  the wheel (or its JIT)."""
   hq, hkv, d = heads
   try:
     cache, table = bp.flashinfer_cache(sp, 16)
     fi_run, fi_out = _flashinfer.prefill_fn(
         sp["q"], cache, table, np.asarray(sp["q_indptr"]),
         np.asarray(sp["kv_lens"]), num_qo_heads=hq, num_kv_heads=hkv,
-        causal=True, sm_scale=1 / math.sqrt(d), backend="fa3")
+        causal=True, sm_scale=1 / math.sqrt(d), backend="fa3",
+        window_left=window_left)
   except Exception as e:  # noqa: BLE001  (no flashinfer wheel, no JIT)
     if not isinstance(e, ImportError):
       traceback.print_exc()
     print(f"  {name} flashinfer fa3: skipped ({repr(e)[:200]})")
     return None
   err = _timing.rel_err(fi_out, want)
-  checks.append(dict(spec=name, check="flashinfer fa3 vs pkvattn",
+  checks.append(dict(spec=name, check=f"flashinfer fa3 vs {against}",
                      rel_err=err, ok=err < 1e-2))
   return fi_run
 

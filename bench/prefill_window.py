@@ -24,17 +24,16 @@ import dataclasses
 import math
 import os
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 from bench import _flashinfer  # noqa: E402
 from bench import _timing  # noqa: E402
 from bench import bench_prefill as bp  # noqa: E402
+from bench import prefill_plan  # noqa: E402
 from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
 
 MISTRAL_7B = (32, 8, 128)
@@ -91,20 +90,8 @@ def run_specs(specs, result_name: str):
       err = bp.rel_err(f(*a), want)
       checks.append(dict(spec=name, check=f"{impl} vs triton", rel_err=err,
                          ok=err < 1e-2))
-    try:
-      cache, table = bp.flashinfer_cache(sp, 16)
-      run, fi_out = _flashinfer.prefill_fn(
-          sp["q"], cache, table, np.asarray(sp["q_indptr"]),
-          np.asarray(sp["kv_lens"]), num_qo_heads=hq, num_kv_heads=hkv,
-          causal=True, sm_scale=sm_scale, backend="fa3", window_left=w)
-      err = bp.rel_err(fi_out, want)
-      checks.append(dict(spec=name, check="flashinfer fa3 vs triton",
-                         rel_err=err, ok=err < 1e-2))
-    except Exception as e:  # noqa: BLE001  (no wheel, no JIT)
-      if not isinstance(e, ImportError):
-        traceback.print_exc()
-      print(f"  {name} flashinfer fa3: skipped ({repr(e)[:200]})")
-      run = None
+    run = prefill_plan.fa3_run(name, sp, heads, want, checks, window_left=w,
+                               against="triton")
     for impl, f, a in entries:
       t = _timing.time_fn(f, *a, iters=10, min_time_s=0.1)
       k = _timing.device_kernel_ms(f, lambda a=a: a, calls=3)
