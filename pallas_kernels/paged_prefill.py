@@ -772,14 +772,14 @@ def paged_prefill(
     k_pool, k_table = _fp8.dequantize_pages(k_pool, k_table, k_scale, q.dtype)
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None
-  if fp8 and config.backend == "mosaic" and head_dim == 256:
-    # FP8 pages read in the kernel at head_dim 256: the Triton kernel (the
-    # Mosaic-GPU kernel's FP8 staging does not fit beside 256-wide tiles).
+  if fp8 and config.backend == "mosaic" and (
+      head_dim not in paged_prefill_mgpu.FP8_HEAD_DIMS):
+    # FP8 pages read in the kernel at head_dim 256: the Triton kernel.
     if not defaulted:
       raise ValueError(
-          "Invalid config: the mosaic backend reads FP8 pages at head_dim "
-          "64 or 128, got head_dim 256 (use fp8_pages='dequantize' or the "
-          "triton backend)")
+          f"Invalid config: the mosaic backend reads FP8 pages at head_dim "
+          f"{paged_prefill_mgpu.FP8_HEAD_DIMS}, got head_dim {head_dim} "
+          f"(use fp8_pages='dequantize' or the triton backend)")
     config = Config.default_for(group_size=group_size, head_dim=head_dim,
                                 page_size=k_pool.shape[1], dtype=q.dtype,
                                 window_left=window_left, backend="triton",

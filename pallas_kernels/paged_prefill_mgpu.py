@@ -104,6 +104,7 @@ BLOCK_Q = 64          # tokens per consumer warpgroup
 TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q), two consumers
 CONSUMERS = (2, 3)    # consumer warpgroups per CTA
 HEAD_DIMS = (64, 128, 256)
+FP8_HEAD_DIMS = (64, 128)  # FP8 staging does not fit beside 256-wide tiles
 SCHEDULES = ("pingpong", "ring")
 ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
@@ -949,10 +950,10 @@ def paged_prefill_mgpu(
   if head_dim not in HEAD_DIMS:
     raise ValueError(
         f"Invalid head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
-  if fp8 and head_dim == 256:
+  if fp8 and head_dim not in FP8_HEAD_DIMS:
     raise ValueError(
-        "Invalid pages dtype: head_dim 256 expects bf16 or f16 pages, got "
-        f"{k_pool.dtype}")
+        f"Invalid pages dtype: head_dim {head_dim} expects bf16 or f16 "
+        f"pages, got {k_pool.dtype}")
   if page_size < 8 or (page_size < block_kv and block_kv % page_size):
     raise ValueError(
         f"Invalid page_size: expected >= 8 and dividing or divisible by "
