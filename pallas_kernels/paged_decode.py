@@ -835,16 +835,7 @@ def paged_decode(
         batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
         max_pages=max_pages, head_dim=head_dim, group_size=group_size,
         dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
-  if k_scale is not None and not interpret and (
-      config.backend == "mosaic_mma" or config.fp8_convert in ("asm", "pairs")):
-    # Both convert e4m3 pairs with `cvt.rn.f16x2.e4m3x2` (sm_89+).
-    cc = _compat.compute_capability()
-    if cc is not None and cc < (8, 9):
-      what = ("config.backend: 'mosaic_mma' on FP8 pages"
-              if config.backend == "mosaic_mma" else
-              f"config.fp8_convert: {config.fp8_convert!r}")
-      raise ValueError(f"Invalid {what} needs a GPU of compute capability "
-                       f">= 8.9, got {cc}")
+  _check_fp8_convert(config, k_scale, interpret)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   pack = config.pack_heads
@@ -895,6 +886,22 @@ def paged_decode(
           lse.reshape(batch_size, num_qo_heads))
 
 
+def _check_fp8_convert(config: Config, k_scale, interpret: bool) -> None:
+  """Raises ValueError where FP8 pages would take a conversion the GPU
+  lacks: the mosaic_mma backend and `fp8_convert` "asm" / "pairs" convert
+  e4m3 pairs with `cvt.rn.f16x2.e4m3x2` (compute capability >= 8.9)."""
+  if k_scale is None or interpret or not (
+      config.backend == "mosaic_mma" or config.fp8_convert in ("asm", "pairs")):
+    return
+  cc = _compat.compute_capability()
+  if cc is not None and cc < (8, 9):
+    what = ("config.backend: 'mosaic_mma' on FP8 pages"
+            if config.backend == "mosaic_mma" else
+            f"config.fp8_convert: {config.fp8_convert!r}")
+    raise ValueError(f"Invalid {what} needs a GPU of compute capability "
+                     f">= 8.9, got {cc}")
+
+
 def _pack_pool(pool, pack: int):
   """`[N, page_size, H, D]` -> `[N, page_size, H / pack, pack * D]` (free:
   adjacent heads are contiguous; `Config.pack_heads`)."""
@@ -942,32 +949,133 @@ def _mosaic_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
 
 def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
                 v_scale, *, sm_scale, window_left, logits_soft_cap,
-                config: Config, interpret: bool):
+                config: Config, interpret: bool, q_rows=None, into=None):
   """`paged_decode` on the per-warp Mosaic-GPU kernel (`config.backend ==
-  "mosaic_mma"`)."""
+  "mosaic_mma"`); with `q_rows` and `into`, `paged_decode_rows`."""
   if interpret:
     raise ValueError(
         "Invalid config for the mosaic_mma backend: expected a GPU, got "
         "interpret=True")
   if config.k_splits == 1:
-    # The kernel stores the output, sinks added.
+    # The kernel stores the output, sinks added (in place with `into`).
     return paged_decode_mma.paged_decode_mma(
         q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         sm_scale=float(sm_scale), window_left=int(window_left),
         logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-        tiles=config.mma_tiles)
-  batch_size, num_qo_heads, head_dim = q.shape
+        tiles=config.mma_tiles, q_rows=q_rows, into=into)
+  batch_size = kv_lens.shape[0]
+  _, num_qo_heads, head_dim = q.shape
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
   o, lse = paged_decode_mma.paged_decode_mma(
       q, k_pool, v_pool, k_table, v_table, kv_lens,
       sm_scale=float(sm_scale), window_left=int(window_left),
       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-      k_splits=config.k_splits, tiles=config.mma_tiles, final=False)
+      k_splits=config.k_splits, tiles=config.mma_tiles, final=False,
+      q_rows=q_rows)
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
-  return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
-          lse.reshape(batch_size, num_qo_heads))
+  out = out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype)
+  lse = lse.reshape(batch_size, num_qo_heads)
+  if into is None:
+    return out, lse
+  return _scatter_rows(into, q_rows, out, lse)
+
+
+def _scatter_rows(into, q_rows, out, lse):
+  """`into` with rows `q_rows[b]` set to `out[b]` / `lse[b]`; rows outside
+  `[0, num_tokens)` are dropped (negative ones too, not wrapped)."""
+  num_tokens = into[0].shape[0]
+  ok = (q_rows >= 0) & (q_rows < num_tokens)
+  rows = jnp.where(ok, q_rows, num_tokens)
+  return (into[0].at[rows].set(out.astype(into[0].dtype), mode="drop"),
+          into[1].at[rows].set(lse, mode="drop"))
+
+
+def paged_decode_rows(
+    out,        # [num_tokens, num_qo_heads, head_dim]
+    lse,        # f32[num_tokens, num_qo_heads]
+    q,          # [num_tokens, num_qo_heads, head_dim]
+    q_rows,     # i32[batch_size]
+    k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pool,     # [num_pages', page_size, num_kv_heads, head_dim]
+    k_table,    # i32[batch_size, max_pages]
+    v_table,    # i32[batch_size, max_pages]
+    kv_lens,    # i32[batch_size]
+    sinks=None,  # f32[num_qo_heads] | None
+    *,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    interpret: bool = False,
+    config: Config | None = None,
+    k_scale=None,  # f32[]: FP8 pages
+    v_scale=None,  # f32[]: FP8 pages
+):
+  """The one-token sequences of a prefill call, decoded into its output.
+
+  For every b with `0 <= q_rows[b] < num_tokens`, row `t = q_rows[b]` of
+  `out` / `lse` becomes `paged_decode` of query `q[t]` over sequence b's
+  pages (`kv_lens[b]` keys, the query at position `kv_lens[b] - 1`); every
+  other row keeps its value. Semantics per row are `paged_decode`'s
+  (`reference.paged_decode_reference`). On the per-warp Mosaic-GPU backend
+  (`paged_decode_mma`, the Hopper default) the kernel reads the rows of
+  `q` and, with one split, writes those of `out` / `lse` in place (no
+  gather, no scatter); otherwise the rows are gathered, decoded and
+  scattered back.
+
+  Args:
+    out, lse: `[num_tokens, num_qo_heads, head_dim]` of q's dtype and
+      `f32[num_tokens, num_qo_heads]`: the call's output so far.
+    q: `[num_tokens, num_qo_heads, head_dim]`, bf16 / f16 / f32.
+    q_rows: `i32[batch_size]`: sequence b's query row, or a row outside
+      `[0, num_tokens)` (e.g. `num_tokens`) for none.
+    k_pool, v_pool, k_table, v_table, kv_lens, sinks: as `paged_decode`
+      (kv_lens of sequences without a row are not read as lengths).
+    sm_scale, window_left, logits_soft_cap, interpret, config, k_scale,
+      v_scale: as `paged_decode` (config for `batch_size` sequences).
+
+  Returns:
+    `(out, lse)` with the decode rows written.
+
+  Raises:
+    ValueError: `q_rows` not of shape `(batch_size,)`, or `out` / `lse`
+      not of q's rows' shape and dtype; and `paged_decode`'s errors.
+  """
+  batch_size = kv_lens.shape[0]
+  if q_rows.shape != (batch_size,):
+    raise ValueError(f"Invalid q_rows shape: expected ({batch_size},), got "
+                     f"{q_rows.shape}")
+  want = ((q.shape, jnp.dtype(q.dtype)), (q.shape[:2], jnp.dtype(jnp.float32)))
+  got = ((out.shape, jnp.dtype(out.dtype)), (lse.shape, jnp.dtype(lse.dtype)))
+  if got != want:
+    raise ValueError(f"Invalid out / lse: expected (shape, dtype) {want}, "
+                     f"got {got}")
+  num_tokens, num_qo_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  q_rows = q_rows.astype(jnp.int32)
+  if config is None:
+    config = Config.default_for(
+        batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
+        max_pages=k_table.shape[1], head_dim=head_dim,
+        group_size=num_qo_heads // num_kv_heads, dtype=q.dtype,
+        kv_dtype=k_pool.dtype, interpret=interpret)
+  if config.backend == "mosaic_mma" and not interpret:
+    _check_fp8_convert(config, k_scale, interpret)
+    if sinks is not None:
+      sinks = sinks.astype(jnp.float32)
+    return _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                       k_scale, v_scale, sm_scale=sm_scale,
+                       window_left=window_left,
+                       logits_soft_cap=logits_soft_cap, config=config,
+                       interpret=interpret, q_rows=q_rows, into=(out, lse))
+  ok = (q_rows >= 0) & (q_rows < num_tokens)
+  d_out, d_lse = paged_decode(
+      q[jnp.where(ok, q_rows, 0)], k_pool, v_pool, k_table, v_table,
+      jnp.where(ok, kv_lens, 0), sinks, sm_scale=sm_scale,
+      window_left=window_left, logits_soft_cap=logits_soft_cap,
+      interpret=interpret, config=config, k_scale=k_scale, v_scale=v_scale)
+  return _scatter_rows((out, lse), q_rows, d_out, d_lse)
 
 
 def _mosaic_fp8_stages(head_dim: int, block_kv: int, num_stages: int,

@@ -46,6 +46,15 @@ as `rope_append_mgpu` is:
   per CTA, took 2-6% more time than the jnp combine on the specs that
   split: the atomic's round trip and the last CTA's reads add to every
   CTA and to the kernel's tail. Not kept.)
+* With `q_rows` (`paged_decode.paged_decode_rows`: the one-token
+  sequences of a prefill call), q is the call's token-major q and
+  sequence b's query its row `q_rows[b]`; with one split the CTA writes
+  that row of the call's output and LSE in place (`jax.Ref`s, aliased),
+  and the CTAs of a sequence without a row do nothing past reading it.
+  A pure-prompt call then spends 1.1 us in this kernel and 1.2 in the
+  combine's scatter (two splits there), where the q gather, the kernel
+  and the scatter took 5.5 us (SmolLM2 heads, 32 prompts of 512 tokens,
+  H200, 2026-11-27, `bench/prefill_call_overhead.py`).
 
 Speed (kernel time, `bench/decode_mma.py` and the 16-layer program of
 `bench/decode_layers.py`, H100 and H200, 2026-11-26, `bench/results/
@@ -79,6 +88,7 @@ the Triton kernel (`supports`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -304,16 +314,19 @@ class _Ops:
 def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           head_dim, page_size, max_pages, k_splits, tiles, mode, has_sinks,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
-          late_loads, load_hint, q_in_smem, fp8):
+          late_loads, load_hint, q_in_smem, fp8, num_tokens):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
-  `refs`: kv_lens, q, k_pool, v_pool, k_table, v_table, [k_scale, v_scale
-  with `fp8`], [sinks], out, lse, smem; `mode`: "final" (the output) or
-  "partial" (per-split partials)."""
+  `refs`: kv_lens, [q_rows with `num_tokens`], q, k_pool, v_pool, k_table,
+  v_table, [k_scale, v_scale with `fp8`], [sinks], out, lse, smem; `mode`:
+  "final" (the output) or "partial" (per-split partials). `num_tokens`
+  (None: q has one row per sequence): q's rows, of which sequence b's
+  query is `q_rows[b]` (none outside `[0, num_tokens)`)."""
   del ctx
   refs = list(refs)
-  (kv_lens_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
-   v_table_ref) = refs[:6]
-  refs = refs[6:]
+  kv_lens_ref = refs.pop(0)
+  q_rows_ref = refs.pop(0) if num_tokens is not None else None
+  (q_ref, k_pool_ref, v_pool_ref, k_table_ref, v_table_ref) = refs[:5]
+  refs = refs[5:]
   k_scale_ref, v_scale_ref = (refs.pop(0), refs.pop(0)) if fp8 else (None,
                                                                      None)
   sinks_ref = refs.pop(0) if has_sinks else None
@@ -360,6 +373,18 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
 
   kv_len = o.load_i32(gaddr(kv_lens_ref, wide(b), 4))
   zero = ci(0)
+  # The row of q (and of the final output) of sequence b's query.
+  tok, has_row = b, o.true
+  if q_rows_ref is not None:
+    tok = o.load_i32(gaddr(q_rows_ref, wide(b), 4))
+    has_row = arith.cmpi(ult, tok, ci(num_tokens))
+    tok = arith.select(has_row, tok, zero)
+    kv_len = arith.select(has_row, kv_len, zero)
+  # A CTA of a sequence without a row does nothing more (its partials, if
+  # any, go to no row). The region closes at the end of the body.
+  no_row_exit = contextlib.ExitStack()
+  if q_rows_ref is not None:
+    no_row_exit.enter_context(utils.when(has_row))
   if window_left >= 0:
     lo = arith.maxsi(arith.subi(kv_len, ci(1 + window_left)), zero)
   else:
@@ -386,8 +411,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
 
   # q^T fragments (B operand of QK^T): row g = r of the group, the 16-byte
   # chunks c, c + 4, ... of it; zero rows past the group.
-  g_ok = arith.cmpi(ult, r, ci(G))
-  q_row = arith.addi(arith.muli(b, ci(num_qo_heads)),
+  g_ok = arith.andi(arith.cmpi(ult, r, ci(G)), has_row)
+  q_row = arith.addi(arith.muli(tok, ci(num_qo_heads)),
                      arith.addi(arith.muli(kv_head, ci(G)), r))
   q_words = []
   for x in range(k_loads):
@@ -660,7 +685,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   # with sinks (final output only) the sink joins the sum, not the LSE.
   g = [arith.addi(arith.muli(c, ci(2)), ci(col)) for col in range(2)]
   g_in = [arith.cmpi(ult, x, ci(G)) for x in g]
-  qo_row = [arith.addi(arith.muli(b, ci(num_qo_heads)),
+  qo_row = [arith.addi(arith.muli(tok, ci(num_qo_heads)),
                        arith.addi(arith.muli(kv_head, ci(G)), x)) for x in g]
 
   def sink2(col):
@@ -717,7 +742,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     rows of the group only), or of the partials (f32)."""
     elem = arith.addi(wide(arith.muli(row, ci(D))), wide(d_of(j)))
     if final:
-      with utils.when(g_in[col]):
+      with utils.when(arith.andi(g_in[col], has_row)):
         o.st_global_b32(gaddr(o_ref, elem, 2), o.pack_out(lo_v, hi_v))
     else:
       o.st_global_f32x2(gaddr(o_ref, elem, 4), lo_v, hi_v)
@@ -746,9 +771,10 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                      arith.cmpi(ult, lane, ci(4)))
   with utils.when(lane0):
     for col in range(2):
-      ok = g_in[col] if final else o.true
+      ok = arith.andi(g_in[col], has_row) if final else o.true
       with utils.when(ok):
         o.st_global_f32(gaddr(lse_ref, wide(out_row[col]), 4), lse[col])
+  no_row_exit.close()
 
 
 @functools.partial(
@@ -776,6 +802,8 @@ def paged_decode_mma(
     late_loads: bool | None = None,
     load_hint: str = "",
     q_in_smem: bool | None = None,
+    q_rows: jax.Array | None = None,  # i32[batch_size]
+    into: tuple[jax.Array, jax.Array] | None = None,
 ):
   """One Mosaic-GPU launch of split-K paged decode on `mma.sync` (see the
   module docstring).
@@ -814,11 +842,21 @@ def paged_decode_mma(
       `ld.global.nc` (PTX), one of `LOAD_HINTS`.
     q_in_smem: static; read q's fragments from shared memory at each step
       instead of holding them in registers; None = at head_dim 256 only.
+    q_rows: optional `i32[batch_size]`: q is then `[num_tokens,
+      num_qo_heads, head_dim]` (the token rows of a prefill call) and
+      sequence b's query is row `q_rows[b]`; a row outside `[0,
+      num_tokens)` means no query (as `kv_lens[b] == 0`, and with `final`
+      nothing is written). The decode rows of a mixed prefill call are
+      read in place, with no gather (`paged_decode.paged_decode_rows`).
+    into: with `q_rows` and `final` (and only then): `(out [num_tokens,
+      num_qo_heads, head_dim] q.dtype, lse f32[num_tokens, num_qo_heads])`,
+      whose rows `q_rows[b]` the kernel overwrites in place (aliased
+      `jax.Ref`s; the other rows are kept).
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype, lse
     f32[batch_size, num_qo_heads])` (natural log; an empty sequence gives
-    zeros and -inf). Otherwise per-split partials `(o f32[batch_size,
+    zeros and -inf); with `into`, `into` with rows `q_rows[b]` replaced. Otherwise per-split partials `(o f32[batch_size,
     num_kv_heads, k_splits, 8, head_dim], lse f32[batch_size, num_kv_heads,
     k_splits, 8])`, normalised per split, rows `0..group_size-1` meaningful
     (empty splits: `o = 0`, `lse = -inf`).
@@ -826,11 +864,31 @@ def paged_decode_mma(
   Raises:
     ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in
       (1, 2, 4), `final=True` with `k_splits > 1`, sinks with `final=False`
-      or of another shape, an unknown `load_hint`, or FP8 pages without both
-      scales (or scales with 16-bit pages).
+      or of another shape, an unknown `load_hint`, FP8 pages without both
+      scales (or scales with 16-bit pages), `q_rows` not of
+      `(batch_size,)`, or `into` without `q_rows` and `final` (or of
+      shapes or dtypes other than q's rows).
   """
   plgpu = _compat.mosaic_gpu()
-  batch_size, num_qo_heads, head_dim = q.shape
+  num_tokens = None
+  if q_rows is not None:
+    num_tokens = q.shape[0]
+    if q_rows.shape != kv_lens.shape:
+      raise ValueError(f"Invalid q_rows shape: expected {kv_lens.shape} (one "
+                       f"per sequence), got {q_rows.shape}")
+  if (into is not None) != (q_rows is not None and final):
+    raise ValueError(
+        f"Invalid into: expected (out, lse) exactly with q_rows and "
+        f"final=True, got into={'set' if into is not None else 'None'}, "
+        f"q_rows={'set' if q_rows is not None else 'None'}, final={final}")
+  if into is not None:
+    want = ((q.shape, q.dtype), (q.shape[:2], jnp.dtype(jnp.float32)))
+    got = tuple((x.shape, x.dtype) for x in into)
+    if got != want:
+      raise ValueError(f"Invalid into: expected (shape, dtype) {want}, got "
+                       f"{got}")
+  batch_size = kv_lens.shape[0]
+  _, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
   group_size = num_qo_heads // num_kv_heads
   if group_size * num_kv_heads != num_qo_heads:
@@ -886,10 +944,13 @@ def paged_decode_mma(
       same_table=same_table,
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
       late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
-      fp8=fp8)
+      fp8=fp8, num_tokens=num_tokens)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
-  inputs = [kv_lens.astype(jnp.int32), q, k_pool, v_pool, *tables]
+  inputs = [kv_lens.astype(jnp.int32)]
+  if q_rows is not None:
+    inputs.append(q_rows.astype(jnp.int32))
+  inputs += [q, k_pool, v_pool, *tables]
   if fp8:
     # Two f32[1] inputs (free reshapes), not one stacked pair (one more
     # small XLA kernel per call).
@@ -897,7 +958,13 @@ def paged_decode_mma(
                for x in (k_scale, v_scale)]
   if has_sinks:
     inputs.append(sinks.astype(jnp.float32))
-  if final:
+  refs = []
+  if into is not None:
+    # Written in place: Pallas aliases a `jax.Ref` argument in and out of
+    # the kernel.
+    refs = [jax.new_ref(x) for x in into]
+    out_type = []
+  elif final:
     out_type = [
         jax.ShapeDtypeStruct((batch_size, num_qo_heads, head_dim), dtype),
         jax.ShapeDtypeStruct((batch_size, num_qo_heads), jnp.float32)]
@@ -908,7 +975,7 @@ def paged_decode_mma(
         jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, COLS),
                              jnp.float32)]
   splat = plgpu.Layout.WG_SPLAT(shape=())
-  n_refs = len(inputs) + len(out_type) + 1
+  n_refs = len(inputs) + len(refs) + len(out_type) + 1
   inline = plgpu.inline_mgpu(
       arg_types=(splat,) + (plgpu.RefType(),) * n_refs)(body)
   # Per warp: acc [regs][lane]; then (m, l) [warp][2][8].
@@ -920,11 +987,15 @@ def paged_decode_mma(
     pl.run_scoped(lambda smem: inline(lax.axis_index("items"), *refs, smem),
                   plgpu.SMEM((smem_words,), jnp.float32))
 
-  return pl.kernel(
+  res = pl.kernel(
       kernel,
       out_type=out_type,
       mesh=plgpu.Mesh(grid=(batch_size * num_kv_heads * k_splits,),
                       grid_names=("items",)),
       compiler_params=plgpu.CompilerParams(),
-      name=f"paged_decode_mma_t{tiles}_{mode}{'_fp8' if fp8 else ''}",
-  )(*inputs)
+      name=(f"paged_decode_mma_t{tiles}_{mode}{'_fp8' if fp8 else ''}"
+            f"{'_rows' if q_rows is not None else ''}"),
+  )(*inputs, *refs)
+  if refs:
+    return tuple(x[...] for x in refs)
+  return res

@@ -845,15 +845,12 @@ def paged_prefill(
                num_warps=config.short_num_warps,
                num_stages=config.short_num_stages, heads_outer=False)
   if plan.decode_rows is not None:
-    # q_len == 1 sequences: one decode query each (kv_len 0 = not a decode
-    # row: zeros, dropped by the scatter).
+    # q_len == 1 sequences: one decode query each, written into the
+    # output rows (`num_tokens` = not a decode row).
     from pkvattn.pallas_kernels import paged_decode  # noqa: PLC0415
-    rows = plan.decode_rows
-    d_out, d_lse = paged_decode.paged_decode(
-        q[jnp.minimum(rows, num_tokens - 1)], k_pool, v_pool, k_table,
-        v_table, jnp.where(rows < num_tokens, kv_lens, 0), sinks, sm_scale=sm_scale,
-        window_left=window_left, logits_soft_cap=logits_soft_cap,
-        interpret=interpret, k_scale=k_scale, v_scale=v_scale)
-    out = (out[0].at[rows].set(d_out, mode="drop"),
-           out[1].at[rows].set(d_lse, mode="drop"))
-  return out
+    out = paged_decode.paged_decode_rows(
+        *out, q, plan.decode_rows, k_pool, v_pool, k_table, v_table, kv_lens,
+        sinks, sm_scale=sm_scale, window_left=window_left,
+        logits_soft_cap=logits_soft_cap, interpret=interpret,
+        k_scale=k_scale, v_scale=v_scale)
+  return tuple(out)

@@ -11,6 +11,7 @@ interpret mode for per-thread code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -297,3 +298,123 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
     assert_close(out[b:b + 1], exp, dtype, f"b={b}")
     if not (big and b == 2):   # logits ~1e4: the LSE's tolerance is relative
       assert_lse_close(lse[b], exp_lse[0], dtype)
+
+
+def _rows_case(rng, group, d, page_size, fmt, kw, kv_lens=(0, 1, 7, 129,
+                                                          4095, 300)):
+  """A decode-rows case: a token-major q of `3 * B + 2` rows, a random
+  `out` / `lse` to write into, and `q_rows` naming distinct rows for all
+  sequences but two (`num_tokens` and -1: no row)."""
+  p, _, sinks, kw = paged_decode_case(rng, group=group, head_dim=d,
+                                      page_size=page_size, fmt=fmt, kw=kw,
+                                      kv_lens=kv_lens)
+  b, hq = len(kv_lens), 2 * group
+  t = 3 * b + 2
+  q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+  out = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+  lse = jnp.asarray(rng.standard_normal((t, hq)), jnp.float32)
+  rows = rng.permutation(t)[:b].astype(np.int32)
+  rows[1], rows[-1] = t, -1
+  return p, q, out, lse, rows, sinks, kw
+
+
+def _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, d):
+  out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+  written = [r for r in rows if 0 <= r < q.shape[0]]
+  kept = np.setdiff1d(np.arange(q.shape[0]), written)
+  np.testing.assert_array_equal(out[kept], np.asarray(
+      out0.astype(jnp.float32))[kept])
+  np.testing.assert_array_equal(lse[kept], np.asarray(lse0)[kept])
+  qf = np.asarray(q.astype(jnp.float32))
+  for b, r in enumerate(rows):
+    if 0 <= r < q.shape[0]:
+      assert_decode_matches(
+          out[r:r + 1], lse[r:r + 1], qf[r:r + 1], p.k[b:b + 1],
+          p.v[b:b + 1], p.kv_lens[b:b + 1], jnp.bfloat16, sm_scale=d ** -0.5,
+          sinks=None if sinks is None else np.asarray(sinks), **kw)
+
+
+def test_decode_rows_fallback_and_errors():
+  """`paged_decode_rows` off the Mosaic-GPU backend (interpret mode): the
+  named rows of a token-major q decoded into `out` / `lse`, every other
+  row (and those of sequences without one, `num_tokens` or -1) kept;
+  against the float64 oracle with NaN in unowned pages. And its shape
+  errors."""
+  rng = np.random.default_rng(11)
+  p, q, out0, lse0, rows, sinks, kw = _rows_case(
+      rng, 3, 64, 16, "pair", dict(window_left=50, sinks=True),
+      kv_lens=(3, 1, 70, 20))
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  args = (view.k_pool, view.v_pool, view.k_table, view.v_table,
+          jnp.asarray(p.kv_lens), sinks)
+  out, lse = kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows), *args,
+                                      sm_scale=0.125, interpret=True, **kw)
+  _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, 64)
+  with pytest.raises(ValueError, match="q_rows"):
+    kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows[:2]), *args,
+                             sm_scale=0.125, interpret=True)
+  with pytest.raises(ValueError, match="out / lse"):
+    kernel.paged_decode_rows(out0, lse0[:, :2], q, jnp.asarray(rows), *args,
+                             sm_scale=0.125, interpret=True)
+  with pytest.raises(ValueError, match="into"):
+    mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, q_rows=jnp.asarray(rows))
+  with pytest.raises(ValueError, match="into"):
+    mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, into=(out0, lse0))
+
+
+@pytest.mark.parametrize("k_splits,fmt,kw", [
+    (1, "pair", dict(sinks=True)),
+    (2, "flashinfer", dict(window_left=40)),
+])
+def test_decode_rows_lower_in_place(k_splits, fmt, kw):
+  """Cross-lowered for CUDA: the decode rows of a token-major q are read
+  in the kernel (no gather); with one split the kernel also writes the
+  output rows in place (no scatter), with several a combine and a scatter
+  follow."""
+  rng = np.random.default_rng(3)
+  p, q, out0, lse0, rows, sinks, kw = _rows_case(rng, 3, 64, 16, fmt, kw,
+                                                 kv_lens=(5, 40, 9))
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cfg = _config(b=3, hkv=2, ps=16, max_pages=view.k_table.shape[1], d=64,
+                k_splits=k_splits)
+
+  def f(out, lse, q, rows, kp, vp, kt, vt, n, s):
+    return kernel.paged_decode_rows(out, lse, q, rows, kp, vp, kt, vt, n, s,
+                                    sm_scale=0.125, config=cfg, **kw)
+  text = jax.jit(f).trace(
+      out0, lse0, q, jnp.asarray(rows), view.k_pool, view.v_pool,
+      view.k_table, view.v_table, jnp.asarray(p.kv_lens),
+      sinks).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert "gather" not in text
+  assert ("scatter" in text) == (k_splits > 1)
+  # One split: `out` / `lse` alias the kernel's outputs.
+  assert ("output_operand_aliases" in text) == (k_splits == 1)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits", [
+    (3, 64, 16, "flashinfer", dict(window_left=100, sinks=True), 1),
+    (3, 64, 16, "pair", {}, 4),
+    (4, 256, 16, "pool", dict(logits_soft_cap=30.0), 1),
+    (8, 128, 8, "flashinfer", dict(sinks=True), 2),
+    (1, 128, 64, "pool", {}, 1),
+])
+def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
+                                      k_splits):
+  """`paged_decode_rows` on the Mosaic-GPU kernel against the float64
+  oracle: q's rows read in the kernel, the output rows written in place
+  (one split) or combined and scattered (several); rows of sequences
+  without one (`num_tokens`, -1) and every other row of `out` / `lse`
+  kept bit for bit; NaN in unowned pages; kv lengths 0, 1, 7, 129, 4095."""
+  rng = np.random.default_rng(group * 100 + d + k_splits)
+  p, q, out0, lse0, rows, sinks, kw = _rows_case(rng, group, d, page_size,
+                                                 fmt, kw)
+  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cfg = _config(b=len(rows), hkv=2, ps=page_size,
+                max_pages=view.k_table.shape[1], d=d, k_splits=k_splits)
+  out, lse = jax.jit(functools.partial(
+      kernel.paged_decode_rows, sm_scale=d ** -0.5, config=cfg, **kw))(
+          out0, lse0, q, jnp.asarray(rows), view.k_pool, view.v_pool,
+          view.k_table, view.v_table, jnp.asarray(p.kv_lens), sinks)
+  _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, d)
