@@ -60,6 +60,7 @@ from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import _ptx
 from pkvattn.pallas_kernels import paged_prefill_mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
+from pkvattn.pallas_kernels import plan_mgpu
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._compat import pltriton as plgpu
 
@@ -154,6 +155,10 @@ class Config:
     mosaic_persistent: the Mosaic-GPU kernel runs one CTA per SM, each
       taking every num_sms-th (head, tile) item with its K/V ring running
       on across items (`paged_prefill_mgpu(persistent=True)`).
+    plan_kernel: with the mosaic backend (Hopper), `plan` builds the
+      step's schedule in one Mosaic-GPU launch (`plan_mgpu`, up to its
+      `MAX_ROWS` tiles) instead of the several small XLA kernels of
+      `plan.plan_prefill` (the same plan).
     split_decode_rows: sequences with q_len == 1 (the decode rows of a mixed
       batch) run through the split-K decode kernel (`paged_decode`) instead
       of a short tile: a memory-bound row streams its KV across several
@@ -191,6 +196,7 @@ class Config:
   mosaic_schedule: str = "pingpong"
   mosaic_pack_gqa: bool = False
   mosaic_persistent: bool = False
+  plan_kernel: bool = True
 
   @classmethod
   def default_for(cls, *, group_size: int, head_dim: int,
@@ -366,12 +372,19 @@ class Config:
 
   def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
            window_left: int) -> plan_lib.PrefillPlan:
-    """This config's tile schedule (`plan.plan_prefill`) for one step."""
-    return plan_lib.plan_prefill(
-        q_indptr, kv_lens, num_tokens=num_tokens, block_q=self.block_q,
-        causal=causal, window_left=window_left,
-        longest_first=self.longest_first, short_block_q=self.short_block_q,
-        align=self.plan_align, split_decode_rows=self.split_decode_rows)
+    """This config's tile schedule (`plan.plan_prefill`) for one step: one
+    Mosaic-GPU launch (`plan_mgpu`) with `plan_kernel` where it serves,
+    else the jnp ops of `plan.plan_prefill` (the same plan)."""
+    kw = dict(num_tokens=num_tokens, block_q=self.block_q, causal=causal,
+              window_left=window_left, longest_first=self.longest_first,
+              short_block_q=self.short_block_q, align=self.plan_align,
+              split_decode_rows=self.split_decode_rows)
+    if self.plan_kernel and self.backend == "mosaic" and (
+        _compat.is_hopper()) and plan_mgpu.supports(
+            num_tokens=num_tokens, batch_size=kv_lens.shape[0],
+            block_q=self.block_q, align=self.plan_align) is None:
+      return plan_mgpu.plan_prefill_mgpu(q_indptr, kv_lens, **kw)
+    return plan_lib.plan_prefill(q_indptr, kv_lens, **kw)
 
   def validate(self, group_size: int) -> None:
     if self.fp8_pages not in ("auto", "kernel", "dequantize"):

@@ -17,6 +17,10 @@ a prompt does `S / block_q` times the work of the first, and launching the
 heavy tiles first keeps the tail of the launch short. Decode rows of a mixed
 batch (one token, long KV) sort by their KV length beside the prompt tiles.
 The order is a stable sort by descending work (`order_by_work`).
+
+This module is the pure-jnp reference of the schedule; on Hopper the
+Mosaic-GPU configs of the prefill kernel build the same plan in one launch
+(`plan_mgpu`, `paged_prefill.Config.plan_kernel`).
 """
 
 from __future__ import annotations

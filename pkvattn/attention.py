@@ -351,8 +351,10 @@ def plan_prefill(
   Which query tile belongs to which sequence, the short-tile class of decode
   rows, and the longest-first launch order depend only on `q_indptr`,
   `kv_lens` (and the static shapes), so compute them once per step and pass
-  the result as `paged_prefill(..., plan=...)` to every layer. Cheap jnp ops,
-  jit-compatible, no host sync.
+  the result as `paged_prefill(..., plan=...)` to every layer. On Hopper
+  (the Mosaic-GPU prefill configs) one small kernel
+  (`pallas_kernels.plan_mgpu`), elsewhere a few jnp ops
+  (`pallas_kernels.plan`); jit-compatible, no host sync.
 
   Args:
     q_indptr: `i32[batch_size + 1]` (array or list), as in `paged_prefill`.

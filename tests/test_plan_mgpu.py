@@ -1,0 +1,143 @@
+"""The prefill plan as one Mosaic-GPU launch (`pallas_kernels/plan_mgpu.py`).
+
+On the CPU CI: its limits and errors, a cross-lowering for CUDA of every
+option, and `paged_prefill.Config.plan`'s routing (the kernel for mosaic
+configs on Hopper, the jnp plan elsewhere). On a Hopper GPU: the kernel's
+plan equals `plan.plan_prefill`'s (the pure-jnp reference) bit for bit, on
+random batches of prompts, multi-token and single-token decode, empty
+sequences and padding, over one CTA and several.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import paged_prefill as prefill
+from pkvattn.pallas_kernels import plan as plan_lib
+from pkvattn.pallas_kernels import plan_mgpu
+
+OPTIONS = [
+    dict(),
+    dict(short_block_q=8, split_decode_rows=True, align=8),
+    dict(longest_first=False, causal=False, window_left=30),
+    dict(short_block_q=4, window_left=100),
+    dict(split_decode_rows=True, align=64, longest_first=False),
+]
+
+
+def _batch(rng, batch_size, max_len, padding):
+  """q_indptr / kv_lens of `batch_size` sequences: prompts up to
+  `max_len` tokens, 2-8-token and 1-token rows, empty ones; kv lengths
+  from the new tokens to 4,096 more."""
+  kind = rng.integers(0, 4, batch_size)
+  q_lens = np.where(kind == 0, rng.integers(9, max(max_len, 9) + 1,
+                                            batch_size),
+                    np.where(kind == 1, rng.integers(2, 9, batch_size),
+                             np.where(kind == 2, 1, 0)))
+  kv_lens = q_lens + rng.integers(0, 4097, batch_size)
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return q_indptr, kv_lens.astype(np.int32), int(q_indptr[-1]) + padding
+
+
+def test_supports_and_errors():
+  assert plan_mgpu.supports(num_tokens=4096, batch_size=64, block_q=42,
+                            align=1) is None
+  assert "exceed" in plan_mgpu.supports(num_tokens=1 << 16, batch_size=4,
+                                        block_q=16, align=1)
+  assert "exceed" in plan_mgpu.supports(num_tokens=8, batch_size=2048,
+                                        block_q=128, align=1)
+  assert "no sequences" in plan_mgpu.supports(num_tokens=8, batch_size=0,
+                                              block_q=8, align=1)
+  assert "power of two" in plan_mgpu.supports(num_tokens=8, batch_size=1,
+                                              block_q=8, align=6)
+  lens = jnp.zeros((3,), jnp.int32)
+  with pytest.raises(ValueError, match="q_indptr shape"):
+    plan_mgpu.plan_prefill_mgpu(jnp.zeros((3,), jnp.int32), lens,
+                                num_tokens=8, block_q=8)
+  with pytest.raises(ValueError, match="exceed"):
+    plan_mgpu.plan_prefill_mgpu(jnp.zeros((4,), jnp.int32), lens,
+                                num_tokens=1 << 16, block_q=16)
+
+
+@pytest.mark.parametrize("kw", OPTIONS, ids=str)
+def test_lowers_to_mosaic_gpu(kw):
+  """Cross-lowered for CUDA (no GPU needed): one Mosaic-GPU custom call and
+  nothing else of the plan's ops (no sort, reduce, scatter or gather)."""
+  q_indptr, kv_lens, num_tokens = _batch(np.random.default_rng(0), 40, 300,
+                                         5)
+
+  def f(qi, kl):
+    p = plan_mgpu.plan_prefill_mgpu(qi, kl, num_tokens=num_tokens,
+                                    block_q=42, **kw)
+    return p.tiles, p.short_tiles, p.decode_rows
+  text = jax.jit(f).trace(jnp.asarray(q_indptr), jnp.asarray(
+      kv_lens)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  for op in ("sort", "reduce", "scatter", "gather"):
+    assert f"stablehlo.{op}" not in text
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_config_plan_routing(monkeypatch, hopper):
+  """`Config.plan` takes the kernel for a mosaic config on Hopper (unless
+  `plan_kernel=False` or the plan is too large), the jnp plan otherwise."""
+  monkeypatch.setattr(_compat, "is_hopper", lambda: hopper)
+  cfg = prefill.Config.default_for(group_size=3, head_dim=64, page_size=16,
+                                   dtype=jnp.bfloat16, backend="mosaic")
+  q_indptr, kv_lens, _ = _batch(np.random.default_rng(1), 8, 100, 0)
+  for c, num_tokens, want in (
+      (cfg, 512, hopper),
+      (dataclasses.replace(cfg, plan_kernel=False), 512, False),
+      (cfg, plan_mgpu.MAX_ROWS * cfg.block_q, False),
+      (prefill.Config.default_for(group_size=3, head_dim=64, page_size=16,
+                                  dtype=jnp.bfloat16, backend="triton"),
+       512, False)):
+    text = jax.jit(lambda qi, kl, c=c, n=num_tokens: c.plan(
+        qi, kl, num_tokens=n, causal=True, window_left=-1).tiles).trace(
+            jnp.asarray(q_indptr), jnp.asarray(kv_lens)).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert ("@mosaic_gpu" in text) == want
+
+
+def _hopper() -> bool:
+  return _compat.is_hopper()
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("kw", OPTIONS, ids=str)
+@pytest.mark.parametrize("batch_size,max_len,padding,block_q", [
+    (1, 1, 0, 42),        # one decode row
+    (5, 40, 3, 16),       # one CTA
+    (64, 256, 7, 42),     # ~400 tiles: four CTAs
+    (300, 700, 0, 21),    # more sequences than threads; ~4,500 tiles?
+    (130, 2000, 11, 128),
+])
+def test_matches_jnp_plan_gpu(kw, batch_size, max_len, padding, block_q):
+  """The kernel's tiles, short tiles and decode rows equal
+  `plan.plan_prefill`'s, every field, in order."""
+  rng = np.random.default_rng(batch_size * 7 + max_len + block_q)
+  q_indptr, kv_lens, num_tokens = _batch(rng, batch_size, max_len, padding)
+  if num_tokens == 0:
+    num_tokens = 1
+  if plan_mgpu.supports(num_tokens=num_tokens, batch_size=batch_size,
+                        block_q=block_q, align=kw.get("align", 1)):
+    num_tokens = min(num_tokens, (plan_mgpu.MAX_ROWS - batch_size - 1)
+                     * block_q)
+    q_indptr = np.minimum(q_indptr, num_tokens).astype(np.int32)
+  args = (jnp.asarray(q_indptr), jnp.asarray(kv_lens))
+  got = jax.jit(lambda qi, kl: plan_mgpu.plan_prefill_mgpu(
+      qi, kl, num_tokens=num_tokens, block_q=block_q, **kw))(*args)
+  want = jax.jit(lambda qi, kl: plan_lib.plan_prefill(
+      qi, kl, num_tokens=num_tokens, block_q=block_q, **kw))(*args)
+  for name in ("tiles", "short_tiles", "decode_rows"):
+    a, b = getattr(got, name), getattr(want, name)
+    assert (a is None) == (b is None), name
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=name)
