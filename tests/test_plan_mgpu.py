@@ -141,3 +141,25 @@ def test_matches_jnp_plan_gpu(kw, batch_size, max_len, padding, block_q):
     if a is not None:
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                     err_msg=name)
+
+
+def test_packed_call_on_hopper_is_three_kernels(monkeypatch):
+  """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-64 call
+  (plan computed in the call) is three Mosaic-GPU launches: the plan, the
+  packed main kernel and the decode kernel that reads its one-token rows
+  from q and writes them into the output (one split here: in place). No
+  XLA sort, scatter or gather is left around them."""
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  t, hq, hkv, d, ps, pages, b = 64, 9, 3, 64, 16, 32, 4
+  sds = jax.ShapeDtypeStruct
+
+  def f(q, pool, table, q_indptr, kv_lens):
+    return prefill.paged_prefill(q, pool, pool, table, table, q_indptr,
+                                 kv_lens, None, sm_scale=0.125)
+  text = jax.jit(f).trace(
+      sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), jnp.bfloat16),
+      sds((b, 8), jnp.int32), sds((b + 1,), jnp.int32),
+      sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+  for op in ("sort", "scatter", "gather"):
+    assert f"stablehlo.{op}" not in text
