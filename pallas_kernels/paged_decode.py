@@ -829,12 +829,8 @@ def paged_decode(
   if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
     raise NotImplementedError(f"paged_decode kernel: unsupported {page_size=}")
   group_size = num_qo_heads // num_kv_heads
-  max_pages = k_table.shape[1]
   if config is None:
-    config = Config.default_for(
-        batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
-        max_pages=max_pages, head_dim=head_dim, group_size=group_size,
-        dtype=q.dtype, kv_dtype=k_pool.dtype, interpret=interpret)
+    config = _default_config(q, k_pool, k_table, interpret)
   _check_fp8_convert(config, k_scale, interpret)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
@@ -884,6 +880,24 @@ def paged_decode(
   out, lse = _combine(o, lse, sk, group_size)
   return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
           lse.reshape(batch_size, num_qo_heads))
+
+
+def _default_config(q, k_pool, k_table, interpret: bool) -> Config:
+  """`Config.default_for` a call with these q heads, pages and tables
+  (`k_table`'s rows are the sequences)."""
+  batch_size, max_pages = k_table.shape
+  _, page_size, num_kv_heads, _ = k_pool.shape
+  _, num_qo_heads, head_dim = q.shape
+  return Config.default_for(
+      batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
+      max_pages=max_pages, head_dim=head_dim,
+      group_size=num_qo_heads // num_kv_heads, dtype=q.dtype,
+      kv_dtype=k_pool.dtype, interpret=interpret)
+
+
+def _has_row(q_rows, num_tokens: int):
+  """Which sequences have a query row: `0 <= q_rows[b] < num_tokens`."""
+  return (q_rows >= 0) & (q_rows < num_tokens)
 
 
 def _check_fp8_convert(config: Config, k_scale, interpret: bool) -> None:
@@ -986,8 +1000,7 @@ def _scatter_rows(into, q_rows, out, lse):
   """`into` with rows `q_rows[b]` set to `out[b]` / `lse[b]`; rows outside
   `[0, num_tokens)` are dropped (negative ones too, not wrapped)."""
   num_tokens = into[0].shape[0]
-  ok = (q_rows >= 0) & (q_rows < num_tokens)
-  rows = jnp.where(ok, q_rows, num_tokens)
+  rows = jnp.where(_has_row(q_rows, num_tokens), q_rows, num_tokens)
   return (into[0].at[rows].set(out.astype(into[0].dtype), mode="drop"),
           into[1].at[rows].set(lse, mode="drop"))
 
@@ -1051,15 +1064,10 @@ def paged_decode_rows(
   if got != want:
     raise ValueError(f"Invalid out / lse: expected (shape, dtype) {want}, "
                      f"got {got}")
-  num_tokens, num_qo_heads, head_dim = q.shape
-  _, page_size, num_kv_heads, _ = k_pool.shape
+  num_tokens = q.shape[0]
   q_rows = q_rows.astype(jnp.int32)
   if config is None:
-    config = Config.default_for(
-        batch_size=batch_size, num_kv_heads=num_kv_heads, page_size=page_size,
-        max_pages=k_table.shape[1], head_dim=head_dim,
-        group_size=num_qo_heads // num_kv_heads, dtype=q.dtype,
-        kv_dtype=k_pool.dtype, interpret=interpret)
+    config = _default_config(q, k_pool, k_table, interpret)
   if config.backend == "mosaic_mma" and not interpret:
     _check_fp8_convert(config, k_scale, interpret)
     if sinks is not None:
@@ -1069,7 +1077,7 @@ def paged_decode_rows(
                        window_left=window_left,
                        logits_soft_cap=logits_soft_cap, config=config,
                        interpret=interpret, q_rows=q_rows, into=(out, lse))
-  ok = (q_rows >= 0) & (q_rows < num_tokens)
+  ok = _has_row(q_rows, num_tokens)
   d_out, d_lse = paged_decode(
       q[jnp.where(ok, q_rows, 0)], k_pool, v_pool, k_table, v_table,
       jnp.where(ok, kv_lens, 0), sinks, sm_scale=sm_scale,

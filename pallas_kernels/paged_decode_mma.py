@@ -373,18 +373,15 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
 
   kv_len = o.load_i32(gaddr(kv_lens_ref, wide(b), 4))
   zero = ci(0)
-  # The row of q (and of the final output) of sequence b's query.
-  tok, has_row = b, o.true
-  if q_rows_ref is not None:
-    tok = o.load_i32(gaddr(q_rows_ref, wide(b), 4))
-    has_row = arith.cmpi(ult, tok, ci(num_tokens))
-    tok = arith.select(has_row, tok, zero)
-    kv_len = arith.select(has_row, kv_len, zero)
-  # A CTA of a sequence without a row does nothing more (its partials, if
-  # any, go to no row). The region closes at the end of the body.
+  # The row of q (and of the final output) of sequence b's query. A CTA of
+  # a sequence without a row does nothing more (its partials, if any, go
+  # to no row): the rest of the body is one region, closed at its end.
+  tok = b
   no_row_exit = contextlib.ExitStack()
   if q_rows_ref is not None:
-    no_row_exit.enter_context(utils.when(has_row))
+    tok = o.load_i32(gaddr(q_rows_ref, wide(b), 4))
+    no_row_exit.enter_context(
+        utils.when(arith.cmpi(ult, tok, ci(num_tokens))))
   if window_left >= 0:
     lo = arith.maxsi(arith.subi(kv_len, ci(1 + window_left)), zero)
   else:
@@ -411,7 +408,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
 
   # q^T fragments (B operand of QK^T): row g = r of the group, the 16-byte
   # chunks c, c + 4, ... of it; zero rows past the group.
-  g_ok = arith.andi(arith.cmpi(ult, r, ci(G)), has_row)
+  g_ok = arith.cmpi(ult, r, ci(G))
   q_row = arith.addi(arith.muli(tok, ci(num_qo_heads)),
                      arith.addi(arith.muli(kv_head, ci(G)), r))
   q_words = []
@@ -742,7 +739,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     rows of the group only), or of the partials (f32)."""
     elem = arith.addi(wide(arith.muli(row, ci(D))), wide(d_of(j)))
     if final:
-      with utils.when(arith.andi(g_in[col], has_row)):
+      with utils.when(g_in[col]):
         o.st_global_b32(gaddr(o_ref, elem, 2), o.pack_out(lo_v, hi_v))
     else:
       o.st_global_f32x2(gaddr(o_ref, elem, 4), lo_v, hi_v)
@@ -771,7 +768,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                      arith.cmpi(ult, lane, ci(4)))
   with utils.when(lane0):
     for col in range(2):
-      ok = arith.andi(g_in[col], has_row) if final else o.true
+      ok = g_in[col] if final else o.true
       with utils.when(ok):
         o.st_global_f32(gaddr(lse_ref, wide(out_row[col]), 4), lse[col])
   no_row_exit.close()

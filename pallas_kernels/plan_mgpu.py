@@ -170,6 +170,22 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
     # that split there then wait at two barriers (a hang, seen on H200).
     _mgpu_async.asm("barrier.sync 0;", [], "")
 
+  def classes(ln, real):
+    """(one, short) of a sequence of `ln` new tokens: it goes to the decode
+    rows / the short tiles (i1; None where the plan has no such class);
+    `real` (i1 or None): not the padding sequence."""
+    one = short = None
+    if split_decode_rows:
+      one = cmp(P.eq, ln, 1)
+    if short_block_q > 0:
+      short = band(cmp(P.sge, ln, 1), cmp(P.sle, ln, short_block_q))
+      if one is not None:
+        short = band(short, bnot(one))
+    if real is not None:
+      one, short = (None if x is None else band(x, real)
+                    for x in (one, short))
+    return one, short
+
   tid = _mgpu_async.thread_index()
   cta = _mgpu_async.scalar(cta_v)
   lane = arith.andi(tid, ci(31))
@@ -192,16 +208,10 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
     kv = sel(pad, 0, gload(kv_lens_ref, b_c))
     ln = mx(sub(end, start), 0)
     skip = cmp(P.eq, ln, 0)
-    one = short = None
-    if split_decode_rows:
-      one = band(bnot(pad), cmp(P.eq, ln, 1))
-      skip = arith.ori(skip, one)
-    if short_block_q > 0:
-      short = band(bnot(pad), cmp(P.sge, ln, 1),
-                   cmp(P.sle, ln, short_block_q))
-      if one is not None:
-        short = band(short, bnot(one))
-      skip = arith.ori(skip, short)
+    one, short = classes(ln, bnot(pad))
+    for x in (one, short):
+      if x is not None:
+        skip = arith.ori(skip, x)
     lead = arith.andi(start, ci(align - 1))
     nt = sel(skip, 0, arith.divsi(add(add(ln, lead), block_q - 1),
                                   ci(block_q)))
@@ -302,15 +312,12 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
   b = mn(i, B - 1)
   start, end, kv = (sload(base, b) for base in (START, END, KV))
   ln = mx(sub(end, start), 0)
-  one = cmp(P.eq, ln, 1) if split_decode_rows else None
+  one, short = classes(ln, None)
   in_batch = cmp(P.slt, i, B)
   if decode_ref is not None:
     with utils.when(in_batch):
       gstore(decode_ref, sel(one, start, T), b)
   if short_ref is not None:
-    short = band(cmp(P.sge, ln, 1), cmp(P.sle, ln, short_block_q))
-    if one is not None:
-      short = band(short, bnot(one))
     srow = [b, start, sel(short, end, start), sel(short, kv, 0),
             sub(sub(kv, ln), start)]
     sdest = (rank(SW, b_pad, b, sel(short, kv, -1)) if longest_first
