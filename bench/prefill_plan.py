@@ -65,14 +65,20 @@ def ordered_by(order: str):
     plan_lib.RANK_MAX_ROWS = before
 
 
+def spec_args(q_lens, kv_lens, heads):
+  """A causal page-16 spec (`bench_prefill.build_spec`) and the arguments
+  `(q, pool, k_table, v_table, q_indptr, kv_lens)` of a call on it."""
+  sp = bp.build_spec(jax.random.key(0), q_lens, kv_lens, 16, heads)
+  return sp, (sp["q"], sp["pool"], sp["k_table"], sp["v_table"],
+              sp["q_indptr"], sp["kv_lens"])
+
+
 def run_spec(name, q_lens, kv_lens, rows, checks):
   heads = bp.SMOLLM2
   hq, hkv, d = heads
   sm_scale = 1 / math.sqrt(d)
   num_tokens = int(sum(q_lens))
-  sp = bp.build_spec(jax.random.key(0), q_lens, kv_lens, 16, heads)
-  args = (sp["q"], sp["pool"], sp["k_table"], sp["v_table"], sp["q_indptr"],
-          sp["kv_lens"])
+  sp, args = spec_args(q_lens, kv_lens, heads)
   cfg = pp.Config.default_for(group_size=hq // hkv, head_dim=d, page_size=16,
                               dtype=jnp.bfloat16)
 

@@ -53,9 +53,7 @@ def run_spec(name, q_lens, kv_lens, rows, checks):
   heads = bp.SMOLLM2
   hq, hkv, d = heads
   num_tokens = int(sum(q_lens))
-  sp = bp.build_spec(jax.random.key(0), q_lens, kv_lens, 16, heads)
-  args = (sp["q"], sp["pool"], sp["k_table"], sp["v_table"], sp["q_indptr"],
-          sp["kv_lens"])
+  sp, args = prefill_plan.spec_args(q_lens, kv_lens, heads)
   main = pp.Config.default_for(group_size=hq // hkv, head_dim=d,
                                page_size=16, dtype=jnp.bfloat16)
   arms = {"main launch": main,
