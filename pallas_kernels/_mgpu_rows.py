@@ -20,9 +20,12 @@ them 16 bytes at a time through `plgpu.inline_mgpu` and PTX:
   `out [num_tokens, num_qo_heads, head_dim]` and `lse [num_tokens,
   num_qo_heads]`, only rows whose token is in `[row_lo, row_hi)` of the
   tile (rows of other sequences or past the group's last full token are
-  computed and dropped).
+  computed and dropped);
+* `store_lse` stores the lse rows of an unpacked tile (one query head, 64
+  tokens) to `lse [num_tokens, num_qo_heads]` in place: 4 bytes a row is
+  narrower than a TMA box.
 
-Both are called by every thread of one warpgroup; the caller orders them
+All are called by every thread of one warpgroup; the caller orders them
 against Pallas's own shared-memory accesses with `plgpu.commit_smem()` (a
 proxy fence and a warpgroup barrier): after `load_q_rows`, before the
 wgmma reads q; before `store_rows`, after storing the output and lse.
@@ -234,18 +237,66 @@ def store_rows(o_smem, lse_smem, out_ref, lse_ref, *, index, t0, kv_head,
           "@p st.global.v4.u32 [$0], {$1, $2, $3, $4};\n}",
           [dst, *w, valid(row)], "l,r,r,r,r,r")
     # lse: threads 0..63, one row each.
-    in_tile = arith.extui(_ma.int_type(32), arith.cmpi(
-        arith.CmpIPredicate.ult, lane, c(ROWS)))
-    row = arith.remui(lane, c(ROWS))
-    src = arith.addi(_ma.address(lse_s, 32),
-                     arith.muli(arith.addi(arith.muli(index, c(ROWS)), row),
-                                c(4)))
-    dst = arith.addi(_ma.address(lse, 64),
-                     arith.muli(elem_of(row), _ma.const_i64(4)))
-    _ma.asm(
-        "{\n.reg .pred p;\n.reg .f32 s;\nsetp.ne.b32 p, $2, 0;\n"
-        "@p ld.shared.f32 s, [$1];\n@p st.global.f32 [$0], s;\n}",
-        [dst, src, arith.andi(in_tile, valid(row))], "l,r,r")
+    _store_lse_row(lse_s, lse, index, elem_of, valid)
 
   _store(o_smem, lse_smem, out_ref, lse_ref, index, t0, kv_head, row_lo,
          row_hi)
+
+
+def _store_lse_row(lse_s, lse, index, elem_of, valid):
+  """Per thread (inside `inline_mgpu`): threads 0..63 store row `lane` of
+  stage `index` of `lse_s` (`f32[n, 64]`) at element `elem_of(lane)` of
+  `lse`, where `valid(lane)` (i32, nonzero: store)."""
+  _, arith, _ = _ma.mlir()
+  c = _ma.const_i32
+  lane = _ma.lane_index()
+  in_tile = arith.extui(_ma.int_type(32), arith.cmpi(
+      arith.CmpIPredicate.ult, lane, c(ROWS)))
+  row = arith.remui(lane, c(ROWS))
+  src = arith.addi(_ma.address(lse_s, 32),
+                   arith.muli(arith.addi(arith.muli(index, c(ROWS)), row),
+                              c(4)))
+  dst = arith.addi(_ma.address(lse, 64),
+                   arith.muli(elem_of(row), _ma.const_i64(4)))
+  _ma.asm(
+      "{\n.reg .pred p;\n.reg .f32 s;\nsetp.ne.b32 p, $2, 0;\n"
+      "@p ld.shared.f32 s, [$1];\n@p st.global.f32 [$0], s;\n}",
+      [dst, src, arith.andi(in_tile, valid(row))], "l,r,r")
+
+
+def store_lse(lse_smem, lse_ref, *, index, t0, head, row_lo, row_hi):
+  """Stores one consumer's lse rows of an unpacked tile (all 128 threads
+  of it; threads 0..63 carry one row each).
+
+  Row `r` of stage `index` of `lse_smem` (`f32[n, 64]`) goes to
+  `lse_ref[t0 + r, head]` (`lse_ref`: `f32[num_tokens, num_qo_heads]`,
+  global memory) for `r` in `[row_lo, row_hi)`: one query head's rows,
+  where a TMA box could not take them (4 bytes wide). The caller orders
+  the loads after the writes of `lse_smem` (`plgpu.commit_smem()`), and
+  later writes of it after them (a warpgroup barrier).
+
+  `index`, `t0`, `head`, `row_lo` and `row_hi` are i32 scalars.
+  """
+  plgpu = _compat.mosaic_gpu()
+  num_qo_heads = lse_ref.shape[1]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (_ma.splat(),) * 5)
+  def _store(ctx, lse_s, lse, index_v, t0_v, head_v, lo_v, hi_v):
+    del ctx
+    _, arith, _ = _ma.mlir()
+    c, i64 = _ma.const_i32, _ma.int_type(64)
+    t0, head = _ma.scalar(t0_v), _ma.scalar(head_v)
+    lo, hi = _ma.scalar(lo_v), _ma.scalar(hi_v)
+
+    def valid(row):
+      ok_lo = arith.cmpi(arith.CmpIPredicate.sge, row, lo)
+      ok_hi = arith.cmpi(arith.CmpIPredicate.slt, row, hi)
+      return arith.extui(_ma.int_type(32), arith.andi(ok_lo, ok_hi))
+
+    def elem_of(row):
+      return arith.extui(i64, arith.addi(
+          arith.muli(arith.addi(t0, row), c(num_qo_heads)), head))
+
+    _store_lse_row(lse_s, lse, _ma.scalar(index_v), elem_of, valid)
+
+  _store(lse_smem, lse_ref, index, t0, head, row_lo, row_hi)
