@@ -75,6 +75,11 @@ def gather_scatter(out, lse, q, q_rows, k_pool, v_pool, k_table, v_table,
   """The path `paged_decode_rows` replaced: gather the rows, decode them
   (other sequences at length 0), scatter the output back."""
   num_tokens = q.shape[0]
+  # R token rows a sequence (`Config.decode_rows_per_seq`): table row b // R.
+  rows_per_seq = q_rows.shape[0] // k_table.shape[0]
+  if rows_per_seq > 1:
+    k_table, v_table = (jnp.repeat(t, rows_per_seq, axis=0)
+                        for t in (k_table, v_table))
   d_out, d_lse = paged_decode.paged_decode(
       q[jnp.minimum(q_rows, num_tokens - 1)], k_pool, v_pool, k_table,
       v_table, jnp.where(q_rows < num_tokens, kv_lens, 0), sinks, **kw)

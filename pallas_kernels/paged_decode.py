@@ -882,10 +882,12 @@ def paged_decode(
           lse.reshape(batch_size, num_qo_heads))
 
 
-def _default_config(q, k_pool, k_table, interpret: bool) -> Config:
+def _default_config(q, k_pool, k_table, interpret: bool,
+                    batch_size: int | None = None) -> Config:
   """`Config.default_for` a call with these q heads, pages and tables
-  (`k_table`'s rows are the sequences)."""
-  batch_size, max_pages = k_table.shape
+  (`batch_size` sequences; None: `k_table`'s rows)."""
+  rows, max_pages = k_table.shape
+  batch_size = rows if batch_size is None else batch_size
   _, page_size, num_kv_heads, _ = k_pool.shape
   _, num_qo_heads, head_dim = q.shape
   return Config.default_for(
@@ -1009,12 +1011,12 @@ def paged_decode_rows(
     out,        # [num_tokens, num_qo_heads, head_dim]
     lse,        # f32[num_tokens, num_qo_heads]
     q,          # [num_tokens, num_qo_heads, head_dim]
-    q_rows,     # i32[batch_size]
+    q_rows,     # i32[num_rows]
     k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
     v_pool,     # [num_pages', page_size, num_kv_heads, head_dim]
     k_table,    # i32[batch_size, max_pages]
     v_table,    # i32[batch_size, max_pages]
-    kv_lens,    # i32[batch_size]
+    kv_lens,    # i32[num_rows]
     sinks=None,  # f32[num_qo_heads] | None
     *,
     sm_scale: float,
@@ -1025,12 +1027,15 @@ def paged_decode_rows(
     k_scale=None,  # f32[]: FP8 pages
     v_scale=None,  # f32[]: FP8 pages
 ):
-  """The one-token sequences of a prefill call, decoded into its output.
+  """Token rows of a prefill call decoded into its output, one query each.
 
-  For every b with `0 <= q_rows[b] < num_tokens`, row `t = q_rows[b]` of
-  `out` / `lse` becomes `paged_decode` of query `q[t]` over sequence b's
-  pages (`kv_lens[b]` keys, the query at position `kv_lens[b] - 1`); every
-  other row keeps its value. Semantics per row are `paged_decode`'s
+  Row i belongs to sequence `b = i // R` (`R = num_rows / batch_size`, an
+  integer: R token rows per sequence). For every i with `0 <= q_rows[i] <
+  num_tokens`, row `t = q_rows[i]` of `out` / `lse` becomes `paged_decode`
+  of query `q[t]` over sequence b's pages with `kv_lens[i]` keys (the
+  query at position `kv_lens[i] - 1`: a multi-token sequence's tokens
+  keep their causal order by their key counts); every other row keeps its
+  value. Semantics per row are `paged_decode`'s
   (`reference.paged_decode_reference`). On the per-warp Mosaic-GPU backend
   (`paged_decode_mma`, the Hopper default) the kernel reads the rows of
   `q` and, with one split, writes those of `out` / `lse` in place (no
@@ -1041,24 +1046,29 @@ def paged_decode_rows(
     out, lse: `[num_tokens, num_qo_heads, head_dim]` of q's dtype and
       `f32[num_tokens, num_qo_heads]`: the call's output so far.
     q: `[num_tokens, num_qo_heads, head_dim]`, bf16 / f16 / f32.
-    q_rows: `i32[batch_size]`: sequence b's query row, or a row outside
-      `[0, num_tokens)` (e.g. `num_tokens`) for none.
-    k_pool, v_pool, k_table, v_table, kv_lens, sinks: as `paged_decode`
-      (kv_lens of sequences without a row are not read as lengths).
+    q_rows: `i32[num_rows]`: row i's query token, or a token outside `[0,
+      num_tokens)` (e.g. `num_tokens`) for none.
+    k_pool, v_pool, k_table, v_table, sinks: as `paged_decode`
+      (`batch_size` table rows).
+    kv_lens: `i32[num_rows]`, each row's keys (not read for rows without
+      a query).
     sm_scale, window_left, logits_soft_cap, interpret, config, k_scale,
-      v_scale: as `paged_decode` (config for `batch_size` sequences).
+      v_scale: as `paged_decode` (config for `num_rows` sequences).
 
   Returns:
     `(out, lse)` with the decode rows written.
 
   Raises:
-    ValueError: `q_rows` not of shape `(batch_size,)`, or `out` / `lse`
-      not of q's rows' shape and dtype; and `paged_decode`'s errors.
+    ValueError: `q_rows` / `kv_lens` not of one shape `(R * batch_size,)`,
+      or `out` / `lse` not of q's rows' shape and dtype; and
+      `paged_decode`'s errors.
   """
-  batch_size = kv_lens.shape[0]
-  if q_rows.shape != (batch_size,):
-    raise ValueError(f"Invalid q_rows shape: expected ({batch_size},), got "
-                     f"{q_rows.shape}")
+  num_rows = kv_lens.shape[0]
+  batch_size = k_table.shape[0]
+  if q_rows.shape != (num_rows,) or not batch_size or num_rows % batch_size:
+    raise ValueError(f"Invalid q_rows / kv_lens shapes: expected one shape "
+                     f"(R * {batch_size},), got {q_rows.shape} / "
+                     f"{kv_lens.shape}")
   want = ((q.shape, jnp.dtype(q.dtype)), (q.shape[:2], jnp.dtype(jnp.float32)))
   got = ((out.shape, jnp.dtype(out.dtype)), (lse.shape, jnp.dtype(lse.dtype)))
   if got != want:
@@ -1067,7 +1077,8 @@ def paged_decode_rows(
   num_tokens = q.shape[0]
   q_rows = q_rows.astype(jnp.int32)
   if config is None:
-    config = _default_config(q, k_pool, k_table, interpret)
+    config = _default_config(q, k_pool, k_table, interpret,
+                             batch_size=num_rows)
   if config.backend == "mosaic_mma" and not interpret:
     _check_fp8_convert(config, k_scale, interpret)
     if sinks is not None:
@@ -1078,6 +1089,10 @@ def paged_decode_rows(
                        logits_soft_cap=logits_soft_cap, config=config,
                        interpret=interpret, q_rows=q_rows, into=(out, lse))
   ok = _has_row(q_rows, num_tokens)
+  rows_per_seq = num_rows // batch_size
+  if rows_per_seq > 1:
+    k_table, v_table = (jnp.repeat(t, rows_per_seq, axis=0)
+                        for t in (k_table, v_table))
   d_out, d_lse = paged_decode(
       q[jnp.where(ok, q_rows, 0)], k_pool, v_pool, k_table, v_table,
       jnp.where(ok, kv_lens, 0), sinks, sm_scale=sm_scale,

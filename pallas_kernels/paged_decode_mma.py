@@ -54,7 +54,10 @@ as `rope_append_mgpu` is:
   A pure-prompt call then spends 1.1 us in this kernel and 1.2 in the
   combine's scatter (two splits there), where the q gather, the kernel
   and the scatter took 5.5 us (SmolLM2 heads, 32 prompts of 512 tokens,
-  H200, 2026-11-27, `bench/prefill_call_overhead.py`).
+  H200, 2026-11-27, `bench/prefill_call_overhead.py`). The tables may
+  have a row per R sequences: R token rows of one multi-token sequence,
+  each with its own `kv_lens` (its causal prefix), read table row
+  `b // R` (`paged_prefill.Config.decode_rows_per_seq`).
 
 Speed (kernel time, `bench/decode_mma.py` and the 16-layer program of
 `bench/decode_layers.py`, H100 and H200, 2026-11-26, `bench/results/
@@ -314,13 +317,15 @@ class _Ops:
 def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           head_dim, page_size, max_pages, k_splits, tiles, mode, has_sinks,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
-          late_loads, load_hint, q_in_smem, fp8, num_tokens):
+          late_loads, load_hint, q_in_smem, fp8, num_tokens,
+          rows_per_seq: int = 1):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
   `refs`: kv_lens, [q_rows with `num_tokens`], q, k_pool, v_pool, k_table,
   v_table, [k_scale, v_scale with `fp8`], [sinks], out, lse, smem; `mode`:
   "final" (the output) or "partial" (per-split partials). `num_tokens`
   (None: q has one row per sequence): q's rows, of which sequence b's
-  query is `q_rows[b]` (none outside `[0, num_tokens)`)."""
+  query is `q_rows[b]` (none outside `[0, num_tokens)`); its pages are
+  those of table row `b // rows_per_seq`."""
   del ctx
   refs = list(refs)
   kv_lens_ref = refs.pop(0)
@@ -372,6 +377,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                       arith.muli(elem_i64, _c(size, o.i64)))
 
   kv_len = o.load_i32(gaddr(kv_lens_ref, wide(b), 4))
+  b_table = b if rows_per_seq == 1 else arith.divui(b, ci(rows_per_seq))
   zero = ci(0)
   # The row of q (and of the final output) of sequence b's query. A CTA of
   # a sequence without a row does nothing more (its partials, if any, go
@@ -468,7 +474,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
       for q_ in range(ids_per_step):
         idx = arith.maxsi(arith.minsi(arith.addi(base, ci(q_)), last_page),
                           first_page)
-        elem = arith.addi(wide(arith.muli(b, ci(max_pages))), wide(idx))
+        elem = arith.addi(wide(arith.muli(b_table, ci(max_pages))),
+                          wide(idx))
         ids.append(o.load_i32(gaddr(table_ref, elem, 4)))
       out.append(ids)
     if same_table:
@@ -845,6 +852,9 @@ def paged_decode_mma(
       num_tokens)` means no query (as `kv_lens[b] == 0`, and with `final`
       nothing is written). The decode rows of a mixed prefill call are
       read in place, with no gather (`paged_decode.paged_decode_rows`).
+      The tables may then have `batch_size / R` rows (R an integer):
+      sequence b reads the pages of table row `b // R` (R token rows of
+      one sequence, each with its own `kv_lens[b]`).
     into: with `q_rows` and `final` (and only then): `(out [num_tokens,
       num_qo_heads, head_dim] q.dtype, lse f32[num_tokens, num_qo_heads])`,
       whose rows `q_rows[b]` the kernel overwrites in place (aliased
@@ -863,8 +873,9 @@ def paged_decode_mma(
       (1, 2, 4), `final=True` with `k_splits > 1`, sinks with `final=False`
       or of another shape, an unknown `load_hint`, FP8 pages without both
       scales (or scales with 16-bit pages), `q_rows` not of
-      `(batch_size,)`, or `into` without `q_rows` and `final` (or of
-      shapes or dtypes other than q's rows).
+      `(batch_size,)` or tables whose rows do not divide it (or, without
+      `q_rows`, tables of other than `batch_size` rows), or `into` without
+      `q_rows` and `final` (or of shapes or dtypes other than q's rows).
   """
   plgpu = _compat.mosaic_gpu()
   num_tokens = None
@@ -885,6 +896,14 @@ def paged_decode_mma(
       raise ValueError(f"Invalid into: expected (shape, dtype) {want}, got "
                        f"{got}")
   batch_size = kv_lens.shape[0]
+  table_rows = k_table.shape[0]
+  if v_table.shape != k_table.shape or not (
+      table_rows == batch_size or q_rows is not None and table_rows and
+      batch_size % table_rows == 0):
+    raise ValueError(
+        f"Invalid k_table / v_table shapes: expected equal ones with "
+        f"{batch_size} rows{' (or a divisor)' if q_rows is not None else ''}"
+        f", got {k_table.shape} / {v_table.shape}")
   _, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pool.shape
   group_size = num_qo_heads // num_kv_heads
@@ -941,7 +960,8 @@ def paged_decode_mma(
       same_table=same_table,
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
       late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
-      fp8=fp8, num_tokens=num_tokens)
+      fp8=fp8, num_tokens=num_tokens,
+      rows_per_seq=batch_size // table_rows)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
   inputs = [kv_lens.astype(jnp.int32)]

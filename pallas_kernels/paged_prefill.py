@@ -18,11 +18,14 @@ diagonal) with FlashInfer's paged, ragged addressing:
   once per step from `q_indptr` / `kv_lens`, heaviest tiles first. Padding
   tokens past `q_indptr[-1]` are a pseudo-sequence with no keys, so their rows
   are written as zeros; unused tiles do nothing.
-* Sequences with `q_len <= short_block_q` (decode rows of a mixed batch,
-  multi-token decode) run in a second launch with `short_block_q`-token tiles
-  that updates the first launch's outputs in place (`input_output_aliases`),
-  so a decode row costs ~`group_size` MMA rows, not a main tile's
-  `tile_rows(block_q, group_size)`.
+* Sequences with `q_len <= short_block_q` (multi-token decode) run in a
+  second launch with `short_block_q`-token tiles that updates the first
+  launch's outputs in place (`input_output_aliases`), so a short sequence
+  costs its tokens x `group_size` MMA rows, not a main tile's
+  `tile_rows(block_q, group_size)`. Sequences of one token (decode rows of
+  a mixed batch), or of up to `Config.decode_rows_per_seq`, go to the
+  split-K decode kernel instead, one decode query per token
+  (`paged_decode.paged_decode_rows`).
 * Each program walks KV tiles of `block_k` tokens from the first block any of
   its rows can see (window) to the last (causality, `kv_len`). With
   `block_k <= page_size` a tile lies in one page: one scalar table read and
@@ -143,7 +146,8 @@ class Config:
       16-bit pages: FP8 pages read in the kernel run 128-token tiles
       instead), `block_k` keys per step and `num_stages` shared-memory
       stages (num_warps unused). The short launch, where a config has
-      one (`short_block_q`), is Pallas-Triton either way.
+      one (`short_block_q`), is Pallas-Triton either way (the Mosaic-GPU
+      defaults have none: `decode_rows_per_seq`).
     mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
       (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
       "ring" (a token passed around the consumers; required with three).
@@ -159,12 +163,19 @@ class Config:
       step's schedule in one Mosaic-GPU launch (`plan_mgpu`, up to its
       `MAX_ROWS` tiles) instead of the several small XLA kernels of
       `plan.plan_prefill` (the same plan).
-    split_decode_rows: sequences with q_len == 1 (the decode rows of a mixed
-      batch) run through the split-K decode kernel (`paged_decode`) instead
-      of a short tile: a memory-bound row streams its KV across several
-      programs at the decode kernel's bandwidth, where a short tile walks it
-      in one. Multi-token decode (2 <= q_len <= short_block_q) stays in the
-      short launch, which reads each KV tile once for all its tokens.
+    split_decode_rows: sequences with q_len <= decode_rows_per_seq (the
+      decode rows of a mixed batch) run through the split-K decode kernel
+      (`paged_decode.paged_decode_rows`) instead of a short tile: a
+      memory-bound row streams its KV across several programs at the
+      decode kernel's bandwidth, where a short tile walks it in one.
+    decode_rows_per_seq: with `split_decode_rows`, the longest sequences
+      (new tokens) the decode kernel runs, one decode query per token with
+      its own key count (the tokens' causal order); 1 = decode rows only.
+      In the Triton configs multi-token decode (2 <= q_len <=
+      short_block_q) stays in the short launch, which reads each KV tile
+      once for all its tokens; the unpacked Mosaic-GPU configs send it to
+      the decode kernel (the token rows of a sequence run side by side and
+      share its pages through L2), so no Pallas-Triton launch is left.
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
       converted to f16 there, scales folded into the logits and the output);
       "dequantize" first gathers the pages the tables name into a compact
@@ -192,6 +203,7 @@ class Config:
   fast_exp2: bool = True
   backend: str = "triton"
   split_decode_rows: bool = True
+  decode_rows_per_seq: int = 1
   fp8_pages: str = "auto"
   mosaic_schedule: str = "pingpong"
   mosaic_pack_gqa: bool = False
@@ -264,10 +276,13 @@ class Config:
     step) ran 0.89x as fast on H100; 3 stages beat 2 by 1-7% on H200 and
     tied on H100 (2026-11-22). At head_dim 256: 128 rows on 8 warps and
     32-key tiles, 2 stages (one warpgroup's accumulator would not fit in
-    registers). f32 halves the rows. Multi-token decode (q_len <= 8) goes
-    to the short launch with 128-key tiles (64 at head_dim 256), except
-    in the packed Mosaic-GPU config; decode rows (q_len 1) to the split-K
-    decode kernel (`split_decode_rows`).
+    registers). f32 halves the rows. Multi-token decode (q_len <= 8, 16
+    at group 1) goes to the short launch with 128-key tiles (64 at
+    head_dim 256), except in the packed Mosaic-GPU config (main-launch
+    tiles) and in the unpacked ones in calls of more tokens than that per
+    sequence (the decode kernel, a token a row: `decode_rows_per_seq`);
+    decode rows (q_len 1) to the split-K decode kernel
+    (`split_decode_rows`).
     """
     group_pad = pl.next_power_of_2(group_size)
     short_block_q = max(8, 16 // group_pad)
@@ -304,10 +319,25 @@ class Config:
       # head_dim 64: three consumers on 192-token tiles (half the matmul
       # per softmax element calls for more warpgroups to hide it).
       three = head_dim == 64
+      # Sequences of 2 to `short_block_q` tokens: in the decode kernel, a
+      # token a row, in a call of more tokens than that per sequence
+      # (prompts, where the short launch would run empty: Gemma 3 270M
+      # heads, 16 x 512 tokens, 43.4 us of GPU time a call against 48.1;
+      # with a 511-key window 75.4 / 79.4; Llama-3-8B heads, 8 x 512, 80.5
+      # / 83.8; a mixed step with 16 three-token sequences at 4,096 keys
+      # 251 / 288; H200, 2026-11-27, `prefill_decode_tokens_*.json`);
+      # otherwise (a call that may be all multi-token decode) in the short
+      # launch, which reads a sequence's pages once for all its tokens (64
+      # sequences of 4 tokens at 2,048 keys: 199 us against 353 for the
+      # token rows, Llama-3-8B heads; Gemma 3 heads at 4,096 keys 203 / 182).
+      rows = num_tokens is not None and (
+          num_tokens > short_block_q * max(batch_size or 1, 1))
       return cls(block_q=paged_prefill_mgpu.tile_q(3 if three else 2),
                  block_k=mosaic_block_k, num_stages=2,
-                 short_block_q=short_block_q,
-                 short_block_k=mosaic_block_k, backend="mosaic",
+                 short_block_q=0 if rows else short_block_q,
+                 short_block_k=mosaic_block_k,
+                 decode_rows_per_seq=short_block_q if rows else 1,
+                 backend="mosaic",
                  mosaic_schedule="ring" if three else "pingpong")
     wide = jnp.dtype(dtype).itemsize >= 4
     rows = 64 if wide else 128
@@ -378,7 +408,8 @@ class Config:
     kw = dict(num_tokens=num_tokens, block_q=self.block_q, causal=causal,
               window_left=window_left, longest_first=self.longest_first,
               short_block_q=self.short_block_q, align=self.plan_align,
-              split_decode_rows=self.split_decode_rows)
+              split_decode_rows=self.split_decode_rows,
+              decode_rows_per_seq=self.decode_rows_per_seq)
     if self.plan_kernel and self.backend == "mosaic" and (
         _compat.is_hopper()) and plan_mgpu.supports(
             num_tokens=num_tokens, batch_size=kv_lens.shape[0],
@@ -410,6 +441,9 @@ class Config:
     if self.block_k < 1 or self.block_k & (self.block_k - 1):
       raise ValueError(f"Invalid block_k: expected a power of two, got "
                        f"{self.block_k}")
+    if self.decode_rows_per_seq < 1:
+      raise ValueError(f"Invalid decode_rows_per_seq: expected >= 1, got "
+                       f"{self.decode_rows_per_seq}")
     if self.block_q < 1 or self.short_block_q < 0:
       raise ValueError(
           f"Invalid block_q / short_block_q: expected >= 1 / >= 0, got "
@@ -815,15 +849,18 @@ def paged_prefill(
         f"interpret={interpret}")
   if plan is not None:
     got = (plan.block_q, plan.short_block_q, plan.align,
-           plan.decode_rows is not None, plan.num_tokens, plan.batch_size)
+           plan.decode_rows is not None, plan.decode_rows_per_seq,
+           plan.num_tokens, plan.batch_size)
     want = (config.block_q, config.short_block_q, config.plan_align,
-            config.split_decode_rows, num_tokens, kv_lens.shape[0])
+            config.split_decode_rows,
+            config.decode_rows_per_seq if config.split_decode_rows else 1,
+            num_tokens, kv_lens.shape[0])
     if got != want:
-      if not (defaulted and got[4:] == want[4:]):
+      if not (defaulted and got[5:] == want[5:]):
         raise ValueError(
             f"Invalid plan: built for (block_q, short_block_q, align, "
-            f"split_decode_rows, num_tokens, batch_size) = {got}, expected "
-            f"{want}")
+            f"split_decode_rows, decode_rows_per_seq, num_tokens, "
+            f"batch_size) = {got}, expected {want}")
       # A step's one plan serves layers of both backends (f32 layers, or
       # FP8 pages at head_dim 256, run the Triton kernel where others run
       # the mosaic one): the layers the plan was not made for plan for
@@ -858,11 +895,12 @@ def paged_prefill(
                num_warps=config.short_num_warps,
                num_stages=config.short_num_stages, heads_outer=False)
   if plan.decode_rows is not None:
-    # q_len == 1 sequences: one decode query each, written into the
-    # output rows (`num_tokens` = not a decode row).
+    # Sequences of up to `decode_rows_per_seq` tokens: one decode query
+    # per token, written into the output rows (`num_tokens` = none).
     from pkvattn.pallas_kernels import paged_decode  # noqa: PLC0415
     out = paged_decode.paged_decode_rows(
-        *out, q, plan.decode_rows, k_pool, v_pool, k_table, v_table, kv_lens,
+        *out, q, plan.decode_rows, k_pool, v_pool, k_table, v_table,
+        kv_lens if plan.decode_kv_lens is None else plan.decode_kv_lens,
         sinks, sm_scale=sm_scale, window_left=window_left,
         logits_soft_cap=logits_soft_cap, interpret=interpret,
         k_scale=k_scale, v_scale=v_scale)

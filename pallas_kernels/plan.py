@@ -38,9 +38,9 @@ NUM_FIELDS = 5
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tiles", "short_tiles", "decode_rows"],
+    data_fields=["tiles", "short_tiles", "decode_rows", "decode_kv_lens"],
     meta_fields=["block_q", "short_block_q", "num_tokens", "batch_size",
-                 "align"])
+                 "align", "decode_rows_per_seq"])
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
   """Per-step schedule of the prefill kernel; a pytree (block_q etc. static).
@@ -50,9 +50,14 @@ class PrefillPlan:
   each in `short_tiles` (row b: sequence b, or an unused tile), run by a
   second launch with `short_block_q` tokens per tile, so a decode row does
   not pay for a main tile's MMA rows. With `decode_rows`, sequences
-  with `q_len == 1` go to the split-K decode kernel instead (memory-bound
-  rows at the decode kernel's bandwidth; a short tile walks a long KV in
-  one program).
+  with `1 <= q_len <= decode_rows_per_seq` (R) go to the split-K decode
+  kernel instead, one decode query per token (memory-bound rows at the
+  decode kernel's bandwidth; a short tile walks a long KV in one program).
+  With R > 1 (multi-token decode in the decode kernel, its tokens' causal
+  order kept by giving each its own key count) `decode_rows[b * R + r]`
+  is sequence b's token r and `decode_kv_lens[b * R + r]` the keys that
+  token sees (its position + 1); the token rows of one sequence run side
+  by side and share its pages through L2.
 
   `tiles[i]` describes grid tile `i` (already in launch order):
     SEQ:        row of the page table (0 for the padding pseudo-sequence);
@@ -64,15 +69,19 @@ class PrefillPlan:
   """
   tiles: jax.Array  # i32[num_tokens // block_q + batch_size + 1, NUM_FIELDS]
   short_tiles: jax.Array | None  # i32[batch_size, NUM_FIELDS] | None
-  # i32[batch_size] | None: the token of each q_len == 1 sequence, run by the
-  # split-K decode kernel (`num_tokens` for other sequences); None = such
-  # sequences stay in the tiles.
+  # i32[batch_size * decode_rows_per_seq] | None: the tokens of each
+  # sequence run by the split-K decode kernel (`num_tokens` for none);
+  # None = every sequence stays in the tiles.
   decode_rows: jax.Array | None
   block_q: int
   short_block_q: int  # 0 = no short class
   num_tokens: int
   batch_size: int
   align: int = 1  # tiles' grid origin: first token rounded down to `align`
+  # i32[batch_size * decode_rows_per_seq] with decode_rows_per_seq > 1:
+  # each decode row's keys (0 for none); None: the sequences' kv_lens.
+  decode_kv_lens: jax.Array | None = None
+  decode_rows_per_seq: int = 1
 
   @property
   def num_tiles(self) -> int:
@@ -139,6 +148,7 @@ def plan_prefill(
     short_block_q: int = 0,
     align: int = 1,
     split_decode_rows: bool = False,
+    decode_rows_per_seq: int = 1,
 ) -> PrefillPlan:
   """Builds the tile schedule of one step (jit-compatible, no host sync).
 
@@ -159,12 +169,21 @@ def plan_prefill(
       that grid (the Mosaic kernel loads a tile's queries with TMA from an
       `align`-aligned row, `align - 1` rows of the previous sequence
       included and masked). 1 = tiles start at the sequence's first token.
-    split_decode_rows: static; True leaves sequences with q_len == 1 out of
-      both tile lists and lists their tokens in `decode_rows`.
+    split_decode_rows: static; True leaves sequences with `1 <= q_len <=
+      decode_rows_per_seq` out of both tile lists and lists their tokens
+      in `decode_rows` (see `PrefillPlan`).
+    decode_rows_per_seq: static, >= 1; the longest sequence (new tokens)
+      run by the decode kernel with `split_decode_rows`.
 
   Returns:
     A `PrefillPlan` with `tiles i32[num_tokens // block_q + batch_size + 1, 5]`.
+
+  Raises:
+    ValueError: `decode_rows_per_seq < 1`.
   """
+  if decode_rows_per_seq < 1:
+    raise ValueError(f"Invalid decode_rows_per_seq: expected >= 1, got "
+                     f"{decode_rows_per_seq}")
   batch_size = kv_lens.shape[0]
   q_indptr = q_indptr.astype(jnp.int32)
   kv_lens = kv_lens.astype(jnp.int32)
@@ -175,11 +194,21 @@ def plan_prefill(
                           jnp.full((1,), num_tokens, jnp.int32)])
   lens = jnp.maximum(ends - starts, 0)
   kvs = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
-  short_tiles = decode_rows = None
+  short_tiles = decode_rows = decode_kv_lens = None
   one = jnp.zeros((batch_size,), bool)
+  rows_per_seq = decode_rows_per_seq
   if split_decode_rows:
-    one = lens[:-1] == 1
-    decode_rows = jnp.where(one, starts[:-1], num_tokens).astype(jnp.int32)
+    one = (lens[:-1] >= 1) & (lens[:-1] <= rows_per_seq)
+    if rows_per_seq == 1:
+      decode_rows = jnp.where(one, starts[:-1], num_tokens).astype(jnp.int32)
+    else:
+      r = jnp.arange(rows_per_seq, dtype=jnp.int32)[None, :]
+      ln = lens[:-1, None]
+      row = one[:, None] & (r < ln)
+      decode_rows = jnp.where(row, starts[:-1, None] + r,
+                              num_tokens).reshape(-1).astype(jnp.int32)
+      decode_kv_lens = jnp.where(row, kv_lens[:, None] - (ln - 1 - r),
+                                 0).reshape(-1).astype(jnp.int32)
   is_short = jnp.concatenate([one, jnp.zeros((1,), bool)])
   if short_block_q > 0:
     b = jnp.arange(batch_size, dtype=jnp.int32)
@@ -223,4 +252,6 @@ def plan_prefill(
   if longest_first:
     tiles = order_by_work(tiles, work)
   return PrefillPlan(tiles, short_tiles, decode_rows, block_q,
-                     short_block_q, num_tokens, batch_size, align)
+                     short_block_q, num_tokens, batch_size, align,
+                     decode_kv_lens,
+                     decode_rows_per_seq if split_decode_rows else 1)

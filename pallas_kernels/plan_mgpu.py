@@ -20,8 +20,9 @@ threads, written as per-thread code through `plgpu.inline_mgpu` (MLIR
 3. takes the tiles `128 * cta + thread`: each one's row, and its rank in
    descending work (ties in tile order: a stable sort) by counting the
    tiles before it, and stores the row at that rank. The same thread
-   also stores the sequence's decode row and short tile (ranked the
-   same way among the short tiles), where the plan has them.
+   also stores the sequence's decode rows (one per token of a sequence
+   the decode kernel runs, with its key count) and short tile (ranked
+   the same way among the short tiles), where the plan has them.
 
 So the output equals `plan.plan_prefill`'s bit for bit (a test checks it on
 the GPU). Phases 1-2 are repeated by every CTA: the plan is small (up to
@@ -90,9 +91,10 @@ def _mlir():
 def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
           num_tokens: int, num_tiles: int, block_q: int, align: int,
           causal: bool, window_left: int, longest_first: bool,
-          short_block_q: int, split_decode_rows: bool):
+          short_block_q: int, split_decode_rows: bool,
+          decode_rows_per_seq: int = 1):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
-  `refs`: tiles, [short_tiles], [decode_rows], smem."""
+  `refs`: tiles, [short_tiles], [decode_rows, [decode_kv_lens]], smem."""
   del ctx
   ir, arith, memref = _mlir()
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
@@ -100,6 +102,8 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
   tiles_ref = refs.pop(0)
   short_ref = refs.pop(0) if short_block_q > 0 else None
   decode_ref = refs.pop(0) if split_decode_rows else None
+  R = decode_rows_per_seq
+  dkv_ref = refs.pop(0) if split_decode_rows and R > 1 else None
   [smem_ref] = refs
   i32 = ir.IntegerType.get_signless(32)
   index_t = ir.IndexType.get()
@@ -176,7 +180,8 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
     `real` (i1 or None): not the padding sequence."""
     one = short = None
     if split_decode_rows:
-      one = cmp(P.eq, ln, 1)
+      one = cmp(P.eq, ln, 1) if R == 1 else band(cmp(P.sge, ln, 1),
+                                                 cmp(P.sle, ln, R))
     if short_block_q > 0:
       short = band(cmp(P.sge, ln, 1), cmp(P.sle, ln, short_block_q))
       if one is not None:
@@ -316,7 +321,15 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
   in_batch = cmp(P.slt, i, B)
   if decode_ref is not None:
     with utils.when(in_batch):
-      gstore(decode_ref, sel(one, start, T), b)
+      if R == 1:
+        gstore(decode_ref, sel(one, start, T), b)
+      else:
+        for r in range(R):
+          # Token r of a decode sequence, and the keys it sees.
+          row = band(one, cmp(P.slt, ci(r), ln))
+          at = add(arith.muli(b, ci(R)), r)
+          gstore(decode_ref, sel(row, add(start, r), T), at)
+          gstore(dkv_ref, sel(row, sub(kv, sub(sub(ln, 1), r)), 0), at)
   if short_ref is not None:
     srow = [b, start, sel(short, end, start), sel(short, kv, 0),
             sub(sub(kv, ln), start)]
@@ -339,6 +352,7 @@ def plan_prefill_mgpu(
     short_block_q: int = 0,
     align: int = 1,
     split_decode_rows: bool = False,
+    decode_rows_per_seq: int = 1,
 ) -> plan_lib.PrefillPlan:
   """`plan.plan_prefill` in one Mosaic-GPU launch (see the module
   docstring); same arguments, same result bit for bit.
@@ -348,18 +362,24 @@ def plan_prefill_mgpu(
       `q_indptr[-1] <= num_tokens`.
     kv_lens: `i32[batch_size]`, tokens including the new ones.
     num_tokens, block_q, causal, window_left, longest_first,
-      short_block_q, align, split_decode_rows: static, as
-      `plan.plan_prefill`.
+      short_block_q, align, split_decode_rows, decode_rows_per_seq:
+      static, as `plan.plan_prefill`.
 
   Returns:
     A `plan.PrefillPlan`: `tiles i32[num_tokens // block_q + batch_size +
     1, 5]`, `short_tiles i32[batch_size, 5]` with `short_block_q > 0`,
-    `decode_rows i32[batch_size]` with `split_decode_rows`.
+    `decode_rows i32[batch_size * decode_rows_per_seq]` with
+    `split_decode_rows`, and then `decode_kv_lens` of that shape with
+    `decode_rows_per_seq > 1`.
 
   Raises:
-    ValueError: a case `supports` rejects, or `q_indptr` not of shape
-      `(batch_size + 1,)`.
+    ValueError: a case `supports` rejects, `q_indptr` not of shape
+      `(batch_size + 1,)`, or `decode_rows_per_seq < 1`.
   """
+  if decode_rows_per_seq < 1:
+    raise ValueError(f"Invalid decode_rows_per_seq: expected >= 1, got "
+                     f"{decode_rows_per_seq}")
+  rows_per_seq = decode_rows_per_seq if split_decode_rows else 1
   plgpu = _compat.mosaic_gpu()
   batch_size = kv_lens.shape[0]
   if q_indptr.shape != (batch_size + 1,):
@@ -376,12 +396,14 @@ def plan_prefill_mgpu(
     out_type.append(jax.ShapeDtypeStruct((batch_size, plan_lib.NUM_FIELDS),
                                          jnp.int32))
   if split_decode_rows:
-    out_type.append(jax.ShapeDtypeStruct((batch_size,), jnp.int32))
+    out_type += [jax.ShapeDtypeStruct((batch_size * rows_per_seq,),
+                                      jnp.int32)] * (1 + (rows_per_seq > 1))
   body = functools.partial(
       _body, batch_size=batch_size, num_tokens=num_tokens,
       num_tiles=num_tiles, block_q=block_q, align=align, causal=causal,
       window_left=window_left, longest_first=longest_first,
-      short_block_q=short_block_q, split_decode_rows=split_decode_rows)
+      short_block_q=short_block_q, split_decode_rows=split_decode_rows,
+      decode_rows_per_seq=rows_per_seq)
   n_refs = 2 + len(out_type) + 1
   inline = plgpu.inline_mgpu(
       arg_types=(_mgpu_async.splat(),) + (plgpu.RefType(),) * n_refs)(body)
@@ -405,5 +427,7 @@ def plan_prefill_mgpu(
   tiles = res.pop(0)
   short_tiles = res.pop(0) if short_block_q > 0 else None
   decode_rows = res.pop(0) if split_decode_rows else None
+  decode_kv_lens = res.pop(0) if rows_per_seq > 1 else None
   return plan_lib.PrefillPlan(tiles, short_tiles, decode_rows, block_q,
-                              short_block_q, num_tokens, batch_size, align)
+                              short_block_q, num_tokens, batch_size, align,
+                              decode_kv_lens, rows_per_seq)

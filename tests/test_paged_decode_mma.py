@@ -301,24 +301,30 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
 
 
 def _rows_case(rng, group, d, page_size, fmt, kw, kv_lens=(0, 1, 7, 129,
-                                                          4095, 300)):
-  """A decode-rows case: a token-major q of `3 * B + 2` rows, a random
-  `out` / `lse` to write into, and `q_rows` naming distinct rows for all
-  sequences but two (`num_tokens` and -1: no row)."""
+                                                          4095, 300),
+               rows_per_seq=1):
+  """A decode-rows case: a token-major q of `3 * B * R + 2` rows, a random
+  `out` / `lse` to write into, `q_rows` naming distinct rows for all
+  rows but two (`num_tokens` and -1: no row; R = `rows_per_seq` rows per
+  sequence), and each row's keys (R > 1: sequence b's token r of R sees
+  `kv_lens[b] - (R - 1 - r)` keys, as a multi-token decode)."""
   p, _, sinks, kw = paged_decode_case(rng, group=group, head_dim=d,
                                       page_size=page_size, fmt=fmt, kw=kw,
                                       kv_lens=kv_lens)
-  b, hq = len(kv_lens), 2 * group
-  t = 3 * b + 2
+  n, hq = len(kv_lens) * rows_per_seq, 2 * group
+  t = 3 * n + 2
   q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
   out = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
   lse = jnp.asarray(rng.standard_normal((t, hq)), jnp.float32)
-  rows = rng.permutation(t)[:b].astype(np.int32)
+  rows = rng.permutation(t)[:n].astype(np.int32)
   rows[1], rows[-1] = t, -1
-  return p, q, out, lse, rows, sinks, kw
+  r = np.arange(rows_per_seq)
+  keys = np.maximum(np.asarray(p.kv_lens)[:, None] - (rows_per_seq - 1 - r),
+                    0).reshape(-1).astype(np.int32)
+  return p, q, out, lse, rows, keys, sinks, kw
 
 
-def _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, d):
+def _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d):
   out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
   written = [r for r in rows if 0 <= r < q.shape[0]]
   kept = np.setdiff1d(np.arange(q.shape[0]), written)
@@ -326,11 +332,13 @@ def _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, d):
       out0.astype(jnp.float32))[kept])
   np.testing.assert_array_equal(lse[kept], np.asarray(lse0)[kept])
   qf = np.asarray(q.astype(jnp.float32))
-  for b, r in enumerate(rows):
+  rows_per_seq = len(rows) // len(p.kv_lens)
+  for i, r in enumerate(rows):
+    b = i // rows_per_seq
     if 0 <= r < q.shape[0]:
       assert_decode_matches(
           out[r:r + 1], lse[r:r + 1], qf[r:r + 1], p.k[b:b + 1],
-          p.v[b:b + 1], p.kv_lens[b:b + 1], jnp.bfloat16, sm_scale=d ** -0.5,
+          p.v[b:b + 1], keys[i:i + 1], jnp.bfloat16, sm_scale=d ** -0.5,
           sinks=None if sinks is None else np.asarray(sinks), **kw)
 
 
@@ -338,20 +346,27 @@ def test_decode_rows_fallback_and_errors():
   """`paged_decode_rows` off the Mosaic-GPU backend (interpret mode): the
   named rows of a token-major q decoded into `out` / `lse`, every other
   row (and those of sequences without one, `num_tokens` or -1) kept;
-  against the float64 oracle with NaN in unowned pages. And its shape
-  errors."""
-  rng = np.random.default_rng(11)
-  p, q, out0, lse0, rows, sinks, kw = _rows_case(
-      rng, 3, 64, 16, "pair", dict(window_left=50, sinks=True),
-      kv_lens=(3, 1, 70, 20))
-  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  args = (view.k_pool, view.v_pool, view.k_table, view.v_table,
-          jnp.asarray(p.kv_lens), sinks)
-  out, lse = kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows), *args,
-                                      sm_scale=0.125, interpret=True, **kw)
-  _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, 64)
+  with one row per sequence and with three (each token its own key
+  count, the rest of the sequence's keys masked); against the float64
+  oracle with NaN in unowned pages. And its shape errors."""
+  for rows_per_seq in (1, 3):
+    rng = np.random.default_rng(11 + rows_per_seq)
+    p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
+        rng, 3, 64, 16, "pair", dict(window_left=50, sinks=True),
+        kv_lens=(3, 1, 70, 20), rows_per_seq=rows_per_seq)
+    view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+    args = (view.k_pool, view.v_pool, view.k_table, view.v_table,
+            jnp.asarray(keys), sinks)
+    out, lse = kernel.paged_decode_rows(
+        out0, lse0, q, jnp.asarray(rows), *args, sm_scale=0.125,
+        interpret=True, **kw)
+    _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, 64)
   with pytest.raises(ValueError, match="q_rows"):
     kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows[:2]), *args,
+                             sm_scale=0.125, interpret=True)
+  with pytest.raises(ValueError, match="q_rows"):  # not R rows a sequence
+    kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows[:-1]),
+                             *args[:4], jnp.asarray(keys[:-1]), sinks,
                              sm_scale=0.125, interpret=True)
   with pytest.raises(ValueError, match="out / lse"):
     kernel.paged_decode_rows(out0, lse0[:, :2], q, jnp.asarray(rows), *args,
@@ -360,6 +375,8 @@ def test_decode_rows_fallback_and_errors():
     mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, q_rows=jnp.asarray(rows))
   with pytest.raises(ValueError, match="into"):
     mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, into=(out0, lse0))
+  with pytest.raises(ValueError, match="k_table"):  # tables of 4 rows, 12 seqs
+    mma.paged_decode_mma(q[:12], *args[:5], sm_scale=0.1)
 
 
 @pytest.mark.parametrize("k_splits,fmt,kw", [
@@ -372,8 +389,8 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw):
   output rows in place (no scatter), with several a combine and a scatter
   follow."""
   rng = np.random.default_rng(3)
-  p, q, out0, lse0, rows, sinks, kw = _rows_case(rng, 3, 64, 16, fmt, kw,
-                                                 kv_lens=(5, 40, 9))
+  p, q, out0, lse0, rows, _, sinks, kw = _rows_case(
+      rng, 3, 64, 16, fmt, kw, kv_lens=(5, 40, 9))
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _config(b=3, hkv=2, ps=16, max_pages=view.k_table.shape[1], d=64,
                 k_splits=k_splits)
@@ -393,28 +410,33 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits", [
-    (3, 64, 16, "flashinfer", dict(window_left=100, sinks=True), 1),
-    (3, 64, 16, "pair", {}, 4),
-    (4, 256, 16, "pool", dict(logits_soft_cap=30.0), 1),
-    (8, 128, 8, "flashinfer", dict(sinks=True), 2),
-    (1, 128, 64, "pool", {}, 1),
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,rows_per_seq", [
+    (3, 64, 16, "flashinfer", dict(window_left=100, sinks=True), 1, 1),
+    (3, 64, 16, "pair", {}, 4, 1),
+    (4, 256, 16, "pool", dict(logits_soft_cap=30.0), 1, 1),
+    (8, 128, 8, "flashinfer", dict(sinks=True), 2, 1),
+    (1, 128, 64, "pool", {}, 1, 1),
+    (4, 256, 16, "pool", dict(window_left=200, sinks=True), 1, 8),
+    (3, 64, 16, "pair", dict(logits_soft_cap=20.0), 2, 3),
+    (6, 128, 32, "flashinfer", {}, 4, 5),
 ])
 def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
-                                      k_splits):
+                                      k_splits, rows_per_seq):
   """`paged_decode_rows` on the Mosaic-GPU kernel against the float64
   oracle: q's rows read in the kernel, the output rows written in place
   (one split) or combined and scattered (several); rows of sequences
   without one (`num_tokens`, -1) and every other row of `out` / `lse`
-  kept bit for bit; NaN in unowned pages; kv lengths 0, 1, 7, 129, 4095."""
-  rng = np.random.default_rng(group * 100 + d + k_splits)
-  p, q, out0, lse0, rows, sinks, kw = _rows_case(rng, group, d, page_size,
-                                                 fmt, kw)
+  kept bit for bit; NaN in unowned pages; kv lengths 0, 1, 7, 129, 4095;
+  several token rows per sequence (each with its own key count, the
+  sequence's later keys masked)."""
+  rng = np.random.default_rng(group * 100 + d + k_splits + rows_per_seq)
+  p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
+      rng, group, d, page_size, fmt, kw, rows_per_seq=rows_per_seq)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _config(b=len(rows), hkv=2, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits)
   out, lse = jax.jit(functools.partial(
       kernel.paged_decode_rows, sm_scale=d ** -0.5, config=cfg, **kw))(
           out0, lse0, q, jnp.asarray(rows), view.k_pool, view.v_pool,
-          view.k_table, view.v_table, jnp.asarray(p.kv_lens), sinks)
-  _check_rows(p, q, out0, lse0, rows, sinks, kw, out, lse, d)
+          view.k_table, view.v_table, jnp.asarray(keys), sinks)
+  _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d)

@@ -183,6 +183,13 @@ CONFIG_CASES = [
     (Case("gather_flashinfer_g1_p8", "flashinfer", 1, 8, (60, 5), (35, 5),
           num_padding=3),
      _C(block_q=16, block_k=32, short_block_q=0)),
+    # Sequences of up to 5 tokens in the decode kernel, one decode query per
+    # token with its own key count (as the unpacked Mosaic-GPU defaults
+    # run multi-token decode), beside prompt tiles; window and sinks.
+    (Case("decode_rows_per_seq_pair_g3_p16", "pair", 3, 16,
+          (50, 9, 30, 4, 12, 6), (20, 5, 3, 4, 1, 6), num_padding=3,
+          window_left=7, sinks=True),
+     _C(block_q=8, block_k=16, short_block_q=0, decode_rows_per_seq=5)),
 ]
 
 

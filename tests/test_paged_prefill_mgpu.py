@@ -53,8 +53,8 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
                                              padding):
   """Main tiles (8-aligned origins; 128 tokens, or 192 with three consumers
   at head_dim 64; with the group of 3 packed, 42 tokens from the first
-  token), short tiles and decode rows together cover every token exactly
-  once, each with its sequence's metadata."""
+  token) and decode rows together cover every token exactly once, each
+  with its sequence's metadata and a decode row with its token's keys."""
   q_lens = np.asarray(q_lens)
   kv_lens = (q_lens + np.asarray(extra[:len(q_lens)])).astype(np.int32)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -82,17 +82,22 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
     rows = np.arange(start, min(end, origin + tile))
     seen[rows] += 1
     assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
-  assert (plan.short_tiles is None) == pack
-  for seq, start, end, kv, off in np.asarray(
-      plan.short_tiles if not pack else np.zeros((0, 5), int)):
-    assert end - start != 1  # q_len == 1 goes to the decode kernel
-    seen[start:end] += 1
-  rows = np.asarray(plan.decode_rows)
-  for b, r in enumerate(rows):
-    assert (r < num_tokens) == (q_lens[b] == 1)
-    if r < num_tokens:
-      assert r == q_indptr[b]
-      seen[r] += 1
+  # No short launch: sequences of up to R tokens are decode rows, one per
+  # token (R = 8 unpacked at group 3; packed, 2-8 tokens run in tiles).
+  rows_per_seq = plan.decode_rows_per_seq
+  assert plan.short_tiles is None
+  assert rows_per_seq == (1 if pack else 8)
+  rows = np.asarray(plan.decode_rows).reshape(-1, rows_per_seq)
+  keys = (kv_lens[:, None] if plan.decode_kv_lens is None else
+          np.asarray(plan.decode_kv_lens).reshape(-1, rows_per_seq))
+  for b, ql in enumerate(q_lens):
+    for r in range(rows_per_seq):
+      t = rows[b, r]
+      assert (t < num_tokens) == (r < ql <= rows_per_seq)
+      if t < num_tokens:
+        assert t == q_indptr[b] + r
+        assert keys[b, r] == kv_lens[b] - ql + r + 1  # its position + 1
+        seen[t] += 1
   np.testing.assert_array_equal(seen, 1)
 
 
@@ -221,11 +226,25 @@ def test_backend_choice_and_errors():
         jnp.zeros((4, 16, 2, 96), jnp.bfloat16), table, table,
         plan.tiles, causal=True, sm_scale=0.1)
   # head_dim 256: 64-key steps by default; 16-bit pages; 128-key steps or
-  # packed tiles do not fit in shared memory.
+  # packed tiles do not fit in shared memory. Sequences of up to 8 tokens
+  # go to the decode kernel, a token a row: no Triton short launch.
+  # In a call that may be all multi-token decode (at most 8 tokens per
+  # sequence), they keep the short launch (one pass over a sequence's
+  # pages for its tokens).
   d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
-                        dtype=jnp.bfloat16, backend="mosaic")
-  assert (d256.block_q, d256.block_k, d256.short_block_k,
-          d256.mosaic_pack_gqa) == (128, 64, 64, False)
+                        dtype=jnp.bfloat16, backend="mosaic",
+                        num_tokens=8 * 64 + 1, batch_size=64)
+  assert (d256.block_q, d256.block_k, d256.mosaic_pack_gqa,
+          d256.short_block_q, d256.decode_rows_per_seq) == (
+              128, 64, False, 0, 8)
+  for tokens in (8 * 64, None):
+    spec = _C.default_for(group_size=4, head_dim=256, page_size=16,
+                          dtype=jnp.bfloat16, backend="mosaic",
+                          num_tokens=tokens, batch_size=64)
+    assert (spec.short_block_q, spec.short_block_k,
+            spec.decode_rows_per_seq) == (8, 64, 1)
+  with pytest.raises(ValueError, match="decode_rows_per_seq"):
+    dataclasses.replace(d256, decode_rows_per_seq=0).validate(group_size=4)
   assert mgpu.supports(dtype=jnp.bfloat16, head_dim=256, page_size=16,
                        block_kv=64) == _hopper()
   q256 = jnp.zeros((16, 8, 256), jnp.bfloat16)
@@ -459,21 +478,34 @@ def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("page_size,group,window,q_lens,kv_lens", [
-    (16, 3, -1, [4, 8, 2, 300, 1, 7, 3], [2048, 900, 5, 300, 500, 7, 4095]),
-    (8, 1, 64, [5, 2, 129, 8, 1], [700, 2, 129, 1000, 90]),
-    (16, 8, 100, [6, 1500, 3, 2], [3000, 1500, 130, 2]),
+@pytest.mark.parametrize("d,page_size,group,window,sinks,q_lens,kv_lens", [
+    (64, 16, 3, -1, False, [4, 8, 2, 300, 1, 7, 3],
+     [2048, 900, 5, 300, 500, 7, 4095]),
+    (64, 8, 1, 64, False, [5, 2, 129, 8, 1], [700, 2, 129, 1000, 90]),
+    (64, 16, 8, 100, False, [6, 1500, 3, 2], [3000, 1500, 130, 2]),
+    (256, 16, 4, -1, False, [4, 8, 2, 300, 1, 7, 3, 9],
+     [2048, 900, 5, 300, 500, 7, 4095, 9]),
+    (128, 8, 1, 64, True, [5, 2, 129, 16, 1, 17], [700, 2, 129, 1000, 90, 40]),
+    (128, 16, 6, 100, False, [6, 1500, 3, 2, 8], [3000, 1500, 130, 2, 4095]),
+    (256, 32, 2, 511, True, [3, 600, 8, 1], [4095, 600, 1200, 77]),
 ])
-def test_packed_default_runs_multi_token_rows_gpu(page_size, group, window,
-                                                  q_lens, kv_lens):
-  """The packed default at head_dim 64 has no short launch: sequences of
-  2-8 new tokens (multi-token decode) run as tiles of the main launch,
-  beside prompts and split-K decode rows; against the float64 oracle with
-  NaN in unowned pages and past kv_len, with and without a window."""
-  cfg = _C.default_for(group_size=group, head_dim=64, page_size=page_size,
-                       dtype=jnp.bfloat16, window_left=window)
-  assert cfg.mosaic_pack_gqa and cfg.short_block_q == 0
-  _check_oracle(cfg, page_size, group, 64, True, None, False, 5, q_lens,
+def test_default_runs_multi_token_rows_gpu(d, page_size, group, window,
+                                           sinks, q_lens, kv_lens):
+  """The default Mosaic-GPU configs of calls with prompts have no
+  (Pallas-Triton) short launch. Packed (head_dim 64): sequences of 2-8 new
+  tokens (multi-token decode) run as tiles of the main launch. Unpacked
+  (head_dim 128 / 256): those of up to `decode_rows_per_seq` tokens (8; 16
+  at group 1) run in the decode kernel, a decode query per token with its
+  own key count. Beside prompts
+  and split-K decode rows; against the float64 oracle with NaN in unowned
+  pages and past kv_len, with and without a window and sinks."""
+  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+                       dtype=jnp.bfloat16, window_left=window,
+                       num_tokens=sum(q_lens) + 5, batch_size=len(q_lens))
+  assert cfg.backend == "mosaic" and cfg.short_block_q == 0
+  assert cfg.mosaic_pack_gqa == (d == 64)
+  assert cfg.decode_rows_per_seq == (1 if d == 64 else max(8, 16 // group))
+  _check_oracle(cfg, page_size, group, d, True, None, sinks, 5, q_lens,
                 kv_lens, window_left=window)
 
 

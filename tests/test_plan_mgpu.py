@@ -28,6 +28,9 @@ OPTIONS = [
     dict(longest_first=False, causal=False, window_left=30),
     dict(short_block_q=4, window_left=100),
     dict(split_decode_rows=True, align=64, longest_first=False),
+    dict(split_decode_rows=True, decode_rows_per_seq=8, align=8),
+    dict(split_decode_rows=True, decode_rows_per_seq=3, short_block_q=8,
+         window_left=100),
 ]
 
 
@@ -75,7 +78,7 @@ def test_lowers_to_mosaic_gpu(kw):
   def f(qi, kl):
     p = plan_mgpu.plan_prefill_mgpu(qi, kl, num_tokens=num_tokens,
                                     block_q=42, **kw)
-    return p.tiles, p.short_tiles, p.decode_rows
+    return p.tiles, p.short_tiles, p.decode_rows, p.decode_kv_lens
   text = jax.jit(f).trace(jnp.asarray(q_indptr), jnp.asarray(
       kv_lens)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
@@ -119,8 +122,8 @@ def _hopper() -> bool:
     (130, 2000, 11, 128),
 ])
 def test_matches_jnp_plan_gpu(kw, batch_size, max_len, padding, block_q):
-  """The kernel's tiles, short tiles and decode rows equal
-  `plan.plan_prefill`'s, every field, in order."""
+  """The kernel's tiles, short tiles, decode rows and their key counts
+  equal `plan.plan_prefill`'s, every field, in order."""
   rng = np.random.default_rng(batch_size * 7 + max_len + block_q)
   q_indptr, kv_lens, num_tokens = _batch(rng, batch_size, max_len, padding)
   if num_tokens == 0:
@@ -135,7 +138,8 @@ def test_matches_jnp_plan_gpu(kw, batch_size, max_len, padding, block_q):
       qi, kl, num_tokens=num_tokens, block_q=block_q, **kw))(*args)
   want = jax.jit(lambda qi, kl: plan_lib.plan_prefill(
       qi, kl, num_tokens=num_tokens, block_q=block_q, **kw))(*args)
-  for name in ("tiles", "short_tiles", "decode_rows"):
+  assert got.decode_rows_per_seq == want.decode_rows_per_seq
+  for name in ("tiles", "short_tiles", "decode_rows", "decode_kv_lens"):
     a, b = getattr(got, name), getattr(want, name)
     assert (a is None) == (b is None), name
     if a is not None:
@@ -161,5 +165,34 @@ def test_packed_call_on_hopper_is_three_kernels(monkeypatch):
       sds((b, 8), jnp.int32), sds((b + 1,), jnp.int32),
       sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+  for op in ("sort", "scatter", "gather"):
+    assert f"stablehlo.{op}" not in text
+
+
+def test_unpacked_call_on_hopper_has_no_triton_launch(monkeypatch):
+  """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-256
+  call (Gemma 3 270M heads; plan computed in the call) is Mosaic-GPU
+  launches only: the plan, the main kernel and the decode kernel, which
+  also takes the 2-8-token sequences (no Pallas-Triton short launch), and
+  no XLA scatter of the main kernel's lse."""
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  t, hq, hkv, d, ps, pages, b = 64, 4, 1, 256, 16, 32, 4
+  sds = jax.ShapeDtypeStruct
+  cfg = prefill.Config.default_for(group_size=4, head_dim=d, page_size=ps,
+                                   dtype=jnp.bfloat16, backend="mosaic",
+                                   num_tokens=t, batch_size=b)
+
+  def f(q, pool, table, q_indptr, kv_lens):
+    return prefill.paged_prefill(q, pool, pool, table, table, q_indptr,
+                                 kv_lens, None, sm_scale=0.0625)
+  # 128 keys a sequence: one split for the decode rows (nothing to combine
+  # or scatter).
+  text = jax.jit(f).trace(
+      sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), jnp.bfloat16),
+      sds((b, 8), jnp.int32), sds((b + 1,), jnp.int32),
+      sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert cfg.short_block_q == 0 and cfg.decode_rows_per_seq == 8
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+  assert "triton" not in text
   for op in ("sort", "scatter", "gather"):
     assert f"stablehlo.{op}" not in text
