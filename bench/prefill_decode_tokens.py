@@ -1,0 +1,151 @@
+"""Multi-token sequences of a prefill call: Pallas-Triton short launch or
+the Mosaic-GPU decode kernel, a token a row, beside FlashInfer's FA3.
+
+The unpacked Mosaic-GPU prefill configs (head_dim 128 / 256 on Hopper)
+used to run sequences of 2-8 new tokens (multi-token decode, the tail of a
+chunked prompt) in a second, Pallas-Triton launch of 8-token tiles, which
+ran in every call, 2.7-4 us with nothing to do (Gemma 3 270M heads, H200).
+Now `Config.decode_rows_per_seq` sends them to the decode kernel that
+already takes the call's one-token sequences
+(`paged_decode.paged_decode_rows`), one decode query per token with its
+own key count; the token rows of one sequence read the same pages side by
+side, through L2. Also here: the main kernel's lse rows are stored in
+place (no per-tile scratch and XLA scatter).
+
+Two arms in one process (each compiled after `jax.clear_caches()`):
+"short launch" (`short_block_q`, one-token rows only in the decode
+kernel; the default where a call has at most R tokens per sequence, R =
+8, or 16 at group 1) and "decode rows" (`decode_rows_per_seq` R, no
+short launch; the default in calls of more tokens), on:
+
+* pure prompts, where the short launch has nothing to do: Gemma 3 270M
+  heads (4/1/256), 16 x 512 tokens, and 4 x 2,048 with its 511-key window;
+  Llama-3-8B heads (32/8/128), 8 x 512;
+* multi-token decode (speculative decoding's verify step): 64 sequences
+  of 4 tokens at 2,048 keys (Llama-3-8B heads) and at 4,096 (Gemma 3);
+* a mixed step (Llama-3-8B heads): 2 prompts of 1,024 tokens, 16
+  sequences of 3 tokens and 16 of one at 4,096 keys.
+
+Per spec: per-kernel GPU time of a call (plan counted); per-call and GPU
+time with the plan counted and reused (`prefill_plan.time_rounds`,
+interleaved rounds); FlashInfer 0.7.2's FA3 prefill on the same pages.
+The arms' outputs are checked against each other and FA3's against ours.
+Writes `bench/results/prefill_decode_tokens_<device>.json`, prints a table
+last.
+
+  python -m bench.prefill_decode_tokens [--specs gemma3_b16_s512,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+from bench import _flashinfer  # noqa: E402
+from bench import _timing  # noqa: E402
+from bench import prefill_d256  # noqa: E402
+from bench import prefill_plan  # noqa: E402
+from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
+
+LLAMA3_8B = (32, 8, 128)
+G3 = prefill_d256.GEMMA3_270M
+# (name, heads, q_lens, kv_lens[, window_left])
+SPECS = [
+    ("gemma3_b16_s512", G3, [512] * 16, [512] * 16),
+    ("gemma3_b4_s2048_w511", G3, [2048] * 4, [2048] * 4, 511),
+    ("llama8b_b8_s512", LLAMA3_8B, [512] * 8, [512] * 8),
+    ("llama8b_spec_64x4_kv2048", LLAMA3_8B, [4] * 64, [2048] * 64),
+    ("gemma3_spec_64x4_kv4096", G3, [4] * 64, [4096] * 64),
+    ("llama8b_mixed_2x1024_16x3_16x1_kv4096", LLAMA3_8B,
+     [1024] * 2 + [3] * 16 + [1] * 16, [1024] * 2 + [4096] * 32),
+]
+
+
+def arms(cfg):
+  """{arm: config}: the default config of a call with its sequences of 2
+  to R tokens in the short launch, and in the decode kernel (R = 8, or 16
+  at group 1); `Config.default_for` picks one by the call's tokens per
+  sequence."""
+  longest = max(cfg.short_block_q, cfg.decode_rows_per_seq)
+  return {"short launch": dataclasses.replace(
+              cfg, short_block_q=longest, short_block_k=cfg.block_k,
+              decode_rows_per_seq=1),
+          "decode rows": dataclasses.replace(
+              cfg, short_block_q=0, decode_rows_per_seq=longest)}
+
+
+def run_spec(name, heads, q_lens, kv_lens, rows, checks, window_left=-1):
+  hq, hkv, d = heads
+  num_tokens = int(sum(q_lens))
+  sp, args = prefill_plan.spec_args(q_lens, kv_lens, heads)
+  cfg = pp.Config.default_for(group_size=hq // hkv, head_dim=d,
+                              page_size=16, dtype=jnp.bfloat16,
+                              window_left=window_left,
+                              num_tokens=num_tokens, batch_size=len(q_lens))
+  entries, outs = [], {}
+  default = "decode rows" if cfg.decode_rows_per_seq > 1 else "short launch"
+  checks.append(dict(spec=name, check=f"default: {default}", ok=True))
+  for arm, acfg in arms(cfg).items():
+    def call(q, pool, kt, vt, qi, kl, plan=None, acfg=acfg):
+      return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None,
+                              causal=True, sm_scale=1 / math.sqrt(d),
+                              window_left=window_left, config=acfg,
+                              plan=plan)[0]
+
+    jax.clear_caches()
+    plan = jax.block_until_ready(jax.jit(lambda qi, kl, acfg=acfg: acfg.plan(
+        qi, kl, num_tokens=num_tokens, causal=True,
+        window_left=window_left))(*args[4:]))
+    counted = jax.jit(call).lower(*args).compile()
+    reused = jax.jit(call).lower(*args, plan).compile()
+    outs[arm] = jax.block_until_ready(counted(*args))
+    rows.append(dict(spec=name, impl=f"call, plan counted, {arm}",
+                     kernels_us=_timing.kernel_breakdown_us(
+                         counted, args, prefill_plan.CALLS)))
+    entries += [(f"pkvattn, {arm}, plan counted", counted, args),
+                (f"pkvattn, {arm}, plan reused", reused, args + (plan,))]
+  err = _timing.rel_err(outs["decode rows"], outs["short launch"])
+  checks.append(dict(spec=name, check="decode rows vs short launch",
+                     rel_err=err, ok=err < 1e-2))
+  fi_run = prefill_plan.fa3_run(name, sp, heads, outs["decode rows"], checks,
+                                window_left=window_left)
+  prefill_plan.time_rounds(name, entries, fi_run, rows)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--specs", default="",
+                      help="comma-separated spec names (default: all)")
+  want = [x for x in parser.parse_args().specs.split(",") if x]
+  env = _timing.environment()
+  print(env, flush=True)
+  dev = env["device"].replace(" ", "_")
+  rows, checks = [], []
+  written = None
+  for name, heads, q_lens, kv_lens, *window in SPECS:
+    if want and name not in want:
+      continue
+    run_spec(name, heads, q_lens, kv_lens, rows, checks, *window)
+    # Written after every spec: a run cut short keeps what it measured.
+    written = _timing.write_results(
+        f"prefill_decode_tokens_{dev}", rows,
+        extra=dict(checks=checks, versions=_flashinfer.versions()))
+  for c in checks:
+    if not c["ok"]:
+      print("CHECK FAILED", c)
+  print("wrote", written)
+  _timing.print_table([r for r in rows if "per_call_us" in r],
+                      ["spec", "impl", "per_call_us", "gpu_us",
+                       "fa3_over_ours", "fa3_over_ours_gpu"])
+
+
+if __name__ == "__main__":
+  main()
