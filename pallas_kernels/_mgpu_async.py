@@ -59,6 +59,17 @@ def asm(text: str, operands, constraints: str, result=None):
                          has_side_effects=True)
 
 
+def cta_barrier():
+  """Per thread: waits for every thread of the CTA (`barrier.sync 0`).
+
+  Not `bar.sync` (= `barrier.sync.aligned`: every thread of a warp at the
+  same instruction): the compiler may duplicate a barrier into the
+  branches of a lane-divergent `when` just before it, and the threads of a
+  warp that split there then wait at two barriers (a hang, seen on H200 in
+  the plan kernel)."""
+  asm("barrier.sync 0;", [], "")
+
+
 def int_type(bits: int):
   ir, _, _ = mlir()
   return ir.IntegerType.get_signless(bits)

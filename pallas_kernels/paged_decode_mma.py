@@ -679,7 +679,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                 arith.muli(warp, ci(2)), ci(which)), ci(COLS)),
                 arith.addi(arith.muli(c, ci(2)), ci(col))))
         o.st_shared(saddr(idx), vals[col])
-  _asm("bar.sync 0;", [], "")
+  # After the lane-divergent stores: not the aligned `bar.sync`.
+  _mgpu_async.cta_barrier()
 
   def ml(w, which, col):
     idx = ci(ml0 + (w * 2 + which) * COLS + col)

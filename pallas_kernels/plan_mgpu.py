@@ -38,10 +38,11 @@ on a mixed step of 4 prompts and 124 decode rows. The rank count (every
 tile against every tile, from shared memory) sets the pace at a few
 hundred tiles.
 
-The CTA's barriers are `barrier.sync`, not `bar.sync`: the latter requires
-every thread of a warp to reach the same barrier instruction, and the
-compiler may copy a barrier into both branches of the conditional store
-before it; with `bar.sync` the kernel hung on some plans (H200).
+The CTA's barriers are `barrier.sync`, not `bar.sync`
+(`_mgpu_async.cta_barrier`): the latter requires every thread of a warp to
+reach the same barrier instruction, and the compiler may copy a barrier
+into both branches of the conditional store before it; with `bar.sync` the
+kernel hung on some plans (H200).
 """
 
 from __future__ import annotations
@@ -167,13 +168,6 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
     memref.store(x if not isinstance(x, int) else ci(x), smem_ref,
                  [idx(add(i, base))])
 
-  def barrier():
-    # Not `bar.sync` (= `barrier.sync.aligned`: every thread of a warp at
-    # the same instruction): the compiler may duplicate the barrier into
-    # the branches of a `when` just before it, and the threads of a warp
-    # that split there then wait at two barriers (a hang, seen on H200).
-    _mgpu_async.asm("barrier.sync 0;", [], "")
-
   def classes(ln, real):
     """(one, short) of a sequence of `ln` new tokens: it goes to the decode
     rows / the short tiles (i1; None where the plan has no such class);
@@ -238,14 +232,14 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
     x = sel(cmp(P.uge, lane, d), add(x, y), x)
   with utils.when(cmp(P.eq, lane, 31)):
     sstore(WT, warp, x)
-  barrier()
+  _mgpu_async.cta_barrier()
   before = sub(x, run)
   for w in range(WARPS - 1):
     before = add(before, sel(cmp(P.ugt, warp, w), sload(WT, ci(w)), 0))
   for s, ok, upto in seqs:
     with utils.when(ok):
       sstore(CUM, s, add(before, upto))
-  barrier()
+  _mgpu_async.cta_barrier()
 
   last = sload(CUM, ci(S - 1))
   steps = S.bit_length()
@@ -303,7 +297,7 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
       _, w = tile(mn(i, N - 1))
       with utils.when(cmp(P.slt, i, n_pad)):
         sstore(WORK, i, sel(cmp(P.slt, i, N), w, _PAD_WORK))
-    barrier()
+    _mgpu_async.cta_barrier()
 
   # 3. This CTA's tiles, and its sequences' decode rows and short tiles.
   i = add(arith.muli(cta, ci(THREADS)), tid)
