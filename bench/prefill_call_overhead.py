@@ -38,7 +38,6 @@ outputs are checked equal and FA3's against ours. Writes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -51,7 +50,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
-from bench import _flashinfer  # noqa: E402
 from bench import _timing  # noqa: E402
 from bench import bench_prefill as bp  # noqa: E402
 from bench import prefill_d256  # noqa: E402
@@ -93,14 +91,10 @@ ARMS = {"before": (False, gather_scatter),
         "after": (True, paged_decode.paged_decode_rows)}
 
 
-def run_spec(name, heads, q_lens, kv_lens, rows, checks, window_left=-1):
-  hq, hkv, d = heads
-  num_tokens = int(sum(q_lens))
-  sp, args = prefill_plan.spec_args(q_lens, kv_lens, heads)
-  cfg = pp.Config.default_for(group_size=hq // hkv, head_dim=d,
-                              page_size=16, dtype=jnp.bfloat16,
-                              window_left=window_left,
-                              num_tokens=num_tokens, batch_size=len(q_lens))
+def run_spec(name, heads, q_lens, kv_lens, window_left=-1, *, rows, checks):
+  d = heads[2]
+  sp, args, cfg, num_tokens = prefill_plan.default_setup(
+      q_lens, kv_lens, heads, window_left)
   entries, outs, plans = [], {}, {}
   for arm, (plan_kernel, rows_fn) in ARMS.items():
     acfg = dataclasses.replace(cfg, plan_kernel=plan_kernel)
@@ -144,31 +138,6 @@ def run_spec(name, heads, q_lens, kv_lens, rows, checks, window_left=-1):
   prefill_plan.time_rounds(name, entries, fi_run, rows)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--specs", default="",
-                      help="comma-separated spec names (default: all)")
-  want = [x for x in parser.parse_args().specs.split(",") if x]
-  env = _timing.environment()
-  print(env, flush=True)
-  dev = env["device"].replace(" ", "_")
-  rows, checks = [], []
-  for name, heads, q_lens, kv_lens, *window in SPECS:
-    if want and name not in want:
-      continue
-    run_spec(name, heads, q_lens, kv_lens, rows, checks, *window)
-    # Written after every spec: a run cut short keeps what it measured.
-    written = _timing.write_results(
-        f"prefill_call_overhead_{dev}", rows,
-        extra=dict(checks=checks, versions=_flashinfer.versions()))
-  for c in checks:
-    if not c["ok"]:
-      print("CHECK FAILED", c)
-  print("wrote", written)
-  _timing.print_table([r for r in rows if "per_call_us" in r],
-                      ["spec", "impl", "per_call_us", "gpu_us",
-                       "fa3_over_ours", "fa3_over_ours_gpu"])
-
-
 if __name__ == "__main__":
-  main()
+  prefill_plan.run_specs("prefill_call_overhead", SPECS, run_spec,
+                         __doc__.split("\n")[0])

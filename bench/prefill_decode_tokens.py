@@ -38,22 +38,16 @@ last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
-from bench import _flashinfer  # noqa: E402
 from bench import _timing  # noqa: E402
 from bench import prefill_d256  # noqa: E402
 from bench import prefill_plan  # noqa: E402
-from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
 
 LLAMA3_8B = (32, 8, 128)
 G3 = prefill_d256.GEMMA3_270M
@@ -76,42 +70,24 @@ def arms(cfg):
   sequence."""
   longest = max(cfg.short_block_q, cfg.decode_rows_per_seq)
   return {"short launch": dataclasses.replace(
-              cfg, short_block_q=longest, short_block_k=cfg.block_k,
+              cfg, short_block_q=longest, short_block_k=cfg.short_block_k,
               decode_rows_per_seq=1),
           "decode rows": dataclasses.replace(
               cfg, short_block_q=0, decode_rows_per_seq=longest)}
 
 
-def run_spec(name, heads, q_lens, kv_lens, rows, checks, window_left=-1):
-  hq, hkv, d = heads
-  num_tokens = int(sum(q_lens))
-  sp, args = prefill_plan.spec_args(q_lens, kv_lens, heads)
-  cfg = pp.Config.default_for(group_size=hq // hkv, head_dim=d,
-                              page_size=16, dtype=jnp.bfloat16,
-                              window_left=window_left,
-                              num_tokens=num_tokens, batch_size=len(q_lens))
+def run_spec(name, heads, q_lens, kv_lens, window_left=-1, *, rows, checks):
+  d = heads[2]
+  sp, args, cfg, num_tokens = prefill_plan.default_setup(
+      q_lens, kv_lens, heads, window_left)
   entries, outs = [], {}
   default = "decode rows" if cfg.decode_rows_per_seq > 1 else "short launch"
   checks.append(dict(spec=name, check=f"default: {default}", ok=True))
   for arm, acfg in arms(cfg).items():
-    def call(q, pool, kt, vt, qi, kl, plan=None, acfg=acfg):
-      return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None,
-                              causal=True, sm_scale=1 / math.sqrt(d),
-                              window_left=window_left, config=acfg,
-                              plan=plan)[0]
-
-    jax.clear_caches()
-    plan = jax.block_until_ready(jax.jit(lambda qi, kl, acfg=acfg: acfg.plan(
-        qi, kl, num_tokens=num_tokens, causal=True,
-        window_left=window_left))(*args[4:]))
-    counted = jax.jit(call).lower(*args).compile()
-    reused = jax.jit(call).lower(*args, plan).compile()
-    outs[arm] = jax.block_until_ready(counted(*args))
-    rows.append(dict(spec=name, impl=f"call, plan counted, {arm}",
-                     kernels_us=_timing.kernel_breakdown_us(
-                         counted, args, prefill_plan.CALLS)))
-    entries += [(f"pkvattn, {arm}, plan counted", counted, args),
-                (f"pkvattn, {arm}, plan reused", reused, args + (plan,))]
+    outs[arm], more = prefill_plan.compile_arm(
+        name, arm, acfg, args, rows, num_tokens=num_tokens,
+        sm_scale=1 / math.sqrt(d), window_left=window_left)
+    entries += more
   err = _timing.rel_err(outs["decode rows"], outs["short launch"])
   checks.append(dict(spec=name, check="decode rows vs short launch",
                      rel_err=err, ok=err < 1e-2))
@@ -120,32 +96,6 @@ def run_spec(name, heads, q_lens, kv_lens, rows, checks, window_left=-1):
   prefill_plan.time_rounds(name, entries, fi_run, rows)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--specs", default="",
-                      help="comma-separated spec names (default: all)")
-  want = [x for x in parser.parse_args().specs.split(",") if x]
-  env = _timing.environment()
-  print(env, flush=True)
-  dev = env["device"].replace(" ", "_")
-  rows, checks = [], []
-  written = None
-  for name, heads, q_lens, kv_lens, *window in SPECS:
-    if want and name not in want:
-      continue
-    run_spec(name, heads, q_lens, kv_lens, rows, checks, *window)
-    # Written after every spec: a run cut short keeps what it measured.
-    written = _timing.write_results(
-        f"prefill_decode_tokens_{dev}", rows,
-        extra=dict(checks=checks, versions=_flashinfer.versions()))
-  for c in checks:
-    if not c["ok"]:
-      print("CHECK FAILED", c)
-  print("wrote", written)
-  _timing.print_table([r for r in rows if "per_call_us" in r],
-                      ["spec", "impl", "per_call_us", "gpu_us",
-                       "fa3_over_ours", "fa3_over_ours_gpu"])
-
-
 if __name__ == "__main__":
-  main()
+  prefill_plan.run_specs("prefill_decode_tokens", SPECS, run_spec,
+                         __doc__.split("\n")[0])

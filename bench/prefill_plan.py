@@ -73,6 +73,19 @@ def spec_args(q_lens, kv_lens, heads):
               sp["q_indptr"], sp["kv_lens"])
 
 
+def default_setup(q_lens, kv_lens, heads, window_left: int = -1):
+  """`spec_args` and the default config of a call on it: `(sp, args, cfg,
+  num_tokens)`."""
+  hq, hkv, d = heads
+  num_tokens = int(sum(q_lens))
+  sp, args = spec_args(q_lens, kv_lens, heads)
+  cfg = pp.Config.default_for(group_size=hq // hkv, head_dim=d,
+                              page_size=16, dtype=jnp.bfloat16,
+                              window_left=window_left,
+                              num_tokens=num_tokens, batch_size=len(q_lens))
+  return sp, args, cfg, num_tokens
+
+
 def run_spec(name, q_lens, kv_lens, rows, checks):
   heads = bp.SMOLLM2
   hq, hkv, d = heads
@@ -177,6 +190,66 @@ def time_rounds(name, entries, fi_run, rows):
     print(f"  {name} {r['impl']:40s} per call "
           f"{r.get('per_call_us', float('nan')):7.1f} us  GPU "
           f"{r['gpu_us']:7.1f} us", flush=True)
+
+
+def compile_arm(name, arm, cfg, args, rows, *, num_tokens: int,
+                sm_scale: float, window_left: int = -1):
+  """One arm of a config comparison: `paged_prefill` with `cfg` on `args`
+  (`spec_args`'s), compiled after `jax.clear_caches()` with the plan
+  counted and reused; appends the counted call's per-kernel GPU time to
+  `rows`. Returns (its output, its two `time_rounds` entries)."""
+  def call(q, pool, kt, vt, qi, kl, plan=None):
+    return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None, causal=True,
+                            sm_scale=sm_scale, window_left=window_left,
+                            config=cfg, plan=plan)[0]
+
+  jax.clear_caches()
+  plan = jax.block_until_ready(jax.jit(lambda qi, kl: cfg.plan(
+      qi, kl, num_tokens=num_tokens, causal=True,
+      window_left=window_left))(*args[4:]))
+  counted = jax.jit(call).lower(*args).compile()
+  reused = jax.jit(call).lower(*args, plan).compile()
+  out = jax.block_until_ready(counted(*args))
+  rows.append(dict(spec=name, impl=f"call, plan counted, {arm}",
+                   kernels_us=_timing.kernel_breakdown_us(counted, args,
+                                                          CALLS)))
+  return out, [(f"pkvattn, {arm}, plan counted", counted, args),
+               (f"pkvattn, {arm}, plan reused", reused, args + (plan,))]
+
+
+def run_specs(prefix: str, specs, run_spec, description: str):
+  """A bench's command line (`--specs` names, default all) over `specs`
+  (tuples led by their name; `run_spec(*spec, rows=..., checks=...)` runs
+  one):
+  results written to `bench/results/<prefix>_<device>.json` after every
+  spec (a run cut short keeps what it measured), failed checks and a
+  table printed last."""
+  ap = argparse.ArgumentParser(description=description)
+  ap.add_argument("--specs", default="",
+                  help="comma-separated spec names (default: all)")
+  want = [x for x in ap.parse_args().specs.split(",") if x]
+  unknown = set(want) - {spec[0] for spec in specs}
+  if unknown:
+    ap.error(f"unknown --specs {sorted(unknown)}")
+  env = _timing.environment()
+  print(env, flush=True)
+  dev = env["device"].replace(" ", "_")
+  rows, checks = [], []
+  written = None
+  for spec in specs:
+    if want and spec[0] not in want:
+      continue
+    run_spec(*spec, rows=rows, checks=checks)
+    written = _timing.write_results(
+        f"{prefix}_{dev}", rows,
+        extra=dict(checks=checks, versions=_flashinfer.versions()))
+  for c in checks:
+    if not c["ok"]:
+      print("CHECK FAILED", c)
+  print("wrote", written)
+  _timing.print_table([r for r in rows if "per_call_us" in r],
+                      ["spec", "impl", "per_call_us", "gpu_us",
+                       "fa3_over_ours", "fa3_over_ours_gpu"])
 
 
 def main():

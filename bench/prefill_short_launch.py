@@ -20,7 +20,7 @@ interleaved rounds); FlashInfer 0.7.2's FA3 prefill on the same pages. The
 two configs' outputs and FA3's are checked against each other. Writes
 `bench/results/prefill_short_launch_<device>.json`, prints a table last.
 
-  python -m bench.prefill_short_launch
+  python -m bench.prefill_short_launch [--specs causal_b64_s256,...]
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ import math
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
-from bench import _flashinfer  # noqa: E402
 from bench import _timing  # noqa: E402
 from bench import bench_prefill as bp  # noqa: E402
 from bench import prefill_plan  # noqa: E402
@@ -49,7 +47,7 @@ SPECS += [("multi_token_64x4_kv2048", [4] * 64, [2048] * 64),
            [512] * 4 + [2048] * 124)]
 
 
-def run_spec(name, q_lens, kv_lens, rows, checks):
+def run_spec(name, q_lens, kv_lens, *, rows, checks):
   heads = bp.SMOLLM2
   hq, hkv, d = heads
   num_tokens = int(sum(q_lens))
@@ -60,22 +58,10 @@ def run_spec(name, q_lens, kv_lens, rows, checks):
           "short launch": dataclasses.replace(main, short_block_q=8)}
   entries, outs = [], {}
   for arm, cfg in arms.items():
-    def call(q, pool, kt, vt, qi, kl, plan=None, cfg=cfg):
-      return pp.paged_prefill(q, pool, pool, kt, vt, qi, kl, None,
-                              causal=True, sm_scale=1 / math.sqrt(d),
-                              config=cfg, plan=plan)[0]
-    jax.clear_caches()
-    plan = jax.block_until_ready(jax.jit(lambda qi, kl, cfg=cfg: cfg.plan(
-        qi, kl, num_tokens=num_tokens, causal=True, window_left=-1))(
-            *args[4:]))
-    counted = jax.jit(call).lower(*args).compile()
-    reused = jax.jit(call).lower(*args, plan).compile()
-    outs[arm] = jax.block_until_ready(counted(*args))
-    rows.append(dict(spec=name, impl=f"call, plan counted, {arm}",
-                     kernels_us=_timing.kernel_breakdown_us(
-                         counted, args, prefill_plan.CALLS)))
-    entries += [(f"pkvattn, {arm}, plan counted", counted, args),
-                (f"pkvattn, {arm}, plan reused", reused, args + (plan,))]
+    outs[arm], more = prefill_plan.compile_arm(
+        name, arm, cfg, args, rows, num_tokens=num_tokens,
+        sm_scale=1 / math.sqrt(d))
+    entries += more
   err = _timing.rel_err(outs["short launch"], outs["main launch"])
   checks.append(dict(spec=name, check="main launch vs short launch",
                      rel_err=err, ok=err < 1e-2))
@@ -83,23 +69,6 @@ def run_spec(name, q_lens, kv_lens, rows, checks):
   prefill_plan.time_rounds(name, entries, fi_run, rows)
 
 
-def main():
-  env = _timing.environment()
-  print(env, flush=True)
-  rows, checks = [], []
-  for name, q_lens, kv_lens in SPECS:
-    run_spec(name, q_lens, kv_lens, rows, checks)
-  for c in checks:
-    if not c["ok"]:
-      print("CHECK FAILED", c)
-  dev = env["device"].replace(" ", "_")
-  print("wrote", _timing.write_results(
-      f"prefill_short_launch_{dev}", rows,
-      extra=dict(checks=checks, versions=_flashinfer.versions())))
-  _timing.print_table([r for r in rows if "per_call_us" in r],
-                      ["spec", "impl", "per_call_us", "gpu_us",
-                       "fa3_over_ours", "fa3_over_ours_gpu"])
-
-
 if __name__ == "__main__":
-  main()
+  prefill_plan.run_specs("prefill_short_launch", SPECS, run_spec,
+                         __doc__.split("\n")[0])

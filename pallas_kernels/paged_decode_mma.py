@@ -864,10 +864,11 @@ def paged_decode_mma(
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype, lse
     f32[batch_size, num_qo_heads])` (natural log; an empty sequence gives
-    zeros and -inf); with `into`, `into` with rows `q_rows[b]` replaced. Otherwise per-split partials `(o f32[batch_size,
-    num_kv_heads, k_splits, 8, head_dim], lse f32[batch_size, num_kv_heads,
-    k_splits, 8])`, normalised per split, rows `0..group_size-1` meaningful
-    (empty splits: `o = 0`, `lse = -inf`).
+    zeros and -inf); with `into`, `into` with rows `q_rows[b]` replaced.
+    Otherwise per-split partials `(o f32[batch_size, num_kv_heads,
+    k_splits, 8, head_dim], lse f32[batch_size, num_kv_heads, k_splits,
+    8])`, normalised per split, rows `0..group_size-1` meaningful (empty
+    splits: `o = 0`, `lse = -inf`).
 
   Raises:
     ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in

@@ -147,23 +147,29 @@ def test_matches_jnp_plan_gpu(kw, batch_size, max_len, padding, block_q):
                                     err_msg=name)
 
 
+def _default_call_on_hopper(monkeypatch, t, hq, hkv, d, b, ps=16, pages=32):
+  """The StableHLO of a default `paged_prefill` call (plan computed in the
+  call; `b` sequences of up to 128 keys), cross-lowered for CUDA as on a
+  Hopper GPU."""
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  sds = jax.ShapeDtypeStruct
+
+  def f(q, pool, table, q_indptr, kv_lens):
+    return prefill.paged_prefill(q, pool, pool, table, table, q_indptr,
+                                 kv_lens, None, sm_scale=d ** -0.5)
+  return jax.jit(f).trace(
+      sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), jnp.bfloat16),
+      sds((b, 8), jnp.int32), sds((b + 1,), jnp.int32),
+      sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_packed_call_on_hopper_is_three_kernels(monkeypatch):
   """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-64 call
   (plan computed in the call) is three Mosaic-GPU launches: the plan, the
   packed main kernel and the decode kernel that reads its one-token rows
   from q and writes them into the output (one split here: in place). No
   XLA sort, scatter or gather is left around them."""
-  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
-  t, hq, hkv, d, ps, pages, b = 64, 9, 3, 64, 16, 32, 4
-  sds = jax.ShapeDtypeStruct
-
-  def f(q, pool, table, q_indptr, kv_lens):
-    return prefill.paged_prefill(q, pool, pool, table, table, q_indptr,
-                                 kv_lens, None, sm_scale=0.125)
-  text = jax.jit(f).trace(
-      sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), jnp.bfloat16),
-      sds((b, 8), jnp.int32), sds((b + 1,), jnp.int32),
-      sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  text = _default_call_on_hopper(monkeypatch, t=64, hq=9, hkv=3, d=64, b=4)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
   for op in ("sort", "scatter", "gather"):
     assert f"stablehlo.{op}" not in text
@@ -174,24 +180,14 @@ def test_unpacked_call_on_hopper_has_no_triton_launch(monkeypatch):
   call (Gemma 3 270M heads; plan computed in the call) is Mosaic-GPU
   launches only: the plan, the main kernel and the decode kernel, which
   also takes the 2-8-token sequences (no Pallas-Triton short launch), and
-  no XLA scatter of the main kernel's lse."""
-  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
-  t, hq, hkv, d, ps, pages, b = 64, 4, 1, 256, 16, 32, 4
-  sds = jax.ShapeDtypeStruct
-  cfg = prefill.Config.default_for(group_size=4, head_dim=d, page_size=ps,
+  no XLA scatter of the main kernel's lse. (128 keys a sequence: one split
+  for the decode rows, nothing to combine or scatter.)"""
+  t, b = 64, 4
+  cfg = prefill.Config.default_for(group_size=4, head_dim=256, page_size=16,
                                    dtype=jnp.bfloat16, backend="mosaic",
                                    num_tokens=t, batch_size=b)
-
-  def f(q, pool, table, q_indptr, kv_lens):
-    return prefill.paged_prefill(q, pool, pool, table, table, q_indptr,
-                                 kv_lens, None, sm_scale=0.0625)
-  # 128 keys a sequence: one split for the decode rows (nothing to combine
-  # or scatter).
-  text = jax.jit(f).trace(
-      sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), jnp.bfloat16),
-      sds((b, 8), jnp.int32), sds((b + 1,), jnp.int32),
-      sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert cfg.short_block_q == 0 and cfg.decode_rows_per_seq == 8
+  text = _default_call_on_hopper(monkeypatch, t=t, hq=4, hkv=1, d=256, b=b)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
   assert "triton" not in text
   for op in ("sort", "scatter", "gather"):
