@@ -1065,7 +1065,8 @@ def paged_decode_rows(
   """
   num_rows = kv_lens.shape[0]
   batch_size = k_table.shape[0]
-  if q_rows.shape != (num_rows,) or not batch_size or num_rows % batch_size:
+  if q_rows.shape != (num_rows,) or (
+      num_rows % batch_size if batch_size else num_rows):
     raise ValueError(f"Invalid q_rows / kv_lens shapes: expected one shape "
                      f"(R * {batch_size},), got {q_rows.shape} / "
                      f"{kv_lens.shape}")
@@ -1089,7 +1090,7 @@ def paged_decode_rows(
                        logits_soft_cap=logits_soft_cap, config=config,
                        interpret=interpret, q_rows=q_rows, into=(out, lse))
   ok = _has_row(q_rows, num_tokens)
-  rows_per_seq = num_rows // batch_size
+  rows_per_seq = num_rows // max(batch_size, 1)
   if rows_per_seq > 1:
     k_table, v_table = (jnp.repeat(t, rows_per_seq, axis=0)
                         for t in (k_table, v_table))

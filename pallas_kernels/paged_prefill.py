@@ -147,7 +147,7 @@ class Config:
       instead), `block_k` keys per step and `num_stages` shared-memory
       stages (num_warps unused). The short launch, where a config has
       one (`short_block_q`), is Pallas-Triton either way (the Mosaic-GPU
-      defaults have none: `decode_rows_per_seq`).
+      defaults have none in calls with prompts: `decode_rows_per_seq`).
     mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
       (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
       "ring" (a token passed around the consumers; required with three).
@@ -173,9 +173,10 @@ class Config:
       its own key count (the tokens' causal order); 1 = decode rows only.
       In the Triton configs multi-token decode (2 <= q_len <=
       short_block_q) stays in the short launch, which reads each KV tile
-      once for all its tokens; the unpacked Mosaic-GPU configs send it to
-      the decode kernel (the token rows of a sequence run side by side and
-      share its pages through L2), so no Pallas-Triton launch is left.
+      once for all its tokens; the unpacked Mosaic-GPU defaults of calls
+      of more tokens than that per sequence send it to the decode kernel
+      (the token rows of a sequence run side by side and share its pages
+      through L2), so no Pallas-Triton launch is left there.
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
       converted to f16 there, scales folded into the logits and the output);
       "dequantize" first gathers the pages the tables name into a compact
