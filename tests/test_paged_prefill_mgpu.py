@@ -226,11 +226,11 @@ def test_backend_choice_and_errors():
         jnp.zeros((4, 16, 2, 96), jnp.bfloat16), table, table,
         plan.tiles, causal=True, sm_scale=0.1)
   # head_dim 256: 64-key steps by default; 16-bit pages; 128-key steps or
-  # packed tiles do not fit in shared memory. Sequences of up to 8 tokens
-  # go to the decode kernel, a token a row: no Triton short launch.
-  # In a call that may be all multi-token decode (at most 8 tokens per
-  # sequence), they keep the short launch (one pass over a sequence's
-  # pages for its tokens).
+  # packed tiles do not fit in shared memory. In a call of more than 8
+  # tokens per sequence, sequences of up to 8 tokens go to the decode
+  # kernel, a token a row (no Triton short launch); in one that may be all
+  # multi-token decode (at most 8 per sequence, or unknown), they keep the
+  # short launch (one pass over a sequence's pages for its tokens).
   d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
                         dtype=jnp.bfloat16, backend="mosaic",
                         num_tokens=8 * 64 + 1, batch_size=64)
@@ -496,9 +496,9 @@ def test_default_runs_multi_token_rows_gpu(d, page_size, group, window,
   tokens (multi-token decode) run as tiles of the main launch. Unpacked
   (head_dim 128 / 256): those of up to `decode_rows_per_seq` tokens (8; 16
   at group 1) run in the decode kernel, a decode query per token with its
-  own key count. Beside prompts
-  and split-K decode rows; against the float64 oracle with NaN in unowned
-  pages and past kv_len, with and without a window and sinks."""
+  own key count. Beside prompts and split-K decode rows; against the
+  float64 oracle with NaN in unowned pages and past kv_len, with and
+  without a window and sinks."""
   cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
                        dtype=jnp.bfloat16, window_left=window,
                        num_tokens=sum(q_lens) + 5, batch_size=len(q_lens))
