@@ -68,7 +68,7 @@ POLICY = {"gemma3": True, "gemma2": False, "sliding": False,
 BATCH = 3
 # Examples per config (CI: 4 x 150 = 600 operation sequences; more with
 # PKV_HYBRID_EXAMPLES).
-NUM_EXAMPLES = int(os.environ.get("PKV_HYBRID_EXAMPLES", "150"))
+NUM_EXAMPLES = int(os.environ.get("PKV_HYBRID_EXAMPLES", "120"))
 
 _TRACES: collections.Counter = collections.Counter()
 

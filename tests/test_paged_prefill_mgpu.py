@@ -44,7 +44,7 @@ def _mosaic(group_size=4, head_dim=128, page_size=16):
 
 @pytest.mark.parametrize("head_dim,pack", [(128, False), (64, False),
                                            (64, True)])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(q_lens=st.lists(st.one_of(st.integers(0, 300), st.integers(1, 9)),
                       min_size=1, max_size=5),
        extra=st.lists(st.integers(0, 200), min_size=5, max_size=5),
