@@ -60,6 +60,10 @@ SPECS = [
     ("gemma3_spec_64x4_kv4096", G3, [4] * 64, [4096] * 64),
     ("llama8b_mixed_2x1024_16x3_16x1_kv4096", LLAMA3_8B,
      [1024] * 2 + [3] * 16 + [1] * 16, [1024] * 2 + [4096] * 32),
+    # Other groups: 2 (4 token rows per decode CTA) and 8 (one).
+    ("gemma2_2b_spec_64x4_kv4096", prefill_d256.GEMMA2_2B, [4] * 64,
+     [4096] * 64),
+    ("llama70b_spec_64x4_kv2048", (64, 8, 128), [4] * 64, [2048] * 64),
 ]
 
 

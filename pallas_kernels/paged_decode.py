@@ -972,23 +972,36 @@ def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
     raise ValueError(
         "Invalid config for the mosaic_mma backend: expected a GPU, got "
         "interpret=True")
+  batch_size = kv_lens.shape[0]
+  _, num_qo_heads, head_dim = q.shape
+  num_kv_heads = k_pool.shape[2]
+  group_size = num_qo_heads // num_kv_heads
+  tokens = _mma_tokens_per_item(q_rows, kv_lens, k_table, group_size)
   if config.k_splits == 1:
     # The kernel stores the output, sinks added (in place with `into`).
     return paged_decode_mma.paged_decode_mma(
         q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         sm_scale=float(sm_scale), window_left=int(window_left),
         logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-        tiles=config.mma_tiles, q_rows=q_rows, into=into)
-  batch_size = kv_lens.shape[0]
-  _, num_qo_heads, head_dim = q.shape
-  num_kv_heads = k_pool.shape[2]
-  group_size = num_qo_heads // num_kv_heads
+        tiles=config.mma_tiles, q_rows=q_rows, into=into,
+        tokens_per_item=tokens)
   o, lse = paged_decode_mma.paged_decode_mma(
       q, k_pool, v_pool, k_table, v_table, kv_lens,
       sm_scale=float(sm_scale), window_left=int(window_left),
       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
       k_splits=config.k_splits, tiles=config.mma_tiles, final=False,
-      q_rows=q_rows)
+      q_rows=q_rows, tokens_per_item=tokens)
+  if tokens > 1:
+    # Row n of item b' is sequence `T b' + n // G`'s head `n % G`.
+    n = tokens * group_size
+    o = o[..., :n, :].reshape(batch_size // tokens, num_kv_heads,
+                              config.k_splits, tokens, group_size, head_dim)
+    o = o.transpose(0, 3, 1, 2, 4, 5).reshape(
+        batch_size, num_kv_heads, config.k_splits, group_size, head_dim)
+    lse = lse[..., :n].reshape(batch_size // tokens, num_kv_heads,
+                               config.k_splits, tokens, group_size)
+    lse = lse.transpose(0, 3, 1, 2, 4).reshape(
+        batch_size, num_kv_heads, config.k_splits, group_size)
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
   out = out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype)
@@ -996,6 +1009,15 @@ def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
   if into is None:
     return out, lse
   return _scatter_rows(into, q_rows, out, lse)
+
+
+def _mma_tokens_per_item(q_rows, kv_lens, k_table, group_size: int) -> int:
+  """Token rows per CTA of the per-warp kernel: with `q_rows` and R rows
+  per table row, `paged_decode_mma.tokens_per_item_default`; else 1."""
+  if q_rows is None or not k_table.shape[0]:
+    return 1
+  return paged_decode_mma.tokens_per_item_default(
+      group_size, kv_lens.shape[0] // k_table.shape[0])
 
 
 def _scatter_rows(into, q_rows, out, lse):
@@ -1080,6 +1102,13 @@ def paged_decode_rows(
   if config is None:
     config = _default_config(q, k_pool, k_table, interpret,
                              batch_size=num_rows)
+    tokens = _mma_tokens_per_item(q_rows, kv_lens, k_table,
+                                  q.shape[1] // k_pool.shape[2])
+    if config.backend == "mosaic_mma" and tokens > 1:
+      # The per-warp kernel's CTAs serve `tokens` rows each: splits for
+      # that many items.
+      config = _default_config(q, k_pool, k_table, interpret,
+                               batch_size=num_rows // tokens)
   if config.backend == "mosaic_mma" and not interpret:
     _check_fp8_convert(config, k_scale, interpret)
     if sinks is not None:

@@ -57,7 +57,12 @@ as `rope_append_mgpu` is:
   H200, 2026-11-27, `bench/prefill_call_overhead.py`). The tables may
   have a row per R sequences: R token rows of one multi-token sequence,
   each with its own `kv_lens` (its causal prefix), read table row
-  `b // R` (`paged_prefill.Config.decode_rows_per_seq`).
+  `b // R` (`paged_prefill.Config.decode_rows_per_seq`). A CTA then
+  serves T = `tokens_per_item` of those rows at once where the group
+  leaves room in the 8 MMA columns (T = 8 / group_size, a power of two
+  dividing R: 2 at group 3 or 4, 8 at group 1): column n is token n // G's
+  head n % G, each column masked to its own keys, so the T rows read the
+  sequence's pages once rather than T times.
 
 Speed (kernel time, `bench/decode_mma.py` and the 16-layer program of
 `bench/decode_layers.py`, H100 and H200, 2026-11-26, `bench/results/
@@ -137,6 +142,17 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
   if page_size < 8 or page_size > 128 or page_size & (page_size - 1):
     return f"page_size {page_size} is not a power of two in [8, 128]"
   return None
+
+
+def tokens_per_item_default(group_size: int, rows_per_seq: int) -> int:
+  """Token rows of one sequence a work item serves side by side in the
+  MMA's 8 columns (`paged_decode_mma`'s default with `q_rows`): the largest
+  power of two T dividing `rows_per_seq` with `T * group_size <= 8`; 1 for
+  one row per sequence. The T rows then read the sequence's pages once."""
+  t = 1
+  while 2 * t * group_size <= COLS and rows_per_seq % (2 * t) == 0:
+    t *= 2
+  return t
 
 
 def default_tiles(head_dim: int) -> int:
@@ -318,14 +334,17 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           head_dim, page_size, max_pages, k_splits, tiles, mode, has_sinks,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
           late_loads, load_hint, q_in_smem, fp8, num_tokens,
-          rows_per_seq: int = 1):
+          rows_per_seq: int = 1, tokens_per_item: int = 1):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
   `refs`: kv_lens, [q_rows with `num_tokens`], q, k_pool, v_pool, k_table,
   v_table, [k_scale, v_scale with `fp8`], [sinks], out, lse, smem; `mode`:
   "final" (the output) or "partial" (per-split partials). `num_tokens`
   (None: q has one row per sequence): q's rows, of which sequence b's
   query is `q_rows[b]` (none outside `[0, num_tokens)`); its pages are
-  those of table row `b // rows_per_seq`."""
+  those of table row `b // rows_per_seq`. `tokens_per_item` (T, with
+  `num_tokens`): a work item serves sequences `T b' .. T b' + T - 1`
+  (token rows of one table row), MMA column `n` being token `n // G`'s
+  head `n % G`; `batch_size` then counts items (`b'`)."""
   del ctx
   refs = list(refs)
   kv_lens_ref = refs.pop(0)
@@ -376,22 +395,55 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     return arith.addi(_mgpu_async.address(ref, 64),
                       arith.muli(elem_i64, _c(size, o.i64)))
 
-  kv_len = o.load_i32(gaddr(kv_lens_ref, wide(b), 4))
-  b_table = b if rows_per_seq == 1 else arith.divui(b, ci(rows_per_seq))
+  T = tokens_per_item
   zero = ci(0)
+
+  def window_lo(kv):
+    if window_left >= 0:
+      return arith.maxsi(arith.subi(kv, ci(1 + window_left)), zero)
+    return zero
+
   # The row of q (and of the final output) of sequence b's query. A CTA of
   # a sequence without a row does nothing more (its partials, if any, go
   # to no row): the rest of the body is one region, closed at its end.
-  tok = b
   no_row_exit = contextlib.ExitStack()
-  if q_rows_ref is not None:
-    tok = o.load_i32(gaddr(q_rows_ref, wide(b), 4))
-    no_row_exit.enter_context(
-        utils.when(arith.cmpi(ult, tok, ci(num_tokens))))
-  if window_left >= 0:
-    lo = arith.maxsi(arith.subi(kv_len, ci(1 + window_left)), zero)
+  if T == 1:
+    kv_len = o.load_i32(gaddr(kv_lens_ref, wide(b), 4))
+    b_table = b if rows_per_seq == 1 else arith.divui(b, ci(rows_per_seq))
+    tok = b
+    if q_rows_ref is not None:
+      tok = o.load_i32(gaddr(q_rows_ref, wide(b), 4))
+      no_row_exit.enter_context(
+          utils.when(arith.cmpi(ult, tok, ci(num_tokens))))
+    lo = window_lo(kv_len)
   else:
-    lo = zero
+    # T token rows: each its own key count (0 without a row), the item's
+    # keys the union of theirs.
+    b_table = arith.divui(b, ci(rows_per_seq // T))
+    toks, kvs, oks = [], [], []
+    for t in range(T):
+      row = wide(arith.addi(arith.muli(b, ci(T)), ci(t)))
+      toks.append(o.load_i32(gaddr(q_rows_ref, row, 4)))
+      oks.append(arith.cmpi(ult, toks[-1], ci(num_tokens)))
+      kvs.append(o.sel(oks[-1], o.load_i32(gaddr(kv_lens_ref, row, 4)),
+                       zero))
+    any_row, kv_len = oks[0], kvs[0]
+    lo = o.sel(oks[0], window_lo(kvs[0]), ci(2 ** 31 - 1))
+    for t in range(1, T):
+      any_row = arith.ori(any_row, oks[t])
+      kv_len = arith.maxsi(kv_len, kvs[t])
+      lo = arith.minsi(lo, o.sel(oks[t], window_lo(kvs[t]),
+                                 ci(2 ** 31 - 1)))
+    no_row_exit.enter_context(utils.when(any_row))
+
+    def of_token(n, vals):
+      """`vals[n // G]` for a (traced) column n < T * G."""
+      t_n = arith.divui(n, ci(G))
+      out = vals[0]
+      for t in range(1, T):
+        out = o.sel(arith.cmpi(arith.CmpIPredicate.eq, t_n, ci(t)), vals[t],
+                    out)
+      return out
   first_step = arith.divsi(lo, ci(step_keys))
   end_step = arith.divsi(arith.addi(kv_len, ci(step_keys - 1)),
                          ci(step_keys))
@@ -414,9 +466,17 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
 
   # q^T fragments (B operand of QK^T): row g = r of the group, the 16-byte
   # chunks c, c + 4, ... of it; zero rows past the group.
-  g_ok = arith.cmpi(ult, r, ci(G))
-  q_row = arith.addi(arith.muli(tok, ci(num_qo_heads)),
-                     arith.addi(arith.muli(kv_head, ci(G)), r))
+  if T == 1:
+    g_ok = arith.cmpi(ult, r, ci(G))
+    q_row = arith.addi(arith.muli(tok, ci(num_qo_heads)),
+                       arith.addi(arith.muli(kv_head, ci(G)), r))
+  else:
+    # Column r: token r // G's head r % G (zero past T * G columns or for a
+    # token without a row).
+    g_ok = arith.andi(arith.cmpi(ult, r, ci(T * G)), of_token(r, oks))
+    q_row = arith.addi(arith.muli(of_token(r, toks), ci(num_qo_heads)),
+                       arith.addi(arith.muli(kv_head, ci(G)),
+                                  arith.remui(r, ci(G))))
   q_words = []
   for x in range(k_loads):
     # The q columns of K chunk c + 4x: 8 (16-bit pages) or 16 (FP8).
@@ -536,6 +596,16 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                      lambda: arith.muli(c, ci(2)), r, 8, v_loads, v_bytes)
 
   neg_inf = cf(-math.inf)
+  if T > 1:
+    # S^T's columns 2c, 2c + 1 of this thread: each token's own keys.
+    cols = [arith.addi(arith.muli(c, ci(2)), ci(col)) for col in range(2)]
+    col_kv = [o.sel(arith.cmpi(ult, n, ci(T * G)), of_token(n, kvs), zero)
+              for n in cols]
+    col_lo = [window_lo(kv) for kv in col_kv]
+
+    def col_key_ok(key, col):
+      return arith.andi(arith.cmpi(ge, key, col_lo[col]),
+                        arith.cmpi(lt, key, col_kv[col]))
 
   def scalar_f32(ref):
     return arith.bitcast(o.f32, o.load_i32(gaddr(ref, _c(0, o.i64), 4)))
@@ -573,7 +643,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
         else:
           x = arith.mulf(x, scale)
         key = arith.addi(base, arith.addi(r, ci(KEYS * t + 8 * (e // 2))))
-        x = o.sel(key_ok(key, o.true), x, neg_inf)
+        x = o.sel(key_ok(key, o.true) if T == 1 else col_key_ok(key, e % 2),
+                  x, neg_inf)
         vals.append(x)
       logits.append(vals)
     m_new, alpha, m_use = [], [], []
@@ -689,14 +760,25 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   # Per column (g = 2c + col): the merged max, weights, 1 / sum and LSE;
   # with sinks (final output only) the sink joins the sum, not the LSE.
   g = [arith.addi(arith.muli(c, ci(2)), ci(col)) for col in range(2)]
-  g_in = [arith.cmpi(ult, x, ci(G)) for x in g]
-  qo_row = [arith.addi(arith.muli(tok, ci(num_qo_heads)),
-                       arith.addi(arith.muli(kv_head, ci(G)), x)) for x in g]
+  if T == 1:
+    g_in = [arith.cmpi(ult, x, ci(G)) for x in g]
+    head_of = [arith.minui(x, ci(G - 1)) for x in g]
+    qo_row = [arith.addi(arith.muli(tok, ci(num_qo_heads)),
+                         arith.addi(arith.muli(kv_head, ci(G)), x))
+              for x in g]
+  else:
+    # Column n: token n // G's head n % G, written where that token has a
+    # row.
+    g_in = [arith.andi(arith.cmpi(ult, x, ci(T * G)), of_token(x, oks))
+            for x in g]
+    head_of = [arith.remui(x, ci(G)) for x in g]
+    qo_row = [arith.addi(arith.muli(of_token(x, toks), ci(num_qo_heads)),
+                         arith.addi(arith.muli(kv_head, ci(G)), h))
+              for x, h in zip(g, head_of)]
 
   def sink2(col):
     """This column's sink in base-2 logits (-inf past the group)."""
-    head = arith.addi(arith.muli(kv_head, ci(G)),
-                      arith.minui(g[col], ci(G - 1)))
+    head = arith.addi(arith.muli(kv_head, ci(G)), head_of[col])
     x = o.load_i32(gaddr(sinks_ref, wide(head), 4))
     x = arith.bitcast(o.f32, x)
     return o.sel(g_in[col], arith.mulf(x, cf(_LOG2E)), neg_inf)
@@ -786,7 +868,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "k_splits",
                      "tiles", "final", "late_loads", "load_hint",
-                     "q_in_smem"))
+                     "q_in_smem", "tokens_per_item"))
 def paged_decode_mma(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -809,6 +891,7 @@ def paged_decode_mma(
     q_in_smem: bool | None = None,
     q_rows: jax.Array | None = None,  # i32[batch_size]
     into: tuple[jax.Array, jax.Array] | None = None,
+    tokens_per_item: int | None = None,
 ):
   """One Mosaic-GPU launch of split-K paged decode on `mma.sync` (see the
   module docstring).
@@ -860,14 +943,20 @@ def paged_decode_mma(
       num_qo_heads, head_dim] q.dtype, lse f32[num_tokens, num_qo_heads])`,
       whose rows `q_rows[b]` the kernel overwrites in place (aliased
       `jax.Ref`s; the other rows are kept).
+    tokens_per_item: static, with `q_rows`: T token rows of one table row
+      per CTA, side by side in the MMA's columns (column n: row `T b' + n
+      // group_size`, head `n % group_size`), so their pages are read once;
+      `T * group_size <= 8`, T dividing R. None = `tokens_per_item_default(
+      group_size, R)`; 1 without `q_rows`.
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype, lse
     f32[batch_size, num_qo_heads])` (natural log; an empty sequence gives
     zeros and -inf); with `into`, `into` with rows `q_rows[b]` replaced.
-    Otherwise per-split partials `(o f32[batch_size, num_kv_heads,
-    k_splits, 8, head_dim], lse f32[batch_size, num_kv_heads, k_splits,
-    8])`, normalised per split, rows `0..group_size-1` meaningful (empty
+    Otherwise per-split partials `(o f32[batch_size / T, num_kv_heads,
+    k_splits, 8, head_dim], lse f32[batch_size / T, num_kv_heads, k_splits,
+    8])`, normalised per split, rows `0..T * group_size - 1` meaningful
+    (row n: sequence `T b' + n // group_size`, head `n % group_size`; empty
     splits: `o = 0`, `lse = -inf`).
 
   Raises:
@@ -877,7 +966,9 @@ def paged_decode_mma(
       scales (or scales with 16-bit pages), `q_rows` not of
       `(batch_size,)` or tables whose rows do not divide it (or, without
       `q_rows`, tables of other than `batch_size` rows), or `into` without
-      `q_rows` and `final` (or of shapes or dtypes other than q's rows).
+      `q_rows` and `final` (or of shapes or dtypes other than q's rows),
+      `tokens_per_item` other than 1 without `q_rows`, or not dividing R,
+      or over `8 / group_size` columns' worth.
   """
   plgpu = _compat.mosaic_gpu()
   num_tokens = None
@@ -942,6 +1033,18 @@ def paged_decode_mma(
     raise ValueError(f"Invalid final=True: expected k_splits == 1, got "
                      f"{k_splits}")
   mode = "final" if final else "partial"
+  rows_per_seq = batch_size // table_rows if table_rows else 1
+  if tokens_per_item is None:
+    tokens_per_item = (tokens_per_item_default(group_size, rows_per_seq)
+                       if q_rows is not None else 1)
+  T = tokens_per_item
+  if T != 1 and (q_rows is None or rows_per_seq % T or T * group_size > COLS
+                 or T < 1):
+    raise ValueError(
+        f"Invalid tokens_per_item: expected 1, or with q_rows a divisor of "
+        f"the {rows_per_seq} rows per table row with tokens_per_item * "
+        f"group_size <= {COLS} (group_size {group_size}), got {T}"
+        f"{'' if q_rows is not None else ' without q_rows'}")
   if late_loads is None:
     late_loads = head_dim > 128
   if q_in_smem is None:
@@ -954,7 +1057,7 @@ def paged_decode_mma(
   dtype = q.dtype
   has_sinks = sinks is not None
   body = functools.partial(
-      _body, batch_size=batch_size, num_kv_heads=num_kv_heads,
+      _body, batch_size=batch_size // T, num_kv_heads=num_kv_heads,
       group_size=group_size, head_dim=head_dim, page_size=page_size,
       max_pages=max_pages, k_splits=k_splits, tiles=tiles, mode=mode,
       has_sinks=has_sinks, sm_scale=float(sm_scale),
@@ -962,8 +1065,8 @@ def paged_decode_mma(
       same_table=same_table,
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
       late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
-      fp8=fp8, num_tokens=num_tokens,
-      rows_per_seq=batch_size // table_rows)
+      fp8=fp8, num_tokens=num_tokens, rows_per_seq=rows_per_seq,
+      tokens_per_item=T)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
   inputs = [kv_lens.astype(jnp.int32)]
@@ -989,9 +1092,9 @@ def paged_decode_mma(
         jax.ShapeDtypeStruct((batch_size, num_qo_heads), jnp.float32)]
   else:
     out_type = [
-        jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, COLS,
+        jax.ShapeDtypeStruct((batch_size // T, num_kv_heads, k_splits, COLS,
                               head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch_size, num_kv_heads, k_splits, COLS),
+        jax.ShapeDtypeStruct((batch_size // T, num_kv_heads, k_splits, COLS),
                              jnp.float32)]
   splat = plgpu.Layout.WG_SPLAT(shape=())
   n_refs = len(inputs) + len(refs) + len(out_type) + 1
@@ -1009,11 +1112,12 @@ def paged_decode_mma(
   res = pl.kernel(
       kernel,
       out_type=out_type,
-      mesh=plgpu.Mesh(grid=(batch_size * num_kv_heads * k_splits,),
+      mesh=plgpu.Mesh(grid=(batch_size // T * num_kv_heads * k_splits,),
                       grid_names=("items",)),
       compiler_params=plgpu.CompilerParams(),
       name=(f"paged_decode_mma_t{tiles}_{mode}{'_fp8' if fp8 else ''}"
-            f"{'_rows' if q_rows is not None else ''}"),
+            f"{'_rows' if q_rows is not None else ''}"
+            f"{f'_x{T}' if T > 1 else ''}"),
   )(*inputs, *refs)
   if refs:
     return tuple(x[...] for x in refs)

@@ -377,32 +377,52 @@ def test_decode_rows_fallback_and_errors():
     mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, into=(out0, lse0))
   with pytest.raises(ValueError, match="k_table"):  # tables of 4 rows, 12 seqs
     mma.paged_decode_mma(q[:12], *args[:5], sm_scale=0.1)
+  with pytest.raises(ValueError, match="tokens_per_item"):  # without q_rows
+    mma.paged_decode_mma(q[:4], *args[:4], jnp.asarray(keys[:4]),
+                         sm_scale=0.1, tokens_per_item=2)
+  with pytest.raises(ValueError, match="tokens_per_item"):  # 3 does not divide R
+    mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, final=False,
+                         q_rows=jnp.asarray(rows), tokens_per_item=2)
 
 
-@pytest.mark.parametrize("k_splits,fmt,kw", [
-    (1, "pair", dict(sinks=True)),
-    (2, "flashinfer", dict(window_left=40)),
+@pytest.mark.parametrize("k_splits,fmt,kw,group,rows_per_seq", [
+    (1, "pair", dict(sinks=True), 3, 1),
+    (2, "flashinfer", dict(window_left=40), 3, 1),
+    (1, "pool", dict(window_left=40, sinks=True), 4, 8),
+    (2, "pair", dict(logits_soft_cap=20.0), 1, 16),
 ])
-def test_decode_rows_lower_in_place(k_splits, fmt, kw):
+def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq):
   """Cross-lowered for CUDA: the decode rows of a token-major q are read
   in the kernel (no gather); with one split the kernel also writes the
   output rows in place (no scatter), with several a combine and a scatter
-  follow."""
+  follow; with several token rows per sequence a CTA serves
+  `tokens_per_item` of them (a grid of `rows / T` items per kv head and
+  split)."""
   rng = np.random.default_rng(3)
-  p, q, out0, lse0, rows, _, sinks, kw = _rows_case(
-      rng, 3, 64, 16, fmt, kw, kv_lens=(5, 40, 9))
+  p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
+      rng, group, 64, 16, fmt, kw, kv_lens=(5, 40, 9),
+      rows_per_seq=rows_per_seq)
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  cfg = _config(b=3, hkv=2, ps=16, max_pages=view.k_table.shape[1], d=64,
-                k_splits=k_splits)
+  cfg = _config(b=len(rows), hkv=2, ps=16, max_pages=view.k_table.shape[1],
+                d=64, k_splits=k_splits)
+  tokens = mma.tokens_per_item_default(group, rows_per_seq)
+  assert tokens == {1: 1, 8: 2, 16: 8}[rows_per_seq]
 
   def f(out, lse, q, rows, kp, vp, kt, vt, n, s):
     return kernel.paged_decode_rows(out, lse, q, rows, kp, vp, kt, vt, n, s,
                                     sm_scale=0.125, config=cfg, **kw)
   text = jax.jit(f).trace(
       out0, lse0, q, jnp.asarray(rows), view.k_pool, view.v_pool,
-      view.k_table, view.v_table, jnp.asarray(p.kv_lens),
+      view.k_table, view.v_table, jnp.asarray(keys),
       sinks).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  # The partials: one block of 8 columns per item (T rows of the group).
+  o, lse = jax.eval_shape(functools.partial(
+      mma.paged_decode_mma, sm_scale=0.125, k_splits=k_splits, final=False,
+      q_rows=jnp.asarray(rows)), q, view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(keys))
+  assert o.shape == (len(rows) // tokens, 2, k_splits, 8, 64)
+  assert lse.shape == o.shape[:-1]
   assert "gather" not in text
   assert ("scatter" in text) == (k_splits > 1)
   # One split: `out` / `lse` alias the kernel's outputs.
@@ -419,6 +439,11 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw):
     (4, 256, 16, "pool", dict(window_left=200, sinks=True), 1, 8),
     (3, 64, 16, "pair", dict(logits_soft_cap=20.0), 2, 3),
     (6, 128, 32, "flashinfer", {}, 4, 5),
+    # Several token rows per CTA (`tokens_per_item` 8 / 4 / 2 / 2).
+    (1, 128, 16, "pair", dict(window_left=30), 1, 16),
+    (2, 64, 16, "flashinfer", dict(sinks=True), 2, 4),
+    (3, 64, 8, "pool", dict(window_left=100, logits_soft_cap=20.0), 4, 8),
+    (4, 128, 32, "pair", {}, 2, 8),
 ])
 def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
                                       k_splits, rows_per_seq):
@@ -428,7 +453,8 @@ def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
   without one (`num_tokens`, -1) and every other row of `out` / `lse`
   kept bit for bit; NaN in unowned pages; kv lengths 0, 1, 7, 129, 4095;
   several token rows per sequence (each with its own key count, the
-  sequence's later keys masked)."""
+  sequence's later keys masked), several of them per CTA in the MMA's
+  columns (`tokens_per_item`), with rows that have no query among them."""
   rng = np.random.default_rng(group * 100 + d + k_splits + rows_per_seq)
   p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
       rng, group, d, page_size, fmt, kw, rows_per_seq=rows_per_seq)
