@@ -144,15 +144,31 @@ def supports(*, dtype, kv_dtype, head_dim: int, page_size: int,
   return None
 
 
-def tokens_per_item_default(group_size: int, rows_per_seq: int) -> int:
+def tokens_per_item_default(group_size: int, rows_per_seq: int,
+                           n_tiles: int = 1) -> int:
   """Token rows of one sequence a work item serves side by side in the
-  MMA's 8 columns (`paged_decode_mma`'s default with `q_rows`): the largest
-  power of two T dividing `rows_per_seq` with `T * group_size <= 8`; 1 for
-  one row per sequence. The T rows then read the sequence's pages once."""
+  MMA's `8 * n_tiles` columns (`paged_decode_mma` with `q_rows`): the
+  largest power of two T dividing `rows_per_seq` with `T * group_size <= 8
+  * n_tiles`; 1 for one row per sequence. The T rows then read the
+  sequence's pages once."""
   t = 1
-  while 2 * t * group_size <= COLS and rows_per_seq % (2 * t) == 0:
+  while (2 * t * group_size <= COLS * n_tiles
+         and rows_per_seq % (2 * t) == 0):
     t *= 2
   return t
+
+
+def row_packing(group_size: int, rows_per_seq: int,
+                head_dim: int) -> tuple[int, int]:
+  """`(tokens_per_item, n_tiles)`, `paged_decode_mma`'s default with
+  `q_rows`: a second n-tile (16 columns) where it fits more token rows in
+  a CTA at head_dim <= 128 (at 256 its accumulators would not fit in
+  registers), then `tokens_per_item_default`."""
+  n_tiles = 1
+  if head_dim <= 128 and (tokens_per_item_default(group_size, rows_per_seq, 2)
+                          > tokens_per_item_default(group_size, rows_per_seq)):
+    n_tiles = 2
+  return tokens_per_item_default(group_size, rows_per_seq, n_tiles), n_tiles
 
 
 def default_tiles(head_dim: int) -> int:
@@ -334,7 +350,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           head_dim, page_size, max_pages, k_splits, tiles, mode, has_sinks,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
           late_loads, load_hint, q_in_smem, fp8, num_tokens,
-          rows_per_seq: int = 1, tokens_per_item: int = 1):
+          rows_per_seq: int = 1, tokens_per_item: int = 1,
+          n_tiles: int = 1):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
   `refs`: kv_lens, [q_rows with `num_tokens`], q, k_pool, v_pool, k_table,
   v_table, [k_scale, v_scale with `fp8`], [sinks], out, lse, smem; `mode`:
@@ -344,7 +361,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   those of table row `b // rows_per_seq`. `tokens_per_item` (T, with
   `num_tokens`): a work item serves sequences `T b' .. T b' + T - 1`
   (token rows of one table row), MMA column `n` being token `n // G`'s
-  head `n % G`; `batch_size` then counts items (`b'`)."""
+  head `n % G`; `batch_size` then counts items (`b'`). `n_tiles`: MMA
+  n-tiles of 8 columns (1 or 2)."""
   del ctx
   refs = list(refs)
   kv_lens_ref = refs.pop(0)
@@ -396,6 +414,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                       arith.muli(elem_i64, _c(size, o.i64)))
 
   T = tokens_per_item
+  NT = n_tiles
+  cols_n = COLS * NT   # MMA columns
   zero = ci(0)
 
   def window_lo(kv):
@@ -464,27 +484,32 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   def step_of(j):
     return arith.addi(arith.addi(s0, warp), arith.muli(j, ci(WARPS)))
 
-  # q^T fragments (B operand of QK^T): row g = r of the group, the 16-byte
-  # chunks c, c + 4, ... of it; zero rows past the group.
-  if T == 1:
-    g_ok = arith.cmpi(ult, r, ci(G))
-    q_row = arith.addi(arith.muli(tok, ci(num_qo_heads)),
-                       arith.addi(arith.muli(kv_head, ci(G)), r))
-  else:
-    # Column r: token r // G's head r % G (zero past T * G columns or for a
-    # token without a row).
-    g_ok = arith.andi(arith.cmpi(ult, r, ci(T * G)), of_token(r, oks))
-    q_row = arith.addi(arith.muli(of_token(r, toks), ci(num_qo_heads)),
-                       arith.addi(arith.muli(kv_head, ci(G)),
-                                  arith.remui(r, ci(G))))
-  q_words = []
-  for x in range(k_loads):
-    # The q columns of K chunk c + 4x: 8 (16-bit pages) or 16 (FP8).
-    col = arith.muli(arith.addi(c, ci(4 * x)), ci(16 // E))
-    for half in range(3 - E):
-      elem = arith.addi(wide(arith.muli(q_row, ci(D))), wide(
-          arith.addi(col, ci(8 * half)) if half else col))
-      q_words += o.load16(gaddr(q_ref, elem, 2), g_ok)
+  # q^T fragments (B operand of QK^T): column n = r + 8 nt of n-tile nt,
+  # the 16-byte chunks c, c + 4, ... of its row; zero columns past the
+  # group (or the T tokens' heads).
+  q_words = []   # [n-tile][word]
+  for nt in range(NT):
+    n_col = arith.addi(r, ci(8 * nt)) if nt else r
+    if T == 1:
+      g_ok = arith.cmpi(ult, n_col, ci(G))
+      q_row = arith.addi(arith.muli(tok, ci(num_qo_heads)),
+                         arith.addi(arith.muli(kv_head, ci(G)), n_col))
+    else:
+      # Column n: token n // G's head n % G (zero past T * G columns or for
+      # a token without a row).
+      g_ok = arith.andi(arith.cmpi(ult, n_col, ci(T * G)),
+                        of_token(n_col, oks))
+      q_row = arith.addi(arith.muli(of_token(n_col, toks), ci(num_qo_heads)),
+                         arith.addi(arith.muli(kv_head, ci(G)),
+                                    arith.remui(n_col, ci(G))))
+    for x in range(k_loads):
+      # The q columns of K chunk c + 4x: 8 (16-bit pages) or 16 (FP8).
+      col = arith.muli(arith.addi(c, ci(4 * x)), ci(16 // E))
+      for half in range(3 - E):
+        elem = arith.addi(wide(arith.muli(q_row, ci(D))), wide(
+            arith.addi(col, ci(8 * half)) if half else col))
+        q_words += o.load16(gaddr(q_ref, elem, 2), g_ok)
+  nq = len(q_words) // NT   # words per n-tile
   if fp8 and dtype_name == "bf16":
     q_words = [o.bf16_f16(wd) for wd in q_words]
   # Shared memory: [q words [word][lane] with `q_in_smem`], then the
@@ -512,10 +537,11 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   else:
     q_words = [lambda wd=wd: wd for wd in q_words]
 
-  def kw(words, i, h):
-    """The 16-bit pair `h` (0, 1) of q's or K's columns for m-tile `i` of
-    QK^T (16 columns of the permuted head) among one key's `D / 8` pairs."""
-    return words[2 * i + h]
+  def kw(words, i, h, nt=0):
+    """The 16-bit pair `h` (0, 1) of q's (n-tile `nt`) or K's columns for
+    m-tile `i` of QK^T (16 columns of the permuted head) among one key's `D
+    / 8` pairs."""
+    return words[nq * nt + 2 * i + h]
 
   def k_pairs(words, i):
     """K's two pairs of m-tile `i` from one key's loaded words."""
@@ -596,9 +622,11 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                      lambda: arith.muli(c, ci(2)), r, 8, v_loads, v_bytes)
 
   neg_inf = cf(-math.inf)
+  # S^T's columns of this thread: 8 nt + 2c + col, indexed k = 2 nt + col.
+  cols = [arith.addi(arith.muli(c, ci(2)), ci(8 * (k // 2) + k % 2))
+          for k in range(2 * NT)]
   if T > 1:
-    # S^T's columns 2c, 2c + 1 of this thread: each token's own keys.
-    cols = [arith.addi(arith.muli(c, ci(2)), ci(col)) for col in range(2)]
+    # Each token's own keys.
     col_kv = [o.sel(arith.cmpi(ult, n, ci(T * G)), of_token(n, kvs), zero)
               for n in cols]
     col_lo = [window_lo(kv) for kv in col_kv]
@@ -623,35 +651,40 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
       scale = arith.mulf(scale, k_scale)
 
   def qk_softmax(s, kregs, m, l):
-    """Logits of step s (base 2, masked) -> (P^T fragments per tile, m, l,
-    alpha per column)."""
+    """Logits of step s (base 2, masked) -> (P^T fragments [tile][n-tile],
+    m, l, alpha per column k = 2 nt + col)."""
     base = arith.muli(s, ci(step_keys))
-    logits = []
+    logits = []   # [tile][n-tile][4]
     for t in range(tiles):
-      acc = [cf(0.0)] * 4
+      accs = [[cf(0.0)] * 4 for _ in range(NT)]
       for i in range(D // 16):
         (a0, a2), (a1, a3) = (k_pairs(kregs[t][0], i),
                               k_pairs(kregs[t][1], i))
         a = [a0, a1, a2, a3]
-        bq = [kw(q_words, i, 0)(), kw(q_words, i, 1)()]
-        acc = o.mma(a, bq, acc)
-      vals = []
-      for e in range(4):
-        x = acc[e]
-        if logits_soft_cap is not None:
-          x = arith.mulf(o.tanh(arith.mulf(x, cap_in)), cap_out)
-        else:
-          x = arith.mulf(x, scale)
-        key = arith.addi(base, arith.addi(r, ci(KEYS * t + 8 * (e // 2))))
-        x = o.sel(key_ok(key, o.true) if T == 1 else col_key_ok(key, e % 2),
-                  x, neg_inf)
-        vals.append(x)
-      logits.append(vals)
+        for nt in range(NT):
+          bq = [kw(q_words, i, 0, nt)(), kw(q_words, i, 1, nt)()]
+          accs[nt] = o.mma(a, bq, accs[nt])
+      per_nt = []
+      for nt in range(NT):
+        vals = []
+        for e in range(4):
+          x = accs[nt][e]
+          if logits_soft_cap is not None:
+            x = arith.mulf(o.tanh(arith.mulf(x, cap_in)), cap_out)
+          else:
+            x = arith.mulf(x, scale)
+          key = arith.addi(base, arith.addi(r, ci(KEYS * t + 8 * (e // 2))))
+          x = o.sel(key_ok(key, o.true) if T == 1 else
+                    col_key_ok(key, 2 * nt + e % 2), x, neg_inf)
+          vals.append(x)
+        per_nt.append(vals)
+      logits.append(per_nt)
     m_new, alpha, m_use = [], [], []
-    for col in range(2):
-      mx = m[col]
+    for k in range(2 * NT):
+      nt, col = divmod(k, 2)
+      mx = m[k]
       for t in range(tiles):
-        mx = o.fmax(mx, o.fmax(logits[t][col], logits[t][col + 2]))
+        mx = o.fmax(mx, o.fmax(logits[t][nt][col], logits[t][nt][col + 2]))
       for mask in (4, 8, 16):
         mx = o.fmax(mx, o.shfl_xor(mx, mask))
       # All keys masked so far: subtract 0, so exp2(-inf) = 0, never NaN.
@@ -659,21 +692,28 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                   mx)
       m_new.append(mx)
       m_use.append(use)
-      alpha.append(o.ex2(arith.subf(m[col], use)))
-    l_new = [arith.mulf(l[col], alpha[col]) for col in range(2)]
+      alpha.append(o.ex2(arith.subf(m[k], use)))
+    l_new = [arith.mulf(l[k], alpha[k]) for k in range(2 * NT)]
     p_frags = []
     for t in range(tiles):
-      p = [o.ex2(arith.subf(logits[t][e], m_use[e % 2])) for e in range(4)]
-      for col in range(2):
-        l_new[col] = arith.addf(l_new[col], arith.addf(p[col], p[col + 2]))
-      # S^T rows r (keys 0..7) and r + 8 (keys 8..15): two 8x8 blocks,
-      # transposed into P^T's B fragments.
-      p_frags.append([o.movt(o.pack(p[0], p[1])),
-                      o.movt(o.pack(p[2], p[3]))])
+      per_nt = []
+      for nt in range(NT):
+        p = [o.ex2(arith.subf(logits[t][nt][e], m_use[2 * nt + e % 2]))
+             for e in range(4)]
+        for col in range(2):
+          l_new[2 * nt + col] = arith.addf(l_new[2 * nt + col],
+                                           arith.addf(p[col], p[col + 2]))
+        # S^T rows r (keys 0..7) and r + 8 (keys 8..15): two 8x8 blocks,
+        # transposed into P^T's B fragments.
+        per_nt.append([o.movt(o.pack(p[0], p[1])),
+                       o.movt(o.pack(p[2], p[3]))])
+      p_frags.append(per_nt)
     return p_frags, m_new, l_new, alpha
 
   def pv(acc, alpha, p_frags, vregs):
-    acc = [[arith.mulf(a[e], alpha[e % 2]) for e in range(4)] for a in acc]
+    """acc [m-tile][n-tile][4] scaled by alpha, plus this step's V^T P^T."""
+    acc = [[[arith.mulf(a[e], alpha[2 * nt + e % 2]) for e in range(4)]
+            for nt, a in enumerate(row)] for row in acc]
     for t in range(tiles):
       ka, ka1, kb, kb1 = vregs[t]
       for j in range(m_tiles):
@@ -690,19 +730,21 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                   o.prmt(ka[j], ka1[j], 0x7632),
                   o.prmt(kb[j], kb1[j], 0x5410),
                   o.prmt(kb[j], kb1[j], 0x7632)]
-        acc[j] = o.mma(frag, p_frags[t], acc[j])
+        for nt in range(NT):
+          acc[j][nt] = o.mma(frag, p_frags[t][nt], acc[j][nt])
     return acc
 
-  # The loop carries acc (m_tiles x 4), m (2), l (2), the next step's K and
-  # V words and the page ids of the step after it.
+  # The loop carries acc (m_tiles x n_tiles x 4), m and l (2 n_tiles each),
+  # the next step's K and V words and the page ids of the step after it.
   j0 = zero
   ids0 = page_ids(step_of(j0))
   ok0 = arith.cmpi(lt, j0, n_w)
   k0 = load_k(step_of(j0), ids0[0], ok0)
   v0 = load_v(step_of(j0), ids0[1], ok0)
   ids1 = page_ids(step_of(ci(1)))
-  init = dict(acc=[[cf(0.0)] * 4 for _ in range(m_tiles)],
-              m=[neg_inf, neg_inf], l=[cf(0.0), cf(0.0)], k=k0, v=v0,
+  init = dict(acc=[[[cf(0.0)] * 4 for _ in range(NT)]
+                   for _ in range(m_tiles)],
+              m=[neg_inf] * (2 * NT), l=[cf(0.0)] * (2 * NT), k=k0, v=v0,
               ids=ids1)
 
   @utils.fori(n_w, init)
@@ -725,41 +767,44 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
 
   res = loop.results[0]
   acc, m, l = res["acc"], res["m"], res["l"]
-  for col in range(2):
+  for k in range(2 * NT):
     for mask in (4, 8, 16):
-      l[col] = arith.addf(l[col], o.shfl_xor(l[col], mask))
+      l[k] = arith.addf(l[k], o.shfl_xor(l[k], mask))
 
   # Merge the four warps' states through shared memory: acc as
-  # [warp][reg][lane], then (m, l) as [warp][2][8].
-  regs = 4 * m_tiles
+  # [warp][reg][lane] (reg = 4 (NT j + nt) + e), then (m, l) as
+  # [warp][2][columns].
+  regs = 4 * m_tiles * NT
   ml0 = WARPS * regs * 32
 
   def saddr(idx):
     return arith.addi(sbase, arith.muli(idx, ci(4)))
 
   for j in range(m_tiles):
-    for e in range(4):
-      idx = arith.addi(arith.muli(arith.addi(arith.muli(warp, ci(regs)),
-                                             ci(4 * j + e)), ci(32)), lane)
-      o.st_shared(saddr(idx), acc[j][e])
+    for nt in range(NT):
+      for e in range(4):
+        idx = arith.addi(arith.muli(arith.addi(
+            arith.muli(warp, ci(regs)), ci(4 * (NT * j + nt) + e)), ci(32)),
+                         lane)
+        o.st_shared(saddr(idx), acc[j][nt][e])
   with utils.when(arith.cmpi(ult, lane, ci(4))):
     for which, vals in ((0, m), (1, l)):
-      for col in range(2):
+      for k in range(2 * NT):
         idx = arith.addi(
             ci(ml0), arith.addi(arith.muli(arith.addi(
-                arith.muli(warp, ci(2)), ci(which)), ci(COLS)),
-                arith.addi(arith.muli(c, ci(2)), ci(col))))
-        o.st_shared(saddr(idx), vals[col])
+                arith.muli(warp, ci(2)), ci(which)), ci(cols_n)), cols[k]))
+        o.st_shared(saddr(idx), vals[k])
   # After the lane-divergent stores: not the aligned `bar.sync`.
   _mgpu_async.cta_barrier()
 
-  def ml(w, which, col):
-    idx = ci(ml0 + (w * 2 + which) * COLS + col)
-    return o.ld_shared(saddr(arith.addi(idx, arith.muli(c, ci(2)))))
+  def ml(w, which, k):
+    idx = ci(ml0 + (w * 2 + which) * cols_n)
+    return o.ld_shared(saddr(arith.addi(idx, cols[k])))
 
-  # Per column (g = 2c + col): the merged max, weights, 1 / sum and LSE;
-  # with sinks (final output only) the sink joins the sum, not the LSE.
-  g = [arith.addi(arith.muli(c, ci(2)), ci(col)) for col in range(2)]
+  # Per column (g = 8 nt + 2c + col, index k = 2 nt + col): the merged max,
+  # weights, 1 / sum and LSE; with sinks (final output only) the sink joins
+  # the sum, not the LSE.
+  g = cols
   if T == 1:
     g_in = [arith.cmpi(ult, x, ci(G)) for x in g]
     head_of = [arith.minui(x, ci(G - 1)) for x in g]
@@ -776,18 +821,18 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                          arith.addi(arith.muli(kv_head, ci(G)), h))
               for x, h in zip(g, head_of)]
 
-  def sink2(col):
-    """This column's sink in base-2 logits (-inf past the group)."""
-    head = arith.addi(arith.muli(kv_head, ci(G)), head_of[col])
+  def sink2(k):
+    """Column k's sink in base-2 logits (-inf past the group)."""
+    head = arith.addi(arith.muli(kv_head, ci(G)), head_of[k])
     x = o.load_i32(gaddr(sinks_ref, wide(head), 4))
     x = arith.bitcast(o.f32, x)
-    return o.sel(g_in[col], arith.mulf(x, cf(_LOG2E)), neg_inf)
+    return o.sel(g_in[k], arith.mulf(x, cf(_LOG2E)), neg_inf)
 
   final = mode == "final"
   weights, inv, lse = [], [], []
-  for col in range(2):
-    ms = [ml(w, 0, col) for w in range(WARPS)]
-    ls = [ml(w, 1, col) for w in range(WARPS)]
+  for k in range(2 * NT):
+    ms = [ml(w, 0, k) for w in range(WARPS)]
+    ls = [ml(w, 1, k) for w in range(WARPS)]
     mx = ms[0]
     for x in ms[1:]:
       mx = o.fmax(mx, x)
@@ -801,7 +846,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     safe = o.sel(pos, tot, cf(1.0))
     den = tot
     if final and has_sinks:
-      den = arith.addf(tot, o.ex2(arith.subf(sink2(col), use)))
+      den = arith.addf(tot, o.ex2(arith.subf(sink2(k), use)))
     den_pos = arith.cmpf(arith.CmpFPredicate.OGT, den, cf(0.0))
     weights.append(wts)
     inv.append(o.sel(den_pos, o.rcp(o.sel(den_pos, den, cf(1.0))), cf(0.0)))
@@ -814,7 +859,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   # output rows, or this split's partial rows.
   part = arith.addi(arith.muli(arith.addi(
       arith.muli(b, ci(num_kv_heads)), kv_head), ci(k_splits)), split)
-  part_row = [arith.addi(arith.muli(part, ci(COLS)), x) for x in g]
+  part_row = [arith.addi(arith.muli(part, ci(cols_n)), x) for x in g]
   out_row = qo_row if final else part_row
 
   def d_of(j):
@@ -824,12 +869,12 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     return arith.addi(arith.muli(arith.addi(r, ci(8 * x)), ci(v_cols)),
                       ci(within))
 
-  def store_out(row, j, col, lo_v, hi_v):
-    """Columns (d, d + 1) of m-tile j of row `row`: of the output (dtype,
-    rows of the group only), or of the partials (f32)."""
+  def store_out(row, j, k, lo_v, hi_v):
+    """Columns (d, d + 1) of m-tile j of row `row` (column k): of the
+    output (dtype, rows of the group only), or of the partials (f32)."""
     elem = arith.addi(wide(arith.muli(row, ci(D))), wide(d_of(j)))
     if final:
-      with utils.when(g_in[col]):
+      with utils.when(g_in[k]):
         o.st_global_b32(gaddr(o_ref, elem, 2), o.pack_out(lo_v, hi_v))
     else:
       o.st_global_f32x2(gaddr(o_ref, elem, 4), lo_v, hi_v)
@@ -841,26 +886,29 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           fn(j)
 
   def merge_tile(j):
-    vals = []
-    for e in range(4):
-      tot = cf(0.0)
-      for w2 in range(WARPS):
-        idx = ci(((w2 * regs) + 4 * j + e) * 32)
-        y = o.ld_shared(saddr(arith.addi(idx, lane)))
-        tot = arith.addf(tot, arith.mulf(weights[e % 2][w2], y))
-      vals.append(arith.mulf(tot, inv[e % 2]))
-    for col in range(2):
-      # Columns d, d + 1.
-      store_out(out_row[col], j, col, vals[col], vals[col + 2])
+    for nt in range(NT):
+      vals = []
+      for e in range(4):
+        k = 2 * nt + e % 2
+        tot = cf(0.0)
+        for w2 in range(WARPS):
+          idx = ci(((w2 * regs) + 4 * (NT * j + nt) + e) * 32)
+          y = o.ld_shared(saddr(arith.addi(idx, lane)))
+          tot = arith.addf(tot, arith.mulf(weights[k][w2], y))
+        vals.append(arith.mulf(tot, inv[k]))
+      for col in range(2):
+        # Columns d, d + 1.
+        k = 2 * nt + col
+        store_out(out_row[k], j, k, vals[col], vals[col + 2])
 
   warps_tiles(merge_tile)
   lane0 = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, warp, zero),
                      arith.cmpi(ult, lane, ci(4)))
   with utils.when(lane0):
-    for col in range(2):
-      ok = g_in[col] if final else o.true
+    for k in range(2 * NT):
+      ok = g_in[k] if final else o.true
       with utils.when(ok):
-        o.st_global_f32(gaddr(lse_ref, wide(out_row[col]), 4), lse[col])
+        o.st_global_f32(gaddr(lse_ref, wide(out_row[k]), 4), lse[k])
   no_row_exit.close()
 
 
@@ -868,7 +916,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "k_splits",
                      "tiles", "final", "late_loads", "load_hint",
-                     "q_in_smem", "tokens_per_item"))
+                     "q_in_smem", "tokens_per_item", "n_tiles"))
 def paged_decode_mma(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -892,6 +940,7 @@ def paged_decode_mma(
     q_rows: jax.Array | None = None,  # i32[batch_size]
     into: tuple[jax.Array, jax.Array] | None = None,
     tokens_per_item: int | None = None,
+    n_tiles: int | None = None,
 ):
   """One Mosaic-GPU launch of split-K paged decode on `mma.sync` (see the
   module docstring).
@@ -946,16 +995,18 @@ def paged_decode_mma(
     tokens_per_item: static, with `q_rows`: T token rows of one table row
       per CTA, side by side in the MMA's columns (column n: row `T b' + n
       // group_size`, head `n % group_size`), so their pages are read once;
-      `T * group_size <= 8`, T dividing R. None = `tokens_per_item_default(
-      group_size, R)`; 1 without `q_rows`.
+      `T * group_size <= 8 * n_tiles`, T dividing R. None = `row_packing`;
+      1 without `q_rows`.
+    n_tiles: static, MMA n-tiles of 8 query columns per CTA (1 or 2); None
+      = `row_packing` with `q_rows`, else 1.
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype, lse
     f32[batch_size, num_qo_heads])` (natural log; an empty sequence gives
     zeros and -inf); with `into`, `into` with rows `q_rows[b]` replaced.
     Otherwise per-split partials `(o f32[batch_size / T, num_kv_heads,
-    k_splits, 8, head_dim], lse f32[batch_size / T, num_kv_heads, k_splits,
-    8])`, normalised per split, rows `0..T * group_size - 1` meaningful
+    k_splits, 8 n_tiles, head_dim], lse f32[batch_size / T, num_kv_heads,
+    k_splits, 8 n_tiles])`, normalised per split, rows `0..T * group_size - 1` meaningful
     (row n: sequence `T b' + n // group_size`, head `n % group_size`; empty
     splits: `o = 0`, `lse = -inf`).
 
@@ -968,7 +1019,7 @@ def paged_decode_mma(
       `q_rows`, tables of other than `batch_size` rows), or `into` without
       `q_rows` and `final` (or of shapes or dtypes other than q's rows),
       `tokens_per_item` other than 1 without `q_rows`, or not dividing R,
-      or over `8 / group_size` columns' worth.
+      or over `8 * n_tiles / group_size`; `n_tiles` not 1 or 2.
   """
   plgpu = _compat.mosaic_gpu()
   num_tokens = None
@@ -1034,21 +1085,32 @@ def paged_decode_mma(
                      f"{k_splits}")
   mode = "final" if final else "partial"
   rows_per_seq = batch_size // table_rows if table_rows else 1
+  packing = (row_packing(group_size, rows_per_seq, head_dim)
+             if q_rows is not None else (1, 1))
+  if n_tiles is None:
+    n_tiles = packing[1] if tokens_per_item is None else (
+        1 if tokens_per_item * group_size <= COLS else 2)
   if tokens_per_item is None:
-    tokens_per_item = (tokens_per_item_default(group_size, rows_per_seq)
+    tokens_per_item = (tokens_per_item_default(group_size, rows_per_seq,
+                                               n_tiles)
                        if q_rows is not None else 1)
-  T = tokens_per_item
-  if T != 1 and (q_rows is None or rows_per_seq % T or T * group_size > COLS
-                 or T < 1):
+  T, NT = tokens_per_item, n_tiles
+  if NT not in (1, 2):
+    raise ValueError(f"Invalid n_tiles: expected 1 or 2, got {NT}")
+  if T != 1 and (q_rows is None or rows_per_seq % T or
+                 T * group_size > COLS * NT or T < 1):
     raise ValueError(
         f"Invalid tokens_per_item: expected 1, or with q_rows a divisor of "
         f"the {rows_per_seq} rows per table row with tokens_per_item * "
-        f"group_size <= {COLS} (group_size {group_size}), got {T}"
-        f"{'' if q_rows is not None else ' without q_rows'}")
+        f"group_size <= {COLS * NT} (group_size {group_size}, n_tiles {NT}),"
+        f" got {T}{'' if q_rows is not None else ' without q_rows'}")
+  # Registers: two n-tiles at head_dim 128 hold as many accumulators as
+  # one at 256, so they take its loads' order and q in shared memory.
+  heavy = head_dim > 128 or NT == 2 and head_dim == 128
   if late_loads is None:
-    late_loads = head_dim > 128
+    late_loads = heavy
   if q_in_smem is None:
-    q_in_smem = head_dim > 128
+    q_in_smem = heavy
   if load_hint not in LOAD_HINTS:
     raise ValueError(f"Invalid load_hint: expected one of {LOAD_HINTS}, got "
                      f"{load_hint!r}")
@@ -1066,7 +1128,7 @@ def paged_decode_mma(
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
       late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
       fp8=fp8, num_tokens=num_tokens, rows_per_seq=rows_per_seq,
-      tokens_per_item=T)
+      tokens_per_item=T, n_tiles=NT)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
   inputs = [kv_lens.astype(jnp.int32)]
@@ -1092,18 +1154,18 @@ def paged_decode_mma(
         jax.ShapeDtypeStruct((batch_size, num_qo_heads), jnp.float32)]
   else:
     out_type = [
-        jax.ShapeDtypeStruct((batch_size // T, num_kv_heads, k_splits, COLS,
-                              head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch_size // T, num_kv_heads, k_splits, COLS),
-                             jnp.float32)]
+        jax.ShapeDtypeStruct((batch_size // T, num_kv_heads, k_splits,
+                              COLS * NT, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch_size // T, num_kv_heads, k_splits,
+                              COLS * NT), jnp.float32)]
   splat = plgpu.Layout.WG_SPLAT(shape=())
   n_refs = len(inputs) + len(refs) + len(out_type) + 1
   inline = plgpu.inline_mgpu(
       arg_types=(splat,) + (plgpu.RefType(),) * n_refs)(body)
   # Per warp: acc [regs][lane]; then (m, l) [warp][2][8].
-  smem_words = WARPS * (head_dim // 4) * 32 + WARPS * 2 * COLS
+  smem_words = (WARPS * (head_dim // 4) * 32 + WARPS * 2 * COLS) * NT
   if q_in_smem:
-    smem_words += head_dim // 8 * 32   # q's words [word][lane]
+    smem_words += head_dim // 8 * 32 * NT   # q's words [word][lane]
 
   def kernel(*refs):
     pl.run_scoped(lambda smem: inline(lax.axis_index("items"), *refs, smem),
@@ -1117,7 +1179,7 @@ def paged_decode_mma(
       compiler_params=plgpu.CompilerParams(),
       name=(f"paged_decode_mma_t{tiles}_{mode}{'_fp8' if fp8 else ''}"
             f"{'_rows' if q_rows is not None else ''}"
-            f"{f'_x{T}' if T > 1 else ''}"),
+            f"{f'_x{T}' if T > 1 else ''}{f'_n{NT}' if NT > 1 else ''}"),
   )(*inputs, *refs)
   if refs:
     return tuple(x[...] for x in refs)

@@ -385,6 +385,21 @@ def test_decode_rows_fallback_and_errors():
                          q_rows=jnp.asarray(rows), tokens_per_item=2)
 
 
+def test_row_packing_fills_the_columns():
+  """`row_packing`: T token rows of G heads fit the CTA's 8 n_tiles
+  columns, T divides R, a second n-tile only at head_dim <= 128 and only
+  where it takes more rows, and no larger power of two would fit."""
+  for group in range(1, 9):
+    for r in (1, 2, 3, 5, 8, 16):
+      for d in (64, 128, 256):
+        t, nt = mma.row_packing(group, r, d)
+        assert t * group <= 8 * nt and r % t == 0, (group, r, d)
+        assert nt == 1 or (d <= 128 and t * group > 8), (group, r, d)
+        assert 2 * t * group > 8 * nt or r % (2 * t), (group, r, d)
+        if d <= 128:
+          assert 2 * t * group > 16 or r % (2 * t), (group, r, d)
+
+
 @pytest.mark.parametrize("k_splits,fmt,kw,group,rows_per_seq", [
     (1, "pair", dict(sinks=True), 3, 1),
     (2, "flashinfer", dict(window_left=40), 3, 1),
@@ -405,8 +420,10 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq):
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _config(b=len(rows), hkv=2, ps=16, max_pages=view.k_table.shape[1],
                 d=64, k_splits=k_splits)
-  tokens = mma.tokens_per_item_default(group, rows_per_seq)
-  assert tokens == {1: 1, 8: 2, 16: 8}[rows_per_seq]
+  # At head_dim 64 a second n-tile (16 columns) takes more rows.
+  tokens, n_tiles = mma.row_packing(group, rows_per_seq, 64)
+  assert (tokens, n_tiles) == {1: (1, 1), 8: (4, 2), 16: (16, 2)}[
+      rows_per_seq]
 
   def f(out, lse, q, rows, kp, vp, kt, vt, n, s):
     return kernel.paged_decode_rows(out, lse, q, rows, kp, vp, kt, vt, n, s,
@@ -421,7 +438,7 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq):
       mma.paged_decode_mma, sm_scale=0.125, k_splits=k_splits, final=False,
       q_rows=jnp.asarray(rows)), q, view.k_pool, view.v_pool, view.k_table,
       view.v_table, jnp.asarray(keys))
-  assert o.shape == (len(rows) // tokens, 2, k_splits, 8, 64)
+  assert o.shape == (len(rows) // tokens, 2, k_splits, 8 * n_tiles, 64)
   assert lse.shape == o.shape[:-1]
   assert "gather" not in text
   assert ("scatter" in text) == (k_splits > 1)
@@ -439,11 +456,14 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq):
     (4, 256, 16, "pool", dict(window_left=200, sinks=True), 1, 8),
     (3, 64, 16, "pair", dict(logits_soft_cap=20.0), 2, 3),
     (6, 128, 32, "flashinfer", {}, 4, 5),
-    # Several token rows per CTA (`tokens_per_item` 8 / 4 / 2 / 2).
+    # Several token rows per CTA (`row_packing`: tokens_per_item, n_tiles
+    # 16, 2 / 4, 1 / 8, 2 / 4, 2 / 4, 2 / 2, 2).
     (1, 128, 16, "pair", dict(window_left=30), 1, 16),
     (2, 64, 16, "flashinfer", dict(sinks=True), 2, 4),
+    (2, 64, 16, "pool", dict(window_left=300), 1, 8),
     (3, 64, 8, "pool", dict(window_left=100, logits_soft_cap=20.0), 4, 8),
     (4, 128, 32, "pair", {}, 2, 8),
+    (8, 128, 16, "flashinfer", dict(sinks=True), 1, 8),
 ])
 def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
                                       k_splits, rows_per_seq):
