@@ -5,24 +5,25 @@ The unpacked Mosaic-GPU prefill configs (head_dim 128 / 256 on Hopper)
 used to run sequences of 2-8 new tokens (multi-token decode, the tail of a
 chunked prompt) in a second, Pallas-Triton launch of 8-token tiles, which
 ran in every call, 2.7-4 us with nothing to do (Gemma 3 270M heads, H200).
-Now `Config.decode_rows_per_seq` sends them to the decode kernel that
-already takes the call's one-token sequences
-(`paged_decode.paged_decode_rows`), one decode query per token with its
-own key count; the token rows of one sequence read the same pages side by
-side, through L2. Also here: the main kernel's lse rows are stored in
-place (no per-tile scratch and XLA scatter).
+`Config.decode_rows_per_seq` sends them to the decode kernel that already
+takes the call's one-token sequences (`paged_decode.paged_decode_rows`),
+one decode query per token with its own key count; a CTA serves up to 16 /
+group_size of one sequence's token rows in its MMA columns
+(`paged_decode_mma.row_packing`), so it reads the sequence's pages once
+for them. Also here: the main kernel's lse rows are stored in place (no
+per-tile scratch and XLA scatter).
 
 Two arms in one process (each compiled after `jax.clear_caches()`):
 "short launch" (`short_block_q`, one-token rows only in the decode
-kernel; the default where a call has at most R tokens per sequence, R =
-8, or 16 at group 1) and "decode rows" (`decode_rows_per_seq` R, no
-short launch; the default in calls of more tokens), on:
+kernel) and "decode rows" (`decode_rows_per_seq` R = 8, or 16 at group 1,
+no short launch; the default), on:
 
 * pure prompts, where the short launch has nothing to do: Gemma 3 270M
   heads (4/1/256), 16 x 512 tokens, and 4 x 2,048 with its 511-key window;
   Llama-3-8B heads (32/8/128), 8 x 512;
 * multi-token decode (speculative decoding's verify step): 64 sequences
-  of 4 tokens at 2,048 keys (Llama-3-8B heads) and at 4,096 (Gemma 3);
+  of 4 tokens at 2,048 keys (Llama-3-8B and Llama-3-70B heads, 64/8/128)
+  and at 4,096 (Gemma 3; Gemma 2 2B, 8/4/256);
 * a mixed step (Llama-3-8B heads): 2 prompts of 1,024 tokens, 16
   sequences of 3 tokens and 16 of one at 4,096 keys.
 
@@ -70,8 +71,7 @@ SPECS = [
 def arms(cfg):
   """{arm: config}: the default config of a call with its sequences of 2
   to R tokens in the short launch, and in the decode kernel (R = 8, or 16
-  at group 1); `Config.default_for` picks one by the call's tokens per
-  sequence."""
+  at group 1; `Config.default_for`'s choice)."""
   longest = max(cfg.short_block_q, cfg.decode_rows_per_seq)
   return {"short launch": dataclasses.replace(
               cfg, short_block_q=longest, short_block_k=cfg.short_block_k,

@@ -23,8 +23,9 @@ diagonal) with FlashInfer's paged, ragged addressing:
   launch's outputs in place (`input_output_aliases`), so a short sequence
   costs its tokens x `group_size` MMA rows, not a main tile's
   `tile_rows(block_q, group_size)`. Sequences of one token (decode rows of
-  a mixed batch), or of up to `Config.decode_rows_per_seq`, go to the
-  split-K decode kernel instead, one decode query per token
+  a mixed batch), or of up to `Config.decode_rows_per_seq` (the unpacked
+  Mosaic-GPU defaults: no short launch), go to the split-K decode kernel
+  instead, one decode query per token, several of a sequence's per CTA
   (`paged_decode.paged_decode_rows`).
 * Each program walks KV tiles of `block_k` tokens from the first block any of
   its rows can see (window) to the last (causality, `kv_len`). With
@@ -147,7 +148,7 @@ class Config:
       instead), `block_k` keys per step and `num_stages` shared-memory
       stages (num_warps unused). The short launch, where a config has
       one (`short_block_q`), is Pallas-Triton either way (the Mosaic-GPU
-      defaults have none in calls with prompts: `decode_rows_per_seq`).
+      defaults have none: `decode_rows_per_seq`).
     mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
       (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
       "ring" (a token passed around the consumers; required with three).
@@ -173,10 +174,11 @@ class Config:
       its own key count (the tokens' causal order); 1 = decode rows only.
       In the Triton configs multi-token decode (2 <= q_len <=
       short_block_q) stays in the short launch, which reads each KV tile
-      once for all its tokens; the unpacked Mosaic-GPU defaults of calls
-      of more tokens than that per sequence send it to the decode kernel
-      (the token rows of a sequence run side by side and share its pages
-      through L2), so no Pallas-Triton launch is left there.
+      once for all its tokens; the unpacked Mosaic-GPU defaults send it to
+      the decode kernel, where a CTA serves up to 16 / group_size of a
+      sequence's token rows in its MMA columns and reads the pages once
+      for them (`paged_decode_mma.row_packing`), so no Pallas-Triton
+      launch is left there.
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
       converted to f16 there, scales folded into the logits and the output);
       "dequantize" first gathers the pages the tables name into a compact
@@ -279,11 +281,10 @@ class Config:
     32-key tiles, 2 stages (one warpgroup's accumulator would not fit in
     registers). f32 halves the rows. Multi-token decode (q_len <= 8, 16
     at group 1) goes to the short launch with 128-key tiles (64 at
-    head_dim 256), except in the packed Mosaic-GPU config (main-launch
-    tiles) and in the unpacked ones in calls of more tokens than that per
-    sequence (the decode kernel, a token a row: `decode_rows_per_seq`);
-    decode rows (q_len 1) to the split-K decode kernel
-    (`split_decode_rows`).
+    head_dim 256), except in the Mosaic-GPU configs: main-launch tiles in
+    the packed one, the decode kernel (a token a row,
+    `decode_rows_per_seq`) in the unpacked ones; decode rows (q_len 1) to
+    the split-K decode kernel (`split_decode_rows`).
     """
     group_pad = pl.next_power_of_2(group_size)
     short_block_q = max(8, 16 // group_pad)
@@ -321,23 +322,21 @@ class Config:
       # per softmax element calls for more warpgroups to hide it).
       three = head_dim == 64
       # Sequences of 2 to `short_block_q` tokens: in the decode kernel, a
-      # token a row, in a call of more tokens than that per sequence
-      # (prompts, where the short launch would run empty: Gemma 3 270M
-      # heads, 16 x 512 tokens, 43.4 us of GPU time a call against 48.1;
-      # with a 511-key window 75.4 / 79.4; Llama-3-8B heads, 8 x 512, 80.5
-      # / 83.8; a mixed step with 16 three-token sequences at 4,096 keys
-      # 251 / 288; H200, 2026-11-27, `prefill_decode_tokens_*.json`);
-      # otherwise (a call that may be all multi-token decode) in the short
-      # launch, which reads a sequence's pages once for all its tokens (64
-      # sequences of 4 tokens at 2,048 keys: 199 us against 353 for the
-      # token rows, Llama-3-8B heads; Gemma 3 heads at 4,096 keys 203 / 182).
-      rows = num_tokens is not None and (
-          num_tokens > short_block_q * max(batch_size or 1, 1))
+      # token a row, up to 16 / group_size of one sequence's rows per CTA
+      # in its MMA columns (`paged_decode_mma.row_packing`), so no
+      # Pallas-Triton short launch runs. GPU time a call, plan counted,
+      # against the short launch (H200, 2026-11-27,
+      # `prefill_decode_tokens_*.json`): prompts, where the short launch
+      # runs empty, Gemma 3 270M heads 16 x 512 tokens 43.4 / 48.1 us,
+      # with a 511-key window 75.4 / 79.4, Llama-3-8B heads 8 x 512 80.5 /
+      # 83.8; speculative decoding's verify step, 64 sequences of 4 tokens,
+      # Llama-3-8B heads at 2,048 keys 177 / 199, Llama-3-70B heads 272 /
+      # 322, Gemma 2 2B at 4,096 278 / 294, Gemma 3 173 / 201; a mixed
+      # step (2 x 1,024 + 16 x 3 + 16 x 1 tokens at 4,096 keys) 204 / 289.
       return cls(block_q=paged_prefill_mgpu.tile_q(3 if three else 2),
-                 block_k=mosaic_block_k, num_stages=2,
-                 short_block_q=0 if rows else short_block_q,
+                 block_k=mosaic_block_k, num_stages=2, short_block_q=0,
                  short_block_k=mosaic_block_k,
-                 decode_rows_per_seq=short_block_q if rows else 1,
+                 decode_rows_per_seq=short_block_q,
                  backend="mosaic",
                  mosaic_schedule="ring" if three else "pingpong")
     wide = jnp.dtype(dtype).itemsize >= 4

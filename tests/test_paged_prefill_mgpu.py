@@ -226,23 +226,17 @@ def test_backend_choice_and_errors():
         jnp.zeros((4, 16, 2, 96), jnp.bfloat16), table, table,
         plan.tiles, causal=True, sm_scale=0.1)
   # head_dim 256: 64-key steps by default; 16-bit pages; 128-key steps or
-  # packed tiles do not fit in shared memory. In a call of more than 8
-  # tokens per sequence, sequences of up to 8 tokens go to the decode
-  # kernel, a token a row (no Triton short launch); in one that may be all
-  # multi-token decode (at most 8 per sequence, or unknown), they keep the
-  # short launch (one pass over a sequence's pages for its tokens).
-  d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
-                        dtype=jnp.bfloat16, backend="mosaic",
-                        num_tokens=8 * 64 + 1, batch_size=64)
-  assert (d256.block_q, d256.block_k, d256.mosaic_pack_gqa,
-          d256.short_block_q, d256.decode_rows_per_seq) == (
-              128, 64, False, 0, 8)
-  for tokens in (8 * 64, None):
-    spec = _C.default_for(group_size=4, head_dim=256, page_size=16,
+  # packed tiles do not fit in shared memory. Sequences of up to 8 tokens
+  # go to the decode kernel, a token a row (no Triton short launch),
+  # whatever the call's tokens per sequence (prompts, all multi-token
+  # decode, or unknown).
+  for tokens in (8 * 64 + 1, 8 * 64, None):
+    d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
                           dtype=jnp.bfloat16, backend="mosaic",
                           num_tokens=tokens, batch_size=64)
-    assert (spec.short_block_q, spec.short_block_k,
-            spec.decode_rows_per_seq) == (8, 64, 1)
+    assert (d256.block_q, d256.block_k, d256.mosaic_pack_gqa,
+            d256.short_block_q, d256.decode_rows_per_seq) == (
+                128, 64, False, 0, 8)
   with pytest.raises(ValueError, match="decode_rows_per_seq"):
     dataclasses.replace(d256, decode_rows_per_seq=0).validate(group_size=4)
   assert mgpu.supports(dtype=jnp.bfloat16, head_dim=256, page_size=16,
@@ -488,11 +482,12 @@ def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
     (128, 8, 1, 64, True, [5, 2, 129, 16, 1, 17], [700, 2, 129, 1000, 90, 40]),
     (128, 16, 6, 100, False, [6, 1500, 3, 2, 8], [3000, 1500, 130, 2, 4095]),
     (256, 32, 2, 511, True, [3, 600, 8, 1], [4095, 600, 1200, 77]),
+    # All multi-token decode (a verify step): 4 rows a CTA on 16 columns.
+    (128, 16, 4, -1, False, [4, 4, 3, 8, 1, 2], [2048, 900, 5, 300, 77, 2]),
 ])
 def test_default_runs_multi_token_rows_gpu(d, page_size, group, window,
                                            sinks, q_lens, kv_lens):
-  """The default Mosaic-GPU configs of calls with prompts have no
-  (Pallas-Triton) short launch. Packed (head_dim 64): sequences of 2-8 new
+  """The default Mosaic-GPU configs have no (Pallas-Triton) short launch. Packed (head_dim 64): sequences of 2-8 new
   tokens (multi-token decode) run as tiles of the main launch. Unpacked
   (head_dim 128 / 256): those of up to `decode_rows_per_seq` tokens (8; 16
   at group 1) run in the decode kernel, a decode query per token with its

@@ -175,19 +175,26 @@ def test_packed_call_on_hopper_is_three_kernels(monkeypatch):
     assert f"stablehlo.{op}" not in text
 
 
-def test_unpacked_call_on_hopper_has_no_triton_launch(monkeypatch):
-  """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-256
-  call (Gemma 3 270M heads; plan computed in the call) is Mosaic-GPU
-  launches only: the plan, the main kernel and the decode kernel, which
-  also takes the 2-8-token sequences (no Pallas-Triton short launch), and
-  no XLA scatter of the main kernel's lse. (128 keys a sequence: one split
-  for the decode rows, nothing to combine or scatter.)"""
-  t, b = 64, 4
-  cfg = prefill.Config.default_for(group_size=4, head_dim=256, page_size=16,
-                                   dtype=jnp.bfloat16, backend="mosaic",
-                                   num_tokens=t, batch_size=b)
+@pytest.mark.parametrize("t,b,hq,hkv,d", [
+    (64, 4, 4, 1, 256),    # Gemma 3 270M heads, 16 tokens a sequence
+    (64, 8, 4, 1, 256),    # at most 8 a sequence: a verify step
+    (64, 8, 8, 2, 128),    # the same at head_dim 128 (16 MMA columns)
+])
+def test_unpacked_call_on_hopper_has_no_triton_launch(monkeypatch, t, b, hq,
+                                                      hkv, d):
+  """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-128 /
+  256 call (plan computed in the call) is Mosaic-GPU launches only: the
+  plan, the main kernel and the decode kernel, which also takes the
+  2-8-token sequences (no Pallas-Triton short launch), whether or not the
+  call may be all multi-token decode, and no XLA scatter of the main
+  kernel's lse. (128 keys a sequence: one split for the decode rows,
+  nothing to combine or scatter.)"""
+  cfg = prefill.Config.default_for(group_size=hq // hkv, head_dim=d,
+                                   page_size=16, dtype=jnp.bfloat16,
+                                   backend="mosaic", num_tokens=t,
+                                   batch_size=b)
   assert cfg.short_block_q == 0 and cfg.decode_rows_per_seq == 8
-  text = _default_call_on_hopper(monkeypatch, t=t, hq=4, hkv=1, d=256, b=b)
+  text = _default_call_on_hopper(monkeypatch, t=t, hq=hq, hkv=hkv, d=d, b=b)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
   assert "triton" not in text
   for op in ("sort", "scatter", "gather"):
