@@ -1102,15 +1102,13 @@ def paged_decode_rows(
   num_tokens = q.shape[0]
   q_rows = q_rows.astype(jnp.int32)
   if config is None:
+    # Splits for all `num_rows` rows, though a CTA of the per-warp kernel
+    # may serve several (`paged_decode_mma.row_packing`): most rows of a
+    # call with prompts are empty, and splitting them would add a combine
+    # and a scatter to the call (3-5 us, Llama-3-8B and Gemma 3 270M heads,
+    # 8-16 prompts, H100, 2026-11-27).
     config = _default_config(q, k_pool, k_table, interpret,
                              batch_size=num_rows)
-    tokens, _ = _mma_row_packing(q_rows, kv_lens, k_table,
-                                 q.shape[1] // k_pool.shape[2], q.shape[2])
-    if config.backend == "mosaic_mma" and tokens > 1:
-      # The per-warp kernel's CTAs serve `tokens` rows each: splits for
-      # that many items.
-      config = _default_config(q, k_pool, k_table, interpret,
-                               batch_size=num_rows // tokens)
   if config.backend == "mosaic_mma" and not interpret:
     _check_fp8_convert(config, k_scale, interpret)
     if sinks is not None:
