@@ -8,10 +8,10 @@ ran in every call, 2.7-4 us with nothing to do (Gemma 3 270M heads, H200).
 `Config.decode_rows_per_seq` sends them to the decode kernel that already
 takes the call's one-token sequences (`paged_decode.paged_decode_rows`),
 one decode query per token with its own key count; a CTA serves up to 16 /
-group_size (8 / group_size at head_dim 256) of one sequence's token rows in its MMA columns
-(`paged_decode_mma.row_packing`), so it reads the sequence's pages once
-for them. Also here: the main kernel's lse rows are stored in place (no
-per-tile scratch and XLA scatter).
+group_size (8 / group_size at head_dim 256) of one sequence's token rows
+in its MMA columns (`paged_decode_mma.row_packing`), so it reads the
+sequence's pages once for them. Also here: the main kernel's lse rows are
+stored in place (no per-tile scratch and XLA scatter).
 
 Two arms in one process (each compiled after `jax.clear_caches()`):
 "short launch" (`short_block_q`, one-token rows only in the decode

@@ -1009,9 +1009,9 @@ def paged_decode_mma(
     zeros and -inf); with `into`, `into` with rows `q_rows[b]` replaced.
     Otherwise per-split partials `(o f32[batch_size / T, num_kv_heads,
     k_splits, 8 n_tiles, head_dim], lse f32[batch_size / T, num_kv_heads,
-    k_splits, 8 n_tiles])`, normalised per split, rows `0..T * group_size - 1` meaningful
-    (row n: sequence `T b' + n // group_size`, head `n % group_size`; empty
-    splits: `o = 0`, `lse = -inf`).
+    k_splits, 8 n_tiles])`, normalised per split, rows `0..T * group_size
+    - 1` meaningful (row n: sequence `T b' + n // group_size`, head `n %
+    group_size`; empty splits: `o = 0`, `lse = -inf`).
 
   Raises:
     ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in

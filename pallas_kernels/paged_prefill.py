@@ -176,9 +176,10 @@ class Config:
       short_block_q) stays in the short launch, which reads each KV tile
       once for all its tokens; the unpacked Mosaic-GPU defaults send it to
       the decode kernel, where a CTA serves up to 16 / group_size (8 /
-      group_size at head_dim 256) of a sequence's token rows in its MMA columns and reads the pages once
-      for them (`paged_decode_mma.row_packing`), so no Pallas-Triton
-      launch is left there.
+      group_size at head_dim 256) of a sequence's token rows in its MMA
+      columns and reads the pages once for them
+      (`paged_decode_mma.row_packing`), so no Pallas-Triton launch is left
+      there.
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
       converted to f16 there, scales folded into the logits and the output);
       "dequantize" first gathers the pages the tables name into a compact
@@ -323,8 +324,9 @@ class Config:
       three = head_dim == 64
       # Sequences of 2 to `short_block_q` tokens: in the decode kernel, a
       # token a row, up to 16 / group_size of one sequence's rows per CTA
-      # (8 / group_size at head_dim 256) in its MMA columns (`paged_decode_mma.row_packing`), so no
-      # Pallas-Triton short launch runs. GPU time a call, plan counted,
+      # (8 / group_size at head_dim 256) in its MMA columns
+      # (`paged_decode_mma.row_packing`), so no Pallas-Triton short launch
+      # runs. GPU time a call, plan counted,
       # against the short launch (H200, 2026-11-27,
       # `prefill_decode_tokens_*.json`): prompts, where the short launch
       # runs empty, Gemma 3 270M heads 16 x 512 tokens 43.4 / 48.1 us,

@@ -380,7 +380,8 @@ def test_decode_rows_fallback_and_errors():
   with pytest.raises(ValueError, match="tokens_per_item"):  # without q_rows
     mma.paged_decode_mma(q[:4], *args[:4], jnp.asarray(keys[:4]),
                          sm_scale=0.1, tokens_per_item=2)
-  with pytest.raises(ValueError, match="tokens_per_item"):  # 3 does not divide R
+  # 2 does not divide R = 3.
+  with pytest.raises(ValueError, match="tokens_per_item"):
     mma.paged_decode_mma(q, *args[:5], sm_scale=0.1, final=False,
                          q_rows=jnp.asarray(rows), tokens_per_item=2)
 

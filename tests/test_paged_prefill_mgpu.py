@@ -487,13 +487,14 @@ def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
 ])
 def test_default_runs_multi_token_rows_gpu(d, page_size, group, window,
                                            sinks, q_lens, kv_lens):
-  """The default Mosaic-GPU configs have no (Pallas-Triton) short launch. Packed (head_dim 64): sequences of 2-8 new
-  tokens (multi-token decode) run as tiles of the main launch. Unpacked
-  (head_dim 128 / 256): those of up to `decode_rows_per_seq` tokens (8; 16
-  at group 1) run in the decode kernel, a decode query per token with its
-  own key count. Beside prompts and split-K decode rows; against the
-  float64 oracle with NaN in unowned pages and past kv_len, with and
-  without a window and sinks."""
+  """The default Mosaic-GPU configs have no (Pallas-Triton) short launch.
+  Packed (head_dim 64): sequences of 2-8 new tokens (multi-token decode)
+  run as tiles of the main launch. Unpacked (head_dim 128 / 256): those of
+  up to `decode_rows_per_seq` tokens (8; 16 at group 1) run in the decode
+  kernel, a decode query per token with its own key count, several per
+  CTA. Beside prompts and split-K decode rows, or alone (a verify step);
+  against the float64 oracle with NaN in unowned pages and past kv_len,
+  with and without a window and sinks."""
   cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
                        dtype=jnp.bfloat16, window_left=window,
                        num_tokens=sum(q_lens) + 5, batch_size=len(q_lens))
