@@ -401,24 +401,29 @@ def test_row_packing_fills_the_columns():
           assert 2 * t * group > 16 or r % (2 * t), (group, r, d)
 
 
-@pytest.mark.parametrize("k_splits,fmt,kw,group,rows_per_seq", [
-    (1, "pair", dict(sinks=True), 3, 1),
-    (2, "flashinfer", dict(window_left=40), 3, 1),
-    (1, "pool", dict(window_left=40, sinks=True), 4, 8),
-    (2, "pair", dict(logits_soft_cap=20.0), 1, 16),
+@pytest.mark.parametrize("k_splits,fmt,kw,group,rows_per_seq,fp8", [
+    (1, "pair", dict(sinks=True), 3, 1, False),
+    (2, "flashinfer", dict(window_left=40), 3, 1, False),
+    (1, "pool", dict(window_left=40, sinks=True), 4, 8, False),
+    (2, "pair", dict(logits_soft_cap=20.0), 1, 16, False),
+    (2, "flashinfer", dict(window_left=40), 4, 8, True),
 ])
-def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq):
+def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq,
+                                    fp8):
   """Cross-lowered for CUDA: the decode rows of a token-major q are read
   in the kernel (no gather); with one split the kernel also writes the
   output rows in place (no scatter), with several a combine and a scatter
   follow; with several token rows per sequence a CTA serves
   `tokens_per_item` of them (a grid of `rows / T` items per kv head and
-  split)."""
+  split), on bf16 or FP8 pages."""
   rng = np.random.default_rng(3)
   p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
       rng, group, 64, 16, fmt, kw, kv_lens=(5, 40, 9),
       rows_per_seq=rows_per_seq)
-  view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  cache = p.kv_cache.astype(jnp.float8_e4m3fn) if fp8 else p.kv_cache
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  if fp8:
+    kw = dict(kw, k_scale=jnp.float32(0.5), v_scale=jnp.float32(2.0))
   cfg = _config(b=len(rows), hkv=2, ps=16, max_pages=view.k_table.shape[1],
                 d=64, k_splits=k_splits)
   # At head_dim 64 a second n-tile (16 columns) takes more rows.
@@ -435,16 +440,19 @@ def test_decode_rows_lower_in_place(k_splits, fmt, kw, group, rows_per_seq):
       sinks).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
   # The partials: one block of 8 columns per item (T rows of the group).
+  scales = {k: kw[k] for k in ("k_scale", "v_scale") if k in kw}
   o, lse = jax.eval_shape(functools.partial(
       mma.paged_decode_mma, sm_scale=0.125, k_splits=k_splits, final=False,
-      q_rows=jnp.asarray(rows)), q, view.k_pool, view.v_pool, view.k_table,
-      view.v_table, jnp.asarray(keys))
+      q_rows=jnp.asarray(rows), **scales), q, view.k_pool, view.v_pool,
+      view.k_table, view.v_table, jnp.asarray(keys))
   assert o.shape == (len(rows) // tokens, 2, k_splits, 8 * n_tiles, 64)
   assert lse.shape == o.shape[:-1]
   assert "gather" not in text
   assert ("scatter" in text) == (k_splits > 1)
   # One split: `out` / `lse` alias the kernel's outputs.
   assert ("output_operand_aliases" in text) == (k_splits == 1)
+  # FP8 pages: the e4m3 -> f16 conversions are in the kernel's PTX.
+  assert ("cvt.rn.f16x2.e4m3x2" in text) == fp8
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
