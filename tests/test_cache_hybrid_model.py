@@ -66,9 +66,9 @@ CONFIGS = {
 POLICY = {"gemma3": True, "gemma2": False, "sliding": False,
           "noscratch": True}  # head_of_line of claim / extend / fork
 BATCH = 3
-# Examples per config (CI: 4 x 150 = 600 operation sequences; more with
+# Examples per config (CI: 4 x 80 = 320 operation sequences; more with
 # PKV_HYBRID_EXAMPLES).
-NUM_EXAMPLES = int(os.environ.get("PKV_HYBRID_EXAMPLES", "120"))
+NUM_EXAMPLES = int(os.environ.get("PKV_HYBRID_EXAMPLES", "80"))
 
 _TRACES: collections.Counter = collections.Counter()
 

@@ -50,10 +50,10 @@ CONFIGS = {
 # every combination is also covered by tests/test_cache_reliability.py).
 POLICY = {"mixed": True, "swa": False, "swa_rewind": True}  # head_of_line
 BATCH = 3
-# Examples per config (CI: 3 x 200 = 600 operation sequences, all with
-# scratch reuse enabled, 400 of them with scratch active; more with
+# Examples per config (CI: 3 x 120 = 360 operation sequences, all with
+# scratch reuse enabled, 240 of them with scratch active; more with
 # PKV_CACHE_EXAMPLES).
-NUM_EXAMPLES = int(os.environ.get("PKV_CACHE_EXAMPLES", "200"))
+NUM_EXAMPLES = int(os.environ.get("PKV_CACHE_EXAMPLES", "120"))
 
 assert not CONFIGS["mixed"].swa_scratch_active
 assert CONFIGS["swa"].swa_scratch_active

@@ -193,7 +193,7 @@ class _Pool:
 
 
 _SETTINGS = settings(
-    max_examples=int(os.environ.get("PKV_ADMIT_EXAMPLES", "100")),
+    max_examples=int(os.environ.get("PKV_ADMIT_EXAMPLES", "60")),
     deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 

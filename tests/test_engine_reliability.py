@@ -4,6 +4,7 @@ input before queuing anything."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -56,7 +57,10 @@ def workloads(draw):
   return reqs
 
 
-@settings(max_examples=12, deadline=None,
+# Each example runs the engine twice (batched, then each request alone);
+# PKV_ENGINE_EXAMPLES raises the count for a deeper run.
+@settings(max_examples=int(os.environ.get("PKV_ENGINE_EXAMPLES", "8")),
+          deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(reqs=workloads(), check=st.booleans(), data=st.data())
