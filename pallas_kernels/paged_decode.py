@@ -976,24 +976,23 @@ def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
   _, num_qo_heads, head_dim = q.shape
   num_kv_heads = k_pool.shape[2]
   group_size = num_qo_heads // num_kv_heads
-  tokens, n_tiles = _mma_row_packing(q_rows, kv_lens, k_table, group_size,
-                                     head_dim)
   if config.k_splits == 1:
     # The kernel stores the output, sinks added (in place with `into`).
     return paged_decode_mma.paged_decode_mma(
         q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         sm_scale=float(sm_scale), window_left=int(window_left),
         logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-        tiles=config.mma_tiles, q_rows=q_rows, into=into,
-        tokens_per_item=tokens, n_tiles=n_tiles)
+        tiles=config.mma_tiles, q_rows=q_rows, into=into)
   o, lse = paged_decode_mma.paged_decode_mma(
       q, k_pool, v_pool, k_table, v_table, kv_lens,
       sm_scale=float(sm_scale), window_left=int(window_left),
       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
       k_splits=config.k_splits, tiles=config.mma_tiles, final=False,
-      q_rows=q_rows, tokens_per_item=tokens, n_tiles=n_tiles)
+      q_rows=q_rows)
+  # With q_rows a CTA may serve T sequences (`paged_decode_mma.row_packing`):
+  # row n of item b' is sequence `T b' + n // G`'s head `n % G`.
+  tokens = batch_size // o.shape[0] if o.shape[0] else 1
   if tokens > 1:
-    # Row n of item b' is sequence `T b' + n // G`'s head `n % G`.
     n = tokens * group_size
     o = o[..., :n, :].reshape(batch_size // tokens, num_kv_heads,
                               config.k_splits, tokens, group_size, head_dim)
@@ -1010,16 +1009,6 @@ def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
   if into is None:
     return out, lse
   return _scatter_rows(into, q_rows, out, lse)
-
-
-def _mma_row_packing(q_rows, kv_lens, k_table, group_size: int,
-                     head_dim: int) -> tuple[int, int]:
-  """(token rows per CTA, n-tiles) of the per-warp kernel: with `q_rows`
-  and R rows per table row, `paged_decode_mma.row_packing`; else (1, 1)."""
-  if q_rows is None or not k_table.shape[0]:
-    return 1, 1
-  return paged_decode_mma.row_packing(
-      group_size, kv_lens.shape[0] // k_table.shape[0], head_dim)
 
 
 def _scatter_rows(into, q_rows, out, lse):
