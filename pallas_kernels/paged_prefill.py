@@ -12,8 +12,9 @@ diagonal) with FlashInfer's paged, ragged addressing:
   serves the whole group, a decode row (q_len 1) still fills `group_size`
   rows of the MMA, and a group that is not a power of two wastes at most
   `group_size - 1` rows of a tile (42 tokens of group 3 in 128 rows).
-* The grid is static, `(num_kv_heads, num_tokens // block_q + batch_size + 1)`
-  (no dynamic grid on Pallas-Triton); the tile -> (sequence, first token) map
+* The grid is static, `(num_kv_heads, plan.max_tiles(...))`, at most
+  `num_tokens // block_q + batch_size + 1` tiles (no dynamic grid on
+  Pallas-Triton); the tile -> (sequence, first token) map
   is the plan (`pallas_kernels.plan`, FlashInfer's plan/run split), computed
   once per step from `q_indptr` / `kv_lens`, heaviest tiles first. Padding
   tokens past `q_indptr[-1]` are a pseudo-sequence with no keys, so their rows

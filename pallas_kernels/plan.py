@@ -1,7 +1,8 @@
 """Scheduling metadata for the paged prefill kernel (FlashInfer's plan/run split).
 
 The prefill kernel's grid is static (no dynamic grid on Pallas-Triton), bounded
-by `num_tokens // block_q + batch_size + 1` query tiles per kv head. A query
+by `num_tokens // block_q + batch_size + 1` query tiles per kv head, fewer
+where sequences of a few tokens run elsewhere (`max_tiles`). A query
 tile is `block_q` consecutive new tokens of ONE sequence; the padding tokens
 past `q_indptr[-1]` form one extra pseudo-sequence with `kv_len = 0`, so their
 tiles write zeros (and `lse = -inf`) and no output row is left unwritten.
@@ -67,7 +68,7 @@ class PrefillPlan:
     KV_LEN:     tokens in the sequence's cache (0 for padding / unused);
     POS_OFFSET: position of token `t` is `t + POS_OFFSET`.
   """
-  tiles: jax.Array  # i32[num_tokens // block_q + batch_size + 1, NUM_FIELDS]
+  tiles: jax.Array  # i32[max_tiles(...), NUM_FIELDS]
   short_tiles: jax.Array | None  # i32[batch_size, NUM_FIELDS] | None
   # i32[batch_size * decode_rows_per_seq] | None: the tokens of each
   # sequence run by the split-K decode kernel (`num_tokens` for none);
@@ -131,9 +132,34 @@ def order_by_work(rows: jax.Array, work: jax.Array) -> jax.Array:
   return jnp.zeros_like(rows).at[rank].set(rows, unique_indices=True)
 
 
-def max_tiles(num_tokens: int, batch_size: int, block_q: int) -> int:
-  """Static grid bound of sum_b cdiv(q_len_b, block_q) (+ padding sequence)."""
-  return num_tokens // block_q + batch_size + 1
+def max_tiles(num_tokens: int, batch_size: int, block_q: int,
+              min_tokens: int = 1) -> int:
+  """Static bound on the tiles of a plan: those of the sequences with at
+  least `min_tokens` new tokens (the shorter ones run elsewhere:
+  `tile_min_tokens`), and of the padding pseudo-sequence.
+
+  A sequence's tiles lie on a grid of `block_q` tokens from its first token
+  rounded down to `align` (a divisor of `block_q`): with `x` that origin
+  and `y` its last token rounded down to `align`, it has
+  `(y - x) // block_q + 1` tiles. Consecutive sequences' `[x, y]` do not
+  overlap and lie in `[0, num_tokens)`, so their first terms sum to at
+  most `num_tokens // block_q`, and a plan has at most that many tiles
+  plus one per sequence with tiles: at most `min(batch_size, num_tokens
+  // min_tokens)` sequences and the padding one. (With `min_tokens` 9, a
+  speculative decoding verify step of 64 sequences of 4 tokens has 31
+  tiles where `num_tokens // block_q + batch_size + 1` has 67.)"""
+  return num_tokens // block_q + min(batch_size,
+                                     num_tokens // max(min_tokens, 1)) + 1
+
+
+def tile_min_tokens(short_block_q: int, split_decode_rows: bool,
+                    decode_rows_per_seq: int) -> int:
+  """New tokens a sequence needs for main tiles of `plan_prefill`: those
+  with `1 <= q_len <= short_block_q` run as short tiles, with
+  `split_decode_rows` those of up to `decode_rows_per_seq` tokens as
+  decode rows (`max_tiles`'s `min_tokens`)."""
+  return max(short_block_q,
+             decode_rows_per_seq if split_decode_rows else 0) + 1
 
 
 def plan_prefill(
@@ -176,7 +202,9 @@ def plan_prefill(
       run by the decode kernel with `split_decode_rows`.
 
   Returns:
-    A `PrefillPlan` with `tiles i32[num_tokens // block_q + batch_size + 1, 5]`.
+    A `PrefillPlan` with `tiles i32[max_tiles(num_tokens, batch_size,
+    block_q, tile_min_tokens(short_block_q, split_decode_rows,
+    decode_rows_per_seq)), 5]`.
 
   Raises:
     ValueError: `decode_rows_per_seq < 1`.
@@ -225,7 +253,8 @@ def plan_prefill(
   n_tiles = jnp.where(is_short | (lens == 0), 0,
                       (lens + lead + block_q - 1) // block_q)
   cum = prefix_sum(n_tiles)
-  num = max_tiles(num_tokens, batch_size, block_q)
+  num = max_tiles(num_tokens, batch_size, block_q, tile_min_tokens(
+      short_block_q, split_decode_rows, rows_per_seq))
   i = jnp.arange(num, dtype=jnp.int32)
   # One fused compare-and-count (the default binary search is a loop of
   # small kernels on the GPU).

@@ -360,9 +360,9 @@ def plan_prefill_mgpu(
       static, as `plan.plan_prefill`.
 
   Returns:
-    A `plan.PrefillPlan`: `tiles i32[num_tokens // block_q + batch_size +
-    1, 5]`, `short_tiles i32[batch_size, 5]` with `short_block_q > 0`,
-    `decode_rows i32[batch_size * decode_rows_per_seq]` with
+    A `plan.PrefillPlan`: `tiles i32[plan.max_tiles(...), 5]` (as
+    `plan.plan_prefill`), `short_tiles i32[batch_size, 5]` with
+    `short_block_q > 0`, `decode_rows i32[batch_size * decode_rows_per_seq]` with
     `split_decode_rows`, and then `decode_kv_lens` of that shape with
     `decode_rows_per_seq > 1`.
 
@@ -383,7 +383,10 @@ def plan_prefill_mgpu(
                  block_q=block_q, align=align)
   if why is not None:
     raise ValueError(f"Invalid case for the Mosaic-GPU plan: {why}")
-  num_tiles = plan_lib.max_tiles(num_tokens, batch_size, block_q)
+  num_tiles = plan_lib.max_tiles(num_tokens, batch_size, block_q,
+                                 plan_lib.tile_min_tokens(
+                                     short_block_q, split_decode_rows,
+                                     rows_per_seq))
   out_type = [jax.ShapeDtypeStruct((num_tiles, plan_lib.NUM_FIELDS),
                                    jnp.int32)]
   if short_block_q > 0:

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pkvattn
 from attention_utils import (assert_close, assert_lse_close, assert_tile_rows,
@@ -276,7 +278,55 @@ def test_plan_covers_every_token_once():
         seen[rows] += 1
         assert_tile_rows(seq, kv, off, rows, q_indptr, q_lens, kv_lens)
     np.testing.assert_array_equal(seen, 1)
-    assert plan.num_tiles == plan_lib.max_tiles(num_tokens, len(q_lens), 4)
+    assert plan.num_tiles == plan_lib.max_tiles(num_tokens, len(q_lens), 4,
+                                                short + 1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(q_lens=st.lists(st.one_of(st.integers(0, 9), st.integers(120, 135),
+                                 st.integers(248, 263), st.integers(0, 300)),
+                       min_size=1, max_size=48),
+       first=st.integers(0, 7), padding=st.integers(0, 140),
+       rows=st.sampled_from([(0, True, 1), (0, True, 8), (8, False, 1),
+                             (4, True, 8), (0, False, 1)]))
+def test_plan_tiles_fit_the_static_bound(q_lens, first, padding, rows):
+  """Sequences whose first token sits anywhere in an 8-row tile and whose
+  length puts their last token just past a 128-token tile (the most tiles
+  a grid of 8-aligned origins gives), among sequences of 0-9 tokens that
+  run as decode rows or short tiles instead: every token is in exactly one
+  main tile, short tile or decode row, so the static tile count
+  (`plan.max_tiles`, from the tokens and the shortest sequence that takes
+  main tiles) never drops one."""
+  short_block_q, split, rows_per_seq = rows
+  q_lens = np.asarray([first] + q_lens)   # the first sequence shifts the rest
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  num_tokens = int(q_indptr[-1]) + padding
+  if num_tokens == 0:
+    return
+  kv_lens = (q_lens + 3).astype(np.int32)
+  plan = jax.jit(plan_lib.plan_prefill, static_argnames=(
+      "num_tokens", "block_q", "short_block_q", "align", "split_decode_rows",
+      "decode_rows_per_seq"))(  # one compile, not one per jnp op
+          jnp.asarray(q_indptr), jnp.asarray(kv_lens), num_tokens=num_tokens,
+          block_q=128, short_block_q=short_block_q, align=8,
+          split_decode_rows=split, decode_rows_per_seq=rows_per_seq)
+  min_tokens = max(short_block_q, rows_per_seq if split else 0) + 1
+  assert plan.num_tiles == (num_tokens // 128 + min(
+      len(q_lens), num_tokens // min_tokens) + 1)
+  seen = np.zeros(num_tokens, int)
+  for seq, start, end, kv, off in np.asarray(plan.tiles):
+    if end > start:
+      tile_rows = np.arange(start, min(end, start - start % 8 + 128))
+      seen[tile_rows] += 1
+      assert_tile_rows(seq, kv, off, tile_rows, q_indptr, q_lens, kv_lens)
+  if plan.short_tiles is not None:
+    for _, start, end, _, _ in np.asarray(plan.short_tiles):
+      seen[start:max(start, end)] += 1
+  if plan.decode_rows is not None:
+    for t in np.asarray(plan.decode_rows):
+      if t < num_tokens:
+        seen[t] += 1
+  np.testing.assert_array_equal(seen, 1)
 
 
 @pytest.mark.parametrize("rank_max_rows", [0, plan_lib.RANK_MAX_ROWS])
