@@ -495,3 +495,66 @@ def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
           out0, lse0, q, jnp.asarray(rows), view.k_pool, view.v_pool,
           view.k_table, view.v_table, jnp.asarray(keys), sinks)
   _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("group,d,page_size,fmt,kw,k_splits,rows_per_seq", [
+    # (tokens_per_item, n_tiles) = (4, 2), (2, 2), (8, 2), (2, 1), (1, 1)
+    (3, 64, 16, "flashinfer", dict(window_left=100, sinks=True), 1, 8),
+    (6, 128, 16, "pair", dict(logits_soft_cap=20.0), 2, 4),
+    (2, 128, 32, "pool", {}, 1, 8),
+    (4, 256, 16, "flashinfer", dict(window_left=300), 1, 8),
+    (8, 256, 64, "pair", dict(sinks=True), 4, 2),
+])
+def test_fp8_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
+                                          k_splits, rows_per_seq):
+  """`paged_decode_rows` on FP8 pages (per-tensor scales) with several
+  token rows per sequence packed into a CTA's MMA columns: each row
+  against the float64 oracle over the DEQUANTIZED pages, with its own key
+  count; NaN in unowned pages and past kv_len; every row not named kept
+  bit for bit."""
+  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  rng = np.random.default_rng()
+  hkv, kv_lens = 2, [0, 1, 7, 129, 4095, 300]
+  p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
+                                        num_kv_heads=hkv, head_dim=d, fmt=fmt)
+  kw = dict(kw)
+  sinks = None
+  if kw.pop("sinks", False):
+    sinks = jnp.asarray(rng.standard_normal(group * hkv), jnp.float32)
+  n = len(kv_lens) * rows_per_seq
+  t = 2 * n + 3
+  q = jnp.asarray(rng.standard_normal((t, group * hkv, d)), jnp.bfloat16)
+  out0 = jnp.asarray(rng.standard_normal((t, group * hkv, d)), jnp.bfloat16)
+  lse0 = jnp.asarray(rng.standard_normal((t, group * hkv)), jnp.float32)
+  rows = rng.permutation(t)[:n].astype(np.int32)
+  rows[1], rows[-1] = t, -1      # rows without a query
+  r = np.arange(rows_per_seq)
+  keys = np.maximum(np.asarray(kv_lens)[:, None] - (rows_per_seq - 1 - r),
+                    0).reshape(-1).astype(np.int32)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  cfg = _config(b=n, hkv=hkv, ps=page_size, max_pages=view.k_table.shape[1],
+                d=d, k_splits=k_splits)
+  out, lse = jax.jit(functools.partial(
+      kernel.paged_decode_rows, sm_scale=d ** -0.5, config=cfg,
+      k_scale=jnp.float32(ks), v_scale=jnp.float32(vs), **kw))(
+          out0, lse0, q, jnp.asarray(rows), view.k_pool, view.v_pool,
+          view.k_table, view.v_table, jnp.asarray(keys), sinks)
+  out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+  written = [w for w in rows if 0 <= w < t]
+  kept = np.setdiff1d(np.arange(t), written)
+  np.testing.assert_array_equal(out[kept], np.asarray(
+      out0.astype(jnp.float32))[kept])
+  np.testing.assert_array_equal(lse[kept], np.asarray(lse0)[kept])
+  qf = np.asarray(q.astype(jnp.float32))
+  for i, w in enumerate(rows):
+    if not 0 <= w < t:
+      continue
+    b = i // rows_per_seq
+    exp, exp_lse = dense_attention(
+        qf[w:w + 1], tk[b], tv[b], [keys[i] - 1], keys[i],
+        sm_scale=d ** -0.5, window_left=kw.get("window_left", -1),
+        logits_soft_cap=kw.get("logits_soft_cap"),
+        sinks=None if sinks is None else np.asarray(sinks))
+    assert_close(out[w:w + 1], exp, jnp.bfloat16, f"row {i}")
+    assert_lse_close(lse[w], exp_lse[0], jnp.bfloat16, f"lse row {i}")
