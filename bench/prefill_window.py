@@ -15,11 +15,12 @@ counted) and by GPU kernel time (profiler), with the plan reused for the
 default too (a model plans once per step). Writes
 `bench/results/prefill_window_<device>.json` and prints a table last.
 
-  python -m bench.prefill_window
+  python -m bench.prefill_window [--specs smollm2_b64_s256_w128,...]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -48,7 +49,14 @@ SPECS = [
 
 
 def main():
-  run_specs(SPECS, "prefill_window")
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--specs", default="",
+                  help="comma-separated spec names (default: all)")
+  want = [x for x in ap.parse_args().specs.split(",") if x]
+  unknown = set(want) - {spec[0] for spec in SPECS}
+  if unknown:
+    ap.error(f"unknown --specs {sorted(unknown)}")
+  run_specs([s for s in SPECS if not want or s[0] in want], "prefill_window")
 
 
 def run_specs(specs, result_name: str):
@@ -97,6 +105,9 @@ def run_specs(specs, result_name: str):
       k = _timing.device_kernel_ms(f, lambda a=a: a, calls=3)
       rows.append(dict(spec=name, impl=impl, median_ms=t["median_ms"],
                        kernel_ms=k, kernel_tflops=flops / k / 1e9))
+      if impl.startswith("pallas default"):
+        # Where the call's GPU time goes, kernel by kernel.
+        rows[-1]["kernels_us"] = _timing.kernel_breakdown_us(f, a, calls=3)
     if run is not None:
       t = _flashinfer.torch_time(run, iters=10, min_time_s=0.1)
       k = _flashinfer.kernel_ms(run, calls=3)
@@ -106,6 +117,8 @@ def run_specs(specs, result_name: str):
       if r["spec"] == name:
         print(f"  {name} {r['impl']:34s} {1e3 * r['median_ms']:8.1f} us "
               f"{1e3 * r['kernel_ms']:8.1f} us kernel", flush=True)
+        for kname, us in r.get("kernels_us", {}).items():
+          print(f"      {us:7.1f} us  {kname[:70]}", flush=True)
     print("  default:", dataclasses.asdict(default), flush=True)
   for c in checks:
     if not c["ok"]:
