@@ -217,13 +217,10 @@ def compile_arm(name, arm, cfg, args, rows, *, num_tokens: int,
                (f"pkvattn, {arm}, plan reused", reused, args + (plan,))]
 
 
-def run_specs(prefix: str, specs, run_spec, description: str):
-  """A bench's command line (`--specs` names, default all) over `specs`
-  (tuples led by their name; `run_spec(*spec, rows=..., checks=...)` runs
-  one):
-  results written to `bench/results/<prefix>_<device>.json` after every
-  spec (a run cut short keeps what it measured), failed checks and a
-  table printed last."""
+def selected_specs(specs, description: str):
+  """The specs (tuples led by their name) that the command line's
+  `--specs` names (comma-separated; default all); an argparse error for a
+  name not among them."""
   ap = argparse.ArgumentParser(description=description)
   ap.add_argument("--specs", default="",
                   help="comma-separated spec names (default: all)")
@@ -231,14 +228,23 @@ def run_specs(prefix: str, specs, run_spec, description: str):
   unknown = set(want) - {spec[0] for spec in specs}
   if unknown:
     ap.error(f"unknown --specs {sorted(unknown)}")
+  return [spec for spec in specs if not want or spec[0] in want]
+
+
+def run_specs(prefix: str, specs, run_spec, description: str):
+  """A bench's command line (`--specs` names, default all) over `specs`
+  (tuples led by their name; `run_spec(*spec, rows=..., checks=...)` runs
+  one):
+  results written to `bench/results/<prefix>_<device>.json` after every
+  spec (a run cut short keeps what it measured), failed checks and a
+  table printed last."""
+  specs = selected_specs(specs, description)
   env = _timing.environment()
   print(env, flush=True)
   dev = env["device"].replace(" ", "_")
   rows, checks = [], []
   written = None
   for spec in specs:
-    if want and spec[0] not in want:
-      continue
     run_spec(*spec, rows=rows, checks=checks)
     written = _timing.write_results(
         f"{prefix}_{dev}", rows,

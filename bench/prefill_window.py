@@ -20,7 +20,6 @@ default too (a model plans once per step). Writes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -49,14 +48,8 @@ SPECS = [
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--specs", default="",
-                  help="comma-separated spec names (default: all)")
-  want = [x for x in ap.parse_args().specs.split(",") if x]
-  unknown = set(want) - {spec[0] for spec in SPECS}
-  if unknown:
-    ap.error(f"unknown --specs {sorted(unknown)}")
-  run_specs([s for s in SPECS if not want or s[0] in want], "prefill_window")
+  run_specs(prefill_plan.selected_specs(SPECS, __doc__.split("\n")[0]),
+            "prefill_window")
 
 
 def run_specs(specs, result_name: str):
