@@ -416,7 +416,10 @@ class Config:
     if self.plan_kernel and self.backend == "mosaic" and (
         _compat.is_hopper()) and plan_mgpu.supports(
             num_tokens=num_tokens, batch_size=kv_lens.shape[0],
-            block_q=self.block_q, align=self.plan_align) is None:
+            block_q=self.block_q, align=self.plan_align,
+            min_tokens=plan_lib.tile_min_tokens(
+                self.short_block_q, self.split_decode_rows,
+                self.decode_rows_per_seq)) is None:
       return plan_mgpu.plan_prefill_mgpu(q_indptr, kv_lens, **kw)
     return plan_lib.plan_prefill(q_indptr, kv_lens, **kw)
 

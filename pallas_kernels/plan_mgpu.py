@@ -68,12 +68,13 @@ _PAD_WORK = -2  # below any tile's work (unused tiles have -1)
 
 
 def supports(*, num_tokens: int, batch_size: int, block_q: int,
-             align: int) -> str | None:
+             align: int, min_tokens: int = 1) -> str | None:
   """Why the kernel does not take a plan (a sentence), or None when it
-  does: at least one sequence, at most `MAX_ROWS` tiles and `MAX_ROWS - 1`
-  sequences, a power-of-two `align`. (Whether the GPU is a Hopper one is
-  the caller's check: the kernel also lowers elsewhere.)"""
-  tiles = plan_lib.max_tiles(num_tokens, batch_size, block_q)
+  does: at least one sequence, at most `MAX_ROWS` tiles (`plan.max_tiles`
+  with `min_tokens`, `plan.tile_min_tokens` of the plan's arguments) and
+  `MAX_ROWS - 1` sequences, a power-of-two `align`. (Whether the GPU is a
+  Hopper one is the caller's check: the kernel also lowers elsewhere.)"""
+  tiles = plan_lib.max_tiles(num_tokens, batch_size, block_q, min_tokens)
   if batch_size < 1:
     return "no sequences"
   if tiles > MAX_ROWS or batch_size + 1 > MAX_ROWS:
@@ -379,14 +380,13 @@ def plan_prefill_mgpu(
   if q_indptr.shape != (batch_size + 1,):
     raise ValueError(f"Invalid q_indptr shape: expected ({batch_size + 1},), "
                      f"got {q_indptr.shape}")
+  min_tokens = plan_lib.tile_min_tokens(short_block_q, split_decode_rows,
+                                        rows_per_seq)
   why = supports(num_tokens=num_tokens, batch_size=batch_size,
-                 block_q=block_q, align=align)
+                 block_q=block_q, align=align, min_tokens=min_tokens)
   if why is not None:
     raise ValueError(f"Invalid case for the Mosaic-GPU plan: {why}")
-  num_tiles = plan_lib.max_tiles(num_tokens, batch_size, block_q,
-                                 plan_lib.tile_min_tokens(
-                                     short_block_q, split_decode_rows,
-                                     rows_per_seq))
+  num_tiles = plan_lib.max_tiles(num_tokens, batch_size, block_q, min_tokens)
   out_type = [jax.ShapeDtypeStruct((num_tiles, plan_lib.NUM_FIELDS),
                                    jnp.int32)]
   if short_block_q > 0:

@@ -55,6 +55,12 @@ def test_supports_and_errors():
                                         block_q=16, align=1)
   assert "exceed" in plan_mgpu.supports(num_tokens=8, batch_size=2048,
                                         block_q=128, align=1)
+  # 2,000 sequences of 8,192 tokens: 2,065 tiles, unless sequences of up
+  # to 8 tokens run as decode rows (at most 910 sequences take tiles).
+  assert "exceed" in plan_mgpu.supports(num_tokens=8192, batch_size=2000,
+                                        block_q=128, align=8)
+  assert plan_mgpu.supports(num_tokens=8192, batch_size=2000, block_q=128,
+                            align=8, min_tokens=9) is None
   assert "no sequences" in plan_mgpu.supports(num_tokens=8, batch_size=0,
                                               block_q=8, align=1)
   assert "power of two" in plan_mgpu.supports(num_tokens=8, batch_size=1,
