@@ -363,9 +363,9 @@ def plan_prefill_mgpu(
   Returns:
     A `plan.PrefillPlan`: `tiles i32[plan.max_tiles(...), 5]` (as
     `plan.plan_prefill`), `short_tiles i32[batch_size, 5]` with
-    `short_block_q > 0`, `decode_rows i32[batch_size * decode_rows_per_seq]` with
-    `split_decode_rows`, and then `decode_kv_lens` of that shape with
-    `decode_rows_per_seq > 1`.
+    `short_block_q > 0`, `decode_rows i32[batch_size *
+    decode_rows_per_seq]` with `split_decode_rows`, and then
+    `decode_kv_lens` of that shape with `decode_rows_per_seq > 1`.
 
   Raises:
     ValueError: a case `supports` rejects, `q_indptr` not of shape
