@@ -258,21 +258,26 @@ class Config:
     512-token chunk at kv 8,192 with window 2,048 (Llama-3-8B heads)
     1.52x / 1.01x (H100, 2026-11-26, `prefill_window_*.json`). FP8 pages
     read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
-    at either head_dim: there the Mosaic-GPU
+    at every head_dim: there the Mosaic-GPU
     kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
     TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
     pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
-    bench/fp8_decode_diag.py). At head_dim 256 (16-bit pages): 128-token
+    bench/fp8_decode_diag.py). At head_dim 256: 128-token
     tiles of one query head, 64-key steps, ping-pong, the output tiles in
-    the q tiles' shared memory; GPU time per call, plan counted, against
+    the q tiles' shared memory (one 64-key FP8 staging stage beside them
+    with FP8 pages); with 16-bit pages, GPU time per call, plan counted, against
     the Triton kernel / FA3 (H100, 2026-11-27,
     `prefill_d256_*.json`): Gemma 3 270M heads (4/1/256) 4 x 2,048 tokens
     1.44 / 1.36x, with its 511-key window 1.01 / 0.82x, 16 x 512 tokens
     1.00 / 0.78x (0.92x FA3 with the plan reused); Gemma 2 2B / 9B heads
     1.56 / 1.73x Triton, 1.23 / 1.29x FA3 (H200 within 0.04 of these).
-    Otherwise (f32, FP8 pages read in the kernel at head_dim 256, other
-    GPUs, interpret mode, or with `backend="triton"`), the Pallas-Triton
-    kernel:
+    FP8 pages read in the kernel at head_dim 256, kernel time against the
+    Triton kernel reading them: 1.55 / 1.35x (Gemma 3 270M heads, 16 x
+    128 tokens at kv 2,048, without / with its 511-key window), 1.74x
+    (Gemma 2 9B heads, 4 x 128 at 4,096; H100, 2026-11-27,
+    `prefill_fp8_d256_*.json`).
+    Otherwise (f32, other GPUs, interpret mode, or with
+    `backend="triton"`), the Pallas-Triton kernel:
 
     At head_dim <= 128: 128 query rows (tokens x group, the group's heads
     packed densely: 42 tokens at group 3) per tile, 64-key
@@ -826,19 +831,6 @@ def paged_prefill(
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None
   if fp8 and config.backend == "mosaic" and (
-      head_dim not in paged_prefill_mgpu.FP8_HEAD_DIMS):
-    # FP8 pages read in the kernel at head_dim 256: the Triton kernel.
-    if not defaulted:
-      raise ValueError(
-          f"Invalid config: the mosaic backend reads FP8 pages at head_dim "
-          f"{paged_prefill_mgpu.FP8_HEAD_DIMS}, got head_dim {head_dim} "
-          f"(use fp8_pages='dequantize' or the triton backend)")
-    config = Config.default_for(group_size=group_size, head_dim=head_dim,
-                                page_size=k_pool.shape[1], dtype=q.dtype,
-                                window_left=window_left, backend="triton",
-                                num_tokens=num_tokens,
-                                batch_size=kv_lens.shape[0])
-  if fp8 and config.backend == "mosaic" and (
       config.mosaic_consumers(group_size) != 2):
     # FP8 tiles read in the kernel are converted by the producer warpgroup,
     # which three consumers leave too few registers: two consumers.
@@ -867,10 +859,9 @@ def paged_prefill(
             f"Invalid plan: built for (block_q, short_block_q, align, "
             f"split_decode_rows, decode_rows_per_seq, num_tokens, "
             f"batch_size) = {got}, expected {want}")
-      # A step's one plan serves layers of both backends (f32 layers, or
-      # FP8 pages at head_dim 256, run the Triton kernel where others run
-      # the mosaic one): the layers the plan was not made for plan for
-      # themselves.
+      # A step's one plan serves layers of both backends (f32 layers run
+      # the Triton kernel where others run the mosaic one): the layers the
+      # plan was not made for plan for themselves.
       plan = None
   if plan is None:
     plan = config.plan(q_indptr, kv_lens, num_tokens=num_tokens,

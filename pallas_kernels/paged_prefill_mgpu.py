@@ -87,9 +87,12 @@ clamped copies bring are zeroed.
 Head_dim 256 (Gemma 2 / Gemma 3 layers): two consumers' q tiles, their
 output tiles and two 64-key K/V stages would take 256 KiB. A consumer's q
 tile is dead once its last QK^T has run, so there its output tile takes
-the same shared memory (`RefUnion`): 196 KiB with 64-key steps. Unpacked
-tiles and 16-bit pages only. `paged_prefill` keeps the Triton kernel for f32, FP8
-pages at head_dim 256 and non-Hopper GPUs (`supports`).
+the same shared memory (`RefUnion`): 196 KiB with 64-key steps; with FP8
+pages one 64-key staging stage more (32 KiB) and no reduction scratch,
+224.5 KiB. Unpacked tiles only. The FP8 conversions (q's from bf16, the
+producer's of staged tiles) go 128 columns at a time, so their registers
+are those of head_dim 128. `paged_prefill` keeps the Triton kernel for f32
+and non-Hopper GPUs (`supports`).
 """
 
 from __future__ import annotations
@@ -109,13 +112,14 @@ BLOCK_Q = 64          # tokens per consumer warpgroup
 TILE_Q = 2 * BLOCK_Q  # tokens per CTA (the plan's block_q), two consumers
 CONSUMERS = (2, 3)    # consumer warpgroups per CTA
 HEAD_DIMS = (64, 128, 256)
-FP8_HEAD_DIMS = (64, 128)  # FP8 staging does not fit beside 256-wide tiles
 SCHEDULES = ("pingpong", "ring")
 ALIGN = 8             # tile origins: TMA lands rows on 8-row swizzle tiles
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 SMEM_BYTES = 227 * 1024  # per CTA on Hopper
-_SLACK = 4096            # barriers, reduction scratch, alignment
+_SLACK = 2048            # barriers, alignment
+_REDUCTION_SCRATCH = 2048  # Mosaic GPU's default; none with FP8 pages
+_CONVERT_COLS = 128      # columns an FP8 / bf16-q conversion pass holds
 
 
 def supports(*, dtype, head_dim: int, page_size: int, window_left: int = -1,
@@ -124,8 +128,7 @@ def supports(*, dtype, head_dim: int, page_size: int, window_left: int = -1,
 
   Needs a Hopper GPU (wgmma is sm_90a only), bf16/f16, head_dim 64, 128 or
   256, and page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing
-  `block_kv` or divisible by it; any `window_left`. (FP8 pages at head_dim
-  256 are not served: `paged_prefill` routes them.)
+  `block_kv` or divisible by it; any `window_left`; bf16/f16 or FP8 pages.
   """
   del window_left  # any window
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -150,18 +153,19 @@ _PRODUCER_REGS = {(2, False): 40, (2, True): 56, (3, False): 24}
 
 def _smem_bytes(num_consumers: int, q_buffers: int, head_dim: int,
                 block_kv: int, num_stages: int, fp8_stages: int,
-                sinks: bool, out_in_q: bool = False) -> int:
+                packed_sinks: bool, out_in_q: bool = False) -> int:
   """Shared memory the kernel allocates (2-byte q and pages in the dots;
-  FP8 staging; the barriers and the 2 KiB reduction scratch in `_SLACK`).
-  `out_in_q`: the output tiles share the q tiles' memory."""
+  FP8 staging; packed tiles' sink logits; the barriers in `_SLACK`; the
+  reduction scratch, which builds on FP8 pages give up). `out_in_q`: the
+  output tiles share the q tiles' memory."""
   n = num_consumers
   rows = BLOCK_Q * head_dim * 2
   q_and_out = (max(q_buffers, 1) if out_in_q else q_buffers + 1) * n * rows
   total = q_and_out + n * BLOCK_Q * 4  # q, out, lse
   total += 2 * num_stages * block_kv * head_dim * 2
   total += 2 * fp8_stages * block_kv * head_dim
-  total += q_buffers * n * BLOCK_Q * 4 if sinks else 0
-  return total + _SLACK
+  total += q_buffers * n * BLOCK_Q * 4 if packed_sinks else 0
+  return total + _SLACK + (0 if fp8_stages else _REDUCTION_SCRATCH)
 
 
 def tile_q(num_consumers: int, pack_group: int = 1) -> int:
@@ -651,10 +655,12 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       if q_from_bf16:
         # FP8 pages: the dots run in f16 (e4m3 converts to f16 in one cvt
         # per pair). q arrived as bf16 bits in an f16 buffer: convert it in
-        # place, clamped to f16's range.
-        x = _compat.mgpu_load(q_smem, plgpu.Layout.WGMMA)
-        q_smem[...] = _fp8.query_for_dots(
-            lax.bitcast_convert_type(x, jnp.bfloat16))
+        # place, clamped to f16's range, 128 columns at a time.
+        for c in range(0, head_dim, _CONVERT_COLS):
+          cols = pl.ds(c, min(_CONVERT_COLS, head_dim))
+          x = _compat.mgpu_load(q_smem.at[:, cols], plgpu.Layout.WGMMA)
+          q_smem[:, cols] = _fp8.query_for_dots(
+              lax.bitcast_convert_type(x, jnp.bfloat16))
         plgpu.commit_smem()
       m = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, f32), row_layout)
       l = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, f32), row_layout)
@@ -809,7 +815,8 @@ def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
   """The producer warpgroup's work for one item with FP8 pages: TMA brings
   each step's pages into FP8 staging rings (`fp8_stages` deep, one for K,
   one for V); the warpgroup converts a staged tile to the dot dtype (f16),
-  64 rows at a time (a 56-register budget), into the stage the consumers
+  64 rows x 128 columns at a time (a 56-register budget), into the stage
+  the consumers
   read, then arrives on that stage's barrier, so the consumers run
   unchanged. A staging slot is refilled right after its conversion
   (`commit_smem`: the warpgroup's reads are done and ordered before the
@@ -819,7 +826,7 @@ def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
   dtype = k_smem.dtype
-  block_kv = k_smem.shape[1]
+  block_kv, head_dim = k_smem.shape[1:]
   i32 = jnp.int32
 
   def convert(src8, bar8, dst, bar, free, i):
@@ -832,8 +839,11 @@ def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
     def _():
       plgpu.barrier_wait(free.at[slot])
     for r in range(0, block_kv, 64):
-      x = _compat.mgpu_load(src8.at[s8, pl.ds(r, 64)], plgpu.Layout.WGMMA)
-      dst[slot, pl.ds(r, 64)] = x.astype(dtype)
+      for c in range(0, head_dim, _CONVERT_COLS):
+        cols = pl.ds(c, min(_CONVERT_COLS, head_dim))
+        x = _compat.mgpu_load(src8.at[s8, pl.ds(r, 64), cols],
+                              plgpu.Layout.WGMMA)
+        dst[slot, pl.ds(r, 64), cols] = x.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(bar.at[slot])
 
@@ -943,9 +953,9 @@ def paged_prefill_mgpu(
   Raises:
     ValueError: an unsupported dtype, head_dim or page_size (see `supports`;
       the GPU model is not checked here), an unsupported
-      (num_consumers, schedule, pages dtype), FP8 pages at head_dim 256,
-      or a head_dim-256 build past the shared memory (packed tiles, 128-key
-      steps).
+      (num_consumers, schedule, pages dtype), or a head_dim-256 build past
+      the shared memory (packed tiles, 128-key steps, two FP8 staging
+      stages).
   """
   plgpu = _mgpu()
   from jax.experimental import pallas as pl  # noqa: PLC0415
@@ -966,10 +976,6 @@ def paged_prefill_mgpu(
   if head_dim not in HEAD_DIMS:
     raise ValueError(
         f"Invalid head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
-  if fp8 and head_dim not in FP8_HEAD_DIMS:
-    raise ValueError(
-        f"Invalid pages dtype: head_dim {head_dim} expects bf16 or f16 "
-        f"pages, got {k_pool.dtype}")
   if page_size < 8 or (page_size < block_kv and block_kv % page_size):
     raise ValueError(
         f"Invalid page_size: expected >= 8 and dividing or divisible by "
@@ -1005,7 +1011,7 @@ def paged_prefill_mgpu(
   # Persistent packed tiles copy the next item's q rows while one runs, into
   # a second q buffer where shared memory has room for it.
   smem_args = (head_dim, block_kv, num_stages, fp8_stages if fp8 else 0,
-               sinks is not None)
+               pack_gqa and sinks is not None)
   q_buffers = 1
   if pack_gqa and persistent and _smem_bytes(n, 2, *smem_args) <= SMEM_BYTES:
     q_buffers = 2

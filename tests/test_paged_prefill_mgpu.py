@@ -225,11 +225,11 @@ def test_backend_choice_and_errors():
         jnp.zeros((4, 16, 2, 96), jnp.bfloat16),
         jnp.zeros((4, 16, 2, 96), jnp.bfloat16), table, table,
         plan.tiles, causal=True, sm_scale=0.1)
-  # head_dim 256: 64-key steps by default; 16-bit pages; 128-key steps or
-  # packed tiles do not fit in shared memory. Sequences of up to 8 tokens
-  # go to the decode kernel, a token a row (no Triton short launch),
-  # whatever the call's tokens per sequence (prompts, all multi-token
-  # decode, or unknown).
+  # head_dim 256: 64-key steps by default; 128-key steps, packed tiles or
+  # two FP8 staging stages do not fit in shared memory. Sequences of up to
+  # 8 tokens go to the decode kernel, a token a row (no Triton short
+  # launch), whatever the call's tokens per sequence (prompts, all
+  # multi-token decode, or unknown).
   for tokens in (8 * 64 + 1, 8 * 64, None):
     d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
                           dtype=jnp.bfloat16, backend="mosaic",
@@ -244,21 +244,14 @@ def test_backend_choice_and_errors():
   q256 = jnp.zeros((16, 8, 256), jnp.bfloat16)
   pool256 = jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
   for kv_dtype, kw, match in (
-      (jnp.float8_e4m3fn, dict(block_kv=64, k_scale=1.0, v_scale=1.0),
-       "pages dtype"),
+      (jnp.float8_e4m3fn, dict(block_kv=64, k_scale=1.0, v_scale=1.0,
+                               fp8_stages=2), "shared memory"),
       (jnp.bfloat16, dict(block_kv=128), "shared memory"),
       (jnp.bfloat16, dict(block_kv=64, pack_gqa=True), "shared memory")):
     with pytest.raises(ValueError, match=match):
       mgpu.paged_prefill_mgpu(q256, pool256.astype(kv_dtype),
                               pool256.astype(kv_dtype), table, table,
                               plan.tiles, causal=True, sm_scale=0.1, **kw)
-  with pytest.raises(ValueError, match="head_dim 256"):
-    kernel.paged_prefill(q256, pool256.astype(jnp.float8_e4m3fn),
-                         pool256.astype(jnp.float8_e4m3fn), table, table,
-                         jnp.array([0, 16], jnp.int32),
-                         jnp.array([16], jnp.int32), sm_scale=0.1,
-                         config=dataclasses.replace(d256, fp8_pages="kernel"),
-                         k_scale=1.0, v_scale=1.0)
   # Three consumers: the ring schedule, head_dim 64, 16-bit pages only.
   for d, kv_dtype, kw in (
       (64, jnp.bfloat16, dict(num_consumers=3)),
@@ -303,6 +296,9 @@ def test_backend_choice_and_errors():
         # head_dim 256: output tiles in the q tiles' memory, 64-key steps.
         (512, 16, 256, True, None, True, False, 2, "pingpong", 0, 0, -1),
         (300, 8, 256, True, 50.0, False, False, 2, "ring", 0, 1, 511),
+        # ... with FP8 pages: one 64-key staging stage, 128-column converts.
+        (512, 16, 256, True, None, True, True, 2, "pingpong", 0, 0, -1),
+        (300, 8, 256, False, 50.0, False, True, 2, "ring", 0, 1, 511),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                                      soft_cap, sinks, fp8, consumers,
@@ -595,12 +591,16 @@ def test_window_matches_oracle_gpu(form, page_size, group, d, causal,
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("fmt,page_size,group,d,causal,soft_cap", [
-    ("pool", 16, 4, 128, True, None),
-    ("pair", 8, 1, 64, True, None),
-    ("flashinfer", 128, 8, 128, False, 30.0),
-    ("pool", 16, 3, 64, True, None),
+@pytest.mark.parametrize("fmt,page_size,group,d,causal,soft_cap,pack", [
+    (*case, pack) for pack in (False, True) for case in (
+        ("pool", 16, 4, 128, True, None),
+        ("pair", 8, 1, 64, True, None),
+        ("flashinfer", 128, 8, 128, False, 30.0),
+        ("pool", 16, 3, 64, True, None))] + [
+    # head_dim 256: unpacked tiles, one 64-key staging stage.
+    ("pool", 16, 4, 256, True, None, False),
+    ("flashinfer", 64, 2, 256, True, 50.0, False),
+    ("pair", 8, 8, 256, False, None, False),
 ])
 def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
                                     soft_cap, pack):
@@ -644,9 +644,9 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
 @pytest.mark.parametrize("fp8", [False, True])
 def test_head_dim_256_default_on_hopper(monkeypatch, fp8):
   """Cross-lowered for CUDA as on a Hopper GPU, the default at head_dim 256
-  runs the main launch on the Mosaic-GPU kernel with 16-bit pages, and on
-  the Triton kernel with FP8 pages read in the kernel (which the Mosaic-GPU
-  kernel does not serve at that size), replanning for its tiles."""
+  runs the main launch on the Mosaic-GPU kernel with 16-bit pages and with
+  FP8 pages read in the kernel alike, on the step's plan: no Pallas-Triton
+  launch is left."""
   import re
   from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
   monkeypatch.setattr(_compat, "is_hopper", lambda: True)
@@ -667,9 +667,12 @@ def test_head_dim_256_default_on_hopper(monkeypatch, fp8):
       sds((t, hq, d), jnp.bfloat16), sds((pages, ps, hkv, d), kv_dtype),
       sds((b, 2, 8), jnp.int32), sds((b + 1,), jnp.int32),
       sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  # The Triton main launch at head_dim 256: 32 tokens x group 4 per tile,
-  # 32-key tiles (`Config.default_for`); the short launch has 8 tokens.
-  assert bool(re.search(r"paged_prefill_bq32_bk32_g4", text)) == fp8
+  # Three Mosaic-GPU launches: the step's plan (a replanned call would run
+  # the plan kernel once more), the main launch and the decode rows'.
+  calls = re.findall(r"custom_call @(\w+)", text)
+  assert len(calls) == 3 and all(c.startswith("mosaic_gpu") for c in calls)
+  # Pallas-Triton kernels are named `paged_prefill_bq{block_q}_...`.
+  assert not re.search(r"paged_prefill_bq\d+", text)
 
 
 def test_mosaic_path_has_no_pool_copies():
