@@ -9,7 +9,7 @@ launch a call runs one Triton launch and part of the plan fewer. This bench
 runs both configs in one process (each compiled after `jax.clear_caches()`)
 on SmolLM2's heads (9/3/64, page 16, bf16):
 
-* prompts of 256 / 512 tokens (64 / 32 sequences);
+* prompts of 256 / 512 / 1,024 tokens (64 / 32 / 16 sequences);
 * 64 sequences of 4 new tokens at 2,048 keys (multi-token decode);
 * a mixed step: 4 prompts of 512 tokens, 60 sequences of 4 tokens and 64
   decode rows at 2,048 keys.
@@ -41,7 +41,7 @@ from pkvattn.pallas_kernels import paged_prefill as pp  # noqa: E402
 
 # (name, q_lens, kv_lens)
 SPECS = [(f"causal_b{b}_s{s}", [s] * b, [s] * b)
-         for b, s in ((64, 256), (32, 512))]
+         for b, s in ((64, 256), (32, 512), (16, 1024))]
 SPECS += [("multi_token_64x4_kv2048", [4] * 64, [2048] * 64),
           ("mixed_4x512_60x4_64x1_kv2048", [512] * 4 + [4] * 60 + [1] * 64,
            [512] * 4 + [2048] * 124)]
