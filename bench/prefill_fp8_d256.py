@@ -13,7 +13,8 @@ in one process:
 
 Each FP8 arm's output is checked against the Triton FP8 arm's (the f64
 oracle tests are in tests/test_paged_prefill_mgpu.py), then each arm is
-timed per call (`_timing.time_fn`, plan counted) and by GPU kernel time.
+timed per call (`_timing.time_fn`, plan counted; `per_call_us`) and by GPU
+kernel time (`gpu_us`).
 
 Specs (page 16, causal; NaN in the pool's unowned pages):
 * Gemma 3 270M heads (4/1/256): 16 chunks of 128 tokens at kv 2,048, with
@@ -60,70 +61,59 @@ SPECS = [
 ]
 
 
-def main():
-  specs = prefill_plan.selected_specs(SPECS, __doc__.split("\n")[0])
-  env = _timing.environment()
-  print(env, flush=True)
-  rows, checks = [], []
-  for name, heads, q_lens, kv_lens, w in specs:
-    hq, hkv, d = heads
-    b, t = len(q_lens), sum(q_lens)
-    sm_scale = 1 / math.sqrt(d)
-    sp = bp.build_spec(jax.random.key(0), q_lens, kv_lens, 16, heads)
-    pool = sp["pool"]
-    scale = float(jnp.nanmax(jnp.abs(pool.astype(jnp.float32)))) / _kv.FP8_MAX
-    pool8 = _kv.quantize(pool, scale)
-    kw = dict(group_size=hq // hkv, head_dim=d, page_size=16,
-              dtype=jnp.bfloat16, window_left=w)
-    default = pp.Config.default_for(**kw, num_tokens=t, batch_size=b)
-    triton = pp.Config.default_for(**kw, backend="triton")
-    arms = {
-        "mosaic fp8 in kernel": (dataclasses.replace(
-            default, fp8_pages="kernel"), pool8),
-        "triton fp8 in kernel": (dataclasses.replace(
-            triton, fp8_pages="kernel"), pool8),
-        "mosaic fp8 dequantize": (dataclasses.replace(
-            default, fp8_pages="dequantize"), pool8),
-        "mosaic bf16 pages": (default, pool),
-    }
-    flops = 4 * d * hq * bp.visible_pairs(q_lens, kv_lens, w)
+def run_spec(name, heads, q_lens, kv_lens, w, *, rows, checks):
+  """Checks and times the four arms on one spec (`prefill_plan.run_specs`)."""
+  hq, hkv, d = heads
+  b, t = len(q_lens), sum(q_lens)
+  sm_scale = 1 / math.sqrt(d)
+  sp = bp.build_spec(jax.random.key(0), q_lens, kv_lens, 16, heads)
+  pool = sp["pool"]
+  scale = float(jnp.nanmax(jnp.abs(pool.astype(jnp.float32)))) / _kv.FP8_MAX
+  pool8 = _kv.quantize(pool, scale)
+  kw = dict(group_size=hq // hkv, head_dim=d, page_size=16,
+            dtype=jnp.bfloat16, window_left=w)
+  default = pp.Config.default_for(**kw, num_tokens=t, batch_size=b)
+  triton = pp.Config.default_for(**kw, backend="triton")
+  arms = {
+      "mosaic fp8 in kernel": (dataclasses.replace(
+          default, fp8_pages="kernel"), pool8),
+      "triton fp8 in kernel": (dataclasses.replace(
+          triton, fp8_pages="kernel"), pool8),
+      "mosaic fp8 dequantize": (dataclasses.replace(
+          default, fp8_pages="dequantize"), pool8),
+      "mosaic bf16 pages": (default, pool),
+  }
+  flops = 4 * d * hq * bp.visible_pairs(q_lens, kv_lens, w)
 
-    def fn(cfg, fp8):
-      scales = dict(k_scale=jnp.float32(scale),
-                    v_scale=jnp.float32(scale)) if fp8 else {}
-      return jax.jit(lambda q, p, kt, vt, qi, kl: pp.paged_prefill(
-          q, p, p, kt, vt, qi, kl, None, causal=True, sm_scale=sm_scale,
-          window_left=w, config=cfg, **scales)[0])
+  def fn(cfg, fp8):
+    scales = dict(k_scale=jnp.float32(scale),
+                  v_scale=jnp.float32(scale)) if fp8 else {}
+    return jax.jit(lambda q, p, kt, vt, qi, kl: pp.paged_prefill(
+        q, p, p, kt, vt, qi, kl, None, causal=True, sm_scale=sm_scale,
+        window_left=w, config=cfg, **scales)[0])
 
-    calls = {}
-    for impl, (cfg, p) in arms.items():
-      calls[impl] = (fn(cfg, p.dtype != pool.dtype),
-                     (sp["q"], p, sp["k_table"], sp["v_table"],
-                      sp["q_indptr"], sp["kv_lens"]))
-    f, a = calls["triton fp8 in kernel"]
-    want = jax.block_until_ready(f(*a))
-    for impl, (f, a) in calls.items():
-      err = bp.rel_err(f(*a), want)
-      # bf16 pages differ from FP8 ones by the quantization (~3% a value).
-      tol = 1e-1 if impl.endswith("bf16 pages") else 1e-2
-      checks.append(dict(spec=name, check=f"{impl} vs triton fp8",
-                         rel_err=err, ok=err < tol))
-    for impl, (f, a) in calls.items():
-      tm = _timing.time_fn(f, *a, iters=10, min_time_s=0.1)
-      k = _timing.device_kernel_ms(f, lambda a=a: a, calls=3)
-      rows.append(dict(spec=name, impl=impl, median_ms=tm["median_ms"],
-                       kernel_ms=k, kernel_tflops=flops / k / 1e9))
-      print(f"  {name} {impl:24s} {1e3 * tm['median_ms']:8.1f} us "
-            f"{1e3 * k:8.1f} us kernel", flush=True)
-  for c in checks:
-    if not c["ok"]:
-      print("CHECK FAILED", c)
-  dev = env["device"].replace(" ", "_")
-  print("wrote", _timing.write_results(f"prefill_fp8_d256_{dev}", rows,
-                                       extra=dict(checks=checks)))
-  _timing.print_table(rows, ["spec", "impl", "median_ms", "kernel_ms",
-                             "kernel_tflops"])
+  calls = {}
+  for impl, (cfg, p) in arms.items():
+    calls[impl] = (fn(cfg, p.dtype != pool.dtype),
+                   (sp["q"], p, sp["k_table"], sp["v_table"],
+                    sp["q_indptr"], sp["kv_lens"]))
+  f, a = calls["triton fp8 in kernel"]
+  want = jax.block_until_ready(f(*a))
+  for impl, (f, a) in calls.items():
+    err = bp.rel_err(f(*a), want)
+    # bf16 pages differ from FP8 ones by the quantization (~3% a value).
+    tol = 1e-1 if impl.endswith("bf16 pages") else 1e-2
+    checks.append(dict(spec=name, check=f"{impl} vs triton fp8",
+                       rel_err=err, ok=err < tol))
+  for impl, (f, a) in calls.items():
+    tm = _timing.time_fn(f, *a, iters=10, min_time_s=0.1)
+    k = _timing.device_kernel_ms(f, lambda a=a: a, calls=3)
+    rows.append(dict(spec=name, impl=impl, per_call_us=1e3 * tm["median_ms"],
+                     gpu_us=1e3 * k, kernel_tflops=flops / k / 1e9))
+    print(f"  {name} {impl:24s} {rows[-1]['per_call_us']:8.1f} us "
+          f"{rows[-1]['gpu_us']:8.1f} us GPU", flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  prefill_plan.run_specs("prefill_fp8_d256", SPECS, run_spec,
+                         __doc__.split("\n")[0])
