@@ -396,9 +396,11 @@ def test_kernel_lowers_to_triton(soft_cap, fast):
   args = [sds((t, hq, d), jnp.bfloat16), sds((n, ps, hkv, d), jnp.bfloat16),
           sds((b, 2, n // b), jnp.int32), sds((b + 1,), jnp.int32),
           sds((b,), jnp.int32)]
+  # The Triton configs by name: on a Hopper host the default would be the
+  # Mosaic-GPU kernel's.
   config = dataclasses.replace(
       _C.default_for(group_size=hq // hkv, head_dim=d, page_size=ps,
-                     dtype=jnp.bfloat16), fast_exp2=fast)
+                     dtype=jnp.bfloat16, backend="triton"), fast_exp2=fast)
 
   def f(q, pool, table, q_indptr, kv_lens):
     return kernel.paged_prefill(
