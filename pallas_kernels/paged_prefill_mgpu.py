@@ -70,10 +70,10 @@ FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
 FP8 staging ring and the producer warpgroup converts each staged tile to f16
 into the stage the consumers read (`_fp8_producer`); q is converted to f16
 once per item; K's scale multiplies the logits and V's the output. 128-key
-steps with one staging stage is what fits in 227 KiB of shared memory (the
-reduction scratch, unused by the row reductions of the WGMMA layout, is
-given up for it). FP8 pages run two consumers: the converting producer needs
-the registers a third consumer would take.
+steps (64 at head_dim 256) with one staging stage is what fits in 227 KiB
+of shared memory (the reduction scratch, unused by the row reductions of
+the WGMMA layout, is given up for it). FP8 pages run two consumers: the
+converting producer needs the registers a third consumer would take.
 
 Sliding window (`window_left`): an item's steps start at the block of the
 first key its first token sees, for the producer and every consumer alike
@@ -816,9 +816,8 @@ def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
   each step's pages into FP8 staging rings (`fp8_stages` deep, one for K,
   one for V); the warpgroup converts a staged tile to the dot dtype (f16),
   64 rows x 128 columns at a time (a 56-register budget), into the stage
-  the consumers
-  read, then arrives on that stage's barrier, so the consumers run
-  unchanged. A staging slot is refilled right after its conversion
+  the consumers read, then arrives on that stage's barrier, so the
+  consumers run unchanged. A staging slot is refilled right after its conversion
   (`commit_smem`: the warpgroup's reads are done and ordered before the
   next TMA write), so the next K load flies while V converts, and the next
   V load while K does. `g`: the item's first global step (both rings run
