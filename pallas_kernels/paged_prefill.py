@@ -540,6 +540,11 @@ def _paged_prefill_kernel(
   q_pos = token + pos_offset  # [rows]; rows past q_end are never stored
   if has_scales:
     q = _fp8.query_for_dots(q)
+  # f32 dots in full f32 (Triton's IEEE input precision), as the decode
+  # kernel's: the default would round both operands to TF32 on the GPU
+  # (about 1e-3 off the float64 oracle at head_dim 64; interpret mode is
+  # exact either way).
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
   # Key ranges in tokens: [kv_lo, kv_hi) is what any row of the tile can see;
   # [full_lo, full_hi) is what every row sees (tiles inside need no mask).
@@ -624,7 +629,8 @@ def _paged_prefill_kernel(
     acc, m_prev, l_prev = carry
     k, load_v = load_kv(blk, masked)
     j = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    s = plgpu.dot(q, k, trans_b=True)  # f32[rows, block_k]
+    s = plgpu.dot(q, k, trans_b=True,
+                  precision=precision)  # f32[rows, block_k]
     if has_scales:
       s = s * scales_ref[0]
     if logits_soft_cap is not None:
@@ -651,7 +657,8 @@ def _paged_prefill_kernel(
       p = jnp.where(vis, p, 0.0)
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     v = load_v()
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
+                                           precision=precision)
     return acc, m_next, l_next
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),

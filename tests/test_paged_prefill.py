@@ -397,10 +397,13 @@ def test_kernel_lowers_to_triton(soft_cap, fast):
           sds((b, 2, n // b), jnp.int32), sds((b + 1,), jnp.int32),
           sds((b,), jnp.int32)]
   # The Triton configs by name: on a Hopper host the default would be the
-  # Mosaic-GPU kernel's.
+  # Mosaic-GPU kernel's. Decode rows stay in the short launch: the decode
+  # kernel they would go to (on a Hopper host, a Mosaic-GPU one with its own
+  # inline-PTX exp2) is not this config's.
   config = dataclasses.replace(
       _C.default_for(group_size=hq // hkv, head_dim=d, page_size=ps,
-                     dtype=jnp.bfloat16, backend="triton"), fast_exp2=fast)
+                     dtype=jnp.bfloat16, backend="triton"), fast_exp2=fast,
+      split_decode_rows=False)
 
   def f(q, pool, table, q_indptr, kv_lens):
     return kernel.paged_prefill(
