@@ -28,7 +28,11 @@ Where the errors surface:
 
     (`jax.jit(checkify.checkify(step))` works too.) Without `checkify`, JAX
     refuses to trace the staged checks ("Cannot abstractly evaluate a
-    checkify.check which was not functionalized").
+    checkify.check which was not functionalized"). A staged op whose
+    contract fails does not run its attention kernels (`guard`) and
+    returns NaN. The other ops do what they do unchecked, where nothing
+    goes out of range: append ops skip the offending tokens, cache ops
+    refuse or ignore the request.
 
 The checks are a separate small function of the ops' integer inputs; the
 ops' own bodies (and the kernels) are traced with the flag off
@@ -42,6 +46,7 @@ This module depends on jax only (the `cache` package never imports `pkvattn`).
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +54,8 @@ from jax.experimental import checkify
 
 # Read at trace time; part of the jit cache key (jax.make_user_context).
 _CHECKED = jax.make_user_context(False)
+# `run`'s staged branch: a stack of predicate lists that `require` fills.
+_COLLECTING = threading.local()
 
 
 def checked(enabled: bool = True):
@@ -105,8 +112,14 @@ def unchecked():
 
 
 def require(pred, msg: str, *fmt_args) -> None:
-  """`checkify.check(pred, msg, *fmt_args)`: one contract clause."""
+  """`checkify.check(pred, msg, *fmt_args)`: one contract clause.
+
+  Inside `run`'s staged branch the predicate is also collected, so that
+  `run` can return whether every clause held."""
   checkify.check(pred, msg, *fmt_args)
+  stack = getattr(_COLLECTING, "stack", None)
+  if stack:
+    stack[-1].append(pred)
 
 
 def first_true(mask):
@@ -146,16 +159,41 @@ def _functionalized(fn, statics):
   return jax.jit(checkify.checkify(functools.partial(fn, **dict(statics))))
 
 
-def run(fn, *args, **statics) -> None:
+def run(fn, *args, **statics):
   """Runs the contract function `fn(*args, **statics)` (made of `require`s).
 
   Eager (no tracer among `args`): runs it jitted and checkified, raising
-  `checkify.JaxRuntimeError` (a `ValueError`) on the first violated clause.
-  Traced: stages the checks into the caller's program (module docstring).
-  `statics` must be hashable.
+  `checkify.JaxRuntimeError` (a `ValueError`) on the first violated clause,
+  and returns None. Traced: stages the checks into the caller's program
+  (module docstring) and returns `bool[]`, True where every clause holds,
+  for `guard`. `statics` must be hashable.
   """
   if _is_traced(args):
-    fn(*args, **statics)
-    return
+    stack = _COLLECTING.__dict__.setdefault("stack", [])
+    stack.append([])
+    try:
+      fn(*args, **statics)
+    finally:
+      preds = stack.pop()
+    ok = jnp.bool_(True)
+    for pred in preds:
+      ok = ok & jnp.asarray(pred, bool)
+    return ok
   err, _ = _functionalized(fn, tuple(sorted(statics.items())))(*args)
   err.throw()
+  return None
+
+
+def guard(ok, body, fallback):
+  """`body()` where the staged contract holds, else `fallback()`.
+
+  `ok` is `run`'s result: None (eager, already checked, or unchecked) runs
+  `body()` alone; a `bool[]` runs `jax.lax.cond(ok, body, fallback)`, so a
+  staged call whose contract fails never runs the op's body (a kernel
+  would read or write pages outside the pools: on a GPU, an illegal
+  address that ends the process's CUDA context). The two must return the
+  same shapes and dtypes.
+  """
+  if ok is None:
+    return body()
+  return jax.lax.cond(ok, body, fallback)

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 from pkvattn.cache._contract import checked as checked
 from pkvattn.cache._contract import enabled as enabled
 from pkvattn.cache._contract import first_true
+from pkvattn.cache._contract import guard as guard
 from pkvattn.cache._contract import require
 from pkvattn.cache._contract import run as run
 from pkvattn.cache._contract import unchecked as unchecked
 
 __all__ = ["append_contract", "attention_contract", "checked", "enabled",
-           "run", "unchecked"]
+           "guard", "run", "unchecked"]
 
 
 def _tables(table):

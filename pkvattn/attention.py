@@ -116,8 +116,11 @@ def paged_decode(
     check: checked mode (`pkvattn.checked`; None follows it): `kv_lens` in
       `[0, max_pages * page_size]` and a page id in `[0, num_pages)` for every
       block the query can see (from the window start, or 0, to
-      `cdiv(kv_lens[b], page_size)`). Unchecked, nothing verifies them (an
-      out-of-range page reads whatever the gather clamps to).
+      `cdiv(kv_lens[b], page_size)`). Unchecked, nothing verifies them: an
+      out-of-range page reads whatever the XLA gather clamps to, and out of
+      bounds in the GPU kernels (undefined; an illegal-address error ends
+      the CUDA context). Staged in a caller's checkified jit, a call whose
+      contract fails runs no kernel and returns NaN `out` and `lse`.
     k_scale, v_scale: f32 scalars (floats or 0-d arrays, may be traced) for
       an FP8 `kv_cache`: a stored page value `x` means `x * k_scale` (vLLM /
       FlashInfer per-tensor convention, stored value = x / scale). Required
@@ -151,26 +154,30 @@ def paged_decode(
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
   impl = _resolve_impl(impl)
+  ok = None
   if _contract.enabled(check):
-    _contract.run(_contract.attention_contract, view.table, kv_lens,
-                  num_pages=view.num_pages, page_size=view.page_size,
-                  num_tokens=q.shape[0], window_left=window_left)
+    ok = _contract.run(_contract.attention_contract, view.table, kv_lens,
+                       num_pages=view.num_pages, page_size=view.page_size,
+                       num_tokens=q.shape[0], window_left=window_left)
   kv_lens = kv_lens.astype(jnp.int32)
-  with _contract.unchecked():  # the kernels: their unchecked compilation
+
+  def body():
     if q.shape[0] == 0:
-      out, lse = _empty(q)
-    elif impl == "xla":
-      out, lse = reference.paged_decode_reference(
+      return _empty(q)
+    if impl == "xla":
+      return reference.paged_decode_reference(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
           *scales, sm_scale=sm_scale, window_left=window_left,
           logits_soft_cap=logits_soft_cap)
-    else:
-      from pkvattn.pallas_kernels import paged_decode as kernel
-      out, lse = kernel.paged_decode(
-          q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
-          sm_scale=sm_scale, window_left=window_left,
-          logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu(),
-          **_scale_kwargs(scales))
+    from pkvattn.pallas_kernels import paged_decode as kernel
+    return kernel.paged_decode(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
+        sm_scale=sm_scale, window_left=window_left,
+        logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu(),
+        **_scale_kwargs(scales))
+
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    out, lse = _contract.guard(ok, body, lambda: _violated(q))
   return (out, lse) if return_lse else out
 
 
@@ -231,6 +238,7 @@ def paged_prefill(
       page_size`, and a page id in `[0, num_pages)` for every block a query
       can see (from the first query's window start, or 0, to
       `cdiv(kv_lens[b], page_size)`; rows without queries see none).
+      Unchecked and staged as in `paged_decode`.
     k_scale, v_scale: as in `paged_decode` (FP8 pages). With at least
       1,024 query rows (tokens x GQA group) per sequence, the pallas path
       first dequantizes the pages the table names into a compact 16-bit
@@ -261,32 +269,37 @@ def paged_prefill(
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
   impl = _resolve_impl(impl)
+  ok = None
   if _contract.enabled(check):
-    _contract.run(_contract.attention_contract, view.table, kv_lens, q_indptr,
-                  num_pages=view.num_pages, page_size=view.page_size,
-                  num_tokens=q.shape[0], window_left=window_left)
+    ok = _contract.run(_contract.attention_contract, view.table, kv_lens,
+                       q_indptr, num_pages=view.num_pages,
+                       page_size=view.page_size, num_tokens=q.shape[0],
+                       window_left=window_left)
   kv_lens = kv_lens.astype(jnp.int32)
   q_indptr = q_indptr.astype(jnp.int32)
-  with _contract.unchecked():  # the kernels: their unchecked compilation
+
+  def body():
     if batch_size == 0 or q.shape[0] == 0:
-      out, lse = _empty(q)
-    elif causal and q.shape[0] <= batch_size:
-      out, lse = _prefill_as_decode(
+      return _empty(q)
+    if causal and q.shape[0] <= batch_size:
+      return _prefill_as_decode(
           q, view, q_indptr, kv_lens, sinks, scales, impl=impl,
           sm_scale=sm_scale, window_left=window_left,
           logits_soft_cap=logits_soft_cap)
-    elif impl == "xla":
-      out, lse = reference.paged_prefill_reference(
+    if impl == "xla":
+      return reference.paged_prefill_reference(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
           kv_lens, sinks, *scales, causal=bool(causal), sm_scale=sm_scale,
           window_left=window_left, logits_soft_cap=logits_soft_cap)
-    else:
-      from pkvattn.pallas_kernels import paged_prefill as kernel
-      out, lse = kernel.paged_prefill(
-          q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
-          kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
-          window_left=window_left, logits_soft_cap=logits_soft_cap,
-          interpret=not _checks.is_gpu(), plan=plan, **_scale_kwargs(scales))
+    from pkvattn.pallas_kernels import paged_prefill as kernel
+    return kernel.paged_prefill(
+        q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
+        kv_lens, sinks, causal=bool(causal), sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap,
+        interpret=not _checks.is_gpu(), plan=plan, **_scale_kwargs(scales))
+
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    out, lse = _contract.guard(ok, body, lambda: _violated(q))
   return (out, lse) if return_lse else out
 
 
@@ -301,6 +314,12 @@ def _empty(q):
   """The output of tokens that see nothing (padding): zeros and -inf."""
   out = jnp.zeros(q.shape, q.dtype)
   return out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+
+
+def _violated(q):
+  """The output of a staged checked call whose contract failed: NaN."""
+  out = jnp.full(q.shape, jnp.nan, q.dtype)
+  return out, jnp.full(q.shape[:2], jnp.nan, jnp.float32)
 
 
 def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, scales,
