@@ -67,16 +67,14 @@ def main():
   qd = sp["q"][n:][:, None]
   kd, vd = sp["k"][PROMPTS:, :DECODE_KV], sp["v"][PROMPTS:, :DECODE_KV]
 
-  def cudnn(causal):
-    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, scale=SM_SCALE, implementation="cudnn"))
   ours = _paged(sp, range(PROMPTS + DECODES))
   arms = [("ours, whole step", *ours),
           ("ours, prompts alone", *_paged(sp, range(PROMPTS))),
           ("ours, decode rows alone",
            *_paged(sp, range(PROMPTS, PROMPTS + DECODES))),
-          ("cudnn, prompts", cudnn(True), (qp, kp, vp)),
-          ("cudnn, decode rows", cudnn(False), (qd, kd, vd))]
+          ("cudnn, prompts", bp.cudnn_fn(SM_SCALE, True), (qp, kp, vp)),
+          ("cudnn, decode rows", bp.cudnn_fn(SM_SCALE, False),
+           (qd, kd, vd))]
   out = np.asarray(ours[0](*ours[1]), np.float32)
   want = np.asarray(arms[4][1](qd, kd, vd), np.float32)[0, 0]
   err = float(np.abs(out[n] - want).max())

@@ -25,7 +25,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
@@ -61,11 +60,8 @@ SPECS = [
 
 def run_spec(name, heads, q_lens, kv_lens, window_left, *, rows, checks):
   hq, hkv, d = heads
-  _, args = prefill_plan.spec_args(q_lens, kv_lens, heads)
-  cfg = pp.Config.default_for(
-      group_size=hq // hkv, head_dim=d, page_size=16, dtype=jnp.bfloat16,
-      window_left=window_left, num_tokens=sum(q_lens),
-      batch_size=len(q_lens))
+  _, args, cfg, _ = prefill_plan.default_setup(q_lens, kv_lens, heads,
+                                               window_left)
   outs = {}
   for persistent in (cfg.mosaic_persistent, not cfg.mosaic_persistent):
     c = dataclasses.replace(cfg, mosaic_persistent=persistent)
