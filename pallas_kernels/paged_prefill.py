@@ -79,6 +79,12 @@ DEQUANTIZE_MIN_ROWS = 1024
 # the GQA group packed into its rows, persistent, below this many new tokens
 # per sequence; its three-consumer form, one query head per CTA, from it.
 MOSAIC_D64_MIN_TOKENS = 2048
+# `Config.default_for` at head_dim 128 on Hopper without a window: one CTA
+# per SM (`mosaic_persistent`) where the plan's static tile bound
+# (`plan.max_tiles`) is at least this many times the tiles the step's
+# tokens could fill (`num_tokens // block_q + 1`): steps of many sequences
+# and few prompts, whose spare tiles would each launch a CTA.
+MOSAIC_PERSISTENT_SPARE_RATIO = 2
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -228,7 +234,11 @@ class Config:
     window), the main launch is the Mosaic-GPU kernel
     (`paged_prefill_mgpu.supports`). At head_dim 128: 128 tokens per tile
     (two consumer warpgroups of 64), 128-key steps, two stages; 0.93-0.98x
-    cuDNN on H200 where the Triton kernel reaches 0.70-0.78x. At head_dim
+    cuDNN on H200 where the Triton kernel reaches 0.70-0.78x. One CTA per
+    (head, tile) item, or, without a window, one per SM
+    (`mosaic_persistent`) where the plan's static tile bound is at least
+    `MOSAIC_PERSISTENT_SPARE_RATIO` times the tiles the tokens could fill
+    (both static: steps of many sequences and few prompts). At head_dim
     64, from `MOSAIC_D64_MIN_TOKENS` new tokens per sequence (`num_tokens
     >= 2048 * batch_size`; both static), it runs 192
     tokens per tile (three consumer warpgroups passing a token, as
@@ -341,12 +351,29 @@ class Config:
       # Llama-3-8B heads at 2,048 keys 177 / 199, Llama-3-70B heads 272 /
       # 322, Gemma 2 2B at 4,096 278 / 294, Gemma 3 173 / 201; a mixed
       # step (2 x 1,024 + 16 x 3 + 16 x 1 tokens at 4,096 keys) 204 / 289.
-      return cls(block_q=paged_prefill_mgpu.tile_q(3 if three else 2),
+      block_q = paged_prefill_mgpu.tile_q(3 if three else 2)
+      # Steps whose static grid is mostly spare tiles (many sequences, few
+      # prompts: an engine's mixed and verify steps) run one CTA per SM.
+      # GPU time a call against one CTA per item, Llama-3-8B heads, H200 /
+      # H100, 2026-11-27 (`prefill_persistent_*.json`): 2 x 2,048 + 64
+      # decode rows at 4,096 keys 0.984 / 0.989x, 4 x 512 + 60 x 4 + 64 x
+      # 1 at 2,048 0.958 / 0.967x, 64 x 4 at 2,048 0.979 / 0.987x. Prompts
+      # keep one CTA per item: 2 x 2,048 tokens took 1.06x as long on one
+      # CTA per SM (H200), Mistral-7B's 4,096-key window 1.07 / 1.08x,
+      # head_dim 256 1.22-1.41x.
+      persistent = (
+          head_dim == 128 and window_left < 0 and num_tokens is not None
+          and batch_size is not None and plan_lib.max_tiles(
+              num_tokens, batch_size, block_q, plan_lib.tile_min_tokens(
+                  0, True, short_block_q))
+          >= MOSAIC_PERSISTENT_SPARE_RATIO * (num_tokens // block_q + 1))
+      return cls(block_q=block_q,
                  block_k=mosaic_block_k, num_stages=2, short_block_q=0,
                  short_block_k=mosaic_block_k,
                  decode_rows_per_seq=short_block_q,
                  backend="mosaic",
-                 mosaic_schedule="ring" if three else "pingpong")
+                 mosaic_schedule="ring" if three else "pingpong",
+                 mosaic_persistent=persistent)
     wide = jnp.dtype(dtype).itemsize >= 4
     rows = 64 if wide else 128
     if head_dim <= 128:

@@ -137,6 +137,54 @@ def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
                                      "pingpong", False)
 
 
+def test_default_for_head_dim_128_persistent_where_spare_tiles_dominate(
+    monkeypatch):
+  """On Hopper at head_dim 128, a step whose plan can have at least twice
+  the tiles its tokens fill (many sequences, few prompts) runs one CTA per
+  SM; prompts, windows, head_dim 256 and unknown token counts keep one CTA
+  per item. The plan (tiles and bound) does not depend on the choice."""
+  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
+  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  kw = dict(group_size=4, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+
+  def cfg_for(q_lens, **over):
+    return _C.default_for(**{**kw, **over}, num_tokens=sum(q_lens),
+                          batch_size=len(q_lens))
+
+  engine_steps = ([2048] * 2 + [1] * 64,       # two prompts, decode rows
+                  [512] * 4 + [4] * 60 + [1] * 64,
+                  [4] * 64,                     # speculative verify step
+                  [1] * 256)                    # decode only
+  prompts = ([4096] * 4, [2048] * 2, [16384], [512] * 8, [1024] * 8)
+  for q_lens in engine_steps:
+    cfg = cfg_for(q_lens)
+    assert (cfg.backend, cfg.mosaic_persistent, cfg.mosaic_pack_gqa) == (
+        "mosaic", True, False), q_lens
+    cfg.validate(group_size=4)
+    assert not cfg_for(q_lens, window_left=4096).mosaic_persistent
+    assert not cfg_for(q_lens, head_dim=256).mosaic_persistent
+    # The static grid of one CTA per item: mostly tiles no token fills.
+    bound = plan_lib.max_tiles(sum(q_lens), len(q_lens), cfg.block_q,
+                               plan_lib.tile_min_tokens(
+                                   cfg.short_block_q, cfg.split_decode_rows,
+                                   cfg.decode_rows_per_seq))
+    filled = sum(-(-q // cfg.block_q) for q in q_lens
+                 if q > cfg.decode_rows_per_seq)
+    assert bound >= 2 * (filled + 1)
+  for q_lens in prompts:
+    assert not cfg_for(q_lens).mosaic_persistent, q_lens
+  assert not _C.default_for(**kw).mosaic_persistent  # tokens unknown
+  # The same plan either way: a plan made for one runs the other (the jnp
+  # plan here: the plan kernel's output equals it, `test_plan_mgpu`).
+  a = dataclasses.replace(cfg_for(engine_steps[0]), plan_kernel=False)
+  b = dataclasses.replace(a, mosaic_persistent=False)
+  q_indptr = jnp.asarray(np.cumsum([0] + engine_steps[0]), jnp.int32)
+  kv_lens = jnp.full((len(engine_steps[0]),), 4096, jnp.int32)
+  pa, pb = (c.plan(q_indptr, kv_lens, num_tokens=4160, causal=True,
+                   window_left=-1) for c in (a, b))
+  np.testing.assert_array_equal(np.asarray(pa.tiles), np.asarray(pb.tiles))
+
+
 def test_fp8_pages_in_kernel_run_two_consumers():
   """A 192-token (three-consumer) config on FP8 pages read in the kernel
   runs the two-consumer kernel: the lowering for CUDA must succeed (the
@@ -601,12 +649,17 @@ def test_window_matches_oracle_gpu(form, page_size, group, d, causal,
     ("pool", 16, 4, 256, True, None, False),
     ("flashinfer", 64, 2, 256, True, 50.0, False),
     ("pair", 8, 8, 256, False, None, False),
+    # Unpacked tiles on one CTA per SM (the head_dim-128 default for steps
+    # of many sequences): the staging ring runs on across items.
+    ("pool", 16, 4, 128, True, None, "persistent"),
+    ("flashinfer", 128, 8, 128, False, 30.0, "persistent"),
 ])
 def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
                                     soft_cap, pack):
   """FP8 pages through the mosaic backend (the producer warpgroup converts
   TMA-staged tiles) against the float64 oracle over the dequantised pages;
-  NaN in every page no sequence owns and past kv_len; decode rows, padding."""
+  NaN in every page no sequence owns and past kv_len; decode rows, padding;
+  tiles packed or not, one CTA per item or per SM."""
   from test_fp8_attention import _fp8_paged  # noqa: PLC0415
   rng = np.random.default_rng(page_size + group)
   hkv = 2
@@ -619,7 +672,9 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   cfg = _mosaic(group, d, page_size)
-  if pack:  # three consumers become two for FP8 pages in paged_prefill
+  if pack == "persistent":
+    cfg = dataclasses.replace(cfg, mosaic_persistent=True)
+  elif pack:  # three consumers become two for FP8 pages in paged_prefill
     cfg = dataclasses.replace(cfg, mosaic_pack_gqa=True,
                               block_q=mgpu.tile_q(3 if d == 64 else 2, group),
                               mosaic_persistent=True)
