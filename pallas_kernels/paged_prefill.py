@@ -356,11 +356,11 @@ class Config:
       # prompts: an engine's mixed and verify steps) run one CTA per SM.
       # GPU time a call against one CTA per item, Llama-3-8B heads, H200 /
       # H100, 2026-11-27 (`prefill_persistent_*.json`): 2 x 2,048 + 64
-      # decode rows at 4,096 keys 0.984 / 0.989x, 4 x 512 + 60 x 4 + 64 x
-      # 1 at 2,048 0.958 / 0.967x, 64 x 4 at 2,048 0.979 / 0.987x. Prompts
-      # keep one CTA per item: 2 x 2,048 tokens took 1.06x as long on one
-      # CTA per SM (H200), Mistral-7B's 4,096-key window 1.07 / 1.08x,
-      # head_dim 256 1.22-1.41x.
+      # decode rows at 4,096 keys 0.986 / 0.992x, 4 x 512 + 60 x 4 + 64 x
+      # 1 at 2,048 0.956 / 0.971x, 64 x 4 at 2,048 0.978 / 0.983x. Prompts
+      # keep one CTA per item: 2 x 2,048 tokens took 1.04 / 1.05x as long
+      # on one CTA per SM, Mistral-7B's 4,096-key window 1.07x, head_dim
+      # 256 1.21-1.41x.
       persistent = (
           head_dim == 128 and window_left < 0 and num_tokens is not None
           and batch_size is not None and plan_lib.max_tiles(
