@@ -134,8 +134,11 @@ def run_spec(spec, rounds: int) -> list[dict]:
         host_us_min=min(host), host_us_max=max(host),
         rounds=rounds, per_call_us_rounds=per_call, host_us_rounds=host,
         err_vs_pkvattn=err if label == "flashinfer tc" else None))
-  fi = rows[2]
-  for r in rows[1:4]:
+  fi = next(r for r in rows if r["impl"] == "flashinfer tc")
+  for r in rows:
+    if r["impl"] not in ("pkvattn default", "pkvattn triton",
+                         "flashinfer tc"):
+      continue
     r["x_flashinfer"] = fi["us"] / r["us"]
     r["x_flashinfer_kernel"] = fi["kernel_us"] / r["kernel_us"]
   for r in rows:

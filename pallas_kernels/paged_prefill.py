@@ -361,19 +361,18 @@ class Config:
       # keep one CTA per item: 2 x 2,048 tokens took 1.04 / 1.05x as long
       # on one CTA per SM, Mistral-7B's 4,096-key window 1.07x, head_dim
       # 256 1.21-1.41x.
-      persistent = (
-          head_dim == 128 and window_left < 0 and num_tokens is not None
-          and batch_size is not None and plan_lib.max_tiles(
-              num_tokens, batch_size, block_q, plan_lib.tile_min_tokens(
-                  0, True, short_block_q))
-          >= MOSAIC_PERSISTENT_SPARE_RATIO * (num_tokens // block_q + 1))
-      return cls(block_q=block_q,
-                 block_k=mosaic_block_k, num_stages=2, short_block_q=0,
-                 short_block_k=mosaic_block_k,
-                 decode_rows_per_seq=short_block_q,
-                 backend="mosaic",
-                 mosaic_schedule="ring" if three else "pingpong",
-                 mosaic_persistent=persistent)
+      cfg = cls(block_q=block_q,
+                block_k=mosaic_block_k, num_stages=2, short_block_q=0,
+                short_block_k=mosaic_block_k,
+                decode_rows_per_seq=short_block_q,
+                backend="mosaic",
+                mosaic_schedule="ring" if three else "pingpong")
+      if (head_dim == 128 and window_left < 0 and num_tokens is not None
+          and batch_size is not None):
+        cfg = dataclasses.replace(cfg, mosaic_persistent=plan_lib.max_tiles(
+            num_tokens, batch_size, block_q, cfg.tile_min_tokens)
+            >= MOSAIC_PERSISTENT_SPARE_RATIO * (num_tokens // block_q + 1))
+      return cfg
     wide = jnp.dtype(dtype).itemsize >= 4
     rows = 64 if wide else 128
     if head_dim <= 128:
@@ -435,6 +434,14 @@ class Config:
                        f"one of {sorted(tiles)}, got {self.block_q}")
     return tiles[self.block_q]
 
+  @property
+  def tile_min_tokens(self) -> int:
+    """New tokens a sequence needs for main tiles in this config's plans
+    (`plan.tile_min_tokens`; `plan.max_tiles`'s `min_tokens`)."""
+    return plan_lib.tile_min_tokens(self.short_block_q,
+                                    self.split_decode_rows,
+                                    self.decode_rows_per_seq)
+
   def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
            window_left: int) -> plan_lib.PrefillPlan:
     """This config's tile schedule (`plan.plan_prefill`) for one step: one
@@ -449,9 +456,7 @@ class Config:
         _compat.is_hopper()) and plan_mgpu.supports(
             num_tokens=num_tokens, batch_size=kv_lens.shape[0],
             block_q=self.block_q, align=self.plan_align,
-            min_tokens=plan_lib.tile_min_tokens(
-                self.short_block_q, self.split_decode_rows,
-                self.decode_rows_per_seq)) is None:
+            min_tokens=self.tile_min_tokens) is None:
       return plan_mgpu.plan_prefill_mgpu(q_indptr, kv_lens, **kw)
     return plan_lib.plan_prefill(q_indptr, kv_lens, **kw)
 
