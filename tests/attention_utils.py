@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+from pkvattn import _kv
 
 ATOL = {
     np.dtype(jnp.float32): 2e-5,
@@ -22,6 +25,7 @@ ATOL = {
 RTOL = {k: v for k, v in ATOL.items()}
 
 FORMATS = ("pair", "pool", "flashinfer")
+FP8 = jnp.float8_e4m3fn
 
 
 @dataclasses.dataclass
@@ -233,3 +237,53 @@ def prompt_prefill_inputs(prompts, *, num_layers: int, page_size: int,
       layer_page_tables(jnp.asarray(slot_table), num_layers), q_indptr,
       np.asarray(lens, np.int32), num_tokens)
   return tokens, q_indptr, plan
+
+
+# ---------------------------------------------------------------- FP8 pages
+
+def quantize_np(x, scale):
+  """The storage rule in numpy: x / scale, saturated, cast (NaN stays)."""
+  y = np.clip(np.asarray(x, np.float32) / np.float32(scale), -448, 448)
+  return y.astype(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_paged(rng, kv_lens, *, page_size, num_kv_heads, head_dim, fmt):
+  """`make_paged` in f32, then quantized: (paged with FP8 kv_cache and the
+  dequantized per-sequence K/V truths, k_scale, v_scale)."""
+  p = make_paged(rng, kv_lens, page_size=page_size,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=jnp.float32, fmt=fmt)
+  amax_k = max(float(np.abs(k).max()) for k in p.k if k.size)
+  amax_v = max(float(np.abs(v).max()) for v in p.v if v.size)
+  ks, vs = amax_k / 448 * 1.5, amax_v / 448
+  if fmt == "pair":
+    cache = (_kv.quantize(p.kv_cache[0], ks), _kv.quantize(p.kv_cache[1], vs))
+  elif fmt == "flashinfer":
+    cache = jnp.stack([_kv.quantize(p.kv_cache[:, 0], ks),
+                       _kv.quantize(p.kv_cache[:, 1], vs)], axis=1)
+  else:  # one pool holds K and V pages: quantize each page with its scale
+    is_v = np.zeros(p.kv_cache.shape[0], bool)
+    is_v[p.page_table[:, 1][p.page_table[:, 1] >= 0]] = True
+    pool = np.asarray(p.kv_cache)
+    cache = jnp.asarray(np.where(
+        is_v[:, None, None, None],
+        quantize_np(pool, vs).astype(np.float32),
+        quantize_np(pool, ks).astype(np.float32)), FP8)
+  deq = lambda x, s: quantize_np(x, s).astype(np.float64) * s  # noqa: E731
+  truth_k = [deq(k, ks) for k in p.k]
+  truth_v = [deq(v, vs) for v in p.v]
+  return p, cache, truth_k, truth_v, ks, vs
+
+
+def query_and_sinks(rng, batch, num_qo_heads, head_dim, kw):
+  """A decode query (f32 holding bf16 values, `[batch, num_qo_heads,
+  head_dim]`) and, where `kw` has `sinks=True`, f32 sinks
+  `[num_qo_heads]` (else None); returns (q, sinks, kw without "sinks")."""
+  q = np.asarray(jnp.asarray(rng.standard_normal((batch, num_qo_heads,
+                                                  head_dim)),
+                             jnp.bfloat16).astype(jnp.float32))
+  kw = dict(kw)
+  sinks = None
+  if kw.pop("sinks", False):
+    sinks = rng.standard_normal(num_qo_heads).astype(np.float32)
+  return q, sinks, kw

@@ -21,7 +21,7 @@ import attention_utils as au
 from pkvattn import _kv
 from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import paged_prefill as kernel
-from test_fp8_attention import _fp8_paged
+from attention_utils import fp8_paged as _fp8_paged
 
 FP8 = jnp.float8_e4m3fn
 

@@ -25,7 +25,7 @@ from pkvattn.models import ByteTokenizer
 # With `Engine.warmup` every program compiles before the first step and the
 # prefill is timed; without it the prefill runs in the first, compiling step.
 PREFILL_COMPILES = not hasattr(Engine, "warmup")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One engine shape for the end-to-end runs of the tiny model (two prompts:
 # max_seqs 2, max_model_len 64): each test process compiles it once.
 TINY = ["--model", "tiny-llama", "--page-size", "8", "--num-slots", "32",

@@ -266,8 +266,8 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
   kv_len; kv lengths 0, 1, 7, 129, 4095; groups 1..8; bf16 and f16 q; a
   bf16 q beyond f16's range is clamped to +-65504 (the matmuls run in f16),
   never inf."""
-  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
-  from test_fp8_attention import query_and_sinks  # noqa: PLC0415
+  from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
+  from attention_utils import query_and_sinks  # noqa: PLC0415
   rng = np.random.default_rng()
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
   p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
@@ -513,7 +513,7 @@ def test_fp8_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
   against the float64 oracle over the DEQUANTIZED pages, with its own key
   count; NaN in unowned pages and past kv_len; every row not named kept
   bit for bit."""
-  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
   rng = np.random.default_rng()
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095, 300]
   p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,

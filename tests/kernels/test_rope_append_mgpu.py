@@ -24,7 +24,7 @@ from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import reference
 from pkvattn.pallas_kernels import rope_append as kernel
 from pkvattn.pallas_kernels import rope_append_mgpu as mgpu
-from test_rope_append import np_inv_freq, np_rope
+from rope_utils import np_inv_freq, np_rope
 
 PAGE, NUM_PAGES, NUM_TOKENS, MAX_PAGES = 16, 24, 45, 3
 TOL = {jnp.bfloat16: 1.6e-2, jnp.float16: 2e-3}  # |err| / (1 + |x|)

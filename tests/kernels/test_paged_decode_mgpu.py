@@ -313,8 +313,8 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
   """FP8 pages with per-tensor scales: the f64 oracle over the DEQUANTIZED
   pages (the quantization is the input, not the error) to bf16 tolerance;
   NaN in every page a sequence does not own and past kv_len; a bf16 q."""
-  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
-  from test_fp8_attention import query_and_sinks  # noqa: PLC0415
+  from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
+  from attention_utils import query_and_sinks  # noqa: PLC0415
   rng = np.random.default_rng()
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
   p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
@@ -430,7 +430,7 @@ def test_keys_m_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
   """The keys-in-M build against the f64 oracle: NaN in every page a
   sequence does not own and past kv_len, odd lengths, bf16 and FP8 pages
   (FP8: the oracle runs on the dequantized pages)."""
-  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
   rng = np.random.default_rng()
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
   hq = group * hkv

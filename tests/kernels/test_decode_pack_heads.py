@@ -23,8 +23,8 @@ import attention_utils as au
 from pkvattn import _kv
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import paged_decode as kernel
-from test_fp8_attention import _fp8_paged
-from test_fp8_attention import query_and_sinks
+from attention_utils import fp8_paged as _fp8_paged
+from attention_utils import query_and_sinks
 
 FP8 = jnp.float8_e4m3fn
 

@@ -18,63 +18,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 import attention_utils as au
 import pkvattn
-from pkvattn import _kv
 
 FP8 = jnp.float8_e4m3fn
-
-
-def _quantize_np(x, scale):
-  """The storage rule in numpy: x / scale, saturated, cast (NaN stays)."""
-  y = np.clip(np.asarray(x, np.float32) / np.float32(scale), -448, 448)
-  return y.astype(ml_dtypes.float8_e4m3fn)
-
-
-def _fp8_paged(rng, kv_lens, *, page_size, num_kv_heads, head_dim, fmt):
-  """`make_paged` in f32, then quantized: (paged with FP8 kv_cache and the
-  dequantized per-sequence K/V truths, k_scale, v_scale)."""
-  p = au.make_paged(rng, kv_lens, page_size=page_size,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    dtype=jnp.float32, fmt=fmt)
-  amax_k = max(float(np.abs(k).max()) for k in p.k if k.size)
-  amax_v = max(float(np.abs(v).max()) for v in p.v if v.size)
-  ks, vs = amax_k / 448 * 1.5, amax_v / 448
-  if fmt == "pair":
-    cache = (_kv.quantize(p.kv_cache[0], ks), _kv.quantize(p.kv_cache[1], vs))
-  elif fmt == "flashinfer":
-    cache = jnp.stack([_kv.quantize(p.kv_cache[:, 0], ks),
-                       _kv.quantize(p.kv_cache[:, 1], vs)], axis=1)
-  else:  # one pool holds K and V pages: quantize each page with its scale
-    is_v = np.zeros(p.kv_cache.shape[0], bool)
-    is_v[p.page_table[:, 1][p.page_table[:, 1] >= 0]] = True
-    pool = np.asarray(p.kv_cache)
-    cache = jnp.asarray(np.where(
-        is_v[:, None, None, None],
-        _quantize_np(pool, vs).astype(np.float32),
-        _quantize_np(pool, ks).astype(np.float32)), FP8)
-  deq = lambda x, s: _quantize_np(x, s).astype(np.float64) * s  # noqa: E731
-  truth_k = [deq(k, ks) for k in p.k]
-  truth_v = [deq(v, vs) for v in p.v]
-  return p, cache, truth_k, truth_v, ks, vs
-
-
-def query_and_sinks(rng, batch, num_qo_heads, head_dim, kw):
-  """A decode query (f32 holding bf16 values, `[batch, num_qo_heads,
-  head_dim]`) and, where `kw` has `sinks=True`, f32 sinks
-  `[num_qo_heads]` (else None); returns (q, sinks, kw without "sinks")."""
-  q = np.asarray(jnp.asarray(rng.standard_normal((batch, num_qo_heads,
-                                                  head_dim)),
-                             jnp.bfloat16).astype(jnp.float32))
-  kw = dict(kw)
-  sinks = None
-  if kw.pop("sinks", False):
-    sinks = rng.standard_normal(num_qo_heads).astype(np.float32)
-  return q, sinks, kw
 
 
 CASES = [  # (fmt, group, head_dim, page_size, kwargs)
@@ -91,9 +41,9 @@ def test_decode_fp8_pages(impl, fmt, g, d, ps, kw):
   rng = np.random.default_rng()
   hkv = 2
   lens = [1, 7, 33, 0, 70]
-  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+  p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
                                         num_kv_heads=hkv, head_dim=d, fmt=fmt)
-  q, sinks, kw = query_and_sinks(rng, len(lens), g * hkv, d, kw)
+  q, sinks, kw = au.query_and_sinks(rng, len(lens), g * hkv, d, kw)
   if sinks is not None:
     kw["sinks"] = jnp.asarray(sinks)
   out, lse = pkvattn.paged_decode(
@@ -125,7 +75,7 @@ def test_prefill_fp8_pages_mixed_batch(impl, fmt, g, d, ps, kw):
   hkv = 2
   lens = [40, 1, 29, 9]
   q_lens = [17, 1, 29, 1]
-  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+  p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
                                         num_kv_heads=hkv, head_dim=d, fmt=fmt)
   indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   n_tok = int(indptr[-1]) + 3  # padding tokens
@@ -219,7 +169,7 @@ def test_rope_append_quantizes_on_write(fmt):
     # one FP8 step (3 mantissa bits) where f32 and f64 rotations round apart
     np.testing.assert_allclose(got_k, want_k, rtol=2**-3, atol=2**-9)
     np.testing.assert_array_equal(
-        v_pool[vp, row], _quantize_np(np.asarray(v[t], np.float32),
+        v_pool[vp, row], au.quantize_np(np.asarray(v[t], np.float32),
                                       vs).astype(np.float32))
   assert np.abs(k_pool[k_tab[0, 0], 0, 0, :3]).max() == 448.0
   assert (v_pool[v_tab[0, 0], 1, 1, :2] == [448.0, -448.0]).all()
@@ -271,7 +221,7 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
   rng = np.random.default_rng()
   hkv, g, d, ps = 2, 4, 64, 8
   lens = [1, 15, 40, 0, 23]
-  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+  p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
                                         num_kv_heads=hkv, head_dim=d,
                                         fmt="pair")
   q = rng.standard_normal((len(lens), g * hkv, d)).astype(np.float32)
@@ -310,7 +260,7 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
   rng = np.random.default_rng()
   hkv = 2
   lens = [1, 7, 129, 0, 4095, 300]
-  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
+  p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
                                         num_kv_heads=hkv, head_dim=d,
                                         fmt="pair")
   q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
@@ -342,7 +292,7 @@ def test_decode_kernel_fp8_pairs_f32_query_gpu(d):
   from pkvattn.pallas_kernels import paged_decode as kernel
   rng = np.random.default_rng()
   lens = [1, 7, 129, 0, 300]
-  p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=16,
+  p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=16,
                                         num_kv_heads=2, head_dim=d,
                                         fmt="pair")
   q = rng.standard_normal((len(lens), 8, d)).astype(np.float32)

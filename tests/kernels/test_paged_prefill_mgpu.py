@@ -660,7 +660,7 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
   TMA-staged tiles) against the float64 oracle over the dequantised pages;
   NaN in every page no sequence owns and past kv_len; decode rows, padding;
   tiles packed or not, one CTA per item or per SM."""
-  from test_fp8_attention import _fp8_paged  # noqa: PLC0415
+  from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
   rng = np.random.default_rng(page_size + group)
   hkv = 2
   q_lens, kv_lens, padding = [300, 1, 77, 129], [300, 500, 200, 129], 11
