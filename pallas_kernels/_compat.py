@@ -71,6 +71,17 @@ def compute_capability() -> tuple[int, int] | None:
   return int(major), int(minor)
 
 
+def num_sms() -> int:
+  """Streaming multiprocessors of JAX's first device (132 where it does not
+  say: H100 / H200 SXM)."""
+  import jax  # noqa: PLC0415
+  try:
+    n = int(getattr(jax.devices()[0], "core_count", 0) or 0)
+  except (RuntimeError, TypeError, ValueError):  # pragma: no cover
+    n = 0
+  return n if n > 0 else 132
+
+
 def has_fp8_cvt() -> bool:
   """Whether the GPU converts e4m3 pairs to f16 in one instruction
   (`cvt.rn.f16x2.e4m3x2`: compute capability >= 8.9)."""
@@ -86,5 +97,5 @@ def is_hopper() -> bool:
 
 __all__ = ["pl", "pltriton", "triton_params", "suppress_triton_deprecation",
            "mosaic_gpu", "mgpu_load", "is_hopper", "compute_capability",
-           "has_fp8_cvt"]
+           "has_fp8_cvt", "num_sms"]
 

@@ -90,3 +90,17 @@ def _no_persistent_cache_leak():
     from pkvattn.serving import compile_cache
     jax.config.update("jax_compilation_cache_dir", before)
     compile_cache.reset()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """`fake_gpu(dispatch.HOPPER)` makes `dispatch.current_gpu()` answer that
+  GPU for the rest of the test: the one way tests fake a GPU generation
+  (kernels ask `dispatch.current_gpu`, never the device)."""
+  from pkvattn.pallas_kernels import dispatch  # noqa: PLC0415
+
+  def fake(gpu):
+    monkeypatch.setattr(
+        dispatch, "current_gpu",
+        lambda interpret=False: dispatch.INTERPRET if interpret else gpu)
+  return fake

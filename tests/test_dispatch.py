@@ -1,0 +1,98 @@
+"""Every row of the dispatch tables in docs/kernels.md against `dispatch`.
+
+Each op's table sits between `<!-- dispatch:OP -->` and `<!-- /dispatch:OP -->`
+markers. Its columns are keyword arguments of `pallas_kernels.dispatch.OP`
+(values: `hopper` / `ada` / `ampere` / `interpret` for `gpu`, dtype names,
+integers, `true` / `false`, `-` for None), then `backend` (asserted) and
+optionally `config` (`field=value` pairs, asserted on the chosen config). A
+column whose header is in parentheses is prose for the reader and is not
+passed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from pkvattn.pallas_kernels import dispatch
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   "docs", "kernels.md")
+OPS = ("decode", "prefill", "rope_append")
+DTYPES = {"f32": jnp.float32, "float32": jnp.float32,
+          "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+          "f16": jnp.float16, "float16": jnp.float16,
+          "e4m3": jnp.float8_e4m3fn, "float8_e4m3fn": jnp.float8_e4m3fn}
+
+
+def _value(text: str):
+  text = text.strip().strip("`")
+  if text in dispatch.GPUS:
+    return dispatch.GPUS[text]
+  if text in DTYPES:
+    return jnp.dtype(DTYPES[text])
+  if text in ("-", "None"):
+    return None
+  if text in ("true", "false"):
+    return text == "true"
+  if re.fullmatch(r"-?\d+", text):
+    return int(text)
+  return text
+
+
+def _cells(line: str) -> list[str]:
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table_rows(op: str, path: str = DOC) -> list[dict[str, str]]:
+  """The rows of `op`'s table in `path` as {header: cell} dicts."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  m = re.search(rf"<!-- dispatch:{op} -->(.*?)<!-- /dispatch:{op} -->", text,
+                re.S)
+  assert m, f"docs/kernels.md has no dispatch:{op} table"
+  lines = [ln for ln in m.group(1).splitlines() if ln.strip().startswith("|")]
+  header = _cells(lines[0])
+  assert set(_cells(lines[1])) <= {"---", ":---", "---:", ":---:"} or all(
+      set(c) <= set("-: ") for c in _cells(lines[1])), lines[1]
+  rows = [dict(zip(header, _cells(ln))) for ln in lines[2:]]
+  assert rows, f"the dispatch:{op} table has no rows"
+  return rows
+
+
+def _cases():
+  for op in OPS:
+    for i, row in enumerate(table_rows(op)):
+      yield pytest.param(op, row, id=f"{op}-{i}")
+
+
+def _parse_config(text: str) -> dict:
+  if text.strip() in ("", "-"):
+    return {}
+  pairs = [p.strip() for p in text.strip("`").split(",") if p.strip()]
+  out = {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    out[key.strip()] = _value(value)
+  return out
+
+
+@pytest.mark.parametrize("op, row", list(_cases()))
+def test_dispatch_table_row(op, row):
+  kwargs = {k: _value(v) for k, v in row.items()
+            if k not in ("backend", "config") and not k.startswith("(")}
+  choice = getattr(dispatch, op)(**kwargs)
+  assert isinstance(choice, dispatch.Choice)
+  assert choice.backend == row["backend"].strip("`"), (kwargs, choice)
+  for field, expected in _parse_config(row.get("config", "")).items():
+    actual = getattr(choice.config, field)
+    assert actual == expected, (field, actual, expected, choice)
+
+
+def test_every_op_has_a_table():
+  for op in OPS:
+    assert callable(getattr(dispatch, op)), op
+    assert table_rows(op)
