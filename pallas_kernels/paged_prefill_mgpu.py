@@ -938,7 +938,7 @@ def paged_prefill_mgpu(
       per consumer, one CTA per kv head and tile, so a K/V stage serves
       the whole group (`_mgpu_rows`). False: one query head per CTA, 64
       tokens per consumer.
-    persistent: static; one CTA per SM (`paged_decode_mgpu.num_sms`), each
+    persistent: static; one CTA per SM (`_compat.num_sms`), each
       taking every num_sms-th (head, tile) item, its K/V ring running on
       from one item into the next, so the producer loads the next item's
       pages while the consumers finish the last one. False: one CTA per
@@ -1004,8 +1004,7 @@ def paged_prefill_mgpu(
   num_items = grid_heads * num_tiles
   num_ctas = num_items
   if persistent:
-    from pkvattn.pallas_kernels import paged_decode_mgpu  # noqa: PLC0415
-    num_ctas = max(1, min(paged_decode_mgpu.num_sms(), num_items))
+    num_ctas = max(1, min(_compat.num_sms(), num_items))
   n = num_consumers
   # Persistent packed tiles copy the next item's q rows while one runs, into
   # a second q buffer where shared memory has room for it.
