@@ -11,7 +11,7 @@ the engine) against unquantized f32 KV pages, same weights, same process:
    from the prompts of (1), not from this text.
 
 Run:  python bench/fp8_accuracy.py [--new-tokens 64] [--prompts 16]
-Writes bench/results/fp8_accuracy.json (and $OUT).
+Writes `<out>/fp8_accuracy.json` (and under $OUT); prints a table last.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import _timing  # noqa: E402
+from bench.common import results  # noqa: E402
+from bench.common import timing as _timing  # noqa: E402
 from pkvattn import models  # noqa: E402
 from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from pkvattn.flax import AttentionPlan, layer_page_tables  # noqa: E402
@@ -71,7 +72,9 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=64)
   ap.add_argument("--prompts", type=int, default=16)
   ap.add_argument("--text-tokens", type=int, default=512)
+  results.add_out_arg(ap)
   args = ap.parse_args()
+  env = results.environment()
   model = models.load_model(models.DEFAULT_MODEL)
   tok = model.tokenizer
   ids = [tok.apply_chat_template(f"Explain {t} in a few sentences.")
@@ -108,8 +111,10 @@ def main():
       first_divergence=first, text_tokens=len(text_ids),
       mean_kl_nats=float(per_token.mean()), max_kl_nats=float(per_token.max()),
       top1_agreement=float(np.mean(ref.argmax(-1) == got.argmax(-1))))
-  _timing.write_results("fp8_accuracy", [res])
-  print(res)
+  results.write("fp8_accuracy", [res], out=args.out, env=env)
+  _timing.print_table([res], ["prompts", "new_tokens", "identical_sequences",
+                              "token_agreement", "mean_kl_nats",
+                              "max_kl_nats", "top1_agreement"])
   print(f"greedy: {sum(same)}/{len(same)} sequences identical; mean KL "
         f"{res['mean_kl_nats']:.2e} nats (bar 1e-2), max {res['max_kl_nats']:.2e}")
 

@@ -1,9 +1,10 @@
 """Peak KV bytes of hybrid sliding-window models: per-window-group slot spaces
 vs a flat layout, MEASURED through the cache.
 
-`python -m bench.swa_report` (CPU; 2 min 40 s on 2 shared cores) writes
-`bench/results/swa_report.json` and `bench/results/swa_report.png` and prints
-a table last.
+`python -m bench.swa_report [--planner] [--out DIR]` (CPU; a few minutes
+on 2 cores) writes `<out>/swa_report.json` and `<out>/swa_report.png` and
+prints a table last. `--planner` prints the planner's predicted peaks alone
+(no cache, no JSON).
 
 What is measured. One sequence (bf16 KV, page_size 16) is prefilled and then
 decodes `NUM_DECODE = 1024` tokens, through the real jitted
@@ -49,7 +50,7 @@ peak); `pools_*` sums each group's own peak (what static per-group pools,
 `HybridCacheConfig.from_budget`, must hold for this sequence). `ratio` =
 `pg` peak / `flat` peak. GiB = 2**30 bytes.
 
-Planner. `bench/swa_planner.py` predicts every group's slots at every step
+Planner. `bench/common/swa_planner.py` predicts every group's slots at every step
 from the scenario alone (window, page size, layers per group, prompt, chunk,
 decode tokens, scratch on/off; `cache.swa_scratch_plan` for a step's new
 blocks). The report is written only if planner and measurement agree at every
@@ -85,6 +86,7 @@ Models (window = tokens incl. the current one, `window_left = window - 1`):
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import dataclasses
 import importlib.metadata
@@ -95,8 +97,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import _timing
-from bench import swa_planner as planner
+from bench.common import results
+from bench.common import swa_planner as planner
+from bench.common import timing as _timing
 from pkvattn import cache
 
 PAGE_SIZE = 16
@@ -454,7 +457,33 @@ def _versions() -> dict:
   return out
 
 
-def main() -> None:
+def planner_table() -> list[dict]:
+  """The planner's peak slots per window group (scratch on), per model,
+  prompt length and prefill mode: no cache, no JAX."""
+  table = []
+  for m in MODELS:
+    for prompt_len in PROMPT_LENS:
+      for mode in MODES:
+        plan = planner.plan_run(m.layer_windows, _scenario(prompt_len, mode),
+                                scratch=True)
+        table.append(dict(model=m.name, ctx=f"{prompt_len // 1024}k",
+                          mode=mode, **{f"peak_slots_w{w}": n for w, n in
+                                        plan["group_peak_slots"].items()}))
+  return table
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--planner", action="store_true",
+                  help="print the planner's predicted peaks only")
+  results.add_out_arg(ap)
+  args = ap.parse_args(argv)
+  if args.planner:
+    table = planner_table()
+    _timing.print_table(table, list(dict.fromkeys(k for r in table
+                                                  for k in r)))
+    return
+  env = results.environment()
   t0 = time.perf_counter()
   jobs = [(None, "flat")] + [(m, layout) for m in MODELS
                              for layout in layouts(m) if layout != "flat"]
@@ -475,7 +504,7 @@ def main() -> None:
                        + "\n  ".join(bad))
   wall_s = time.perf_counter() - t0
   extra = dict(
-      versions=_versions(),
+      package_versions=_versions(),
       page_size=PAGE_SIZE, chunk_len=CHUNK_LEN, num_decode=NUM_DECODE,
       bytes_per_element=BYTES_PER_ELEMENT,
       units=dict(gib="2**30 bytes", layer_blocks="page_size tokens of one "
@@ -488,8 +517,9 @@ def main() -> None:
       planner_agrees=True,
       description=__doc__,
   )
-  paths = _timing.write_results("swa_report", rows, extra)
-  png = "bench/results/swa_report.png"
+  paths = results.write("swa_report", rows, out=args.out, extra=extra,
+                        env=env)
+  png = os.path.join(args.out, "swa_report.png")
   os.makedirs(os.path.dirname(png), exist_ok=True)
   plot(rows, png)
   misses = [r for r in rows if r["meets"] is False]

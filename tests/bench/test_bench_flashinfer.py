@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench import _flashinfer  # noqa: E402  (repo root, for the bench package)
+from bench.common import flashinfer as _flashinfer  # noqa: E402  (repo root, for the bench package)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

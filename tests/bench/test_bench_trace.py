@@ -1,4 +1,6 @@
-"""The trace arithmetic of bench_engine_fp8: GPU idle gaps by size."""
+"""The benchmarks' trace and timing arithmetic (`bench.common.timing`,
+`idle_gaps`) and the multi-layer decode program of
+`bench.decode --layers`."""
 
 import os
 import sys
@@ -6,7 +8,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench import bench_engine_fp8  # noqa: E402  (repo root, for the bench package)
+from bench.common import timing as _timing  # noqa: E402  (repo root, for the bench package)
 
 
 def test_idle_gaps_against_a_busy_timeline():
@@ -23,7 +25,7 @@ def test_idle_gaps_against_a_busy_timeline():
     t += dur - int(rng.integers(0, dur + 1)) // 4  # may overlap the next
   events.sort()
   steps = 4
-  got = bench_engine_fp8.idle_gaps(events, steps)
+  got = _timing.idle_gaps(events, steps)
   t0 = events[0][0] // 1000
   busy = np.zeros(max(s + d for s, d, _ in events) // 1000 - t0, bool)
   for s, d, _ in events:
@@ -46,7 +48,6 @@ def test_event_spans_split_at_idle_gaps():
   # Clusters of random kernels (overlapping or a few us apart) separated by
   # idle gaps longer than the threshold: one span per cluster, first start
   # to last end, whatever the order of overlapping ends.
-  from bench import _timing  # noqa: PLC0415
   rng = np.random.default_rng()
   events, want, t = [], [], 0
   for _ in range(int(rng.integers(1, 8))):
@@ -67,7 +68,6 @@ def test_kernel_groups_sum_by_name_per_call():
   # Random launches of a few kernels (names with and without a "(...)"
   # suffix), shuffled: per name, launches and us divided by `per`, most
   # time first, names cut at "(" and to `name_len`.
-  from bench import _timing  # noqa: PLC0415
   rng = np.random.default_rng()
   names = ["fusion_a", "paged_prefill_bq42", "x" * 90]
   events, want = [], {}
@@ -90,30 +90,30 @@ def test_kernel_groups_sum_by_name_per_call():
 
 
 def test_decode_layers_program_chains_its_layers():
-  # bench/decode_layers.py's one-program form of L decode layers: each
-  # layer's q depends on the last layer's output (so XLA can neither drop
-  # nor merge a layer), and the program equals the same chain of separate
-  # calls. Interpret mode, a small SmolLM2-headed case.
-  import jax  # noqa: PLC0415
+  # bench/decode.py's one-program form of L decode layers (--layers): each
+  # layer's q depends on the last layer's output, so XLA can neither drop
+  # nor merge a layer: the last output of a 2-layer program equals the
+  # same chain of separate calls and differs from the unchained layer.
+  # The public call, interpret mode on the CPU, a small SmolLM2-headed case.
   import jax.numpy as jnp  # noqa: PLC0415
-  from bench import decode_layers  # noqa: PLC0415
-  rows = decode_layers.run_spec(decode_layers.SMOKE_SPEC, 2,
-                                flashinfer=False, interpret=True)
-  assert rows[0]["err_last_vs_per_call"] == 0.0
-  shape, b, s, ps = decode_layers.SMOKE_SPEC
-  hq, hkv, d = decode_layers.SHAPES[shape]
-  _, kv, table, lens = decode_layers._inputs(hq, hkv, d, b, s, ps)
-  qs = jax.random.normal(jax.random.key(3), (2, b, hq, d), jnp.bfloat16)
-  cfg = decode_layers.kernel.Config.default_for(
-      batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=s // ps,
-      head_dim=d, interpret=True)
-  args = (jnp.asarray(table), jnp.asarray(lens))
-  _, chained = decode_layers.layers_fn(cfg, head_dim=d, num_layers=2,
-                                       interpret=True)(qs, kv, *args)
-  _, alone = decode_layers.layers_fn(cfg, head_dim=d, num_layers=1,
-                                     interpret=True)(qs[1:], kv, *args)
-  assert np.isfinite(np.asarray(chained, np.float32)).all()
-  assert not np.array_equal(np.asarray(chained, np.float32),
+  from bench import decode  # noqa: PLC0415
+  from bench.common import specs  # noqa: PLC0415
+  spec = specs.DecodeSpec("smollm2", 2, 64, 16)
+  qs, kv, table, lens = specs.decode_inputs(spec, num_layers=2)
+  args = (kv, jnp.asarray(table), jnp.asarray(lens))
+  call = decode.pkvattn_fn(fp8=False)
+  first, last = decode.layers_fn(call, 2, False)(qs, *args)
+  q1 = (qs[1].astype(jnp.float32)
+        + decode.DEP * call(qs[0], *args).astype(jnp.float32)).astype(
+            qs.dtype)
+  chained = call(q1, *args)
+  alone = call(qs[1], *args)
+  np.testing.assert_array_equal(np.asarray(first, np.float32),
+                                np.asarray(call(qs[0], *args), np.float32))
+  np.testing.assert_allclose(np.asarray(last, np.float32),
+                             np.asarray(chained, np.float32), atol=2e-2)
+  assert np.isfinite(np.asarray(last, np.float32)).all()
+  assert not np.array_equal(np.asarray(last, np.float32),
                             np.asarray(alone, np.float32))
 
 
@@ -122,7 +122,6 @@ def test_pipelined_time_cancels_a_samples_fixed_cost(monkeypatch):
   # stream) and every sync a fixed `fixed` (first-call launch + wake-up).
   # The pair difference must give `call` exactly, whatever the fixed cost,
   # while T(n)/n keeps a share of it.
-  from bench import _timing  # noqa: PLC0415
   rng = np.random.default_rng()
   call, fixed = float(rng.uniform(1, 5)), float(rng.uniform(0.5, 50))
   now = [0.0]

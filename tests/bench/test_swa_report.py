@@ -1,4 +1,4 @@
-"""The KV report's planner (`bench/swa_planner.py`) against a token-level
+"""The KV report's planner (`bench/common/swa_planner.py`) against a token-level
 brute force and against the real per-window-group cache ops.
 
 Scenario: Gemma-3-270M's layer windows (18 layers, layer i global iff
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench import swa_planner  # noqa: E402  (repo root, for the bench package)
+from bench.common import swa_planner  # noqa: E402  (repo root, for the bench package)
 from pkvattn import cache  # noqa: E402
 
 PAGE_SIZE = 16

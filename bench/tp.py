@@ -20,8 +20,8 @@ decode tokens/s = decode tokens / wall time of decode-only steps (both include
 the per-step host work and the one device->host sync per device call).
 `speedup_vs_tp1 = tok_s[tp=2] / tok_s[tp=1]` (> 1 = tp=2 faster).
 
-`--small`: a tiny model on 2 forced host CPU devices (f32, xla). Results:
-JSON through `bench._timing.write_results("tp" | "tp_small", ...)`.
+`--small`: a tiny model on 2 forced host CPU devices (f32, xla). Writes
+`<out>/tp[_small|_f32]_<device>.json`; prints a table last.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def _parse(argv):
   ap.add_argument("--small", action="store_true",
                   help="tiny model and workload on 2 forced CPU devices")
   ap.add_argument("--tp", type=int, default=2, help="compared with tp=1")
+  ap.add_argument("--out", default="bench/results",
+                  help="results folder (default bench/results)")
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                   help="default: float32 on CPU, bfloat16 on GPU; float32 on GPU "
                   "shows the greedy tokens are identical up to summation order")
@@ -68,15 +70,17 @@ def main(argv=None):
   import jax.numpy as jnp
   import numpy as np
 
-  from bench import _timing
-  from bench.bench_engine import LLAMA_3_2_1B
-  from bench.bench_engine import SMALL
+  from bench.common import results
+  from bench.common import timing as _timing
+  from bench.common.models import LLAMA_3_2_1B
+  from bench.common.models import SMALL
   from pkvattn import parallel
   from pkvattn.engine import Engine, EngineConfig, EngineStats, SamplingParams
   from pkvattn.flax import AttentionPlan, layer_page_tables
   from pkvattn.models import Model, forward, init_params
 
   small = args.small
+  env = results.environment()
   mcfg = SMALL if small else LLAMA_3_2_1B
   num_prompts = args.num_prompts or (4 if small else 16)
   prompt_len = args.prompt_len or (48 if small else 512)
@@ -178,7 +182,8 @@ def main(argv=None):
   name = "tp_small" if small else "tp"
   if args.dtype == "float32" and not small:
     name = "tp_f32"
-  for path in _timing.write_results(name, rows, extra):
+  name += f"_{results.device_tag()}"
+  for path in results.write(name, rows, out=args.out, extra=extra, env=env):
     print("wrote", path)
 
 

@@ -6,24 +6,23 @@ means XLA could not keep it in place (e.g. around a custom call inside the
 layer `while` loop) and every step pays ~2x the pool size in HBM traffic.
 Also counts `conditional` ops (each one syncs the host on GPU) per program.
 
-Usage: `python bench/check_engine_hlo.py [--small] [--impl pallas]`.
+Usage: `python -m bench.tools.check_engine_hlo [--small] [--impl pallas]`;
+writes `<out>/check_engine_hlo[_small]_<device>.json`, prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from bench.bench_engine import LLAMA_3_2_1B, SMALL  # noqa: E402
-from pkvattn.engine import Engine, EngineConfig  # noqa: E402
-from pkvattn.models import Model, init_params  # noqa: E402
+from bench.common import results as results_lib
+from bench.common import timing
+from bench.common.models import LLAMA_3_2_1B, SMALL
+from pkvattn.engine import Engine, EngineConfig
+from pkvattn.models import Model, init_params
 
 
 def analyze(name: str, hlo: str, pool) -> dict:
@@ -45,10 +44,13 @@ def analyze(name: str, hlo: str, pool) -> dict:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--small", action="store_true")
-  ap.add_argument("--impl", default=None)
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--small", action="store_true",
+                  help="a tiny model (CPU)")
+  ap.add_argument("--impl", default=None, help="EngineConfig.impl")
+  results_lib.add_out_arg(ap)
   args = ap.parse_args(argv)
+  env = results_lib.environment()
   mcfg = SMALL if args.small else LLAMA_3_2_1B
   dtype = jnp.float32 if args.small else jnp.bfloat16
   n, plen, new = (4, 40, 12) if args.small else (64, 1024, 16)
@@ -64,6 +66,12 @@ def main(argv=None):
   results = [analyze(str(key), eng._lower(key).compile().as_text(), eng.pool)
              for key in eng.programs()]
   total = sum(r["pool_copies"] for r in results)
+  name = ("check_engine_hlo" + ("_small" if args.small else "")
+          + f"_{results_lib.device_tag()}")
+  results_lib.write(name, results, out=args.out, env=env,
+                    extra=dict(impl=args.impl))
+  timing.print_table(results, ["program", "pool_copies", "conditionals",
+                               "whiles", "aliased"])
   print(f"pool-sized copies across {len(results)} programs: {total}")
 
 

@@ -1,4 +1,11 @@
-"""Shared timing and roof helpers for the GPU benchmarks.
+"""Timing and roof helpers shared by the GPU benchmarks.
+
+How a call is timed (`pipelined_ms`): back to back, as a model's steps run,
+the fixed cost of each sample cancelled by pairs of n and 2n calls. How a
+kernel is timed (`device_kernel_ms`, `kernel_groups`): the summed kernel and
+memcpy durations on the device's stream lines of a `jax.profiler` trace,
+launch gaps and host time excluded. Roofs: a device copy (`copy_roof_gbps`,
+`torch_copy_roof_gbps`) and a bf16 matmul (`matmul_roof_tflops`).
 
 Units: times in milliseconds (`*_ms`), bandwidth in decimal GB/s / TB/s (1e9 / 1e12
 bytes per second), compute in TFLOP/s (1e12 FLOP per second).
@@ -7,10 +14,7 @@ bytes per second), compute in TFLOP/s (1e12 FLOP per second).
 from __future__ import annotations
 
 import collections
-import datetime
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -20,7 +24,7 @@ import numpy as np
 
 
 # Fewest back-to-back calls per timed sample (`time_fn`,
-# `_flashinfer.torch_time`).
+# `flashinfer.torch_time`).
 MIN_INNER = 3
 # Wall time one sample of n back-to-back calls should last at least, s.
 SAMPLE_S = 5e-3
@@ -36,14 +40,12 @@ def pipelined_ms(launch, sync, *, iters: int = 20,
   and 2n calls alternate; each pair gives `(T(2n) - T(n)) / n`, the wall
   time a call adds to the stream, in which the fixed cost of a sample
   cancels: the GPU idling while the host launches the first call and the
-  final synchronisation (about 0.1-0.6 ms for a JAX program on an H100 /
-  H200, 2026-11). Where the host launches slower than the GPU runs, the
+  final synchronisation. Where the host launches slower than the GPU runs, the
   difference is the host's launch time: host-bound calls show as such.
 
   Returns dict(median_ms, p10_ms, p90_ms) of the pair estimates, and
   `sync_ms`: the median `T(n) / n`, the per-call time with that fixed
-  cost spread over n calls (what this function reported before
-  2026-11-26, with 2 ms samples).
+  cost spread over n calls.
   """
   sync(launch())
   t0 = time.perf_counter()
@@ -199,12 +201,40 @@ def gpu_span_ms(thunks, pause_s: float = 0.005) -> list[float]:
   return event_spans_ms(events, pause_s * 0.5e9)
 
 
+def idle_gaps(events, steps: int) -> dict:
+  """Where the GPU idles between kernels of `(start_ns, duration_ns, name)`
+  events in start order (`gpu_trace_events`) covering `steps` steps: the
+  idle time per step in gaps of each size class (ms), the number of gaps of
+  each class, and the largest gaps with the kernels around them (a burst
+  boundary, a per-iteration sync and launch-bound runs of short kernels
+  look different here)."""
+  edges = (0.01, 0.1, 1.0)  # ms
+  per = {f"<{edges[0]}ms": 0.0, **{f"{a}-{b}ms": 0.0 for a, b in
+                                   zip(edges, edges[1:])},
+         f">{edges[-1]}ms": 0.0}
+  counts = dict.fromkeys(per, 0)
+  gaps, end = [], None
+  for start, dur, name in events:
+    if end is not None and start > end[0]:
+      gap = (start - end[0]) / 1e6
+      gaps.append((gap, end[1], name))
+      i = sum(gap >= e for e in edges)
+      key = list(per)[i]
+      per[key] += gap / steps
+      counts[key] += 1
+    if end is None or start + dur > end[0]:
+      end = (start + dur, name)
+  top = sorted(gaps, key=lambda g: -g[0])[:8]
+  return dict(idle_ms_per_step={k: round(v, 4) for k, v in per.items()},
+              gap_counts=counts,
+              largest=[(round(g, 3), a[:40], b[:40]) for g, a, b in top])
+
+
 def copy_roof_gbps(num_bytes: int = 2 << 30) -> float:
   """Measured device copy bandwidth, read + write bytes counted, decimal GB/s.
 
-  Uses a u32 elementwise op: XLA's bf16 elementwise kernels were seen to run at
-  ~70% of the bandwidth of a plain copy (H200, 2026-11-21), which understated
-  the roof.
+  Uses a u32 elementwise op: XLA's bf16 elementwise kernels run below the
+  bandwidth of a plain copy, which would understate the roof.
   """
   n = num_bytes // 4
   x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
@@ -215,8 +245,8 @@ def copy_roof_gbps(num_bytes: int = 2 << 30) -> float:
 
 def torch_copy_roof_gbps(num_bytes: int = 2 << 30) -> float | None:
   """`torch.Tensor.copy_` bandwidth (read + write, decimal GB/s, CUDA events),
-  or None without torch + CUDA. On the H200 it beats XLA's elementwise copy
-  (4.2-4.3 vs 3.4 TB/s, 2026-11-21): the stricter roof."""
+  or None without torch + CUDA. Faster than XLA's elementwise copy on
+  Hopper, hence the stricter roof."""
   try:
     import torch  # pylint: disable=import-outside-toplevel
     if not torch.cuda.is_available():
@@ -249,35 +279,9 @@ def matmul_roof_tflops(n: int = 8192) -> float:
   return 2 * n**3 / (t["median_ms"] * 1e-3) / 1e12
 
 
-def environment() -> dict:
-  dev = jax.devices()[0]
-  return dict(
-      device=getattr(dev, "device_kind", str(dev)),
-      platform=dev.platform,
-      jax_version=jax.__version__,
-      python=platform.python_version(),
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-  )
-
-
-def write_results(name: str, rows: list[dict], extra: dict | None = None,
-                  out_dirs=("bench/results",)) -> list[str]:
-  """Writes `{environment, extra, rows}` as JSON to each dir (and $OUT if set)."""
-  payload = dict(environment(), **(extra or {}), rows=rows)
-  paths = []
-  dirs = list(out_dirs)
-  if os.environ.get("OUT"):
-    dirs.append(os.environ["OUT"])
-  for d in dirs:
-    os.makedirs(d, exist_ok=True)
-    p = os.path.join(d, f"{name}.json")
-    with open(p, "w") as f:
-      json.dump(payload, f, indent=1, default=float)
-    paths.append(p)
-  return paths
-
-
 def print_table(rows: list[dict], cols: list[str]) -> None:
+  """Prints `rows` as a plain-text table of the columns `cols` ("-" where a
+  row has no value; floats to 4 significant digits)."""
   widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
   print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
   for r in rows:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import _timing
+from bench.common import timing as _timing
 
 
 def to_torch(x):
@@ -28,7 +28,7 @@ def to_torch(x):
 
 
 def torch_time(fn, iters: int = 20, min_time_s: float = 0.2) -> float:
-  """`_timing.time_fn`'s method for a torch call (`_timing.pipelined_ms`
+  """`timing.time_fn`'s method for a torch call (`timing.pipelined_ms`
   with `torch.cuda.synchronize`): median ms per call of back-to-back
   calls."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -134,7 +134,7 @@ def decode_fn(q, kv_cache, page_table, kv_lens, *, num_qo_heads: int,
 
 def kernel_ms(run, calls: int = 5) -> float:
   """GPU time of one `run()` (FlashInfer launches), ms: the summed kernel
-  durations of `calls` runs, as `_timing.device_kernel_ms` times pkvattn's
+  durations of `calls` runs, as `timing.device_kernel_ms` times pkvattn's
   calls (launch gaps and host time excluded).
 
   The trace is jax.profiler's (its CUPTI tracer sees every kernel of the

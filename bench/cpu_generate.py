@@ -34,8 +34,8 @@ Also a forward-only split: one jitted decoder forward of `batch` decode tokens
 with stacked (scanned) vs unstacked layers, to separate per-step device time
 from engine overhead.
 
-Results: bench/results/cpu_generate.json (and $OUT). Run:
-  python bench/bench_cpu_generate.py [--new-tokens 32] [--batch 8]
+Writes `<out>/cpu_generate.json` (and under $OUT). Run:
+  python -m bench.cpu_generate [--new-tokens 32] [--batch 8]
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import _timing  # noqa: E402
+from bench.common import results  # noqa: E402
+from bench.common import timing as _timing  # noqa: E402
 from pkvattn import models  # noqa: E402
 from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from pkvattn.flax import AttentionPlan, layer_page_tables  # noqa: E402
@@ -174,7 +175,9 @@ def main(argv=None):
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--configs", default="cli_cpu,cli_burst8",
                  help="comma-separated; also before_one_bucket_scanned")
+  results.add_out_arg(p)
   args = p.parse_args(argv)
+  env = results.environment()
   import torch
   import transformers
 
@@ -235,7 +238,7 @@ def main(argv=None):
   extra = dict(
       model=models.DEFAULT_MODEL, gguf=os.path.basename(path), dtype="float32",
       cpu_count=os.cpu_count(), load_s=load_s, transformers_load_s=hf_load_s,
-      versions=dict(jax=jax.__version__, torch=torch.__version__,
+      package_versions=dict(jax=jax.__version__, torch=torch.__version__,
                     transformers=transformers.__version__,
                     gguf=importlib.metadata.version("gguf"),
                     numpy=np.__version__),
@@ -243,7 +246,8 @@ def main(argv=None):
       method=("tok_s = generated tokens / wall s of the whole generate call; "
               "pkvattn timed on its second generate of the same prompts "
               "(prefix reuse off), compile_s = first - second"))
-  print(_timing.write_results("cpu_generate", rows, extra))
+  print(results.write("cpu_generate", rows, out=args.out, extra=extra,
+                      env=env))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Pure Python arithmetic (no cache state, no JAX): what `pkvattn.cache` should
 hold for ONE sequence that is prefilled (in one chunk or in fixed-size
 chunks) and then decodes token by token. `bench/swa_report.py` checks these
 figures against the real `claim_batch` / `extend` and refuses to write its
-report where they differ; `tests/test_swa_report.py` checks them against a
-token-level brute force.
+report where they differ; `tests/bench/test_swa_report.py` checks them
+against a token-level brute force.
 
 Steps of a run (`run_steps`), one sequence, `P` prompt tokens, chunks of `C`
 tokens (`C = P`: one chunk), `D` decode tokens:

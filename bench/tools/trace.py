@@ -6,28 +6,29 @@ kernel durations on the device's stream lines of a `jax.profiler` trace
 kernel name.
 
 Targets: `extend` / `extend_noevict` (65,536 slots, page 16, 256 sequences
-+1 token, as bench_cache's extend_free; chained calls on a donated state;
++1 token, as bench/cache.py's extend_free; chained calls on a donated state;
 `evict=False` has no `lax.cond`); `decode` / `decode_xla` (Llama-3.2-1B-shaped
 forward of 64 decode tokens at kv ~1,100, bf16, layers scanned) and
-`decode_unstacked` / `decode_xla_unstacked` (the same over unstacked layers). `NCU_SMALL=1` shrinks the
-model for a CPU smoke run (no device lines there).
+`decode_unstacked` / `decode_xla_unstacked` (the same over unstacked
+layers). `--small` shrinks the model for a CPU smoke run (no device lines
+there).
 
-Usage: `python bench/trace_kernels.py [target ...]` (default: all).
+Usage: `python -m bench.tools.trace [--small] [--out DIR] [target ...]`
+(default: all). Writes `<out>/trace_<device>.json`; prints per-kernel
+times per target.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench import _timing  # noqa: E402
+from bench.common import results
+from bench.common import timing as _timing
 
 CALLS = 5
 
@@ -64,11 +65,14 @@ def _extend(evict=True, branchless=False):
   return fn
 
 
+SMALL_MODEL = []  # [True] with --small
+
+
 def _decode(impl, unstacked=False):
-  from bench.bench_engine import LLAMA_3_2_1B, SMALL
+  from bench.common.models import LLAMA_3_2_1B, SMALL
   from pkvattn.flax import AttentionPlan, layer_page_tables
   from pkvattn.models import forward, init_params, unstack_layers
-  mcfg = SMALL if os.environ.get("NCU_SMALL") else LLAMA_3_2_1B
+  mcfg = SMALL if SMALL_MODEL else LLAMA_3_2_1B
   b, kv, ps = 64, 1100, 16
   params = init_params(mcfg, jax.random.key(0), jnp.bfloat16, scale=0.02)
   if unstacked:
@@ -119,6 +123,22 @@ def trace(name: str) -> dict:
               device_us=total)
 
 
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("targets", nargs="*", choices=[[]] + list(TARGETS),
+                  help="default: all")
+  ap.add_argument("--small", action="store_true",
+                  help="a tiny model (CPU smoke run)")
+  results.add_out_arg(ap)
+  args = ap.parse_args(argv)
+  if args.small:
+    SMALL_MODEL.append(True)
+  env = results.environment()
+  rows = [trace(t) for t in (args.targets or list(TARGETS))]
+  results.write(f"trace_{results.device_tag()}", rows, out=args.out, env=env)
+  _timing.print_table(rows, ["target", "wall_us", "kernels_per_call",
+                             "device_us"])
+
+
 if __name__ == "__main__":
-  rows = [trace(t) for t in (sys.argv[1:] or list(TARGETS))]
-  _timing.write_results("trace_kernels", rows)
+  main()

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import _timing
+from bench.common import results
+from bench.common import timing as _timing
 from pkvattn import cache
 from pkvattn.cache import reference
 
@@ -236,13 +237,15 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true",
                       help="tiny sizes for a quick CPU run")
+  results.add_out_arg(parser)
   args = parser.parse_args(argv)
+  env = results.environment()
   rows = run(args.small)
   _timing.print_table(rows, ["spec", "batch", "median_ms", "in_jit_ms",
                              "p10_ms", "p90_ms", "cpu_median_ms",
                              "reference_ms", "compile_ms"])
-  name = "bench_cache_small" if args.small else "bench_cache"
-  for p in _timing.write_results(name, rows, extra=dict(
+  name = f"cache{'_small' if args.small else ''}_{results.device_tag()}"
+  for p in results.write(name, rows, out=args.out, env=env, extra=dict(
       targets_ms=dict(extend=0.05, claim_batch=1.0))):
     print("wrote", p)
 
