@@ -1,4 +1,6 @@
-"""Static engine sizes (`EngineConfig`) and the host-side request record."""
+"""Static engine sizes (`EngineConfig`) and the cache sizes they imply.
+
+The request record lives in `serving.request`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import jax.numpy as jnp
 from pkvattn import _checks
 from pkvattn import _kv
 from pkvattn import cache as _cache
-from pkvattn.sampling import SamplingParams
 from pkvattn.types import Implementation
 
 
@@ -52,9 +53,9 @@ class EngineConfig:
       `pkvattn.models.unstack_layers(params)`, MaxText's `scan_layers`).
       None = False: on a GPU a scanned layer copies each weight slice
       before its matmul every step (`pkvattn.models.decoder`), and on a CPU
-      the scanned SmolLM2-135M decode step took 0.5-0.75 s against 55 ms
-      unrolled (2 cores). The unrolled loop traces and lowers one layer per
-      distinct window (a nested jit), so it compiles in seconds too.
+      the scanned decode step is several times slower than the unrolled one
+      (measured: docs/performance.md). The unrolled loop traces and lowers
+      one layer per distinct window (a nested jit), so it compiles fast too.
     check: checked mode (`pkvattn.checked`): every program checks the
       runtime contract of the ops it runs (page ids in range, `q_indptr`,
       `kv_lens`, unique ids in cache ops) with `jax.experimental.checkify`
@@ -264,30 +265,3 @@ def group_slots(cache_cfg) -> tuple[int, ...]:
   if isinstance(cache_cfg, _cache.HybridCacheConfig):
     return cache_cfg.group_num_slots
   return (cache_cfg.num_slots,)
-
-
-@dataclasses.dataclass
-class Request:
-  """A generation request and its progress (host side)."""
-  request_id: int
-  prompt: list[int]
-  params: SamplingParams
-  stop_ids: frozenset
-  output: list[int] = dataclasses.field(default_factory=list)
-  status: str = "waiting"        # waiting | prefill | decode | finished
-  seq_id: int = -1
-  num_computed: int = 0          # tokens whose KV is in the cache
-  num_reused: int = 0            # prompt tokens served by the prefix cache
-  finish_reason: str | None = None
-  num_preemptions: int = 0
-  first_token_step: int | None = None
-  reuse_scope: int = 0           # prefix-cache scope (tenant / adapter salt)
-
-  @property
-  def tokens(self) -> list[int]:
-    """What the cache must hold before the next sample: prompt + generated."""
-    return self.prompt + self.output
-
-  @property
-  def done(self) -> bool:
-    return self.status == "finished"

@@ -37,14 +37,15 @@ def profile_programs(engine) -> dict:
   """
   cfg, mcfg = engine.config, engine.model.cfg
   L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
-  if engine._burst_eligible():
-    # `_schedule` admits nothing in this state (it may release finished
-    # rows, which attention ignores): its inputs are one decode step of the
-    # current batch (for attention).
-    attention_inputs = engine._schedule()[0]
-    greedy = engine._variant("burst", S, engine._burst_greedy()).greedy_only
+  if engine.scheduler.burst_eligible():
+    # `Scheduler.schedule` admits nothing in this state (it may release
+    # finished rows, which attention ignores): its inputs are one decode step
+    # of the current batch (for attention).
+    attention_inputs = engine.scheduler.schedule().inputs
+    greedy = engine.compiler.key("burst", S,
+                                 engine.scheduler.burst_greedy()).greedy_only
     fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "burst", greedy)
-    binp = jax.tree.map(jnp.asarray, engine._burst_inputs())
+    binp = jax.tree.map(jnp.asarray, engine.scheduler.burst_inputs())
     ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
     # Tables that already hold the burst's new blocks (timing only).
     grown, _ = _cache.extend(engine.state, ids, jnp.full((S,), k, jnp.int32))

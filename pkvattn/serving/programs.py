@@ -1,33 +1,27 @@
 """The engine's device programs: one jitted step and one jitted decode burst.
 
-Everything here runs on the device; the host scheduler (`serving.engine`)
-only fills the inputs. The set of programs an engine can run is bounded and
-known before the first request (`program_keys`):
+Everything here runs on the device; the host (`serving.scheduler`) only fills
+the inputs, and `serving.compiler` compiles the bounded set of programs
+(`compiler.program_keys`): one `step` program per token bucket
+(`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst` program,
+each split into a greedy-only and a sampled variant on GPU backends.
 
-* `step` programs, one per token bucket (`EngineConfig.buckets`, the padded
-  token count of the step) × `greedy_only`;
-* `burst` programs (`decode_steps > 1`: that many decode iterations in one
-  call) × `greedy_only`.
-
-With the default buckets `(max_seqs, max_num_tokens)` that is 4 step programs
-and, with bursts, 2 more: 6 at most. The cache ops of a step (`commit` of
-finished prompts, `release` of finished / preempted sequences, `extend`,
-`claim_batch` of admitted requests) always run, masked by `-1` ids when a
-step has none, and always with eviction built in (its `lax.cond` is taken
-once per step or burst): a static variant per combination multiplied the
-programs (up to 68; every combination first seen while serving compiled
-then), and each program costs seconds of start-up. One static stays where it
-saves device time on every decode iteration: `greedy_only` (the argmax alone:
-no sort over the vocabulary and no `lax.cond` in the sampler, whose predicate
-a GPU reads back on the host). On a CPU backend, where a `lax.cond` costs no
-such sync, it is not split either: one program per bucket and one burst.
+The cache ops of a step (`commit` of finished prompts, `release` of finished
+/ preempted sequences, `extend`, `claim_batch` of admitted requests) always
+run, masked by `-1` ids when a step has none, and always with eviction built
+in (its `lax.cond` is taken once per step or burst). A static variant per
+combination of cache ops would multiply the programs (dozens), each compiled
+at start-up or, worse, the first time a combination shows up while serving.
+One static stays where it saves device time on every decode iteration:
+`greedy_only` (the argmax alone: no sort over the vocabulary and no
+`lax.cond` in the sampler, whose predicate a GPU reads back on the host). On
+a CPU backend, where a `lax.cond` costs no such sync, it is not split: one
+program per bucket and one burst.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -46,41 +40,6 @@ from pkvattn.serving.config import EngineConfig
 CACHE_OPS_SCOPE = "pkvattn_cache_ops"
 
 MAX_STOP_IDS = 8  # stop tokens per request handled on device in a burst
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgramKey:
-  """One compiled program of an engine.
-
-  Attributes:
-    kind: "step" (one mixed prefill / decode step) or "burst"
-      (`decode_steps` decode iterations).
-    num_tokens: padded tokens of a step (its bucket); a burst's rows
-      (`max_seqs`).
-    greedy_only: every row samples greedily (argmax only; no `lax.cond`).
-  """
-  kind: str
-  num_tokens: int
-  greedy_only: bool
-
-  def __str__(self):
-    mode = "greedy" if self.greedy_only else "sampled"
-    return f"{self.kind}[{self.num_tokens} tokens, {mode}]"
-
-
-def program_keys(cfg: EngineConfig, split_variants: bool = True
-                 ) -> tuple[ProgramKey, ...]:
-  """Every program an engine with `cfg` may run (what `Engine.warmup` compiles).
-
-  `split_variants=False` (CPU backends, where a `lax.cond` costs no
-  device-to-host sync): one program per bucket and one burst, each with the
-  sampler's `lax.cond` built in (`greedy_only=False`).
-  """
-  variants = (True, False) if split_variants else (False,)
-  keys = [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
-  if cfg.decode_steps > 1:
-    keys += [ProgramKey("burst", cfg.max_seqs, g) for g in variants]
-  return tuple(keys)
 
 
 @struct.dataclass
@@ -393,9 +352,8 @@ def compiler_options() -> dict:
   On a GPU: `xla_gpu_enable_triton_gemm=False`, the projections as cuBLAS
   gemms. At decode batch sizes XLA's autotuner picks split-K Triton gemm
   fusions whose partial sums then need a separate reduction kernel (the
-  autotuner times the gemm alone): a 256-row decode step of SmolLM2-135M
-  took 1.27 ms of kernel time with cuBLAS against 1.66 ms (H200, 2026-11-23,
-  bench/decode_step_ab.py). Elsewhere none.
+  autotuner times the gemm alone), which makes the decode step slower than
+  cuBLAS (measured: docs/performance.md). Elsewhere none.
   """
   if jax.default_backend() != "gpu":
     return {}
@@ -416,38 +374,3 @@ def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
     body = checkify.checkify(body)
   return jax.jit(body, donate_argnums=(1, 2, 3),
                  compiler_options=compiler_options() or None)
-
-
-def signature(*trees) -> tuple:
-  """A hashable (structure, shapes, dtypes, shardings) key of array trees."""
-  leaves, treedef = jax.tree.flatten(trees)
-  return treedef, tuple((tuple(a.shape), str(a.dtype),
-                         getattr(a, "sharding", None)) for a in leaves)
-
-
-_COMPILED: dict = {}
-_COMPILED_LOCK = threading.Lock()
-
-
-def lookup_compiled(key):
-  """The executable `compiled_program` kept for `key`, or None."""
-  with _COMPILED_LOCK:
-    return _COMPILED.get(key)
-
-
-def compiled_program(key, compile_fn):
-  """The executable kept for `key`, else `compile_fn()` (kept): engines with
-  the same model config, engine config, program and argument signature share
-  one executable per process. `compile_fn` None: the key must be kept."""
-  compiled = lookup_compiled(key)
-  if compiled is None:
-    compiled = compile_fn()
-    with _COMPILED_LOCK:
-      compiled = _COMPILED.setdefault(key, compiled)
-  return compiled
-
-
-def clear_compiled():
-  """Forgets every executable `compiled_program` kept (tests, memory)."""
-  with _COMPILED_LOCK:
-    _COMPILED.clear()

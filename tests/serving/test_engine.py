@@ -147,11 +147,11 @@ def test_bursts_chain_while_requests_wait(model):
   chained_waiting = 0
   while engine.has_unfinished():
     engine.step()
-    if engine._inflight is not None and engine._waiting:
+    if engine._inflight is not None and engine.scheduler.waiting:
       chained_waiting += 1
       # Nothing in flight reaches its length: no freed row idles.
       assert all(r.params.max_new_tokens - len(r.output) > 4
-                 for r in engine._running)
+                 for r in engine.scheduler.running)
   outs = [engine.get_request(i).output for i in range(len(prompts))]
   assert outs == single and chained_waiting > 0
 

@@ -17,7 +17,7 @@ import pytest
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
-from pkvattn.serving import compile_cache, programs
+from pkvattn.serving import compile_cache, compiler, programs
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -48,19 +48,19 @@ def count_compiles():
 
 
 def test_program_list_is_small_and_known():
-  gpu = programs.program_keys(dataclasses.replace(CFG, token_buckets=None))
+  gpu = compiler.program_keys(dataclasses.replace(CFG, token_buckets=None))
   # buckets (4, 32) x greedy/sampled, + 2 burst variants.
   assert len(gpu) == 6 and len(set(gpu)) == 6
   assert {k.num_tokens for k in gpu if k.kind == "step"} == {4, 32}
-  cpu = programs.program_keys(CFG, split_variants=False)
+  cpu = compiler.program_keys(CFG, split_variants=False)
   assert [(k.kind, k.num_tokens) for k in cpu] == [("step", 4), ("step", 32),
                                                   ("burst", 4)]
-  no_burst = programs.program_keys(dataclasses.replace(CFG, decode_steps=1))
+  no_burst = compiler.program_keys(dataclasses.replace(CFG, decode_steps=1))
   assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 4
   # The default engine config of the benchmark workload stays under 16.
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
-  assert len(programs.program_keys(bench)) == 6
+  assert len(compiler.program_keys(bench)) == 6
 
 
 def _workload(rng, vocab, n):
@@ -117,8 +117,8 @@ def test_counter_sees_a_forced_compile(model):
   engine.warmup()
   # Forget one program everywhere: its next use must compile and be counted.
   key = engine.programs()[0]
-  del engine._compiled[key]
-  programs.clear_compiled()
+  del engine.compiler.compiled[key]
+  compiler.clear_compiled()
   jax.clear_caches()
   with count_compiles() as compiles:
     engine.generate([[256, 1, 2]], SamplingParams(max_new_tokens=1))
@@ -141,11 +141,11 @@ def test_persistent_cache_serves_a_new_engine(model, tmp_path):
   try:
     # Nothing compiled earlier in this process may serve the first engine
     # (it must compile, and so write the cache).
-    programs.clear_compiled()
+    compiler.clear_compiled()
     jax.clear_caches()
     Engine(model, cfg).warmup()
     assert any((tmp_path / "xla").iterdir())
-    programs.clear_compiled()
+    compiler.clear_compiled()
     jax.clear_caches()
     second = Engine(model, cfg)
     second.warmup()
@@ -154,4 +154,4 @@ def test_persistent_cache_serves_a_new_engine(model, tmp_path):
     jax.monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old_dir)
     compile_cache.reset()
-    programs.clear_compiled()
+    compiler.clear_compiled()

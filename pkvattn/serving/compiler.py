@@ -1,0 +1,245 @@
+"""Compile once: the bounded set of an engine's programs and their executables.
+
+An engine's shapes are static, so the programs it may run are a small set
+known before the first request (`program_keys`): one `step` program per
+token bucket and, with `decode_steps > 1`, one `burst` program, each in a
+greedy-only and a sampled variant where the split pays (GPU backends; see
+`serving.programs`). `Compiler` lowers and compiles them:
+
+* **ahead of time** (`warmup`): programs are traced and lowered one after
+  the other in the calling thread (Python, under the GIL) while XLA compiles
+  the ones already lowered in worker threads (outside the GIL), so the
+  compiles overlap;
+* **or on first use** (`program`), its time counted in
+  `EngineStats.compile_time_s` and kept out of the tokens/s figures.
+
+After that the engine calls the compiled executables directly: no workload
+traces or compiles anything. Executables are also kept per process
+(`compiled_program`), keyed by model config, engine config, mesh, program and
+argument signature, so a second engine of the same shapes compiles nothing;
+and with `EngineConfig.compile_cache_dir` JAX's persistent compilation cache
+(`serving.compile_cache`) lets a later process load them from disk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from pkvattn import _checks
+from pkvattn import _contract
+from pkvattn.serving import compile_cache as _compile_cache
+from pkvattn.serving import programs as _programs
+from pkvattn.serving.config import EngineConfig
+from pkvattn.serving.stats import EngineStats
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+  """One compiled program of an engine.
+
+  Attributes:
+    kind: "step" (one mixed prefill / decode step) or "burst"
+      (`decode_steps` decode iterations).
+    num_tokens: padded tokens of a step (its bucket); a burst's rows
+      (`max_seqs`).
+    greedy_only: every row samples greedily (argmax only; no `lax.cond`).
+  """
+  kind: str
+  num_tokens: int
+  greedy_only: bool
+
+  def __str__(self):
+    mode = "greedy" if self.greedy_only else "sampled"
+    return f"{self.kind}[{self.num_tokens} tokens, {mode}]"
+
+
+def program_keys(cfg: EngineConfig, split_variants: bool = True
+                 ) -> tuple[ProgramKey, ...]:
+  """Every program an engine with `cfg` may run (what `Engine.warmup` compiles).
+
+  `split_variants=False` (CPU backends, where a `lax.cond` costs no
+  device-to-host sync): one program per bucket and one burst, each with the
+  sampler's `lax.cond` built in (`greedy_only=False`).
+  """
+  variants = (True, False) if split_variants else (False,)
+  keys = [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
+  if cfg.decode_steps > 1:
+    keys += [ProgramKey("burst", cfg.max_seqs, g) for g in variants]
+  return tuple(keys)
+
+
+def signature(*trees) -> tuple:
+  """A hashable (structure, shapes, dtypes, shardings) key of array trees."""
+  leaves, treedef = jax.tree.flatten(trees)
+  return treedef, tuple((tuple(a.shape), str(a.dtype),
+                         getattr(a, "sharding", None)) for a in leaves)
+
+
+_COMPILED: dict = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def lookup_compiled(key):
+  """The executable `compiled_program` kept for `key`, or None."""
+  with _COMPILED_LOCK:
+    return _COMPILED.get(key)
+
+
+def compiled_program(key, compile_fn):
+  """The executable kept for `key`, else `compile_fn()` (kept): engines with
+  the same model config, engine config, program and argument signature share
+  one executable per process. `compile_fn` None: the key must be kept."""
+  compiled = lookup_compiled(key)
+  if compiled is None:
+    compiled = compile_fn()
+    with _COMPILED_LOCK:
+      compiled = _COMPILED.setdefault(key, compiled)
+  return compiled
+
+
+def clear_compiled():
+  """Forgets every executable `compiled_program` kept (tests, memory)."""
+  with _COMPILED_LOCK:
+    _COMPILED.clear()
+
+
+class Compiler:
+  """Lowers, compiles and keeps one engine's programs.
+
+  `buffers` arguments are the engine's `(params, pool, state, seq_tokens)`:
+  their shapes, dtypes and shardings are the programs' (the pool, state and
+  token buffer are donated when the program runs, never here).
+
+  Attributes:
+    compiled: `{ProgramKey: executable}` of this engine, filled by `warmup`
+      or on first use.
+    compile_times: `{ProgramKey: seconds}` from the start of lowering to the
+      end of compiling (or loading) each program.
+    lower_times: `{ProgramKey: seconds}` of those spent tracing + lowering.
+    split_variants: greedy-only and sampled variants are separate programs
+      (GPU backends, where the sampler's `lax.cond` syncs the host).
+  """
+
+  def __init__(self, model_cfg, config: EngineConfig,
+               mesh: jax.sharding.Mesh | None, stats: EngineStats,
+               inputs_sharding=None):
+    """Turns on the persistent compilation cache where
+    `config.compile_cache_dir` is set (process-wide).
+
+    Raises:
+      ValueError: `compile_cache_dir` cannot be created or written.
+    """
+    self.model_cfg, self.config, self.mesh = model_cfg, config, mesh
+    self.stats = stats
+    self.inputs_sharding = inputs_sharding
+    self.split_variants = _checks.is_gpu()
+    if config.compile_cache_dir is not None:
+      _compile_cache.enable(config.compile_cache_dir)
+    self.compiled: dict[ProgramKey, Any] = {}
+    self.compile_times: dict[ProgramKey, float] = {}
+    self.lower_times: dict[ProgramKey, float] = {}
+    self._lock = threading.Lock()
+
+  def keys(self) -> tuple[ProgramKey, ...]:
+    """Every program this engine may run (`program_keys`)."""
+    return program_keys(self.config, self.split_variants)
+
+  def key(self, kind: str, num_tokens: int, greedy_only: bool) -> ProgramKey:
+    """The program for a call (greedy-only calls take the sampled program
+    where the variants are not split)."""
+    return ProgramKey(kind, num_tokens,
+                      bool(greedy_only) and self.split_variants)
+
+  def lower(self, key: ProgramKey, buffers):
+    """`jax.stages.Lowered` of `key` on `buffers` and the program's input
+    shapes (replicated on the mesh, if any)."""
+    fn = _programs.jitted_program(self.model_cfg, self.config, self.mesh,
+                                  key.kind, key.greedy_only)
+    if key.kind == "step":
+      inputs = _programs.step_input_shapes(self.config, key.num_tokens)
+    else:
+      inputs = _programs.burst_input_shapes(self.config)
+    if self.inputs_sharding is not None:
+      inputs = jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                         sharding=self.inputs_sharding),
+          inputs)
+    with _contract.checked(self.config.check):
+      return fn.lower(*buffers, inputs)
+
+  def _memo_key(self, key: ProgramKey, buffers):
+    return (self.model_cfg, self.config, self.mesh, key, signature(*buffers))
+
+  def _compile(self, key: ProgramKey, memo_key, lowered, t0: float):
+    """Compiles `lowered` (once per process and `memo_key`; None = kept
+    already) and records it."""
+    compiled = compiled_program(
+        memo_key, None if lowered is None else lowered.compile)
+    dt = time.perf_counter() - t0
+    with self._lock:
+      self.compiled[key] = compiled
+      self.compile_times[key] = dt
+      self.stats.compile_time_s += dt
+      self.stats.num_compiles += 1
+    return compiled
+
+  def program(self, key: ProgramKey, buffers):
+    """The executable of `key`, compiled now if `warmup` did not."""
+    compiled = self.compiled.get(key)
+    if compiled is not None:
+      return compiled
+    t0 = time.perf_counter()
+    memo_key = self._memo_key(key, buffers)
+    if lookup_compiled(memo_key) is not None:
+      return self._compile(key, memo_key, None, t0)
+    lowered = self.lower(key, buffers)
+    self.lower_times[key] = time.perf_counter() - t0
+    return self._compile(key, memo_key, lowered, t0)
+
+  def warmup(self, buffers,
+             progress: bool | Callable[[ProgramKey, float], Any] = False,
+             max_workers: int | None = None) -> dict[ProgramKey, float]:
+    """Compiles every program of `keys()` not compiled yet (see
+    `Engine.warmup`); returns `{ProgramKey: seconds}` of all compiled."""
+    keys = [k for k in self.keys() if k not in self.compiled]
+    bar = None
+    if progress is True:
+      from tqdm import tqdm
+      bar = tqdm(total=len(keys), unit="program", desc="compiling",
+                 file=sys.stderr)
+
+    def done(key):
+      if bar is not None:
+        bar.set_postfix_str(f"{key}: {self.compile_times[key]:.1f} s")
+        bar.update(1)
+      elif callable(progress):
+        progress(key, self.compile_times[key])
+
+    workers = max_workers or min(len(keys), os.cpu_count() or 1) or 1
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      futures = {}
+      for key in keys:
+        t0 = time.perf_counter()
+        memo_key = self._memo_key(key, buffers)
+        if lookup_compiled(memo_key) is not None:
+          self._compile(key, memo_key, None, t0)
+          done(key)
+          continue
+        lowered = self.lower(key, buffers)
+        self.lower_times[key] = time.perf_counter() - t0
+        futures[pool.submit(self._compile, key, memo_key, lowered, t0)] = key
+      for fut in concurrent.futures.as_completed(futures):
+        fut.result()
+        done(futures[fut])
+    if bar is not None:
+      bar.close()
+    return {k: self.compile_times[k] for k in self.keys()
+            if k in self.compile_times}

@@ -1,0 +1,104 @@
+"""The model runner: the model as the engine runs it, and one program call.
+
+The engine's device state is four buffers, `(params, pool, state,
+seq_tokens)`: the model's parameters, the KV pages, the cache state and each
+row's token ids. Every program takes them and returns the last three
+(donated: updated in place, never copied), with its outputs. This module
+prepares the model once (`prepare_model`) and makes that call
+(`run_program`), so the engine loop never handles shardings, donation or
+checked-mode errors itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pkvattn.models import Model
+from pkvattn.models import calibrate as _calibrate
+from pkvattn.models import decoder as _decoder
+from pkvattn.serving.config import EngineConfig
+
+
+def prepare_model(model: Model, config: EngineConfig,
+                  mesh: jax.sharding.Mesh | None, pool_dtype) -> Model:
+  """The model as the engine runs it.
+
+  * On a mesh ("tp" axis): laid out by `pkvattn.parallel.shard_model`.
+  * Unless `config.scan_layers`: per-layer weights
+    (`pkvattn.models.unstack_layers`), re-sharded on the mesh.
+  * Off a mesh: q/k/v and gate/up projections fused into one matmul each
+    (`decoder.fuse_projections`): the weights are concatenated once here
+    rather than inside a gemm fusion every step (measured:
+    docs/performance.md).
+  * FP8 pages (`pool_dtype` float8_e4m3fn): per-layer `k_scale` / `v_scale`
+    in the layer parameters (`config.k_scale` / `v_scale`, or 1.0 until
+    calibrated), inputs of the programs, so calibrating compiles nothing.
+
+  Raises:
+    ValueError: the model's heads do not split over `mesh`.
+  """
+  if mesh is not None:
+    from pkvattn import parallel as _parallel  # parallel imports models
+    model = _parallel.shard_model(model, mesh)
+  if not config.scan_layers:
+    params = _decoder.unstack_layers(model.params)
+    if mesh is not None:
+      params = jax.device_put(params, jax.tree.map(
+          lambda s: jax.sharding.NamedSharding(mesh, s),
+          _parallel.param_specs(params)))
+    model = dataclasses.replace(model, params=params)
+  if mesh is None:
+    model = dataclasses.replace(
+        model, params=_decoder.fuse_projections(model.params))
+  if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float8_e4m3fn):
+    model = dataclasses.replace(model, params=_calibrate.set_kv_scales(
+        model.params, config.k_scale or 1.0, config.v_scale or 1.0))
+  return model
+
+
+def calibrate(model: Model, config: EngineConfig, prompts) -> Model:
+  """`model` with FP8 `k_scale` / `v_scale` per layer calibrated from a
+  prefill of the first prompts (`pkvattn.models.calibrate`: the first
+  `config.calibration_tokens` tokens of at most `config.max_seqs` prompts).
+  The scales are parameters, so the engine's programs need no recompile."""
+  k_scale, v_scale = _calibrate.calibrate_kv_scales(
+      model.params, model.cfg, prompts,
+      num_tokens=config.calibration_tokens, max_prompts=config.max_seqs,
+      impl=config.impl)
+  return dataclasses.replace(model, params=_calibrate.set_kv_scales(
+      model.params, k_scale, v_scale))
+
+
+def run_program(program, buffers, inputs, *, check: bool,
+                inputs_sharding=None):
+  """Calls a compiled engine program; returns `((pool, state, seq_tokens,
+  outputs), error)`.
+
+  Args:
+    program: a compiled step or burst (`serving.compiler.Compiler.program`).
+    buffers: `(params, pool, state, seq_tokens)`; the last three are donated
+      (deleted by the call: keep the returned ones).
+    inputs: the program's `StepInputs` / `BurstInputs`. Host arrays go to
+      the executable as they are (its C++ call path copies them, cheaper
+      than a `jax.device_put` per array); on a mesh they are first
+      replicated with `inputs_sharding`.
+    check: the program was built checked (`EngineConfig.check`): it returns
+      `(checkify.Error, result)`.
+
+  Returns:
+    The program's result and, in checked mode, its `checkify.Error` (None
+    otherwise). The caller keeps the new buffers first, then raises the
+    error (`error.throw()`: the first contract violation as a
+    `checkify.JaxRuntimeError`), so a failed check leaves it with live
+    buffers.
+  """
+  if inputs_sharding is not None:
+    inputs = jax.device_put(inputs, inputs_sharding)
+  result = program(*buffers, inputs)
+  if check:
+    err, result = result
+    return result, err
+  return result, None
