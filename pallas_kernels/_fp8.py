@@ -1,81 +1,38 @@
 """FP8 (e4m3) K/V tiles in the attention kernels: dot dtype and placement.
 
-Measured on an H100 (2026-11-25, `bench/fp8_decode_diag.py`, Nsight Compute
-on the Llama-3-8B decode shape B=64 S=4096 page 16):
-
-* Left to itself, Triton keeps an FP8 tile in shared memory and converts it
-  after reading it in the dot-operand layout. For V, the B operand of `P @ V`
-  contracted over tokens (its strided dimension), that read is one byte per
-  `LDS.U8`, and each value then takes an `F2FP` (e4m3x2 -> f16x2) and an
-  `F2F` (f16 -> bf16): 168 registers, 2.1x the instructions of the bf16
-  kernel, 1.7 TB/s of FP8 bytes against 3.0 TB/s for bf16 pages.
-* Converting V in the layout it was loaded in (16 contiguous bytes per
-  thread), behind a select on the token mask so that Triton cannot move the
-  conversion after the layout change, stores f16 to shared memory and reads
-  it back with transposed `ldmatrix`, as for bf16 pages.
-* f16 dots: e4m3 values are exact in f16, so the conversion is one `F2FP`
-  per pair and no `F2F`; q is rounded to f16 (finer than bf16: 11 bits of
-  mantissa against 8) after clamping to f16's range, and the probabilities
-  (in [0, 1]) keep more bits than in bf16.
-Together: FP8-page decode time 0.59-0.67x of bf16 pages on the Llama-3-8B
-shapes, against 0.68-0.90x before.
-
-* Inline PTX (`"asm"`): both tiles convert through
-  `elementwise_inline_asm`, four values per instance (`cvt.rn.f16x2.e4m3x2`
-  on each 16-bit half of the register; sm_89+), with no select (meant to
-  keep V's conversion in its loaded layout; Triton places it after the
-  layout change all the same, see below). With 64-key steps on 2
-  warps it was the default at head_dim 128 until `"pairs"`: decode kernel
-  time 0.56-0.60x
-  of bf16 pages on the four Llama-3-8B shapes against 0.60-0.66x with
-  `"loaded"` and its own best tiling (H100, 2026-11-25,
-  `bench/fp8_decode_diag.py --sweep asm`). At head_dim 64 it ties
-  `"loaded"` (0.73x, Llama-3.2-1B heads) or loses (0.66 against 0.64x,
-  SmolLM2 heads), and on 4 warps with 64-key steps it loses at head_dim
-  128 too (0.80x), so the default keeps `"loaded"` there.
-* What the inline-PTX default executes (H200, Nsight Compute SASS counts,
-  B=64 S=4096 p16, 2026-11-26): 1,276 instructions per warp per 64-key
-  step. Triton places V's conversion after the layout change: V's 128
-  bytes per thread come from shared memory one `LDS.U8` at a time (10% of
-  the instructions) and are packed by `PRMT`s (8%) for the PTX; `IMAD.MOV`s
-  assembling q's MMA fragments are another 14%. `"mul"` (V converted by
-  Triton in its loaded layout and multiplied by the 0 / 1 row mask: packed
-  `HMUL2`s, where `"loaded"`'s select unpacks and repacks every f16 pair)
-  reads V in 16-byte words and runs 11% fewer instructions, but takes 192
-  registers against 168 and is no faster at head_dim 128 (`fp8_decode_diag
-  --sweep grid`); at head_dim 64 without packing (SmolLM2's odd kv heads)
-  it beats `"loaded"` by 4-13% (the default there until `"pairs"`).
-  The `IMAD.MOV`s come from Triton laying both dots' operands out for 8-bit
-  values (4 per thread along K) because the K and V tiles were loaded as
-  bytes. Two probe builds (H200, 2026-11-26, five decode specs) removed
-  them: the PTX lowered as impure (Triton's slice stops there) ran 25%
-  fewer instructions on 124 registers, V staged as f16 for `ldmatrix`, but
-  was 31-57% slower, its loads no longer software-pipelined; and tiles
-  loaded as 16-bit e4m3 pairs, converted into even and odd columns and
-  joined back, were 25-34% slower (the join costs a `PRMT` per value and V
-  is still read from shared memory one pair at a time).
-* Column pairs (`"pairs"`, the decode default on GPUs with the e4m3
-  conversion, 2026-11-26): the pools are viewed as 16-bit words of two
-  adjacent columns (`pair_view`, a bitcast) and each tile is split in
-  registers into its even and odd columns (`split_pairs`: a byte permute
-  and one `cvt.rn.f16x2.e4m3x2` per two words). The logits sum two
-  half-width dots (q's even columns against K's even ones, odd against
-  odd) and V's halves feed two accumulators, whose columns interleave only
-  when the output is stored. Triton then sees 16-bit tiles: it reads them
-  from shared memory with `ldmatrix` (transposed for V) in the layout of
-  f16 operands, as for bf16 pages, and the 8-bit operand layout with its
-  register moves is gone. Decode kernel time 0.53-0.58x of bf16 pages on
-  the four Llama-3-8B shapes on an H200 and 0.55-0.57x on an H100,
-  against 0.62-0.74x / 0.55-0.59x for the inline-PTX rule
-  (`paged_decode.Config.default_for` has the figures). Unlike the
-  even / odd probe above, nothing is joined back inside the loop. The
-  Triton prefill kernel (many query rows, compute-bound) loses with it:
-  1.02-1.27x the time of its byte tiles on Llama-3-8B, SmolLM2 and Gemma 3
-  heads, whole prompts and 128-token chunks over 4,096 keys (H200, a
-  scratch build, 2026-11-26), so prefill keeps Triton's placement.
+* Dot dtype: the dots run in f16 (f32 for an f32 query). Every e4m3 value
+  is exact in f16, so a pair converts in one `cvt.rn.f16x2.e4m3x2`
+  (compute capability >= 8.9) and no f16 -> bf16 step follows; q is
+  clamped to f16's range and rounded to f16 once (finer than bf16: 11 bits
+  of mantissa against 8), and the probabilities (in [0, 1]) keep more bits
+  than in bf16 (`dot_dtype`, `query_for_dots`).
+* Where V converts (the Triton decode kernel, `paged_decode.TritonConfig.
+  fp8_convert`). V is the B operand of `P @ V`, contracted over tokens, its
+  strided dimension. Left to itself, Triton keeps an FP8 tile in shared
+  memory and converts it after reading it in the dot-operand layout: one
+  byte per shared-memory load and a conversion per value. Two placements
+  avoid that:
+  - `"loaded"` (`convert_loaded`): V converted in the layout it was loaded
+    in (16 contiguous bytes per thread), behind a select on the token mask
+    so that Triton cannot move the conversion after the layout change. It
+    then stores f16 to shared memory and reads it back with transposed
+    `ldmatrix`, as for bf16 pages. Used on GPUs without the e4m3 pair
+    conversion and in interpret mode.
+  - `"pairs"` (`pair_view`, `split_pairs`): the pools are viewed as 16-bit
+    words of two adjacent columns (a bitcast) and each tile is split in
+    registers into its even and odd columns (a byte permute and one
+    `cvt.rn.f16x2.e4m3x2` per two words). The logits sum two half-width
+    dots (q's even columns against K's even ones, odd against odd) and V's
+    halves feed two accumulators, whose columns interleave only when the
+    output is stored. Triton then sees 16-bit tiles: it reads them from
+    shared memory with `ldmatrix` (transposed for V) in the layout of f16
+    operands, as for bf16 pages, and the 8-bit operand layout with its
+    register moves is gone; nothing is joined back inside the loop. The
+    decode default on GPUs with the e4m3 pair conversion (measured:
+    docs/performance.md). The Triton prefill kernel (many query rows,
+    compute-bound) keeps Triton's placement: column pairs lost there.
 * Head_dim 64: two kv heads packed per program read as one 128-wide head
-  (`paged_decode.Config.pack_heads`), 0.54-0.55x of bf16 pages on
-  Llama-3.2-1B heads on an H200 (`paged_decode.Config.default_for`).
+  (`paged_decode.TritonConfig.pack_heads`), so a row is 128 bytes.
 * Prefill with many query rows per sequence dequantizes the named pages
   before the launch instead (`dequantize_pages`,
   `paged_prefill.Config.fp8_pages`): a fixed cost per key, where in-kernel
@@ -89,23 +46,11 @@ from jax import lax
 import jax.numpy as jnp
 
 F16_MAX = 65504.0
-# Where and how FP8 tiles convert to the dot dtype: "loaded" (V in the layout
-# it was loaded in, behind a select), "operand" (Triton's choice: after the
-# dot-operand layout change), "asm" (K and V in their loaded layout, by
-# inline PTX; a GPU of compute capability >= 8.9), "mul" (as "loaded", with
-# V's rows multiplied by their 0 / 1 mask instead of selected) or "pairs"
-# (tiles read as 16-bit words of two adjacent columns, split into even and
-# odd columns: `pair_view`, `split_pairs`).
-CONVERT_MODES = ("loaded", "operand", "asm", "mul", "pairs")
-
-# e4m3x4 (one 32-bit register) -> f16x4 (two): one `cvt.rn.f16x2.e4m3x2`
-# per pair, on the register's 16-bit halves (sm_89+).
-_E4M3X4_TO_F16X4 = """{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}"""
+# How the Triton decode kernel's FP8 tiles convert to the dot dtype (module
+# docstring): "loaded" (V in the layout it was loaded in, behind a select) or
+# "pairs" (tiles read as 16-bit words of two adjacent columns, split into
+# even and odd columns: `pair_view`, `split_pairs`).
+CONVERT_MODES = ("loaded", "pairs")
 
 
 # e4m3 pairs (the even or odd bytes of two 16-bit words in one register) ->
@@ -167,36 +112,12 @@ def query_for_dots(q):
   return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
 
 
-def convert_asm(x, dtype, interpret: bool):
-  """An FP8 tile `x` as `dtype` through inline PTX where the dot dtype is
-  f16 on a GPU (Pallas-Triton lowering only: `astype` in interpret mode and
-  for an f32 dot, the same values)."""
-  if interpret or jnp.dtype(dtype) != jnp.float16:
-    return x.astype(dtype)
-  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
-  bits = lax.bitcast_convert_type(x, jnp.uint8)
-  [y] = pltriton.elementwise_inline_asm(
-      _E4M3X4_TO_F16X4, args=[bits], constraints="=r,=r,r", pack=4,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
-  return y
-
-
-def convert(x, dtype, rows_ok, mode: str, interpret: bool = False):
-  """An FP8 tile `x [rows, cols]` as `dtype`.
-
-  With `mode == "loaded"`, the converted rows are selected by `rows_ok
-  bool[rows]` (rows that are False become 0: callers pass the load's mask,
-  whose masked rows loaded as 0 already), which keeps the conversion in the
-  loaded layout (see the module docstring). `mode == "asm"`:
-  `convert_asm`.
-  """
-  if mode == "asm":
-    return convert_asm(x, dtype, interpret)
+def convert_loaded(x, dtype, rows_ok):
+  """An FP8 tile `x [rows, cols]` as `dtype`, rows where `rows_ok
+  bool[rows]` is False set to 0 (callers pass the load's mask, whose masked
+  rows loaded as 0 already): the select keeps the conversion in the loaded
+  layout (`"loaded"`, see the module docstring)."""
   y = x.astype(dtype)
-  if mode == "operand":
-    return y
-  if mode == "mul":
-    return y * rows_ok.astype(y.dtype).reshape(-1, 1)
   keep = jnp.broadcast_to(rows_ok.reshape(-1, 1), y.shape)
   return jnp.where(keep, y, jnp.zeros_like(y))
 

@@ -1,4 +1,4 @@
-"""`paged_decode.Config.pack_heads`: kv heads packed into one program.
+"""`paged_decode.TritonConfig.pack_heads`: kv heads packed into one program.
 
 The pools are viewed with `pack_heads` adjacent kv heads as one wider head
 and each query row keeps its own head's columns, so the result must be the
@@ -21,7 +21,7 @@ import pytest
 
 import attention_utils as au
 from pkvattn import _kv
-from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_decode as kernel
 from attention_utils import fp8_paged as _fp8_paged
 from attention_utils import query_and_sinks
@@ -52,9 +52,10 @@ def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
     tk, tv, scales = p.k, p.v, {}
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   q, sinks, kw = query_and_sinks(rng, len(lens), g * hkv, d, kw)
-  cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit, pack_heads=pack,
-                      num_warps=2 if fp8_convert in ("asm", "pairs") else 4,
-                      fp8_convert=fp8_convert)
+  cfg = kernel.TritonConfig(pages_per_block=ppb, k_splits=ksplit,
+                            pack_heads=pack,
+                            num_warps=2 if fp8_convert == "pairs" else 4,
+                            fp8_convert=fp8_convert)
   out, lse = kernel.paged_decode(
       jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
       view.v_table, jnp.asarray(lens),
@@ -84,13 +85,13 @@ def test_packed_heads_pairs_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit,
 
 
 def _on_gpu_with_fp8_cvt():
-  return _compat.has_fp8_cvt()
+  return dispatch.current_gpu().has_fp8_cvt
 
 
 @pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
                     reason="needs a GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("g", [1, 3, 4, 5, 8])
-@pytest.mark.parametrize("mode", ["asm", "loaded", "pairs"])
+@pytest.mark.parametrize("mode", ["loaded", "pairs"])
 def test_packed_heads_gpu(g, mode):
   """On the GPU, the FP8 default's form (2 heads of 64, 64-key steps):
   group sizes 1-8, odd lengths, splits, NaN in unowned pages and tail rows."""
@@ -101,39 +102,32 @@ def test_packed_heads_gpu(g, mode):
          [1, 7, 129, 4095], interpret=False, ppb=4, ps=16)
 
 
-def test_pack_heads_default_rule(monkeypatch):
+def test_pack_heads_default_rule():
   """FP8 pages at head_dim 64 with an even number of kv heads pack two per
   program on a GPU that converts e4m3 pairs, with the tiling of head_dim
   128 for half the kv heads; odd kv heads, bf16 pages, interpret mode and
-  older GPUs do not pack. (A GPU other than Hopper: there the per-warp
-  Mosaic kernel takes FP8 pages.)"""
+  older GPUs do not pack. (Ada: on Hopper the per-warp Mosaic kernel takes
+  FP8 pages.)"""
   kw = dict(max_pages=64, group_size=4, dtype=jnp.bfloat16, page_size=16,
             head_dim=64)
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
-  monkeypatch.setattr(_compat, "is_hopper", lambda: False)
+
+  def cfg(gpu=dispatch.ADA, **over):
+    return dispatch.decode(**{**dict(gpu=gpu), **kw, **over}).config
+
   for batch in (8, 64, 256):
-    cfg = kernel.Config.default_for(num_kv_heads=8, kv_dtype=FP8,
-                                    batch_size=batch, **kw)
-    d128 = kernel.Config.default_for(
-        batch_size=batch, num_kv_heads=4, kv_dtype=FP8,
-        **{**kw, "head_dim": 128})
-    assert cfg == dataclasses.replace(d128, pack_heads=2)
+    d128 = cfg(batch_size=batch, num_kv_heads=4, kv_dtype=FP8, head_dim=128)
+    assert cfg(batch_size=batch, num_kv_heads=8, kv_dtype=FP8) == (
+        dataclasses.replace(d128, pack_heads=2))
   for other in (dict(num_kv_heads=3, kv_dtype=FP8),
                 dict(num_kv_heads=8, kv_dtype=jnp.bfloat16),
-                dict(num_kv_heads=8, kv_dtype=FP8, interpret=True)):
-    assert kernel.Config.default_for(batch_size=64, **other,
-                                     **kw).pack_heads == 1
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
-  assert kernel.Config.default_for(batch_size=64, num_kv_heads=8,
-                                   kv_dtype=FP8, **kw).pack_heads == 1
+                dict(num_kv_heads=8, kv_dtype=FP8, gpu=dispatch.INTERPRET),
+                dict(num_kv_heads=8, kv_dtype=FP8, gpu=dispatch.AMPERE)):
+    assert cfg(batch_size=64, **other).pack_heads == 1, other
 
 
 def test_pack_heads_bad_config():
   with pytest.raises(ValueError, match="pack_heads"):
-    kernel.Config(pages_per_block=2, k_splits=1, pack_heads=3)
-  with pytest.raises(ValueError, match="pack_heads"):
-    kernel.Config(pages_per_block=2, k_splits=1, pack_heads=2,
-                  backend="mosaic")
+    kernel.TritonConfig(pages_per_block=2, k_splits=1, pack_heads=3)
   q = jnp.zeros((2, 6, 64), jnp.bfloat16)
   pages = jnp.zeros((4, 8, 3, 64), jnp.bfloat16)
   table, lens = jnp.array([[0, 1], [2, 3]]), jnp.array([9, 3])
@@ -143,8 +137,9 @@ def test_pack_heads_bad_config():
     with pytest.raises(ValueError, match="pack_heads"):
       kernel.paged_decode(qq, pp, pp, table, table, lens, sm_scale=0.1,
                           interpret=True,
-                          config=kernel.Config(pages_per_block=1, k_splits=1,
-                                               pack_heads=pack))
+                          config=kernel.TritonConfig(pages_per_block=1,
+                                                     k_splits=1,
+                                                     pack_heads=pack))
 
 
 @pytest.mark.parametrize("k_splits", [1, 2])
@@ -157,8 +152,8 @@ def test_packed_kernel_lowers_for_cuda(k_splits):
           sds((64, 16, 8, 64), FP8), sds((3, 16), jnp.int32),
           sds((3, 16), jnp.int32), sds((3,), jnp.int32),
           sds((), jnp.float32), sds((), jnp.float32)]
-  cfg = kernel.Config(pages_per_block=4, k_splits=k_splits, num_warps=4,
-                      pack_heads=2)
+  cfg = kernel.TritonConfig(pages_per_block=4, k_splits=k_splits,
+                            num_warps=4, pack_heads=2)
   f = jax.jit(lambda q, kp, vp, kt, vt, n, a, b: kernel.paged_decode(
       q, kp, vp, kt, vt, n, sm_scale=0.125, config=cfg, k_scale=a,
       v_scale=b))

@@ -18,6 +18,7 @@ import pytest
 
 import pkvattn
 from pkvattn import _kv
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_decode as kernel
 from attention_utils import (FORMATS, assert_close, assert_lse_close,
                              dense_attention, make_paged)
@@ -52,7 +53,7 @@ def _check(out, lse, p, q, sinks, dtype, *, window_left=-1, soft_cap=None):
 
 
 def _run_kernel(p, q, sinks, dtype, config, **kw):
-  """Kernel in interpret mode with an explicit Config (public API otherwise)."""
+  """Kernel in interpret mode with an explicit config (public API otherwise)."""
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   return kernel.paged_decode(
       jnp.asarray(q, dtype), view.k_pool, view.v_pool, view.k_table,
@@ -65,16 +66,16 @@ def _run_kernel(p, q, sinks, dtype, config, **kw):
 # (fmt, group_size, page_size, dtype, window_left, soft_cap, sinks, config)
 KERNEL_CASES = [
     ("pair", 4, 16, jnp.float32, -1, None, False, None),
-    ("pool", 8, 8, jnp.bfloat16, -1, None, True, kernel.Config(2, 1)),
-    ("flashinfer", 1, 16, jnp.float32, 20, 5.0, False, kernel.Config(1, 4)),
-    ("pair", 8, 16, jnp.float16, 30, None, True, kernel.Config(2, 2)),
-    ("pool", 4, 8, jnp.float32, -1, 10.0, True, kernel.Config(4, 4)),
-    ("flashinfer", 4, 8, jnp.bfloat16, 9, None, False, kernel.Config(1, 2)),
+    ("pool", 8, 8, jnp.bfloat16, -1, None, True, kernel.TritonConfig(2, 1)),
+    ("flashinfer", 1, 16, jnp.float32, 20, 5.0, False, kernel.TritonConfig(1, 4)),
+    ("pair", 8, 16, jnp.float16, 30, None, True, kernel.TritonConfig(2, 2)),
+    ("pool", 4, 8, jnp.float32, -1, 10.0, True, kernel.TritonConfig(4, 4)),
+    ("flashinfer", 4, 8, jnp.bfloat16, 9, None, False, kernel.TritonConfig(1, 2)),
     # Page ids loaded a step ahead, with and without splits.
     ("pool", 8, 8, jnp.bfloat16, -1, None, True,
-     kernel.Config(2, 1, prefetch_ids=True)),
+     kernel.TritonConfig(2, 1, prefetch_ids=True)),
     ("flashinfer", 4, 8, jnp.float32, 9, 5.0, False,
-     kernel.Config(2, 2, prefetch_ids=True)),
+     kernel.TritonConfig(2, 2, prefetch_ids=True)),
 ]
 
 
@@ -98,7 +99,8 @@ def test_kernel_matches_oracle(fmt, group_size, page_size, dtype, window_left,
 
 
 def test_kernel_public_api_interpret():
-  """impl="pallas" off-GPU runs the kernel in interpret mode (default Config)."""
+  """impl="pallas" off-GPU runs the kernel in interpret mode (default
+  config)."""
   rng = np.random.default_rng(1)
   p, q, _ = _case(rng, "pool", 4, 16, jnp.float32, [17, 0, 40], False)
   out, lse = pkvattn.paged_decode(
@@ -107,7 +109,7 @@ def test_kernel_public_api_interpret():
   _check(out, lse, p, q, None, jnp.float32, window_left=20)
 
 
-@pytest.mark.parametrize("config", [None, kernel.Config(1, 4)])
+@pytest.mark.parametrize("config", [None, kernel.TritonConfig(1, 4)])
 def test_kernel_all_empty(config):
   """kv_lens == 0 everywhere (all table entries -1): zeros and lse = -inf."""
   rng = np.random.default_rng(2)
@@ -271,28 +273,89 @@ def test_kernel_not_implemented_and_config_validation():
   with pytest.raises(NotImplementedError, match="head_dim"):
     kernel.paged_decode(q, pool, pool, t, t, jnp.ones((1,), jnp.int32),
                         sm_scale=1.0, interpret=True)
-  with pytest.raises(ValueError, match="k_splits"):
-    kernel.Config(pages_per_block=2, k_splits=3)
-  with pytest.raises(ValueError, match="prefetch_ids"):
-    kernel.Config(pages_per_block=2, k_splits=1, backend="mosaic",
-                  prefetch_ids=True)
+  base = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128,
+              page_size=16)
+  assert kernel.supports(**base) is None
+  for kw in (dict(kv_dtype=jnp.float8_e4m3fn),
+             dict(dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn),
+             dict(dtype=jnp.float16, kv_dtype=jnp.float16, head_dim=64,
+                  page_size=128), dict(head_dim=256, page_size=8)):
+    assert kernel.supports(**{**base, **kw}) is None, kw
+  for kw, word in ((dict(dtype=jnp.int8, kv_dtype=jnp.int8), "dtype"),
+                   (dict(kv_dtype=jnp.float16), "pages"),
+                   (dict(head_dim=96), "head_dim"),
+                   (dict(page_size=4), "page_size"),
+                   (dict(page_size=48), "page_size"),
+                   (dict(page_size=256), "page_size")):
+    assert word in kernel.supports(**{**base, **kw}), kw
+  for kw, match in ((dict(k_splits=3), "k_splits"),
+                    (dict(pages_per_block=0), "pages_per_block"),
+                    (dict(num_warps=16), "num_warps"),
+                    (dict(num_stages=0), "num_stages"),
+                    (dict(kv_eviction="evict_sometimes"), "kv_eviction"),
+                    (dict(fp8_convert="asm"), "fp8_convert"),
+                    (dict(prefetch_ids=1), "prefetch_ids")):
+    with pytest.raises(ValueError, match=match):
+      kernel.TritonConfig(**{**dict(pages_per_block=2, k_splits=1), **kw})
+  for kw, match in ((dict(k_splits=3), "k_splits"),
+                    (dict(k_splits=128), "k_splits"),
+                    (dict(k_splits=2, tiles=3), "tiles")):
+    with pytest.raises(ValueError, match=match):
+      kernel.MmaConfig(**kw)
+  q = jnp.zeros((1, 2, 64), jnp.float32)
+  pool = jnp.zeros((2, 8, 1, 64), jnp.float32)
+  with pytest.raises(ValueError, match="TritonConfig or an MmaConfig"):
+    kernel.paged_decode(q, pool, pool, t, t, jnp.ones((1,), jnp.int32),
+                        sm_scale=1.0, interpret=True,
+                        config=dispatch.Choice("triton", None))
+
+
+def _default(batch_size, num_kv_heads, max_pages, head_dim, page_size=16,
+             gpu=dispatch.AMPERE):
+  return dispatch.decode(
+      gpu=gpu, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=head_dim,
+      group_size=4, page_size=page_size, batch_size=batch_size,
+      num_kv_heads=num_kv_heads, max_pages=max_pages).config
 
 
 def test_default_config_heuristics():
-  c = kernel.Config.default_for(batch_size=64, num_kv_heads=8, page_size=16,
-                                max_pages=256, head_dim=128)
+  """The Triton rule (a GPU other than Hopper): enough programs for the SMs,
+  but no split without two steps of the longest sequence."""
+  c = _default(64, 8, 256, 128)
   assert c.pages_per_block * 16 >= 64
   assert c.k_splits == 1  # 512 programs already fill 132 SMs
-  c = kernel.Config.default_for(batch_size=8, num_kv_heads=8, page_size=16,
-                                max_pages=1024, head_dim=128)
+  c = _default(8, 8, 1024, 128)
   assert c.k_splits >= 4  # 64 programs alone would leave SMs idle
-  c = kernel.Config.default_for(batch_size=1, num_kv_heads=1, page_size=64,
-                                max_pages=2, head_dim=64)
+  c = _default(1, 1, 2, 64, page_size=64)
   assert c.k_splits == 1  # too short to split
-  c = kernel.Config.default_for(batch_size=256, num_kv_heads=8, page_size=16,
-                                max_pages=64, head_dim=128)
+  c = _default(256, 8, 64, 128)
   assert (c.pages_per_block, c.k_splits) == (8, 1)  # many programs: 128 tokens
   assert c.num_warps == 4
-  c = kernel.Config.default_for(batch_size=256, num_kv_heads=3, page_size=16,
-                                max_pages=64, head_dim=64)
+  c = _default(256, 3, 64, 64)
   assert (c.pages_per_block, c.k_splits, c.num_warps) == (4, 1, 2)  # d64: 2 warps
+  # Interpret mode takes the same rule; the SM count is a constant, not the
+  # device's, so Ada's choices are Ampere's for 16-bit pages.
+  for shape in ((8, 8, 1024, 128), (256, 3, 64, 64), (3, 2, 100, 256)):
+    assert (_default(*shape, gpu=dispatch.INTERPRET) == _default(*shape)
+            == _default(*shape, gpu=dispatch.ADA))
+
+
+@pytest.mark.parametrize("gpu,kernel_name", [
+    (dispatch.HOPPER, "mosaic_gpu"), (dispatch.AMPERE, "paged_decode_g4")])
+def test_default_follows_current_gpu(fake_gpu, gpu, kernel_name):
+  """With `config=None` the kernel asks `dispatch.current_gpu` (faked here)
+  and runs `dispatch.decode`'s choice: cross-lowered for CUDA on any host,
+  the per-warp Mosaic-GPU kernel on Hopper, the Triton one elsewhere."""
+  fake_gpu(gpu)
+  jax.clear_caches()  # paged_decode is jitted: trace it again
+  sds = jax.ShapeDtypeStruct
+  args = [sds((3, 8, 64), jnp.bfloat16), sds((16, 16, 2, 64), jnp.bfloat16),
+          sds((16, 16, 2, 64), jnp.bfloat16), sds((3, 4), jnp.int32),
+          sds((3, 4), jnp.int32), sds((3,), jnp.int32)]
+  f = jax.jit(lambda q, kp, vp, kt, vt, n: kernel.paged_decode(
+      q, kp, vp, kt, vt, n, sm_scale=0.125))
+  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert kernel_name in text
+  other = {"mosaic_gpu": "paged_decode_g4", "paged_decode_g4": "mosaic_gpu"}
+  assert other[kernel_name] not in text
+  jax.clear_caches()

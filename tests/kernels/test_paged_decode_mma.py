@@ -23,35 +23,39 @@ from hypothesis import strategies as st
 from attention_utils import assert_close, assert_decode_matches, assert_lse_close
 from attention_utils import dense_attention, make_paged, paged_decode_case
 from pkvattn import _kv
-from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_decode as kernel
 from pkvattn.pallas_kernels import paged_decode_mma as mma
 
-_C = kernel.Config
-
 
 def _config(b=4, hkv=2, ps=16, max_pages=64, d=128, **over):
-  cfg = _C.default_for(batch_size=b, num_kv_heads=hkv, page_size=ps,
-                       max_pages=max_pages, head_dim=d, backend="mosaic_mma")
+  """The per-warp kernel's config for a shape (`dispatch.decode` with the
+  backend forced), fields replaced by `over`."""
+  cfg = dispatch.decode(
+      gpu=dispatch.HOPPER, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+      head_dim=d, group_size=4, page_size=ps, batch_size=b, num_kv_heads=hkv,
+      max_pages=max_pages, backend="mosaic_mma").config
   return dataclasses.replace(cfg, **over)
 
 
 def test_config_and_errors():
   cfg = _config()
-  assert cfg.backend == "mosaic_mma" and cfg.mma_tiles is None
+  assert isinstance(cfg, kernel.MmaConfig) and cfg.backend == "mosaic_mma"
+  assert cfg.tiles == 1
   # Splits: about MMA_CTAS_PER_SM CTAs per SM, none without >= 2 rounds of
   # the four warps' steps.
   many = _config(b=64, hkv=3, ps=16, max_pages=256, d=64)
   assert many.k_splits == 2   # 192 items -> 384 CTAs on 132 SMs
   short = _config(b=1, hkv=1, ps=16, max_pages=8, d=64)
   assert short.k_splits == 1  # 128 keys: one round of 4 x 32 keys
-  for kw, match in ((dict(mma_tiles=3), "mma_tiles"),
-                    (dict(mma_tiles=2, backend="triton"), "mma_tiles"),
-                    (dict(pack_heads=2), "pack_heads"),
-                    (dict(backend="cuda"), "backend")):
+  for kw, match in ((dict(tiles=3), "tiles"), (dict(k_splits=6), "k_splits")):
     with pytest.raises(ValueError, match=match):
-      _C(**{**dict(pages_per_block=1, k_splits=1, backend="mosaic_mma"),
-            **kw})
+      kernel.MmaConfig(**{**dict(k_splits=1), **kw})
+  with pytest.raises(ValueError, match="backend"):
+    dispatch.decode(gpu=dispatch.HOPPER, dtype=jnp.bfloat16,
+                    kv_dtype=jnp.bfloat16, head_dim=128, group_size=4,
+                    page_size=16, batch_size=1, num_kv_heads=1, max_pages=4,
+                    backend="mosaic")
   base = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=128,
               page_size=16, group_size=4)
   assert mma.supports(**base) is None
@@ -91,10 +95,11 @@ def test_config_and_errors():
                          table, table, lens, sm_scale=0.1)
 
 
-def test_fp8_needs_compute_capability_8_9(monkeypatch):
-  """FP8 pages on the mosaic_mma backend are refused by name where JAX's
-  first device is a GPU below compute capability 8.9 (no e4m3 convert)."""
-  monkeypatch.setattr(_compat, "compute_capability", lambda: (8, 0))
+def test_fp8_needs_compute_capability_8_9(fake_gpu):
+  """FP8 pages on the per-warp kernel are refused by name where the GPU is
+  below compute capability 8.9 (no e4m3 pair conversion)."""
+  fake_gpu(dispatch.AMPERE)
+  jax.clear_caches()  # paged_decode is jitted: trace it again
   q = jnp.zeros((2, 8, 128), jnp.bfloat16)
   fp8 = jnp.zeros((4, 16, 2, 128), jnp.float8_e4m3fn)
   table = jnp.zeros((2, 4), jnp.int32)
@@ -102,6 +107,42 @@ def test_fp8_needs_compute_capability_8_9(monkeypatch):
     kernel.paged_decode(q, fp8, fp8, table, table, jnp.array([3, 5]),
                         sm_scale=0.1, config=_config(), k_scale=1.0,
                         v_scale=1.0)
+  jax.clear_caches()
+
+
+def test_default_rule_on_hopper():
+  """On Hopper the per-warp kernel is the default for bf16 / f16 q over
+  pages of that dtype or FP8 ones, head_dim 64 / 128 / 256, groups 1..8,
+  pages of 8..128 tokens (FP8 pages: 32-key steps up to head_dim 128);
+  Triton for f32, mixed 16-bit dtypes, groups past 8, interpret mode and
+  other GPUs."""
+  def choice(ps, d=64, g=3, kv_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+             gpu=dispatch.HOPPER):
+    return dispatch.decode(gpu=gpu, dtype=dtype, kv_dtype=kv_dtype,
+                           head_dim=d, group_size=g, page_size=ps,
+                           batch_size=64, num_kv_heads=3,
+                           max_pages=4096 // ps)
+
+  for d in (64, 128, 256):
+    for g in (1, 3, 4, 6, 8):
+      for ps in (8, 16, 64, 128):
+        bf16 = choice(ps, d, g)
+        assert bf16.backend == "mosaic_mma", (d, g, ps)
+        assert bf16.config.tiles == 1
+        fp8 = choice(ps, d, g, kv_dtype=jnp.float8_e4m3fn)
+        assert fp8.backend == "mosaic_mma", (d, g, ps)
+        assert fp8.config.tiles == (2 if d <= 128 else 1), (d, fp8)
+  assert choice(16, dtype=jnp.float16, kv_dtype=jnp.float16).backend == (
+      "mosaic_mma")
+  assert choice(128, dtype=jnp.float16,
+                kv_dtype=jnp.float8_e4m3fn).backend == "mosaic_mma"
+  for kw in (dict(dtype=jnp.float32, kv_dtype=jnp.float32),
+             dict(dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn),
+             dict(kv_dtype=jnp.float16), dict(g=9),
+             dict(gpu=dispatch.INTERPRET), dict(gpu=dispatch.ADA),
+             dict(gpu=dispatch.ADA, kv_dtype=jnp.float8_e4m3fn)):
+    assert choice(16, **kw).backend == "triton", kw
+  assert choice(128, gpu=dispatch.INTERPRET).backend == "triton"
 
 
 @settings(max_examples=200, deadline=None)
@@ -113,14 +154,16 @@ def test_split_rule(b, hkv, log_ps, max_pages, d, num_sms):
   >= 2 rounds of the four warps' 16-key steps, and the power of two
   nearest the CTAs-per-SM target unless that cap binds."""
   ps = 1 << log_ps
-  cfg = kernel.Config.default_for(
-      batch_size=b, num_kv_heads=hkv, page_size=ps, max_pages=max_pages,
-      head_dim=d, num_sms=num_sms, backend="mosaic_mma")
-  k = cfg.k_splits
+  choice = dispatch.decode(
+      gpu=dispatch.HOPPER, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+      head_dim=d, group_size=4, page_size=ps, batch_size=b,
+      num_kv_heads=hkv, max_pages=max_pages, num_sms=num_sms)
+  assert choice.backend == "mosaic_mma"
+  k = choice.config.k_splits
   assert 1 <= k <= 64 and k & (k - 1) == 0
   rounds = -(-max_pages // max(1, mma.WARPS * mma.KEYS // ps))
   assert k == 1 or 2 * k <= rounds
-  target = (kernel.MMA_CTAS_PER_SM / (2 if d > 128 else 1) * num_sms
+  target = (dispatch.MMA_CTAS_PER_SM / (2 if d > 128 else 1) * num_sms
             / (b * hkv))
   if 2 * k * 2 <= rounds and k < 64:   # the cap did not bind
     assert abs(np.log2(max(target, 1.0)) - np.log2(k)) <= 0.5 + 1e-9
@@ -149,7 +192,7 @@ def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
            if fp8 else p.kv_cache)
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   cfg = _config(b=2, hkv=hkv, ps=page_size, max_pages=view.k_table.shape[1],
-                d=d, k_splits=k_splits, mma_tiles=tiles)
+                d=d, k_splits=k_splits, tiles=tiles or 1)
   kw = dict(kw)
   sinks = jnp.zeros((hq,), jnp.float32) if kw.pop("sinks", False) else None
   q = jnp.zeros((2, hq, d), jnp.bfloat16)
@@ -170,7 +213,7 @@ def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
 
 
 def _hopper() -> bool:
-  return _compat.is_hopper()
+  return dispatch.current_gpu().is_hopper
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
@@ -200,7 +243,7 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, tiles):
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
   cfg = _config(b=q.shape[0], hkv=2, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
-                mma_tiles=tiles)
+                tiles=tiles or 1)
   out, lse = kernel.paged_decode(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
       jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
@@ -281,7 +324,7 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   cfg = _config(b=len(kv_lens), hkv=hkv, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
-                mma_tiles=tiles)
+                tiles=tiles or 1)
   out, lse = kernel.paged_decode(
       jnp.asarray(q, dtype), view.k_pool, view.v_pool, view.k_table,
       view.v_table, jnp.asarray(p.kv_lens),

@@ -204,17 +204,16 @@ def test_fp8_bad_inputs():
 
 
 def _on_gpu_with_fp8_cvt():
-  from pkvattn.pallas_kernels import _compat
-  return _compat.has_fp8_cvt()
+  from pkvattn.pallas_kernels import dispatch
+  return dispatch.current_gpu().has_fp8_cvt
 
 
 @pytest.mark.parametrize("mode,prefetch", [
-    ("loaded", False), ("operand", False), ("asm", False), ("asm", True),
-    ("mul", False), ("mul", True), ("pairs", False), ("pairs", True)])
+    ("loaded", False), ("loaded", True), ("pairs", False), ("pairs", True)])
 def test_decode_kernel_fp8_convert_modes(mode, prefetch):
-  """Every placement of the conversion (`Config.fp8_convert`) computes the
-  oracle's attention ("asm" and "pairs" run their jnp twins in interpret
-  mode; their PTX is checked on the GPU below); a bf16 query beyond f16's range (the
+  """Both placements of the conversion (`TritonConfig.fp8_convert`) compute
+  the oracle's attention ("pairs" runs its jnp twin in interpret mode; its
+  PTX is checked on the GPU below); a bf16 query beyond f16's range (the
   FP8 dots run in f16) is clamped to +-65504, never inf (the oracle clamps
   it too)."""
   from pkvattn.pallas_kernels import paged_decode as kernel
@@ -228,8 +227,8 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
   q[2, 1, :4] = [1e5, -3e5, 7e4, 2.0]  # past f16's largest finite value
   q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
   table = jnp.asarray(p.page_table)
-  cfg = kernel.Config(pages_per_block=2, k_splits=2, fp8_convert=mode,
-                      prefetch_ids=prefetch)
+  cfg = kernel.TritonConfig(pages_per_block=2, k_splits=2, fp8_convert=mode,
+                            prefetch_ids=prefetch)
   out, lse = kernel.paged_decode(
       jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
       jnp.asarray(lens), sm_scale=d**-0.5, interpret=True, config=cfg,
@@ -243,7 +242,7 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
     if b != 2:  # lse of logits ~1e4: bf16 tolerance is relative
       au.assert_lse_close(lse[b], want_lse[0], jnp.bfloat16)
   with pytest.raises(ValueError, match="fp8_convert"):
-    kernel.Config(pages_per_block=2, k_splits=1, fp8_convert="smem")
+    kernel.TritonConfig(pages_per_block=2, k_splits=1, fp8_convert="smem")
 
 
 @pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
@@ -251,9 +250,9 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
 @pytest.mark.parametrize("g, d, ps, ppb, warps", [
     (4, 128, 16, 4, 2), (3, 64, 16, 8, 4), (8, 128, 64, 1, 2),
     (1, 128, 8, 8, 4), (4, 256, 16, 2, 2), (5, 64, 16, 2, 2)])
-def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
-  """The inline-PTX conversions ("asm", "pairs") and the `mul` placement on
-  the GPU against the oracle on the dequantized pages (NaN in unowned
+def test_decode_kernel_fp8_convert_gpu(g, d, ps, ppb, warps):
+  """The inline-PTX column pairs ("pairs") and the loaded-layout placement
+  on the GPU against the oracle on the dequantized pages (NaN in unowned
   pages and past kv_lens), splits, page-id prefetch and odd lengths
   included."""
   from pkvattn.pallas_kernels import paged_decode as kernel
@@ -266,13 +265,12 @@ def test_decode_kernel_fp8_asm_gpu(g, d, ps, ppb, warps):
   q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), g * hkv, d)),
                              jnp.bfloat16).astype(jnp.float32))
   table = jnp.asarray(p.page_table)
-  for ksplit, prefetch, mode in ((1, False, "asm"), (4, False, "asm"),
-                                 (1, True, "asm"), (4, True, "asm"),
-                                 (4, True, "mul"), (1, False, "pairs"),
-                                 (1, True, "pairs"), (4, True, "pairs")):
-    cfg = kernel.Config(pages_per_block=ppb, k_splits=ksplit,
-                        num_warps=warps, fp8_convert=mode,
-                        prefetch_ids=prefetch)
+  for ksplit, prefetch, mode in ((1, False, "loaded"), (4, True, "loaded"),
+                                 (1, False, "pairs"), (1, True, "pairs"),
+                                 (4, True, "pairs")):
+    cfg = kernel.TritonConfig(pages_per_block=ppb, k_splits=ksplit,
+                              num_warps=warps, fp8_convert=mode,
+                              prefetch_ids=prefetch)
     out, lse = kernel.paged_decode(
         jnp.asarray(q, jnp.bfloat16), cache[0], cache[1], table, table,
         jnp.asarray(lens), sm_scale=d**-0.5, config=cfg,
@@ -298,8 +296,9 @@ def test_decode_kernel_fp8_pairs_f32_query_gpu(d):
   q = rng.standard_normal((len(lens), 8, d)).astype(np.float32)
   table = jnp.asarray(p.page_table)
   for ksplit in (1, 4):
-    cfg = kernel.Config(pages_per_block=2, k_splits=ksplit, num_warps=2,
-                        fp8_convert="pairs", prefetch_ids=True)
+    cfg = kernel.TritonConfig(pages_per_block=2, k_splits=ksplit,
+                              num_warps=2, fp8_convert="pairs",
+                              prefetch_ids=True)
     out, lse = kernel.paged_decode(
         jnp.asarray(q), cache[0], cache[1], table, table, jnp.asarray(lens),
         sm_scale=d**-0.5, config=cfg, k_scale=jnp.float32(ks),
@@ -310,26 +309,27 @@ def test_decode_kernel_fp8_pairs_f32_query_gpu(d):
 
 @pytest.mark.parametrize("batch_size,max_pages", [(64, 256), (8, 1024),
                                                   (256, 64)])
-def test_decode_default_fp8_pairs_rule(monkeypatch, batch_size, max_pages):
+def test_decode_default_fp8_pairs_rule(batch_size, max_pages):
   """The FP8 decode default where the GPU converts e4m3 pairs: column pairs
   on 2 warps, 3 stages; 64-token steps, 32 at head_dim 256 or with > 4
   programs per SM; splits for about 2 programs per SM, each keeping >= 2
   steps; page ids a step ahead unless a step covers more than 64 tokens;
   head_dim 64 packs two kv heads where their number is even. bf16 pages,
-  interpret mode and older GPUs keep the bf16 tiling with "loaded". (A GPU
-  of compute capability 8.9 other than Hopper: there the per-warp Mosaic
-  kernel takes FP8 pages, `test_default_rule_on_hopper`.)"""
-  from pkvattn.pallas_kernels import _compat
-  from pkvattn.pallas_kernels import paged_decode as kernel
+  interpret mode and older GPUs keep the bf16 tiling with "loaded". (Ada:
+  on Hopper the per-warp Mosaic kernel takes FP8 pages,
+  `test_paged_decode_mma.test_default_rule_on_hopper`.)"""
+  from pkvattn.pallas_kernels import dispatch
   kw = dict(batch_size=batch_size, max_pages=max_pages, dtype=jnp.bfloat16)
+  sms = dispatch.DECODE_NUM_SMS
 
-  def cfg(head_dim=128, num_kv_heads=8, ps=16, kv_dtype=FP8, **extra):
-    return kernel.Config.default_for(
-        page_size=ps, head_dim=head_dim, num_kv_heads=num_kv_heads,
-        group_size=4, kv_dtype=kv_dtype, **kw, **extra)
+  def cfg(head_dim=128, num_kv_heads=8, ps=16, kv_dtype=FP8,
+          gpu=dispatch.ADA):
+    choice = dispatch.decode(
+        gpu=gpu, page_size=ps, head_dim=head_dim, num_kv_heads=num_kv_heads,
+        group_size=4, kv_dtype=kv_dtype, **kw)
+    assert choice.backend == "triton"
+    return choice.config
 
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: True)
-  monkeypatch.setattr(_compat, "is_hopper", lambda: False)
   for head_dim, hkv, pack in ((128, 8, 1), (64, 8, 2), (256, 1, 1),
                               (64, 3, 1)):
     for ps in (16, 64, 128):
@@ -338,29 +338,30 @@ def test_decode_default_fp8_pairs_rule(monkeypatch, batch_size, max_pages):
           "pairs", 2, 3, pack), (head_dim, hkv, ps, c)
       programs = batch_size * hkv // pack
       step = 64 if head_dim == 64 and pack == 1 else (
-          32 if head_dim > 128 or programs > 4 * 132 else 64)
+          32 if head_dim > 128 or programs > 4 * sms else 64)
       assert c.pages_per_block == max(1, step // ps)
       tokens = c.pages_per_block * ps
       assert c.prefetch_ids == (tokens <= 64)
       per_sm = 4 if head_dim == 64 and pack == 1 else 2
       steps = max_pages // c.pages_per_block
       assert c.k_splits == 1 or c.k_splits <= steps // 2
-      if programs * 2 <= per_sm * 132 and steps >= 4:
-        assert programs * c.k_splits >= per_sm * 132 // 2, c
+      if programs * 2 <= per_sm * sms and steps >= 4:
+        assert programs * c.k_splits >= per_sm * sms // 2, c
       bf16 = cfg(head_dim, hkv, ps, kv_dtype=jnp.bfloat16)
       assert bf16.fp8_convert == "loaded" and bf16.pack_heads == 1
-      assert cfg(head_dim, hkv, ps, interpret=True) == cfg(
-          head_dim, hkv, ps, kv_dtype=jnp.bfloat16, interpret=True)
-  monkeypatch.setattr(_compat, "has_fp8_cvt", lambda: False)
+      assert cfg(head_dim, hkv, ps, gpu=dispatch.INTERPRET) == cfg(
+          head_dim, hkv, ps, kv_dtype=jnp.bfloat16, gpu=dispatch.INTERPRET)
   for head_dim, hkv in ((128, 8), (64, 8)):
-    assert cfg(head_dim, hkv) == cfg(head_dim, hkv, kv_dtype=jnp.bfloat16)
+    assert cfg(head_dim, hkv, gpu=dispatch.AMPERE) == cfg(
+        head_dim, hkv, kv_dtype=jnp.bfloat16, gpu=dispatch.AMPERE)
 
 
-def test_decode_kernel_fp8_asm_lowers_for_cuda(monkeypatch):
-  """Cross-lowered for CUDA on any host, `fp8_convert="asm"` puts the
-  e4m3x2 -> f16x2 PTX into the Triton kernel (and only that mode does); on
-  a GPU below compute capability 8.9 it is refused by name."""
-  from pkvattn.pallas_kernels import _compat
+def test_decode_kernel_fp8_pairs_lowers_for_cuda(fake_gpu):
+  """Cross-lowered for CUDA on any host, `fp8_convert="pairs"` puts the
+  byte permute and the e4m3x2 -> f16x2 PTX into the Triton kernel (and
+  "loaded" does not); on a GPU below compute capability 8.9 it is refused
+  by name."""
+  from pkvattn.pallas_kernels import dispatch
   from pkvattn.pallas_kernels import paged_decode as kernel
   sds = jax.ShapeDtypeStruct
   args = [sds((3, 8, 128), jnp.bfloat16), sds((64, 16, 2, 128), FP8),
@@ -369,22 +370,22 @@ def test_decode_kernel_fp8_asm_lowers_for_cuda(monkeypatch):
           sds((), jnp.float32), sds((), jnp.float32)]
 
   def lowered(mode):
-    cfg = kernel.Config(pages_per_block=4, k_splits=2, num_warps=2,
-                        fp8_convert=mode)
+    cfg = kernel.TritonConfig(pages_per_block=4, k_splits=2, num_warps=2,
+                              fp8_convert=mode)
     f = jax.jit(lambda q, kp, vp, kt, vt, n, a, b: kernel.paged_decode(
         q, kp, vp, kt, vt, n, sm_scale=0.1, config=cfg, k_scale=a,
         v_scale=b))
     return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-  assert "cvt.rn.f16x2.e4m3x2" in lowered("asm")
   pairs = lowered("pairs")
   assert "cvt.rn.f16x2.e4m3x2" in pairs and "prmt.b32" in pairs
   assert "cvt.rn.f16x2.e4m3x2" not in lowered("loaded")
-  monkeypatch.setattr(_compat, "compute_capability", lambda: (8, 0))
+  fake_gpu(dispatch.AMPERE)
   jax.clear_caches()  # paged_decode is jitted: trace it again
-  for mode in ("asm", "pairs"):
-    with pytest.raises(ValueError, match="fp8_convert"):
-      lowered(mode)
+  with pytest.raises(ValueError, match="fp8_convert"):
+    lowered("pairs")
+  assert "cvt.rn.f16x2.e4m3x2" not in lowered("loaded")
+  jax.clear_caches()
 
 
 def test_pair_view_splits_columns():

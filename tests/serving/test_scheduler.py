@@ -1,0 +1,294 @@
+"""The host scheduler alone, driven by a NumPy model of the device programs.
+
+No model and no compile: a request's "model" is a random stream of tokens
+(its i-th generated token is `stream[i]`), and the device's answers are
+written here from the program inputs (a burst emits tokens until a stop
+token or the request's length, as `programs.device_decode_burst` does).
+This checks what the engine tests can only see through whole generations:
+that a single step and a burst book stop tokens, lengths and preemptions
+identically, that every stop / length rule holds for random requests, and
+what a refused claim does to the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pkvattn.sampling import SamplingParams
+from pkvattn.serving.config import EngineConfig
+from pkvattn.serving.programs import BurstOutputs
+from pkvattn.serving.programs import MAX_STOP_IDS
+from pkvattn.serving.programs import StepOutputs
+from pkvattn.serving.request import RequestLimits
+from pkvattn.serving.request import RequestStatus
+from pkvattn.serving.request import make_request
+from pkvattn.serving.scheduler import Scheduler
+from pkvattn.serving.stats import EngineStats
+
+EOS = 7
+VOCAB = 64
+CFG = EngineConfig(page_size=4, num_slots=64, max_seqs=3, max_num_tokens=16,
+                   max_model_len=64, token_buckets=(3,))
+
+
+def _limits(cfg):
+  return RequestLimits(
+      max_model_len=cfg.max_model_len, page_size=cfg.page_size,
+      max_slots=cfg.num_slots, pool_text=f"num_slots={cfg.num_slots}",
+      vocab_size=VOCAB, max_prefill_tokens=None,
+      default_stop_ids=frozenset({EOS}))
+
+
+def _random_requests(rng, n):
+  """`(prompts, params, streams, preempt_at)`: random prompts, lengths and
+  stop rules; each request's token stream (a stop token within a few tokens is likely); and the
+  `(request, token index)` pairs after which the pool cannot grow it."""
+  prompts, params, streams = [], [], []
+  for _ in range(n):
+    prompts.append(rng.integers(0, VOCAB, int(rng.integers(1, 24))).tolist())
+    stops = None
+    if rng.random() < 0.6:
+      stops = tuple(int(t) for t in rng.choice(VOCAB, int(rng.integers(1, 4)),
+                                               replace=False))
+    params.append(SamplingParams(
+        max_new_tokens=int(rng.integers(1, 20)), stop_token_ids=stops,
+        ignore_eos=bool(rng.random() < 0.25)))
+    streams.append(rng.integers(0, VOCAB, 20).tolist())
+  preempt_at = {(int(r), int(i)) for r, i in zip(rng.integers(0, n, n),
+                                                  rng.integers(0, 20, n))}
+  return prompts, params, streams, preempt_at
+
+
+def _expected_output(params, stream, stop_ids):
+  """The generated tokens and finish reason by the rules of `SamplingParams`
+  (the first stop token ends it, kept; else `max_new_tokens`)."""
+  for i, t in enumerate(stream[:params.max_new_tokens]):
+    if t in stop_ids and not params.ignore_eos:
+      return stream[:i + 1], "stop"
+  return stream[:params.max_new_tokens], "length"
+
+
+def _step_outputs(cfg, scheduled, streams, preempt_at):
+  """A step's outputs: each sampling row's next stream token; `extend`
+  refused at the `preempt_at` positions; every claim granted, none reused."""
+  S, A = cfg.max_seqs, cfg.num_admit
+  sampled = np.full(S, -1, np.int32)
+  extend_ok = np.ones(S, bool)
+  for req, _, samples in scheduled.rows:
+    if samples:
+      i = len(req.output)
+      sampled[req.seq_id] = streams[req.request_id][i]
+      extend_ok[req.seq_id] = (req.request_id, i) not in preempt_at
+  zeros = np.zeros(A, np.int32)
+  return StepOutputs(sampled=sampled, extend_ok=extend_ok,
+                     claim_ok=np.ones(A, bool), claim_reused=zeros,
+                     claim_new_blocks=zeros, used_slots=np.int32(0),
+                     num_free=np.int32(0))
+
+
+def _burst_outputs(cfg, sched, scheduled, streams, preempt_at):
+  """A burst's outputs from its inputs: per active row, tokens from the
+  stream at `gen_index` on, until a stop id of the inputs, `remaining`
+  tokens or `decode_steps`; a `preempt_at` position stops the row there
+  (its next token has no slot) with `preempted` set."""
+  inp = scheduled.inputs
+  S, k = cfg.max_seqs, cfg.decode_steps
+  by_row = {r.seq_id: r for r in sched.running}
+  tokens = np.full((k, S), -1, np.int32)
+  preempted = np.zeros(S, bool)
+  for r in np.flatnonzero(inp.active):
+    rid = by_row[r].request_id
+    stops = set(inp.stop_ids[r][inp.stop_ids[r] >= 0].tolist())
+    for step in range(min(k, int(inp.remaining[r]))):
+      i = int(inp.gen_index[r]) + step
+      tokens[step, r] = streams[rid][i]
+      if streams[rid][i] in stops or step + 1 == inp.remaining[r]:
+        break
+      if (rid, i) in preempt_at:
+        preempted[r] = True
+        break
+  return BurstOutputs(tokens=tokens, preempted=preempted,
+                      used_slots=np.int32(0), num_free=np.int32(0))
+
+
+def _serve(cfg, prompts, params, streams, preempt_at):
+  """Runs the requests to the end; returns `(requests, stats, kinds)`."""
+  stats = EngineStats()
+  sched = Scheduler(cfg, stats, pool_text="num_slots=64")
+  reqs = []
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    req = make_request(p, sp, _limits(cfg))
+    req.request_id = i
+    sched.add(req)
+    reqs.append(req)
+  kinds = []
+  while sched.waiting or sched.running:
+    assert len(kinds) < 1000, "the scheduler does not make progress"
+    if sched.burst_eligible():
+      scheduled = sched.schedule_burst()
+      out = _burst_outputs(cfg, sched, scheduled, streams, preempt_at)
+    else:
+      scheduled = sched.schedule()
+      sched.take_released_rows()
+      out = _step_outputs(cfg, scheduled, streams, preempt_at)
+    kinds.append(scheduled.kind)
+    sched.update_from_output(scheduled, out)
+  return reqs, stats, kinds
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_steps_and_bursts_book_stops_lengths_and_preemptions_alike(seed):
+  rng = np.random.default_rng(1000 + seed)
+  prompts, params, streams, preempt_at = _random_requests(rng, 7)
+  steps, step_stats, step_kinds = _serve(CFG, prompts, params, streams,
+                                         preempt_at)
+  burst_cfg = dataclasses.replace(CFG, decode_steps=4)
+  bursts, burst_stats, burst_kinds = _serve(burst_cfg, prompts, params,
+                                            streams, preempt_at)
+  assert set(step_kinds) == {"step"} and "burst" in burst_kinds
+  for a, b, p, sp, stream in zip(steps, bursts, prompts, params, streams):
+    stop_ids = {EOS} if sp.stop_token_ids is None else set(sp.stop_token_ids)
+    output, reason = _expected_output(sp, stream, stop_ids)
+    for req in (a, b):
+      assert req.output == output
+      assert req.finish_reason == reason
+      assert req.status is RequestStatus.FINISHED and req.done
+      assert req.num_computed == len(p) + len(output) - 1
+    assert a.num_preemptions == b.num_preemptions
+  for st in (step_stats, burst_stats):
+    assert st.generated_tokens == sum(len(r.output) for r in steps)
+  assert step_stats.num_preemptions == burst_stats.num_preemptions
+  assert step_stats.decode_tokens == burst_stats.decode_tokens
+  assert step_stats.prefill_tokens == burst_stats.prefill_tokens
+
+
+def _decoding(cfg, rng, **params):
+  """A scheduler with one request decoding in row 0 (one token out)."""
+  stats = EngineStats()
+  sched = Scheduler(cfg, stats, pool_text="num_slots=64")
+  prompt = rng.integers(0, VOCAB, int(rng.integers(1, 10))).tolist()
+  req = make_request(prompt, SamplingParams(**params), _limits(cfg))
+  sched.add(req)
+  scheduled = sched.schedule()
+  sched.update_from_output(scheduled, _claims(cfg, ok=[True]))
+  scheduled = sched.schedule()
+  first = int(rng.integers(0, VOCAB))
+  while first in req.stop_ids:
+    first = int(rng.integers(0, VOCAB))
+  sched.update_from_output(scheduled, _sampled(cfg, {0: first}))
+  assert req.status == "decode" and req.output == [first]
+  return sched, req
+
+
+def _claims(cfg, ok):
+  A = cfg.num_admit
+  claim_ok = np.zeros(A, bool)
+  claim_ok[:len(ok)] = ok
+  zeros = np.zeros(A, np.int32)
+  return StepOutputs(sampled=np.full(cfg.max_seqs, -1, np.int32),
+                     extend_ok=np.ones(cfg.max_seqs, bool), claim_ok=claim_ok,
+                     claim_reused=zeros, claim_new_blocks=zeros,
+                     used_slots=np.int32(0), num_free=np.int32(0))
+
+
+def _sampled(cfg, tokens, extend_ok=True):
+  out = _claims(cfg, ok=[])
+  sampled = out.sampled.copy()
+  for r, t in tokens.items():
+    sampled[r] = t
+  return out.replace(sampled=sampled,
+                     extend_ok=np.full(cfg.max_seqs, extend_ok, bool))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_token_step_equals_one_token_burst(seed):
+  # The same token booked by a step (extend refused) and by a burst that
+  # emits it and stops preempted: identical requests and queues, whether the
+  # token stops the request, ends its length, or neither (then preempted).
+  rng = np.random.default_rng(2000 + seed)
+  max_new = int(rng.integers(3, 7))  # room to preempt before the length
+  stop = int(rng.integers(0, VOCAB))
+  for case in ("stop", "length", "preempted"):
+    results = []
+    for kind in ("step", "burst"):
+      cfg = dataclasses.replace(CFG, decode_steps=4)
+      sched, req = _decoding(cfg, np.random.default_rng(seed),
+                             max_new_tokens=max_new, stop_token_ids=(stop,))
+      while case == "length" and len(req.output) < max_new - 1:
+        req.output.append((stop + 1) % VOCAB)  # as if decoded before
+        req.num_computed += 1
+      token = stop if case == "stop" else (stop + 1) % VOCAB
+      computed = req.num_computed
+      if kind == "step":
+        scheduled = sched.schedule()
+        assert [row.num_tokens for row in scheduled.rows] == [1]
+        sched.update_from_output(scheduled, _sampled(cfg, {0: token},
+                                                     extend_ok=False))
+      else:
+        assert sched.burst_eligible()
+        scheduled = sched.schedule_burst()
+        tokens = np.full((4, cfg.max_seqs), -1, np.int32)
+        tokens[0, 0] = token
+        preempted = np.zeros(cfg.max_seqs, bool)
+        preempted[0] = True
+        sched.update_from_output(scheduled, BurstOutputs(
+            tokens=tokens, preempted=preempted, used_slots=np.int32(0),
+            num_free=np.int32(0)))
+      assert req.output[-1] == token and req.num_computed in (computed + 1, 0)
+      assert sched.to_release == [(0, computed + 1)]
+      if case == "preempted":
+        assert req.status == "waiting" and req.num_preemptions == 1
+        assert list(sched.waiting) == [req] and req.seq_id == -1
+        assert req.num_computed == 0 and req.finish_reason is None
+      else:
+        assert req.status == "finished" and req.finish_reason == case
+        assert not sched.waiting and not sched.running
+      results.append((list(req.output), req.status, req.finish_reason,
+                      req.num_computed, req.num_preemptions,
+                      sched.stats.generated_tokens, sched.stats.decode_tokens))
+    assert results[0] == results[1], case
+
+
+def test_refused_claims_requeue_in_order_and_unfittable_raises():
+  rng = np.random.default_rng(3000)
+  stats = EngineStats()
+  sched = Scheduler(CFG, stats, pool_text="num_slots=64")
+  reqs = []
+  for i in range(5):
+    req = make_request(rng.integers(0, VOCAB, 5).tolist(),
+                       SamplingParams(max_new_tokens=3), _limits(CFG))
+    req.request_id = i
+    sched.add(req)
+    reqs.append(req)
+  scheduled = sched.schedule()
+  assert list(scheduled.admitted) == reqs[:3]
+  assert [r.seq_id for r in reqs[:3]] == [0, 1, 2] and not sched.free_rows
+  # The middle claim holds; the others go back to the front, in order.
+  sched.update_from_output(scheduled, _claims(CFG, ok=[False, True, False]))
+  assert list(sched.waiting) == [reqs[0], reqs[2], reqs[3], reqs[4]]
+  assert sched.running == [reqs[1]] and reqs[1].status == "prefill"
+  assert sched.free_rows == [0, 2] and reqs[0].seq_id == reqs[2].seq_id == -1
+  assert stats.num_refused_claims == 2
+  # Nothing running, nothing to release: a refused claim can never fit.
+  lone = Scheduler(CFG, EngineStats(), pool_text="num_slots=64")
+  req = make_request([1, 2, 3], SamplingParams(max_new_tokens=2),
+                     _limits(CFG))
+  lone.add(req)
+  scheduled = lone.schedule()
+  with pytest.raises(RuntimeError, match="needs 1 slots.*num_slots=64"):
+    lone.update_from_output(scheduled, _claims(CFG, ok=[False]))
+
+
+def test_status_is_a_str_enum_and_bursts_cap_stop_ids():
+  assert RequestStatus.FINISHED == "finished" and str(RequestStatus.DECODE) == "decode"
+  cfg = dataclasses.replace(CFG, decode_steps=4)
+  rng = np.random.default_rng(4000)
+  too_many = tuple(range(MAX_STOP_IDS + 1))
+  sched, req = _decoding(cfg, rng, max_new_tokens=8, stop_token_ids=too_many)
+  assert not sched.burst_eligible()  # stop ids beyond the device's table
+  sched, req = _decoding(cfg, rng, max_new_tokens=8,
+                         stop_token_ids=too_many[:MAX_STOP_IDS])
+  assert sched.burst_eligible()
