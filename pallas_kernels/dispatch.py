@@ -245,3 +245,254 @@ def _mma_splits(items: int, max_pages: int, *, pages_per_round: int,
   while splits > 1 and 2 * splits > max_rounds:
     splits //= 2
   return min(splits, 64)
+
+
+# ---------------------------------------------------------------- prefill
+
+# Head_dim 64 on Hopper: the GQA group packed into two consumers' rows, one
+# CTA per SM, below this many new tokens per sequence; three consumers on
+# 192-token tiles from it (measured: docs/performance.md).
+PREFILL_D64_MIN_TOKENS = 2048
+# Head_dim 128 on Hopper without a window: one CTA per SM where the plan's
+# static tile bound (`plan.max_tiles`) is at least this many times the tiles
+# the step's tokens could fill (`num_tokens // block_q + 1`): steps of many
+# sequences and few prompts, whose spare tiles would each launch a CTA
+# (measured: docs/performance.md).
+PREFILL_PERSISTENT_SPARE_RATIO = 2
+
+
+def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
+            page_size: int | None, num_tokens: int, batch_size: int,
+            window_left: int = -1, backend: str | None = None) -> Choice:
+  """The prefill kernel and its config for one call (static facts only).
+
+  FP8 pages, under every rule: dequantized into a 16-bit pool first
+  (`fp8_pages="dequantize"`) from `paged_prefill.DEQUANTIZE_MIN_ROWS` query
+  rows (tokens x group) per sequence, where the gather's fixed cost per key
+  is repaid; read in the kernel (`"kernel"`) below
+  (`paged_prefill.dequantize_pays`).
+
+  Rules, first match wins:
+
+  1. Hopper, a bf16 / f16 q and a case `paged_prefill_mgpu.supports`
+     (head_dim 64 / 128 / 256, pages of >= 8 tokens dividing the key step
+     or divisible by it): the Mosaic-GPU kernel (`"mosaic"`,
+     `paged_prefill.MosaicConfig`, two stages, no Pallas-Triton short
+     launch; one-token sequences are split-K decode rows).
+     a. Head_dim 64 below `PREFILL_D64_MIN_TOKENS` new tokens per sequence
+        (groups up to 64): the GQA group packed into the rows of two
+        consumers (`pack_gqa`: `block_q = 2 * (64 // group_size)` tokens of
+        every head of the group), one CTA per SM (`persistent`, each CTA
+        loading its next tile while one runs), 128-key steps. Sequences of
+        2-8 tokens are tiles of this launch: a packed tile holds the whole
+        group, and a call saves the short launch and its plan.
+     b. Otherwise one query head per CTA. At head_dim 64 with 16-bit pages,
+        192-token tiles of three consumers passing a token
+        (`schedule="ring"`, FlashAttention-3's form there: half the matmul
+        per softmax element needs more warpgroups to hide it); else
+        128-token tiles of two consumers in lock step (`"pingpong"`; FP8
+        pages read in the kernel are converted by the producer warpgroup,
+        which three consumers leave too few registers). 128-key steps, 64
+        at head_dim 256 (whose output tiles share the q tiles' shared
+        memory). Sequences of up to `max(8, 16 // next_pow2(group_size))`
+        new tokens run in the decode kernel, a token a row, several rows
+        of a sequence per CTA (`decode_rows_per_seq`). At head_dim 128
+        without a window, one CTA per SM (`persistent`) where the plan's
+        static tile bound is at least `PREFILL_PERSISTENT_SPARE_RATIO`
+        times the tiles the tokens can fill (an engine's mixed and verify
+        steps); prompts keep one CTA per tile.
+  2. Everything else (f32, other GPUs, interpret mode, head_dims or pages
+     the Mosaic-GPU kernel lacks): the Pallas-Triton kernel (`"triton"`,
+     `paged_prefill.TritonConfig`). Tiles of 128 query rows (64 for f32),
+     the group's heads packed densely (`block_q = rows // group_size`).
+     Head_dim <= 128: 64-key tiles on 4 warps (one warpgroup), 3 stages
+     (2 for f32, whose tiles would not fit in shared memory). Head_dim 256:
+     32-key tiles on 8 warps, 2 stages (one warpgroup's accumulator would
+     not fit in registers). Sequences of up to `max(8, 16 //
+     next_pow2(group_size))` tokens (multi-token decode), where that is
+     fewer than a main tile's, run in a short launch with 128-key tiles
+     (64 at head_dim 256, halved for f32); one-token sequences are split-K
+     decode rows.
+
+  The constants were chosen by measurement (measured: docs/performance.md).
+
+  Args:
+    gpu: the device (`current_gpu()`; `INTERPRET` for interpret mode).
+    dtype: q's dtype (bf16, f16, f32).
+    kv_dtype: the pages' dtype (q's, or float8_e4m3fn); None = `dtype`.
+    head_dim, group_size: the call's heads (`group_size = num_qo_heads //
+      num_kv_heads`).
+    page_size: tokens per page; None where unknown (a plan made before the
+      pages are known): taken as 16.
+    num_tokens: rows of q (the step's new tokens, padded).
+    batch_size: sequences in the step.
+    window_left: the sliding window (-1 = none).
+    backend: None (the rules above), or "triton" / "mosaic" to take that
+      backend's config for the shape whatever the GPU (benchmarks, tests).
+
+  Returns:
+    `Choice(backend, config)`: `("mosaic", paged_prefill.MosaicConfig)` or
+    `("triton", paged_prefill.TritonConfig)`.
+
+  Raises:
+    ValueError: `backend` not None, "triton" or "mosaic".
+  """
+  import jax.numpy as jnp  # noqa: PLC0415
+  from pkvattn.pallas_kernels import paged_prefill  # noqa: PLC0415
+  from pkvattn.pallas_kernels import paged_prefill_mgpu  # noqa: PLC0415
+  from pkvattn.pallas_kernels import plan  # noqa: PLC0415
+  if backend not in (None, "triton", "mosaic"):
+    raise ValueError(f"Invalid backend: expected None, 'triton' or "
+                     f"'mosaic', got {backend!r}")
+  kv_dtype = dtype if kv_dtype is None else kv_dtype
+  fp8_pages = "auto"  # 16-bit pages: no FP8 to read
+  if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
+    fp8_pages = "dequantize" if paged_prefill.dequantize_pays(
+        num_tokens=num_tokens, batch_size=batch_size,
+        group_size=group_size) else "kernel"
+  # Multi-token decode: sequences of up to this many new tokens run apart
+  # from the main tiles (a short launch, or the decode kernel).
+  short_tokens = max(8, 16 // _pow2_at_least(group_size))
+
+  # 1. Hopper: the Mosaic-GPU kernel.
+  mosaic_block_k = 64 if head_dim > 128 else 128
+  if backend == "mosaic" or backend is None and gpu.is_hopper and (
+      paged_prefill_mgpu.supports(
+          dtype=dtype, head_dim=head_dim,
+          page_size=16 if page_size is None else page_size,
+          block_kv=mosaic_block_k) is None):
+    # 1a. Head_dim 64, shorter prompts: the group packed, one CTA per SM.
+    if (head_dim == 64 and group_size <= paged_prefill_mgpu.BLOCK_Q and
+        num_tokens < PREFILL_D64_MIN_TOKENS * max(batch_size, 1)):
+      return Choice("mosaic", paged_prefill.MosaicConfig(
+          block_q=paged_prefill_mgpu.tile_q(2, group_size), block_k=128,
+          num_stages=2, short_block_q=0, short_block_k=128, pack_gqa=True,
+          persistent=True, fp8_pages=fp8_pages))
+    # 1b. One query head per CTA: three consumers at head_dim 64 (16-bit
+    # pages), else two; multi-token decode in the decode kernel.
+    three = head_dim == 64 and fp8_pages != "kernel"
+    block_q = paged_prefill_mgpu.tile_q(3 if three else 2)
+    config = paged_prefill.MosaicConfig(
+        block_q=block_q, block_k=mosaic_block_k, num_stages=2,
+        short_block_q=0, short_block_k=mosaic_block_k,
+        decode_rows_per_seq=short_tokens,
+        schedule="ring" if three else "pingpong", fp8_pages=fp8_pages)
+    if head_dim == 128 and window_left < 0:
+      spare = plan.max_tiles(num_tokens, batch_size, block_q,
+                             config.tile_min_tokens) >= (
+                                 PREFILL_PERSISTENT_SPARE_RATIO *
+                                 (num_tokens // block_q + 1))
+      config = dataclasses.replace(config, persistent=spare)
+    return Choice("mosaic", config)
+
+  # 2. The Pallas-Triton kernel.
+  wide = jnp.dtype(dtype).itemsize >= 4
+  rows = 64 if wide else 128
+  if head_dim <= 128:
+    block_k, num_warps, num_stages, short_block_k = 64, 4, 2 if wide else 3, 128
+  else:
+    block_k, num_warps, num_stages, short_block_k = 32, 8, 2, 64
+  block_q = max(1, rows // group_size)
+  return Choice("triton", paged_prefill.TritonConfig(
+      block_q=block_q, block_k=block_k, num_warps=num_warps,
+      num_stages=num_stages,
+      short_block_q=short_tokens if short_tokens < block_q else 0,
+      short_block_k=short_block_k // 2 if wide else short_block_k,
+      fp8_pages=fp8_pages))
+
+
+# ------------------------------------------------------------- rope_append
+
+# The Triton kernel's big-batch rule from this many tokens.
+ROPE_BIG_BATCH_TOKENS = 8192
+# Programs the Triton kernel's small-batch rule splits the heads for: about
+# what fills the GPU.
+ROPE_PROGRAMS = 512
+
+
+def rope_append(*, gpu: Gpu, dtype, kv_dtype, pool_dtype, head_dim: int,
+                num_qo_heads: int, num_kv_heads: int, num_tokens: int,
+                rotary_dim: int | None = None, interleaved: bool = False,
+                has_scales: bool | None = None) -> Choice:
+  """The RoPE + append kernel and its config for one call.
+
+  Rules, first match wins:
+
+  1. Hopper, q, k and v of one dtype, and a case
+     `rope_append_mgpu.supports` takes (bf16 / f16 rows, pools of that
+     dtype or float8_e4m3fn with scales, the rotated and pass-through
+     columns in whole chunks): the Mosaic-GPU kernel (`"mosaic"`, the
+     launch `rope_append_mgpu.Config.default_for` gives: the heads split
+     over the largest power of two <= 8 programs dividing both counts,
+     4-byte chunks up to `rope_append_mgpu.SMALL_CHUNK_MAX_TOKENS` tokens,
+     8-byte beyond).
+  2. Otherwise the Pallas-Triton kernel (`"triton"`,
+     `rope_append.TritonConfig`, 4 warps), the head loop unrolled where a
+     program has <= 16 heads (several heads' loads in flight):
+     a. From `ROPE_BIG_BATCH_TOKENS` tokens: 8-token tiles, the heads
+        split over up to 8 programs per tile (the largest power of two
+        dividing both head counts).
+     b. Fewer: 4-token tiles up to 512 tokens, 8 beyond, the heads split
+        until about `ROPE_PROGRAMS` programs fill the GPU. Where the head
+        counts do not split that far (e.g. 9 q / 3 kv heads, or very few
+        tokens) and the programs stay fewer, one head per program
+        (`one_head`: the most programs, one short chain each).
+
+  The constants were chosen by measurement (measured:
+  docs/performance.md).
+
+  Args:
+    gpu: the device (`current_gpu()`; `INTERPRET` for interpret mode).
+    dtype: q's dtype (k's where there is no q).
+    kv_dtype: k's and v's dtype (v's where they differ).
+    pool_dtype: the pools' dtype (kv_dtype's, or float8_e4m3fn).
+    head_dim, num_qo_heads, num_kv_heads: the heads (`num_qo_heads` 0:
+      append only).
+    num_tokens: tokens to rotate and append.
+    rotary_dim: features rotated per head (None = head_dim; 0 = none).
+    interleaved: GPT-J pairs instead of GPT-NeoX halves.
+    has_scales: whether k_scale / v_scale come with the call; None = the
+      pools are float8_e4m3fn.
+
+  Returns:
+    `Choice(backend, config)`: `("mosaic", rope_append_mgpu.Config)` or
+    `("triton", rope_append.TritonConfig)`.
+  """
+  import jax.numpy as jnp  # noqa: PLC0415
+  from pkvattn.pallas_kernels import rope_append as kernel  # noqa: PLC0415
+  from pkvattn.pallas_kernels import rope_append_mgpu  # noqa: PLC0415
+  half = (head_dim if rotary_dim is None else rotary_dim) // 2
+  if has_scales is None:
+    has_scales = jnp.dtype(pool_dtype) == jnp.float8_e4m3fn
+
+  # 1. Hopper: the Mosaic-GPU kernel.
+  if gpu.is_hopper and jnp.dtype(dtype) == jnp.dtype(kv_dtype):
+    config = rope_append_mgpu.Config.default_for(num_tokens, num_qo_heads,
+                                                 num_kv_heads)
+    if rope_append_mgpu.supports(
+        dtype=kv_dtype, pool_dtype=pool_dtype, head_dim=head_dim, half=half,
+        interleaved=interleaved, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, num_splits=config.num_splits,
+        has_scales=has_scales, chunk_bytes=config.chunk_bytes) is None:
+      return Choice("mosaic", config)
+
+  # 2a. The Pallas-Triton kernel, big batches.
+  def split(block_tokens: int, max_splits: int):
+    splits = 1
+    while (2 * splits <= max_splits and num_kv_heads % (2 * splits) == 0
+           and num_qo_heads % (2 * splits) == 0):
+      splits *= 2
+    return kernel.TritonConfig(
+        block_tokens=block_tokens, num_splits=splits, num_warps=4,
+        unroll=(num_qo_heads + num_kv_heads) // splits <= 16)
+  if num_tokens >= ROPE_BIG_BATCH_TOKENS:
+    return Choice("triton", split(8, 8))
+  # 2b. Smaller: split the heads until about ROPE_PROGRAMS programs.
+  block_tokens = 4 if num_tokens <= 512 else 8
+  tiles = max(1, -(-num_tokens // block_tokens))
+  want = _pow2_at_least(-(-ROPE_PROGRAMS // tiles))
+  config = split(block_tokens, want)
+  if config.num_splits < want and tiles * config.num_splits < ROPE_PROGRAMS:
+    config = kernel.TritonConfig(block_tokens=block_tokens, num_warps=4,
+                                 one_head=True)
+  return Choice("triton", config)

@@ -1,4 +1,10 @@
-"""Paged prefill attention: ragged new tokens over a paged KV cache (Pallas-Triton).
+"""Paged prefill attention: ragged new tokens over a paged KV cache.
+
+This module holds the Pallas-Triton kernel and the `paged_prefill` wrapper
+that runs a step: the plan, the main launch (this kernel with a
+`TritonConfig`, the Mosaic-GPU kernel of `paged_prefill_mgpu` with a
+`MosaicConfig`; `dispatch.prefill` chooses), the short launch and the
+decode rows. The Triton kernel:
 
 Algorithm: FlashAttention-2 forward (Dao 2023, arXiv:2307.08691, Algorithm 1
 and Section 3.1: online softmax, un-normalised accumulator rescaled once at the
@@ -24,7 +30,7 @@ diagonal) with FlashInfer's paged, ragged addressing:
   launch's outputs in place (`input_output_aliases`), so a short sequence
   costs its tokens x `group_size` MMA rows, not a main tile's
   `tile_rows(block_q, group_size)`. Sequences of one token (decode rows of
-  a mixed batch), or of up to `Config.decode_rows_per_seq` (the unpacked
+  a mixed batch), or of up to `decode_rows_per_seq` (the unpacked
   Mosaic-GPU defaults: no short launch), go to the split-K decode kernel
   instead, one decode query per token, several of a sequence's per CTA
   (`paged_decode.paged_decode_rows`).
@@ -33,10 +39,9 @@ diagonal) with FlashInfer's paged, ragged addressing:
   `block_k <= page_size` a tile lies in one page: one scalar table read and
   strided loads `pool[page, rows, kv_head, :]`; otherwise the tile's
   `block_k // page_size` page ids are read as scalars and spread to its keys
-  with a select chain, and K/V rows are loaded by index. (A per-key vector
-  load of the table, the first version, held 16 more registers per thread
-  through the softmax, spilled, and ran 1.16x slower at page 16 on H100.) The
-  walk is `fori_loop`s over masked edge tiles (window start; only with a
+  with a select chain, and K/V rows are loaded by index (a per-key vector
+  load of the table holds more registers per thread through the softmax
+  and spills). The walk is `fori_loop`s over masked edge tiles (window start; only with a
   window), unmasked interior tiles, and masked edge tiles (diagonal /
   `kv_len`). Edge loads are masked to the tile's visible key range, so a
   table entry outside it (maybe -1) and a stale row past `kv_len` (maybe NaN)
@@ -44,8 +49,8 @@ diagonal) with FlashInfer's paged, ragged addressing:
 * Softmax runs in base 2. Without a soft cap the scale is folded into the
   exponent (FlashAttention-3): the row max is taken on the raw logits and
   each logit costs one FMA + one `ex2.approx.ftz` (inline PTX; see
-  `Config.fast_exp2`). The optional soft cap is applied to the natural-scale
-  logits first; sinks join the denominator at the end only; `lse` is
+  `PrefillConfig.fast_exp2`). The optional soft cap is applied to the
+  natural-scale logits first; sinks join the denominator at the end only; `lse` is
   returned in natural log.
 """
 
@@ -54,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +69,7 @@ from jax import lax
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import _ptx
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_prefill_mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
 from pkvattn.pallas_kernels import plan_mgpu
@@ -72,19 +79,11 @@ from pkvattn.pallas_kernels._compat import pltriton as plgpu
 # Finite, not -inf: a row whose keys in a tile are all masked would otherwise
 # compute exp2(-inf - (-inf)) = NaN in the running max / rescale.
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-# `Config.fp8_pages == "auto"`: FP8 pages are dequantized before the launch
-# from this many query rows (tokens x group) per sequence.
+# `dequantize_pays`: FP8 pages are dequantized before the launch from this
+# many query rows (tokens x group) per sequence (measured:
+# docs/performance.md).
 DEQUANTIZE_MIN_ROWS = 1024
-# `Config.default_for` at head_dim 64 on Hopper: the Mosaic-GPU kernel with
-# the GQA group packed into its rows, persistent, below this many new tokens
-# per sequence; its three-consumer form, one query head per CTA, from it.
-MOSAIC_D64_MIN_TOKENS = 2048
-# `Config.default_for` at head_dim 128 on Hopper without a window: one CTA
-# per SM (`mosaic_persistent`) where the plan's static tile bound
-# (`plan.max_tiles`) is at least this many times the tiles the step's
-# tokens could fill (`num_tokens // block_q + 1`): steps of many sequences
-# and few prompts, whose spare tiles would each launch a CTA.
-MOSAIC_PERSISTENT_SPARE_RATIO = 2
+FP8_PAGES = ("auto", "kernel", "dequantize")
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -118,321 +117,105 @@ def _exp2_fma(x, scale: float, shift, fast: bool):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Tile sizes and Triton launch parameters of the prefill kernel.
+class PrefillConfig:
+  """What both backends' configs share: the step's plan, the Pallas-Triton
+  launches beside the main one (short tiles) and the split-K decode rows,
+  and how FP8 pages are read. Use `TritonConfig` or `MosaicConfig`; their
+  class attribute `backend` names the kernel of the main launch.
 
   Attributes:
-    block_q: new tokens per query tile; `tile_rows(block_q, group_size)` =
-      `next_pow2(block_q * group_size)` rows (>= 16) go into the M dimension
-      of the Triton kernel's dots (any `block_q` >= 1; the default fills
-      them: `rows // group_size` tokens).
-    block_k: keys per KV tile (power of two, >= 16); need not align to pages.
-    num_warps, num_stages: Triton launch parameters.
-    single_loop: one KV loop that masks every tile (as JAX's `mha`) instead
-      of masked edge loops around an unmasked interior loop.
+    block_q: new tokens per main-launch query tile (the plan's `block_q`).
+    block_k: keys per KV tile (a power of two).
+    num_stages: pipeline stages of the main launch.
     longest_first: plan order of the query tiles (see `plan.plan_prefill`).
-    heads_outer: launch order of the main launch. True (default): the tile
-      index varies fastest, so the programs running together share one kv
-      head's K/V in L2. False: the kv heads of one tile run side by side and
-      read the rows of a page (all heads interleaved, NHD) together. On H200
-      (2026-11-22, two runs) True was 1.00-1.05x on causal prompts and
-      0.94-0.95x on the mixed batch. The short launch always runs heads
-      inner: 1.3x faster on a mixed batch's decode rows.
     short_block_q: > 0 runs sequences with q_len <= short_block_q (decode
-      rows of a mixed batch, multi-token decode) in a second launch with
-      tiles of `short_block_q` tokens (`tile_rows(short_block_q,
-      group_size) >= 16` rows) instead of `block_q`; 0 = one launch.
-    fast_exp2: on the GPU, the softmax exponentials are one `fma.rn.ftz` +
-      `ex2.approx.ftz` each (inline PTX, as FlashAttention-3) instead of
-      libdevice's `exp2f`, whose denormal handling costs a compare and two
-      multiplies per logit and serialised the softmax (H100 ncu, 2026-11-22).
-      Ignored in interpret mode.
-    backend: "triton" runs the main launch with this Pallas-Triton kernel;
-      "mosaic" with the Mosaic-GPU kernel (`paged_prefill_mgpu`: TMA,
-      warp-specialised wgmma, Hopper only), whose tiles are `block_q` = 128
-      tokens (two consumer warpgroups of 64) or 192 (three, head_dim 64,
-      16-bit pages: FP8 pages read in the kernel run 128-token tiles
-      instead), `block_k` keys per step and `num_stages` shared-memory
-      stages (num_warps unused). The short launch, where a config has
-      one (`short_block_q`), is Pallas-Triton either way (the Mosaic-GPU
-      defaults have none: `decode_rows_per_seq`).
-    mosaic_schedule: the Mosaic-GPU kernel's consumer schedule
-      (`paged_prefill_mgpu`): "pingpong" (two consumers in lock step) or
-      "ring" (a token passed around the consumers; required with three).
-    mosaic_pack_gqa: the Mosaic-GPU kernel packs the GQA group into its
-      tile rows (`paged_prefill_mgpu(pack_gqa=True)`): a consumer's 64
-      rows are `64 // group_size` tokens of every head of the group, so
-      `block_q` is `tile_q(n, group_size)` (42 tokens at group 3 with two
-      consumers) and tiles start at any token (`plan_align` 1).
-    mosaic_persistent: the Mosaic-GPU kernel runs one CTA per SM, each
-      taking every num_sms-th (head, tile) item with its K/V ring running
-      on across items (`paged_prefill_mgpu(persistent=True)`).
-    plan_kernel: with the mosaic backend (Hopper), `plan` builds the
-      step's schedule in one Mosaic-GPU launch (`plan_mgpu`, up to its
-      `MAX_ROWS` tiles) instead of the several small XLA kernels of
-      `plan.plan_prefill` (the same plan).
+      rows of a mixed batch, multi-token decode) in a second, Pallas-Triton
+      launch with tiles of `short_block_q` tokens (`tile_rows(short_block_q,
+      group_size) >= 16` rows) instead of `block_q`, so a short sequence
+      does not pay for a main tile's rows; 0 = no short launch.
+    short_block_k, short_num_warps, short_num_stages: the short launch's
+      keys per KV tile (a power of two >= 16) and Triton launch parameters.
+      It runs the kv heads of one tile side by side (decode rows of a mixed
+      batch read their pages together; measured: docs/performance.md).
+    single_loop: the Pallas-Triton launches walk keys in one loop that
+      masks every tile (as JAX's `mha`) instead of masked edge loops around
+      an unmasked interior loop.
+    fast_exp2: on the GPU, the Pallas-Triton launches' softmax
+      exponentials are one `fma.rn.ftz` + `ex2.approx.ftz` each (inline
+      PTX, as FlashAttention-3) instead of libdevice's `exp2f`, whose
+      denormal handling costs a compare and two multiplies per logit and
+      serialises the softmax. Ignored in interpret mode.
     split_decode_rows: sequences with q_len <= decode_rows_per_seq (the
       decode rows of a mixed batch) run through the split-K decode kernel
-      (`paged_decode.paged_decode_rows`) instead of a short tile: a
-      memory-bound row streams its KV across several programs at the
-      decode kernel's bandwidth, where a short tile walks it in one.
+      (`paged_decode.paged_decode_rows`) instead of a tile: a memory-bound
+      row streams its KV across several programs at the decode kernel's
+      bandwidth, where a tile walks it in one.
     decode_rows_per_seq: with `split_decode_rows`, the longest sequences
       (new tokens) the decode kernel runs, one decode query per token with
       its own key count (the tokens' causal order); 1 = decode rows only.
-      In the Triton configs multi-token decode (2 <= q_len <=
-      short_block_q) stays in the short launch, which reads each KV tile
-      once for all its tokens; the unpacked Mosaic-GPU defaults send it to
-      the decode kernel, where a CTA serves up to 16 / group_size (8 /
-      group_size at head_dim 256) of a sequence's token rows in its MMA
-      columns and reads the pages once for them
-      (`paged_decode_mma.row_packing`), so no Pallas-Triton launch is left
-      there.
+      Above 1, a decode CTA serves several of a sequence's token rows in
+      its MMA columns and reads the pages once for them
+      (`paged_decode_mma.row_packing`).
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
-      converted to f16 there, scales folded into the logits and the output);
-      "dequantize" first gathers the pages the tables name into a compact
-      pool in q's dtype, scaled (`_fp8.dequantize_pages`, one fused XLA
-      gather), and runs the 16-bit kernels on it; "auto" dequantizes when
-      `num_tokens * group_size >= DEQUANTIZE_MIN_ROWS * batch_size`
-      (`dequantizes_fp8`). Prefill is compute-bound: in-kernel conversion
-      costs the Mosaic-GPU kernel 0.69-0.72x of its bf16 TFLOP/s (its
-      producer warpgroup converts every tile) and the Triton kernel at
-      head_dim 64 0.82x, while the gather costs a fixed ~3 ns per key per
-      sequence row (Llama-3-8B heads, H100), which queries of >= ~250 tokens
-      per row repay: see `dequantizes_fp8`.
+      converted to f16 there, scales folded into the logits and the
+      output); "dequantize" first gathers the pages the tables name into a
+      compact pool in q's dtype, scaled (`_fp8.dequantize_pages`, one fused
+      XLA gather), and runs the 16-bit kernels on it; "auto" dequantizes
+      where `dequantize_pays` (the rule `dispatch.prefill` applies).
   """
+  backend: ClassVar[str]
   block_q: int = 16
   block_k: int = 64
-  num_warps: int = 4
   num_stages: int = 2
-  single_loop: bool = False
   longest_first: bool = True
-  heads_outer: bool = True
   short_block_q: int = 0
   short_block_k: int = 128
   short_num_warps: int = 8
   short_num_stages: int = 2
+  single_loop: bool = False
   fast_exp2: bool = True
-  backend: str = "triton"
   split_decode_rows: bool = True
   decode_rows_per_seq: int = 1
   fp8_pages: str = "auto"
-  mosaic_schedule: str = "pingpong"
-  mosaic_pack_gqa: bool = False
-  mosaic_persistent: bool = False
-  plan_kernel: bool = True
 
-  @classmethod
-  def default_for(cls, *, group_size: int, head_dim: int,
-                  page_size: int | None, dtype, window_left: int = -1,
-                  interpret: bool = False,
-                  backend: str | None = None,
-                  num_tokens: int | None = None,
-                  batch_size: int | None = None) -> "Config":
-    """Heuristic from the H100 / H200 sweeps (bench/results/prefill_*.json).
-
-    On a Hopper GPU, bf16/f16 with head_dim 64 or 128 (with or without a
-    window), the main launch is the Mosaic-GPU kernel
-    (`paged_prefill_mgpu.supports`). At head_dim 128: 128 tokens per tile
-    (two consumer warpgroups of 64), 128-key steps, two stages; 0.93-0.98x
-    cuDNN on H200 where the Triton kernel reaches 0.70-0.78x. One CTA per
-    (head, tile) item, or, without a window, one per SM
-    (`mosaic_persistent`) where the plan's static tile bound is at least
-    `MOSAIC_PERSISTENT_SPARE_RATIO` times the tiles the tokens could fill
-    (both static: steps of many sequences and few prompts). At head_dim
-    64, from `MOSAIC_D64_MIN_TOKENS` new tokens per sequence (`num_tokens
-    >= 2048 * batch_size`; both static), it runs 192
-    tokens per tile (three consumer warpgroups passing a token, as
-    FlashAttention-3 at head_dim 64): kernel time against the Triton kernel
-    (its group packed densely), causal, page 16, H100, 2026-11-26
-    (bench/results/prefill_d64_len_*.json): 0.985 / 0.82x at 2,048 /
-    8,192 tokens per sequence with SmolLM2's 9/3 heads, 0.94 / 0.83x with
-    Llama-3.2-1B's 32/8. Below that (or with the tokens unknown) it runs
-    with the GQA group packed into the rows of two consumers
-    (`mosaic_pack_gqa`: 42 tokens x 3 heads per tile at group 3) on one CTA
-    per SM (`mosaic_persistent`), each CTA copying its next tile's query
-    rows while one runs, with no short launch (`short_block_q` 0:
-    sequences of 2-8 tokens are tiles of the main launch; GPU time per
-    call with the plan counted 63.6 / 74.0 us against 70.3 / 79.9 with
-    the short launch at 256 / 512 tokens, 65.4 against 78.9 on 64 x 4
-    tokens at 2,048 keys, SmolLM2 heads, H200, 2026-11-27,
-    `prefill_short_launch_NVIDIA_H200.json`): kernel time with the plan
-    reused 1.03 / 1.08 /
-    1.12x the Triton kernel's speed at 256 / 512 / 1,024 tokens per
-    sequence, 1.07 / 1.00 / 1.02x FlashInfer FA3's `run` (SmolLM2 heads,
-    H200, 2026-11-26, `prefill_call_breakdown_NVIDIA_H200.json`; H100:
-    1.05 / 1.10 / 1.13x Triton, 1.06 / 0.98 / 1.03x FA3); at 2,048
-    tokens the three-consumer form leads it (156 against 161 us a call,
-    `prefill_d64_len_smollm2_NVIDIA_H200.json`). Windows take the same
-    rule: Mistral-7B heads, 2 x 8,192 tokens, window 4,096, per call 1.48x
-    the Triton kernel's speed and 1.09x FA3's with the same window; a
-    512-token chunk at kv 8,192 with window 2,048 (Llama-3-8B heads)
-    1.52x / 1.01x (H100, 2026-11-26, `prefill_window_*.json`). FP8 pages
-    read in the kernel (`fp8_pages`) take the same rule, on 128-token tiles
-    at every head_dim: there the Mosaic-GPU
-    kernel's producer warpgroup converts TMA-staged FP8 tiles to f16 (398
-    TFLOP/s against 303 for the Triton kernel on FP8 pages and 556 for bf16
-    pages, B=4 S=4096 page 16 causal, H100, 2026-11-25,
-    bench/fp8_decode_diag.py). At head_dim 256: 128-token
-    tiles of one query head, 64-key steps, ping-pong, the output tiles in
-    the q tiles' shared memory (one 64-key FP8 staging stage beside them
-    with FP8 pages); with 16-bit pages, GPU time per call, plan counted, against
-    the Triton kernel / FA3 (H100, 2026-11-27,
-    `prefill_d256_*.json`): Gemma 3 270M heads (4/1/256) 4 x 2,048 tokens
-    1.44 / 1.36x, with its 511-key window 1.01 / 0.82x, 16 x 512 tokens
-    1.00 / 0.78x (0.92x FA3 with the plan reused); Gemma 2 2B / 9B heads
-    1.56 / 1.73x Triton, 1.23 / 1.29x FA3 (H200 within 0.04 of these).
-    FP8 pages read in the kernel at head_dim 256, kernel time against the
-    Triton kernel reading them: 1.55 / 1.35x (Gemma 3 270M heads, 16 x
-    128 tokens at kv 2,048, without / with its 511-key window), 1.74x
-    (Gemma 2 9B heads, 4 x 128 at 4,096; H100, 2026-11-27,
-    `prefill_fp8_d256_*.json`).
-    Otherwise (f32, other GPUs, interpret mode, or with
-    `backend="triton"`), the Pallas-Triton kernel:
-
-    At head_dim <= 128: 128 query rows (tokens x group, the group's heads
-    packed densely: 42 tokens at group 3) per tile, 64-key
-    tiles, 4 warps (one warpgroup) and 3 stages (2 for f32, whose tiles would
-    not fit in shared memory). 256 rows on 8 warps (two warpgroups in lock
-    step) ran 0.89x as fast on H100; 3 stages beat 2 by 1-7% on H200 and
-    tied on H100 (2026-11-22). At head_dim 256: 128 rows on 8 warps and
-    32-key tiles, 2 stages (one warpgroup's accumulator would not fit in
-    registers). f32 halves the rows. Multi-token decode (q_len <= 8, 16
-    at group 1) goes to the short launch with 128-key tiles (64 at
-    head_dim 256), except in the Mosaic-GPU configs: main-launch tiles in
-    the packed one, the decode kernel (a token a row,
-    `decode_rows_per_seq`) in the unpacked ones; decode rows (q_len 1) to
-    the split-K decode kernel (`split_decode_rows`).
-    """
-    group_pad = pl.next_power_of_2(group_size)
-    short_block_q = max(8, 16 // group_pad)
-    if backend not in (None, "triton", "mosaic"):
-      raise ValueError(f"Invalid backend: expected None, 'triton' or "
-                       f"'mosaic', got {backend!r}")
-    def per_seq_at_least(tokens):
-      return num_tokens is not None and (
-          num_tokens >= tokens * max(batch_size or 1, 1))
-    packed = (head_dim == 64 and
-              not per_seq_at_least(MOSAIC_D64_MIN_TOKENS) and
-              group_size <= paged_prefill_mgpu.BLOCK_Q)
-    # head_dim 256: 64-key steps (two stages fit in shared memory with
-    # the output tiles in the q tiles' memory, `paged_prefill_mgpu`), and
-    # 64-key tiles in the short launch (Triton), as below: with 128, its
-    # launch took 14.7 us with no short tile to run beside a window (4.2
-    # with 64; Gemma 3 270M heads, 4 x 2,048 tokens, window 511, H200).
-    mosaic_block_k = 64 if head_dim > 128 else 128
-    if backend == "mosaic" or backend is None and (not interpret) and (
-        paged_prefill_mgpu.supports(
-            dtype=dtype, head_dim=head_dim, page_size=page_size or 16,
-            window_left=window_left, block_kv=mosaic_block_k)):
-      if packed:
-        # Shorter prompts: the group in the rows of two consumers, one CTA
-        # per SM (a short tile's pipeline fill and epilogue overlap the
-        # next tile's loads). Sequences of 2-8 tokens (multi-token decode)
-        # run as tiles of this launch too: a packed tile holds the whole
-        # group, and without a short launch (and its part of the plan) a
-        # call has two XLA / Triton launches fewer.
-        return cls(block_q=paged_prefill_mgpu.tile_q(2, group_size),
-                   block_k=128, num_stages=2, short_block_q=0,
-                   short_block_k=mosaic_block_k, backend="mosaic",
-                   mosaic_pack_gqa=True, mosaic_persistent=True)
-      # head_dim 64: three consumers on 192-token tiles (half the matmul
-      # per softmax element calls for more warpgroups to hide it).
-      three = head_dim == 64
-      # Sequences of 2 to `short_block_q` tokens: in the decode kernel, a
-      # token a row, up to 16 / group_size of one sequence's rows per CTA
-      # (8 / group_size at head_dim 256) in its MMA columns
-      # (`paged_decode_mma.row_packing`), so no Pallas-Triton short launch
-      # runs. GPU time a call, plan counted,
-      # against the short launch (H200, 2026-11-27,
-      # `prefill_decode_tokens_*.json`): prompts, where the short launch
-      # runs empty, Gemma 3 270M heads 16 x 512 tokens 43.4 / 48.1 us,
-      # with a 511-key window 75.4 / 79.4, Llama-3-8B heads 8 x 512 80.5 /
-      # 83.8; speculative decoding's verify step, 64 sequences of 4 tokens,
-      # Llama-3-8B heads at 2,048 keys 177 / 199, Llama-3-70B heads 272 /
-      # 322, Gemma 2 2B at 4,096 278 / 294, Gemma 3 173 / 201; a mixed
-      # step (2 x 1,024 + 16 x 3 + 16 x 1 tokens at 4,096 keys) 204 / 289.
-      block_q = paged_prefill_mgpu.tile_q(3 if three else 2)
-      # Steps whose static grid is mostly spare tiles (many sequences, few
-      # prompts: an engine's mixed and verify steps) run one CTA per SM.
-      # GPU time a call against one CTA per item, Llama-3-8B heads, H200 /
-      # H100, 2026-11-27 (`prefill_persistent_*.json`): 2 x 2,048 + 64
-      # decode rows at 4,096 keys 0.986 / 0.992x, 4 x 512 + 60 x 4 + 64 x
-      # 1 at 2,048 0.956 / 0.971x, 64 x 4 at 2,048 0.978 / 0.983x. Prompts
-      # keep one CTA per item: 2 x 2,048 tokens took 1.04 / 1.05x as long
-      # on one CTA per SM, Mistral-7B's 4,096-key window 1.07x, head_dim
-      # 256 1.21-1.41x.
-      cfg = cls(block_q=block_q,
-                block_k=mosaic_block_k, num_stages=2, short_block_q=0,
-                short_block_k=mosaic_block_k,
-                decode_rows_per_seq=short_block_q,
-                backend="mosaic",
-                mosaic_schedule="ring" if three else "pingpong")
-      if (head_dim == 128 and window_left < 0 and num_tokens is not None
-          and batch_size is not None):
-        cfg = dataclasses.replace(cfg, mosaic_persistent=plan_lib.max_tiles(
-            num_tokens, batch_size, block_q, cfg.tile_min_tokens)
-            >= MOSAIC_PERSISTENT_SPARE_RATIO * (num_tokens // block_q + 1))
-      return cfg
-    wide = jnp.dtype(dtype).itemsize >= 4
-    rows = 64 if wide else 128
-    if head_dim <= 128:
-      num_warps, block_k, short_block_k = 4, 64, 128
-      num_stages = 2 if wide else 3
-    else:
-      num_warps, num_stages, block_k, short_block_k = 8, 2, 32, 64
-    if wide:
-      short_block_k //= 2
-    block_q = max(1, rows // group_size)
-    if short_block_q >= block_q:
-      short_block_q = 0
-    return cls(block_q=block_q, block_k=block_k, num_warps=num_warps,
-               num_stages=num_stages, short_block_q=short_block_q,
-               short_block_k=short_block_k)
+  def __post_init__(self):
+    if type(self) is PrefillConfig:
+      raise TypeError("PrefillConfig is abstract: use TritonConfig or "
+                      "MosaicConfig")
+    if self.fp8_pages not in FP8_PAGES:
+      raise ValueError(f"Invalid fp8_pages: expected one of {FP8_PAGES}, "
+                       f"got {self.fp8_pages!r}")
+    if self.block_q < 1:
+      raise ValueError(f"Invalid block_q: expected >= 1, got {self.block_q}")
+    if self.block_k < 1 or self.block_k & (self.block_k - 1):
+      raise ValueError(f"Invalid block_k: expected a power of two, got "
+                       f"{self.block_k}")
+    if self.short_block_q < 0:
+      raise ValueError(f"Invalid short_block_q: expected >= 0, got "
+                       f"{self.short_block_q}")
+    if self.short_block_q and (self.short_block_k < 16 or
+                               self.short_block_k & (self.short_block_k - 1)):
+      raise ValueError(
+          f"Invalid short_block_k: expected a power of two >= 16, got "
+          f"{self.short_block_k}")
+    if self.decode_rows_per_seq < 1:
+      raise ValueError(f"Invalid decode_rows_per_seq: expected >= 1, got "
+                       f"{self.decode_rows_per_seq}")
 
   def dequantizes_fp8(self, *, num_tokens: int, batch_size: int,
                       group_size: int) -> bool:
-    """Whether a call on FP8 pages runs on dequantized pages (`fp8_pages`).
-
-    "auto": when the call's query rows (`num_tokens * group_size`) reach
-    `DEQUANTIZE_MIN_ROWS` per sequence of the batch. Measured on an H100
-    (2026-11-25, Llama-3-8B heads unless noted, 4,096 keys per sequence,
-    kernel time against bf16 pages): in-kernel conversion 0.69 / 0.72 /
-    0.73x with 4,096 / 512 / 128 new tokens per sequence (4 / 4 / 16
-    sequences), dequantizing first 0.82 / 0.80 / 0.59x even while it still
-    scaled q and the output in separate passes; Llama-3.2-1B heads (head_dim
-    64, Triton), 4 x 4,096: 0.82 against 0.88x. The gather's cost per key
-    is fixed while the kernel's conversion cost grows with the query rows
-    that share a key, so they cross near 1,024 query rows (256 tokens at
-    group 4) per sequence. With the scales folded into the gather, as here,
-    4 x 4,096 tokens run at 0.99x of bf16 pages' kernel TFLOP/s against
-    0.75x in the kernel (`bench/bench_fp8.py`, H100, 2026-11-25).
-    """
+    """Whether a call on FP8 pages runs on dequantized pages (`fp8_pages`;
+    "auto": `dequantize_pays`)."""
     if self.fp8_pages != "auto":
       return self.fp8_pages == "dequantize"
-    return num_tokens * group_size >= DEQUANTIZE_MIN_ROWS * max(batch_size, 1)
+    return dequantize_pays(num_tokens=num_tokens, batch_size=batch_size,
+                           group_size=group_size)
 
   @property
   def plan_align(self) -> int:
-    """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins."""
-    if self.backend != "mosaic":
-      return 1
-    return paged_prefill_mgpu.plan_align(self.mosaic_pack_gqa)
-
-  def mosaic_tile_q(self, num_consumers: int, group_size: int) -> int:
-    """The Mosaic-GPU kernel's tokens per tile with `num_consumers`
-    consumers under this config's packing (`paged_prefill_mgpu.tile_q`)."""
-    return paged_prefill_mgpu.tile_q(
-        num_consumers, group_size if self.mosaic_pack_gqa else 1)
-
-  def mosaic_consumers(self, group_size: int) -> int:
-    """Consumer warpgroups of the Mosaic-GPU kernel that `block_q` gives
-    (`mosaic_tile_q`); raises ValueError for any other."""
-    tiles = {self.mosaic_tile_q(n, group_size): n
-             for n in paged_prefill_mgpu.CONSUMERS}
-    if self.block_q not in tiles:
-      raise ValueError(f"Invalid block_q for the mosaic backend: expected "
-                       f"one of {sorted(tiles)}, got {self.block_q}")
-    return tiles[self.block_q]
+    """`plan.plan_prefill(align=...)`: where tiles may start (1: at any
+    token)."""
+    return 1
 
   @property
   def tile_min_tokens(self) -> int:
@@ -442,71 +225,184 @@ class Config:
                                     self.split_decode_rows,
                                     self.decode_rows_per_seq)
 
+  def _plan_kwargs(self, num_tokens: int, causal: bool,
+                   window_left: int) -> dict:
+    return dict(num_tokens=num_tokens, block_q=self.block_q, causal=causal,
+                window_left=window_left, longest_first=self.longest_first,
+                short_block_q=self.short_block_q, align=self.plan_align,
+                split_decode_rows=self.split_decode_rows,
+                decode_rows_per_seq=self.decode_rows_per_seq)
+
   def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
            window_left: int) -> plan_lib.PrefillPlan:
-    """This config's tile schedule (`plan.plan_prefill`) for one step: one
-    Mosaic-GPU launch (`plan_mgpu`) with `plan_kernel` where it serves,
-    else the jnp ops of `plan.plan_prefill` (the same plan)."""
-    kw = dict(num_tokens=num_tokens, block_q=self.block_q, causal=causal,
-              window_left=window_left, longest_first=self.longest_first,
-              short_block_q=self.short_block_q, align=self.plan_align,
-              split_decode_rows=self.split_decode_rows,
-              decode_rows_per_seq=self.decode_rows_per_seq)
-    if self.plan_kernel and self.backend == "mosaic" and (
-        _compat.is_hopper()) and plan_mgpu.supports(
-            num_tokens=num_tokens, batch_size=kv_lens.shape[0],
-            block_q=self.block_q, align=self.plan_align,
-            min_tokens=self.tile_min_tokens) is None:
-      return plan_mgpu.plan_prefill_mgpu(q_indptr, kv_lens, **kw)
-    return plan_lib.plan_prefill(q_indptr, kv_lens, **kw)
+    """This config's tile schedule for one step (`plan.plan_prefill`)."""
+    return plan_lib.plan_prefill(
+        q_indptr, kv_lens, **self._plan_kwargs(num_tokens, causal,
+                                               window_left))
 
   def validate(self, group_size: int) -> None:
-    if self.fp8_pages not in ("auto", "kernel", "dequantize"):
-      raise ValueError(f"Invalid fp8_pages: expected 'auto', 'kernel' or "
-                       f"'dequantize', got {self.fp8_pages!r}")
-    if self.backend not in ("triton", "mosaic"):
-      raise ValueError(f"Invalid backend: expected 'triton' or 'mosaic', got "
-                       f"{self.backend!r}")
-    if self.backend == "mosaic":
-      if self.mosaic_pack_gqa and not 1 <= group_size <= (
-          paged_prefill_mgpu.BLOCK_Q):
-        raise ValueError(f"Invalid group_size for mosaic_pack_gqa: expected "
-                         f"1..{paged_prefill_mgpu.BLOCK_Q}, got {group_size}")
-      consumers = self.mosaic_consumers(group_size)
-      if (self.mosaic_schedule not in paged_prefill_mgpu.SCHEDULES or
-          consumers != 2 and self.mosaic_schedule != "ring"):
-        raise ValueError(
-            f"Invalid mosaic_schedule: expected one of "
-            f"{paged_prefill_mgpu.SCHEDULES} ('ring' with block_q="
-            f"{self.mosaic_tile_q(3, group_size)}), got "
-            f"{self.mosaic_schedule!r} "
-            f"with block_q={self.block_q}")
-    if self.block_k < 1 or self.block_k & (self.block_k - 1):
-      raise ValueError(f"Invalid block_k: expected a power of two, got "
-                       f"{self.block_k}")
-    if self.decode_rows_per_seq < 1:
-      raise ValueError(f"Invalid decode_rows_per_seq: expected >= 1, got "
-                       f"{self.decode_rows_per_seq}")
-    if self.block_q < 1 or self.short_block_q < 0:
-      raise ValueError(
-          f"Invalid block_q / short_block_q: expected >= 1 / >= 0, got "
-          f"{self.block_q} / {self.short_block_q}")
-    rows = tile_rows(self.block_q, group_size)
+    """Checks what depends on the group size (the fields alone are checked
+    on construction).
+
+    Raises:
+      NotImplementedError: a short tile of fewer than 16 rows.
+    """
     short = self.short_block_q
     if short and tile_rows(short, group_size) < 16:
       raise NotImplementedError(
           f"Invalid short_block_q={short}: expected tile_rows(short_block_q, "
           f"group_size={group_size}) >= 16, got "
           f"{tile_rows(short, group_size)}")
-    if short and (self.short_block_k < 16 or
-                  self.short_block_k & (self.short_block_k - 1)):
-      raise ValueError(
-          f"Invalid short_block_k: expected a power of two >= 16, got "
-          f"{self.short_block_k}")
-    if self.backend == "triton" and (rows < 16 or self.block_k < 16):
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig(PrefillConfig):
+  """The Pallas-Triton kernel of this module in the main launch.
+
+  Attributes (beside `PrefillConfig`'s):
+    block_q: new tokens per query tile; `tile_rows(block_q, group_size)` =
+      `next_pow2(block_q * group_size)` rows (>= 16) go into the M
+      dimension of the dots (any `block_q` >= 1; the defaults fill them:
+      `rows // group_size` tokens).
+    block_k: keys per KV tile (power of two, >= 16); need not align to
+      pages.
+    num_warps, num_stages: Triton launch parameters.
+    heads_outer: launch order of the main launch. True: the tile index
+      varies fastest, so the programs running together share one kv head's
+      K/V in L2. False: the kv heads of one tile run side by side and read
+      the rows of a page (all heads interleaved, NHD) together.
+  """
+  backend: ClassVar[str] = "triton"
+  num_warps: int = 4
+  heads_outer: bool = True
+
+  def validate(self, group_size: int) -> None:
+    """`PrefillConfig.validate`, plus the dots' 16-row minimum.
+
+    Raises:
+      NotImplementedError: tiles Triton cannot run (dot operands < 16).
+    """
+    super().validate(group_size)
+    rows = tile_rows(self.block_q, group_size)
+    if rows < 16 or self.block_k < 16:
       raise NotImplementedError(
           f"Triton dots need >= 16 rows per operand: tile_rows(block_q, "
           f"group_size) = {rows}, block_k = {self.block_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig(PrefillConfig):
+  """The Mosaic-GPU kernel (`paged_prefill_mgpu`: TMA, warp-specialised
+  wgmma, Hopper only) in the main launch.
+
+  Its tiles are `block_q` tokens: `tile_q(n, group_size)` for `n`
+  consumer warpgroups of 64 rows (`paged_prefill_mgpu.tile_q`), so
+  `block_q` names the consumer count. `block_k` keys per step (64 or 128),
+  `num_stages` shared-memory stages of the K/V ring. The short launch,
+  where a config has one (`short_block_q`), is Pallas-Triton.
+
+  Attributes (beside `PrefillConfig`'s):
+    schedule: the consumers' schedule (`paged_prefill_mgpu`): "pingpong"
+      (two consumers in lock step) or "ring" (a token passed around the
+      consumers; required with three).
+    pack_gqa: pack the GQA group into the tile rows
+      (`paged_prefill_mgpu(pack_gqa=True)`): a consumer's 64 rows are
+      `64 // group_size` tokens of every head of the group, so `block_q`
+      is `tile_q(n, group_size)` (42 tokens at group 3 with two consumers)
+      and tiles start at any token (`plan_align` 1).
+    persistent: one CTA per SM, each taking every num_sms-th (head, tile)
+      item with its K/V ring running on across items
+      (`paged_prefill_mgpu(persistent=True)`).
+    plan_kernel: on a Hopper GPU, `plan` builds the step's schedule in one
+      Mosaic-GPU launch (`plan_mgpu`, up to its `MAX_ROWS` tiles) instead
+      of the several small XLA kernels of `plan.plan_prefill` (the same
+      plan).
+  """
+  backend: ClassVar[str] = "mosaic"
+  block_q: int = paged_prefill_mgpu.TILE_Q
+  block_k: int = 128
+  schedule: str = "pingpong"
+  pack_gqa: bool = False
+  persistent: bool = False
+  plan_kernel: bool = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.schedule not in paged_prefill_mgpu.SCHEDULES:
+      raise ValueError(f"Invalid schedule: expected one of "
+                       f"{paged_prefill_mgpu.SCHEDULES}, got "
+                       f"{self.schedule!r}")
+
+  @property
+  def plan_align(self) -> int:
+    """`plan.plan_prefill(align=...)`: TMA query loads need 8-row origins,
+    packed tiles none (`paged_prefill_mgpu.plan_align`)."""
+    return paged_prefill_mgpu.plan_align(self.pack_gqa)
+
+  def tile_q(self, num_consumers: int, group_size: int) -> int:
+    """Tokens per tile with `num_consumers` consumers under this config's
+    packing (`paged_prefill_mgpu.tile_q`)."""
+    return paged_prefill_mgpu.tile_q(
+        num_consumers, group_size if self.pack_gqa else 1)
+
+  def num_consumers(self, group_size: int) -> int:
+    """Consumer warpgroups that `block_q` gives (`tile_q`).
+
+    Raises:
+      ValueError: a `block_q` no consumer count gives.
+    """
+    tiles = {self.tile_q(n, group_size): n
+             for n in paged_prefill_mgpu.CONSUMERS}
+    if self.block_q not in tiles:
+      raise ValueError(f"Invalid block_q for the mosaic backend: expected "
+                       f"one of {sorted(tiles)}, got {self.block_q}")
+    return tiles[self.block_q]
+
+  def plan(self, q_indptr, kv_lens, *, num_tokens: int, causal: bool,
+           window_left: int) -> plan_lib.PrefillPlan:
+    """This config's tile schedule for one step: one Mosaic-GPU launch
+    (`plan_mgpu`) with `plan_kernel` on a Hopper GPU
+    (`dispatch.current_gpu`) where it serves, else the jnp ops of
+    `plan.plan_prefill` (the same plan)."""
+    kw = self._plan_kwargs(num_tokens, causal, window_left)
+    if self.plan_kernel and dispatch.current_gpu().is_hopper and (
+        plan_mgpu.supports(num_tokens=num_tokens, batch_size=kv_lens.shape[0],
+                           block_q=self.block_q, align=self.plan_align,
+                           min_tokens=self.tile_min_tokens) is None):
+      return plan_mgpu.plan_prefill_mgpu(q_indptr, kv_lens, **kw)
+    return plan_lib.plan_prefill(q_indptr, kv_lens, **kw)
+
+  def validate(self, group_size: int) -> None:
+    """`PrefillConfig.validate`, plus the tile's consumers and packing.
+
+    Raises:
+      ValueError: `pack_gqa` with a group outside 1..64, a `block_q` no
+        consumer count gives, three consumers without the ring schedule.
+    """
+    super().validate(group_size)
+    if self.pack_gqa and not 1 <= group_size <= paged_prefill_mgpu.BLOCK_Q:
+      raise ValueError(f"Invalid group_size for pack_gqa: expected "
+                       f"1..{paged_prefill_mgpu.BLOCK_Q}, got {group_size}")
+    if self.num_consumers(group_size) != 2 and self.schedule != "ring":
+      raise ValueError(
+          f"Invalid schedule: expected 'ring' with block_q="
+          f"{self.tile_q(3, group_size)} (three consumers), got "
+          f"{self.schedule!r}")
+
+
+def dequantize_pays(*, num_tokens: int, batch_size: int,
+                    group_size: int) -> bool:
+  """Whether a call on FP8 pages runs faster on pages dequantized first
+  (`PrefillConfig.fp8_pages`): when its query rows (`num_tokens *
+  group_size`) reach `DEQUANTIZE_MIN_ROWS` per sequence of the batch.
+
+  Prefill is compute-bound: converting tiles in the kernel costs every
+  query row that shares a key (the Mosaic-GPU kernel's producer warpgroup
+  converts every tile), while the gather costs a fixed amount per key per
+  sequence, which enough query rows per sequence repay (measured:
+  docs/performance.md).
+  """
+  return num_tokens * group_size >= DEQUANTIZE_MIN_ROWS * max(batch_size, 1)
 
 
 def _paged_prefill_kernel(
@@ -642,8 +538,8 @@ def _paged_prefill_kernel(
       k_at = k_pool_ref.at[pages(k_table_ref)[:, None], slot, kv_head, d]
       v_at = v_pool_ref.at[pages(v_table_ref)[:, None], slot, kv_head, d]
     # FP8 tiles convert to q's (dot) dtype where Triton places it: unlike
-    # decode's, converting V in its loaded layout was slower here (271 vs
-    # 306 TFLOP/s, H100, bench/fp8_decode_diag.py, 2026-11-25).
+    # decode's, converting V in its loaded layout is slower here (measured:
+    # docs/performance.md).
     cast = (lambda x: x.astype(q.dtype)) if has_scales else (lambda x: x)
     if masked:
       return (cast(plgpu.load(k_at, mask=ld, other=0.0)),
@@ -730,7 +626,7 @@ def _paged_prefill_kernel(
 def _paged_prefill_call(q, k_pool, v_pool, k_table, v_table, sinks, scales,
                         tiles, prev=None, *, block_q: int, block_k: int,
                         num_warps: int, num_stages: int, heads_outer: bool,
-                        config: Config, causal,
+                        config: PrefillConfig, causal,
                         sm_scale, window_left, logits_soft_cap, interpret):
   """One launch over `tiles`; `prev=(out, lse)` is updated in place (aliased)."""
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -798,7 +694,7 @@ def paged_prefill(
     window_left: int = -1,
     logits_soft_cap: float | None = None,
     interpret: bool = False,
-    config: Config | None = None,
+    config: TritonConfig | MosaicConfig | None = None,
     plan: plan_lib.PrefillPlan | None = None,
     k_scale=None,  # f32[]: FP8 pages
     v_scale=None,  # f32[]: FP8 pages
@@ -821,7 +717,8 @@ def paged_prefill(
       do (Mosaic GPU: TMA-staged FP8 tiles converted to f16 by the producer
       warpgroup; Triton: tiles converted in registers; both run f16 dots),
       or, where `config.dequantizes_fp8` (by default from
-      `DEQUANTIZE_MIN_ROWS` query rows per sequence), are first gathered
+      `DEQUANTIZE_MIN_ROWS` query rows per sequence, `dequantize_pays`),
+      are first gathered
       and dequantized into a compact pool of q's dtype
       (`_fp8.dequantize_pages`: the named pages only, `batch_size *
       max_pages` of them, held for the call) that the 16-bit kernels read.
@@ -834,7 +731,9 @@ def paged_prefill(
     causal, sm_scale, window_left, logits_soft_cap: static, as in the public
       `pkvattn.paged_prefill`.
     interpret: static; run in Pallas interpret mode (CPU tests).
-    config: static `Config`; default `Config.default_for(...)`.
+    config: static `TritonConfig` or `MosaicConfig`; None = the one
+      `dispatch.prefill` chooses for this call on `dispatch.current_gpu`
+      (`interpret` asks for the Triton kernel).
     plan: optional `PrefillPlan` from `plan.plan_prefill` with the same
       `block_q` and `num_tokens` (computed here when None); pass one plan to
       every layer of a step to compute the schedule once. With `config`
@@ -847,8 +746,8 @@ def paged_prefill(
 
   Raises:
     ValueError: a plan built for a different block_q / num_tokens / batch;
-      a mosaic `config` in interpret mode; an unknown
-      `config.fp8_pages`.
+      a `MosaicConfig` in interpret mode or one whose tiles do not fit the
+      group (`MosaicConfig.validate`).
     NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
   """
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -857,11 +756,11 @@ def paged_prefill(
   defaulted = config is None
   fp8 = k_scale is not None
   if config is None:
-    config = Config.default_for(group_size=group_size, head_dim=head_dim,
-                                page_size=k_pool.shape[1], dtype=q.dtype,
-                                window_left=window_left, interpret=interpret,
-                                num_tokens=num_tokens,
-                                batch_size=kv_lens.shape[0])
+    config = dispatch.prefill(
+        gpu=dispatch.current_gpu(interpret), dtype=q.dtype,
+        kv_dtype=k_pool.dtype, head_dim=head_dim, group_size=group_size,
+        page_size=k_pool.shape[1], window_left=window_left,
+        num_tokens=num_tokens, batch_size=kv_lens.shape[0]).config
   config.validate(group_size)
   if fp8 and config.dequantizes_fp8(num_tokens=num_tokens,
                                     batch_size=kv_lens.shape[0],
@@ -870,12 +769,12 @@ def paged_prefill(
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None
   if fp8 and config.backend == "mosaic" and (
-      config.mosaic_consumers(group_size) != 2):
+      config.num_consumers(group_size) != 2):
     # FP8 tiles read in the kernel are converted by the producer warpgroup,
-    # which three consumers leave too few registers: two consumers.
+    # which three consumers leave too few registers: two consumers (the
+    # defaults have two there already: `dispatch.prefill`).
     config = dataclasses.replace(
-        config, block_q=config.mosaic_tile_q(2, group_size),
-        mosaic_schedule="pingpong")
+        config, block_q=config.tile_q(2, group_size), schedule="pingpong")
   scales = None
   if fp8:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
@@ -918,9 +817,9 @@ def paged_prefill(
         causal=causal, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
         block_kv=config.block_k, num_stages=config.num_stages,
         k_scale=k_scale, v_scale=v_scale,
-        num_consumers=config.mosaic_consumers(group_size),
-        schedule=config.mosaic_schedule, pack_gqa=config.mosaic_pack_gqa,
-        persistent=config.mosaic_persistent, window_left=window_left)
+        num_consumers=config.num_consumers(group_size),
+        schedule=config.schedule, pack_gqa=config.pack_gqa,
+        persistent=config.persistent, window_left=window_left)
   else:
     out = call(plan.tiles, block_q=config.block_q, block_k=config.block_k,
                num_warps=config.num_warps, num_stages=config.num_stages,

@@ -122,22 +122,21 @@ _REDUCTION_SCRATCH = 2048  # Mosaic GPU's default; none with FP8 pages
 _CONVERT_COLS = 128      # columns an FP8 / bf16-q conversion pass holds
 
 
-def supports(*, dtype, head_dim: int, page_size: int, window_left: int = -1,
-             block_kv: int = 128) -> bool:
-  """Whether this kernel serves the case (else the Triton kernel does).
-
-  Needs a Hopper GPU (wgmma is sm_90a only), bf16/f16, head_dim 64, 128 or
-  256, and page_size >= 8 (TMA rows land on 8-row swizzle tiles) dividing
-  `block_kv` or divisible by it; any `window_left`; bf16/f16 or FP8 pages.
-  """
-  del window_left  # any window
+def supports(*, dtype, head_dim: int, page_size: int,
+             block_kv: int = 128) -> str | None:
+  """Why this kernel does not take a case (a sentence), or None when it
+  does: bf16/f16 q, head_dim 64, 128 or 256, and page_size >= 8 (TMA rows
+  land on 8-row swizzle tiles) dividing `block_kv` or divisible by it; any
+  window; bf16/f16 or FP8 pages. It runs on Hopper GPUs only (wgmma is
+  sm_90a only): that is `dispatch.prefill`'s check, not this one's."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return False
-  if head_dim not in HEAD_DIMS or page_size < 8:
-    return False
-  if page_size < block_kv and block_kv % page_size:
-    return False
-  return _compat.is_hopper()
+    return f"dtype {jnp.dtype(dtype).name} is not bf16 / f16"
+  if head_dim not in HEAD_DIMS:
+    return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+  if page_size < 8 or (page_size < block_kv and block_kv % page_size):
+    return (f"page_size {page_size} is not >= 8 and dividing block_kv "
+            f"{block_kv} or divisible by it")
+  return None
 
 
 _mgpu = _compat.mosaic_gpu

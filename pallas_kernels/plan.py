@@ -21,7 +21,7 @@ The order is a stable sort by descending work (`order_by_work`).
 
 This module is the pure-jnp reference of the schedule; on Hopper the
 Mosaic-GPU configs of the prefill kernel build the same plan in one launch
-(`plan_mgpu`, `paged_prefill.Config.plan_kernel`).
+(`plan_mgpu`, `paged_prefill.MosaicConfig.plan_kernel`).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class PrefillPlan:
 # the rows that go before it (one compare of all pairs, one kernel) and
 # scatters the rows to their ranks, and `prefix_sum` sums by comparing all
 # pairs too; above it, they sort (`jnp.argsort`) and scan (`jnp.cumsum`).
-# On the GPU each small XLA op is a kernel of 1-2 us, the sort of 455 rows
-# about 6 us (H100 / H200).
+# On the GPU each small XLA op is a kernel launch of its own, and a sort
+# costs several of them: one fused compare is cheaper for the plan's
+# usual sizes (measured: docs/performance.md).
 RANK_MAX_ROWS = 2048
 
 

@@ -1,9 +1,9 @@
 """Fused RoPE + paged K/V append: one Pallas (Triton) pass over the tokens.
 
 `rope_append` / `rope_append_qkv` run this kernel, or on Hopper the
-Mosaic-GPU one of `rope_append_mgpu.py` (`default_config`), which takes the
-same arguments and does the same f32 math (its outputs were bit-identical to
-this kernel's on every benchmarked shape).
+Mosaic-GPU one of `rope_append_mgpu.py`, as `dispatch.rope_append` chooses;
+that kernel takes the same arguments and does the same f32 math, so both
+give the same rows.
 
 TensorRT-LLM's `qkv_preprocessing` (PR #11667) as a Pallas kernel. The grid is
 `(token tiles, head splits)`; program `(i, j)` owns `block_tokens` tokens and
@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import rope_append_mgpu
 from pkvattn.pallas_kernels._compat import pl
 
@@ -59,20 +61,23 @@ def _pow2_chunks(start: int, size: int) -> list[tuple[int, int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Launch config.
+class TritonConfig:
+  """Launch config of this module's Pallas-Triton kernel (`backend`
+  "triton"; `dispatch.rope_append` chooses between it and
+  `rope_append_mgpu.Config`).
 
   Attributes:
     block_tokens: tokens per program, a power of two.
     num_splits: programs per token tile over the heads; divides both head
       counts (each program: `1 / num_splits` of the q heads and kv heads).
     num_warps, num_stages: Triton launch parameters.
-    one_head: overrides `num_splits`: `num_qo_heads + num_kv_heads` programs per
-      tile, each rotating one q head or appending one kv head.
+    one_head: overrides `num_splits`: `num_qo_heads + num_kv_heads` programs
+      per tile, each rotating one q head or appending one kv head.
     unroll: unroll the loop over a program's heads, so the loads of several
       heads can be in flight at once (a rolled loop waits for each head's
       loads before the next head's start).
   """
+  backend: ClassVar[str] = "triton"
   block_tokens: int = 32
   num_splits: int = 1
   num_warps: int = 4
@@ -80,54 +85,14 @@ class Config:
   one_head: bool = False
   unroll: bool = False
 
-  @staticmethod
-  def default_for(num_tokens: int, num_qo_heads: int,
-                  num_kv_heads: int) -> "Config":
-    """Big batches (>= 8192 tokens): 8-token tiles, the heads split over up
-    to 8 programs per tile (as evenly as the head counts allow), each
-    program's head loop unrolled, 4 warps. On an H200 (2026-11-22,
-    Llama-3-8B heads, 65536 tokens; bench/results/rope_append.json): 0.41 ms
-    of kernel time vs 0.47 ms for 128-token tiles with all heads per program
-    (2026-11-21's default); one head per program or 32+ token tiles with
-    splits lose 5-300%.
-    Small batches: 8-token tiles (4 up to 512 tokens) with the heads split
-    across programs until ~512 programs fill the GPU, the head loop unrolled,
-    4 warps. 256 decode tokens, rows looked up in the kernel: 3.7 us of
-    kernel time with 4-token tiles, 4.0 us with 8, 5.2 us for the rolled
-    2-warp loop of 2026-11-21, 4.8-5.9 us for 16-token tiles or one head per
-    program.
-    Where the head counts do not split that far (e.g. 9 q / 3 kv heads: 64
-    programs for 256 tokens; or very few tokens), one head per program
-    instead. On an H200 (2026-11-23, bench/decode_step_ab.py; pool not
-    donated, so L2 holds none of it): SmolLM2-135M heads, 256 tokens, 3.1-3.3
-    us against 8.7 us for 64 programs of 12 unrolled heads (8.4-12 us for
-    any tile size or warp count of those); Llama-3-8B heads, 8 / 64 tokens,
-    2.9 / 3.5 us against 4.4 / 5.0 us split 8 ways."""
-    if num_tokens >= 8192:
-      return Config._split(8, 8, num_qo_heads, num_kv_heads)
-    block_tokens = 4 if num_tokens <= 512 else 8
-    tiles = -(-num_tokens // block_tokens)
-    # Split until ~512 programs: at most the first power of two s with
-    # tiles * s >= 512.
-    want = pl.next_power_of_2(-(-512 // tiles))
-    config = Config._split(block_tokens, want, num_qo_heads, num_kv_heads)
-    if config.num_splits < want and tiles * config.num_splits < 512:
-      return Config(block_tokens=block_tokens, num_warps=4, one_head=True)
-    return config
-
-  @staticmethod
-  def _split(block_tokens: int, max_splits: int, num_qo_heads: int,
-             num_kv_heads: int) -> "Config":
-    """`block_tokens`-token tiles, 4 warps, the heads split over the largest
-    power of two <= `max_splits` programs dividing both head counts, the head
-    loop unrolled when a program has <= 16 heads."""
-    splits = 1
-    while (2 * splits <= max_splits and num_kv_heads % (2 * splits) == 0
-           and (num_qo_heads == 0 or num_qo_heads % (2 * splits) == 0)):
-      splits *= 2
-    per_program = (num_qo_heads + num_kv_heads) // splits
-    return Config(block_tokens=block_tokens, num_splits=splits, num_warps=4,
-                  unroll=per_program <= 16)
+  def __post_init__(self):
+    if not _is_pow2(self.block_tokens):
+      raise ValueError(f"Invalid block_tokens: expected a power of two, got "
+                       f"{self.block_tokens}")
+    for name in ("num_splits", "num_warps", "num_stages"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"Invalid {name}: expected >= 1, got "
+                         f"{getattr(self, name)}")
 
 
 def _rope_append_kernel(*refs, num_tokens, num_rows, num_qo_heads,
@@ -327,11 +292,9 @@ def _loop(n: int, body, unroll: bool):
 
 
 def check_supported(num_qo_heads: int, num_kv_heads: int,
-                    config: Config) -> None:
-  """Raises NotImplementedError for configs this kernel does not lower."""
-  if not _is_pow2(config.block_tokens):
-    raise NotImplementedError(
-        f"block_tokens must be a power of two, got {config.block_tokens}")
+                    config: TritonConfig) -> None:
+  """Raises NotImplementedError for head splits this kernel cannot run
+  (the config's own fields are checked on construction)."""
   if not config.one_head and (num_kv_heads % config.num_splits
                               or num_qo_heads % config.num_splits):
     raise NotImplementedError(
@@ -429,7 +392,7 @@ def rope_append(
     v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None (= k_pool)
     *,
     interleaved: bool = False,
-    config: "Config | rope_append_mgpu.Config | None" = None,
+    config: "TritonConfig | rope_append_mgpu.Config | None" = None,
     interpret: bool = False,
     paged=None,
     k_scale=None,  # f32[]: FP8 pools
@@ -444,36 +407,36 @@ def rope_append(
   Args:
     paged: `(batch_indices i32[num_tokens], page_table, table_kind)` instead
       of `k_rows` / `v_rows` (pass None for those): the kernel looks the rows
-      up itself (no XLA gather before the launch; 1 us of the 4.3 us of a
-      256-token decode batch on an H200). `table_kind` "shared" (`i32[batch,
-      max_pages]`, K and V pools alike), "split" (`i32[batch, 2, max_pages]`,
-      TensorRT-LLM), "flashinfer" (shared table into a `[n, 2, ...]` cache
-      passed as the `[2n, ...]` pool: K page `2t`, V page `2t + 1`).
+      up itself (no XLA gather before the launch). `table_kind` "shared"
+      (`i32[batch, max_pages]`, K and V pools alike), "split" (`i32[batch,
+      2, max_pages]`, TensorRT-LLM), "flashinfer" (shared table into a
+      `[n, 2, ...]` cache passed as the `[2n, ...]` pool: K page `2t`, V
+      page `2t + 1`).
     k_scale, v_scale: f32 scalars (may be traced) for float8_e4m3fn pools:
       rows store `clip(x * (1 / scale), -448, 448)` with x the rotated K (f32) or
       V, as `pkvattn._kv.quantize`.
-
-    config: a `Config` (this module's Pallas-Triton kernel) or a
-      `rope_append_mgpu.Config` (the Mosaic-GPU kernel, Hopper); None =
-      `default_config`.
+    config: a `TritonConfig` (this module's Pallas-Triton kernel) or a
+      `rope_append_mgpu.Config` (the Mosaic-GPU kernel, Hopper); the
+      config's `backend` names the kernel. None = the one
+      `dispatch.rope_append` chooses on `dispatch.current_gpu`
+      (`interpret` asks for the Triton kernel).
 
   Raises:
     ValueError: an unknown `table_kind`; a `rope_append_mgpu.Config` in
       interpret mode or for a case its kernel lacks
       (`rope_append_mgpu.supports`).
     NotImplementedError: a config whose `num_splits` does not divide the head
-      counts, or `block_tokens` not a power of two.
+      counts.
   """
   scales = _scales(k_scale, v_scale)
   if config is None:
-    config = default_config(
+    config = _choose(
         k.shape[0], 0 if q is None else q.shape[1], k.shape[1],
-        head_dim=k.shape[2], half=0 if inv_freq is None else inv_freq.shape[0],
-        interleaved=interleaved, dtype=k.dtype if q is None else q.dtype,
+        head_dim=k.shape[2], inv_freq=inv_freq, interleaved=interleaved,
+        dtype=k.dtype if q is None else q.dtype,
         # v of another dtype than k: not one dtype, the Triton kernel.
         kv_dtype=k.dtype if v.dtype == k.dtype else v.dtype,
-        pool_dtype=k_pool.dtype, scales=scales,
-        interpret=interpret)
+        pool_dtype=k_pool.dtype, scales=scales, interpret=interpret)
   if k.shape[0] == 0:
     return q, k_pool, v_pool
   return _launch(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool,
@@ -481,43 +444,28 @@ def rope_append(
                  interpret=interpret, paged=paged, scales=scales)
 
 
-def default_config(num_tokens: int, num_qo_heads: int, num_kv_heads: int, *,
-                   head_dim: int, half: int, interleaved: bool, dtype,
-                   kv_dtype, pool_dtype, scales, interpret: bool):
-  """The launch config `rope_append` uses when given none: the Mosaic-GPU
-  kernel's (`rope_append_mgpu.Config.default_for`) on compute capability
-  9.0 for the cases it takes (bf16 / f16 q, k, v, pools of that dtype or
-  float8_e4m3fn with scales, `rope_append_mgpu.supports`), else this
-  module's `Config.default_for`.
-  Kernel time of the Mosaic kernel against this one, both defaults, same
-  run (2026-11-26, `bench/rope_append_mosaic.py`; Llama-3-8B, SmolLM2-135M
-  and Gemma 3 270M heads, 8 to 65,536 tokens): 0.42-0.95x on an H200,
-  0.45-0.97x on an H100, 0.49-0.98x with FP8 pools (H200), bit-identical
-  outputs."""
-  if (not interpret and jnp.dtype(dtype) == jnp.dtype(kv_dtype)
-      and _compat.is_hopper()):
-    config = rope_append_mgpu.Config.default_for(num_tokens, num_qo_heads,
-                                                 num_kv_heads)
-    if rope_append_mgpu.supports(
-        dtype=kv_dtype, pool_dtype=pool_dtype, head_dim=head_dim, half=half,
-        interleaved=interleaved, num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, num_splits=config.num_splits,
-        has_scales=scales is not None,
-        chunk_bytes=config.chunk_bytes) is None:
-      return config
-  return Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
+def _choose(num_tokens: int, num_qo_heads: int, num_kv_heads: int, *,
+            head_dim: int, inv_freq, interleaved: bool, dtype, kv_dtype,
+            pool_dtype, scales, interpret: bool):
+  """The config `dispatch.rope_append` chooses for a call."""
+  return dispatch.rope_append(
+      gpu=dispatch.current_gpu(interpret), dtype=dtype, kv_dtype=kv_dtype,
+      pool_dtype=pool_dtype, head_dim=head_dim, num_qo_heads=num_qo_heads,
+      num_kv_heads=num_kv_heads, num_tokens=num_tokens,
+      rotary_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
+      interleaved=interleaved, has_scales=scales is not None).config
 
 
 def _launch(q, k, v, positions, k_rows, v_rows, inv_freq, k_pool, v_pool, *,
             interleaved, config, interpret, paged=None, scales=None,
             qkv=None):
-  """`config`'s kernel (see `rope_append`)."""
-  if isinstance(config, rope_append_mgpu.Config):
+  """The kernel `config.backend` names (see `rope_append`)."""
+  if config.backend == "mosaic":
     if interpret:
       raise ValueError(
-          "Invalid config for interpret mode: a rope_append_mgpu.Config "
-          "needs a Hopper GPU (Mosaic GPU has no interpret mode), got "
-          "interpret=True")
+          "Invalid config for interpret mode: the mosaic backend "
+          "(rope_append_mgpu.Config) needs a Hopper GPU (Mosaic GPU has no "
+          "interpret mode), got interpret=True")
     return rope_append_mgpu.rope_append_mgpu(
         q, k, v, positions, k_rows, v_rows, inv_freq, k_pool, v_pool,
         interleaved=interleaved, config=config, qkv=qkv, paged=paged,
@@ -546,7 +494,7 @@ def rope_append_qkv(
     v_pool,     # [num_pages, page_size, num_kv_heads, head_dim] | None (= k_pool)
     *,
     interleaved: bool = False,
-    config: "Config | rope_append_mgpu.Config | None" = None,
+    config: "TritonConfig | rope_append_mgpu.Config | None" = None,
     interpret: bool = False,
     paged=None,
     k_scale=None,  # f32[]: FP8 pools
@@ -567,11 +515,11 @@ def rope_append_qkv(
   qkv = qkv.reshape(num_tokens, heads, head_dim)
   scales = _scales(k_scale, v_scale)
   if config is None:
-    config = default_config(
+    config = _choose(
         num_tokens, num_qo_heads, num_kv_heads, head_dim=head_dim,
-        half=0 if inv_freq is None else inv_freq.shape[0],
-        interleaved=interleaved, dtype=qkv.dtype, kv_dtype=qkv.dtype,
-        pool_dtype=k_pool.dtype, scales=scales, interpret=interpret)
+        inv_freq=inv_freq, interleaved=interleaved, dtype=qkv.dtype,
+        kv_dtype=qkv.dtype, pool_dtype=k_pool.dtype, scales=scales,
+        interpret=interpret)
   if num_tokens == 0:
     return qkv[:, :num_qo_heads], k_pool, v_pool
   q_shape = jax.ShapeDtypeStruct((num_tokens, num_qo_heads, head_dim),

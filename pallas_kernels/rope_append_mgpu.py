@@ -120,6 +120,7 @@ class Config:
     chunk_bytes: bytes per load / store (16, 8 or 4): smaller chunks spread
       a token over more threads, each with fewer cos / sin to compute.
   """
+  backend = "mosaic"  # the kernel's name in `dispatch` (not a field)
   num_splits: int = 1
   one_head: bool = False
   max_loads: int = MAX_LOADS
@@ -130,20 +131,19 @@ class Config:
       raise ValueError(f"Invalid chunk_bytes: expected 4, 8 or 16, got "
                        f"{self.chunk_bytes}")
     if self.num_splits < 1 or self.max_loads < 1:
-      raise ValueError(f"Invalid Config: expected num_splits >= 1 and "
-                       f"max_loads >= 1, got {self.num_splits} and "
-                       f"{self.max_loads}")
+      raise ValueError(f"Invalid num_splits / max_loads: expected >= 1, "
+                       f"got {self.num_splits} / {self.max_loads}")
 
   @staticmethod
   def default_for(num_tokens: int, num_qo_heads: int,
                   num_kv_heads: int) -> "Config":
-    """The heads split over the largest power of two <= 8 programs
-    dividing both head counts; 4-byte chunks up to `SMALL_CHUNK_MAX_TOKENS`
-    tokens, 8-byte chunks beyond: a thread's cos / sin chain is what the
-    small batches wait on, so more threads with shorter chains win, and
-    even on 65,536 tokens 16-byte chunks were 1-6% slower (H200,
-    2026-11-26, `bench/results/rope_append_mosaic_NVIDIA_H200.json`). The
-    case must fit the chunks (`supports`)."""
+    """The launch `dispatch.rope_append` gives this kernel: the heads split
+    over the largest power of two <= 8 programs dividing both head counts;
+    4-byte chunks up to `SMALL_CHUNK_MAX_TOKENS` tokens, 8-byte chunks
+    beyond. A thread's cos / sin chain is what small batches wait on, so
+    more threads with shorter chains win; large batches keep 8-byte chunks
+    (measured: docs/performance.md). The case must fit the chunks
+    (`supports`)."""
     splits = 1
     while (2 * splits <= 8 and num_kv_heads % (2 * splits) == 0
            and num_qo_heads % (2 * splits) == 0):

@@ -244,7 +244,7 @@ def paged_prefill(
       first dequantizes the pages the table names into a compact 16-bit
       pool (one XLA gather, `batch_size * max_pages` pages held for the
       call) and runs the 16-bit kernels, which is faster for prompts
-      (`pallas_kernels.paged_prefill.Config.fp8_pages`).
+      (`pallas_kernels.paged_prefill.PrefillConfig.fp8_pages`).
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
@@ -382,9 +382,9 @@ def plan_prefill(
     num_qo_heads, num_kv_heads, head_dim, dtype: static, those of `q` (they
       choose the kernel's tile size).
     causal, window_left: static; only steer the launch order.
-    kv_dtype: static, the pages' dtype if not `dtype`. Accepted for
-      compatibility: float8_e4m3fn pages now take the same kernel (and so
-      the same plan) as 16-bit pages of `dtype`.
+    kv_dtype: static, the pages' dtype if not `dtype` (float8_e4m3fn
+      pages mostly take the same kernel, and so the same plan, as 16-bit
+      pages of `dtype`; `pallas_kernels.dispatch.prefill`).
 
   Returns:
     A `PrefillPlan` pytree (`pkvattn.pallas_kernels.plan`).
@@ -399,8 +399,7 @@ def plan_prefill(
     >>> plan.batch_size, plan.num_tokens
     (2, 8)
   """
-  from pkvattn.pallas_kernels import paged_prefill as kernel
-  del kv_dtype  # the plan does not depend on it (docstring)
+  from pkvattn.pallas_kernels import dispatch
   q_indptr = _checks.as_index_array(q_indptr)
   kv_lens = _checks.as_index_array(kv_lens)
   _checks.check_heads(num_qo_heads, num_kv_heads)
@@ -408,11 +407,12 @@ def plan_prefill(
   _checks.check_ndim(kv_lens, (1,), "kv_lens")
   _checks.check_int(q_indptr, "q_indptr")
   _checks.check_shape(q_indptr, (kv_lens.shape[0] + 1,), "q_indptr")
-  config = kernel.Config.default_for(
-      group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
-      page_size=None, dtype=dtype, window_left=window_left,
-      interpret=not _checks.is_gpu(), num_tokens=num_tokens,
-      batch_size=kv_lens.shape[0])
+  config = dispatch.prefill(
+      gpu=dispatch.current_gpu(interpret=not _checks.is_gpu()), dtype=dtype,
+      kv_dtype=kv_dtype, head_dim=head_dim,
+      group_size=num_qo_heads // num_kv_heads, page_size=None,
+      window_left=window_left, num_tokens=num_tokens,
+      batch_size=kv_lens.shape[0]).config
   return config.plan(
       jnp.asarray(q_indptr, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
       num_tokens=num_tokens, causal=causal, window_left=window_left)

@@ -1,4 +1,4 @@
-"""FP8 pages in prefill through `paged_prefill.Config.fp8_pages`.
+"""FP8 pages in prefill through `paged_prefill.PrefillConfig.fp8_pages`.
 
 "dequantize" gathers the pages the tables name into a compact pool in q's
 dtype (scaled) and runs the 16-bit kernels; "kernel" converts tiles in the
@@ -20,6 +20,7 @@ import pytest
 import attention_utils as au
 from pkvattn import _kv
 from pkvattn.pallas_kernels import _fp8
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_prefill as kernel
 from attention_utils import fp8_paged as _fp8_paged
 
@@ -42,10 +43,8 @@ def test_fp8_pages_modes_match_oracle(mode, fmt, kw):
   n_tok = int(indptr[-1]) + 3  # padding tokens
   q = np.asarray(jnp.asarray(rng.standard_normal((n_tok, g * hkv, d)),
                              jnp.bfloat16).astype(jnp.float32))
-  cfg = dataclasses.replace(
-      kernel.Config.default_for(group_size=g, head_dim=d, page_size=ps,
-                                dtype=jnp.bfloat16, interpret=True),
-      fp8_pages=mode)
+  cfg = dataclasses.replace(_default(dispatch.INTERPRET, g, d, ps, n_tok,
+                                     len(lens)), fp8_pages=mode)
   assert cfg.dequantizes_fp8(num_tokens=n_tok, batch_size=len(lens),
                              group_size=g) == (mode == "dequantize")
   out, lse = kernel.paged_prefill(
@@ -76,8 +75,15 @@ def test_dequantize_pages_gathers_and_scales():
             want[int(table[b, i])], rtol=2**-8)
 
 
+def _default(gpu, group_size, head_dim, page_size, num_tokens, batch_size):
+  return dispatch.prefill(
+      gpu=gpu, dtype=jnp.bfloat16, kv_dtype=FP8, head_dim=head_dim,
+      group_size=group_size, page_size=page_size, num_tokens=num_tokens,
+      batch_size=batch_size).config
+
+
 def test_fp8_pages_rule_and_bad_value():
-  cfg = kernel.Config()
+  cfg = kernel.TritonConfig()
   rows = kernel.DEQUANTIZE_MIN_ROWS
   assert cfg.dequantizes_fp8(num_tokens=rows // 4 * 8, batch_size=8,
                              group_size=4)
@@ -85,12 +91,25 @@ def test_fp8_pages_rule_and_bad_value():
                                  group_size=4)
   assert not cfg.dequantizes_fp8(num_tokens=8192, batch_size=256,
                                  group_size=4)  # an engine's mixed step
-  assert kernel.Config(fp8_pages="dequantize").dequantizes_fp8(
+  assert kernel.TritonConfig(fp8_pages="dequantize").dequantizes_fp8(
       num_tokens=1, batch_size=256, group_size=1)
-  assert not kernel.Config(fp8_pages="kernel").dequantizes_fp8(
+  assert not kernel.MosaicConfig(fp8_pages="kernel").dequantizes_fp8(
       num_tokens=10**6, batch_size=1, group_size=8)
   with pytest.raises(ValueError, match="fp8_pages"):
-    kernel.Config(fp8_pages="fast").validate(4)
+    kernel.TritonConfig(fp8_pages="fast")
+  # The default names the mode the rule picks, on every GPU; 16-bit pages
+  # keep "auto" (nothing to read as FP8).
+  for gpu in dispatch.GPUS.values():
+    for tokens, mode in ((rows // 4 * 8, "dequantize"),
+                         (rows // 4 * 8 - 1, "kernel")):
+      cfg = _default(gpu, 4, 128, 16, tokens, 8)
+      assert cfg.fp8_pages == mode, (gpu, tokens, cfg)
+      assert cfg.dequantizes_fp8(num_tokens=tokens, batch_size=8,
+                                 group_size=4) == (mode == "dequantize")
+  assert dispatch.prefill(
+      gpu=dispatch.HOPPER, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+      head_dim=128, group_size=4, page_size=16, num_tokens=8192,
+      batch_size=1).config.fp8_pages == "auto"
 
 
 def _on_gpu():
@@ -117,8 +136,7 @@ def test_fp8_pages_modes_gpu(mode, d):
   q = np.asarray(jnp.asarray(rng.standard_normal((n_tok, g * hkv, d)),
                              jnp.bfloat16).astype(jnp.float32))
   cfg = dataclasses.replace(
-      kernel.Config.default_for(group_size=g, head_dim=d, page_size=ps,
-                                dtype=jnp.bfloat16),
+      _default(dispatch.current_gpu(), g, d, ps, n_tok, len(lens)),
       fp8_pages=mode)
   out, lse = kernel.paged_prefill(
       jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,

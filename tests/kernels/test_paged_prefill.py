@@ -24,6 +24,7 @@ import pkvattn
 from attention_utils import (assert_close, assert_lse_close, assert_tile_rows,
                              dense_attention, make_paged)
 from pkvattn import _kv
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_prefill as kernel
 from pkvattn.pallas_kernels import plan as plan_lib
 
@@ -166,7 +167,16 @@ def _direct(case, p, q, q_indptr, sinks, config, plan=None, interpret=True):
 
 
 # Configs that reach each kernel path: (case, config).
-_C = kernel.Config
+_C = kernel.TritonConfig
+
+
+def _triton(*, group_size, head_dim, page_size, dtype, window_left=-1,
+            num_tokens=1024, batch_size=4):
+  """The Triton kernel's default config for a shape (`dispatch.prefill`)."""
+  return dispatch.prefill(
+      gpu=dispatch.INTERPRET, dtype=dtype, kv_dtype=dtype, head_dim=head_dim,
+      group_size=group_size, page_size=page_size, window_left=window_left,
+      num_tokens=num_tokens, batch_size=batch_size, backend="triton").config
 CONFIG_CASES = [
     # block_k == page_size: one page per KV tile (strided loads, scalar table
     # read); single loop that masks every tile; token-order plan; kv heads
@@ -229,9 +239,10 @@ def test_kernel_matches_oracle_gpu(case):
   densely, 42 tokens of group 3 a tile) against the float64 oracle, with NaN
   in every page a sequence does not own and past kv_len."""
   p, q, q_indptr, sinks = _build(case, seed=5)
-  config = _C.default_for(
+  config = _triton(
       group_size=case.group_size, head_dim=HEAD_DIM, page_size=case.page_size,
-      dtype=case.dtype, window_left=case.window_left, backend="triton")
+      dtype=case.dtype, window_left=case.window_left,
+      num_tokens=q.shape[0], batch_size=len(p.kv_lens))
   out, lse = _direct(case, p, q, q_indptr, sinks, config, interpret=False)
   _check(case, out, lse, *_expected(case, p, q, q_indptr, sinks))
 
@@ -240,8 +251,11 @@ def test_plan_reuse_and_determinism():
   case = CASES[2]
   p, q, q_indptr, sinks = _build(case, seed=3)
   hq = q.shape[1]
-  config = _C.default_for(group_size=hq // NUM_KV_HEADS, head_dim=HEAD_DIM,
-                          page_size=case.page_size, dtype=case.dtype)
+  config = dispatch.prefill(
+      gpu=dispatch.current_gpu(interpret=True), dtype=case.dtype,
+      kv_dtype=case.dtype, head_dim=HEAD_DIM,
+      group_size=hq // NUM_KV_HEADS, page_size=case.page_size,
+      num_tokens=q.shape[0], batch_size=len(p.kv_lens)).config
   plan = jax.jit(
       config.plan, static_argnames=("num_tokens", "causal", "window_left"))(
           jnp.asarray(q_indptr), jnp.asarray(p.kv_lens),
@@ -351,16 +365,21 @@ def test_config_validation():
     _C(block_q=2, block_k=64).validate(group_size=4)  # 8 rows < 16
   with pytest.raises(NotImplementedError, match="short_block_q"):
     _C(block_q=8, short_block_q=2).validate(group_size=3)  # 8 rows < 16
-  with pytest.raises(ValueError, match="block_k"):
-    _C(block_q=16, block_k=48).validate(group_size=1)
-  with pytest.raises(ValueError, match="block_q"):
-    _C(block_q=0).validate(group_size=8)
+  # Fields alone are checked on construction, by name.
+  for bad, name in ((dict(block_k=48), "block_k"), (dict(block_q=0), "block_q"),
+                    (dict(short_block_q=8, short_block_k=8), "short_block_k"),
+                    (dict(decode_rows_per_seq=0), "decode_rows_per_seq"),
+                    (dict(fp8_pages="fast"), "fp8_pages")):
+    with pytest.raises(ValueError, match=name):
+      _C(**bad)
+  with pytest.raises(TypeError, match="abstract"):
+    kernel.PrefillConfig()
   _C(block_q=24, block_k=64).validate(group_size=1)  # 32 rows, 8 unused
   assert kernel.tile_rows(42, 3) == 128 and kernel.tile_rows(5, 3) == 16
-  assert _C.default_for(group_size=3, head_dim=64, page_size=16,
-                        dtype=jnp.bfloat16, backend="triton").block_q == 42
-  _C.default_for(group_size=6, head_dim=128, page_size=16,
-                 dtype=jnp.bfloat16).validate(group_size=6)
+  assert _triton(group_size=3, head_dim=64, page_size=16,
+                 dtype=jnp.bfloat16).block_q == 42
+  _triton(group_size=6, head_dim=128, page_size=16,
+          dtype=jnp.bfloat16).validate(group_size=6)
 
 
 def test_public_plan_reused_across_layers():
@@ -401,8 +420,9 @@ def test_kernel_lowers_to_triton(soft_cap, fast):
   # kernel they would go to (on a Hopper host, a Mosaic-GPU one with its own
   # inline-PTX exp2) is not this config's.
   config = dataclasses.replace(
-      _C.default_for(group_size=hq // hkv, head_dim=d, page_size=ps,
-                     dtype=jnp.bfloat16, backend="triton"), fast_exp2=fast,
+      _triton(group_size=hq // hkv, head_dim=d, page_size=ps,
+              dtype=jnp.bfloat16, num_tokens=t, batch_size=b),
+      fast_exp2=fast,
       split_decode_rows=False)
 
   def f(q, pool, table, q_indptr, kv_lens):

@@ -25,21 +25,28 @@ from hypothesis import strategies as st
 
 from attention_utils import assert_tile_rows, dense_attention, make_paged
 from pkvattn import _kv
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_prefill as kernel
 from pkvattn.pallas_kernels import paged_prefill_mgpu as mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
 
-_C = kernel.Config
+def _default(gpu=dispatch.HOPPER, *, group_size, head_dim, page_size=16,
+             dtype=jnp.bfloat16, kv_dtype=None, window_left=-1,
+             num_tokens=1024, batch_size=4, backend=None):
+  """`dispatch.prefill`'s config for a call (on a Hopper GPU by default)."""
+  return dispatch.prefill(
+      gpu=gpu, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
+      group_size=group_size, page_size=page_size, window_left=window_left,
+      num_tokens=num_tokens, batch_size=batch_size, backend=backend).config
 
 
 def _mosaic(group_size=4, head_dim=128, page_size=16):
   """The Mosaic-GPU config for long prompts: one query head per CTA, one
   CTA per tile (at head_dim 64 three consumers; shorter prompts get the
-  packed, persistent form, `test_default_for_head_dim_64_by_tokens_...`)."""
-  return _C.default_for(group_size=group_size, head_dim=head_dim,
-                        page_size=page_size, dtype=jnp.bfloat16,
-                        backend="mosaic",
-                        num_tokens=kernel.MOSAIC_D64_MIN_TOKENS, batch_size=1)
+  packed, persistent form, `test_default_head_dim_64_by_tokens_...`)."""
+  return _default(group_size=group_size, head_dim=head_dim,
+                  page_size=page_size, backend="mosaic",
+                  num_tokens=dispatch.PREFILL_D64_MIN_TOKENS, batch_size=1)
 
 
 @pytest.mark.parametrize("head_dim,pack", [(128, False), (64, False),
@@ -64,9 +71,9 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
   config = _mosaic(group_size=3, head_dim=head_dim)
   if pack:
     # The packed default: no short launch, 2-8-token sequences in tiles.
-    config = _C.default_for(group_size=3, head_dim=head_dim, page_size=16,
-                            dtype=jnp.bfloat16, backend="mosaic")
-    assert config.mosaic_pack_gqa and config.short_block_q == 0
+    config = _default(group_size=3, head_dim=head_dim, backend="mosaic",
+                      num_tokens=num_tokens, batch_size=len(q_lens))
+    assert config.pack_gqa and config.short_block_q == 0
     config.validate(group_size=3)
   plan = config.plan(jnp.asarray(q_indptr), jnp.asarray(kv_lens),
                      num_tokens=num_tokens, causal=True, window_left=-1)
@@ -101,55 +108,50 @@ def test_aligned_plan_covers_every_token_once(head_dim, pack, q_lens, extra,
   np.testing.assert_array_equal(seen, 1)
 
 
-def test_default_for_head_dim_64_by_tokens_per_sequence(monkeypatch):
+def test_default_head_dim_64_by_tokens_per_sequence():
   """On Hopper, head_dim 64 runs the three-consumer Mosaic-GPU kernel from
-  `MOSAIC_D64_MIN_TOKENS` new tokens per sequence, its packed persistent
-  form below (and with the tokens unknown), the Triton kernel wherever the
-  Mosaic-GPU kernel does not serve the case."""
-  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
-  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
-  kw = dict(group_size=3, head_dim=64, page_size=16, dtype=jnp.bfloat16)
-  n = kernel.MOSAIC_D64_MIN_TOKENS
-  cfg = _C.default_for(**kw, num_tokens=4 * n, batch_size=4)
-  assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule) == (
+  `PREFILL_D64_MIN_TOKENS` new tokens per sequence, its packed persistent
+  form below, the Triton kernel wherever the Mosaic-GPU kernel does not
+  serve the case."""
+  kw = dict(group_size=3, head_dim=64)
+  n = dispatch.PREFILL_D64_MIN_TOKENS
+  cfg = _default(**kw, num_tokens=4 * n, batch_size=4)
+  assert (cfg.backend, cfg.block_q, cfg.schedule) == (
       "mosaic", mgpu.tile_q(3), "ring")
-  assert not (cfg.mosaic_pack_gqa or cfg.mosaic_persistent)
+  assert not (cfg.pack_gqa or cfg.persistent)
   cfg.validate(group_size=3)
   # Below: the group packed into the rows of two consumers, one CTA per SM.
-  for tokens in (None, 1, 4 * n - 1):
-    cfg = _C.default_for(**kw, num_tokens=tokens, batch_size=4)
-    assert (cfg.backend, cfg.block_q, cfg.mosaic_schedule,
-            cfg.mosaic_pack_gqa, cfg.mosaic_persistent, cfg.plan_align,
-            cfg.short_block_q) == ("mosaic", 42, "pingpong", True, True, 1,
-                                   0)  # 2-8-token sequences: main tiles
-    assert cfg.mosaic_consumers(3) == 2
+  for tokens in (1, 4 * n - 1):
+    cfg = _default(**kw, num_tokens=tokens, batch_size=4)
+    assert (cfg.backend, cfg.block_q, cfg.schedule, cfg.pack_gqa,
+            cfg.persistent, cfg.plan_align, cfg.short_block_q) == (
+                "mosaic", 42, "pingpong", True, True, 1,
+                0)  # 2-8-token sequences: main tiles
+    assert cfg.num_consumers(3) == 2
     cfg.validate(group_size=3)
-  for other in (dict(interpret=True), dict(dtype=jnp.float32),
-                dict(head_dim=96)):
-    assert _C.default_for(**{**kw, **other}, num_tokens=n,
-                          batch_size=1).backend == "triton"
-  cfg = _C.default_for(**kw, window_left=128)  # windows too
-  assert (cfg.backend, cfg.mosaic_pack_gqa) == ("mosaic", True)
+  for other in (dict(gpu=dispatch.INTERPRET), dict(gpu=dispatch.ADA),
+                dict(dtype=jnp.float32), dict(head_dim=96)):
+    assert _default(**{**kw, **other}, num_tokens=n,
+                    batch_size=1).backend == "triton"
+  cfg = _default(**kw, window_left=128)  # windows too
+  assert (cfg.backend, cfg.pack_gqa) == ("mosaic", True)
   for d, block_k in ((128, 128), (256, 64)):  # any length
-    cfg = _C.default_for(**{**kw, "head_dim": d})
-    assert (cfg.backend, cfg.block_q, cfg.block_k, cfg.mosaic_schedule,
-            cfg.mosaic_pack_gqa) == ("mosaic", mgpu.TILE_Q, block_k,
-                                     "pingpong", False)
+    cfg = _default(**{**kw, "head_dim": d})
+    assert (cfg.backend, cfg.block_q, cfg.block_k, cfg.schedule,
+            cfg.pack_gqa) == ("mosaic", mgpu.TILE_Q, block_k, "pingpong",
+                              False)
 
 
-def test_default_for_head_dim_128_persistent_where_spare_tiles_dominate(
-    monkeypatch):
+def test_default_head_dim_128_persistent_where_spare_tiles_dominate():
   """On Hopper at head_dim 128, a step whose plan can have at least twice
   the tiles its tokens fill (many sequences, few prompts) runs one CTA per
   SM; prompts, windows, head_dim 256 and unknown token counts keep one CTA
   per item. The plan (tiles and bound) does not depend on the choice."""
-  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
-  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
-  kw = dict(group_size=4, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+  kw = dict(group_size=4, head_dim=128)
 
   def cfg_for(q_lens, **over):
-    return _C.default_for(**{**kw, **over}, num_tokens=sum(q_lens),
-                          batch_size=len(q_lens))
+    return _default(**{**kw, **over}, num_tokens=sum(q_lens),
+                    batch_size=len(q_lens))
 
   engine_steps = ([2048] * 2 + [1] * 64,       # two prompts, decode rows
                   [512] * 4 + [4] * 60 + [1] * 64,
@@ -158,11 +160,11 @@ def test_default_for_head_dim_128_persistent_where_spare_tiles_dominate(
   prompts = ([4096] * 4, [2048] * 2, [16384], [512] * 8, [1024] * 8)
   for q_lens in engine_steps:
     cfg = cfg_for(q_lens)
-    assert (cfg.backend, cfg.mosaic_persistent, cfg.mosaic_pack_gqa) == (
+    assert (cfg.backend, cfg.persistent, cfg.pack_gqa) == (
         "mosaic", True, False), q_lens
     cfg.validate(group_size=4)
-    assert not cfg_for(q_lens, window_left=4096).mosaic_persistent
-    assert not cfg_for(q_lens, head_dim=256).mosaic_persistent
+    assert not cfg_for(q_lens, window_left=4096).persistent
+    assert not cfg_for(q_lens, head_dim=256).persistent
     # The static grid of one CTA per item: mostly tiles no token fills.
     bound = plan_lib.max_tiles(sum(q_lens), len(q_lens), cfg.block_q,
                                plan_lib.tile_min_tokens(
@@ -172,12 +174,11 @@ def test_default_for_head_dim_128_persistent_where_spare_tiles_dominate(
                  if q > cfg.decode_rows_per_seq)
     assert bound >= 2 * (filled + 1)
   for q_lens in prompts:
-    assert not cfg_for(q_lens).mosaic_persistent, q_lens
-  assert not _C.default_for(**kw).mosaic_persistent  # tokens unknown
+    assert not cfg_for(q_lens).persistent, q_lens
   # The same plan either way: a plan made for one runs the other (the jnp
   # plan here: the plan kernel's output equals it, `test_plan_mgpu`).
   a = dataclasses.replace(cfg_for(engine_steps[0]), plan_kernel=False)
-  b = dataclasses.replace(a, mosaic_persistent=False)
+  b = dataclasses.replace(a, persistent=False)
   q_indptr = jnp.asarray(np.cumsum([0] + engine_steps[0]), jnp.int32)
   kv_lens = jnp.full((len(engine_steps[0]),), 4096, jnp.int32)
   pa, pb = (c.plan(q_indptr, kv_lens, num_tokens=4160, causal=True,
@@ -207,49 +208,45 @@ def test_fp8_pages_in_kernel_run_two_consumers():
 
 
 def test_backend_choice_and_errors():
-  # No Hopper GPU here: the default is the Triton kernel.
-  if not mgpu.supports(dtype=jnp.bfloat16, head_dim=128, page_size=16,
-                       window_left=-1):
-    cfg = _C.default_for(group_size=4, head_dim=128, page_size=16,
-                         dtype=jnp.bfloat16)
+  # Without a Hopper GPU here, the default is the Triton kernel.
+  if not _hopper():
+    cfg = _default(dispatch.current_gpu(), group_size=4, head_dim=128)
     assert cfg.backend == "triton" and cfg.plan_align == 1
-  # Unsupported features fall back whatever the GPU.
-  for kw in (dict(dtype=jnp.float32), dict(head_dim=96),
-             dict(page_size=4)):
-    args = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16,
-                window_left=-1)
-    args.update(kw)
-    assert not mgpu.supports(**args)
-  # A window changes nothing.
-  assert mgpu.supports(dtype=jnp.bfloat16, head_dim=64, page_size=16,
-                       window_left=64) == _hopper()
+  # Unsupported cases fall back whatever the GPU; `supports` says why.
+  args = dict(dtype=jnp.bfloat16, head_dim=128, page_size=16)
+  assert mgpu.supports(**args) is None
+  assert mgpu.supports(**{**args, "head_dim": 64}) is None
+  for kw, why in ((dict(dtype=jnp.float32), "float32"),
+                  (dict(head_dim=96), "head_dim 96"),
+                  (dict(page_size=4), "page_size 4"),
+                  (dict(page_size=48), "page_size 48")):
+    assert why in mgpu.supports(**{**args, **kw}), kw
+    assert _default(**{**dict(group_size=4, head_dim=128), **kw}).backend == (
+        "triton")
   cfg = _mosaic()
   assert (cfg.backend, cfg.block_q, cfg.plan_align) == ("mosaic", 128, 8)
-  with pytest.raises(ValueError, match="backend"):
-    dataclasses.replace(cfg, backend="cuda").validate(group_size=4)
   with pytest.raises(ValueError, match="block_q"):
     dataclasses.replace(cfg, block_q=64).validate(group_size=4)
   # 192-token tiles (three consumers) need the ring schedule.
-  dataclasses.replace(cfg, block_q=192, mosaic_schedule="ring").validate(4)
-  dataclasses.replace(cfg, mosaic_schedule="ring").validate(4)
-  for kw in (dict(block_q=192), dict(mosaic_schedule="round")):
-    with pytest.raises(ValueError, match="mosaic_schedule"):
+  dataclasses.replace(cfg, block_q=192, schedule="ring").validate(4)
+  dataclasses.replace(cfg, schedule="ring").validate(4)
+  for kw in (dict(block_q=192), dict(schedule="round")):
+    with pytest.raises(ValueError, match="schedule"):
       dataclasses.replace(cfg, **kw).validate(group_size=4)
   # Packed tiles: 64 // group tokens per consumer; groups up to 64.
-  packed = dataclasses.replace(cfg, mosaic_pack_gqa=True, block_q=32)
+  packed = dataclasses.replace(cfg, pack_gqa=True, block_q=32)
   packed.validate(group_size=4)
   assert packed.plan_align == 1
-  dataclasses.replace(packed, block_q=48,
-                      mosaic_schedule="ring").validate(group_size=4)
+  dataclasses.replace(packed, block_q=48, schedule="ring").validate(
+      group_size=4)
   with pytest.raises(ValueError, match="block_q"):
     packed.validate(group_size=3)  # expects 42 or 63
-  with pytest.raises(ValueError, match="mosaic_schedule"):
+  with pytest.raises(ValueError, match="schedule"):
     dataclasses.replace(packed, block_q=48).validate(group_size=4)
   with pytest.raises(ValueError, match="group_size"):
-    dataclasses.replace(packed, block_q=0).validate(group_size=65)
+    dataclasses.replace(packed, block_q=1).validate(group_size=65)
   with pytest.raises(ValueError, match="backend"):
-    _C.default_for(group_size=4, head_dim=128, page_size=16,
-                   dtype=jnp.bfloat16, backend="cuda")
+    _default(group_size=4, head_dim=128, backend="cuda")
   q = jnp.zeros((16, 8, 128), jnp.bfloat16)
   pool = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
   table = jnp.zeros((1, 4), jnp.int32)
@@ -278,17 +275,16 @@ def test_backend_choice_and_errors():
   # 8 tokens go to the decode kernel, a token a row (no Triton short
   # launch), whatever the call's tokens per sequence (prompts, all
   # multi-token decode, or unknown).
-  for tokens in (8 * 64 + 1, 8 * 64, None):
-    d256 = _C.default_for(group_size=4, head_dim=256, page_size=16,
-                          dtype=jnp.bfloat16, backend="mosaic",
-                          num_tokens=tokens, batch_size=64)
-    assert (d256.block_q, d256.block_k, d256.mosaic_pack_gqa,
+  for tokens in (8 * 64 + 1, 8 * 64, 64):
+    d256 = _default(dispatch.AMPERE, group_size=4, head_dim=256,
+                    backend="mosaic", num_tokens=tokens, batch_size=64)
+    assert (d256.block_q, d256.block_k, d256.pack_gqa,
             d256.short_block_q, d256.decode_rows_per_seq) == (
                 128, 64, False, 0, 8)
   with pytest.raises(ValueError, match="decode_rows_per_seq"):
     dataclasses.replace(d256, decode_rows_per_seq=0).validate(group_size=4)
   assert mgpu.supports(dtype=jnp.bfloat16, head_dim=256, page_size=16,
-                       block_kv=64) == _hopper()
+                       block_kv=64) is None
   q256 = jnp.zeros((16, 8, 256), jnp.bfloat16)
   pool256 = jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
   for kv_dtype, kw, match in (
@@ -380,8 +376,7 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
 
 
 def _hopper() -> bool:
-  return mgpu.supports(dtype=jnp.bfloat16, head_dim=128, page_size=16,
-                       window_left=-1)
+  return dispatch.current_gpu().is_hopper
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
@@ -405,7 +400,7 @@ def test_matches_oracle_gpu(page_size, group, d, causal, soft_cap, sinks,
   unaligned sequence starts, decode rows and padding tokens; one CTA per
   item or one per SM."""
   cfg = _mosaic(group, d, page_size)
-  cfg = dataclasses.replace(cfg, mosaic_persistent=persistent)
+  cfg = dataclasses.replace(cfg, persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
 
@@ -434,11 +429,11 @@ def test_head_dim_256_matches_oracle_gpu(page_size, group, causal, soft_cap,
   unowned pages and past kv_len, decode rows, padding, released pages
   before a window; one CTA per tile, or one per SM taking several (the
   next item's q lands where the last item's output was stored from)."""
-  cfg = _C.default_for(group_size=group, head_dim=256, page_size=page_size,
-                       dtype=jnp.bfloat16, window_left=window)
+  cfg = _default(dispatch.current_gpu(), group_size=group, head_dim=256,
+                 page_size=page_size, window_left=window,
+                 num_tokens=sum(q_lens) + padding, batch_size=len(q_lens))
   assert (cfg.backend, cfg.block_k) == ("mosaic", 64)
-  cfg = dataclasses.replace(cfg, mosaic_schedule=schedule,
-                            mosaic_persistent=persistent)
+  cfg = dataclasses.replace(cfg, schedule=schedule, persistent=persistent)
   _check_oracle(cfg, page_size, group, 256, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens, window_left=window)
 
@@ -474,7 +469,7 @@ def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
     pytest.skip("three consumers serve head_dim 64 only")
   cfg = dataclasses.replace(
       _mosaic(group, d, page_size),
-      block_q=block_q, mosaic_schedule=schedule)
+      block_q=block_q, schedule=schedule)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
 
@@ -499,18 +494,18 @@ def test_schedules_match_oracle_gpu(block_q, schedule, page_size, group, d,
 def test_packed_gqa_matches_oracle_gpu(persistent, consumers, schedule,
                                        page_size, group, d, causal, soft_cap,
                                        sinks, padding, q_lens, kv_lens):
-  """The GQA group packed into the tile rows (`mosaic_pack_gqa`): groups
+  """The GQA group packed into the tile rows (`pack_gqa`): groups
   1-8, 64 // group tokens per consumer, rows loaded and stored per thread;
   NaN-poisoned pages, ragged starts, decode rows, padding, a prompt of
   4,095 tokens and one chunk at kv 4,095; one CTA per item, or one per SM
-  (`mosaic_persistent`) with the K/V ring running on across items and
+  (`persistent`) with the K/V ring running on across items and
   each item's q rows copied during the item before."""
   if consumers == 3 and d != 64:
     pytest.skip("three consumers serve head_dim 64 only")
   cfg = dataclasses.replace(
       _mosaic(group, d, page_size),
-      mosaic_pack_gqa=True, block_q=mgpu.tile_q(consumers, group),
-      mosaic_schedule=schedule, mosaic_persistent=persistent)
+      pack_gqa=True, block_q=mgpu.tile_q(consumers, group),
+      schedule=schedule, persistent=persistent)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens)
 
@@ -539,11 +534,12 @@ def test_default_runs_multi_token_rows_gpu(d, page_size, group, window,
   CTA. Beside prompts and split-K decode rows, or alone (a verify step);
   against the float64 oracle with NaN in unowned pages and past kv_len,
   with and without a window and sinks."""
-  cfg = _C.default_for(group_size=group, head_dim=d, page_size=page_size,
+  cfg = _default(dispatch.current_gpu(), group_size=group, head_dim=d,
+                 page_size=page_size,
                        dtype=jnp.bfloat16, window_left=window,
                        num_tokens=sum(q_lens) + 5, batch_size=len(q_lens))
   assert cfg.backend == "mosaic" and cfg.short_block_q == 0
-  assert cfg.mosaic_pack_gqa == (d == 64)
+  assert cfg.pack_gqa == (d == 64)
   assert cfg.decode_rows_per_seq == (1 if d == 64 else max(8, 16 // group))
   _check_oracle(cfg, page_size, group, d, True, None, sinks, 5, q_lens,
                 kv_lens, window_left=window)
@@ -631,9 +627,8 @@ def test_window_matches_oracle_gpu(form, page_size, group, d, causal,
   if form != "unpacked":
     n = 3 if form == "packed ring" else 2
     cfg = dataclasses.replace(
-        cfg, mosaic_pack_gqa=True, block_q=mgpu.tile_q(n, group),
-        mosaic_schedule="ring" if n == 3 else "pingpong",
-        mosaic_persistent=True)
+        cfg, pack_gqa=True, block_q=mgpu.tile_q(n, group),
+        schedule="ring" if n == 3 else "pingpong", persistent=True)
   _check_oracle(cfg, page_size, group, d, causal, soft_cap, sinks, padding,
                 q_lens, kv_lens, window_left=window)
 
@@ -673,11 +668,11 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
   view = _kv.make_view(cache, jnp.asarray(p.page_table))
   cfg = _mosaic(group, d, page_size)
   if pack == "persistent":
-    cfg = dataclasses.replace(cfg, mosaic_persistent=True)
+    cfg = dataclasses.replace(cfg, persistent=True)
   elif pack:  # three consumers become two for FP8 pages in paged_prefill
-    cfg = dataclasses.replace(cfg, mosaic_pack_gqa=True,
+    cfg = dataclasses.replace(cfg, pack_gqa=True,
                               block_q=mgpu.tile_q(3 if d == 64 else 2, group),
-                              mosaic_persistent=True)
+                              persistent=True)
   cfg = dataclasses.replace(cfg, fp8_pages="kernel")
   out, _ = kernel.paged_prefill(
       q, view.k_pool, view.v_pool, view.k_table, view.v_table,
@@ -697,22 +692,22 @@ def test_fp8_pages_match_oracle_gpu(fmt, page_size, group, d, causal,
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_head_dim_256_default_on_hopper(monkeypatch, fp8):
+def test_head_dim_256_default_on_hopper(fake_gpu, fp8):
   """Cross-lowered for CUDA as on a Hopper GPU, the default at head_dim 256
   runs the main launch on the Mosaic-GPU kernel with 16-bit pages and with
   FP8 pages read in the kernel alike, on the step's plan: no Pallas-Triton
   launch is left."""
   import re
-  from pkvattn.pallas_kernels import _compat  # noqa: PLC0415
-  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  fake_gpu(dispatch.HOPPER)
   t, hq, hkv, d, ps, pages, b = 48, 8, 2, 256, 16, 32, 3
   sds = jax.ShapeDtypeStruct
   kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
   scales = dict(k_scale=0.5, v_scale=0.25) if fp8 else {}
 
   def f(q, pool, table, q_indptr, kv_lens):
-    cfg = _C.default_for(group_size=hq // hkv, head_dim=d, page_size=ps,
-                         dtype=jnp.bfloat16)
+    cfg = _default(dispatch.current_gpu(), group_size=hq // hkv,
+                   head_dim=d, page_size=ps, kv_dtype=kv_dtype,
+                   num_tokens=t, batch_size=b)
     plan = cfg.plan(q_indptr, kv_lens, num_tokens=t, causal=True,
                     window_left=-1)  # a step's plan, made for the default
     return kernel.paged_prefill(q, pool, pool, table[:, 0], table[:, 1],

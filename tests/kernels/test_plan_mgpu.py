@@ -1,7 +1,7 @@
 """The prefill plan as one Mosaic-GPU launch (`pallas_kernels/plan_mgpu.py`).
 
 On the CPU CI: its limits and errors, a cross-lowering for CUDA of every
-option, and `paged_prefill.Config.plan`'s routing (the kernel for mosaic
+option, and `paged_prefill.MosaicConfig.plan`'s routing (the kernel for mosaic
 configs on Hopper, the jnp plan elsewhere). On a Hopper GPU: the kernel's
 plan equals `plan.plan_prefill`'s (the pure-jnp reference) bit for bit, on
 random batches of prompts, multi-token and single-token decode, empty
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_prefill as prefill
 from pkvattn.pallas_kernels import plan as plan_lib
 from pkvattn.pallas_kernels import plan_mgpu
@@ -93,20 +93,24 @@ def test_lowers_to_mosaic_gpu(kw):
 
 
 @pytest.mark.parametrize("hopper", [True, False])
-def test_config_plan_routing(monkeypatch, hopper):
-  """`Config.plan` takes the kernel for a mosaic config on Hopper (unless
-  `plan_kernel=False` or the plan is too large), the jnp plan otherwise."""
-  monkeypatch.setattr(_compat, "is_hopper", lambda: hopper)
-  cfg = prefill.Config.default_for(group_size=3, head_dim=64, page_size=16,
-                                   dtype=jnp.bfloat16, backend="mosaic")
+def test_config_plan_routing(fake_gpu, hopper):
+  """`MosaicConfig.plan` takes the kernel on Hopper (unless `plan_kernel=
+  False` or the plan is too large), the jnp plan otherwise (and for a
+  `TritonConfig`)."""
+  fake_gpu(dispatch.HOPPER if hopper else dispatch.ADA)
+
+  def config(backend):
+    return dispatch.prefill(
+        gpu=dispatch.HOPPER, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+        head_dim=64, group_size=3, page_size=16, num_tokens=512,
+        batch_size=8, backend=backend).config
+  cfg = config("mosaic")
   q_indptr, kv_lens, _ = _batch(np.random.default_rng(1), 8, 100, 0)
   for c, num_tokens, want in (
       (cfg, 512, hopper),
       (dataclasses.replace(cfg, plan_kernel=False), 512, False),
       (cfg, plan_mgpu.MAX_ROWS * cfg.block_q, False),
-      (prefill.Config.default_for(group_size=3, head_dim=64, page_size=16,
-                                  dtype=jnp.bfloat16, backend="triton"),
-       512, False)):
+      (config("triton"), 512, False)):
     text = jax.jit(lambda qi, kl, c=c, n=num_tokens: c.plan(
         qi, kl, num_tokens=n, causal=True, window_left=-1).tiles).trace(
             jnp.asarray(q_indptr), jnp.asarray(kv_lens)).lower(
@@ -115,7 +119,7 @@ def test_config_plan_routing(monkeypatch, hopper):
 
 
 def _hopper() -> bool:
-  return _compat.is_hopper()
+  return dispatch.current_gpu().is_hopper
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
@@ -153,11 +157,11 @@ def test_matches_jnp_plan_gpu(kw, batch_size, max_len, padding, block_q):
                                     err_msg=name)
 
 
-def _default_call_on_hopper(monkeypatch, t, hq, hkv, d, b, ps=16, pages=32):
+def _default_call_on_hopper(fake_gpu, t, hq, hkv, d, b, ps=16, pages=32):
   """The StableHLO of a default `paged_prefill` call (plan computed in the
   call; `b` sequences of up to 128 keys), cross-lowered for CUDA as on a
   Hopper GPU."""
-  monkeypatch.setattr(_compat, "is_hopper", lambda: True)
+  fake_gpu(dispatch.HOPPER)
   sds = jax.ShapeDtypeStruct
 
   def f(q, pool, table, q_indptr, kv_lens):
@@ -169,13 +173,13 @@ def _default_call_on_hopper(monkeypatch, t, hq, hkv, d, b, ps=16, pages=32):
       sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_packed_call_on_hopper_is_three_kernels(monkeypatch):
+def test_packed_call_on_hopper_is_three_kernels(fake_gpu):
   """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-64 call
   (plan computed in the call) is three Mosaic-GPU launches: the plan, the
   packed main kernel and the decode kernel that reads its one-token rows
   from q and writes them into the output (one split here: in place). No
   XLA sort, scatter or gather is left around them."""
-  text = _default_call_on_hopper(monkeypatch, t=64, hq=9, hkv=3, d=64, b=4)
+  text = _default_call_on_hopper(fake_gpu, t=64, hq=9, hkv=3, d=64, b=4)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
   for op in ("sort", "scatter", "gather"):
     assert f"stablehlo.{op}" not in text
@@ -186,8 +190,8 @@ def test_packed_call_on_hopper_is_three_kernels(monkeypatch):
     (64, 8, 4, 1, 256),    # at most 8 a sequence: a verify step
     (64, 8, 8, 2, 128),    # the same at head_dim 128 (16 MMA columns)
 ])
-def test_unpacked_call_on_hopper_has_no_triton_launch(monkeypatch, t, b, hq,
-                                                      hkv, d):
+def test_unpacked_call_on_hopper_has_no_triton_launch(fake_gpu, t, b, hq, hkv,
+                                                      d):
   """Cross-lowered for CUDA as on a Hopper GPU, a default head_dim-128 /
   256 call (plan computed in the call) is Mosaic-GPU launches only: the
   plan, the main kernel and the decode kernel, which also takes the
@@ -195,12 +199,12 @@ def test_unpacked_call_on_hopper_has_no_triton_launch(monkeypatch, t, b, hq,
   call may be all multi-token decode, and no XLA scatter of the main
   kernel's lse. (128 keys a sequence: one split for the decode rows,
   nothing to combine or scatter.)"""
-  cfg = prefill.Config.default_for(group_size=hq // hkv, head_dim=d,
-                                   page_size=16, dtype=jnp.bfloat16,
-                                   backend="mosaic", num_tokens=t,
-                                   batch_size=b)
+  cfg = dispatch.prefill(gpu=dispatch.HOPPER, dtype=jnp.bfloat16,
+                         kv_dtype=jnp.bfloat16, head_dim=d,
+                         group_size=hq // hkv, page_size=16, num_tokens=t,
+                         batch_size=b).config
   assert cfg.short_block_q == 0 and cfg.decode_rows_per_seq == 8
-  text = _default_call_on_hopper(monkeypatch, t=t, hq=hq, hkv=hkv, d=d, b=b)
+  text = _default_call_on_hopper(fake_gpu, t=t, hq=hq, hkv=hkv, d=d, b=b)
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
   assert "triton" not in text
   for op in ("sort", "scatter", "gather"):

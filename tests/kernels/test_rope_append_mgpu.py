@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import pkvattn
-from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import reference
 from pkvattn.pallas_kernels import rope_append as kernel
 from pkvattn.pallas_kernels import rope_append_mgpu as mgpu
@@ -182,7 +182,7 @@ def test_lowers_to_mosaic_gpu_aliasing_the_pools(case):
 
 
 def _hopper() -> bool:
-  return _compat.is_hopper()
+  return dispatch.current_gpu().is_hopper
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
@@ -209,11 +209,12 @@ def test_default_is_mosaic_on_hopper_and_matches_xla():
                          jnp.bfloat16) for h in (9, 3, 3))
   cache = jnp.full((NUM_PAGES // 2, 2, PAGE, 3, 64), jnp.nan, jnp.bfloat16)
   table, *_ = _tables(rng, "flashinfer")
-  cfg = kernel.default_config(
-      NUM_TOKENS, 9, 3, head_dim=64, half=32, interleaved=False,
-      dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16,
-      scales=None, interpret=False)
-  assert isinstance(cfg, mgpu.Config)
+  choice = dispatch.rope_append(
+      gpu=dispatch.current_gpu(), dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+      pool_dtype=jnp.bfloat16, head_dim=64, num_qo_heads=9, num_kv_heads=3,
+      num_tokens=NUM_TOKENS)
+  assert choice.backend == "mosaic" and isinstance(choice.config,
+                                                   mgpu.Config)
   res = {impl: jax.jit(lambda *a, impl=impl: pkvattn.apply_rope_and_append(
       *a, rope=rope, impl=impl))(q, k, v, jnp.asarray(bi), jnp.asarray(pos),
                                   cache, jnp.asarray(table))
@@ -237,16 +238,31 @@ def test_default_rule():
 
 
 def test_config_routing_and_errors():
-  # Off Hopper (and in interpret mode) the default is the Triton kernel.
-  args = dict(head_dim=128, half=64, interleaved=False, dtype=jnp.bfloat16,
-              kv_dtype=jnp.bfloat16, pool_dtype=jnp.bfloat16, scales=None)
-  assert isinstance(kernel.default_config(64, 32, 8, interpret=True, **args),
-                    kernel.Config)
-  if not _hopper():
-    assert isinstance(kernel.default_config(64, 32, 8, interpret=False,
-                                            **args), kernel.Config)
-  for bad in (dict(chunk_bytes=32), dict(num_splits=0), dict(max_loads=0)):
-    with pytest.raises(ValueError, match="Invalid"):
+  # Hopper: this kernel for the cases it takes; other GPUs and interpret
+  # mode: the Triton kernel. The backend names the config's kernel.
+  args = dict(head_dim=128, num_qo_heads=32, num_kv_heads=8, num_tokens=64,
+              dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+              pool_dtype=jnp.bfloat16)
+  for gpu, backend in ((dispatch.HOPPER, "mosaic"), (dispatch.ADA, "triton"),
+                       (dispatch.AMPERE, "triton"),
+                       (dispatch.INTERPRET, "triton")):
+    choice = dispatch.rope_append(gpu=gpu, **args)
+    assert (choice.backend, choice.config.backend) == (backend, backend)
+    assert isinstance(choice.config, mgpu.Config if backend == "mosaic"
+                      else kernel.TritonConfig)
+  for over in (dict(dtype=jnp.float32, kv_dtype=jnp.float32,
+                    pool_dtype=jnp.float32),
+               dict(kv_dtype=jnp.float32), dict(rotary_dim=18),
+               dict(pool_dtype=jnp.float8_e4m3fn, has_scales=False)):
+    assert dispatch.rope_append(gpu=dispatch.HOPPER,
+                                **{**args, **over}).backend == "triton", over
+  assert dispatch.rope_append(
+      gpu=dispatch.HOPPER, **{**args, "pool_dtype": jnp.float8_e4m3fn}
+  ).backend == "mosaic"  # FP8 pools: scales by default
+  for bad, name in ((dict(chunk_bytes=32), "chunk_bytes"),
+                    (dict(num_splits=0), "num_splits"),
+                    (dict(max_loads=0), "max_loads")):
+    with pytest.raises(ValueError, match=name):
       _M(**bad)
   assert _M(one_head=True).programs(9, 3) == 12
   assert _M(num_splits=4).programs(32, 8) == 4

@@ -362,8 +362,9 @@ def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll,
           sds((t,), jnp.int32), sds((t,), jnp.int32), sds((rot // 2,), jnp.float32),
           sds((n, ps, hkv, d), jnp.bfloat16), sds((n, ps, hkv, d), jnp.bfloat16)]
   f = functools.partial(kernel.rope_append, interleaved=interleaved,
-                        config=kernel.Config(16, 2, 2, one_head=one_head,
-                                             unroll=unroll),
+                        config=kernel.TritonConfig(16, 2, 2,
+                                                   one_head=one_head,
+                                                   unroll=unroll),
                         interpret=False)
   if paged:  # rows looked up in the kernel from a split table
     table = sds((4, 2, n // 4), jnp.int32)
@@ -372,13 +373,14 @@ def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll,
     def f(q, k, v, pos, bi, inv, kp, vp, table):
       return kernel.rope_append(q, k, v, pos, None, None, inv, kp, vp,
                                 interleaved=interleaved,
-                                config=kernel.Config(16, 2, 2, unroll=unroll),
+                                config=kernel.TritonConfig(16, 2, 2,
+                                                           unroll=unroll),
                                 interpret=False, paged=(bi, table, "split"))
     donate = (6, 7)
   if fused:  # one [t, (hq + 2 hkv) * d] input replaces q, k, v
     args = [sds((t, (hq + 2 * hkv) * d), jnp.bfloat16)] + args[3:]
     f = functools.partial(kernel.rope_append_qkv, interleaved=interleaved,
-                          config=kernel.Config.default_for(t, hq, hkv),
+                          config=_triton(t, hq, hkv),
                           interpret=False)
     donate = (5, 6)
   elif not paged:
@@ -409,26 +411,49 @@ def test_kernel_one_head_config_matches_xla():
                   reference.rope_reference(k, pos, inv, interleaved=False), v,
                   jnp.where(rows < n * ps, 0, -1), pos, *pools,
                   jnp.arange(n, dtype=jnp.int32)[None], jnp.arange(n, dtype=jnp.int32)[None]))
-  for cfg in (kernel.Config(8, 2, 1), kernel.Config(16, 1, 1, one_head=True),
-              kernel.Config(8, 1, 1, unroll=True)):
+  for cfg in (kernel.TritonConfig(8, 2, 1),
+              kernel.TritonConfig(16, 1, 1, one_head=True),
+              kernel.TritonConfig(8, 1, 1, unroll=True)):
     actual = kernel.rope_append(q, k, v, pos, rows, rows, inv, *pools,
                                 config=cfg, interpret=True)
     chex.assert_trees_all_close(actual, expected, atol=2e-5)
+
+
+def _triton(num_tokens, num_qo_heads, num_kv_heads):
+  """The Triton kernel's default launch (`dispatch.rope_append`, no GPU)."""
+  from pkvattn.pallas_kernels import dispatch
+  choice = dispatch.rope_append(
+      gpu=dispatch.INTERPRET, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+      pool_dtype=jnp.bfloat16, head_dim=128, num_qo_heads=num_qo_heads,
+      num_kv_heads=num_kv_heads, num_tokens=num_tokens)
+  assert choice.backend == "triton"
+  return choice.config
 
 
 def test_default_config_rule():
   """Heads that split far enough keep the split head loop; where they do not
   (9 q / 3 kv heads, or few tokens) one head per program; big batches keep
   their rule."""
-  from pkvattn.pallas_kernels import rope_append as kernel
-  c = kernel.Config.default_for(256, 32, 8)
+  c = _triton(256, 32, 8)
   assert (c.num_splits, c.one_head, c.unroll) == (8, False, True)
-  c = kernel.Config.default_for(256, 9, 3)
+  c = _triton(256, 9, 3)
   assert c.one_head and c.block_tokens == 4  # 768 programs, not 64
-  c = kernel.Config.default_for(8, 32, 8)
+  c = _triton(8, 32, 8)
   assert c.one_head  # 2 tiles: 80 programs, not 16
   for t in (4096, 65536):  # enough tiles: no head split wanted
-    assert not kernel.Config.default_for(t, 9, 3).one_head
+    assert not _triton(t, 9, 3).one_head
+  assert _triton(0, 32, 8).block_tokens == 4  # no tokens: any launch
+
+
+def test_triton_config_validation():
+  from pkvattn.pallas_kernels import rope_append as kernel
+  for bad, name in ((dict(block_tokens=12), "block_tokens"),
+                    (dict(num_splits=0), "num_splits"),
+                    (dict(num_warps=0), "num_warps")):
+    with pytest.raises(ValueError, match=name):
+      kernel.TritonConfig(**bad)
+  with pytest.raises(NotImplementedError, match="num_splits"):
+    kernel.check_supported(9, 3, kernel.TritonConfig(num_splits=2))
 
 
 @pytest.mark.parametrize("impl,fmt", [("xla", "pair"), ("pallas", "pool"),
