@@ -9,8 +9,8 @@ requests of a call: "Admission" below). The one data-dependent branch is the
 LRU eviction sort, under a `lax.cond` taken only when the free slots run out;
 on GPU its predicate is read by the host. `extend` and `claim_batch` take `evict=False` (static) for callers
 that know the free count covers the call: no eviction, no cond (the engine's
-steps). A branch-free sort every call measured 60.5 us vs 35.6 us for
-`extend` on an H200 (`_BRANCHLESS_EVICTION`).
+steps). A branch-free sort on every call would make every `extend` pay for
+the eviction order it rarely needs (`_BRANCHLESS_EVICTION`).
 
 Common rules:
   * `seq_ids` entries equal to `NULL_SEQ = -1` are padding: `ok=False`, no
@@ -185,10 +185,10 @@ def _prefix_count(mask):
 
 _COUNT_BLOCK = 256
 # True: the eviction order (a sort over the slots) is computed on every
-# allocation instead of under a `lax.cond` (read at trace time). Off: on an
-# H200 that sort made `extend` 60.5 us of GPU time vs 35.6 us with the cond
-# (bench/results/trace_kernels_extend.json); callers that know the free
-# count avoid the cond with `evict=False` instead.
+# allocation instead of under a `lax.cond` (read at trace time). Off: every
+# call would pay for the sort, which the cond runs only when the free slots
+# run out; callers that know the free count avoid the cond (and its host
+# sync on a GPU) with `evict=False` instead.
 _BRANCHLESS_EVICTION = False
 
 

@@ -1,6 +1,7 @@
 """Normalises the three kv_cache formats into one view the kernels consume.
 
-Formats (see ../shared/DESIGN.md, "KV pool and page tables: one mechanism"):
+Formats (one mechanism serves all three: a pool of pages and a table of page ids
+per sequence, for K and for V):
   pair:       `(k_pages, v_pages)`, each `[num_pages, page_size, num_kv_heads, head_dim]`,
               with a shared table `i32[batch_size, max_pages]` (vLLM / FlashInfer NHD).
   pool:       one `[num_pages, page_size, num_kv_heads, head_dim]` pool with a split

@@ -290,9 +290,8 @@ def attention_block(
   if ("qkv_proj" in params and spec.rope is not None
       and spec.qk_norm_eps is None):
     # Fused (`pkvattn.models.fuse_projections`): RoPE + append read the q, k,
-    # v heads of each projected row in place. Slicing them apart first made
-    # copy kernels (3 per layer, 138 us of a 256-row decode step of
-    # SmolLM2-135M with Triton gemms; H200).
+    # v heads of each projected row in place. Slicing them apart first would
+    # add three copy kernels per layer to every step.
     qkv = _dense(params["qkv_proj"], x, dtype)
     _checks.check_shape(
         qkv, (t, (spec.num_qo_heads + 2 * spec.num_kv_heads) * d),
@@ -304,8 +303,7 @@ def attention_block(
       # over its sequence's table row, gathered for every layer at once
       # before the layers. RoPE + append take the same per-token rows (token
       # t as sequence t) instead of this layer's table, which XLA would copy
-      # for the kernel once per layer (1.4 us each, 41 us of a 256-row
-      # decode step of SmolLM2-135M; H200).
+      # for the kernel once per layer.
       table = table[jnp.clip(batch_indices, 0)]
       batch_indices = jnp.where(batch_indices >= 0,
                                 jnp.arange(t, dtype=jnp.int32), -1)
