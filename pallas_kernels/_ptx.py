@@ -1,11 +1,8 @@
-"""Text helpers for the kernels' inline PTX."""
+"""PTX text helpers: `f32` lives in `_mlir` with the other inline-PTX
+helpers; this module keeps its old import path (`_ptx.f32`)."""
 
 from __future__ import annotations
 
-import struct
+from pkvattn.pallas_kernels._mlir import f32
 
-
-def f32(x: float) -> str:
-  """A float32 immediate in PTX's hex form (`0fXXXXXXXX`), exact for any
-  value a Python float rounds to in float32."""
-  return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
+__all__ = ["f32"]

@@ -108,9 +108,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
-from pkvattn.pallas_kernels import _mgpu_async
-from pkvattn.pallas_kernels import _ptx
+from pkvattn.pallas_kernels import _mlir
 from pkvattn.pallas_kernels._compat import pl
+from pkvattn.pallas_kernels._mlir import arith, asm
 
 WARPS = 4          # warps per CTA (one warpgroup)
 KEYS = 16          # keys per m-tile (mma.sync M)
@@ -184,39 +184,7 @@ def default_tiles(head_dim: int) -> int:
   return 1
 
 
-# ---------------------------------------------------------------- MLIR helpers
-
-def _mlir():
-  from jax._src.lib.mlir import ir  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import arith, llvm, scf  # noqa: PLC0415
-  return ir, arith, llvm, scf
-
-
-def _ty(name: str):
-  return _mlir()[0].Type.parse(name)
-
-
-def _c(x, ty):
-  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  return utils.c(x, ty)
-
-
-def _asm(text, operands, constraints, results=None, side_effects=False):
-  """Inline PTX; `results`: None (no result), one type, or a list of types
-  (returned as a list)."""
-  ir, _, llvm, _ = _mlir()
-  if results is None:
-    llvm.inline_asm(_ty("!llvm.void"), list(operands), text, constraints,
-                    has_side_effects=True)
-    return None
-  if not isinstance(results, (list, tuple)):
-    return llvm.inline_asm(results, list(operands), text, constraints,
-                           has_side_effects=side_effects)
-  struct = llvm.StructType.get_literal(list(results))
-  out = llvm.inline_asm(struct, list(operands), text, constraints,
-                        has_side_effects=side_effects)
-  return [llvm.extractvalue(t, out, [i]) for i, t in enumerate(results)]
-
+# ---------------------------------------------------------------- fragment ops
 
 class _Ops:
   """The per-thread instructions the kernel is made of."""
@@ -225,23 +193,23 @@ class _Ops:
                out_name: str | None = None):
     """`dtype_name`: the matmuls' inputs ("bf16" / "f16"); `out_name`: the
     output's (None: the same)."""
-    _, arith, _, _ = _mlir()
     self.load_hint = load_hint
-    self.arith = arith
-    self.i32, self.i64, self.f32 = _ty("i32"), _ty("i64"), _ty("f32")
+    self.i32, self.i64, self.f32 = (_mlir.parse_type("i32"),
+                                    _mlir.parse_type("i64"),
+                                    _mlir.parse_type("f32"))
     self.pair = "bf16x2" if dtype_name == "bf16" else "f16x2"
     self.out_pair = ("bf16x2" if (out_name or dtype_name) == "bf16"
                      else "f16x2")
     self.mma_in = "bf16" if dtype_name == "bf16" else "f16"
 
   def ci(self, x):
-    return _c(x, self.i32)
+    return _mlir.const(x, self.i32)
 
   def cf(self, x):
-    return _c(float(x), self.f32)
+    return _mlir.const(float(x), self.f32)
 
   def wide(self, x):
-    return self.arith.extui(self.i64, x)
+    return arith.extui(self.i64, x)
 
   def load16(self, addr, pred, words: int = 4):
     """`words` (4 or 2) x i32 from global `addr` (aligned to their size)
@@ -249,18 +217,18 @@ class _Ops:
     i32 = self.i32
     outs = ", ".join(f"${i}" for i in range(words))
     zeros = "".join(f"mov.b32 ${i}, 0;\n" for i in range(words))
-    return _asm(
+    return asm(
         f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${words + 1}, 0;\n{zeros}"
         f"@p ld.global.nc{self.load_hint}.v{words}.u32 {{{outs}}}, "
         f"[${words}];\n}}",
-        [addr, self.arith.extui(i32, pred)],
+        [addr, arith.extui(i32, pred)],
         ",".join(["=r"] * words + ["l", "r"]), [i32] * words,
         side_effects=True)
 
   def e4m3_f16(self, x):
     """One i32 of four e4m3 bytes -> two f16x2 words (bytes 0, 1 and 2,
     3; exact: every e4m3 value is an f16 one)."""
-    return _asm(
+    return asm(
         "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\n"
         "cvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
         [x], "=r,=r,r", [self.i32] * 2)
@@ -268,8 +236,8 @@ class _Ops:
   def bf16_f16(self, x):
     """A bf16x2 word -> f16x2, each value clamped to +-65504 first (NaN
     stays NaN), as `_fp8.query_for_dots`."""
-    m, n = _ptx.f32(F16_MAX), _ptx.f32(-F16_MAX)
-    return _asm(
+    m, n = _mlir.f32(F16_MAX), _mlir.f32(-F16_MAX)
+    return asm(
         "{\n.reg .b32 lo, hi;\nshl.b32 lo, $1, 16;\n"
         "and.b32 hi, $1, 0xffff0000;\n"
         f"min.NaN.f32 lo, lo, {m};\nmax.NaN.f32 lo, lo, {n};\n"
@@ -277,13 +245,13 @@ class _Ops:
         "cvt.rn.f16x2.f32 $0, hi, lo;\n}", [x], "=r,r", self.i32)
 
   def load_i32(self, addr):
-    return _asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", self.i32,
-                side_effects=True)
+    return asm("ld.global.nc.u32 $0, [$1];", [addr], "=r,l", self.i32,
+               side_effects=True)
 
   def mma(self, a, b, acc):
     """acc (4 f32) += A (4 x i32 pairs) @ B (2 x i32 pairs), m16n8k16."""
     f32 = self.f32
-    return _asm(
+    return asm(
         f"mma.sync.aligned.m16n8k16.row.col.f32.{self.mma_in}.{self.mma_in}"
         ".f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
         "{$10, $11, $12, $13};",
@@ -291,60 +259,60 @@ class _Ops:
 
   def pack(self, lo, hi):
     """(lo, hi) f32 -> one i32 of two 16-bit values (lo in the low half)."""
-    return _asm(f"cvt.rn.{self.pair}.f32 $0, $1, $2;", [hi, lo], "=r,f,f",
-                self.i32)
+    return asm(f"cvt.rn.{self.pair}.f32 $0, $1, $2;", [hi, lo], "=r,f,f",
+               self.i32)
 
   def pack_out(self, lo, hi):
     """`pack` in the output's dtype."""
-    return _asm(f"cvt.rn.{self.out_pair}.f32 $0, $1, $2;", [hi, lo],
-                "=r,f,f", self.i32)
+    return asm(f"cvt.rn.{self.out_pair}.f32 $0, $1, $2;", [hi, lo],
+               "=r,f,f", self.i32)
 
   def movt(self, x):
     """8x8 16-bit transpose across the warp (`movmatrix`)."""
-    return _asm("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", [x],
-                "=r,r", self.i32)
+    return asm("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", [x],
+               "=r,r", self.i32)
 
   def prmt(self, a, b, sel: int):
-    return _asm(f"prmt.b32 $0, $1, $2, {sel:#x};", [a, b], "=r,r,r",
-                self.i32)
+    return asm(f"prmt.b32 $0, $1, $2, {sel:#x};", [a, b], "=r,r,r",
+               self.i32)
 
   def shfl_xor(self, x, mask: int):
-    return _asm(f"shfl.sync.bfly.b32 $0, $1, {mask}, 31, 0xffffffff;", [x],
-                "=f,f", self.f32)
+    return asm(f"shfl.sync.bfly.b32 $0, $1, {mask}, 31, 0xffffffff;", [x],
+               "=f,f", self.f32)
 
   def ex2(self, x):
-    return _asm("ex2.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
+    return asm("ex2.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
 
   def lg2(self, x):
-    return _asm("lg2.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
+    return asm("lg2.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
 
   def tanh(self, x):
-    return _asm("tanh.approx.f32 $0, $1;", [x], "=f,f", self.f32)
+    return asm("tanh.approx.f32 $0, $1;", [x], "=f,f", self.f32)
 
   def rcp(self, x):
-    return _asm("rcp.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
+    return asm("rcp.approx.ftz.f32 $0, $1;", [x], "=f,f", self.f32)
 
   def fmax(self, a, b):
-    return self.arith.maximumf(a, b)
+    return arith.maximumf(a, b)
 
   def sel(self, pred, a, b):
-    return self.arith.select(pred, a, b)
+    return arith.select(pred, a, b)
 
   def st_shared(self, addr, x):
-    _asm("st.shared.f32 [$0], $1;", [addr, x], "r,f")
+    asm("st.shared.f32 [$0], $1;", [addr, x], "r,f")
 
   def ld_shared(self, addr):
-    return _asm("ld.shared.f32 $0, [$1];", [addr], "=f,r", self.f32,
-                side_effects=True)
+    return asm("ld.shared.f32 $0, [$1];", [addr], "=f,r", self.f32,
+               side_effects=True)
 
   def st_global_b32(self, addr, x):
-    _asm("st.global.b32 [$0], $1;", [addr, x], "l,r")
+    asm("st.global.b32 [$0], $1;", [addr, x], "l,r")
 
   def st_global_f32x2(self, addr, a, b):
-    _asm("st.global.v2.f32 [$0], {$1, $2};", [addr, a, b], "l,f,f")
+    asm("st.global.v2.f32 [$0], {$1, $2};", [addr, a, b], "l,f,f")
 
   def st_global_f32(self, addr, a):
-    _asm("st.global.f32 [$0], $1;", [addr, a], "l,f")
+    asm("st.global.f32 [$0], $1;", [addr, a], "l,f")
 
 
 # ---------------------------------------------------------------- the kernel
@@ -377,12 +345,11 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   sinks_ref = refs.pop(0) if has_sinks else None
   o_ref, lse_ref, smem_ref = refs
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  _, arith, _, _ = _mlir()
   # FP8 pages: the matmuls run in f16 (e4m3 converts exactly; q is
   # rounded to f16), the output is stored in q's dtype.
   o = _Ops("f16" if fp8 else dtype_name, load_hint, out_name=dtype_name)
   i32 = o.i32
-  o.true = _c(1, _ty("i1"))
+  o.true = _mlir.const(1, _mlir.parse_type("i1"))
   ci, cf, wide = o.ci, o.cf, o.wide
   ult, lt, ge = (arith.CmpIPredicate.ult, arith.CmpIPredicate.slt,
                  arith.CmpIPredicate.sge)
@@ -401,7 +368,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   # Pages a step touches: keys [s * step_keys, (s + 1) * step_keys).
   ids_per_step = max(1, step_keys // P)
 
-  item = _mgpu_async.scalar(item_v)
+  item = _mlir.scalar(item_v)
   tid = utils.thread_idx()
   warp = arith.divui(tid, ci(32))
   lane = arith.remui(tid, ci(32))
@@ -412,9 +379,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   b = arith.remui(rest, ci(batch_size))
   split = arith.divui(rest, ci(batch_size))
 
-  def gaddr(ref, elem_i64, size):
-    return arith.addi(_mgpu_async.address(ref, 64),
-                      arith.muli(elem_i64, _c(size, o.i64)))
+  gaddr = _mlir.element_address   # (ref, i64 element, its bytes)
 
   T = tokens_per_item
   NT = n_tiles
@@ -518,23 +483,23 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   # Shared memory: [q words [word][lane] with `q_in_smem`], then the
   # merge's region (`saddr`).
   q_region = len(q_words) * 32 if q_in_smem else 0
-  sbase = arith.addi(_mgpu_async.address(smem_ref, 32), ci(4 * q_region))
+  sbase = arith.addi(_mlir.address(smem_ref, 32), ci(4 * q_region))
   if q_in_smem:
     # Registers are short at head_dim 256: every warp reads its q
     # fragments from shared memory at each step instead (all warps hold
     # the same q; warp 0 writes them).
-    qbase = _mgpu_async.address(smem_ref, 32)
+    qbase = _mlir.address(smem_ref, 32)
     with utils.when(arith.cmpi(arith.CmpIPredicate.eq, warp, zero)):
       for idx, wd in enumerate(q_words):
-        _asm("st.shared.b32 [$0], $1;", [arith.addi(
+        asm("st.shared.b32 [$0], $1;", [arith.addi(
             qbase, arith.muli(arith.addi(ci(32 * idx), lane), ci(4))), wd],
-             "r,r")
-    _asm("bar.sync 0;", [], "")
+            "r,r")
+    asm("bar.sync 0;", [], "")
 
     def q_word(idx):
-      return _asm("ld.shared.b32 $0, [$1];", [arith.addi(
+      return asm("ld.shared.b32 $0, [$1];", [arith.addi(
           qbase, arith.muli(arith.addi(ci(32 * idx), lane), ci(4)))],
-                  "=r,r", i32)
+                 "=r,r", i32)
     q_words = [functools.partial(q_word, idx)
                for idx in range(len(q_words))]
   else:
@@ -579,9 +544,9 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     """Address of `chunk_bytes` into the kv head's row of `key` in `page`."""
     row = arith.addi(arith.muli(page, ci(P)), arith.andi(key, ci(P - 1)))
     off = arith.addi(
-        arith.muli(wide(row), _c(row_bytes, o.i64)),
+        arith.muli(wide(row), _mlir.const(row_bytes, o.i64)),
         wide(arith.addi(arith.muli(kv_head, ci(D * E)), chunk_bytes)))
-    return arith.addi(_mgpu_async.address(pool_ref, 64), off)
+    return arith.addi(_mlir.address(pool_ref, 64), off)
 
   def slot_of(offset: int) -> int:
     """Which of a step's page ids holds key `offset` of the step."""
@@ -639,7 +604,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                         arith.cmpi(lt, key, col_kv[col]))
 
   def scalar_f32(ref):
-    return arith.bitcast(o.f32, o.load_i32(gaddr(ref, _c(0, o.i64), 4)))
+    return arith.bitcast(o.f32, o.load_i32(gaddr(ref, _mlir.const_i64(0),
+                                                4)))
 
   # FP8 pages: K's scale joins the logits' scale, V's the output's.
   k_scale = scalar_f32(k_scale_ref) if fp8 else None
@@ -798,7 +764,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                 arith.muli(warp, ci(2)), ci(which)), ci(cols_n)), cols[k]))
         o.st_shared(saddr(idx), vals[k])
   # After the lane-divergent stores: not the aligned `bar.sync`.
-  _mgpu_async.cta_barrier()
+  _mlir.cta_barrier()
 
   def ml(w, which, k):
     idx = ci(ml0 + (w * 2 + which) * cols_n)

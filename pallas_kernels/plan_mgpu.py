@@ -39,7 +39,7 @@ tile against every tile, from shared memory) sets the pace at a few
 hundred tiles.
 
 The CTA's barriers are `barrier.sync`, not `bar.sync`
-(`_mgpu_async.cta_barrier`): the latter requires every thread of a warp to
+(`_mlir.cta_barrier`): the latter requires every thread of a warp to
 reach the same barrier instruction, and the compiler may copy a barrier
 into both branches of the conditional store before it; with `bar.sync` the
 kernel hung on some plans (H200).
@@ -55,9 +55,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
-from pkvattn.pallas_kernels import _mgpu_async
+from pkvattn.pallas_kernels import _mlir
 from pkvattn.pallas_kernels import plan as plan_lib
 from pkvattn.pallas_kernels._compat import pl
+from pkvattn.pallas_kernels._mlir import arith, ir, memref
 
 THREADS = 128  # one warpgroup per CTA
 WARPS = THREADS // 32
@@ -84,12 +85,6 @@ def supports(*, num_tokens: int, batch_size: int, block_q: int,
   return None
 
 
-def _mlir():
-  from jax._src.lib.mlir import ir  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
-  return ir, arith, memref
-
-
 def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
           num_tokens: int, num_tiles: int, block_q: int, align: int,
           causal: bool, window_left: int, longest_first: bool,
@@ -98,7 +93,6 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
   `refs`: tiles, [short_tiles], [decode_rows, [decode_kv_lens]], smem."""
   del ctx
-  ir, arith, memref = _mlir()
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
   refs = list(refs)
   tiles_ref = refs.pop(0)
@@ -122,8 +116,7 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
   SW = WORK + n_pad
   WT = SW + b_pad
 
-  def ci(x):
-    return utils.c(x, i32)
+  ci = _mlir.const_i32
 
   def add(a, b):
     return arith.addi(a, b if not isinstance(b, int) else ci(b))
@@ -151,7 +144,7 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
     return out
 
   def bnot(p):
-    return arith.xori(p, utils.c(1, ir.IntegerType.get_signless(1)))
+    return arith.xori(p, _mlir.const(1, _mlir.int_type(1)))
 
   def idx(x):
     return arith.index_cast(index_t, x if not isinstance(x, int) else ci(x))
@@ -186,8 +179,8 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
                     for x in (one, short))
     return one, short
 
-  tid = _mgpu_async.thread_index()
-  cta = _mgpu_async.scalar(cta_v)
+  tid = _mlir.thread_index()
+  cta = _mlir.scalar(cta_v)
   lane = arith.andi(tid, ci(31))
   warp = arith.shrui(tid, ci(5))
   total = mn(gload(q_indptr_ref, ci(B)), T)
@@ -228,19 +221,19 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
   # Inclusive scan of the threads' totals: within the warp, then across.
   x = run
   for d in (1, 2, 4, 8, 16):
-    y = _mgpu_async.asm(f"shfl.sync.up.b32 $0, $1, {d}, 0, 0xffffffff;",
-                        [x], "=r,r", result=i32)
+    y = _mlir.asm(f"shfl.sync.up.b32 $0, $1, {d}, 0, 0xffffffff;", [x],
+                  "=r,r", i32, side_effects=True)
     x = sel(cmp(P.uge, lane, d), add(x, y), x)
   with utils.when(cmp(P.eq, lane, 31)):
     sstore(WT, warp, x)
-  _mgpu_async.cta_barrier()
+  _mlir.cta_barrier()
   before = sub(x, run)
   for w in range(WARPS - 1):
     before = add(before, sel(cmp(P.ugt, warp, w), sload(WT, ci(w)), 0))
   for s, ok, upto in seqs:
     with utils.when(ok):
       sstore(CUM, s, add(before, upto))
-  _mgpu_async.cta_barrier()
+  _mlir.cta_barrier()
 
   last = sload(CUM, ci(S - 1))
   steps = S.bit_length()
@@ -298,7 +291,7 @@ def _body(ctx, cta_v, q_indptr_ref, kv_lens_ref, *refs, batch_size: int,
       _, w = tile(mn(i, N - 1))
       with utils.when(cmp(P.slt, i, n_pad)):
         sstore(WORK, i, sel(cmp(P.slt, i, N), w, _PAD_WORK))
-    _mgpu_async.cta_barrier()
+    _mlir.cta_barrier()
 
   # 3. This CTA's tiles, and its sequences' decode rows and short tiles.
   i = add(arith.muli(cta, ci(THREADS)), tid)
@@ -403,7 +396,7 @@ def plan_prefill_mgpu(
       decode_rows_per_seq=rows_per_seq)
   n_refs = 2 + len(out_type) + 1
   inline = plgpu.inline_mgpu(
-      arg_types=(_mgpu_async.splat(),) + (plgpu.RefType(),) * n_refs)(body)
+      arg_types=(_mlir.splat(),) + (plgpu.RefType(),) * n_refs)(body)
   s = batch_size + 1
   smem_words = (5 * s + -(-num_tiles // 4) * 4 + -(-batch_size // 4) * 4
                 + WARPS)

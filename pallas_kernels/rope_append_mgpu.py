@@ -50,8 +50,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
-from pkvattn.pallas_kernels import _mgpu_async
+from pkvattn.pallas_kernels import _mlir
 from pkvattn.pallas_kernels._compat import pl
+from pkvattn.pallas_kernels._mlir import arith, ir
+from pkvattn.pallas_kernels._mlir import const, elements, parse_type, vector
+from pkvattn.pallas_kernels._mlir import load_global, store_global
+from pkvattn.pallas_kernels._mlir import math as mmath
 
 WARPGROUP = 128      # threads per CTA
 CHUNK = 16           # bytes per load / store
@@ -156,57 +160,6 @@ class Config:
     return num_qo_heads + num_kv_heads if self.one_head else self.num_splits
 
 
-# ---------------------------------------------------------------- MLIR helpers
-
-def _mlir():
-  from jax._src.lib.mlir import ir  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
-  from jax._src.lib.mlir.dialects import math as mmath  # noqa: PLC0415
-  return ir, arith, llvm, mmath
-
-
-def _ty(name: str):
-  ir = _mlir()[0]
-  return ir.Type.parse(name)
-
-
-def _c(x, ty):
-  from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  return utils.c(x, ty)
-
-
-def _base(ref):
-  """Generic address (i64) of a global-memory ref's first element."""
-  return _mgpu_async.address(ref, 64)
-
-
-def _load(addr, ty, align: int):
-  _, _, llvm, _ = _mlir()
-  ptr = llvm.inttoptr(_ty("!llvm.ptr<1>"), addr)
-  return llvm.load(ty, ptr, alignment=align)
-
-
-def _store(value, addr, align: int):
-  _, _, llvm, _ = _mlir()
-  ptr = llvm.inttoptr(_ty("!llvm.ptr<1>"), addr)
-  llvm.store(value, ptr, alignment=align)
-
-
-def _elements(vec, n: int):
-  _, _, llvm, _ = _mlir()
-  i32 = _ty("i32")
-  return [llvm.extractelement(vec, _c(i, i32)) for i in range(n)]
-
-
-def _vector(values, ty):
-  _, _, llvm, _ = _mlir()
-  i32 = _ty("i32")
-  out = llvm.mlir_undef(ty)
-  for i, x in enumerate(values):
-    out = llvm.insertelement(out, x, _c(i, i32))
-  return out
-
-
 # ---------------------------------------------------------------- the kernel
 
 def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
@@ -219,14 +172,12 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
   an f32[2] input after `inv_freq`)."""
   del ctx
   from jax.experimental.mosaic.gpu import utils  # noqa: PLC0415
-  ir, arith, _, mmath = _mlir()
-  i32, i64, f32 = _ty("i32"), _ty("i64"), _ty("f32")
-  el = _ty(dtype_name)
+  i32, i64, f32 = parse_type("i32"), parse_type("i64"), parse_type("f32")
+  el = parse_type(dtype_name)
   vec = chunk_bytes // itemsize
   vty = ir.VectorType.get((vec,), el)
   args = list(args)
-  tile, split = (_mgpu_async.scalar(args.pop(0)),
-                 _mgpu_async.scalar(args.pop(0)))
+  tile, split = _mlir.scalar(args.pop(0)), _mlir.scalar(args.pop(0))
   pos_ref = args.pop(0)
   if table_kind is None:
     k_rows_ref, v_rows_ref = args.pop(0), args.pop(0)
@@ -248,11 +199,7 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
   k_pool_ref = args.pop(0)
   v_pool_ref = k_pool_ref if same_pool else args.pop(0)
 
-  def ci(x):
-    return _c(x, i32)
-
-  def wide(x):
-    return arith.extui(i64, x)
+  ci, wide = _mlir.const_i32, _mlir.wide
 
   tid = utils.thread_idx()
   lane = arith.remui(tid, ci(WARPGROUP))
@@ -263,31 +210,31 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
       arith.cmpi(arith.CmpIPredicate.ult, lane, ci(per_tile * units)),
       arith.cmpi(arith.CmpIPredicate.ult, t, ci(num_tokens)))
 
-  def at(ref, index_i32, size):
-    """Address of element `index` (i32, elements) of a global ref."""
-    return arith.addi(_base(ref), arith.muli(wide(index_i32), _c(size, i64)))
+  at = _mlir.element_address   # (ref, i32 element, its bytes)
 
   def head_addr(ref, heads, row, h, col, size=itemsize):
     """Byte address of chunk `col` (element column, i32) of head `h` of row
     `row` of a `[rows, heads, head_dim]` ref of `size`-byte elements."""
     elem = arith.addi(arith.muli(arith.addi(
-        arith.muli(wide(row), _c(heads, i64)), wide(h)),
-        _c(head_dim, i64)), wide(col))
-    return arith.addi(_base(ref), arith.muli(elem, _c(size, i64)))
+        arith.muli(wide(row), const(heads, i64)), wide(h)),
+        const(head_dim, i64)), wide(col))
+    return arith.addi(_mlir.address(ref, 64),
+                      arith.muli(elem, const(size, i64)))
 
   nrot = (half if not interleaved else 2 * half) // vec if rotate else 0
   src_q = num_qo_heads if not fused else src_heads
   src_kv = num_kv_heads if not fused else src_heads
 
   with utils.when(active):
-    pos = _load(at(pos_ref, t, 4), i32, 4)
-    bi = _load(at(bi_ref, t, 4), i32, 4) if table_kind is not None else None
+    pos = load_global(at(pos_ref, t, 4), i32, 4)
+    bi = (load_global(at(bi_ref, t, 4), i32, 4) if table_kind is not None
+          else None)
 
     def rows():
       """(k_row, v_row, k_ok, v_ok) of the thread's token."""
       if table_kind is None:
-        k_row = _load(at(k_rows_ref, t, 4), i32, 4)
-        v_row = _load(at(v_rows_ref, t, 4), i32, 4)
+        k_row = load_global(at(k_rows_ref, t, 4), i32, 4)
+        v_row = load_global(at(v_rows_ref, t, 4), i32, 4)
       else:
         k_row, v_row = _table_rows(table_ref, bi, pos, table_kind,
                                    page_size, num_rows, batch_size,
@@ -301,17 +248,17 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
       """cos, sin (f32 lists) of rotated unit `u_rot`'s frequencies."""
       npairs = vec if not interleaved else vec // 2
       f0 = arith.muli(u_rot, ci(npairs))
-      inv = _elements(_load(at(inv_ref, f0, 4),
-                            ir.VectorType.get((npairs,), f32),
-                            4 * min(npairs, 4)), npairs)
+      inv = elements(load_global(at(inv_ref, f0, 4),
+                                 ir.VectorType.get((npairs,), f32),
+                                 4 * min(npairs, 4)), npairs)
       p = arith.sitofp(f32, pos)
       ang = [arith.mulf(p, f) for f in inv]
       return [mmath.cos(x) for x in ang], [mmath.sin(x) for x in ang]
 
     def inv_scales():
       """f32 reciprocals of (k_scale, v_scale), as the Triton kernel's."""
-      one = _c(1.0, f32)
-      return [arith.divf(one, _load(at(scales_ref, ci(i), 4), f32, 4))
+      one = const(1.0, f32)
+      return [arith.divf(one, load_global(at(scales_ref, ci(i), 4), f32, 4))
               for i in (0, 1)]
 
     # A job: (kind "q" / "k" / "v", head index). Sources and destinations:
@@ -337,8 +284,8 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
         loaded = []
         for kind, h in batch:
           ref, heads, hs = src_of(kind, h)
-          loaded.append([_load(head_addr(ref, heads, t, hs, c), vty,
-                               chunk_bytes) for c in cols])
+          loaded.append([load_global(head_addr(ref, heads, t, hs, c), vty,
+                                     chunk_bytes) for c in cols])
         if not state:
           state["trig"] = trig_fn() if trig_fn is not None else None
           state["rows"] = rows() if any(k != "q" for k, _ in jobs) else None
@@ -351,8 +298,8 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
                 _pack(c, el, vty)
                 for c in _f32_chunks(xs, trig, interleaved, vec)]
             for o, c in zip(outs, cols):
-              _store(o, head_addr(q_out_ref, num_qo_heads, t, h, c),
-                     chunk_bytes)
+              store_global(o, head_addr(q_out_ref, num_qo_heads, t, h, c),
+                           chunk_bytes)
             continue
           k_row, v_row, k_ok, v_ok = state["rows"]
           dst, row, ok = ((k_pool_ref, k_row, k_ok) if kind == "k"
@@ -369,8 +316,8 @@ def _body(ctx, *args, num_tokens, num_rows, num_qo_heads, num_kv_heads,
           size = 1 if fp8 else itemsize
           with utils.when(ok):
             for o, c in zip(outs, cols):
-              _store(o, head_addr(dst, num_kv_heads, row, h, c, size),
-                     vec * size)
+              store_global(o, head_addr(dst, num_kv_heads, row, h, c,
+                                        size), vec * size)
 
     def run(cols, trig_fn):
       """This program's jobs: a `1 / num_splits` share of the q heads and
@@ -414,9 +361,8 @@ def _f32_chunks(xs, trig, interleaved, vec):
   list per chunk, rotated with `trig` = (cos, sin) lists, or only widened
   (trig None). Rotated: `xs` = [x1, x2] (NeoX, a chunk and its partner)
   or [x] (GPT-J, pairs within the chunk)."""
-  _, arith, _, _ = _mlir()
-  f32 = _ty("f32")
-  vals = [[arith.extf(f32, e) for e in _elements(x, vec)] for x in xs]
+  f32 = parse_type("f32")
+  vals = [[arith.extf(f32, e) for e in elements(x, vec)] for x in xs]
   if trig is None:
     return vals
   cos, sin = trig
@@ -436,8 +382,7 @@ def _f32_chunks(xs, trig, interleaved, vec):
 
 def _pack(vals, el, vty):
   """f32 values rounded to `el`, as a vector of type `vty`."""
-  _, arith, _, _ = _mlir()
-  return _vector([arith.truncf(el, x) for x in vals], vty)
+  return vector([arith.truncf(el, x) for x in vals], vty)
 
 
 def _pack_fp8(vals, inv_scale):
@@ -445,18 +390,16 @@ def _pack_fp8(vals, inv_scale):
   times the f32 reciprocal of the scale, clipped to +-FP8_MAX (NaN kept),
   rounded to nearest even (`cvt.rn.satfinite.e4m3x2.f32`, two per
   instruction); a vector of `len(vals) // 2` i16, little-endian pairs."""
-  ir, arith, llvm, _ = _mlir()
-  f32 = _ty("f32")
-  hi, lo = _c(FP8_MAX, f32), _c(-FP8_MAX, f32)
+  f32 = parse_type("f32")
+  hi, lo = const(FP8_MAX, f32), const(-FP8_MAX, f32)
   ys = [arith.maximumf(arith.minimumf(arith.mulf(x, inv_scale), hi), lo)
         for x in vals]
   # cvt's first source lands in the upper byte: (odd, even) for memory
   # order (even, odd).
-  pairs = [llvm.inline_asm(_ty("i16"), [ys[2 * i + 1], ys[2 * i]],
-                           "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;",
-                           "=h,f,f", has_side_effects=False)
+  pairs = [_mlir.asm("cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;",
+                     [ys[2 * i + 1], ys[2 * i]], "=h,f,f", parse_type("i16"))
            for i in range(len(ys) // 2)]
-  return _vector(pairs, ir.VectorType.get((len(pairs),), _ty("i16")))
+  return vector(pairs, ir.VectorType.get((len(pairs),), parse_type("i16")))
 
 
 def _table_rows(table_ref, b, pos, table_kind, page_size, num_rows,
@@ -464,12 +407,8 @@ def _table_rows(table_ref, b, pos, table_kind, page_size, num_rows,
   """K and V pool rows of a token of sequence `b` at position `pos` (i32)
   from the page table (`reference.append_rows`' rule): `num_rows` where
   the sequence, position or page is out of range."""
-  _, arith, _, _ = _mlir()
-  i32, i64 = _ty("i32"), _ty("i64")
+  i32, ci = parse_type("i32"), _mlir.const_i32
   lt, ge = arith.CmpIPredicate.slt, arith.CmpIPredicate.sge
-
-  def ci(x):
-    return _c(x, i32)
 
   block = arith.divsi(pos, ci(page_size))
   ok = arith.andi(
@@ -483,8 +422,7 @@ def _table_rows(table_ref, b, pos, table_kind, page_size, num_rows,
   def entry(which):
     idx = arith.addi(arith.muli(bc, ci(per_seq)),
                      arith.addi(ci(which * max_pages), kc))
-    return _load(arith.addi(_base(table_ref), arith.muli(
-        arith.extui(i64, idx), _c(4, i64))), i32, 4)
+    return load_global(_mlir.element_address(table_ref, idx, 4), i32, 4)
 
   if table_kind == "split":
     k_page, v_page = entry(0), entry(1)
