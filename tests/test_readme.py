@@ -180,6 +180,13 @@ def test_cli_command_runs(args):
   assert out.getvalue().strip()
 
 
+def test_fenced_blocks_are_python_or_bash():
+  # A block in another language would escape both rules above.
+  for page in PAGES:
+    langs = {m.group("lang") for m in FENCE.finditer(_read(page))}
+    assert langs <= {"python", "bash"}, f"{page}: blocks in {langs}"
+
+
 def test_readme_length_and_links():
   text = _read("README.md")
   assert text.count("\n") <= MAX_README_LINES
