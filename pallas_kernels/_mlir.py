@@ -56,7 +56,7 @@ def f32(x: float) -> str:
   return "0f%08X" % struct.unpack(">I", struct.pack(">f", x))[0]
 
 
-# ---------------------------------------------------------------- types and constants
+# ------------------------------------------------------ types and constants
 
 def parse_type(name: str) -> ir.Type:
   """The MLIR type spelled `name` ("i32", "f32", "bf16", "!llvm.ptr<1>",
@@ -140,7 +140,7 @@ def asm(text: str, operands, constraints: str, results=None, *,
   return [llvm.extractvalue(t, out, [i]) for i, t in enumerate(results)]
 
 
-# ---------------------------------------------------------------- inline_mgpu arguments
+# ---------------------------------------------------- inline_mgpu arguments
 
 def scalar(x):
   """The i32 value of a scalar argument of `inline_mgpu` (a splat array in
@@ -218,7 +218,7 @@ def cta_barrier():
   asm("barrier.sync 0;", [], "")
 
 
-# ---------------------------------------------------------------- typed global memory
+# ------------------------------------------------------ typed global memory
 
 def load_global(addr, ty, align: int):
   """A value of type `ty` loaded from global-memory address `addr` (i64),

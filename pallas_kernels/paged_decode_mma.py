@@ -1,16 +1,16 @@
 """Paged decode attention for Hopper, one warp per key stream: Pallas on
 Mosaic GPU, `mma.sync` from registers.
 
-The same flash-decoding algorithm as the other two decode kernels
-(`paged_decode.py`, Pallas-Triton; `paged_decode_mgpu.py`, TMA + wgmma):
-split-K over the visible pages, online softmax in base 2 (the scale folded
-into the exponent), an LSE combine of the splits. It is laid out as a
-CUDA decode kernel for small pages would be, not as a warp-specialised
-pipeline: a page of 16 tokens of one kv head at head_dim 64 is 2 KiB, and a
-descriptor-driven copy per page plus a producer / consumer hand-over per
-stage costs the TMA kernel its lead there. So the body is per-thread code
-written through `plgpu.inline_mgpu` (MLIR `arith` / `scf` / `llvm` and PTX),
-as `rope_append_mgpu` is:
+The same flash-decoding algorithm as the Pallas-Triton decode kernel
+(`paged_decode.py`): split-K over the visible pages, online softmax in base
+2 (the scale folded into the exponent), an LSE combine of the splits. It is
+laid out as a CUDA decode kernel for small pages would be, not as a
+warp-specialised pipeline: a page of 16 tokens of one kv head at head_dim 64
+is 2 KiB, and a descriptor-driven (TMA) copy per page plus a producer /
+consumer hand-over per stage cost more than they save on pages that small.
+So the body is per-thread code written through `plgpu.inline_mgpu` (MLIR
+`arith` / `scf` / `llvm` and PTX, built with `_mlir`), as
+`rope_append_mgpu` is:
 
 * A CTA (4 warps) serves one work item `(kv head, sequence, split)`, kv
   heads fastest. Its warps take turns over the split's steps of
@@ -34,49 +34,35 @@ as `rope_append_mgpu` is:
   registers), and the page ids two steps ahead.
 * Keys outside `[max(0, kv_len - 1 - window_left), kv_len)` and steps past
   the warp's last are not loaded (their registers are zero) and their
-  logits are -inf. The page index is clamped into the visible pages, so
-  table entries outside them are never read.
+  logits are -inf; a column whose keys are all masked subtracts a max of
+  0, so its weights are exp2(-inf) = 0, never NaN. The page index is
+  clamped into the visible pages, so table entries outside them are never
+  read, and stale rows past `kv_len` (possibly NaN) never reach a register.
 * At head_dim 256 q's fragments are read from shared memory at each step
-  (`q_in_smem`): in registers they cost 4-8% of kernel time on Gemma 3
-  270M heads (H100, 2026-11-26).
+  (`q_in_smem`): registers are short there, and holding q in them costs
+  more than the reads (measured: docs/performance.md).
 * With one split the CTA stores the output rows and the LSE itself, sinks
   added to the denominator; with several it stores f32 partials and their
   LSE for `paged_decode`'s jnp combine. (A combine in the kernel, by the
-  last CTA of each (sequence, kv head) to finish, counted by one atomic
-  per CTA, took 2-6% more time than the jnp combine on the specs that
-  split: the atomic's round trip and the last CTA's reads add to every
-  CTA and to the kernel's tail. Not kept.)
+  last CTA of each (sequence, kv head) to finish, would cost every CTA an
+  atomic's round trip and the kernel's tail the last CTA's reads: slower
+  than the jnp combine on the shapes that split, measured:
+  docs/performance.md.)
 * With `q_rows` (`paged_decode.paged_decode_rows`: the one-token
   sequences of a prefill call), q is the call's token-major q and
   sequence b's query its row `q_rows[b]`; with one split the CTA writes
   that row of the call's output and LSE in place (`jax.Ref`s, aliased),
   and the CTAs of a sequence without a row do nothing past reading it.
-  A pure-prompt call then spends 1.1 us in this kernel and 1.2 in the
-  combine's scatter (two splits there), where the q gather, the kernel
-  and the scatter took 5.5 us (SmolLM2 heads, 32 prompts of 512 tokens,
-  H200, 2026-11-27, `bench/prefill_call_overhead.py`). The tables may
-  have a row per R sequences: R token rows of one multi-token sequence,
-  each with its own `kv_lens` (its causal prefix), read table row
-  `b // R` (`paged_prefill.Config.decode_rows_per_seq`). A CTA then
-  serves T = `tokens_per_item` of those rows at once where the group
-  leaves room in the MMA's columns, 8 a tile, two tiles at head_dim <= 128
-  (`row_packing`: T a power of two dividing R with T * G <= 16; 4 at group
-  3 or 4, 2 at groups 5-8; at head_dim 256 half that): column n is token
-  n // G's head n % G, each column masked to its own keys, so the T rows
-  read the sequence's pages once rather than T times (a verify step of 64
-  x 4 tokens at 2,048 keys, Llama-3-8B heads, H200: 177 us against 353
-  with a row a CTA and 225 with 8 columns).
-
-Speed (kernel time, `bench/decode_mma.py` and the 16-layer program of
-`bench/decode_layers.py`, H100 and H200, 2026-11-26, `bench/results/
-decode_mma_*.json`, `decode_layers_mma_*.json`): 0.99-1.05x the Triton
-kernel's default and 1.00-1.18x FlashInfer 0.7.2's faster decode on nine
-specs (four Llama-3-8B, two SmolLM2, group 6, two Gemma 3 270M, 16-token
-pages). Around the default (H100), 32-key steps, four CTAs per SM and
-`.L1::no_allocate` / `.L2::256B` loads did not win across the specs. At
-128-token pages 0.99-1.06x the speed of the TMA kernel
-(`paged_decode_mgpu`) and 1.01-1.11x FlashInfer's on seven specs, 1.09-1.25x
-the Triton kernel's at head_dim 256 (`decode_mma_*_p128_tma.json`).
+  So a prefill call's decode rows need no q gather and no output scatter.
+  The tables may have a row per R sequences: R token rows of one
+  multi-token sequence, each with its own `kv_lens` (its causal prefix),
+  read table row `b // R` (`paged_prefill.PrefillConfig.decode_rows_per_seq`).
+  A CTA then serves T = `tokens_per_item` of those rows at once where the
+  group leaves room in the MMA's columns, 8 a tile, two tiles at head_dim
+  <= 128 (`row_packing`: T a power of two dividing R with T * G <= 16; 4
+  at group 3 or 4, 2 at groups 5-8; at head_dim 256 half that): column n
+  is token n // G's head n % G, each column masked to its own keys, so the
+  T rows read the sequence's pages once rather than T times.
 
 FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): the same
 loads carry twice the keys' columns. The matmuls run in f16 (every e4m3
@@ -86,15 +72,13 @@ two f16 pairs by `cvt.rn.f16x2.e4m3x2` just before its `mma`; V's words of
 two keys are byte-interleaved by one `prmt` per pair of columns, then
 converted the same way. K's scale joins the logits' scale and V's the
 output's normalisation. At head_dim 64 a V row is 64 bytes, so its loads
-are 8 bytes a lane. Steps of 32 keys at head_dim <= 128
-(`paged_decode._mma_config`): 1.03-1.12x (H100) and 0.96-1.20x (H200) the
-speed of the Triton kernel's FP8 default on the nine specs, 1.21-2.27x
-FlashInfer's FP8 decode (2026-11-26, `bench/decode_mma_fp8.py`).
+are 8 bytes a lane. `dispatch.decode` takes steps of 32 keys there at
+head_dim <= 128 (measured: docs/performance.md).
 
-`paged_decode` routes here (`Config.backend == "mosaic_mma"`, the default
-on compute capability 9.0 for bf16 / f16 q with pages of that dtype or FP8
-ones: `paged_decode._mma_default`). f32, other GPUs and interpret mode take
-the Triton kernel (`supports`).
+`dispatch.decode` sends a Hopper call with bf16 / f16 q over pages of that
+dtype or FP8 pages here (`paged_decode.MmaConfig`); f32, other GPUs and
+interpret mode take the Triton kernel (`supports` says why a case is not
+taken here).
 """
 
 from __future__ import annotations
@@ -175,11 +159,10 @@ def row_packing(group_size: int, rows_per_seq: int,
 
 
 def default_tiles(head_dim: int) -> int:
-  """m-tiles (16 keys) per warp step: 1 (16-key steps). 32-key steps took
-  1.02-1.03x the kernel time on SmolLM2 heads and 1.00-1.01x on Llama-3-8B
-  heads, 64-key steps up to twice it at head_dim >= 128 (two steps' K and
-  V fragments, the one in flight and the one in use, spill; H100,
-  2026-11-26, `bench/decode_mma.py`)."""
+  """m-tiles (16 keys) per warp step: 1 (16-key steps). Longer steps were
+  no faster with 16-bit pages, and at head_dim >= 128 64-key steps spill
+  two steps' K and V fragments (the one in flight and the one in use)
+  (measured: docs/performance.md)."""
   del head_dim
   return 1
 

@@ -1,12 +1,12 @@
 """Paged prefill attention for Hopper: Pallas on Mosaic GPU (TMA + wgmma).
 
-The Pallas-Triton prefill kernel (`paged_prefill.py`) tops out near 0.7x of
-cuDNN on H100/H200: Triton (as bundled with jax 0.11) neither warp-specialises
-nor keeps a wgmma in flight across the softmax. This kernel is the
-FlashAttention-3 forward (Shah et al. 2024, arXiv:2407.08608: producer /
-consumer warpgroups, TMA loads into a ring of shared-memory stages, two
-consumer warpgroups whose matmuls alternate with each other's softmax) over
-FlashInfer's paged, ragged layout:
+The Pallas-Triton prefill kernel (`paged_prefill.py`) stays well short of
+cuDNN on Hopper (measured: docs/performance.md): Triton, as bundled with jax,
+neither warp-specialises nor keeps a wgmma in flight across the softmax.
+This kernel is the FlashAttention-3 forward (Shah et al. 2024,
+arXiv:2407.08608: producer / consumer warpgroups, TMA loads into a ring of
+shared-memory stages, two consumer warpgroups whose matmuls alternate with
+each other's softmax) over FlashInfer's paged, ragged layout:
 
 * An item is one query head and one plan tile of `tile_q(n)` = 64 n
   consecutive new tokens of one sequence (`plan.plan_prefill(block_q=...)`;
@@ -31,15 +31,12 @@ FlashInfer's paged, ragged layout:
   the consumers finish the last one, and a short tile's pipeline fill and
   epilogue overlap other work. Every warpgroup loads an item's plan row an
   item ahead, and packed consumers copy the next item's q rows (and sinks)
-  with `cp.async` into a second q buffer while one runs: items of one or
-  two steps (prompts of a few hundred tokens) had waited on those loads.
-  With both, a call on 64 prompts of 256 tokens (SmolLM2 heads, H200) went
-  from 1.06x to 0.98x the Triton kernel's time. Unpacked items of tiles
-  the plan left unused (the static grid's spare tiles: all of them in a
-  speculative decoding verify step, whose sequences run in the decode
-  kernel) skip the q load and epilogue: such a launch took 40.5 us with
-  Llama-3-8B heads on 64 x 4 tokens, 17.1 with the skip (H100), 9.0 with
-  the plan's tighter tile bound (`plan.max_tiles`).
+  with `cp.async` into a second q buffer while one runs, so items of one
+  or two steps (prompts of a few hundred tokens) do not wait on those
+  loads. Unpacked items of tiles the plan left unused (the static grid's
+  spare tiles: all of them in a speculative decoding verify step, whose
+  sequences run in the decode kernel) skip the q load and epilogue, and
+  the plan bounds the grid tightly (`plan.max_tiles`).
 * A KV step is `block_kv` keys. The producer reads the step's page ids from
   the page table (scalars) and issues one TMA copy per page
   (`pool[page, rows, kv_head, :]` -> `[page_size, head_dim]` of the stage),
@@ -63,8 +60,7 @@ FlashInfer's paged, ragged layout:
   counts (a tile's rows past its sequence's end belong to another sequence
   and must not be written); `lse` rows are stored in place per thread
   (`_mgpu_rows.store_lse`: a TMA box needs >= 16 bytes in its minor
-  dimension). They went to a per-tile scratch that two XLA kernels
-  scattered, 2.7 us a call (Gemma 3 270M heads, 16 x 512 tokens, H200).
+  dimension), so no XLA scatter follows the launch.
 
 FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
 FP8 staging ring and the producer warpgroup converts each staged tile to f16
@@ -91,8 +87,8 @@ the same shared memory (`RefUnion`): 196 KiB with 64-key steps; with FP8
 pages one 64-key staging stage more (32 KiB) and no reduction scratch,
 224.5 KiB. Unpacked tiles only. The FP8 conversions (q's from bf16, the
 producer's of staged tiles) go 128 columns at a time, so their registers
-are those of head_dim 128. `paged_prefill` keeps the Triton kernel for f32
-and non-Hopper GPUs (`supports`).
+are those of head_dim 128. `dispatch.prefill` keeps the Triton kernel for
+f32, other GPUs and the cases `supports` turns down.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
 step's schedule from `q_indptr` / `kv_lens` with a few small XLA ops: a
 prefix sum, a compare-and-count search, the longest-first order's rank
 count and scatter, and the gathers and selects around them. On the GPU
-each is a kernel of 1-2 us, and the schedule of a head_dim-64 call took 7
-to 12 of them (about 8 us; the short launch's part adds more). Here the
-same schedule is one launch of `cdiv(num_tiles, 128)` CTAs of 128
-threads, written as per-thread code through `plgpu.inline_mgpu` (MLIR
-`arith` / `scf` / `memref`, as `paged_decode_mma` is). Every CTA:
+each is an XLA kernel of its own, and their launches cost more than the
+work (measured: docs/performance.md). Here the same schedule is one launch
+of `cdiv(num_tiles, 128)` CTAs of 128 threads, written as per-thread code
+through `plgpu.inline_mgpu` (MLIR `arith` / `scf` / `memref` and PTX, with
+`_mlir`'s helpers, as `paged_decode_mma` is). Every CTA:
 
 1. reads the `batch_size + 1` sequences (the last is the padding
    pseudo-sequence) in contiguous chunks per thread, keeps each one's
@@ -29,20 +29,15 @@ the GPU). Phases 1-2 are repeated by every CTA: the plan is small (up to
 `MAX_ROWS` tiles and sequences; beyond, `supports` says no and the
 caller takes the jnp plan).
 
-GPU time of the plan alone (H200, 2026-11-27, `bench/prefill_call_overhead.py`,
-`prefill_call_overhead_NVIDIA_H200.json`): 4.6 us against the jnp plan's
-8.6 (7 XLA kernels) for 32 SmolLM2 prompts of 512 tokens (423 tiles,
-four CTAs); 1.6-1.9 us against 10.0-10.2 (9 kernels, short tiles
-included) for Gemma 3 270M's 81 / 69 tiles of 128 tokens; 2.8 against 8.6
-on a mixed step of 4 prompts and 124 decode rows. The rank count (every
-tile against every tile, from shared memory) sets the pace at a few
-hundred tiles.
+The rank count (every tile against every tile, from shared memory) is
+quadratic in the tiles and sets the kernel's pace at a few hundred of
+them; `MAX_ROWS` bounds it.
 
 The CTA's barriers are `barrier.sync`, not `bar.sync`
 (`_mlir.cta_barrier`): the latter requires every thread of a warp to
 reach the same barrier instruction, and the compiler may copy a barrier
-into both branches of the conditional store before it; with `bar.sync` the
-kernel hung on some plans (H200).
+into both branches of the conditional store before it, and the threads of
+a warp that split there would then wait at two barriers (a hang).
 """
 
 from __future__ import annotations

@@ -102,8 +102,16 @@ def paged_decode_reference(
 ):
   """One query token per sequence at position `kv_lens[b] - 1`.
 
+  Query `b` sees keys `j` with `max(0, kv_lens[b] - 1 - window_left) <= j <
+  kv_lens[b]` (all of `j < kv_lens[b]` with `window_left = -1`); the GQA
+  group of kv head `h` is query heads `h * group_size ..`. FP8 pages are
+  read as `value * k_scale` / `value * v_scale` in f32. The oracle of
+  `paged_decode` and `paged_decode_mma` (vLLM / FlashInfer paged decode;
+  sinks as gpt-oss's).
+
   Returns `(out [batch_size, num_qo_heads, head_dim] q.dtype,
-  lse f32[batch_size, num_qo_heads])`.
+  lse f32[batch_size, num_qo_heads])`; an empty sequence gives zeros and
+  -inf.
   """
   b, hq, d = q.shape
   hkv = k_pool.shape[2]
@@ -163,6 +171,11 @@ def paged_prefill_reference(
 ):
   """Ragged-batch attention of new tokens over their sequences' paged KV.
 
+  Sequence `b`'s new tokens are rows `q_indptr[b] .. q_indptr[b + 1]` of
+  `q`, its last `q_len` positions; visibility is the module docstring's rule
+  (FlashInfer's `BatchPrefillWithPagedKVCache`). FP8 pages are read as
+  `value * scale` in f32. The oracle of `paged_prefill` (both backends).
+
   Tokens are processed `chunk` at a time (`lax.map`); each token gathers its
   own sequence's pages, so memory is `chunk * max_pages * page_size * H * D`.
 
@@ -221,10 +234,10 @@ def merge_state_reference(out_a, lse_a, out_b, lse_b):
 
 
 # ----------------------------------------------------------------------------
-# RoPE and paged K/V append (issue 3). `inv_freq f32[rotary_dim // 2]` is the
-# per-pair inverse frequency (scaling already applied, see pkvattn.rope); the
-# first `rotary_dim = 2 * len(inv_freq)` features of each head are rotated,
-# the rest pass through.
+# RoPE and paged K/V append. `inv_freq f32[rotary_dim // 2]` is the per-pair
+# inverse frequency (scaling already applied, see pkvattn.rope); the first
+# `rotary_dim = 2 * len(inv_freq)` features of each head are rotated, the rest
+# pass through.
 # ----------------------------------------------------------------------------
 
 

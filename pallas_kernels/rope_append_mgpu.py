@@ -34,10 +34,10 @@ in MLIR's `arith` / `math` / `llvm` dialects, as a CUDA kernel would be:
 The pools go in as `jax.Ref` arguments of `pl.kernel`, which aliases them
 in and out: under a donated jit they are updated in place. float8_e4m3fn
 pools (per-tensor `k_scale` / `v_scale`) store `pkvattn._kv.quantize` of
-the f32 values (`cvt.rn.satfinite.e4m3x2.f32`, two per instruction). f32
-and head dims that do not split into the chunks stay on the Triton kernel
-(`supports`). `rope_append.rope_append` routes here by default on
-compute capability 9.0 (`rope_append.default_config`).
+the f32 values (`cvt.rn.satfinite.e4m3x2.f32`, two per instruction).
+`dispatch.rope_append` sends Hopper calls here; f32 and head dims that do
+not split into the chunks stay on the Triton kernel (`supports`). The
+per-thread MLIR / PTX helpers are `_mlir`'s.
 """
 
 from __future__ import annotations
