@@ -283,12 +283,13 @@ def test_refused_claims_requeue_in_order_and_unfittable_raises():
 
 
 def test_status_is_a_str_enum_and_bursts_cap_stop_ids():
-  assert RequestStatus.FINISHED == "finished" and str(RequestStatus.DECODE) == "decode"
+  assert RequestStatus.FINISHED == "finished"
+  assert str(RequestStatus.DECODE) == "decode"
   cfg = dataclasses.replace(CFG, decode_steps=4)
   rng = np.random.default_rng(4000)
   too_many = tuple(range(MAX_STOP_IDS + 1))
-  sched, req = _decoding(cfg, rng, max_new_tokens=8, stop_token_ids=too_many)
+  sched, _ = _decoding(cfg, rng, max_new_tokens=8, stop_token_ids=too_many)
   assert not sched.burst_eligible()  # stop ids beyond the device's table
-  sched, req = _decoding(cfg, rng, max_new_tokens=8,
-                         stop_token_ids=too_many[:MAX_STOP_IDS])
+  sched, _ = _decoding(cfg, rng, max_new_tokens=8,
+                       stop_token_ids=too_many[:MAX_STOP_IDS])
   assert sched.burst_eligible()
