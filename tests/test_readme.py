@@ -35,7 +35,8 @@ import pytest
 from pkvattn import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ("README.md", "docs/kv_cache.md", "docs/fp8.md", "docs/multi_device.md")
+PAGES = ("README.md", "docs/kv_cache.md", "docs/fp8.md", "docs/multi_device.md",
+         "docs/engine.md")
 MAX_README_LINES = 300
 FENCE = re.compile(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```", re.MULTILINE | re.DOTALL)
 EXPECTED = re.compile(r"^\s*print\(.*#.*->\s?(?P<out>.*)$")

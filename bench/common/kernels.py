@@ -39,7 +39,7 @@ DECODE_ARMS = {
 PREFILL_ARMS = {
     "triton": "the Pallas-Triton prefill kernel's default config",
     "mosaic": "the Mosaic-GPU prefill kernel, unpacked (Hopper)",
-    "per-sm": "the default with one CTA per SM (mosaic_persistent=True)",
+    "per-sm": "the default with one CTA per SM (persistent=True)",
     "per-item": "the default with one CTA per (head, tile) item",
     "short-launch": "sequences of 2-8 new tokens in a Pallas-Triton short "
                     "launch instead of the decode kernel",
@@ -84,13 +84,13 @@ def decode_arms(name: str, *, batch_size: int, num_qo_heads: int,
                 max_pages: int, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16):
   """`[(label, fn)]` of decode arm `name` (`DECODE_ARMS`) for one shape."""
   _check(name, DECODE_ARMS)
-  from pkvattn.pallas_kernels import paged_decode as pd  # pylint: disable=import-outside-toplevel
-  kw = dict(batch_size=batch_size, num_kv_heads=num_kv_heads,
-            page_size=page_size, max_pages=max_pages, head_dim=head_dim,
-            group_size=num_qo_heads // num_kv_heads, dtype=dtype,
-            kv_dtype=kv_dtype)
+  from pkvattn.pallas_kernels import dispatch  # pylint: disable=import-outside-toplevel
   backend = "mosaic_mma" if name.startswith("mma") else "triton"
-  base = pd.Config.default_for(**kw, backend=backend)
+  base = dispatch.decode(
+      gpu=dispatch.current_gpu(), batch_size=batch_size,
+      num_kv_heads=num_kv_heads, page_size=page_size, max_pages=max_pages,
+      head_dim=head_dim, group_size=num_qo_heads // num_kv_heads,
+      dtype=dtype, kv_dtype=kv_dtype, backend=backend).config
   configs = [(name, base)]
   R = dataclasses.replace
   if name == "triton-grid":
@@ -110,9 +110,9 @@ def decode_arms(name: str, *, batch_size: int, num_qo_heads: int,
                                        k_splits=min(64, 2 * base.k_splits))))
     if base.k_splits > 1:
       configs.append(("mma splits /2", R(base, k_splits=base.k_splits // 2)))
-    configs.append(("mma tiles 1", R(base, mma_tiles=1)))
+    configs.append(("mma tiles 1", R(base, tiles=1)))
     if head_dim <= 128:
-      configs.append(("mma tiles 4", R(base, mma_tiles=4)))
+      configs.append(("mma tiles 4", R(base, tiles=4)))
   return [(label, _decode_call(c, head_dim)) for label, c in configs]
 
 
@@ -142,23 +142,27 @@ def prefill_arms(name: str, *, num_qo_heads: int, num_kv_heads: int,
   """`[(label, fn)]` of prefill arm `name` (`PREFILL_ARMS`) for one call
   shape; empty where the arm does not differ from the default there."""
   _check(name, PREFILL_ARMS)
-  from pkvattn.pallas_kernels import paged_prefill as pp  # pylint: disable=import-outside-toplevel
-  kw = dict(group_size=num_qo_heads // num_kv_heads, head_dim=head_dim,
-            page_size=page_size, dtype=dtype, window_left=window_left)
-  default = pp.Config.default_for(**kw, num_tokens=num_tokens,
-                                  batch_size=batch_size)
+  from pkvattn.pallas_kernels import dispatch  # pylint: disable=import-outside-toplevel
+
+  def choose(backend=None):
+    return dispatch.prefill(
+        gpu=dispatch.current_gpu(), dtype=dtype, kv_dtype=dtype,
+        head_dim=head_dim, group_size=num_qo_heads // num_kv_heads,
+        page_size=page_size, num_tokens=num_tokens, batch_size=batch_size,
+        window_left=window_left, backend=backend).config
+
+  default = choose()
   R = dataclasses.replace
   if name.startswith("triton"):
-    cfg = pp.Config.default_for(**kw, backend="triton")
+    cfg = choose("triton")
     if name == "triton-fp8-in-kernel":
       cfg = R(cfg, fp8_pages="kernel")
   elif name == "mosaic":
-    cfg = pp.Config.default_for(**kw, backend="mosaic",
-                                num_tokens=num_tokens, batch_size=batch_size)
+    cfg = choose("mosaic")
   elif name in ("per-sm", "per-item"):
     if default.backend != "mosaic":
       return []
-    cfg = R(default, mosaic_persistent=name == "per-sm")
+    cfg = R(default, persistent=name == "per-sm")
   elif name == "short-launch":
     longest = max(default.short_block_q, default.decode_rows_per_seq)
     if longest <= 1:
@@ -196,11 +200,16 @@ def rope_append_arms(name: str, *, num_tokens: int, num_qo_heads: int,
   """`[(label, fn)]` of RoPE + append arm `name` (`ROPE_ARMS`);
   `inv_freq`: `f32[rotary_dim / 2]` RoPE frequencies."""
   _check(name, ROPE_ARMS)
-  from pkvattn.pallas_kernels import rope_append as ra  # pylint: disable=import-outside-toplevel
   from pkvattn.pallas_kernels import rope_append_mgpu as rm  # pylint: disable=import-outside-toplevel
   if name == "triton":
-    cfgs = [("triton", ra.Config.default_for(num_tokens, num_qo_heads,
-                                             num_kv_heads))]
+    # The Triton rule is the one every GPU but Hopper takes (Ampere here).
+    from pkvattn.pallas_kernels import dispatch  # pylint: disable=import-outside-toplevel
+    choice = dispatch.rope_append(
+        gpu=dispatch.AMPERE, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+        pool_dtype=jnp.bfloat16, head_dim=2 * len(inv_freq),
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        num_tokens=num_tokens)
+    cfgs = [("triton", choice.config)]
   else:
     base = rm.Config.default_for(num_tokens, num_qo_heads, num_kv_heads)
     cfgs = [("mosaic", base)]
