@@ -68,7 +68,7 @@ from jax import lax
 
 from pkvattn.pallas_kernels import _compat
 from pkvattn.pallas_kernels import _fp8
-from pkvattn.pallas_kernels import _ptx
+from pkvattn.pallas_kernels import _mlir
 from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_prefill_mgpu
 from pkvattn.pallas_kernels import plan as plan_lib
@@ -109,7 +109,7 @@ def _exp2_fma(x, scale: float, shift, fast: bool):
   if not fast:
     return jnp.exp2(x * scale + shift)
   [y] = plgpu.elementwise_inline_asm(
-      "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, " + _ptx.f32(scale)
+      "{ .reg .f32 t; fma.rn.ftz.f32 t, $1, " + _mlir.f32(scale)
       + ", $2; ex2.approx.ftz.f32 $0, t; }",
       args=[x, shift], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])

@@ -21,7 +21,6 @@ from jaxlib.mlir import passmanager
 from jaxlib.mlir.dialects import func
 
 from pkvattn.pallas_kernels import _mlir
-from pkvattn.pallas_kernels import _ptx
 
 KERNELS = pathlib.Path(_mlir.__file__).parent
 
@@ -100,7 +99,6 @@ def test_f32_immediates(x, want):
   # The same bits as numpy's float32 (little-endian packing, read back).
   bits = struct.unpack("<I", np.float32(x).tobytes())[0]
   assert _mlir.f32(x) == f"0f{bits:08X}"
-  assert _ptx.f32(x) == want   # the old import path
 
 
 def test_f32_rounds_to_float32():
