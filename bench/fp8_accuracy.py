@@ -5,8 +5,8 @@ the engine) against unquantized f32 KV pages, same weights, same process:
 
 1. Greedy tokens, 16 chat prompts x 64 new tokens (EOS ignored) through the
    engine: tokens identical, and the first divergence per prompt.
-2. Teacher forcing: one forward over a 512-token text (this repository's
-   design notes), the next-token distribution at every position with FP8 vs
+2. Teacher forcing: one forward over a fixed 512-token text
+   (`bench.common.text.TEACHER_TEXT`), the next-token distribution at every position with FP8 vs
    f32 pages: mean and max per-token KL(f32 || fp8) in nats. The scales come
    from the prompts of (1), not from this text.
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import results  # noqa: E402
+from bench.common import text  # noqa: E402
 from bench.common import timing as _timing  # noqa: E402
 from pkvattn import models  # noqa: E402
 from pkvattn.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -95,9 +96,7 @@ def main():
     diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
     first.append(diff[0] if diff else None)
   # Teacher forcing over a text the scales never saw.
-  here = os.path.dirname(os.path.abspath(__file__))
-  with open(os.path.join(here, "..", "README.md"), encoding="utf-8") as f:
-    text_ids = tok.encode(f.read())[:args.text_tokens]
+  text_ids = tok.encode(text.TEACHER_TEXT)[:args.text_tokens]
   fp8_params = engines["fp8"].model.params
   ref = teacher_forced_logits(model, model.params, text_ids, jnp.float32)
   got = teacher_forced_logits(model, calibrate.set_kv_scales(
