@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from pkvattn.pallas_kernels import _compat
 
@@ -238,7 +239,6 @@ def _mma_splits(items: int, max_pages: int, *, pages_per_round: int,
   """Splits for about `ctas_per_sm` CTAs per SM over `items` (kv head,
   sequence) pairs: the nearest power of two, halved until each split keeps
   >= 2 rounds of `pages_per_round` pages, at most 64."""
-  import math  # noqa: PLC0415
   want = ctas_per_sm * num_sms / max(1, items)
   splits = 1 << max(0, round(math.log2(want))) if want > 1 else 1
   max_rounds = max(1, -(-max_pages // pages_per_round))
