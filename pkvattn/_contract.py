@@ -19,8 +19,37 @@ from pkvattn.cache._contract import require
 from pkvattn.cache._contract import run as run
 from pkvattn.cache._contract import unchecked as unchecked
 
-__all__ = ["append_contract", "attention_contract", "checked", "enabled",
-           "guard", "run", "unchecked"]
+__all__ = ["append_contract", "attention_contract", "both", "checked",
+           "enabled", "guard", "run", "scale_contract", "unchecked"]
+
+# `pkvattn._kv.MIN_SCALE` (the smallest normal f32), repeated so that this
+# module needs jax only.
+_MIN_SCALE = 2.0 ** -126
+
+
+def scale_contract(k_scale, v_scale):
+  """The FP8 scales given as jax arrays (`f32[]`, or None where the scale was
+  a host number, already checked at trace time by `_kv.check_scales`).
+
+  Clause: each is finite and `>= 2**-126` (the smallest normal f32, so that
+  the quantizers' `1 / scale` is finite).
+  """
+  for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if s is None:
+      continue
+    require(jnp.isfinite(s) & (s >= _MIN_SCALE),
+            f"Invalid {name}: {name} = {{}}, expected a finite scale >= "
+            f"{_MIN_SCALE:.4g} (the smallest normal f32; stored value = x / "
+            f"scale)", s)
+
+
+def both(ok_a, ok_b):
+  """Conjunction of two `run` results (None: nothing staged)."""
+  if ok_a is None:
+    return ok_b
+  if ok_b is None:
+    return ok_a
+  return ok_a & ok_b
 
 
 def _tables(table):

@@ -20,8 +20,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pkvattn import _checks
+from pkvattn import _contract
 
 Format = Literal["pair", "pool", "flashinfer"]
 
@@ -155,13 +157,44 @@ def is_fp8(x) -> bool:
   return jnp.dtype(getattr(x, "dtype", x)) == jnp.dtype(FP8_DTYPE)
 
 
+# The smallest scale accepted: the smallest normal f32 (2**-126), so that the
+# quantizers' `1 / scale` is finite (a subnormal scale's reciprocal is inf, and
+# `0 * inf` would store NaN) and no backend flushes the scale itself to 0.
+MIN_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def _host_scale(x):
+  """`x` as an f32 numpy value if it is known on the host (a Python or numpy
+  number, or a numpy array), else None (a jax array, concrete or traced)."""
+  if isinstance(x, (bool, np.bool_)):
+    return None
+  if isinstance(x, (int, float, np.integer, np.floating)):
+    with np.errstate(over="ignore"):
+      try:
+        return np.float32(float(x))
+      except OverflowError:  # an int past float's range
+        return np.float32(np.inf if x > 0 else -np.inf)
+  if isinstance(x, np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+    with np.errstate(over="ignore"):
+      return x.astype(np.float32)
+  return None
+
+
 def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
   """Validates the dequantisation scales of `pool` (trace time).
 
+  A scale must be finite and at least `MIN_SCALE` (the smallest normal f32):
+  0 would give uniform attention (K) or zeros (V) and store NaN on append, a
+  negative scale flips signs, NaN / inf give NaN. Values known on the host
+  (Python `int` / `float`, numpy numbers and arrays) are checked here; jax
+  arrays (concrete or traced) are checked in checked mode
+  (`_contract.scale_contract`),
+  so the unchecked path adds no device work and no host sync.
+
   Args:
     pool: the K (or shared) page pool.
-    k_scale, v_scale: f32 scalars (Python floats, 0-d or 1-element arrays;
-      may be traced) for an FP8 pool, None otherwise.
+    k_scale, v_scale: f32 scalars (Python floats or ints, 0-d or 1-element
+      arrays; may be traced) for an FP8 pool, None otherwise.
 
   Returns:
     `(k_scale, v_scale)` as `f32[]` arrays, or `(None, None)` for a pool that
@@ -169,8 +202,8 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
 
   Raises:
     ValueError: an FP8 pool without both scales, a scale that is not one
-      float, or scales given with a pool that is not FP8 (they would be
-      ignored).
+      float, a host scale that is not finite or below `MIN_SCALE`, or scales
+      given with a pool that is not FP8 (they would be ignored).
   """
   if not is_fp8(pool):
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -185,6 +218,9 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
       raise ValueError(
           f"Invalid {name}: expected an f32 scalar for a float8_e4m3fn "
           f"{pool_name} (stored value = x / scale), got None")
+    host = _host_scale(x)
+    if host is not None:
+      x = host
     x = jnp.asarray(x)
     if x.size != 1 or x.ndim > 1:
       raise ValueError(
@@ -193,8 +229,37 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(
           f"Invalid dtype of {name}: expected a float, got {x.dtype}")
+    if host is not None:
+      value = float(np.asarray(host).reshape(()))
+      if not (np.isfinite(value) and value >= MIN_SCALE):
+        raise ValueError(
+            f"Invalid {name}: expected a finite scale >= {MIN_SCALE:.4g} "
+            f"(the smallest normal f32; stored value = x / scale), got "
+            f"{_scale_repr(k_scale if name == 'k_scale' else v_scale)}")
     out.append(x.reshape(()).astype(jnp.float32))
   return tuple(out)
+
+
+def _scale_repr(x) -> str:
+  """A scale as the caller gave it, for error messages (a huge int as its
+  f32 value)."""
+  shown = repr(x.tolist()) if isinstance(x, np.ndarray) else repr(x)
+  return shown if len(shown) <= 32 else f"{_host_scale(x)} (as f32)"
+
+
+def run_scale_contract(scales, k_scale, v_scale):
+  """Checked mode's clause on the scales given as jax arrays.
+
+  `scales` is `check_scales`' result for the caller's `k_scale`, `v_scale`;
+  host numbers were checked there, so only jax arrays (concrete or traced)
+  go to `_contract.scale_contract`. Returns `_contract.run`'s result (None
+  when eager or when there is nothing to check; `bool[]` when staged).
+  """
+  arrays = tuple(None if s is None or _host_scale(x) is not None else s
+                 for s, x in zip(scales, (k_scale, v_scale)))
+  if arrays == (None, None):
+    return None
+  return _contract.run(_contract.scale_contract, *arrays)
 
 
 def quantize(x, scale):

@@ -114,19 +114,22 @@ def paged_decode(
     impl: "pallas" (GPU kernel; interpret mode elsewhere), "xla" (pure jnp), or
       None (pallas on GPU, xla elsewhere).
     check: checked mode (`pkvattn.checked`; None follows it): `kv_lens` in
-      `[0, max_pages * page_size]` and a page id in `[0, num_pages)` for every
+      `[0, max_pages * page_size]`, a page id in `[0, num_pages)` for every
       block the query can see (from the window start, or 0, to
-      `cdiv(kv_lens[b], page_size)`). Unchecked, nothing verifies them: an
+      `cdiv(kv_lens[b], page_size)`), and `k_scale` / `v_scale` given as jax
+      arrays finite and `>= 2**-126`. Unchecked, nothing verifies them: an
       out-of-range page reads whatever the XLA gather clamps to, and out of
       bounds in the GPU kernels (undefined; an illegal-address error ends
       the CUDA context). Staged in a caller's checkified jit, a call whose
       contract fails runs no kernel and returns NaN `out` and `lse`.
-    k_scale, v_scale: f32 scalars (floats or 0-d arrays, may be traced) for
-      an FP8 `kv_cache`: a stored page value `x` means `x * k_scale` (vLLM /
-      FlashInfer per-tensor convention, stored value = x / scale). Required
-      with FP8 pages, refused otherwise. The kernels read FP8 pages and
-      dequantize on the fly (K's scale folded into the logits scale, V's
-      into the output); accumulation is f32.
+    k_scale, v_scale: f32 scalars (Python floats or ints, 0-d arrays, may be
+      traced) for an FP8 `kv_cache`: a stored page value `x` means `x *
+      k_scale` (vLLM / FlashInfer per-tensor convention, stored value = x /
+      scale). Required with FP8 pages, refused otherwise. Each must be finite
+      and `>= 2**-126` (the smallest normal f32): Python and numpy numbers
+      are checked at trace time, jax arrays in checked mode. The kernels
+      read FP8 pages and dequantize on the fly (K's scale folded into the
+      logits scale, V's into the output); accumulation is f32.
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
@@ -135,7 +138,8 @@ def paged_decode(
 
   Raises:
     ValueError: shapes, dtypes, table/kv_cache format mismatch, heads not
-      divisible, unsupported head_dim / page_size (at trace time).
+      divisible, unsupported head_dim / page_size, a host scale that is not
+      finite or below `2**-126` (at trace time).
     checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
       contract (`pkvattn.checked` says where it surfaces).
 
@@ -159,6 +163,7 @@ def paged_decode(
     ok = _contract.run(_contract.attention_contract, view.table, kv_lens,
                        num_pages=view.num_pages, page_size=view.page_size,
                        num_tokens=q.shape[0], window_left=window_left)
+    ok = _contract.both(ok, _kv.run_scale_contract(scales, k_scale, v_scale))
   kv_lens = kv_lens.astype(jnp.int32)
 
   def body():
@@ -275,6 +280,7 @@ def paged_prefill(
                        q_indptr, num_pages=view.num_pages,
                        page_size=view.page_size, num_tokens=q.shape[0],
                        window_left=window_left)
+    ok = _contract.both(ok, _kv.run_scale_contract(scales, k_scale, v_scale))
   kv_lens = kv_lens.astype(jnp.int32)
   q_indptr = q_indptr.astype(jnp.int32)
 

@@ -275,11 +275,36 @@ def _index_arrays(batch_indices, positions, page_table):
                    (batch_indices, positions, page_table)))
 
 
-def _append_contract(view: _kv.KVView, batch_indices, positions, check):
-  if _contract.enabled(check):
-    _contract.run(_contract.append_contract, view.table, batch_indices,
-                  positions, num_pages=view.num_pages,
-                  page_size=view.page_size)
+def _append_contract(view: _kv.KVView, batch_indices, positions, check,
+                     scales=(None, None), k_scale=None, v_scale=None):
+  """Checked mode's clauses of the append ops.
+
+  Returns the staged result of the scale clause (`bool[]`), or None (eager,
+  unchecked, or no scale given as a jax array). The index clauses need no
+  guard (unchecked, an out-of-range token is not written); a bad scale
+  would quantize every token wrong (scale 0 stores NaN), so `_guarded`
+  writes nothing where it fails.
+  """
+  if not _contract.enabled(check):
+    return None
+  _contract.run(_contract.append_contract, view.table, batch_indices,
+                positions, num_pages=view.num_pages, page_size=view.page_size)
+  return _kv.run_scale_contract(scales, k_scale, v_scale)
+
+
+def _guarded(ok, view: _kv.KVView, body):
+  """`body()` (`(q_rotated or None, kv_cache)`) where the staged scale clause
+  holds, else NaN `q_rotated` and the pools unchanged (`_contract.guard`)."""
+  if ok is None:
+    return body()
+
+  def fallback():
+    q_shape, _ = jax.eval_shape(body)
+    q = (None if q_shape is None
+         else jnp.full(q_shape.shape, jnp.nan, q_shape.dtype))
+    return q, _kv.rebuild(view, view.k_pool, view.v_pool)
+
+  return _contract.guard(ok, body, fallback)
 
 
 def _nothing_to_write(view: _kv.KVView, num_tokens: int) -> bool:
@@ -363,9 +388,12 @@ def append_paged_kv(
     check: checked mode (`pkvattn.checked`; None follows it): `batch_indices`
       in `[-1, batch_size)`, and every non-padding token lands in a page:
       `0 <= positions[t] < max_pages * page_size` and a page id in `[0,
-      num_pages)` at its block (unchecked, such tokens are not written).
+      num_pages)` at its block (unchecked, such tokens are not written);
+      `k_scale` / `v_scale` given as jax arrays finite and `>= 2**-126`
+      (staged, a call with a bad scale writes nothing).
     k_scale, v_scale: f32 scalars for a float8_e4m3fn `kv_cache` (required
-      there, refused otherwise), as in `pkvattn.paged_decode`.
+      there, refused otherwise), as in `pkvattn.paged_decode`: finite and
+      `>= 2**-126`, Python / numpy numbers checked at trace time.
 
   Returns:
     The updated kv_cache in the format it came in. Donate it
@@ -374,7 +402,8 @@ def append_paged_kv(
     `batch_size == 0` (every token padding) it is returned unchanged.
 
   Raises:
-    ValueError: shapes, dtypes, table/kv_cache format mismatch.
+    ValueError: shapes, dtypes, table/kv_cache format mismatch, a host
+      scale that is not finite or below `2**-126`.
     checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
       contract (`pkvattn.checked` says where it surfaces).
   """
@@ -383,12 +412,14 @@ def append_paged_kv(
   view = _kv.make_view(kv_cache, page_table)
   _append_checks(k, v, batch_indices, positions, view)
   scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
-  _append_contract(view, batch_indices, positions, check)
+  ok = _append_contract(view, batch_indices, positions, check, scales,
+                        k_scale, v_scale)
   if _nothing_to_write(view, k.shape[0]):
     return kv_cache
+  impl = _resolve_impl(impl)
   with _contract.unchecked():  # the kernels: their unchecked compilation
-    _, kv_cache = _run(None, k, v, batch_indices, positions, view, None, False,
-                       _resolve_impl(impl), scales)
+    _, kv_cache = _guarded(ok, view, lambda: _run(
+        None, k, v, batch_indices, positions, view, None, False, impl, scales))
   return kv_cache
 
 
@@ -457,15 +488,18 @@ def apply_rope_and_append(
   _checks.check_shape(q, (k.shape[0], None, view.head_dim), "q")
   _checks.check_heads(q.shape[1], k.shape[1])
   scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
-  _append_contract(view, batch_indices, positions, check)
+  ok = _append_contract(view, batch_indices, positions, check, scales,
+                        k_scale, v_scale)
   inv_freq = rope.inv_freq(view.head_dim)
   if _nothing_to_write(view, k.shape[0]):
     q = reference.rope_reference(q, positions, jnp.asarray(inv_freq),
                                  interleaved=rope.style == "gptj")
     return q, kv_cache
+  impl = _resolve_impl(impl)
   with _contract.unchecked():  # the kernels: their unchecked compilation
-    return _run(q, k, v, batch_indices, positions, view, inv_freq,
-                rope.style == "gptj", _resolve_impl(impl), scales)
+    return _guarded(ok, view, lambda: _run(
+        q, k, v, batch_indices, positions, view, inv_freq,
+        rope.style == "gptj", impl, scales))
 
 
 def apply_rope_and_append_qkv(
@@ -518,7 +552,8 @@ def apply_rope_and_append_qkv(
   _check_index(batch_indices, "batch_indices", num_tokens)
   _check_index(positions, "positions", num_tokens)
   scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
-  _append_contract(view, batch_indices, positions, check)
+  ok = _append_contract(view, batch_indices, positions, check, scales,
+                        k_scale, v_scale)
   inv_freq = rope.inv_freq(d)
   interleaved = rope.style == "gptj"
   impl = _resolve_impl(impl)
@@ -527,7 +562,8 @@ def apply_rope_and_append_qkv(
     q = reference.rope_reference(heads[:, :num_qo_heads], positions,
                                  jnp.asarray(inv_freq), interleaved=interleaved)
     return q, kv_cache
-  with _contract.unchecked():  # the kernels: their unchecked compilation
+
+  def body():
     if impl != "xla":
       from pkvattn.pallas_kernels import rope_append as kernel
       try:
@@ -545,6 +581,9 @@ def apply_rope_and_append_qkv(
     v = heads[:, num_qo_heads + hkv:]
     return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
                 "xla", scales)
+
+  with _contract.unchecked():  # the kernels: their unchecked compilation
+    return _guarded(ok, view, body)
 
 
 def get_batch_indices_positions(
