@@ -78,7 +78,8 @@ def layer_page_tables(state, seq_ids):
   seq_ids = jnp.asarray(seq_ids, jnp.int32)
   if isinstance(state, HybridCacheState):
     return _hybrid_layer_tables(state, seq_ids)
-  return jax.vmap(lambda layer: _tables.page_table(state, seq_ids, layer))(
+  return jax.vmap(lambda layer: _tables.page_table(state, seq_ids, layer,
+                                                   check=False))(
       jnp.arange(state.config.num_layers, dtype=jnp.int32))
 
 

@@ -31,8 +31,9 @@ Where the errors surface:
     checkify.check which was not functionalized"). A staged op whose
     contract fails does not run its attention kernels (`guard`) and
     returns NaN. The other ops do what they do unchecked, where nothing
-    goes out of range: append ops skip the offending tokens, cache ops
-    refuse or ignore the request.
+    goes out of range: append ops skip the offending tokens (and write
+    nothing for a bad FP8 scale), cache ops refuse or ignore the request,
+    and `page_table` returns an all -1 table for a bad `layer`.
 
 The checks are a separate small function of the ops' integer inputs; the
 ops' own bodies (and the kernels) are traced with the flag off
@@ -62,9 +63,10 @@ def checked(enabled: bool = True):
   """Context manager: public ops traced inside it check their contract.
 
   Covered: `paged_decode`, `paged_prefill`, `append_paged_kv`,
-  `apply_rope_and_append(_qkv)` and the cache ops `claim_batch`, `extend`,
-  `commit`, `release`, `finish_step`, `fork` (each op's `check` argument
-  lists its clauses). Eager calls raise at once. Inside your own jitted
+  `apply_rope_and_append(_qkv)` (their tables and indices, and FP8
+  `k_scale` / `v_scale` given as arrays), the cache ops `claim_batch`,
+  `extend`, `commit`, `release`, `finish_step`, `fork`, and `page_table`'s
+  array `layer` (each op's `check` argument lists its clauses). Eager calls raise at once. Inside your own jitted
   function, functionalize the staged checks with checkify:
 
       with pkvattn.checked():

@@ -638,10 +638,13 @@ def _fork(state, parent_ids, child_ids, *, head_of_line=True):
   for gid, (st, (inp, need)) in enumerate(zip(state.groups, preps)):
     st, res = _alloc._fork_apply(st, inp, ok, jnp.where(ok, need, 0))
     base = cfg.group_page_base[gid]
+    # Explicit width (K and V of each of the group's layers): `reshape(n,
+    # -1)` cannot infer it for an empty batch.
+    width = 2 * st.config.num_layers
     srcs.append(jnp.where(res.src_pages >= 0, res.src_pages + base,
-                          -1).reshape(n, -1))
+                          -1).reshape(n, width))
     dsts.append(jnp.where(res.dst_pages >= 0, res.dst_pages + base,
-                          -1).reshape(n, -1))
+                          -1).reshape(n, width))
     new_groups.append(st)
   return (dataclasses.replace(state, groups=tuple(new_groups)),
           _alloc.ForkResult(ok=ok,
@@ -650,14 +653,17 @@ def _fork(state, parent_ids, child_ids, *, head_of_line=True):
 
 
 def page_table(state: HybridCacheState, seq_ids, layer, split: bool = True,
-               mode=PageIndexMode.PER_LAYER):
+               mode=PageIndexMode.PER_LAYER, *, check: bool | None = None):
   """`cache.page_table` for a per-window-group cache: model layer `layer`'s
   table with absolute pool pages (module docstring). `layer` may be traced
-  (e.g. under `jax.vmap` over the layers). SHARED mode is refused (a slot id
-  means nothing without its group).
+  (e.g. under `jax.vmap` over the layers); checked mode (`check`, as in
+  `cache.page_table`) checks it against the model's `num_layers`. SHARED
+  mode is refused (a slot id means nothing without its group).
 
   Raises:
     ValueError: as `cache.page_table`, and SHARED mode.
+    checkify.JaxRuntimeError: (a ValueError) checked mode, an array `layer`
+      out of range.
   """
   _check_state(state)
   cfg = state.config
@@ -673,17 +679,23 @@ def page_table(state: HybridCacheState, seq_ids, layer, split: bool = True,
     t = _tables.page_table(state.groups[gid], seq_ids, cfg.layer_index[layer],
                            split=split)
     return _offset(t, cfg.group_page_base[gid], split)
-  layer = jnp.asarray(layer, jnp.int32)
-  group_of = jnp.asarray(np.array(cfg.layer_group, np.int32))[layer]
-  index_of = jnp.asarray(np.array(cfg.layer_index, np.int32))[layer]
-  out = None
-  for gid, g in enumerate(cfg.groups):
-    t = _tables.page_table(state.groups[gid], seq_ids,
-                           jnp.clip(index_of, 0, g.num_layers - 1),
-                           split=split)
-    t = _offset(t, cfg.group_page_base[gid], split)
-    out = t if out is None else jnp.where(group_of == gid, t, out)
-  return out
+  ok = _tables.run_layer_contract(layer, cfg.num_layers, check)
+
+  def body():
+    layer_ = jnp.asarray(layer, jnp.int32)
+    group_of = jnp.asarray(np.array(cfg.layer_group, np.int32))[layer_]
+    index_of = jnp.asarray(np.array(cfg.layer_index, np.int32))[layer_]
+    out = None
+    for gid, g in enumerate(cfg.groups):
+      t = _tables.page_table(state.groups[gid], seq_ids,
+                             jnp.clip(index_of, 0, g.num_layers - 1),
+                             split=split, check=False)
+      t = _offset(t, cfg.group_page_base[gid], split)
+      out = t if out is None else jnp.where(group_of == gid, t, out)
+    return out
+
+  with _contract.unchecked():
+    return _tables.guard_table(ok, body)
 
 
 def _offset(table, base, split):
@@ -697,7 +709,7 @@ def layer_page_tables(state: HybridCacheState, seq_ids):
   per_group = []
   for gid, g in enumerate(cfg.groups):
     t = jax.vmap(lambda j, st=state.groups[gid]: _tables.page_table(
-        st, seq_ids, j, split=True))(jnp.arange(g.num_layers, dtype=jnp.int32))
+        st, seq_ids, j, split=True, check=False))(jnp.arange(g.num_layers, dtype=jnp.int32))
     per_group.append(_offset(t, cfg.group_page_base[gid], True))
   order = np.argsort(np.concatenate([np.array(g.layers) for g in cfg.groups]))
   return jnp.concatenate(per_group, axis=0)[order]

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks
+from . import _contract
 
 from .state import NULL_PAGE, CacheState
 from .window import PageIndexMode, check_page_index_mode, scratch_page_indices
@@ -50,6 +51,8 @@ def page_table(
     layer,               # int or i32[] (may be traced, e.g. inside lax.scan)
     split: bool = True,
     mode: PageIndexMode | str = PageIndexMode.PER_LAYER,
+    *,
+    check: bool | None = None,
 ) -> jax.Array:          # i32[n, 2, max_pages] | i32[n, max_pages]
   """The page table of `seq_ids` for one layer, as the kernels read it.
 
@@ -57,8 +60,9 @@ def page_table(
     state: the cache state.
     seq_ids: `i32[n]` (array or list); rows for -1, out-of-range or dead ids
       are all -1.
-    layer: layer index in `[0, num_layers)`; a Python int is range-checked, a
-      traced one is not (an out-of-range layer gives wrong pages).
+    layer: layer index in `[0, num_layers)`; a Python int is range-checked at
+      trace time, an array (e.g. traced) in checked mode only (unchecked, an
+      out-of-range layer gives other layers' pages).
     split: static. True: `i32[n, 2, max_pages]`, row 0 the K pages, row 1 the V
       pages of the single multi-layer pool. False: shared `i32[n, max_pages]`
       indices `slot * num_layers + layer` (module docstring). Ignored by SHARED.
@@ -66,15 +70,20 @@ def page_table(
       (default): the indices above; blocks of a running step's scratch range
       point at scratch sub-pages (module docstring). SHARED: `i32[n,
       max_pages]` slot ids (`layer` unused, still range-checked).
+    check: checked mode for this call (`pkvattn.checked`; None follows it):
+      an array `layer` in `[0, num_layers)`. Staged in a checkified jit, a
+      call whose `layer` is out of range returns an all -1 table.
 
   Returns:
     The table, `NULL_PAGE = -1` wherever the sequence has no block (past
     `cdiv(seq_lens, page_size)`, and scratch blocks of finished steps).
 
   Raises:
-    ValueError: `seq_ids` not an integer vector, a concrete `layer` out of
+    ValueError: `seq_ids` not an integer vector, a Python int `layer` out of
       range, an unknown `mode`, or SHARED while the config's scratch reuse is
       active (`config.swa_scratch_active`: scratch needs PER_LAYER).
+    checkify.JaxRuntimeError: (a ValueError) checked mode, an array `layer`
+      out of range.
 
   Example:
     >>> from pkvattn import cache
@@ -94,9 +103,36 @@ def page_table(
     raise ValueError(
         f"Invalid layer: expected 0 <= layer < {cfg.num_layers}, got {layer}")
   mode = check_page_index_mode(mode, cfg.swa_scratch_active)
-  return _page_table(state, seq_ids, jnp.asarray(layer, jnp.int32),
-                     split=bool(split),
-                     shared_mode=mode is PageIndexMode.SHARED)
+  ok = run_layer_contract(layer, cfg.num_layers, check)
+  with _contract.unchecked():
+    return guard_table(ok, lambda: _page_table(
+        state, seq_ids, jnp.asarray(layer, jnp.int32), split=bool(split),
+        shared_mode=mode is PageIndexMode.SHARED))
+
+
+def _layer_contract(layer, *, num_layers: int):
+  """`page_table`'s clause: `0 <= layer < num_layers`."""
+  layer = jnp.asarray(layer).astype(jnp.int32)
+  _contract.require((layer >= 0) & (layer < num_layers),
+                    f"Invalid layer: layer = {{}}, expected in [0, "
+                    f"num_layers={num_layers})", layer)
+
+
+def run_layer_contract(layer, num_layers: int, check: bool | None):
+  """Checked mode's clause on an array `layer` (a Python int is checked at
+  trace time): `_contract.run`'s result, None when nothing is staged."""
+  if isinstance(layer, (int, np.integer)) or not _contract.enabled(check):
+    return None
+  return _contract.run(_layer_contract, layer, num_layers=int(num_layers))
+
+
+def guard_table(ok, body):
+  """`body()` (a page table) where the staged layer clause holds, else an
+  all `NULL_PAGE` table of its shape (`_contract.guard`)."""
+  if ok is None:
+    return body()
+  return _contract.guard(ok, body, lambda: jnp.full(
+      jax.eval_shape(body).shape, NULL_PAGE, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("split", "shared_mode"))

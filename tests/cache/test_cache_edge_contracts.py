@@ -1,0 +1,113 @@
+"""Edges of the cache API: a fork of an empty batch, and `page_table`'s `layer`.
+
+`fork(state, [], [])` returns an empty `ForkResult` and the state unchanged,
+on a flat and on a per-window-group cache alike. `page_table`'s `layer`: a
+Python int out of range raises ValueError at trace time; an array layer is
+checked in checked mode (eager: `checkify.JaxRuntimeError` naming `layer`;
+staged in a checkified jit: the error, and an all -1 table). The oracle for
+an in-range array layer is the Python-int path of the same layer. States are
+built from random claims.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import pkvattn
+from pkvattn import cache
+
+FLAT = cache.CacheConfig(num_slots=16, page_size=4, num_layers=3, max_seqs=4,
+                         max_pages=6)
+HYBRID = cache.HybridCacheConfig((-1, 7, -1, 7, 7), (24, 16), page_size=4,
+                                 max_seqs=4, max_pages=6)
+CONFIGS = {"flat": FLAT, "hybrid": HYBRID}
+
+
+def _state(cfg, rng):
+  """A state with random sequences claimed (ids 0..k-1, random lengths)."""
+  st = cache.init_cache(cfg)
+  k = int(rng.integers(1, 4))
+  lengths = rng.integers(1, 4 * 6 + 1, k)
+  tokens = rng.integers(0, 50, (k, 24))
+  st, res = cache.claim_batch(st, jnp.arange(k, dtype=jnp.int32),
+                              jnp.asarray(tokens, jnp.int32),
+                              jnp.asarray(lengths, jnp.int32))
+  assert bool(jnp.all(res.ok))
+  return st, k
+
+
+def _same_state(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fork_of_an_empty_batch_is_empty(name):
+  rng = np.random.default_rng()
+  st, _ = _state(CONFIGS[name], rng)
+  for empty in ([], jnp.zeros((0,), jnp.int32)):
+    new, res = cache.fork(st, empty, empty)
+    for field, dtype in (("ok", jnp.bool_), ("src_pages", jnp.int32),
+                         ("dst_pages", jnp.int32)):
+      x = getattr(res, field)
+      assert x.shape == (0,) and x.dtype == dtype, (field, x)
+    _same_state(new, st)
+  with pkvattn.checked():
+    new, res = cache.fork(st, [], [])
+  assert res.ok.shape == (0,)
+  _same_state(new, st)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_page_table_python_layer_out_of_range(name):
+  cfg = CONFIGS[name]
+  st, k = _state(cfg, np.random.default_rng())
+  n = cfg.num_layers
+  for layer in (-1, n, n + 7, np.int64(-3)):
+    with pytest.raises(ValueError, match=rf"Invalid layer: expected 0 <= "
+                       rf"layer < {n}, got {int(layer)}"):
+      cache.page_table(st, jnp.arange(k), layer)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("split", [True, False])
+def test_page_table_array_layer_checked(name, split):
+  cfg = CONFIGS[name]
+  rng = np.random.default_rng()
+  st, k = _state(cfg, rng)
+  n = cfg.num_layers
+  ids = jnp.asarray(rng.permutation(k), jnp.int32)
+  staged = jax.jit(checkify.checkify(
+      lambda s, layer: cache.page_table(s, ids, layer, split=split)))
+  with pkvattn.checked():
+    for layer in rng.permutation(n):
+      want = cache.page_table(st, ids, int(layer), split=split)
+      got = cache.page_table(st, ids, jnp.int32(layer), split=split)
+      np.testing.assert_array_equal(got, want)
+      err, got = staged(st, jnp.int32(layer))
+      assert err.get() is None
+      np.testing.assert_array_equal(got, want)
+    for bad in (-1, n, n + int(rng.integers(1, 100)), -int(rng.integers(2, 9))):
+      msg = rf"Invalid layer: layer = {bad}, expected in \[0, num_layers={n}\)"
+      with pytest.raises(checkify.JaxRuntimeError, match=msg):
+        cache.page_table(st, ids, jnp.int32(bad), split=split)
+      err, got = staged(st, jnp.int32(bad))
+      assert err.get() is not None and f"layer = {bad}" in err.get()
+      assert (np.asarray(got) == -1).all()
+    # Every layer at once (in range by construction): no check staged.
+    tables = cache.layer_page_tables(st, ids)
+  for layer in range(n):
+    np.testing.assert_array_equal(tables[layer],
+                                  cache.page_table(st, ids, layer))
+
+
+def test_page_table_unchecked_traced_layer_is_not_checked():
+  """Unchecked, an array layer is not verified (documented): no error."""
+  st, k = _state(FLAT, np.random.default_rng())
+  out = jax.jit(lambda layer: cache.page_table(st, jnp.arange(k), layer))(
+      jnp.int32(FLAT.num_layers))
+  assert out.shape == (k, 2, FLAT.max_pages)
