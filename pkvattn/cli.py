@@ -366,7 +366,12 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 
 def _fmt_rate(rate: float | None) -> str:
-  return "n/a" if rate is None else f"{rate:,.1f}"
+  """A rate with the digits it has: "n/a" where nothing was timed, three
+  significant digits below 1000 (a slow rate never rounds to "0.0"), whole
+  numbers with thousands separators above."""
+  if rate is None:
+    return "n/a"
+  return f"{rate:,.0f}" if rate >= 1000 else f"{rate:.3g}"
 
 
 def main(argv=None) -> int:

@@ -14,25 +14,38 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+INT32_MAX = 2**31 - 1
+# The largest finite float32: a larger finite Python float becomes inf on the
+# device.
+F32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How one request generates.
 
+  Every field is checked here against what the engine's device programs
+  hold (int32 counts and token ids, a uint32 seed, float32 numbers), so a
+  request that would overflow a step's input arrays is refused when it is
+  built, never inside a step. Token ids are checked against the model's
+  vocabulary when the request is submitted (`serving.request.make_request`).
+
   Attributes:
-    max_new_tokens: int >= 1, tokens to generate at most.
-    temperature: finite number >= 0; 0 = greedy (argmax), otherwise logits are
-      divided by it.
-    top_k: int >= 0; keep the `top_k` most likely tokens; 0 = all.
+    max_new_tokens: int in [1, 2**31 - 1], tokens to generate at most.
+    temperature: number in [0, float32 max]; 0 = greedy (argmax), otherwise
+      logits are divided by it.
+    top_k: int in [0, 2**31 - 1]; keep the `top_k` most likely tokens; 0 = all.
     top_p: number in (0, 1]; keep the smallest set of most likely tokens whose
       probability reaches `top_p` (nucleus); 1.0 = all.
-    seed: int, the request's random seed.
-    stop_token_ids: token ids (ints >= 0) that end generation (kept in the
-      output); None = the model's EOS ids.
+    seed: int in [-2**31, 2**32), the request's random seed (taken modulo
+      2**32: the device key is a uint32).
+    stop_token_ids: a sequence of token ids (ints in [0, 2**31 - 1]) that end
+      generation (kept in the output); None = the model's EOS ids.
     ignore_eos: bool, generate exactly `max_new_tokens`.
 
   Raises:
-    ValueError: a field of the wrong type or out of range, naming it.
+    ValueError: a field of the wrong type or out of range, naming it with the
+      expected range and the value got.
   """
   max_new_tokens: int = 32
   temperature: float = 0.0
@@ -50,24 +63,34 @@ class SamplingParams:
       return isinstance(x, (int, float, np.integer, np.floating)) and (
           not isinstance(x, bool)) and math.isfinite(x)
 
-    if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-      raise ValueError("Invalid max_new_tokens: expected an int >= 1, got "
-                       f"{self.max_new_tokens!r}")
-    if not is_real(self.temperature) or self.temperature < 0:
-      raise ValueError("Invalid temperature: expected a finite number >= 0, "
-                       f"got {self.temperature!r}")
-    if not is_int(self.top_k) or self.top_k < 0:
-      raise ValueError(
-          f"Invalid top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
+    if (not is_int(self.max_new_tokens)
+        or not 1 <= self.max_new_tokens <= INT32_MAX):
+      raise ValueError("Invalid max_new_tokens: expected an int in [1, "
+                       f"{INT32_MAX}], got {self.max_new_tokens!r}")
+    if not is_real(self.temperature) or not 0 <= self.temperature <= F32_MAX:
+      raise ValueError("Invalid temperature: expected a finite number in [0, "
+                       f"{F32_MAX:.4g}] (float32), got {self.temperature!r}")
+    if not is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+      raise ValueError(f"Invalid top_k: expected an int in [0, {INT32_MAX}] "
+                       f"(0 = off), got {self.top_k!r}")
     if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
       raise ValueError(
           f"Invalid top_p: expected a number in (0, 1], got {self.top_p!r}")
-    if not is_int(self.seed):
-      raise ValueError(f"Invalid seed: expected an int, got {self.seed!r}")
-    if self.stop_token_ids is not None and not all(
-        is_int(t) and t >= 0 for t in self.stop_token_ids):
-      raise ValueError("Invalid stop_token_ids: expected token ids (ints >= "
-                       f"0) or None, got {self.stop_token_ids!r}")
+    if not is_int(self.seed) or not -2**31 <= self.seed < 2**32:
+      raise ValueError(f"Invalid seed: expected an int in [{-2**31}, {2**32})"
+                       f", got {self.seed!r}")
+    if self.stop_token_ids is not None:
+      if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(
+          self.stop_token_ids, "__iter__"):
+        raise ValueError("Invalid stop_token_ids: expected a sequence of token"
+                         f" ids or None, got {self.stop_token_ids!r}")
+      bad = [t for t in self.stop_token_ids
+             if not is_int(t) or not 0 <= t <= INT32_MAX]
+      if bad:
+        raise ValueError(
+            f"Invalid stop_token_ids: expected token ids (ints in [0, "
+            f"{INT32_MAX}]) or None, got {bad[0]!r} in "
+            f"{self.stop_token_ids!r}")
     if not isinstance(self.ignore_eos, (bool, np.bool_)):
       raise ValueError(
           f"Invalid ignore_eos: expected a bool, got {self.ignore_eos!r}")

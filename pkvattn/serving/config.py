@@ -89,6 +89,10 @@ class EngineConfig:
       `calibration_tokens` tokens of the first requests, before their
       first step).
     calibration_tokens: tokens of the calibration prefill.
+    finished_history: finished requests kept for `Engine.get_request` after
+      they finish (the most recent ones; older ones are dropped), so a
+      long-running engine holds bounded host memory. `Engine.generate`
+      drops its own requests when it returns them. 0 = keep none.
   """
   page_size: int = 16
   num_slots: int = 256
@@ -112,6 +116,7 @@ class EngineConfig:
   k_scale: float | None = None
   v_scale: float | None = None
   calibration_tokens: int = 512
+  finished_history: int = 1024
 
   def __post_init__(self):
     for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
@@ -168,6 +173,12 @@ class EngineConfig:
       raise ValueError(
           "Invalid k_scale / v_scale: expected both or neither, got "
           f"k_scale={self.k_scale!r}, v_scale={self.v_scale!r}")
+    if (not isinstance(self.finished_history, int)
+        or isinstance(self.finished_history, bool)
+        or self.finished_history < 0):
+      raise ValueError(
+          "Invalid finished_history: expected an int >= 0, got "
+          f"{self.finished_history!r}")
     if (not isinstance(self.calibration_tokens, int)
         or isinstance(self.calibration_tokens, bool)
         or self.calibration_tokens <= 0):

@@ -18,8 +18,10 @@ describes the design and its reasons.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -113,7 +115,10 @@ class Engine:
         vocab_size=mcfg.vocab_size,
         max_prefill_tokens=config.max_num_tokens if self.kv.scratch else None,
         default_stop_ids=frozenset(mcfg.eos_token_ids))
+    # Unfinished requests, and finished ones not yet dropped: `_history`
+    # holds the ids of the latest `config.finished_history` finished ones.
     self._requests: dict[int, Request] = {}
+    self._history: collections.deque[int] = collections.deque()
     self._next_id = 0
     # A dispatched burst the host has not read yet: `(BurstOutputs of device
     # arrays, its ScheduledStep)` (see `_burst`).
@@ -161,11 +166,12 @@ class Engine:
     """`jax.stages.Lowered` of program `key` (HLO checks in tests, bench)."""
     return self.compiler.lower(key, self._buffers())
 
-  def _run(self, scheduled: ScheduledStep):
+  def _run(self, scheduled: ScheduledStep, throw: bool = True):
     """Runs the program of `scheduled` on the engine's buffers (donated) and
-    keeps its new buffers; returns `(outputs, seconds spent compiling it)`.
+    keeps its new buffers; returns `(outputs, seconds spent compiling it)`,
+    or with `throw=False` `(outputs, seconds, checkify error or None)`.
     Checked mode: raises the first contract violation
-    (`checkify.JaxRuntimeError`) after the call."""
+    (`checkify.JaxRuntimeError`) after the call (unless `throw=False`)."""
     key = self.compiler.key(scheduled.kind, scheduled.num_tokens,
                             scheduled.greedy_only)
     self.last_program = key
@@ -176,6 +182,8 @@ class Engine:
         program, self._buffers(), scheduled.inputs, check=self.config.check,
         inputs_sharding=self._inputs_sharding)
     self.pool, self.state, self.seq_tokens, out = result
+    if not throw:
+      return out, compile_s, err
     if err is not None:
       err.throw()
     return out, compile_s
@@ -197,18 +205,45 @@ class Engine:
       prompt: token ids (a sequence of ints or a 1-D integer array).
       params: how the request samples and stops.
       reuse_scope: salts the prefix cache (tenant / adapter): blocks are
-        reused only between requests of the same scope.
+        reused only between requests of the same scope; an int32.
 
     Raises:
       ValueError: a prompt that is not a sequence of token ids (e.g. a str),
         an empty prompt, prompt + max_new_tokens over max_model_len or over
-        the pool (`num_slots * page_size`), token ids outside the vocabulary.
+        the pool (`num_slots * page_size`), token ids (prompt or stop ids)
+        outside the vocabulary, `reuse_scope` outside int32. Nothing is
+        queued then.
     """
     return self._enqueue(make_request(prompt, params, self._limits,
                                       reuse_scope))
 
   def get_request(self, request_id: int) -> Request:
-    return self._requests[request_id]
+    """The request `request_id` (`add_request`'s id): unfinished, or among
+    the latest `config.finished_history` finished ones not yet returned by
+    `generate`.
+
+    Raises:
+      KeyError: an id this engine never gave, or of a finished request it
+        dropped (returned by `generate`, or older than the history).
+    """
+    try:
+      return self._requests[request_id]
+    except KeyError:
+      if isinstance(request_id, int) and 0 <= request_id < self._next_id:
+        raise KeyError(
+            f"Request {request_id} finished and was dropped (returned by "
+            f"generate, or older than the last finished_history="
+            f"{self.config.finished_history} finished requests)") from None
+      raise KeyError(f"Unknown request_id: expected an id in [0, "
+                     f"{self._next_id}), got {request_id!r}") from None
+
+  def _retire(self) -> None:
+    """Moves newly finished requests into the bounded history, dropping the
+    oldest beyond `config.finished_history`."""
+    for req in self.scheduler.take_finished():
+      self._history.append(req.request_id)
+    while len(self._history) > self.config.finished_history:
+      self._requests.pop(self._history.popleft(), None)
 
   def has_unfinished(self) -> bool:
     """Whether a request waits or runs, or a dispatched burst is unread."""
@@ -222,19 +257,28 @@ class Engine:
 
     Every request is validated before any is queued: on a ValueError nothing
     was queued. `progress(n)` is called after each step with the tokens
-    generated in it.
+    generated in it. The requests are dropped from the engine when returned
+    (`get_request` no longer finds them). A request that failed alone in a
+    step (`finish_reason == "error"`) returns the tokens it had, and a
+    `RuntimeWarning` names it and its error.
 
     Raises:
       ValueError: `params` is a sequence whose length differs from
         `prompts`', or a request is invalid (see `add_request`).
     """
     reqs = make_requests(prompts, params, self._limits)
-    ids = [self._enqueue(r) for r in reqs]
+    for r in reqs:
+      self._enqueue(r)
     while self.has_unfinished():
       n = self.step()
       if progress is not None:
         progress(n)
-    return [self._requests[i].output for i in ids]
+    for i, r in enumerate(reqs):
+      self._requests.pop(r.request_id, None)
+      if r.finish_reason == "error":
+        warnings.warn(f"prompts[{i}] (request {r.request_id}) failed: "
+                      f"{r.error}", RuntimeWarning, stacklevel=2)
+    return [r.output for r in reqs]
 
   # ----------------------------------------------------------------- step
   def step(self) -> int:
@@ -246,10 +290,24 @@ class Engine:
     device by one burst, and `has_unfinished()` stays true until the last
     burst is read.
 
+    An exception while one request's inputs are prepared or its outputs
+    booked finishes that request alone (`finish_reason="error"`,
+    `Request.error`); the others go on. An exception that belongs to no
+    request (the program fails to compile or run, a checked-mode violation)
+    is raised after the queues are left consistent: if the program did not
+    run, its admissions go back to the queue front and its released rows
+    stay to be released; if it ran, its outputs are booked first.
+
     Raises:
       RuntimeError: a waiting request can never be admitted (its prompt needs
         more slots than the whole pool has).
     """
+    try:
+      return self._step()
+    finally:
+      self._retire()
+
+  def _step(self) -> int:
     if self._needs_calibration and self.scheduler.waiting:
       self._calibrate([r.tokens for r in self.scheduler.waiting])
     if self._burst_eligible():
@@ -259,16 +317,22 @@ class Engine:
       return drained
     t0 = time.perf_counter()
     scheduled = self.scheduler.schedule()
-    self.scheduler.take_released_rows()
+    released = self.scheduler.take_released_rows()
     self.last_inputs = scheduled.inputs
     has_prefill = any(row.request.status is RequestStatus.PREFILL
                       for row in scheduled.rows)
     t1 = time.perf_counter()
-    out, compile_s = self._run(scheduled)
+    try:
+      out, compile_s, err = self._run(scheduled, throw=False)
+    except Exception:
+      self.scheduler.unschedule(scheduled, released)
+      raise
     out = jax.device_get(out)  # the one device -> host sync
     t2 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
+    if err is not None:  # checked mode: raises a violation after booking
+      err.throw()
     self.stats.num_steps += 1
     t3 = time.perf_counter()
     self.stats.host_time_s += (t1 - t0) + (t3 - t2)
@@ -311,18 +375,25 @@ class Engine:
     else:
       scheduled = self.scheduler.schedule_burst(prev[1], prev[0].carry)
     t1 = time.perf_counter()
-    out, compile_s = self._run(scheduled)
+    try:
+      out, compile_s, err = self._run(scheduled, throw=False)
+    except Exception:  # it did not run: the burst before it stays to read
+      self.scheduler.unschedule(scheduled, self.scheduler.burst_taken)
+      self._inflight = prev
+      raise
     host_s = t1 - t0
     num_sampled = 0
     if prev is not None:  # read while `out` runs
       num_sampled, dt = self._read_burst(*prev)
       host_s += dt
-    if self.scheduler.can_chain():
+    if self.scheduler.can_chain():  # never in checked mode (`err` not None)
       self._inflight = (out, scheduled)
     else:
       n, dt = self._read_burst(out, scheduled)
       num_sampled += n
       host_s += dt
+      if err is not None:  # checked mode: raises a violation after booking
+        err.throw()
     self.stats.num_steps += self.config.decode_steps
     self.stats.host_time_s += host_s
     self.stats.decode_time_s += time.perf_counter() - t0 - compile_s

@@ -33,7 +33,8 @@ class RequestStatus(str, enum.Enum):
     being computed, in chunks of the step's token budget.
   DECODE: every token but the last sampled one is in the cache; it feeds one
     token per step (or `decode_steps` per burst).
-  FINISHED: stopped by a stop token or its length; its row is released.
+  FINISHED: stopped by a stop token or its length, or failed alone
+    (`finish_reason == "error"`); its row is released.
   """
   WAITING = "waiting"
   PREFILL = "prefill"
@@ -59,8 +60,12 @@ class Request:
       it holds none.
     num_computed: tokens whose KV is in the cache.
     num_reused: prompt tokens served by the prefix cache at its last claim.
-    finish_reason: "stop" (a stop token) or "length" (`max_new_tokens`);
-      None until it finishes.
+    finish_reason: "stop" (a stop token), "length" (`max_new_tokens`) or
+      "error" (an exception while its inputs were prepared or its outputs
+      booked: `error` says which; the other requests go on); None until it
+      finishes.
+    error: the message of the exception that finished it with "error", else
+      None.
     num_preemptions: times it was preempted and requeued.
     first_token_step: `EngineStats.num_steps` when its first token was
       sampled.
@@ -79,6 +84,7 @@ class Request:
   num_preemptions: int = 0
   first_token_step: int | None = None
   reuse_scope: int = 0
+  error: str | None = None
 
   @property
   def tokens(self) -> list[int]:
@@ -122,13 +128,15 @@ def make_request(prompt, params: SamplingParams, limits: RequestLimits,
     prompt: token ids: a sequence of ints or a 1-D integer array.
     params: a `SamplingParams`.
     limits: the engine's `RequestLimits`.
-    reuse_scope: prefix-cache scope.
+    reuse_scope: prefix-cache scope, an int in [-2**31, 2**31 - 1] (it is an
+      int32 input of the claim).
 
   Raises:
     ValueError: a prompt that is not a 1-D sequence of ints (e.g. a str), an
       empty prompt, `len(prompt) + max_new_tokens` over `max_model_len`, over
       the smallest slot space or (SWA scratch) over one step's budget, token
-      ids outside the vocabulary, or `params` not a `SamplingParams`.
+      ids (prompt or `params.stop_token_ids`) outside the vocabulary,
+      `params` not a `SamplingParams`, or `reuse_scope` not an int32.
   """
   if isinstance(prompt, (str, bytes)):
     raise ValueError(
@@ -138,6 +146,12 @@ def make_request(prompt, params: SamplingParams, limits: RequestLimits,
     raise ValueError(
         f"Invalid params: expected a SamplingParams, got "
         f"{type(params).__name__}")
+  if (not isinstance(reuse_scope, (int, np.integer))
+      or isinstance(reuse_scope, bool)
+      or not -2**31 <= reuse_scope <= 2**31 - 1):
+    raise ValueError(
+        f"Invalid reuse_scope: expected an int in [{-2**31}, {2**31 - 1}], "
+        f"got {reuse_scope!r}")
   try:
     arr = np.asarray(prompt)
   except (TypeError, ValueError) as e:
@@ -171,7 +185,11 @@ def make_request(prompt, params: SamplingParams, limits: RequestLimits,
         f"Invalid prompt: token ids must be in [0, {limits.vocab_size}),"
         f" got range [{lo}, {hi}]")
   if params.stop_token_ids is not None:
-    stop = frozenset(params.stop_token_ids)
+    stop = frozenset(int(t) for t in params.stop_token_ids)
+    if stop and max(stop) >= limits.vocab_size:
+      raise ValueError(
+          f"Invalid stop_token_ids: token ids must be in [0, "
+          f"{limits.vocab_size}), got {max(stop)}")
   else:
     stop = frozenset() if params.ignore_eos else limits.default_stop_ids
   return Request(-1, prompt, params, stop, reuse_scope=int(reuse_scope))

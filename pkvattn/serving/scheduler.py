@@ -27,6 +27,15 @@ preemption): requests wait, they never fail for a full pool.
 Rows freed by finished or preempted requests are released by the next
 program (`commit` of what they computed, then `release`), so their rows are
 free for admissions from that program on.
+
+Error isolation: an exception while one request's inputs are prepared
+(`schedule`, `burst_inputs`, an admission) or its outputs booked
+(`update_from_output`) finishes that request alone with
+`finish_reason="error"` (`fail`): its row is cleared from the step's inputs
+and released by the program (nothing of it is published to the prefix
+cache), and every other request goes on. An admission writes its inputs
+before it takes the request and the row off their queues, so a failing one
+loses neither.
 """
 
 from __future__ import annotations
@@ -101,6 +110,8 @@ class Scheduler:
     free_rows: rows no request holds, sorted.
     to_release: `(row, committed tokens)` of finished / preempted requests,
       released by the next program.
+    finished: requests finished since the engine last took them
+      (`take_finished`), in finishing order.
   """
 
   def __init__(self, config: EngineConfig, stats: EngineStats, *,
@@ -117,6 +128,33 @@ class Scheduler:
     self.running: list[Request] = []
     self.free_rows = list(range(config.max_seqs))
     self.to_release: list[tuple[int, int]] = []
+    self.finished: list[Request] = []
+    self.burst_taken: list[tuple[int, int]] = []  # for `unschedule`
+
+  def take_finished(self) -> list[Request]:
+    """The requests finished since the last call (the engine's history)."""
+    out, self.finished = self.finished, []
+    return out
+
+  def fail(self, req: Request, error: BaseException) -> None:
+    """Finishes `req` alone with `finish_reason="error"` and the message of
+    `error`: it leaves its queue, and its row (if it holds one) is released
+    by the next program with nothing committed (what it computed is not
+    published to the prefix cache). Safe to call whatever state the failure
+    left `req` in."""
+    if req in self.running:
+      self.running.remove(req)
+    if req in self.waiting:
+      self.waiting.remove(req)
+    row = req.seq_id
+    if row >= 0 and row not in self.free_rows and all(
+        r != row for r, _ in self.to_release):
+      self.to_release.append((row, 0))
+    req.seq_id = -1
+    req.status = FINISHED
+    req.finish_reason = "error"
+    req.error = f"{type(error).__name__}: {error}"
+    self.finished.append(req)
 
   def add(self, req: Request) -> None:
     """Queues `req` (status WAITING) behind the waiting requests."""
@@ -151,37 +189,48 @@ class Scheduler:
     order = ([r for r in self.running if r.status is DECODE]
              + [r for r in self.running if r.status is PREFILL])
     for req in order:
-      if req.status is DECODE:
-        # All but the last sampled token are in the cache: feed that one.
-        feed, total = req.output[-1:], req.num_computed + 1
-      else:
-        todo = req.tokens
-        total = len(todo)
-        remaining = total - req.num_computed
-        chunk = remaining if self.prefill_in_one_step else min(remaining, budget)
-        if chunk > budget or chunk <= 0:
+      r = req.seq_id
+      try:
+        if req.status is DECODE:
+          # All but the last sampled token are in the cache: feed that one.
+          feed, total = req.output[-1:], req.num_computed + 1
+        else:
+          todo = req.tokens
+          total = len(todo)
+          remaining = total - req.num_computed
+          chunk = (remaining if self.prefill_in_one_step
+                   else min(remaining, budget))
+          if chunk > budget or chunk <= 0:
+            continue
+          feed = todo[req.num_computed:req.num_computed + chunk]
+        n = len(feed)
+        if n > budget:
           continue
-        feed = todo[req.num_computed:req.num_computed + chunk]
-      n = len(feed)
-      if n > budget:
+        q_lens[r] = n
+        kv_lens[r] = req.num_computed + n
+        samples = req.num_computed + n == total
+        if samples:
+          sample_rows[r] = True
+          sp = req.params
+          temperature[r], top_k[r], top_p[r] = (sp.temperature, sp.top_k,
+                                                sp.top_p)
+          seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
+          gen_index[r] = len(req.output)
+          if len(req.output) + 1 < sp.max_new_tokens:
+            extend_ids[r] = r  # reserve the slot of the token it samples
+          if req.status is PREFILL and cfg.enable_prefix_reuse:
+            prompt_commit_ids[r] = r  # published up to kv_lens in the step
+      except Exception as e:  # this request alone: clear its row, fail it
+        for arr, v in ((q_lens, 0), (kv_lens, 0), (sample_rows, False),
+                       (temperature, 0), (top_k, 0), (top_p, 1), (seeds, 0),
+                       (gen_index, 0), (extend_ids, -1),
+                       (prompt_commit_ids, -1)):
+          arr[r] = v
+        self.fail(req, e)
         continue
       budget -= n
-      r = req.seq_id
       feeds[r] = feed
-      q_lens[r] = n
-      kv_lens[r] = req.num_computed + n
-      samples = req.num_computed + n == total
       rows.append(ScheduledRow(req, n, samples))
-      if samples:
-        sample_rows[r] = True
-        sp = req.params
-        temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
-        seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
-        gen_index[r] = len(req.output)
-        if len(req.output) + 1 < sp.max_new_tokens:
-          extend_ids[r] = r  # reserve the slot of the token it samples
-        if req.status is PREFILL and cfg.enable_prefix_reuse:
-          prompt_commit_ids[r] = r  # published up to kv_lens in the step
     # Tokens are laid out in row order (q_indptr is cu_seqlens over rows),
     # padded to the smallest bucket that holds them.
     q_indptr = np.zeros(S + 1, np.int32)
@@ -201,15 +250,21 @@ class Scheduler:
                   if r.status is PREFILL)
     while (self.waiting and self.free_rows and len(admitted) < A
            and backlog < 2 * T):
-      req = self.waiting.popleft()
-      row = self.free_rows.pop(0)
-      req.seq_id = row
-      toks = req.tokens
-      i = len(admitted)
+      # Inputs first, then the queues: a failing request loses no row.
+      req, row, i = self.waiting[0], self.free_rows[0], len(admitted)
+      try:
+        toks = req.tokens
+        admit_tokens[i, :len(toks)] = toks
+        admit_lens[i] = len(toks)
+        admit_scope[i] = req.reuse_scope
+      except Exception as e:
+        admit_tokens[i], admit_lens[i], admit_scope[i] = 0, 0, 0
+        self.fail(req, e)  # it holds no row yet
+        continue
       admit_ids[i] = row
-      admit_tokens[i, :len(toks)] = toks
-      admit_lens[i] = len(toks)
-      admit_scope[i] = req.reuse_scope
+      self.waiting.popleft()
+      self.free_rows.pop(0)
+      req.seq_id = row
       admitted.append(req)
       backlog += len(toks)
 
@@ -241,12 +296,30 @@ class Scheduler:
       release_ids[i] = row
     return commit_ids, commit_lens, release_ids
 
-  def take_released_rows(self) -> None:
+  def take_released_rows(self) -> list[tuple[int, int]]:
     """Marks the rows of `to_release` free: the program about to run
-    releases them (its inputs were built by `release_inputs`)."""
-    for row, _ in self.to_release:
+    releases them (its inputs were built by `release_inputs`). Returns
+    them, for `unschedule`."""
+    taken = self.to_release
+    for row, _ in taken:
       self.free_rows.append(row)
     self.to_release = []
+    self.free_rows.sort()
+    return taken
+
+  def unschedule(self, scheduled: ScheduledStep,
+                 taken: list[tuple[int, int]]) -> None:
+    """Undoes `scheduled` and `take_released_rows` (which returned `taken`)
+    when its program did not run: its admissions go back to the queue front
+    in order, their rows and the `taken` rows are no longer free (the rows
+    wait to be released by the next program)."""
+    for req in reversed(scheduled.admitted):
+      self.free_rows.append(req.seq_id)
+      req.seq_id = -1
+      self.waiting.appendleft(req)
+    for row, _ in taken:
+      self.free_rows.remove(row)
+    self.to_release = list(taken) + self.to_release
     self.free_rows.sort()
 
   # -------------------------------------------------------------- bursts
@@ -279,17 +352,25 @@ class Scheduler:
     top_p = np.ones(S, np.float32)
     seeds = np.zeros(S, np.uint32)
     gen_index = np.zeros(S, np.int32)
-    for req in self.running:
+    for req in list(self.running):
       r, sp = req.seq_id, req.params
+      try:
+        stops = [] if sp.ignore_eos else sorted(req.stop_ids)
+        last[r] = req.output[-1]
+        computed[r] = req.num_computed
+        remaining[r] = sp.max_new_tokens - len(req.output)
+        stop_ids[r, :len(stops)] = stops
+        temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+        seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
+        gen_index[r] = len(req.output)
+      except Exception as e:  # this request alone: clear its row, fail it
+        for arr, v in ((last, 0), (computed, 0), (remaining, 0),
+                       (stop_ids, -1), (temperature, 0), (top_k, 0),
+                       (top_p, 1), (seeds, 0), (gen_index, 0)):
+          arr[r] = v
+        self.fail(req, e)
+        continue
       active[r] = True
-      last[r] = req.output[-1]
-      computed[r] = req.num_computed
-      remaining[r] = sp.max_new_tokens - len(req.output)
-      stops = [] if sp.ignore_eos else sorted(req.stop_ids)
-      stop_ids[r, :len(stops)] = stops
-      temperature[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
-      seeds[r] = np.uint32(sp.seed & 0xFFFFFFFF)
-      gen_index[r] = len(req.output)
     return _programs.BurstInputs(active, last, computed, remaining, stop_ids,
                                  temperature, top_k, top_p, seeds, gen_index,
                                  *self.release_inputs())
@@ -305,7 +386,7 @@ class Scheduler:
     else:
       inputs = _programs.chain_inputs(prev.inputs, carry,
                                       *self.release_inputs())
-    self.take_released_rows()
+    self.burst_taken = self.take_released_rows()
     return ScheduledStep(inputs, greedy_only=self.burst_greedy())
 
   def can_chain(self) -> bool:
@@ -346,17 +427,25 @@ class Scheduler:
     if scheduled.kind == "burst":
       num_sampled = 0
       for req in list(self.running):
-        r = req.seq_id
-        toks = [int(t) for t in out.tokens[:, r] if t >= 0]
-        self._book(req, len(toks), toks, bool(out.preempted[r]))
-        num_sampled += len(toks)
+        try:
+          r = req.seq_id
+          toks = [int(t) for t in out.tokens[:, r] if t >= 0]
+          self._book(req, len(toks), toks, bool(out.preempted[r]))
+          num_sampled += len(toks)
+        except Exception as e:
+          self.fail(req, e)
       return num_sampled
     num_sampled = 0
     for req, n, samples in scheduled.rows:
-      r = req.seq_id
-      sampled = [int(out.sampled[r])] if samples else []
-      self._book(req, n, sampled, samples and not out.extend_ok[r])
-      num_sampled += len(sampled)
+      if req.done:  # failed while its inputs were prepared
+        continue
+      try:
+        r = req.seq_id
+        sampled = [int(out.sampled[r])] if samples else []
+        self._book(req, n, sampled, samples and not out.extend_ok[r])
+        num_sampled += len(sampled)
+      except Exception as e:
+        self.fail(req, e)
     self._settle_claims(scheduled, out)
     return num_sampled
 
@@ -382,6 +471,7 @@ class Scheduler:
         req.finish_reason = reason
         self.running.remove(req)
         self.to_release.append((req.seq_id, req.num_computed))
+        self.finished.append(req)
         return
     if preempted:
       self._preempt(req)
@@ -398,28 +488,38 @@ class Scheduler:
     self.stats.num_preemptions += 1
     self.waiting.appendleft(req)
 
+  def _settle_claim(self, i: int, req: Request, out) -> bool:
+    """Settles admission `i` (`req`); returns whether its claim was refused
+    (its row is then free again and it must go back to the queue)."""
+    if out.claim_ok[i]:
+      req.status = PREFILL
+      self.stats.prompt_tokens += len(req.tokens)
+      req.num_reused = int(out.claim_reused[i])
+      req.num_computed = req.num_reused
+      self.stats.reused_tokens += req.num_reused
+      if self.stats.slots_saved_by_scratch is not None:
+        ps = self.config.page_size
+        wanted = -(-len(req.tokens) // ps) - req.num_reused // ps
+        self.stats.slots_saved_by_scratch += wanted - int(
+            out.claim_new_blocks[i])
+      self.running.append(req)
+      return False
+    # Out of slots: back to the queue front, in arrival order.
+    self.stats.num_refused_claims += 1
+    self.free_rows.append(req.seq_id)
+    req.seq_id = -1
+    return True
+
   def _settle_claims(self, scheduled: ScheduledStep, out) -> None:
     """Admitted requests whose claims held start their prefill (from their
     reused tokens); refused ones go back to the queue front, in order."""
     refused = []
     for i, req in enumerate(scheduled.admitted):
-      if out.claim_ok[i]:
-        req.status = PREFILL
-        self.stats.prompt_tokens += len(req.tokens)
-        req.num_reused = int(out.claim_reused[i])
-        req.num_computed = req.num_reused
-        self.stats.reused_tokens += req.num_reused
-        if self.stats.slots_saved_by_scratch is not None:
-          ps = self.config.page_size
-          wanted = -(-len(req.tokens) // ps) - req.num_reused // ps
-          self.stats.slots_saved_by_scratch += wanted - int(
-              out.claim_new_blocks[i])
-        self.running.append(req)
-      else:  # out of slots: back to the queue front, in arrival order
-        self.stats.num_refused_claims += 1
-        self.free_rows.append(req.seq_id)
-        req.seq_id = -1
-        refused.append(req)
+      try:
+        if self._settle_claim(i, req, out):
+          refused.append(req)
+      except Exception as e:
+        self.fail(req, e)
     self.waiting.extendleft(reversed(refused))
     self.free_rows.sort()
     if (refused and not scheduled.rows and not self.running

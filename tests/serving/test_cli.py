@@ -290,6 +290,10 @@ def test_rates_leave_compiling_steps_out():
   assert timed.add(start, compiled, step_s=3.1, num_sampled=2)
   assert cli._rate(timed.prefill_tokens, timed.prefill_s) is None
   assert cli._fmt_rate(None) == "n/a"
+  # Rates keep their significant digits: 8 tokens in 224.96 s is not "0.0".
+  assert cli._fmt_rate(8 / 224.96) == "0.0356"
+  assert cli._fmt_rate(12.345) == "12.3"
+  assert cli._fmt_rate(123456.7) == "123,457"
   # A timed mixed step (8 prefill tokens, 2 decode rows), then a timed
   # decode-only step.
   mixed = EngineStats(prefill_tokens=48, decode_tokens=2, generated_tokens=4,
