@@ -37,8 +37,8 @@ class SamplingParams:
     top_k: int in [0, 2**31 - 1]; keep the `top_k` most likely tokens; 0 = all.
     top_p: number in (0, 1]; keep the smallest set of most likely tokens whose
       probability reaches `top_p` (nucleus); 1.0 = all.
-    seed: int in [-2**31, 2**32), the request's random seed (taken modulo
-      2**32: the device key is a uint32).
+    seed: any int, the request's random seed (taken modulo 2**32: the
+      device key is a uint32).
     stop_token_ids: a sequence of token ids (ints in [0, 2**31 - 1]) that end
       generation (kept in the output); None = the model's EOS ids.
     ignore_eos: bool, generate exactly `max_new_tokens`.
@@ -76,9 +76,8 @@ class SamplingParams:
     if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
       raise ValueError(
           f"Invalid top_p: expected a number in (0, 1], got {self.top_p!r}")
-    if not is_int(self.seed) or not -2**31 <= self.seed < 2**32:
-      raise ValueError(f"Invalid seed: expected an int in [{-2**31}, {2**32})"
-                       f", got {self.seed!r}")
+    if not is_int(self.seed):
+      raise ValueError(f"Invalid seed: expected an int, got {self.seed!r}")
     if self.stop_token_ids is not None:
       if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(
           self.stop_token_ids, "__iter__"):

@@ -70,7 +70,7 @@ def _expected(full, max_new, stop):
 FIELDS = {
     "max_new_tokens": ([1, 3, MAX_NEW], [0, -1, I32, 2**40, 2.0, True]),
     "top_k": ([0, 1, 5, I32 - 1], [-1, I32, 2**63, 1.5]),
-    "seed": ([0, 7, 2**32 - 1, -I32], [2**32, -I32 - 1, "1"]),
+    "seed": ([0, 7, 2**32 - 1, -I32, 2**40, -2**40], ["1", 1.5, True]),
     "temperature": ([0.0], [math.nan, math.inf, -1.0, 1e39]),
     "top_p": ([1.0, 0.5], [0.0, 1.5, math.nan]),
     "stop_token_ids": ([None, ()], [(I32,), (-1,), (2**40,), (10**6,), "ab"]),
