@@ -6,11 +6,14 @@ attention layer has one `k_scale` and one `v_scale` (vLLM's per-tensor
 them on its attention layers). `calibrate_kv_scales` runs the model over some
 prompts with an unquantized pool and sets each scale so that the largest K
 (after RoPE) or V value seen maps to `FP8_MAX / headroom`; `set_kv_scales`
-writes given scales into a parameter tree.
+writes given scales into a parameter tree. `check_kv_scales` measures how
+given scales fit a prefill's K and V: values that saturate, and how much of
+e4m3's range the largest value uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,6 +27,14 @@ from pkvattn.models import decoder as _decoder
 # The calibrated maximum maps to FP8_MAX / DEFAULT_HEADROOM: later tokens may
 # exceed the calibration prompts' maximum by this factor before saturating.
 DEFAULT_HEADROOM = 2.0
+
+# `ScaleCheck.problems` thresholds. A layer's K or V scale is reported when
+# more than FP8_SATURATION_WARN of its values (a fraction, 0.1%) clip at
+# +-FP8_MAX, or when its largest value maps below FP8_MIN_RANGE_USED
+# (amax / scale < 1: under 1/448 of e4m3's range, so most values land in
+# e4m3's subnormals or round to zero).
+FP8_SATURATION_WARN = 1e-3
+FP8_MIN_RANGE_USED = 1.0
 
 
 def _layer_list(params):
@@ -100,6 +111,14 @@ def kv_amax(params, cfg: _decoder.DecoderConfig, tokens, q_indptr, *,
   Returns:
     `(k_amax f32[num_layers], v_amax f32[num_layers])`.
   """
+  pages = _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl)
+  amax = jnp.max(pages, axis=(0, 3))
+  return amax[:, 0], amax[:, 1]
+
+
+def _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl):
+  """`|K|` (after RoPE) and `|V|` of a prefill, f32[num_slots, num_layers,
+  2, page values]; rows no token wrote are zeros."""
   params = set_kv_scales(params, None, None)
   n = tokens.shape[0]
   batch_size = q_indptr.shape[0] - 1
@@ -115,10 +134,75 @@ def kv_amax(params, cfg: _decoder.DecoderConfig, tokens, q_indptr, *,
                              num_tokens=n)
   _, pool = _decoder.forward(params, cfg, tokens, pool, plan, impl=impl,
                              logits_indices=jnp.zeros((1,), jnp.int32))
-  pages = jnp.abs(pool.astype(jnp.float32)).reshape(
-      num_slots, L, 2, -1)  # unwritten rows are zeros
+  return jnp.abs(pool.astype(jnp.float32)).reshape(num_slots, L, 2, -1)
+
+
+def get_kv_scales(params):
+  """`(k_scale, v_scale)`, `f32[num_layers]` each, of a parameter tree with
+  scales (`set_kv_scales`), layers stacked or unstacked.
+
+  Raises:
+    ValueError: the tree has no `attn.k_scale` / `attn.v_scale`.
+  """
+  layers = params["layers"]
+  attns = [lp["attn"] for lp in layers] if _layer_list(params) is not None \
+      else None
+  out = []
+  for name in ("k_scale", "v_scale"):
+    if attns is not None:
+      if not all(name in a for a in attns):
+        raise ValueError(f"Invalid params: expected attn.{name} in every "
+                         "layer, got a layer without it")
+      out.append(jnp.stack([jnp.asarray(a[name], jnp.float32)
+                            for a in attns]))
+    else:
+      if name not in layers["attn"]:
+        raise ValueError(f"Invalid params: expected attn.{name}, got none")
+      out.append(jnp.asarray(layers["attn"][name], jnp.float32))
+  return tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "impl"))
+def kv_saturation(params, cfg: _decoder.DecoderConfig, tokens, q_indptr, *,
+                  page_size: int = 16, impl=None):
+  """Per-layer amax and saturated-value counts of a prefill under the FP8
+  scales in `params`.
+
+  Args: as `kv_amax`; `params` holds `attn.k_scale` / `attn.v_scale`
+  (`set_kv_scales`); the prefill itself runs with an unquantized pool.
+
+  Returns:
+    `(k_amax, v_amax, k_saturated, v_saturated)`: `f32[num_layers]` the
+    largest `|K|` (after RoPE) / `|V|`, and `i32[num_layers]` how many K / V
+    values have `|x| / scale > FP8_MAX` (stored clipped to +-448).
+  """
+  k_scale, v_scale = get_kv_scales(params)
+  pages = _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl)
   amax = jnp.max(pages, axis=(0, 3))
-  return amax[:, 0], amax[:, 1]
+  limit = _kv.FP8_MAX * jnp.stack([k_scale, v_scale], axis=1)  # [L, 2]
+  saturated = jnp.sum(pages > limit[None, :, :, None], axis=(0, 3),
+                      dtype=jnp.int32)
+  return amax[:, 0], amax[:, 1], saturated[:, 0], saturated[:, 1]
+
+
+def _calibration_batch(prompts, num_tokens, max_prompts):
+  """`(tokens i32[num_tokens], q_indptr i32[max_prompts + 1], real tokens)`
+  of the first `max_prompts` prompts cut to `num_tokens` in all.
+
+  Raises:
+    ValueError: no prompt with a token.
+  """
+  toks, indptr = [], [0]
+  for p in list(prompts)[:max_prompts]:
+    take = list(p)[:num_tokens - len(toks)]
+    toks += take
+    indptr.append(len(toks))
+  if not toks:
+    raise ValueError("Invalid prompts: expected at least one token, got none")
+  indptr += [indptr[-1]] * (max_prompts + 1 - len(indptr))
+  tokens = np.zeros(num_tokens, np.int32)
+  tokens[:len(toks)] = toks
+  return jnp.asarray(tokens), jnp.asarray(indptr, jnp.int32), len(toks)
 
 
 def calibrate_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
@@ -143,19 +227,9 @@ def calibrate_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
   """
   if headroom < 1:
     raise ValueError(f"Invalid headroom: expected >= 1, got {headroom}")
-  toks, indptr = [], [0]
-  for p in list(prompts)[:max_prompts]:
-    take = list(p)[:num_tokens - len(toks)]
-    toks += take
-    indptr.append(len(toks))
-  if not toks:
-    raise ValueError("Invalid prompts: expected at least one token, got none")
-  indptr += [indptr[-1]] * (max_prompts + 1 - len(indptr))
-  tokens = np.zeros(num_tokens, np.int32)
-  tokens[:len(toks)] = toks
-  k_amax, v_amax = jax.device_get(kv_amax(
-      params, cfg, jnp.asarray(tokens), jnp.asarray(indptr, jnp.int32),
-      impl=impl))
+  tokens, indptr, _ = _calibration_batch(prompts, num_tokens, max_prompts)
+  k_amax, v_amax = jax.device_get(kv_amax(params, cfg, tokens, indptr,
+                                          impl=impl))
   target = _kv.FP8_MAX / headroom
 
   def scale(amax):
@@ -163,3 +237,88 @@ def calibrate_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
     return np.where(amax > 0, amax / target, 1.0).astype(np.float32)
 
   return scale(k_amax), scale(v_amax)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleCheck:
+  """How per-layer FP8 scales fit one prefill's K (after RoPE) and V.
+
+  Attributes:
+    k_scale, v_scale: the scales checked, `np.float32[num_layers]`.
+    k_amax, v_amax: the largest `|K|` / `|V|` per layer.
+    k_saturated, v_saturated: per layer, values with `|x| / scale > 448`
+      (stored clipped to +-448).
+    values_per_layer: K (or V) values each layer wrote: tokens x
+      num_kv_heads x head_dim.
+  """
+  k_scale: np.ndarray
+  v_scale: np.ndarray
+  k_amax: np.ndarray
+  v_amax: np.ndarray
+  k_saturated: np.ndarray
+  v_saturated: np.ndarray
+  values_per_layer: int
+
+  @property
+  def num_saturated(self) -> int:
+    """Saturated values over every layer, K and V."""
+    return int(self.k_saturated.sum() + self.v_saturated.sum())
+
+  def problems(self, saturation: float = FP8_SATURATION_WARN,
+               min_range_used: float = FP8_MIN_RANGE_USED) -> list[str]:
+    """One line per layer and K / V whose scale saturates more than
+    `saturation` (a fraction) of its values, or maps its largest value below
+    `min_range_used` (`amax / scale`; e4m3's largest is 448). A layer whose
+    values are all zero uses no range and is not reported."""
+    out = []
+    for kind, scale, amax, sat in (
+        ("K", self.k_scale, self.k_amax, self.k_saturated),
+        ("V", self.v_scale, self.v_amax, self.v_saturated)):
+      for layer in range(len(scale)):
+        frac = int(sat[layer]) / max(self.values_per_layer, 1)
+        if frac > saturation:
+          out.append(
+              f"layer {layer} {kind}: scale {float(scale[layer]):.3g} "
+              f"saturates {int(sat[layer])} of {self.values_per_layer} "
+              f"values ({frac:.2%}; expected at most {saturation:.2%}): "
+              f"amax {float(amax[layer]):.4g} needs a scale of at least "
+              f"{float(amax[layer]) / _kv.FP8_MAX:.3g}")
+        used = float(amax[layer]) / float(scale[layer])
+        if amax[layer] > 0 and used < min_range_used:
+          out.append(
+              f"layer {layer} {kind}: scale {float(scale[layer]):.3g} maps "
+              f"the largest value ({float(amax[layer]):.4g}) to {used:.3g} "
+              f"(expected at least {min_range_used:g} of e4m3's 448): "
+              "most values round to zero or to subnormals")
+    return out
+
+
+def check_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
+                    num_tokens: int = 512, max_prompts: int = 8,
+                    impl=None) -> ScaleCheck:
+  """How the FP8 scales in `params` fit a prefill of `prompts`.
+
+  Args:
+    params: decoder parameters holding `attn.k_scale` / `attn.v_scale`
+      (`set_kv_scales`).
+    cfg: the model's architecture.
+    prompts, num_tokens, max_prompts: the batch, as `calibrate_kv_scales`
+      takes it (one compiled program per size pair).
+    impl: attention implementation of the prefill.
+
+  Returns:
+    A `ScaleCheck` (`ScaleCheck.problems()` lists the scales that saturate
+    or waste the range).
+
+  Raises:
+    ValueError: no prompt with a token, or `params` without scales.
+  """
+  tokens, indptr, n = _calibration_batch(prompts, num_tokens, max_prompts)
+  k_scale, v_scale = jax.device_get(get_kv_scales(params))
+  k_amax, v_amax, k_sat, v_sat = jax.device_get(kv_saturation(
+      params, cfg, tokens, indptr, impl=impl))
+  return ScaleCheck(
+      k_scale=np.asarray(k_scale), v_scale=np.asarray(v_scale),
+      k_amax=np.asarray(k_amax), v_amax=np.asarray(v_amax),
+      k_saturated=np.asarray(k_sat), v_saturated=np.asarray(v_sat),
+      values_per_layer=n * cfg.num_kv_heads * cfg.head_dim)

@@ -87,7 +87,11 @@ class EngineConfig:
       None = calibrated from the first prompts' prefill
       (`pkvattn.models.calibrate.calibrate_kv_scales`, on the first
       `calibration_tokens` tokens of the first requests, before their
-      first step).
+      first step). Calibrated or given, the scales are then checked on
+      that batch (`calibrate.check_kv_scales`): a `RuntimeWarning` when a
+      layer's scale saturates more than `calibrate.FP8_SATURATION_WARN`
+      (0.1%) of its K or V values or maps the largest below 1 of e4m3's
+      448; `EngineStats.kv_saturated_values` counts the clipped values.
     calibration_tokens: tokens of the calibration prefill.
     finished_history: finished requests kept for `Engine.get_request` after
       they finish (the most recent ones; older ones are dropped), so a

@@ -90,6 +90,9 @@ class Engine:
           config, num_slots=_slots_for_memory(config, mcfg, dtype))
     self._fp8 = jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
     self._needs_calibration = self._fp8 and config.k_scale is None
+    # FP8 scales, calibrated or given, are checked once against the first
+    # requests' prompts (`_calibrate`).
+    self._needs_scale_check = self._fp8
     self.model = model
     self.config = config
     self.kv = KVCacheManager(config, mcfg, dtype)
@@ -153,7 +156,7 @@ class Engine:
       wall time is added to `stats.warmup_time_s`.
     """
     t_start = time.perf_counter()
-    if self._needs_calibration:  # compiles the calibration prefill
+    if self._needs_scale_check:  # compiles the calibration prefills
       self._calibrate([[0]], record=False)
     times = self.compiler.warmup(self._buffers(), progress, max_workers)
     self.stats.warmup_time_s += time.perf_counter() - t_start
@@ -308,7 +311,7 @@ class Engine:
       self._retire()
 
   def _step(self) -> int:
-    if self._needs_calibration and self.scheduler.waiting:
+    if self._needs_scale_check and self.scheduler.waiting:
       self._calibrate([r.tokens for r in self.scheduler.waiting])
     if self._burst_eligible():
       return self._burst()
@@ -344,12 +347,31 @@ class Engine:
 
   def _calibrate(self, prompts, record: bool = True):
     """FP8 scales of every layer from a prefill of the first prompts
-    (`runner.calibrate`); `record=False` only compiles the calibration."""
-    model = _runner.calibrate(self.model, self.config, prompts)
-    if record:
-      self.model = model
-      self._needs_calibration = False
-      self.stats.kv_scales_calibrated = True
+    (`runner.calibrate`) unless given, then checked against a prefill of
+    the same prompts (`runner.check_scales`): the saturated K and V values
+    go to `stats.kv_saturated_values`, and a `RuntimeWarning` names each
+    layer and K / V whose scale saturates more than
+    `calibrate.FP8_SATURATION_WARN` (0.1%) of its values or maps its largest
+    value below 1 of e4m3's 448 (`ScaleCheck.problems`). The engine warns
+    rather than refuses: the scales still give finite, if inaccurate,
+    attention. `record=False` only compiles the two prefills."""
+    model = self.model
+    if self._needs_calibration:
+      model = _runner.calibrate(model, self.config, prompts)
+    check = _runner.check_scales(model, self.config, prompts)
+    if not record:
+      return
+    self.model = model
+    self._needs_calibration = False
+    self._needs_scale_check = False
+    self.stats.kv_scales_calibrated = True
+    self.stats.kv_saturated_values = check.num_saturated
+    problems = check.problems()
+    if problems:
+      warnings.warn(
+          "FP8 KV scales fit the first prompts badly (the pool stores x / "
+          "scale clipped to +-448):\n  " + "\n  ".join(problems),
+          RuntimeWarning, stacklevel=3)
 
   # --------------------------------------------------------------- bursts
   def _burst_eligible(self) -> bool:

@@ -72,6 +72,17 @@ def calibrate(model: Model, config: EngineConfig, prompts) -> Model:
       model.params, k_scale, v_scale))
 
 
+def check_scales(model: Model, config: EngineConfig,
+                 prompts) -> _calibrate.ScaleCheck:
+  """How `model`'s FP8 scales (calibrated or given) fit a prefill of the
+  first prompts, the batch `calibrate` takes
+  (`pkvattn.models.calibrate.check_kv_scales`)."""
+  return _calibrate.check_kv_scales(
+      model.params, model.cfg, prompts,
+      num_tokens=config.calibration_tokens, max_prompts=config.max_seqs,
+      impl=config.impl)
+
+
 def run_program(program, buffers, inputs, *, check: bool,
                 inputs_sharding=None):
   """Calls a compiled engine program; returns `((pool, state, seq_tokens,

@@ -47,6 +47,13 @@ class EngineStats:
   kv_cache_dtype: str = ""
   kv_cache_bytes: int = 0
   kv_scales_calibrated: bool = False
+  # FP8 pages: K and V values (all layers) of the first requests' prompts
+  # (at most `calibration_tokens` tokens) whose `|x| / scale` exceeds 448,
+  # so the pool stores them clipped; counted once, when the scales are
+  # checked before the first step (`Engine._calibrate`), not per step, so
+  # the step programs stay unchanged. None before that check or for 16-bit
+  # pages.
+  kv_saturated_values: int | None = None
 
   @property
   def prefix_hit_rate(self) -> float:

@@ -11,6 +11,7 @@ two bounds).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,17 +41,20 @@ def fp8_run(model):
   engine.warmup()
   rng = np.random.default_rng(7)
   prompts = [list(rng.integers(3, 250, size=n)) for n in (29, 11, 6)]
-  with count_compiles() as compiles:
+  with count_compiles() as compiles, warnings.catch_warnings(
+      record=True) as caught:
+    warnings.simplefilter("always")
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=1,
                                                 ignore_eos=True))
     pool = np.asarray(engine.pool).astype(np.float32)  # host: no compile
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=6,
                                                    ignore_eos=True))
-  return engine, prompts, pool, outs, list(compiles)
+  return engine, prompts, pool, outs, list(compiles), [
+      w for w in caught if issubclass(w.category, RuntimeWarning)]
 
 
 def test_fp8_pool_bytes_and_compile_once(model, fp8_run):
-  engine, _, _, outs, compiles = fp8_run
+  engine, _, _, outs, compiles, _ = fp8_run
   assert not compiles  # calibration included: compiled by warmup
   assert engine.pool.dtype == jnp.float8_e4m3fn
   assert engine.stats.kv_cache_dtype == "float8_e4m3fn"
@@ -63,7 +67,7 @@ def test_fp8_pool_bytes_and_compile_once(model, fp8_run):
 
 
 def test_calibrated_scales_fit_the_calibration_prompts(model, fp8_run):
-  engine, prompts, pool, _, _ = fp8_run
+  engine, prompts, pool, _, _, _ = fp8_run
   layers = engine.model.params["layers"]
   k_scale = np.array([float(lp["attn"]["k_scale"]) for lp in layers])
   v_scale = np.array([float(lp["attn"]["v_scale"]) for lp in layers])
@@ -80,6 +84,73 @@ def test_calibrated_scales_fit_the_calibration_prompts(model, fp8_run):
   limit = _kv.FP8_MAX / calibrate.DEFAULT_HEADROOM
   assert (top <= limit * 1.07).all(), top  # e4m3 rounding: 3 mantissa bits
   assert (top >= limit * 0.5).all(), top
+
+
+def test_calibrated_scales_pass_the_check(fp8_run):
+  """Calibrated scales map the calibration prompts' amax to 224: nothing
+  saturates and nothing warns."""
+  engine, *_, caught = fp8_run
+  assert not caught, [str(w.message) for w in caught]
+  assert engine.stats.kv_saturated_values == 0
+  assert engine.stats.as_dict()["kv_saturated_values"] == 0
+
+
+def _prompt():
+  return [list(np.random.default_rng(3).integers(3, 250, size=20))]
+
+
+def test_tiny_given_scale_saturates_and_warns(model):
+  """A scale of 1e-30 clips every nonzero value at +-448."""
+  engine = Engine(model, dataclasses.replace(CFG, k_scale=1e-30,
+                                             v_scale=1e-30))
+  assert engine.stats.kv_saturated_values is None
+  with pytest.warns(RuntimeWarning, match=r"layer 0 K: .*saturates"):
+    engine.generate(_prompt(), SamplingParams(max_new_tokens=1))
+  cfg = model.cfg
+  written = cfg.num_layers * 2 * 20 * cfg.num_kv_heads * cfg.head_dim
+  assert 0.99 * written <= engine.stats.kv_saturated_values <= written
+
+
+def test_huge_given_scale_warns_about_unused_range(model):
+  """A scale of 1e30 maps every value to ~1e-30: all round to zero."""
+  engine = Engine(model, dataclasses.replace(CFG, k_scale=1e30,
+                                             v_scale=1e30))
+  with pytest.warns(RuntimeWarning, match=r"layer 0 V: .*round to zero"):
+    engine.generate(_prompt(), SamplingParams(max_new_tokens=1))
+  assert engine.stats.kv_saturated_values == 0
+
+
+def test_check_counts_values_past_the_scale(model):
+  """`check_kv_scales` counts `|x| > 448 * scale` per layer: with scales
+  that map half of each layer's K / V amax to 448, the values above half
+  the amax saturate, as many as the 16-bit engine's pool holds after a
+  prefill of the same prompt."""
+  prompts = _prompt()
+  k_amax, v_amax = calibrate.kv_amax(
+      model.params, model.cfg, jnp.asarray(prompts[0], jnp.int32),
+      jnp.asarray([0, 20], jnp.int32))
+  half_k, half_v = np.asarray(k_amax) / 2, np.asarray(v_amax) / 2
+  params = calibrate.set_kv_scales(model.params, half_k / _kv.FP8_MAX,
+                                   half_v / _kv.FP8_MAX)
+  check = calibrate.check_kv_scales(params, model.cfg, prompts,
+                                    num_tokens=32, max_prompts=2)
+  # The oracle: the 16-bit engine's pool after prefilling the prompt.
+  engine = Engine(model, dataclasses.replace(CFG, kv_cache_dtype="auto"))
+  engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+  L = model.cfg.num_layers
+  pool = np.abs(np.asarray(engine.pool).astype(np.float32))
+  pages = pool.reshape(-1, L, 2, pool[0].size)
+  want_k = (pages[:, :, 0] > half_k[None, :, None]).sum(axis=(0, 2))
+  want_v = (pages[:, :, 1] > half_v[None, :, None]).sum(axis=(0, 2))
+  # The decode step wrote one more token: at most one token's values more.
+  extra = model.cfg.num_kv_heads * model.cfg.head_dim
+  assert (check.k_saturated > 0).all() and (check.v_saturated > 0).all()
+  assert (want_k - check.k_saturated >= 0).all()
+  assert (want_k - check.k_saturated <= extra).all()
+  assert (want_v - check.v_saturated >= 0).all()
+  assert (want_v - check.v_saturated <= extra).all()
+  assert check.values_per_layer == 20 * extra
+  assert any("saturates" in p for p in check.problems())
 
 
 def test_profile_on_fp8_pages(model, fp8_run):
