@@ -28,10 +28,11 @@ CONFIGS = {"flat": FLAT, "hybrid": HYBRID}
 
 
 def _state(cfg, rng):
-  """A state with random sequences claimed (ids 0..k-1, random lengths)."""
+  """A state with random sequences claimed (ids 0..k-1, random lengths of
+  at most 5 blocks each, so 3 sequences fit the smallest pool's 16 slots)."""
   st = cache.init_cache(cfg)
   k = int(rng.integers(1, 4))
-  lengths = rng.integers(1, 4 * 6 + 1, k)
+  lengths = rng.integers(1, 4 * 5 + 1, k)
   tokens = rng.integers(0, 50, (k, 24))
   st, res = cache.claim_batch(st, jnp.arange(k, dtype=jnp.int32),
                               jnp.asarray(tokens, jnp.int32),
