@@ -5,6 +5,9 @@ and so on; see `cache/state.py` for the pool layout and `cache/alloc.py` for
 the semantics shared by all operations. `checked()` (also `pkvattn.checked`)
 turns the ops' runtime contract into errors (`cache/_contract.py`).
 
+A host-memory tier for evicted prefix blocks (`HostTierConfig`,
+`host_offload_plan`, `host_lookup`) lives in `cache/host_tier.py`.
+
 Hybrid sliding-window models get one slot space per window group
 (`HybridCacheConfig`, `cache/hybrid.py`): `init_cache`, `claim_batch`,
 `extend`, `commit`, `release`, `finish_step`, `fork`, `page_table`,
@@ -25,6 +28,14 @@ from ._contract import checked as checked
 from .alloc import ClaimResult as ClaimResult
 from .alloc import ExtendResult as ExtendResult
 from .alloc import ForkResult as ForkResult
+from .host_tier import HostTierConfig as HostTierConfig
+from .host_tier import HostTierInvariantError as HostTierInvariantError
+from .host_tier import HostTierState as HostTierState
+from .host_tier import host_lookup as host_lookup
+from .host_tier import host_offload_plan as host_offload_plan
+from .host_tier import host_tier_stats as host_tier_stats
+from .host_tier import init_host_tier as init_host_tier
+from .host_tier import validate_host_tier as validate_host_tier
 from .hybrid import HybridCacheConfig as HybridCacheConfig
 from .hybrid import HybridCacheState as HybridCacheState
 from .hybrid import layer_page_tables as _hybrid_layer_tables
@@ -89,6 +100,9 @@ __all__ = [
     "ClaimResult",
     "ExtendResult",
     "ForkResult",
+    "HostTierConfig",
+    "HostTierInvariantError",
+    "HostTierState",
   "HybridCacheConfig",
   "HybridCacheState",
     "NULL_PAGE",
@@ -101,11 +115,16 @@ __all__ = [
     "extend",
     "finish_step",
     "fork",
+    "host_lookup",
+    "host_offload_plan",
+    "host_tier_stats",
     "init_cache",
+    "init_host_tier",
   "layer_page_tables",
     "page_table",
     "release",
     "stats",
     "swa_scratch_plan",
     "validate",
+    "validate_host_tier",
 ]

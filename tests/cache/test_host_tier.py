@@ -1,0 +1,315 @@
+"""The host tier of the prefix cache (`cache/host_tier.py`).
+
+A fuzzer drives a small device cache through random claims, commits,
+releases and extends, with the host tier mirroring ahead before every
+allocating op (`host_offload_plan`, pages copied device -> host) and reloading
+on claims (`host_lookup` from the device's reused blocks on, pages copied
+host -> the claimed slots). A KV-content oracle writes each block's pages as
+a function of its scope and every token up to the block's end at "prefill";
+a reloaded block must equal what was written for that very prefix, bit for
+bit, so a wrong hit (other tokens, other scope, a stale chain) fails. The
+invariants of both tiers hold after every op, and the device state is the
+one the same ops give without the tier.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pkvattn import cache
+
+CFG = cache.CacheConfig(num_slots=6, page_size=2, num_layers=2, max_seqs=3,
+                        max_pages=5, hash_ways=4)
+PS, L2, MAX_LEN = CFG.page_size, CFG.num_layers * 2, CFG.max_seq_len
+HOST = cache.HostTierConfig(num_slots=5, page_size=PS, hash_ways=4)
+MAX_BLOCKS = CFG.max_pages + 1
+
+
+def _content(scope, prefix):
+  """The pages of a block: `i32[L2, PS]`, from its scope and every token up
+  to its end (a partial block's too)."""
+  seed = zlib.crc32(np.asarray([scope, *prefix], np.int64).tobytes())
+  return (np.arange(L2 * PS, dtype=np.int64).reshape(L2, PS) * 7919
+          + seed).astype(np.int32)
+
+
+class World:
+  """A device cache + host tier with page buffers and the oracle."""
+
+  def __init__(self, tier: bool):
+    self.tier = tier
+    self.state = cache.init_cache(CFG)
+    self.host = cache.init_host_tier(HOST)
+    self.pool = np.zeros((CFG.num_slots, L2, PS), np.int32)
+    self.host_buf = np.zeros((HOST.num_slots, L2, PS), np.int32)
+    self.seqs = {}            # seq id -> (scope, tokens)
+    self.by_key = {}          # published key -> pages written
+    self.reloaded = 0
+
+  def mirror(self, num_new):
+    if not self.tier:
+      return
+    self.host, src, dst = cache.host_offload_plan(
+        self.state, self.host, num_new, max_blocks=MAX_BLOCKS)
+    src, dst = np.asarray(src), np.asarray(dst)
+    n = int(np.sum(src >= 0))
+    assert (src[n:] < 0).all() and (dst[n:] < 0).all() and (dst[:n] >= 0).all()
+    assert len(set(dst[:n].tolist())) == n
+    self.host_buf[dst[:n]] = self.pool[src[:n]]
+
+  def write(self, seq, first_block):
+    """Prefill: the pages of blocks `first_block..` of `seq`."""
+    scope, toks = self.seqs[seq]
+    row = np.asarray(self.state.seq_slots[seq])
+    for b in range(first_block, -(-len(toks) // PS)):
+      self.pool[row[b]] = _content(scope, toks[:(b + 1) * PS])
+
+  def check_blocks(self, seq, blocks):
+    scope, toks = self.seqs[seq]
+    row = np.asarray(self.state.seq_slots[seq])
+    for b in blocks:
+      np.testing.assert_array_equal(
+          self.pool[row[b]], _content(scope, toks[:(b + 1) * PS]),
+          err_msg=f"seq {seq} block {b}")
+
+  def claim(self, seq, scope, toks):
+    if self.tier:
+      self.mirror(-(-len(toks) // PS))
+    padded = np.zeros(MAX_LEN, np.int32)
+    padded[:len(toks)] = toks
+    self.state, res = cache.claim_batch(self.state, [seq], padded[None],
+                                        [len(toks)], [scope])
+    ok = bool(res.ok[0])
+    if not ok:
+      return res
+    self.seqs[seq] = (scope, list(toks))
+    reused = int(res.num_reused_tokens[0]) // PS
+    self.check_blocks(seq, range(reused))   # device reuse is exact too
+    hits = 0
+    if self.tier:
+      self.host, n, slots = cache.host_lookup(
+          self.host, padded[None], [len(toks)], [reused], [scope])
+      hits, slots = int(n[0]), np.asarray(slots[0])
+      assert hits <= (len(toks) - 1) // PS - reused
+      row = np.asarray(self.state.seq_slots[seq])
+      for b in range(reused, reused + hits):
+        self.pool[row[b]] = self.host_buf[slots[b]]
+      self.check_blocks(seq, range(reused, reused + hits))  # bit for bit
+      self.reloaded += hits
+    self.write(seq, reused + hits)
+    return res
+
+  def commit(self, seq):
+    scope, toks = self.seqs[seq]
+    padded = np.zeros(MAX_LEN, np.int32)
+    padded[:len(toks)] = toks
+    self.state = cache.commit(self.state, [seq], padded[None], [len(toks)])
+    row = np.asarray(self.state.seq_slots[seq])
+    pub = np.asarray(self.state.slot_published)
+    keys = np.asarray(self.state.slot_key)
+    for b in range(len(toks) // PS):
+      if row[b] >= 0 and pub[row[b]]:
+        self.by_key[tuple(keys[row[b]].tolist())] = self.pool[row[b]].copy()
+
+  def release(self, seq):
+    self.state = cache.release(self.state, [seq])
+    del self.seqs[seq]
+
+  def extend(self, seq, new):
+    scope, toks = self.seqs[seq]
+    if self.tier:
+      self.mirror(-(-len(new) // PS) + 1)
+    self.state, res = cache.extend(self.state, [seq], [len(new)])
+    if bool(res.ok[0]):
+      first = len(toks) // PS
+      self.seqs[seq] = (scope, toks + list(new))
+      self.write(seq, first)
+    return res
+
+  def check(self):
+    cache.validate(self.state)
+    cache.validate_host_tier(self.host)
+    hs = cache.host_tier_stats(self.host)
+    assert int(hs["num_valid"]) + int(hs["num_free"]) == HOST.num_slots
+    valid = np.asarray(self.host.valid)
+    keys = np.asarray(self.host.key)
+    for h in np.flatnonzero(valid):
+      # Every host entry holds what was written for its block.
+      np.testing.assert_array_equal(self.host_buf[h],
+                                    self.by_key[tuple(keys[h].tolist())])
+
+
+def _assert_same_state(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+OPS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, CFG.max_seqs - 1),
+                         st.integers(0, 2**30)), min_size=5, max_size=30)
+
+
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_fuzz_offload_reload_oracle(ops):
+  on, off = World(tier=True), World(tier=False)
+  # Few distinct prefixes, so prompts share and return to them.
+  bases = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9],
+           [5, 5, 6, 6, 7, 7, 8, 8]]
+  for kind, seq, r in ops:
+    rng = np.random.default_rng(r)
+    live = seq in on.seqs
+    if not live:
+      base = bases[r % 3]
+      n = int(rng.integers(3, MAX_LEN + 1))
+      toks = (base + rng.integers(1, 3, MAX_LEN).tolist())[:n]
+      scope = int(r % 7 == 0)
+      a, b = on.claim(seq, scope, toks), off.claim(seq, scope, toks)
+      assert a.ok.tolist() == b.ok.tolist()
+      assert a.num_reused_tokens.tolist() == b.num_reused_tokens.tolist()
+    elif kind == 0:
+      on.release(seq), off.release(seq)
+    elif kind == 1:
+      on.commit(seq), off.commit(seq)
+    elif kind == 2:
+      on.commit(seq), off.commit(seq)
+      on.release(seq), off.release(seq)
+    elif kind == 3:
+      room = MAX_LEN - len(on.seqs[seq][1])
+      new = rng.integers(1, 4, int(rng.integers(0, room + 1))).tolist()
+      a, b = on.extend(seq, new), off.extend(seq, new)
+      assert a.ok.tolist() == b.ok.tolist()
+    on.check()
+    # The tier never changes the device cache.
+    _assert_same_state(on.state, off.state)
+
+
+def _published_and_released(world, seq, scope, toks):
+  world.claim(seq, scope, toks)
+  world.commit(seq)
+  world.release(seq)
+
+
+def test_reload_after_eviction_and_scopes():
+  w = World(tier=True)
+  a = [1, 2, 3, 4, 5, 6, 7]            # 3 full blocks + 1 token
+  _published_and_released(w, 0, 0, a)
+  # Fill the device with another prompt: A's blocks are mirrored, then
+  # evicted.
+  b = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9]   # 5 slots of 6: 2 of A's evicted
+  w.claim(1, 0, b)
+  assert int(cache.host_tier_stats(w.host)["num_valid"]) == 2
+  w.commit(1), w.release(1)
+  w.check()
+  # Another tenant never hits A's blocks.
+  res = w.claim(2, 1, a + [1])
+  assert int(res.num_reused_tokens[0]) == 0 and w.reloaded == 0
+  w.release(2)
+  res = w.claim(0, 0, a + [1])
+  reused = int(res.num_reused_tokens[0]) // PS
+  # Blocks 0 and 1 come back from the host (bit-exact: `claim` checks).
+  assert reused == 0 and w.reloaded >= 2
+  w.check()
+
+
+def test_plan_follows_device_eviction_order():
+  """Cached slots are picked least recently released first, ties by lowest
+  index, only as many as the allocation would evict past the free ones."""
+  w = World(tier=True)
+  w.claim(0, 0, [1, 2, 3, 4])                 # slots 0, 1
+  w.claim(1, 0, [5, 6, 7, 8, 9])              # slots 2, 3, 4
+  w.commit(0), w.commit(1)
+  w.release(1)                                # 2, 3 cached first; 4 free
+  w.release(0)                                # then 0, 1
+  state = w.state
+  free = int(cache.stats(state)["num_free"])
+  assert free == 2
+  host = cache.init_host_tier(HOST)
+  host, src, dst = cache.host_offload_plan(state, host, free + 3,
+                                           max_blocks=4)
+  assert np.asarray(src).tolist() == [2, 3, 0, -1]
+  assert np.asarray(dst).tolist() == [0, 1, 2, -1]
+  # Nothing to evict: nothing planned.
+  _, src, _ = cache.host_offload_plan(state, cache.init_host_tier(HOST), free,
+                                      max_blocks=4)
+  assert (np.asarray(src) < 0).all()
+  # Already on the host: not copied again.
+  host, src, _ = cache.host_offload_plan(state, host, free + 4, max_blocks=4)
+  assert np.asarray(src).tolist() == [1, -1, -1, -1]
+
+
+def test_host_lru_eviction():
+  """A full host tier evicts its least recently used entry; a lookup
+  refreshes the entries it finds."""
+  host_cfg = cache.HostTierConfig(num_slots=2, page_size=PS, hash_ways=4)
+  pad = lambda t: [t + [0] * (MAX_LEN - len(t))]   # noqa: E731
+  state = cache.init_cache(CFG)
+  p0, p1 = [1, 1], [2, 2]                           # one block each
+  for s, t in ((0, p0), (1, p1)):
+    state, _ = cache.claim_batch(state, [s], pad(t), [2])
+    state = cache.commit(state, [s], pad(t), [2])
+  state = cache.release(state, [0])
+  state = cache.release(state, [1])
+  host = cache.init_host_tier(host_cfg)
+  host, src, dst = cache.host_offload_plan(state, host, 99, max_blocks=4)
+  assert np.asarray(dst).tolist() == [0, 1, -1, -1]
+  host, n, _ = cache.host_lookup(host, pad(p0 + [0]), [3], [0])
+  assert int(n[0]) == 1                             # p0's entry refreshed
+  # A long prompt takes every device slot (p0, p1 evicted there), then is
+  # published and released; its first block goes to the host, evicting the
+  # least recently used entry: p1's.
+  big = [3] * MAX_LEN
+  state, res = cache.claim_batch(state, [2], pad(big), [MAX_LEN])
+  state, res1 = cache.claim_batch(state, [1], pad([4, 4]), [2])
+  assert bool(res.ok[0]) and bool(res1.ok[0])
+  assert int(cache.stats(state)["num_published"]) == 0
+  state = cache.commit(state, [2], pad(big), [MAX_LEN])
+  state = cache.release(state, [2])
+  free = int(cache.stats(state)["num_free"])
+  host, src, dst = cache.host_offload_plan(state, host, free + 1,
+                                           max_blocks=4)
+  # Big's blocks were released together: the tie goes to the lowest slot,
+  # slot 0 (its last block, which took p0's evicted slot).
+  assert np.asarray(src).tolist() == [0, -1, -1, -1]
+  assert np.asarray(dst).tolist() == [1, -1, -1, -1]
+  assert np.asarray(host.key[1]).tolist() == np.asarray(
+      state.slot_key[0]).tolist()
+  cache.validate_host_tier(host)
+  _, n0, _ = cache.host_lookup(host, pad(p0 + [0]), [3], [0])
+  _, n1, _ = cache.host_lookup(host, pad(p1 + [0]), [3], [0])
+  assert (int(n0[0]), int(n1[0])) == (1, 0)
+
+
+def test_lookup_never_counts_the_last_block_and_respects_start():
+  w = World(tier=True)
+  a = [1, 2, 3, 4, 5, 6]                # 3 full blocks
+  _published_and_released(w, 0, 0, a)
+  w.host, _, _ = cache.host_offload_plan(w.state, w.host, 99, max_blocks=8)
+  padded = jnp.asarray([a + [0] * (MAX_LEN - 6)], jnp.int32)
+  _, n, slots = cache.host_lookup(w.host, padded, [6], [0])
+  assert int(n[0]) == 2 and (np.asarray(slots[0, 2:]) < 0).all()
+  _, n, slots = cache.host_lookup(w.host, padded, [6], [1])
+  assert int(n[0]) == 1 and int(slots[0, 0]) == -1
+  # A different first block breaks the chain: later blocks never match.
+  other = jnp.asarray([[9, 9] + a[2:] + [0] * (MAX_LEN - 6)], jnp.int32)
+  _, n, _ = cache.host_lookup(w.host, other, [6], [0])
+  assert int(n[0]) == 0
+  _, n, _ = cache.host_lookup(w.host, other, [6], [1])
+  assert int(n[0]) == 0                  # block 1's parent key differs
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="num_slots"):
+    cache.HostTierConfig(num_slots=0, page_size=4)
+  with pytest.raises(ValueError, match="hash_buckets"):
+    cache.HostTierConfig(num_slots=4, page_size=4, hash_buckets=3)
+  with pytest.raises(ValueError, match="page_size"):
+    cache.host_offload_plan(cache.init_cache(CFG), cache.init_host_tier(
+        cache.HostTierConfig(num_slots=4, page_size=8)), 1, max_blocks=2)
