@@ -1,8 +1,10 @@
 """Public paged attention ops: `paged_decode`, `paged_prefill`, `merge_state`.
 
 Thin layer: trace-time checks, kv_cache format normalisation (`_kv.make_view`), and
-dispatch between the Pallas kernels (`impl="pallas"`) and the pure-jnp reference
-(`impl="xla"`). Semantics follow FlashInfer (see `pallas_kernels/reference.py`).
+dispatch between the Pallas kernels (`impl="pallas"`) and plain XLA (`impl="xla"`:
+decode rows through the pure-jnp reference, which gathers each row's pages
+once; prefill through the flash-style `pkvattn.xla_attention`). Semantics
+follow FlashInfer (see `pallas_kernels/reference.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from pkvattn import _checks
 from pkvattn import _contract
 from pkvattn import _kv
+from pkvattn import xla_attention
 from pkvattn.pallas_kernels import reference
 from pkvattn.types import Implementation
 
@@ -293,7 +296,7 @@ def paged_prefill(
           sm_scale=sm_scale, window_left=window_left,
           logits_soft_cap=logits_soft_cap)
     if impl == "xla":
-      return reference.paged_prefill_reference(
+      return xla_attention.paged_prefill(
           q, view.k_pool, view.v_pool, view.k_table, view.v_table, q_indptr,
           kv_lens, sinks, *scales, causal=bool(causal), sm_scale=sm_scale,
           window_left=window_left, logits_soft_cap=logits_soft_cap)
