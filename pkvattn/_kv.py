@@ -281,6 +281,22 @@ def dequantize(x, scale, dtype=jnp.float32):
   return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
+def as_bytes(x):
+  """FP8 values `x` as `uint8` of the same shape (a bitcast, no copy).
+
+  The XLA paths move FP8 pages as bytes: gathers and scatters of `uint8`
+  run natively on every backend, where some (the CPU's among them) widen an
+  FP8 gather or scatter to f16 or f32, converting the whole operand (the
+  pool) first.
+  """
+  return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def from_bytes(x):
+  """Inverse of `as_bytes`: `uint8` bytes as float8_e4m3fn (a bitcast)."""
+  return jax.lax.bitcast_convert_type(x, FP8_DTYPE)
+
+
 def _check_pool(pool, name: str) -> None:
   _checks.check_ndim(pool, (4,), name)
   _checks.check_dtype(pool, KV_DTYPES, name)

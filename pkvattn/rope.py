@@ -329,11 +329,22 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
       inv = jnp.asarray(inv_freq)
       q = reference.rope_reference(q, positions, inv, interleaved=interleaved)
       k = reference.rope_reference(k, positions, inv, interleaved=interleaved)
+    k_pool, v_pool = view.k_pool, None if view.same_pool else view.v_pool
     if scales[0] is not None:
-      k, v = _kv.quantize(k, scales[0]), _kv.quantize(v, scales[1])
+      # Scattered as their bytes: XLA has no FP8 scatter on every backend
+      # and otherwise converts the whole pool to a wider float, scatters
+      # and converts it back (a pass over every page, every layer, every
+      # step). A bitcast is free and keeps the update in place.
+      k = _kv.as_bytes(_kv.quantize(k, scales[0]))
+      v = _kv.as_bytes(_kv.quantize(v, scales[1]))
+      k_pool = _kv.as_bytes(k_pool)
+      v_pool = None if v_pool is None else _kv.as_bytes(v_pool)
     k_pool, v_pool = reference.append_paged_kv_reference(
-        k, v, batch_indices, positions, view.k_pool,
-        None if view.same_pool else view.v_pool, view.k_table, view.v_table)
+        k, v, batch_indices, positions, k_pool, v_pool, view.k_table,
+        view.v_table)
+    if scales[0] is not None:
+      k_pool = _kv.from_bytes(k_pool)
+      v_pool = None if v_pool is None else _kv.from_bytes(v_pool)
     return q, _kv.rebuild(view, k_pool, v_pool)
   from pkvattn.pallas_kernels import rope_append as kernel
   try:

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from pkvattn import _checks
+from pkvattn import _kv
 from pkvattn import attention as _attention
 from pkvattn.flax import AttentionPlan
 from pkvattn.flax import AttentionSpec
@@ -299,7 +300,13 @@ def forward(
     cfg: static architecture.
     tokens: `i32[num_tokens]` token ids; padding tokens (plan batch index -1)
       may hold any id.
-    kv_cache: the multi-layer pool.
+    kv_cache: the multi-layer pool; FP8 pages as float8_e4m3fn or as their
+      `uint8` bytes (`pkvattn._kv.as_bytes`, returned as bytes too). Hold
+      an FP8 pool as bytes where the step runs on the XLA path: XLA's CPU
+      backend has no FP8 scatter, and with a float8_e4m3fn argument the
+      step converts the whole pool to bytes and back to update it in place
+      (a pass over every page per step); a `uint8` argument is updated in
+      place with no such pass.
     plan: the step plan with one split page table per layer.
     logits_indices: token rows whose logits to return (e.g. each sequence's
       last new token, `q_indptr[1:] - 1`); None = all tokens.
@@ -322,6 +329,18 @@ def forward(
   L, p = cfg.num_layers, cfg.layer_period
   _checks.check_shape(plan.page_table, (L, plan.batch_size, 2, None),
                       "plan.page_table")
+  as_bytes = kv_cache.dtype == jnp.uint8  # FP8 pages held as their bytes
+  if as_bytes:
+    kv_cache = _kv.from_bytes(kv_cache)
+  logits, kv_cache = _forward(params, cfg, tokens, kv_cache, plan,
+                              logits_indices, impl, tp_axis, unroll)
+  return logits, _kv.as_bytes(kv_cache) if as_bytes else kv_cache
+
+
+def _forward(params, cfg: DecoderConfig, tokens, kv_cache, plan: AttentionPlan,
+             logits_indices, impl, tp_axis, unroll):
+  """`forward` on a pool of a float dtype (FP8 pages as float8_e4m3fn)."""
+  L, p = cfg.num_layers, cfg.layer_period
   _checks.check_shape(tokens, (plan.num_tokens,), "tokens")
   dtype = params["embed"].dtype
   if plan.kernel_plan is None and _uses_pallas(impl):
@@ -357,17 +376,26 @@ def forward(
                          params["layers"])
   tables = plan.page_table.reshape(L // p, p, *plan.page_table.shape[1:])
 
+  # An FP8 pool is carried through the scan as bytes: each layer's update is
+  # a byte scatter (`pkvattn.rope`), and a float8_e4m3fn carry would put a
+  # whole-pool conversion on both sides of it in every iteration.
+  fp8 = _kv.is_fp8(kv_cache)
+
   def body(carry, xs):
     h, pool = carry
     lp, tbl = xs
+    if fp8:
+      pool = _kv.from_bytes(pool)
     for j in range(p):
       h, pool = decoder_layer(jax.tree.map(lambda a: a[j], lp), h, pool,
                               plan.replace(page_table=tbl[j]), cfg, j, impl,
                               tp_axis)
-    return (h, pool), None
+    return (h, _kv.as_bytes(pool) if fp8 else pool), None
 
-  (x, kv_cache), _ = lax.scan(body, (x, kv_cache), (grouped, tables),
-                              unroll=unroll)
+  carry = (x, _kv.as_bytes(kv_cache) if fp8 else kv_cache)
+  (x, kv_cache), _ = lax.scan(body, carry, (grouped, tables), unroll=unroll)
+  if fp8:
+    kv_cache = _kv.from_bytes(kv_cache)
   return _head(params, cfg, x, logits_indices), kv_cache
 
 
