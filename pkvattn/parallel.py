@@ -11,10 +11,27 @@ under ONE `shard_map` over the tp axis, each device holding
   size unchanged;
 * its MLP columns (Megatron): gate/up column-sliced, down row-sliced (one
   psum);
-* replicated: embeddings, norms, lm_head, biases of `o_proj` / `down_proj`
-  (added once after the psum), and the cache state / page tables / step
-  inputs (the bookkeeping is identical on every device, so it runs replicated
-  under `jit` outside the `shard_map`).
+* its vocabulary columns of the LM head (`lm_head [hidden, vocab]`
+  column-sliced; a tied head gets its own transposed copy of the
+  embedding): each device reads `1 / tp` of the head per step and returns
+  its logits columns, vocab-sharded. Greedy sampling takes the argmax per
+  shard and gathers only `(max, index)` per row (`greedy_tokens`); other
+  sampling gathers the logits (`gather_logits`). A vocabulary that does not
+  divide by tp keeps the head replicated;
+* replicated: the embedding table (a step reads only its tokens' rows),
+  norms, biases of `o_proj` / `down_proj` (added once after the psum), and
+  the cache state / page tables / step inputs (the bookkeeping is identical
+  on every device, so it runs replicated under `jit` outside the
+  `shard_map`).
+
+Communication per step: two all-reduces of `[num_tokens, hidden]` f32 per
+layer (after `o_proj` and `down_proj`) and, for greedy sampling, one
+all-gather of `[tp, rows]` maxima and indices; nothing else.
+
+**Fused projections** (`fuse_projections`, the engine's layout): q/k/v and
+gate/up kernels concatenated shard-major, so each device's column slice is
+its own `[q_i | k_i | v_i]` / `[gate_i | up_i]` and runs one matmul (and the
+in-place RoPE + append kernel) as on one device.
 
 The row-parallel products are accumulated and summed in f32 and rounded once
 (`pkvattn.flax.row_parallel_dense`), so tp=N differs from one device only by
@@ -30,11 +47,16 @@ copies of each kv head (per device: the size of one kv head's pool). Other
 head counts raise `ValueError`.
 
 **Data parallel.** `pmap_greedy_generate` is the `pmap` loop: one independent
-group of requests (own pool, own page tables) per device.
+group of requests (own pool, own page tables) per device. Serving replicas:
+`replica_meshes` splits the devices into groups, one engine per group
+(`Engine(model, config, mesh=m)`), each driven by its own thread
+(`generate_on_replicas`) or process.
 
-**Multi-host.** Call `jax.distributed.initialize()` first on every host; then
-`jax.devices()` lists every host's devices and the same `make_mesh(tp)` /
-`Engine(..., mesh=mesh)` code runs SPMD on every host (no other transport).
+**Multi-process / multi-host.** Call `jax.distributed.initialize()` first in
+every process (`pkvattn.distributed.initialize` reads the launch from the
+environment); then `jax.devices()` lists every process's devices and the
+same `make_mesh(tp)` / `Engine(..., mesh=mesh)` code runs SPMD in every
+process, with the same requests (no other transport).
 
 Example (2 devices; on a CPU set
 `XLA_FLAGS=--xla_force_host_platform_device_count=2` before jax starts):
@@ -66,11 +88,16 @@ from pkvattn.types import Implementation
 
 __all__ = [
     "TP_AXIS",
+    "fuse_projections",
+    "gather_logits",
+    "generate_on_replicas",
+    "greedy_tokens",
     "make_mesh",
     "param_specs",
     "pmap_greedy_generate",
     "pool_sharding",
     "pool_spec",
+    "replica_meshes",
     "replicated",
     "shard_map",
     "shard_model",
@@ -78,6 +105,7 @@ __all__ = [
     "tp_config",
     "tp_forward",
     "tp_size",
+    "vocab_parallel",
 ]
 
 TP_AXIS = "tp"
@@ -192,16 +220,27 @@ def _replicate_kv_heads(params, cfg: _decoder.DecoderConfig, reps: int):
 
 
 # Sliced parameters: column-parallel (last axis) and row-parallel (axis -2).
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj",
+           "gate_up_proj")
 _ROW = ("o_proj", "down_proj")
 
 
-def param_specs(params, axis: str = TP_AXIS):
-  """PartitionSpecs of a decoder parameter tree (layers stacked on axis 0).
+def vocab_parallel(cfg: _decoder.DecoderConfig, tp: int) -> bool:
+  """Whether the LM head is split by vocabulary columns over `tp` devices
+  (`cfg.vocab_size % tp == 0`; else it stays replicated)."""
+  return cfg.vocab_size % tp == 0
+
+
+def param_specs(params, axis: str = TP_AXIS, *, tp: int | None = None):
+  """PartitionSpecs of a decoder parameter tree (layers stacked on axis 0,
+  or unstacked: a tuple of per-layer trees).
 
   Column-parallel `kernel [L, in, out]` → `P(None, None, axis)`, its bias
-  `[L, out]` → `P(None, axis)`; row-parallel `kernel [L, in, out]` →
-  `P(None, axis, None)`, its bias replicated; everything else replicated.
+  `[L, out]` → `P(None, axis)` (fused `qkv_proj` / `gate_up_proj` must be in
+  `fuse_projections`' shard-major order); row-parallel `kernel [L, in, out]`
+  → `P(None, axis, None)`, its bias replicated; `lm_head [hidden, vocab]` →
+  `P(None, axis)` when `tp` is given and divides its vocab columns;
+  everything else replicated.
   """
   def spec(path, leaf):
     names = [getattr(k, "key", None) for k in path]
@@ -209,16 +248,67 @@ def param_specs(params, axis: str = TP_AXIS):
       return P(*([None] * (leaf.ndim - 1)), axis)
     if len(names) >= 2 and names[-2] in _ROW and names[-1] == "kernel":
       return P(*([None] * (leaf.ndim - 2)), axis, None)
+    if (names == ["lm_head"] and tp is not None and leaf.ndim == 2
+        and leaf.shape[-1] % tp == 0):
+      return P(None, axis)
     return P()
 
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def shard_model(model: Model, mesh: Mesh, axis: str = TP_AXIS) -> Model:
+def fuse_projections(params, tp: int):
+  """q/k/v → `qkv_proj` and gate/up → `gate_up_proj`, shard-major.
+
+  Each projection's columns are cut into `tp` blocks and the fused kernel
+  holds, for shard `i`, `[q_i | k_i | v_i]` (`[gate_i | up_i]`), so its
+  column slice `i` (`param_specs`) is exactly shard `i`'s fused projection:
+  one matmul per shard, and the in-place RoPE + append of
+  `pkvattn.flax.attention_block`. At `tp = 1` this is
+  `pkvattn.models.fuse_projections`. Biases likewise; stacked or unstacked
+  layers. Idempotent.
+
+  Raises:
+    ValueError: a projection's columns do not divide by `tp`.
+  """
+  def cat(parts):
+    blocks = []
+    for a in parts:
+      if a.shape[-1] % tp:
+        raise ValueError(
+            f"Invalid projection: expected columns divisible by {tp=}, got "
+            f"shape {a.shape}")
+      blocks.append(a.reshape(*a.shape[:-1], tp, a.shape[-1] // tp))
+    fused = jnp.concatenate(blocks, axis=-1)
+    return fused.reshape(*fused.shape[:-2], -1)
+
+  def fuse(layer):
+    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+    for group, names, fused in ((attn, ("q_proj", "k_proj", "v_proj"),
+                                 "qkv_proj"),
+                                (mlp, ("gate_proj", "up_proj"),
+                                 "gate_up_proj")):
+      if names[0] in group:
+        parts = [group.pop(n) for n in names]
+        group[fused] = {k: cat([q[k] for q in parts]) for k in parts[0]}
+    return dict(layer, attn=attn, mlp=mlp)
+
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return dict(params, layers=tuple(fuse(lp) for lp in layers))
+  return dict(params, layers=fuse(layers))
+
+
+def shard_model(model: Model, mesh: Mesh, axis: str = TP_AXIS, *,
+                fuse: bool = False) -> Model:
   """Lays a model out for tensor parallelism over `mesh[axis]`.
 
   Returns a `Model` whose config is `tp_config(model.cfg, tp)` (kv heads
-  replicated if needed) and whose parameters are placed with `param_specs`.
+  replicated if needed) and whose parameters are placed with
+  `param_specs(..., tp=tp)`. With a vocabulary that divides by tp, the LM
+  head is vocab-sharded; a tied model gets `lm_head = embed.T` (its own
+  sharded copy; `tie_word_embeddings=False` in the returned config). `fuse`:
+  q/k/v and gate/up fused shard-major (`fuse_projections`), the layout the
+  engine runs.
 
   Raises:
     ValueError: see `tp_config`; `mesh` lacks `axis`.
@@ -229,10 +319,24 @@ def shard_model(model: Model, mesh: Mesh, axis: str = TP_AXIS) -> Model:
   if cfg.num_kv_heads != model.cfg.num_kv_heads:
     params = _replicate_kv_heads(params, model.cfg,
                                  cfg.num_kv_heads // model.cfg.num_kv_heads)
+  if cfg.tie_word_embeddings and vocab_parallel(cfg, tp):
+    params = dict(params, lm_head=params["embed"].T)
+    cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+  if fuse:
+    params = fuse_projections(params, tp)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                           param_specs(params, axis))
+                           param_specs(params, axis, tp=tp))
   params = jax.device_put(params, shardings)
   return dataclasses.replace(model, cfg=cfg, params=params)
+
+
+def _logits_spec(params, cfg: _decoder.DecoderConfig, tp: int,
+                 axis: str) -> P:
+  """Vocab-sharded logits where the head is (`param_specs`), else replicated."""
+  if ("lm_head" in params and not cfg.tie_word_embeddings
+      and params["lm_head"].shape[-1] % tp == 0):
+    return P(None, axis)
+  return P()
 
 
 def tp_forward(
@@ -256,8 +360,11 @@ def tp_forward(
       but laid out so already, nothing moves.
 
   Returns:
-    `(logits f32[n or num_tokens, vocab_size] replicated, kv_cache sharded
-    with pool_spec(axis))`.
+    `(logits f32[n or num_tokens, vocab_size], kv_cache sharded with
+    pool_spec(axis))`. The logits are sharded on the vocabulary where the
+    LM head is (`shard_model`: each device computed its columns; read them
+    as any array, or sample with `greedy_tokens` / `gather_logits`), else
+    replicated.
 
   Raises:
     ValueError: `cfg` does not split over the axis (see `tp_config`), or
@@ -282,10 +389,111 @@ def tp_forward(
                             tp_axis=axis)
 
   fn = shard_map(body, mesh=mesh,
-                 in_specs=(param_specs(params, axis), P(), pool_spec(axis),
-                           P(), P()),
-                 out_specs=(P(), pool_spec(axis)))
+                 in_specs=(param_specs(params, axis, tp=tp), P(),
+                           pool_spec(axis), P(), P()),
+                 out_specs=(_logits_spec(params, cfg, tp, axis),
+                            pool_spec(axis)))
   return fn(params, tokens, kv_cache, plan, logits_indices)
+
+
+def greedy_tokens(logits: jax.Array, mesh: Mesh,
+                  axis: str = TP_AXIS) -> jax.Array:
+  """`argmax(logits, -1)` as i32[n] (replicated), without gathering logits.
+
+  Each device takes the max and first argmax of its vocabulary columns
+  (`logits` f32[n, vocab], vocab-sharded as `tp_forward` returns it; a
+  replicated one is sliced locally), then one all-gather of `[tp, n]`
+  maxima and indices picks the largest, the lowest shard on a tie: the
+  lowest index, as `jnp.argmax` picks.
+
+  Raises:
+    ValueError: `logits` is not 2-D or its vocab does not divide by tp.
+  """
+  tp = tp_size(mesh, axis)
+  if logits.ndim != 2 or logits.shape[1] % tp:
+    raise ValueError(
+        f"Invalid shape of logits: expected (n, vocab) with vocab divisible "
+        f"by tp={tp}, got {logits.shape}")
+  cols = logits.shape[1] // tp
+
+  def body(local):
+    best = jnp.max(local, axis=-1)
+    index = (jnp.argmax(local, axis=-1).astype(jnp.int32)
+             + jax.lax.axis_index(axis).astype(jnp.int32) * cols)
+    best = jax.lax.all_gather(best, axis)    # [tp, n]
+    index = jax.lax.all_gather(index, axis)  # [tp, n]
+    shard = jnp.argmax(best, axis=0)         # first max: lowest index
+    return jnp.take_along_axis(index, shard[None], axis=0)[0]
+
+  return shard_map(body, mesh=mesh, in_specs=(P(None, axis),),
+                   out_specs=P())(logits)
+
+
+def gather_logits(logits: jax.Array, mesh: Mesh) -> jax.Array:
+  """`logits` replicated on `mesh` (an all-gather if vocab-sharded), for
+  samplers that need every column (top-k / top-p sort)."""
+  return jax.lax.with_sharding_constraint(logits, replicated(mesh))
+
+
+def replica_meshes(num_replicas: int, tp: int = 1,
+                   devices: Sequence[Any] | None = None,
+                   axis: str = TP_AXIS) -> list[Mesh]:
+  """Disjoint `tp`-device meshes for `num_replicas` data-parallel engines.
+
+  Replica `r` gets devices `[r * tp, (r + 1) * tp)` of `devices` (default
+  `jax.local_devices()`: replicas of one process; run one process per
+  replica to keep their host work apart). Each engine
+  (`Engine(model, config, mesh=meshes[r])`) holds its own weights, pool and
+  queue.
+
+  Raises:
+    ValueError: fewer than `num_replicas * tp` devices, or a count < 1.
+  """
+  devices = list(jax.local_devices() if devices is None else devices)
+  if (not isinstance(num_replicas, int) or not isinstance(tp, int)
+      or num_replicas < 1 or tp < 1 or num_replicas * tp > len(devices)):
+    raise ValueError(
+        f"Invalid num_replicas * tp: expected ints >= 1 with a product <= "
+        f"{len(devices)} (the devices), got {num_replicas=}, {tp=}")
+  return [make_mesh(tp, devices[r * tp:(r + 1) * tp], axis)
+          for r in range(num_replicas)]
+
+
+def generate_on_replicas(engines, prompts, params) -> list[list[int]]:
+  """Runs `prompts` over data-parallel `engines`, one thread each.
+
+  Prompt `i` goes to engine `i % len(engines)`; each engine runs its share
+  with `engine.generate` in its own thread (the device work of the engines
+  overlaps; the threads share the host's interpreter for their scheduling).
+  Returns the generated ids per prompt, in order. `params`: one
+  `SamplingParams` for all, or one per prompt.
+
+  Raises:
+    ValueError: no engines, or `params` is a sequence whose length differs
+      from `prompts`'.
+    Exception: the first engine's error, re-raised after every thread ended.
+  """
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  engines = list(engines)
+  prompts = list(prompts)
+  if not engines:
+    raise ValueError("Invalid engines: expected at least one, got none")
+  if isinstance(params, (list, tuple)):
+    if len(params) != len(prompts):
+      raise ValueError(
+          f"Invalid params: expected {len(prompts)} (one per prompt), got "
+          f"{len(params)}")
+    per = [list(params[r::len(engines)]) for r in range(len(engines))]
+  else:
+    per = [params] * len(engines)
+  with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+    futures = [pool.submit(e.generate, prompts[r::len(engines)], per[r])
+               for r, e in enumerate(engines)]
+    shares = [f.result() for f in futures]
+  out = [None] * len(prompts)
+  for r, share in enumerate(shares):
+    out[r::len(engines)] = share
+  return out
 
 
 # --------------------------------------------------------------- data parallel

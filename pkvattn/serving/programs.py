@@ -205,6 +205,20 @@ def _forward(params, model_cfg, tokens, pool, plan, *, logits_indices, impl,
                               logits_indices=logits_indices, impl=impl)
 
 
+def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh):
+  """`sampling.sample` of the rows' logits. On a mesh the logits come
+  vocab-sharded (`parallel.tp_forward`): greedy takes the per-shard argmax
+  and gathers `(max, index)` only (`parallel.greedy_tokens`); otherwise the
+  logits are gathered first."""
+  if mesh is not None:
+    from pkvattn import parallel as _parallel  # only engines on a mesh need it
+    if greedy_only and logits.shape[-1] % _parallel.tp_size(mesh) == 0:
+      return _parallel.greedy_tokens(logits, mesh)
+    logits = _parallel.gather_logits(logits, mesh)
+  return _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
+                 gen_index, greedy_only=greedy_only)
+
+
 def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan):
   """Records fed tokens and admitted prompts in the per-sequence token buffer."""
   rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
@@ -233,8 +247,8 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
   last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
   logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
                           logits_indices=last, impl=cfg.impl, mesh=mesh)
-  sampled = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                    inp.gen_index, greedy_only=greedy_only)
+  sampled = _sample_logits(logits, inp, inp.gen_index,
+                           greedy_only=greedy_only, mesh=mesh)
   sampled = jnp.where(inp.sample_rows, sampled, -1)
   seq_tokens = _write_tokens(seq_tokens, inp, plan)
   if bookkeeping:
@@ -321,8 +335,8 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
         params, model_cfg, tokens, pool, plan,
         logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
         mesh=mesh)
-    tok = _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds, gen,
-                  greedy_only=greedy_only)
+    tok = _sample_logits(logits, inp, gen, greedy_only=greedy_only,
+                         mesh=mesh)
     seq_tokens = seq_tokens.at[jnp.where(active, rows, S), computed].set(
         last, mode="drop")
     step = active.astype(jnp.int32)

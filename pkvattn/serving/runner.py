@@ -26,7 +26,9 @@ def prepare_model(model: Model, config: EngineConfig,
                   mesh: jax.sharding.Mesh | None, pool_dtype) -> Model:
   """The model as the engine runs it.
 
-  * On a mesh ("tp" axis): laid out by `pkvattn.parallel.shard_model`.
+  * On a mesh ("tp" axis): laid out by `pkvattn.parallel.shard_model`,
+    q/k/v and gate/up fused shard-major (one matmul per shard) and the LM
+    head vocab-sharded where the vocabulary divides by tp.
   * Unless `config.scan_layers`: per-layer weights
     (`pkvattn.models.unstack_layers`), re-sharded on the mesh.
   * Off a mesh: q/k/v and gate/up projections fused into one matmul each
@@ -42,13 +44,13 @@ def prepare_model(model: Model, config: EngineConfig,
   """
   if mesh is not None:
     from pkvattn import parallel as _parallel  # parallel imports models
-    model = _parallel.shard_model(model, mesh)
+    model = _parallel.shard_model(model, mesh, fuse=True)
   if not config.scan_layers:
     params = _decoder.unstack_layers(model.params)
     if mesh is not None:
       params = jax.device_put(params, jax.tree.map(
           lambda s: jax.sharding.NamedSharding(mesh, s),
-          _parallel.param_specs(params)))
+          _parallel.param_specs(params, tp=_parallel.tp_size(mesh))))
     model = dataclasses.replace(model, params=params)
   if mesh is None:
     model = dataclasses.replace(
