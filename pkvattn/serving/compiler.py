@@ -137,6 +137,10 @@ class Compiler:
     Raises:
       ValueError: `compile_cache_dir` cannot be created or written.
     """
+    # The host KV tier runs programs of its own (`serving.host_tier`); the
+    # step and burst programs do not depend on it, so engines with and
+    # without it share their executables.
+    config = dataclasses.replace(config, host_kv_cache_bytes=0)
     self.model_cfg, self.config, self.mesh = model_cfg, config, mesh
     self.stats = stats
     self.inputs_sharding = inputs_sharding

@@ -93,6 +93,14 @@ class EngineConfig:
       (0.1%) of its K or V values or maps the largest below 1 of e4m3's
       448; `EngineStats.kv_saturated_values` counts the clipped values.
     calibration_tokens: tokens of the calibration prefill.
+    host_kv_cache_bytes: bytes of host memory for a second KV tier
+      (`pkvattn.serving.host_tier`, docs/kv_cache.md "Host tier"): cached
+      prefix blocks about to be evicted from the pool are copied to host
+      slots (`host_kv_cache_bytes // (num_layers * 2 * page_size *
+      num_kv_heads * head_dim * itemsize)` of them), and a later prompt that
+      matches them brings them back instead of recomputing. 0 = off. One
+      flat slot space only: per-window-group caches and SWA scratch raise
+      ValueError (pass `kv_groups=False`).
     finished_history: finished requests kept for `Engine.get_request` after
       they finish (the most recent ones; older ones are dropped), so a
       long-running engine holds bounded host memory. `Engine.generate`
@@ -121,6 +129,7 @@ class EngineConfig:
   v_scale: float | None = None
   calibration_tokens: int = 512
   finished_history: int = 1024
+  host_kv_cache_bytes: int = 0
 
   def __post_init__(self):
     for name in ("page_size", "num_slots", "max_seqs", "max_num_tokens",
@@ -183,6 +192,17 @@ class EngineConfig:
       raise ValueError(
           "Invalid finished_history: expected an int >= 0, got "
           f"{self.finished_history!r}")
+    if (not isinstance(self.host_kv_cache_bytes, int)
+        or isinstance(self.host_kv_cache_bytes, bool)
+        or self.host_kv_cache_bytes < 0):
+      raise ValueError(
+          "Invalid host_kv_cache_bytes: expected an int >= 0 (bytes; 0 = no "
+          f"host tier), got {self.host_kv_cache_bytes!r}")
+    if self.host_kv_cache_bytes and not self.enable_prefix_reuse:
+      raise ValueError(
+          "Invalid host_kv_cache_bytes: the host tier keeps prefix-cache "
+          "blocks, expected 0 with enable_prefix_reuse=False, got "
+          f"{self.host_kv_cache_bytes}")
     if (not isinstance(self.calibration_tokens, int)
         or isinstance(self.calibration_tokens, bool)
         or self.calibration_tokens <= 0):

@@ -36,6 +36,7 @@ from pkvattn.serving.compiler import ProgramKey
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.config import kv_dtype as _kv_dtype
 from pkvattn.serving.config import slots_for_memory as _slots_for_memory
+from pkvattn.serving.host_tier import HostTier
 from pkvattn.serving.kv_manager import KVCacheManager
 from pkvattn.serving.request import Request
 from pkvattn.serving.request import RequestLimits
@@ -104,6 +105,17 @@ class Engine:
       self._inputs_sharding = _parallel.replicated(mesh)
     self.stats = EngineStats()
     self.kv.start_stats(self.stats)
+    # The host KV tier (`serving.host_tier`), None when off. `_num_free`:
+    # the pool's free slots after the last program read, which tells when
+    # blocks must be mirrored to the host before a program.
+    self.host_tier: HostTier | None = None
+    if config.host_kv_cache_bytes:
+      self.host_tier = HostTier(
+          config, self.cache_config, self.kv.pool_shape, dtype,
+          mcfg.num_layers, self.kv.block_bytes, hybrid=self.kv.hybrid,
+          scratch=self.kv.scratch, mesh=mesh)
+      self.host_tier.stats_into(self.stats)
+    self._num_free = self.kv.max_slots
     self.stats.kv_scales_calibrated = self._fp8 and not self._needs_calibration
     self.compiler = Compiler(mcfg, config, mesh, self.stats,
                              self._inputs_sharding)
@@ -159,6 +171,10 @@ class Engine:
     if self._needs_scale_check:  # compiles the calibration prefills
       self._calibrate([[0]], record=False)
     times = self.compiler.warmup(self._buffers(), progress, max_workers)
+    if self.host_tier is not None:  # its copy programs, at every size
+      self.pool = self.host_tier.warmup(
+          self.pool, self.state, (self.config.num_admit,
+                                  self.config.max_model_len))
     self.stats.warmup_time_s += time.perf_counter() - t_start
     return times
 
@@ -324,6 +340,10 @@ class Engine:
     self.last_inputs = scheduled.inputs
     has_prefill = any(row.request.status is RequestStatus.PREFILL
                       for row in scheduled.rows)
+    if self.host_tier is not None:  # mirror what the step may evict
+      self.host_tier.offload(self.pool, self.state,
+                             self.host_tier.step_bound(scheduled.inputs),
+                             self._num_free, self.stats)
     t1 = time.perf_counter()
     try:
       out, compile_s, err = self._run(scheduled, throw=False)
@@ -334,6 +354,9 @@ class Engine:
     t2 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
+    self._num_free = int(out.num_free)
+    if self.host_tier is not None:
+      self._host_reload(scheduled, out)
     if err is not None:  # checked mode: raises a violation after booking
       err.throw()
     self.stats.num_steps += 1
@@ -392,6 +415,12 @@ class Engine:
     t0 = time.perf_counter()
     prev = self._inflight
     self._inflight = None
+    if prev is None and self.host_tier is not None:
+      # Nothing in flight: mirror what this burst and the next may evict
+      # (a chained burst plans nothing: its plan would wait for this one).
+      self.host_tier.offload(self.pool, self.state,
+                             self.host_tier.burst_bound(), self._num_free,
+                             self.stats)
     if prev is None:
       scheduled = self.scheduler.schedule_burst()
     else:
@@ -441,7 +470,21 @@ class Engine:
     t0 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
+    self._num_free = int(out.num_free)
+    if self.host_tier is not None:
+      self.host_tier.flush(self.stats)
     return num_sampled, time.perf_counter() - t0
+
+  def _host_reload(self, scheduled: ScheduledStep, out) -> None:
+    """After a step: writes the mirrored blocks into the host buffer, then
+    reloads the blocks of its newly admitted requests found on the host
+    (`HostTier.reload`); each then prefills from after them."""
+    tier = self.host_tier
+    tier.flush(self.stats)
+    reqs = [(i, req) for i, req in enumerate(scheduled.admitted)
+            if out.claim_ok[i] and req.status is RequestStatus.PREFILL]
+    self.pool, _ = tier.reload(self.pool, self.state, scheduled.inputs, reqs,
+                               self.stats)
 
   # -------------------------------------------------------------- profile
   def profile(self, iters: int = 10) -> dict:

@@ -54,10 +54,30 @@ class EngineStats:
   # the step programs stay unchanged. None before that check or for 16-bit
   # pages.
   kv_saturated_values: int | None = None
+  # Host KV tier (`EngineConfig.host_kv_cache_bytes`; all 0 when off): its
+  # slots and bytes, blocks copied pool -> host (mirrored ahead of eviction)
+  # and host -> pool (reloaded for admitted prompts), prompt blocks looked
+  # up on the host and found there, the bytes moved each way, and the host
+  # wall time spent on the copies (plans, gathers, waits for the device ->
+  # host copies, host buffer writes, reload puts).
+  host_num_slots: int = 0
+  host_kv_cache_bytes: int = 0
+  host_blocks_offloaded: int = 0
+  host_blocks_reloaded: int = 0
+  host_lookups: int = 0
+  host_hits: int = 0
+  host_bytes_offloaded: int = 0
+  host_bytes_reloaded: int = 0
+  host_transfer_s: float = 0.0
 
   @property
   def prefix_hit_rate(self) -> float:
     return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+  @property
+  def host_hit_rate(self) -> float:
+    """Prompt blocks found on the host / looked up there (0 if none)."""
+    return self.host_hits / self.host_lookups if self.host_lookups else 0.0
 
   @property
   def kv_bytes_saved(self) -> int | None:
@@ -80,6 +100,7 @@ class EngineStats:
     d = dataclasses.asdict(self)
     d.update(prefix_hit_rate=self.prefix_hit_rate,
              kv_bytes_saved=self.kv_bytes_saved,
+             host_hit_rate=self.host_hit_rate,
              prefill_tokens_per_s=self.prefill_tokens_per_s,
              decode_tokens_per_s=self.decode_tokens_per_s)
     return d

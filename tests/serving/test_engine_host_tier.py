@@ -1,0 +1,153 @@
+"""The engine's host KV tier (`EngineConfig.host_kv_cache_bytes`) on the tiny
+model (CPU, f32): a multi-turn workload whose histories exceed the device
+pool. With the tier, returning turns reload their evicted prefixes instead of
+recomputing them; greedy tokens are the same as without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+
+from pkvattn import cache
+from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.models import load_model
+
+# 16 slots x 8 tokens; 4 conversations of up to ~90 tokens: every turn evicts
+# the others' histories from the device.
+CFG = EngineConfig(page_size=8, num_slots=16, max_seqs=2, max_num_tokens=32,
+                   max_model_len=128, token_buckets=(32,))
+HOST_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model():
+  return load_model("tiny-llama")
+
+
+def _multi_turn(engine, turns=3, convs=4, seed=0):
+  """Runs `turns` rounds; each turn appends a user message to each
+  conversation's history (prompt + previous answer). Returns the answers."""
+  rng = np.random.default_rng(seed)
+  hist = [[256] + rng.integers(0, 256, 24).tolist() for _ in range(convs)]
+  sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+  answers = []
+  for _ in range(turns):
+    prompts = [h + rng.integers(0, 256, 6).tolist() for h in hist]
+    outs = engine.generate(prompts, sp)
+    answers.append(outs)
+    hist = [p + o for p, o in zip(prompts, outs)]
+  return answers
+
+
+@pytest.fixture(scope="module")
+def runs(model):
+  off = Engine(model, CFG)
+  on = Engine(model, dataclasses.replace(CFG, host_kv_cache_bytes=HOST_BYTES))
+  return (off, _multi_turn(off)), (on, _multi_turn(on))
+
+
+def test_same_tokens_fewer_prefill_tokens(runs):
+  (off, a_off), (on, a_on) = runs
+  assert a_on == a_off
+  st = on.stats
+  assert st.host_blocks_offloaded > 0
+  assert st.host_hits > 0 and st.host_blocks_reloaded == st.host_hits
+  assert 0 < st.host_hit_rate <= 1
+  assert st.host_bytes_reloaded == st.host_blocks_reloaded * (
+      on.host_tier.slot_bytes)
+  assert st.prefill_tokens < off.stats.prefill_tokens
+  # Every prompt token is computed, reused on the device or reloaded.
+  ps = CFG.page_size
+  assert (st.prefill_tokens + st.reused_tokens + st.host_blocks_reloaded * ps
+          == off.stats.prefill_tokens + off.stats.reused_tokens)
+  assert off.stats.host_blocks_offloaded == 0 and off.host_tier is None
+  cache.validate(on.state)
+  cache.validate_host_tier(on.host_tier.state)
+
+
+def test_reloaded_pages_equal_the_device_ones(runs):
+  """Each valid host entry holds the pages its block had on the device: a
+  block still (or again) published on the device with the same key has the
+  same pages, bit for bit."""
+  _, _ = runs[0]
+  on = runs[1][0]
+  tier = on.host_tier
+  hs = tier.state
+  valid = np.asarray(hs.valid)
+  keys = np.asarray(hs.key)
+  st = on.state
+  pub = np.asarray(st.slot_published)
+  dkeys = {tuple(k): s for s, k in enumerate(np.asarray(st.slot_key).tolist())
+           if pub[s]}
+  pool = np.asarray(on.pool).reshape((st.num_slots,) + tier.slot_shape)
+  compared = 0
+  for h in np.flatnonzero(valid):
+    s = dkeys.get(tuple(keys[h].tolist()))
+    if s is not None:
+      np.testing.assert_array_equal(tier.buffer[h], pool[s])
+      compared += 1
+  assert compared > 0
+
+
+def test_fp8_pool(model):
+  cfg = dataclasses.replace(CFG, kv_cache_dtype="fp8", k_scale=0.05,
+                            v_scale=0.05)
+  off = _multi_turn(Engine(model, cfg), turns=2)
+  engine = Engine(model, dataclasses.replace(cfg,
+                                             host_kv_cache_bytes=HOST_BYTES))
+  assert engine.host_tier.buffer.dtype == np.dtype(jax.numpy.float8_e4m3fn)
+  assert _multi_turn(engine, turns=2) == off
+  assert engine.stats.host_hits > 0
+  # With and without the tier, the engines share their step programs.
+  assert engine.stats.num_compiles == 1
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def _count_compiles():
+  events = []
+
+  def listener(name, secs, **kwargs):
+    del secs, kwargs
+    if name == BACKEND_COMPILE:
+      events.append(name)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_compile_after_warmup(model):
+  jax.clear_caches()  # the tier's programs compile again, in warmup
+  engine = Engine(model, dataclasses.replace(CFG,
+                                             host_kv_cache_bytes=HOST_BYTES))
+  with _count_compiles() as events:
+    engine.warmup()
+  assert events                       # the proof that compiles are counted
+  with _count_compiles() as events:
+    _multi_turn(engine, turns=2, seed=1)
+  assert engine.stats.host_hits > 0
+  assert events == []
+
+
+def test_config_errors(model):
+  with pytest.raises(ValueError, match="host_kv_cache_bytes"):
+    EngineConfig(host_kv_cache_bytes=-1)
+  with pytest.raises(ValueError, match="host_kv_cache_bytes"):
+    EngineConfig(host_kv_cache_bytes=1.5)
+  with pytest.raises(ValueError, match="host_kv_cache_bytes.*enable_prefix"):
+    EngineConfig(host_kv_cache_bytes=1 << 20, enable_prefix_reuse=False)
+  with pytest.raises(ValueError, match="host_kv_cache_bytes.*one slot"):
+    Engine(model, dataclasses.replace(CFG, host_kv_cache_bytes=10))
+  with pytest.raises(ValueError, match="host_kv_cache_bytes.*kv_groups=False"):
+    Engine(load_model("tiny-gemma3"), dataclasses.replace(
+        CFG, host_kv_cache_bytes=HOST_BYTES))
