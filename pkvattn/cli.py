@@ -130,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
                  help="bytes for the KV pool, e.g. 8GiB, 512MiB, 1e9; sets "
                       "--num-slots from the size (FP8 holds twice the "
                       "tokens of bf16)")
+  p.add_argument("--host-kv-cache-gb", type=float, default=0.0,
+                 metavar="GB",
+                 help="GB (1e9 bytes) of host memory for a second KV tier: "
+                      "prefix blocks evicted from the pool are kept there "
+                      "and brought back instead of recomputed (0 = off; one "
+                      "slot space: with sliding-window models pass "
+                      "--no-kv-groups)")
   p.add_argument("--ignore-eos", action="store_true",
                  help="generate --max-new-tokens tokens even past the model's "
                       "end-of-sequence / end-of-turn tokens")
@@ -211,6 +218,9 @@ def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
       bad("--kv-cache-memory", "a positive size such as 8GiB, 512MiB or "
           "1000000000", repr(args.kv_cache_memory))
     args.kv_cache_memory = size
+  gb = args.host_kv_cache_gb
+  if not 0.0 <= gb < float("inf"):  # also rejects nan
+    bad("--host-kv-cache-gb", "a number of GB >= 0 (0 = no host tier)", gb)
 
   prompts = []
   for text in args.prompt:
@@ -429,6 +439,7 @@ def main(argv=None) -> int:
       kv_groups=False if args.no_kv_groups else None,
       kv_cache_dtype=args.kv_cache_dtype,
       kv_cache_memory=args.kv_cache_memory,
+      host_kv_cache_bytes=int(args.host_kv_cache_gb * 1e9),
       decode_steps=args.decode_steps or (8 if on_gpu else 1),
       compile_cache_dir=None if args.no_compile_cache else (
           args.compile_cache_dir or compile_cache.default_dir()))
@@ -439,6 +450,8 @@ def main(argv=None) -> int:
       parser.error(f"argument --compile-cache-dir: {e}")
     if "kv_cache_memory" in str(e):
       parser.error(f"argument --kv-cache-memory: {e}")
+    if "host_kv_cache_bytes" in str(e):
+      parser.error(f"argument --host-kv-cache-gb: {e}")
     # the model's heads do not split over --tp devices
     parser.error(f"argument --tp: {e}")
   load_s = time.perf_counter() - t0
@@ -522,6 +535,9 @@ def main(argv=None) -> int:
       slots_saved_by_scratch=st.slots_saved_by_scratch,
       peak_group_slots=list(st.peak_group_slots),
       peak_kv_bytes=st.peak_kv_bytes, kv_bytes_saved=st.kv_bytes_saved,
+      host_blocks_offloaded=st.host_blocks_offloaded,
+      host_blocks_reloaded=st.host_blocks_reloaded,
+      host_hit_rate=st.host_hit_rate, host_transfer_s=st.host_transfer_s,
       preemptions=st.num_preemptions, max_model_len=max_model_len,
       load_s=load_s, warmup_s=warmup_s, compile_s=compile_s, wall_s=wall_s)
   if args.json:
@@ -585,6 +601,14 @@ def _kv_line(st) -> str:
   mib = 2**20
   pool = (f"  KV pool: {st.kv_cache_dtype}, {st.kv_cache_bytes / mib:.1f} "
           f"MiB{'; scales calibrated' if st.kv_scales_calibrated else ''}\n")
+  if st.host_num_slots:
+    pool += (f"  host KV tier: {st.host_num_slots} slots, "
+             f"{st.host_kv_cache_bytes / mib:.1f} MiB; blocks offloaded "
+             f"{st.host_blocks_offloaded} ({st.host_bytes_offloaded / mib:.1f}"
+             f" MiB), reloaded {st.host_blocks_reloaded} "
+             f"({st.host_bytes_reloaded / mib:.1f} MiB); host hit rate "
+             f"{100 * st.host_hit_rate:.1f}% ({st.host_hits}/"
+             f"{st.host_lookups} blocks); copies {st.host_transfer_s:.2f} s\n")
   if st.kv_bytes_saved is None:
     return pool
   return pool + (f"  peak KV: {st.peak_kv_bytes / mib:.1f} MiB, "

@@ -441,3 +441,16 @@ def test_cli_hf_checkpoint_prompts_file_sampling_json(tmp_path, capsys):
   assert exc.value.code == 2
   assert "error: argument --model: no tokenizer.json in" in (
       capsys.readouterr().err)
+
+
+def test_host_kv_cache_gb_flag(capsys):
+  line = _error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "-1"])
+  assert "argument --host-kv-cache-gb: expected a number of GB >= 0" in line
+  # Below one slot of the model: the engine's error, as a usage error.
+  line = _error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "1e-9"])
+  assert "argument --host-kv-cache-gb: Invalid host_kv_cache_bytes" in line
+  # On: the summary reports the tier.
+  assert cli.main(TINY + PROMPTS + ["--host-kv-cache-gb", "0.001",
+                                    "--max-new-tokens", "2",
+                                    "--no-progress"]) == 0
+  assert "host KV tier: " in capsys.readouterr().out
