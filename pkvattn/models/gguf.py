@@ -1,13 +1,18 @@
 """Loading GGUF files (llama.cpp's format): config, weights and tokenizer.
 
-The file is read with the `gguf` package (llama.cpp's reader, memory-mapped).
-Its metadata (`{arch}.block_count`, `{arch}.attention.head_count`, ...) is
+The file is parsed once, memory-mapped, by `pkvattn.models.gguf_reader`
+(`gguf.GGUFReader` only for big-endian files); config and tokenizer come from
+the same parsed metadata. Its metadata (`{arch}.block_count`, `{arch}.attention.head_count`, ...) is
 mapped to a transformers-style config dict, so `config_from_hf` builds the
 `DecoderConfig` (one mapping for both formats). Tensor names go through the
 `gguf` package's own HF <-> GGUF name map, and weights are dequantized one
-tensor at a time (`gguf.quants.dequantize`), cast to the requested dtype and
-written into per-layer stacks (`pkvattn.models.hf.build_params`), so the host
-never holds an f32 copy of the whole model.
+tensor at a time, cast to the requested dtype and written into per-layer
+stacks (`pkvattn.models.hf.build_params`), so the host never holds an f32
+copy of the whole model. A tensor is dequantized by the `gguf` package's own
+block decoders (`gguf.quants.<TYPE>.dequantize_blocks`, so the values equal
+`gguf.quants.dequantize` bit for bit), applied to chunks of
+`DEQUANT_CHUNK_BLOCKS` blocks on a thread pool (numpy releases the GIL)
+rather than to groups of 16 rows as `gguf.quants.dequantize` does.
 
 Two layout differences from transformers are undone:
   * llama.cpp's converter permutes the rows of each head of `attn_q` /
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 import jax.numpy as jnp
@@ -33,6 +39,7 @@ import numpy as np
 
 from pkvattn.models.decoder import DecoderConfig
 from pkvattn.models.gguf_tokenizer import GGUFTokenizer
+from pkvattn.models.hf import aligned_empty
 from pkvattn.models.hf import build_params
 from pkvattn.models.hf import config_from_hf
 
@@ -61,16 +68,29 @@ def _import_gguf():
   return gguf
 
 
+# Blocks per dequantization task: enough that numpy's per-call overhead
+# vanishes, few enough that a task's temporaries stay in cache.
+DEQUANT_CHUNK_BLOCKS = 1 << 12
+
+
 @functools.lru_cache(maxsize=1)
 def _open(path: str, mtime_ns: int, size: int):
-  # Parsing the metadata of a 49k-token vocabulary takes seconds; reading the
-  # config first and the weights next reuses one reader (keyed by the file's
-  # identity, so a rewritten file is read again).
-  return _import_gguf().GGUFReader(path)
+  # Reading the config first and the weights next reuses one parse (keyed by
+  # the file's identity, so a rewritten file is read again).
+  from pkvattn.models.gguf_reader import GGUFFile
+  from pkvattn.models.gguf_reader import NotLittleEndianError
+  try:
+    return GGUFFile(path)
+  except NotLittleEndianError:
+    return _import_gguf().GGUFReader(path)
 
 
 def open_gguf(path: str):
-  """A `gguf.GGUFReader` of `path` (memory-mapped; cached for the last file).
+  """The parsed GGUF file at `path` (memory-mapped; cached for the last file).
+
+  Returns:
+    A `pkvattn.models.gguf_reader.GGUFFile` (a `gguf.GGUFReader` for a
+    big-endian file); both have `.tensors`, and `read_metadata` reads either.
 
   Raises:
     ValueError: `path` is not a readable GGUF file.
@@ -83,13 +103,21 @@ def open_gguf(path: str):
     raise ValueError(f"Invalid model path: cannot read {path!r} ({e})") from e
   try:
     return _open(path, st.st_mtime_ns, st.st_size)
-  except Exception as e:  # the reader raises on a bad magic, version, ...
+  except Exception as e:  # bad magic, version, truncated header, ...
     raise ValueError(
         f"Invalid GGUF file {path!r}: {type(e).__name__}: {e}") from e
 
 
 def read_metadata(reader) -> dict[str, Any]:
-  """`{key: value}` of a GGUF reader's fields (arrays as lists, str decoded)."""
+  """`{key: value}` of a parsed GGUF file (arrays as lists, str decoded).
+
+  Args:
+    reader: a `GGUFFile` (its parsed `metadata`, returned as is: do not
+      modify it) or a `gguf.GGUFReader` (its fields decoded).
+  """
+  metadata = getattr(reader, "metadata", None)
+  if isinstance(metadata, dict):
+    return metadata
   return {name: field.contents() for name, field in reader.fields.items()
           if not name.startswith("GGUF.")}
 
@@ -107,11 +135,12 @@ def dequantize_tensor(tensor) -> np.ndarray:
   `[out_features, in_features]`.
 
   Args:
-    tensor: a `gguf.ReaderTensor`.
+    tensor: a `gguf_reader.GGUFTensor` or `gguf.ReaderTensor`.
 
   Returns:
-    `f32[*reversed(tensor.shape)]`; may be a read-only view of the file for
-    F32 tensors.
+    `f32[*reversed(tensor.shape)]`, equal bit for bit to
+    `gguf.quants.dequantize(tensor.data, tensor.tensor_type)`; may be a
+    read-only view of the file for F32 tensors.
 
   Raises:
     ValueError: the tensor type is not in `SUPPORTED_TENSOR_TYPES`.
@@ -122,9 +151,35 @@ def dequantize_tensor(tensor) -> np.ndarray:
     raise ValueError(
         f"Invalid GGUF tensor {tensor.name!r}: tensor type {name} is not "
         f"supported; expected one of {SUPPORTED_TENSOR_TYPES}")
-  values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
   shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-  return np.asarray(values, dtype=np.float32).reshape(shape)
+  if name in ("F32", "F16", "BF16"):
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+  block_len, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+  blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, block_bytes)
+  out = aligned_empty((blocks.shape[0], block_len), np.float32)
+  decode = getattr(gguf.quants, name)
+  decode.init_grid()  # lookup grids of the i-quants; a no-op for these types
+
+  def run(lo):
+    hi = lo + DEQUANT_CHUNK_BLOCKS
+    out[lo:hi] = decode.dequantize_blocks(blocks[lo:hi])
+
+  starts = range(0, blocks.shape[0], DEQUANT_CHUNK_BLOCKS)
+  if len(starts) > 1:
+    list(_pool().map(run, starts))
+  else:
+    run(0)
+  return out.reshape(shape)
+
+
+@functools.lru_cache(maxsize=2)
+def _pool(workers: int | None = None):
+  """A process-wide thread pool: `workers` threads, default one per core
+  (at most 8) for the dequantization chunks."""
+  from concurrent.futures import ThreadPoolExecutor
+  n = workers or max(1, min(8, os.cpu_count() or 1))
+  return ThreadPoolExecutor(max_workers=n, thread_name_prefix="pkvattn-gguf")
 
 
 def unpermute_qk_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -297,7 +352,7 @@ def _tokenizer_and_config(reader):
   tok = GGUFTokenizer.from_metadata(metadata)
   # Generation stops at the tokenizer's EOS and end-of-turn tokens.
   cfg = _replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
-  return cfg, tok, tensors
+  return cfg, tok
 
 
 def load_gguf_config(path: str) -> tuple[DecoderConfig, GGUFTokenizer]:
@@ -306,17 +361,20 @@ def load_gguf_config(path: str) -> tuple[DecoderConfig, GGUFTokenizer]:
   Raises:
     ValueError: not a GGUF file, unsupported architecture / RoPE / tokenizer.
   """
-  cfg, tok, _ = _tokenizer_and_config(open_gguf(path))
-  return cfg, tok
+  return _tokenizer_and_config(open_gguf(path))
 
 
-def load_gguf(path: str, dtype=jnp.float32):
+def load_gguf(path: str, dtype=jnp.float32, timings: dict | None = None):
   """Loads a GGUF file: config, dequantized weights and tokenizer.
 
   Args:
     path: a `.gguf` file (one file; split GGUFs are not supported).
     dtype: parameter dtype (f32, bf16 or f16); each tensor is dequantized to
       f32 and cast to it.
+    timings: if a dict, the wall seconds of each phase are added to it:
+      "read" (parsing the file), "config", "tokenizer", "dequantize",
+      "host_copy" (transposing / casting into the per-layer stacks),
+      "device_transfer" (`jnp.asarray` of the stacks, waited for).
 
   Returns:
     `(cfg: DecoderConfig, params, tokenizer: GGUFTokenizer)`, params in the
@@ -328,9 +386,43 @@ def load_gguf(path: str, dtype=jnp.float32):
       RoPE scaling or tokenizer, or a missing tensor.
   """
   gguf = _import_gguf()
+  clock = timings if timings is not None else {}
+  t0 = time.perf_counter()
   reader = open_gguf(path)
-  cfg, tok, tensors = _tokenizer_and_config(reader)
-  arch = read_metadata(reader)["general.architecture"]
+  t1 = time.perf_counter()
+  metadata = read_metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = config_from_hf(hf_config_from_gguf(metadata, tensors))
+  t2 = time.perf_counter()
+  for key, secs in (("read", t1 - t0), ("config", t2 - t1)):
+    clock[key] = clock.get(key, 0.0) + secs
+  # The tokenizer is built on its own thread while the weights are
+  # dequantized (its merge ranking holds the GIL, numpy's decoders mostly
+  # release it); "tokenizer" is its own wall time.
+  tok_future = _pool(1).submit(_timed, GGUFTokenizer.from_metadata, metadata)
+  try:
+    cfg, params = _load_weights(path, gguf, reader, metadata, tensors, cfg,
+                                dtype, timings)
+  except BaseException:
+    # A bad tokenizer is reported first, as when it was read first.
+    if tok_future.exception() is not None:
+      tok_future.result()
+    raise
+  tok, secs = tok_future.result()
+  clock["tokenizer"] = clock.get("tokenizer", 0.0) + secs
+  # Generation stops at the tokenizer's EOS and end-of-turn tokens.
+  cfg = _replace(cfg, eos_token_ids=tuple(tok.eos_token_ids))
+  return cfg, params, tok
+
+
+def _timed(fn, *args):
+  t0 = time.perf_counter()
+  out = fn(*args)
+  return out, time.perf_counter() - t0
+
+
+def _load_weights(path, gguf, reader, metadata, tensors, cfg, dtype, timings):
+  arch = metadata["general.architecture"]
   unsupported = sorted({_tensor_type_name(t) for t in reader.tensors}
                        - set(SUPPORTED_TENSOR_TYPES))
   if unsupported:
@@ -363,8 +455,11 @@ def load_gguf(path: str, dtype=jnp.float32):
       w = w - 1.0
     return w
 
-  cfg, params = build_params(cfg, get, has, dtype)
-  return cfg, params, tok
+  cfg, params = build_params(cfg, get, has, dtype, timings=timings)
+  if timings is not None:
+    timings["dequantize"] = (timings.get("dequantize", 0.0)
+                             + timings.pop("weights", 0.0))
+  return cfg, params
 
 
 def _replace(cfg, **kw):

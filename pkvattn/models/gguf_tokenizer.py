@@ -198,15 +198,7 @@ def _sentencepiece_bpe(metadata, tokens, types):
         "tokenizer.ggml.scores entry per token")
   vocab = {t: i for i, t in enumerate(tokens)}
   mergeable = [i for i, ty in enumerate(types) if ty in (NORMAL, USER_DEFINED)]
-  candidates = []
-  for i in mergeable:
-    t = tokens[i]
-    for k in range(1, len(t)):
-      left, right = t[:k], t[k:]
-      if left in vocab and right in vocab:
-        candidates.append((-float(scores[i]), i, vocab[left], left, right))
-  candidates.sort()
-  merges = [(c[3], c[4]) for c in candidates]
+  merges = _spm_merges(tokens, vocab, scores, mergeable)
   unk = metadata.get("tokenizer.ggml.unknown_token_id")
   unk_token = tokens[int(unk)] if unk is not None else None
   tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk_token,
@@ -221,3 +213,46 @@ def _sentencepiece_bpe(metadata, tokens, types):
     steps.append(decoders.Strip(" ", 1, 0))
   tok.decoder = decoders.Sequence(steps)
   return tok
+
+
+def _spm_merges(tokens, vocab, scores, mergeable):
+  """BPE merges `(left, right)` of a SentencePiece vocabulary.
+
+  Every split `token = left + right` of a mergeable token whose halves are
+  both tokens is a merge, ranked by the token's score (highest first), ties
+  by token id, then by the id of `left` (transformers' GGUF converter and
+  SentencePiece's own extractor rank them the same way). The splits are
+  enumerated one split position at a time over all tokens at once (C-level
+  `map` over the vocabulary's `__contains__`), and ranked with one
+  `np.lexsort`, so the cost is a few passes over the vocabulary's characters.
+  """
+  import itertools
+
+  import numpy as np
+
+  contains = vocab.__contains__
+  items = [i for i in mergeable if len(tokens[i]) > 1]
+  ids, lefts, rights = [], [], []
+  k = 1
+  while items:
+    words = [tokens[i] for i in items]
+    left = [w[:k] for w in words]
+    has_left = list(map(contains, left))
+    # Right halves only where the left one is a token (most splits fail
+    # there), each string built once.
+    cand = list(itertools.compress(range(len(items)), has_left))
+    right = [words[j][k:] for j in cand]
+    ok = list(map(contains, right))
+    for j, r in itertools.compress(zip(cand, right), ok):
+      ids.append(items[j])
+      lefts.append(left[j])
+      rights.append(r)
+    k += 1
+    items = [i for i, w in zip(items, words) if len(w) > k]
+  if not ids:
+    return []
+  token_ids = np.asarray(ids, np.int64)
+  left_ids = np.fromiter(map(vocab.__getitem__, lefts), np.int64, len(lefts))
+  neg_score = -np.asarray(scores, np.float64)[token_ids]
+  order = np.lexsort((left_ids, token_ids, neg_score)).tolist()
+  return [(lefts[j], rights[j]) for j in order]

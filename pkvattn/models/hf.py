@@ -8,11 +8,14 @@ transposed to `[in, out]` kernels and stacked along a leading layer axis.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
 import os
+import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -176,7 +179,8 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
   return build_params(cfg, get, lambda name: find(name) is not None, dtype)
 
 
-def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
+def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
+                 timings: dict | None = None):
   """The `decoder.forward` parameter tree from transformers-named weights.
 
   Each weight is fetched once, cast to `dtype` on the host and written into
@@ -191,6 +195,9 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
       `"norm.weight"`, `"lm_head.weight"`); raises ValueError when missing.
     has: `has(name) -> bool` (used for `lm_head.weight`).
     dtype: parameter dtype.
+    timings: if a dict, seconds are added to its keys "weights" (in `get`),
+      "host_copy" (transposing and casting into the stacks) and
+      "device_transfer" (`jnp.asarray` of the stacks, waited for).
 
   Returns:
     `(cfg, params)`; `cfg.tie_word_embeddings` is set when the config unties
@@ -201,9 +208,11 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
   """
   np_dtype = jnp.dtype(dtype)
   L = cfg.num_layers
+  clock = _Clock(timings)
 
   def fetch(name, shape):
-    w = get(name)
+    with clock("weights"):
+      w = get(name)
     if tuple(w.shape) != tuple(shape):
       raise ValueError(
           f"Invalid weight {name!r}: expected shape {tuple(shape)}, got "
@@ -216,9 +225,20 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
       w = fetch(fmt.format(i), shape)
       w = w.T if transpose else w
       if out is None:
-        out = np.empty((L, *w.shape), np_dtype)
-      out[i] = w  # casts on the host: no f32 copy of the whole stack
-    return jnp.asarray(out)
+        out = aligned_empty((L, *w.shape), np_dtype)
+      with clock("host_copy"):
+        out[i] = w  # casts on the host: no f32 copy of the whole stack
+    return to_device(out)
+
+  def to_device(x):
+    with clock("device_transfer"):
+      # On the CPU a 64-byte aligned array is aliased, not copied
+      # (`jnp.asarray` always copies); the host arrays are not written
+      # again after this.
+      y = jax.device_put(x)
+      if timings is not None:
+        y.block_until_ready()
+    return y
 
   H, I = cfg.hidden_size, cfg.intermediate_size
   qd, kd = cfg.num_qo_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -252,7 +272,15 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
     layers["post_mlp_norm"] = norm("post_feedforward_layernorm")
   else:
     layers["mlp_norm"] = norm("post_attention_layernorm")
-  cast = lambda w: jnp.asarray(np.asarray(w).astype(np_dtype))
+  def cast(w):
+    w = np.asarray(w)
+    if w.dtype != np_dtype or w.ctypes.data % _ALIGN:
+      with clock("host_copy"):
+        out = aligned_empty(w.shape, np_dtype)
+        out[...] = w
+      w = out
+    return to_device(w)
+
   params = {"embed": cast(fetch("embed_tokens.weight", (cfg.vocab_size, H))),
             "layers": layers,
             "final_norm": cast(fetch("norm.weight", (H,)))}
@@ -262,6 +290,41 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32):
     else:  # some checkpoints tie without saying so
       cfg = _replace(cfg, tie_word_embeddings=True)
   return cfg, params
+
+
+# Alignment, bytes, of host arrays handed to `jax.device_put`: XLA:CPU
+# aliases a numpy array aligned to 64 bytes instead of copying it.
+_ALIGN = 64
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data starts on a `_ALIGN`-byte
+  boundary (numpy guarantees 16)."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGN, np.uint8)
+  off = -raw.ctypes.data % _ALIGN
+  return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+class _Clock:
+  """`with clock(key):` adds the block's wall seconds to `timings[key]`
+  (nothing when `timings` is None)."""
+
+  def __init__(self, timings: dict | None):
+    self.timings = timings
+
+  @contextlib.contextmanager
+  def __call__(self, key: str):
+    if self.timings is None:
+      yield
+      return
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.timings[key] = (self.timings.get(key, 0.0)
+                           + time.perf_counter() - t0)
 
 
 def _replace(cfg, **kw):
