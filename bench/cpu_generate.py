@@ -36,6 +36,23 @@ from engine overhead.
 
 Writes `<out>/cpu_generate.json` (and under $OUT). Run:
   python -m bench.cpu_generate [--new-tokens 32] [--batch 8]
+
+Two more scenarios, each on its own flag (and JSON):
+  * `--long-prompt N` (`cpu_generate_long_prompt.json`): one N-token prompt
+    (the chat prompts repeated, cut to N tokens), 8 new tokens. Rows:
+    transformers' `generate` (and its bare prefill forward) against the
+    engine as the CLI builds it (256-token prefill chunks, `impl="xla"`),
+    both timed warm in the same process; then the attention op alone on a
+    4,096-token prompt with SmolLM2's heads (9/3/64, f32): the flash-style
+    `paged_prefill(impl="xla")` against `jax.nn.dot_product_attention` on
+    the same K/V made contiguous (causal), and one 256-token chunk over
+    4,096 cached keys (the engine's chunked-prefill step) against the
+    per-token reference it replaced (`reference.paged_prefill_reference`).
+  * `--fp8-pools 16MiB,512MiB` (`cpu_generate_fp8.json`): decode tok/s with
+    FP8 pages against 16-bit-free f32 pages at each pool size: the engine
+    (one prompt, `--new-tokens`) as the CLI builds it, and the bare jitted
+    decode step (`models.forward` of one token, pool donated) with the FP8
+    pool passed as float8_e4m3fn and as its uint8 bytes.
 """
 
 from __future__ import annotations
@@ -169,12 +186,195 @@ def forward_split(model, batch: int, context: int, iters: int = 5) -> dict:
   return out
 
 
+def long_prompt_ids(tok, n: int) -> list[int]:
+  """An `n`-token prompt: the chat prompts repeated, cut to `n` tokens."""
+  text = " ".join(PROMPTS)
+  ids = tok.encode_no_special(text)
+  reps = -(-n // len(ids))
+  return tok.encode_no_special(" ".join([text] * reps))[:n]
+
+
+def _best_ms(fn, *args, iters: int = 3) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best * 1e3
+
+
+def attention_op_rows(num_tokens: int = 4096, chunk: int = 256) -> list[dict]:
+  """The XLA prefill op alone, SmolLM2 heads (9/3/64), f32, page_size 16."""
+  from pkvattn import attention
+  from pkvattn.pallas_kernels import reference
+  hq, hkv, d, ps = 9, 3, 64, 16
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((num_tokens, hq, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), jnp.float32)
+          for _ in range(2))
+  pages = num_tokens // ps
+  perm = rng.permutation(pages).astype(np.int32)
+  pool = lambda x: jnp.zeros((pages, ps, hkv, d)).at[perm].set(  # noqa: E731
+      x.reshape(pages, ps, hkv, d))
+  kp, vp = pool(k), pool(v)
+  table = jnp.asarray(perm[None])
+  lens = jnp.array([num_tokens], jnp.int32)
+  dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q[None], k[None], v[None], is_causal=True)[0])
+  flash = jax.jit(lambda q, kp, vp, i: attention.paged_prefill(
+      q, (kp, vp), table, i, lens, impl="xla"))
+  full = jnp.array([0, num_tokens], jnp.int32)
+  want = dpa(q, k, v)
+  err = float(jnp.abs(flash(q, kp, vp, full) - want).max())
+  rows = [dict(scenario="attention_op", impl="jax.nn.dot_product_attention",
+               mode="contiguous_causal", tokens=num_tokens,
+               ms=_best_ms(dpa, q, k, v)),
+          dict(scenario="attention_op", impl="pkvattn", mode="xla_flash_paged",
+               tokens=num_tokens, ms=_best_ms(flash, q, kp, vp, full),
+               max_abs_err_vs_dpa=err)]
+  rows[1]["ratio_vs_dpa"] = rows[0]["ms"] / rows[1]["ms"]
+  qc = q[-chunk:]
+  last = jnp.array([0, chunk], jnp.int32)
+  old = jax.jit(lambda q, kp, vp: reference.paged_prefill_reference(
+      q, kp, vp, table, table, last, lens, sm_scale=d**-0.5)[0])
+  new = jax.jit(lambda q, kp, vp: attention.paged_prefill(
+      q, (kp, vp), table, last, lens, impl="xla"))
+  err = float(jnp.abs(old(qc, kp, vp) - new(qc, kp, vp)).max())
+  rows.append(dict(scenario="attention_op", impl="pkvattn",
+                   mode="reference_per_token_chunk", tokens=chunk,
+                   keys=num_tokens, ms=_best_ms(old, qc, kp, vp, iters=1)))
+  rows.append(dict(scenario="attention_op", impl="pkvattn",
+                   mode="xla_flash_chunk", tokens=chunk, keys=num_tokens,
+                   ms=_best_ms(new, qc, kp, vp), max_abs_err_vs_reference=err))
+  rows[-1]["ratio_vs_reference"] = rows[-2]["ms"] / rows[-1]["ms"]
+  return rows
+
+
+def long_prompt(model, hf, torch, n: int, new_tokens: int = 8) -> list[dict]:
+  """transformers vs the CLI-built engine on one `n`-token prompt."""
+  ids = long_prompt_ids(model.tokenizer, n)
+  rows = []
+  with torch.no_grad():
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    hf(x)
+    fwd_s = time.perf_counter() - t0
+  ref, hf_s = hf_generate(hf, torch, [ids], new_tokens, batched=False)
+  rows.append(dict(scenario="long_prompt", impl="transformers",
+                   mode="prefill_forward", prompt_tokens=n, wall_s=fwd_s,
+                   prefill_tok_s=n / fwd_s))
+  rows.append(dict(scenario="long_prompt", impl="transformers",
+                   mode="batch1_loop", prompt_tokens=n, new_tokens=new_tokens,
+                   wall_s=hf_s, prefill_tok_s=n / hf_s))
+  max_model_len = -(-(n + new_tokens) // 16) * 16
+  cfg = dataclasses.replace(engine_configs(1, max_model_len)["cli_cpu"],
+                            num_slots=max_model_len // 16 + 8)
+  r = run_engine(model, cfg, [ids], new_tokens)
+  outputs = r.pop("outputs")
+  rows.append(dict(scenario="long_prompt", impl="pkvattn", mode="cli_cpu",
+                   prompt_tokens=n, new_tokens=new_tokens, wall_s=r["warm_s"],
+                   prefill_tok_s=n / r["warm_s"],
+                   tokens_equal_transformers=int(outputs[0] == ref[0]),
+                   ratio_vs_transformers=hf_s / r["warm_s"], **r))
+  return rows
+
+
+def fp8_pool_rows(model, prompt, pools, new_tokens: int) -> list[dict]:
+  """Decode with FP8 vs f32 pages at each pool size (engine and bare step)."""
+  from pkvattn import _kv
+  from pkvattn.models import calibrate
+  rows = []
+  cfg_m = model.cfg
+  for size in pools:
+    for kv in ("auto", "fp8"):
+      cfg = dataclasses.replace(
+          engine_configs(1, 512)["cli_cpu"], kv_cache_dtype=kv,
+          kv_cache_memory=_parse_size(size))
+      r = run_engine(model, cfg, [prompt], new_tokens)
+      r.pop("outputs")
+      rows.append(dict(scenario="fp8_pool", impl="pkvattn", mode="engine",
+                       pool=size, kv_cache_dtype=kv,
+                       decode_tok_s=new_tokens / r["warm_decode_s"], **r))
+    # The bare decode step: one token, 64 keys, the pool donated.
+    per_slot = 2 * cfg_m.num_layers * 16 * cfg_m.num_kv_heads * cfg_m.head_dim
+    nbytes = _parse_size(size)
+    params = models.unstack_layers(model.params)
+    step_rows = {}
+    for name, dtype, bpv in (("f32", jnp.float32, 4), ("fp8", _kv.FP8_DTYPE, 1),
+                             ("fp8_bytes", jnp.uint8, 1)):
+      slots = max(8, nbytes // (per_slot * bpv))
+      p = params if name == "f32" else calibrate.set_kv_scales(params, 1.0,
+                                                               1.0)
+      table = np.arange(4, dtype=np.int32).reshape(1, 4)
+      plan = AttentionPlan.create(
+          layer_page_tables(jnp.asarray(table), cfg_m.num_layers),
+          np.arange(2, dtype=np.int32), np.array([64], np.int32), 1)
+      f = jax.jit(lambda p, pool, plan=plan: models.forward(
+          p, cfg_m, jnp.zeros((1,), jnp.int32), pool, plan, impl="xla"),
+          donate_argnums=1)
+      pool = jnp.zeros(cfg_m.pool_shape(slots, 16), dtype)
+      _, pool = f(p, pool)
+      times = []
+      for _ in range(10):
+        t0 = time.perf_counter()
+        _, pool = f(p, pool)
+        jax.block_until_ready(pool)
+        times.append(time.perf_counter() - t0)
+      step_rows[name] = dict(scenario="fp8_pool", impl="pkvattn",
+                             mode=f"forward_step_{name}", pool=size,
+                             slots=int(slots), step_ms=float(np.median(times))
+                             * 1e3)
+    for name in ("fp8", "fp8_bytes"):
+      step_rows[name]["ratio_vs_f32"] = (step_rows[name]["step_ms"]
+                                         / step_rows["f32"]["step_ms"])
+    rows.extend(step_rows.values())
+  return rows
+
+
+def _parse_size(size: str) -> int:
+  units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+  for u, m in units.items():
+    if size.endswith(u):
+      return int(float(size[:-len(u)]) * m)
+  return int(float(size))
+
+
+def special_scenarios(args, env, model, hf, torch, extra) -> bool:
+  """Runs `--long-prompt` / `--fp8-pools` (True if one ran)."""
+  ran = False
+  if args.long_prompt:
+    rows = long_prompt(model, hf, torch, args.long_prompt)
+    rows += attention_op_rows()
+    _timing.print_table(rows, ["scenario", "impl", "mode", "wall_s",
+                               "prefill_tok_s", "ms", "ratio_vs_transformers",
+                               "ratio_vs_dpa", "ratio_vs_reference"])
+    print(results.write("cpu_generate_long_prompt", rows, out=args.out,
+                        extra=extra, env=env))
+    ran = True
+  if args.fp8_pools:
+    prompt = model.tokenizer.apply_chat_template(PROMPTS[0])
+    rows = fp8_pool_rows(model, prompt, args.fp8_pools.split(","),
+                         args.new_tokens)
+    _timing.print_table(rows, ["mode", "pool", "kv_cache_dtype",
+                               "decode_tok_s", "step_ms", "ratio_vs_f32"])
+    print(results.write("cpu_generate_fp8", rows, out=args.out, extra=extra,
+                        env=env))
+    ran = True
+  return ran
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--configs", default="cli_cpu,cli_burst8",
                  help="comma-separated; also before_one_bucket_scanned")
+  p.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                 help="only the long-prompt scenario with an N-token prompt")
+  p.add_argument("--fp8-pools", default="", metavar="SIZES",
+                 help="only the FP8 decode scenario at these pool sizes, "
+                      "e.g. 16MiB,512MiB")
   results.add_out_arg(p)
   args = p.parse_args(argv)
   env = results.environment()
@@ -190,6 +390,17 @@ def main(argv=None):
       os.path.dirname(path), gguf_file=os.path.basename(path),
       dtype=torch.float32).eval()
   hf_load_s = time.perf_counter() - t0
+  if args.long_prompt or args.fp8_pools:
+    extra = dict(model=models.DEFAULT_MODEL, gguf=os.path.basename(path),
+                 dtype="float32", cpu_count=os.cpu_count(),
+                 package_versions=dict(jax=jax.__version__,
+                                       torch=torch.__version__,
+                                       transformers=transformers.__version__),
+                 load_average=os.getloadavg())
+    hf_generate(hf, torch, [model.tokenizer.apply_chat_template(PROMPTS[0])],
+                4, batched=False)  # transformers' first-call allocations
+    special_scenarios(args, env, model, hf, torch, extra)
+    return
   tok = model.tokenizer
   prompts = [tok.apply_chat_template(q) for q in PROMPTS[:args.batch]]
   longest = max(len(q) for q in prompts) + args.new_tokens

@@ -44,20 +44,36 @@ from jax import lax
 
 NEG_INF = float("-inf")
 
-# Query tile and key block (tokens) of the XLA prefill. Large enough that the
-# per-block matmuls amortise the loop's per-iteration cost and the
-# `[rows, block_k]` logits stay within the CPU's L2-sized working set
-# (measured: docs/performance.md).
+# Largest query tile and key block (tokens) of the XLA prefill: large enough
+# that the per-block matmuls amortise the loop's per-iteration cost, small
+# enough that the `[rows, block_k]` logits stay in a CPU's L2-sized working
+# set (measured: docs/performance.md). Smaller steps get smaller ones
+# (`block_sizes`).
 BLOCK_Q = 256
 BLOCK_K = 512
+MIN_BLOCK_Q = 16
 
 
-def block_sizes(num_tokens: int, page_size: int, *, block_q: int | None = None,
+def block_sizes(num_tokens: int, page_size: int, *, batch_size: int = 1,
+                max_keys: int | None = None, block_q: int | None = None,
                 block_k: int | None = None) -> tuple[int, int]:
-  """`(block_q, block_k)` for a call: `block_q` at most the token count,
-  `block_k` a multiple of `page_size` (whole pages per key block)."""
-  bq = min(block_q or BLOCK_Q, max(1, num_tokens))
-  bk = max(block_k or BLOCK_K, page_size)
+  """`(block_q, block_k)` of a call, from its static shapes.
+
+  `block_q`: the tokens per sequence if they were spread evenly
+  (`num_tokens / batch_size`, to a power of two), within `[MIN_BLOCK_Q,
+  BLOCK_Q]` and at most `num_tokens`: a tile's rows past its sequence's
+  tokens are computed and discarded, so a batch of short prompts (or decode
+  rows beside a chunk) takes short tiles. `block_k`: `BLOCK_K`, or the
+  table's keys (`max_keys`) where fewer, a multiple of `page_size` (whole
+  pages per block). Either may be given instead.
+  """
+  if block_q is None:
+    even = max(1, num_tokens // max(1, batch_size))
+    block_q = min(BLOCK_Q, max(MIN_BLOCK_Q, 1 << (even - 1).bit_length()))
+  bq = max(1, min(block_q, num_tokens))
+  if block_k is None:
+    block_k = BLOCK_K if max_keys is None else min(BLOCK_K, max_keys)
+  bk = max(block_k, page_size)
   return bq, bk - bk % page_size
 
 
@@ -118,7 +134,9 @@ def paged_prefill(
   _, ps, hkv, _ = k_pool.shape
   g = hq // hkv
   batch_size, max_pages = k_table.shape
-  bq, bk = block_sizes(t_total, ps, block_q=block_q, block_k=block_k)
+  bq, bk = block_sizes(t_total, ps, batch_size=batch_size,
+                       max_keys=max_pages * ps, block_q=block_q,
+                       block_k=block_k)
   ppb = bk // ps
   num_tiles = max(1, min(t_total, (t_total + batch_size * (bq - 1)) // bq))
   seq, first, rows, pos0, starts = _tiles(q_indptr, kv_lens, bq, num_tiles)

@@ -62,7 +62,7 @@ def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw):
            if kw.pop("sinks", False) else None)
   p, indptr, q = _ragged(rng, lens, q_lens, fmt, g, d, ps)
   view = pkvattn._kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  for bq, bk in ((8, 16), (16, 48), (None, None)):
+  for bq, bk in ((8, 16),) if kw else ((8, 16), (16, 48)):
     out, lse = xla_attention.paged_prefill(
         jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
         jnp.asarray(indptr), jnp.asarray(lens, np.int32),
@@ -115,6 +115,12 @@ def test_flash_prefill_fp8_pages(fmt, g, d, ps, kw):
 
 
 def test_block_sizes_rule():
-  assert xla_attention.block_sizes(5, 16) == (5, xla_attention.BLOCK_K)
-  bq, bk = xla_attention.block_sizes(4096, 32, block_k=40)
-  assert bq == xla_attention.BLOCK_Q and bk == 32
+  bs = xla_attention.block_sizes
+  # One long prompt: the largest tile and key block.
+  assert bs(4096, 16) == (xla_attention.BLOCK_Q, xla_attention.BLOCK_K)
+  assert bs(5, 16) == (5, xla_attention.BLOCK_K)
+  # Eight sequences in 256 tokens, 64-key tables: short tiles and blocks.
+  assert bs(256, 16, batch_size=8, max_keys=64) == (32, 64)
+  assert bs(256, 16, batch_size=256)[0] == xla_attention.MIN_BLOCK_Q
+  # Whole pages per key block.
+  assert bs(4096, 32, block_k=40)[1] == 32
