@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pkvattn.models import Model
 from pkvattn.sampling import SamplingParams
@@ -354,7 +355,7 @@ class Engine:
     t2 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
-    self._num_free = int(out.num_free)
+    self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
     if self.host_tier is not None:
       self._host_reload(scheduled, out)
     if err is not None:  # checked mode: raises a violation after booking
@@ -470,7 +471,7 @@ class Engine:
     t0 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
-    self._num_free = int(out.num_free)
+    self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
     if self.host_tier is not None:
       self.host_tier.flush(self.stats)
     return num_sampled, time.perf_counter() - t0
