@@ -579,8 +579,11 @@ def _load_once(name: str, dtype: str, tree: str | None) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (tree, root, env.get("PYTHONPATH")) if p)
+  # `python -c` puts the working directory first on sys.path: run in the
+  # tree whose package is timed.
   out = subprocess.run([sys.executable, "-c", _LOAD_CHILD, name, dtype],
-                       env=env, capture_output=True, text=True, check=False)
+                       env=env, cwd=tree or root, capture_output=True,
+                       text=True, check=False)
   for line in out.stdout.splitlines():
     if line.startswith("LOAD_RESULT "):
       return json.loads(line[len("LOAD_RESULT "):])
@@ -609,6 +612,7 @@ def load_main(args, env):
       print({k: (round(v, 2) if isinstance(v, float) else v)
              for k, v in row.items() if k != "runs"}, flush=True)
   extra = dict(baseline_tree=args.baseline_tree,
+               baseline_rev=args.baseline_rev,
                note="min over fresh processes; phases of the current build "
                "from load_gguf(timings=...); the tokenizer is built on its "
                "own thread while the weights load, so phases overlap")
@@ -893,6 +897,9 @@ def main(argv=None):
                   help=f"--load-only: comma list (default {','.join(LOAD_MODELS)})")
   ap.add_argument("--baseline-tree", default=None,
                   help="--load-only: a folder holding an older pkvattn package")
+  ap.add_argument("--baseline-rev", default=None,
+                  help="--load-only: the commit the baseline tree was taken "
+                  "from (recorded)")
   ap.add_argument("--repeats", type=int, default=3,
                   help="--load-only: fresh processes per load")
   ap.add_argument("--dtype", default=None,
