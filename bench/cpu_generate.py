@@ -299,7 +299,7 @@ def fp8_pool_rows(model, prompt, pools, new_tokens: int) -> list[dict]:
   for size in pools:
     for kv in ("auto", "fp8"):
       cfg = dataclasses.replace(
-          engine_configs(1, 512)["cli_cpu"], kv_cache_dtype=kv,
+          engine_configs(1, 128)["cli_cpu"], kv_cache_dtype=kv,
           kv_cache_memory=_parse_size(size))
       r = run_engine(model, cfg, [prompt], new_tokens)
       r.pop("outputs")
