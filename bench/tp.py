@@ -93,7 +93,8 @@ def _parse(argv):
                   help="grid: decode contexts (default 1024,4096; --quick "
                   "1024)")
   ap.add_argument("--prefill", default=None,
-                  help="grid: PROMPTSxLEN of the prefill step (default 8x2048)")
+                  help="grid: PROMPTSxLEN of the prefill step (default 8x2048; "
+                  "0x0: none)")
   ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
                   help="grid: link bandwidth per direction for the ideal "
                   f"collective time, GB/s (default {DEFAULT_LINK_GBPS:g}, "
@@ -403,8 +404,11 @@ def _prod(dims: str) -> int:
 
 
 def _classify(name: str) -> str | None:
+  """The collective a GPU kernel runs, by name: NCCL kernels
+  (`ncclDevKernel_AllReduce...`) and XLA's own collective kernels, which
+  carry the op's name (`psum_<n>_fusion` for a `lax.psum`)."""
   key = name.lower().replace("-", "").replace("_", "")
-  for kind, tags in (("all-reduce", ("allreduce",)),
+  for kind, tags in (("all-reduce", ("allreduce", "psum")),
                      ("all-gather", ("allgather",)),
                      ("reduce-scatter", ("reducescatter",)),
                      ("nccl-other", ("nccl", "sendrecv"))):
@@ -559,10 +563,23 @@ def _run_grid(*, args, mcfg, dtype, impl, tps, name):
         print(f"  {kind} rows={rows_} ctx={context}: skipped "
               f"({row['skipped']})", flush=True)
         return row, None
-      step = _Step(model, mesh, rows=rows_, context=context, q_len=q_len,
-                   page_size=args.page_size, impl=args.impl, dtype=dtype)
-      t = _timing.pipelined_ms(step, jax.block_until_ready, iters=iters,
-                               min_time_s=0.1 if small else 0.5)
+      step = None
+      try:
+        step = _Step(model, mesh, rows=rows_, context=context, q_len=q_len,
+                     page_size=args.page_size, impl=args.impl, dtype=dtype)
+        t = _timing.pipelined_ms(step, jax.block_until_ready, iters=iters,
+                                 min_time_s=0.1 if small else 0.5)
+      except Exception as e:  # noqa: BLE001 (out of memory: report, go on)
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in \
+            str(e).lower():
+          raise
+        if step is not None:
+          step.release()
+        row["skipped"] = "out of memory: " + str(e).splitlines()[0][:200]
+        print(f"  {kind} rows={rows_} ctx={context}: {row['skipped']}",
+              flush=True)
+        gc.collect()
+        return row, None
       tokens = rows_ * q_len
       row.update(ms_per_step=t["median_ms"], p10_ms=t["p10_ms"],
                  p90_ms=t["p90_ms"], tok_s=tokens / (t["median_ms"] * 1e-3),
@@ -584,11 +601,12 @@ def _run_grid(*, args, mcfg, dtype, impl, tps, name):
       step.release()
       del step
       gc.collect()
-    row, step = run_cell("prefill", n_pre, 0, len_pre)
-    rows.append(row)
-    if step is not None:
-      step.release()
-    del step, model
+    if n_pre:
+      row, step = run_cell("prefill", n_pre, 0, len_pre)
+      rows.append(row)
+      if step is not None:
+        step.release()
+    del model
     gc.collect()
 
   for r in rows:
@@ -606,9 +624,34 @@ def _run_grid(*, args, mcfg, dtype, impl, tps, name):
       "skipped"]
 
 
+def _gpu0_events(thunks) -> list[tuple[int, int, str]]:
+  """`(start_ns, duration_ns, name)` of the kernels and copies on the first
+  GPU's stream lines of a jax.profiler trace of `thunks` (every device runs
+  the same program: one device's time per step). Empty on a CPU."""
+  import glob
+  import tempfile
+  import jax
+  d = tempfile.mkdtemp()
+  jax.profiler.start_trace(d)
+  for thunk in thunks:
+    jax.block_until_ready(thunk())
+  jax.profiler.stop_trace()
+  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
+                          recursive=True))[-1]
+  events = []
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if plane.name == "/device:GPU:0":
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          events.extend((ev.start_ns, ev.duration_ns, ev.name)
+                        for ev in line.events)
+  return sorted(events)
+
+
 def _profile(step, tp, link_gbps, small) -> dict:
-  """Collective kernel time per step (profile) beside the ideal from the
-  compiled program's collectives at `link_gbps`."""
+  """Collective kernel time per step on GPU 0 (profile) beside the ideal
+  from the compiled program's collectives at `link_gbps`, and GPU 0's
+  largest kernels per step."""
   from bench.common import timing as _timing
   calls = 3
   out = {}
@@ -618,7 +661,7 @@ def _profile(step, tp, link_gbps, small) -> dict:
                               for k, (n, b) in coll.items()}
     wire = sum(b for _, b in coll.values())
     out["coll_ideal_ms"] = wire / (link_gbps * 1e9) * 1e3
-  events = _timing.gpu_trace_events([step] * calls)
+  events = _gpu0_events([step] * calls)
   if not events:
     out["coll_ms_per_step"] = None
     return out
@@ -630,8 +673,9 @@ def _profile(step, tp, link_gbps, small) -> dict:
   out["collectives_profile_ms"] = per
   out["coll_ms_per_step"] = sum(per.values())
   out["device_ms_per_step"] = sum(d for _, d, _ in events) / 1e6 / calls
-  spans = _timing.event_spans_ms(events, 2e6)
-  out["step_span_ms"] = max(spans) if spans else None
+  out["top_kernels"] = [
+      (name, round(n, 1), round(us, 1)) for name, n, us in
+      _timing.kernel_groups([(n, d) for _, d, n in events], calls)[:15]]
   return out
 
 
