@@ -19,6 +19,12 @@
 # imports FA2 inside try/except) and the vllm-rs binary (the Rust HTTP
 # frontend of `vllm serve`). RECORD drops their lines.
 #
+# Checked on a CPU machine (Python 3.11, CPU torch, the same packages in
+# their cp311 builds): `from vllm import LLM` and vLLM's engine core,
+# executors, GPU worker and model runner, Llama model, model loader,
+# compilation backend, FA3 / FlashInfer backends and flashinfer import with
+# this set appended to sys.path; not run on a GPU here.
+#
 # Usage:
 #   here (network):  bash bench/tools/vllm_wheels.sh download
 #       -> .vllm_a/part, .vllm_b/part, ... (< 60 MiB each; git-ignored via
@@ -31,11 +37,15 @@
 #          sys.path.append('/tmp/vllm_site'); import vllm; print(vllm.__version__)"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-WHEELS="${VLLM_WHEELS_DIR:-/tmp/vllm_wheels}"
+DOWNLOADS="${VLLM_WHEELS_DIR:-/tmp/vllm_wheels}/pip"  # as pip fetched them
+WHEELS="${VLLM_WHEELS_DIR:-/tmp/vllm_wheels}/carry"   # what travels
 PARTS=/tmp/vllm_parts
 SITE=/tmp/vllm_site
 PART_MIB=58
+# The image is Python 3.12 on glibc 2.39 (Ubuntu 24.04): manylinux up to 2_35.
 PIP_TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp
+            --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
+            --platform manylinux_2_31_x86_64 --platform manylinux_2_27_x86_64
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
             --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64
             --platform manylinux1_x86_64)
@@ -51,6 +61,9 @@ WITH_DEPS=(
 NO_DEPS=(
   "vllm==0.26.0" "flashinfer-python==0.6.14" "apache-tvm-ffi==0.1.10"
   "compressed-tensors==0.17.0" nvidia-cudnn-frontend gguf
+  # vLLM's V1 request module imports the structured-output backends at
+  # import time; xgrammar 0.2.8 needs a newer apache-tvm-ffi than vLLM pins.
+  "llguidance<1.8.0,>=1.7.0" "xgrammar==0.2.7"
 )
 # Dependencies the image already has: not carried.
 IMAGE_HAS='^(numpy|torch|triton|transformers|tokenizers|safetensors|requests|urllib3|charset_normalizer|idna|certifi|tqdm|pyyaml|PyYAML|filelock|packaging|typing_extensions|jinja2|Jinja2|markupsafe|MarkupSafe|pillow|psutil|protobuf|huggingface_hub|fsspec|regex|sympy|mpmath|networkx|setuptools)-'
@@ -70,9 +83,10 @@ trim_vllm() {
 
 case "${1:-}" in
   download)
-    mkdir -p "$WHEELS"
-    python3 -m pip download -q -d "$WHEELS" "${PIP_TARGET[@]}" "${WITH_DEPS[@]}"
-    python3 -m pip download -q -d "$WHEELS" "${PIP_TARGET[@]}" --no-deps "${NO_DEPS[@]}"
+    mkdir -p "$DOWNLOADS"
+    python3 -m pip download -q -d "$DOWNLOADS" "${PIP_TARGET[@]}" "${WITH_DEPS[@]}"
+    python3 -m pip download -q -d "$DOWNLOADS" "${PIP_TARGET[@]}" --no-deps "${NO_DEPS[@]}"
+    rm -rf "$WHEELS" && cp -r "$DOWNLOADS" "$WHEELS"
     ( cd "$WHEELS" && ls | grep -E "$IMAGE_HAS" | xargs -r rm -f )
     unzip -l "$WHEELS"/vllm-0.26.0-*.whl > "$WHEELS.list"
     if grep -q _vllm_fa2_C "$WHEELS.list"; then trim_vllm; fi
