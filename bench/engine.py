@@ -654,6 +654,15 @@ def _vllm_prompts(args, tokenizer_vocab: int):
               single=chat_like_prompts(rng, 2, tokenizer_vocab))
 
 
+def _vllm_engine_config(args) -> EngineConfig:
+  """The serving `CFG`; `--small` (a CPU smoke run of the plumbing): a
+  small pool and batch."""
+  if not args.small:
+    return CFG
+  return dataclasses.replace(CFG, num_slots=512, max_seqs=8, max_num_tokens=64,
+                             max_model_len=128, decode_steps=4)
+
+
 def _child_pkvattn(args, ckpt, prompts, chat):
   from pkvattn.models import load_model
   res = {"env": results.environment()}
@@ -661,7 +670,8 @@ def _child_pkvattn(args, ckpt, prompts, chat):
   model = load_model(ckpt, dtype=jnp.bfloat16)
   jax.block_until_ready(model.params)
   res["load_s"] = time.perf_counter() - t0
-  cfg = dataclasses.replace(CFG, compile_cache_dir=args.cache_dir)
+  cfg = dataclasses.replace(_vllm_engine_config(args),
+                            compile_cache_dir=args.cache_dir)
   t0 = time.perf_counter()
   engine = Engine(model, cfg)
   times = engine.warmup()
@@ -703,11 +713,12 @@ def _child_vllm(args, ckpt, prompts, chat):
   from vllm import SamplingParams as VSP
   from vllm.inputs import TokensPrompt
   res = {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
-         "device": torch.cuda.get_device_name(0)}
+         "device": (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                    else "cpu")}
   t0 = time.perf_counter()
   llm = LLM(model=ckpt, max_num_seqs=256, enable_prefix_caching=True,
             dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=CFG.max_model_len, seed=0)
+            max_model_len=_vllm_engine_config(args).max_model_len, seed=0)
   res["startup_s"] = time.perf_counter() - t0
   res["load_s"] = 0.0  # inside LLM(...)
   n = args.new_tokens
@@ -767,9 +778,12 @@ def vllm_main(args):
   args.new_tokens = args.new_tokens or 256
   ckpt = args.ckpt_dir or os.path.join(
       tempfile.gettempdir(), f"pkvattn_ckpt_{args.model}_{args.weights}")
+  if args.small:
+    ckpt += "_small"
   if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
     t0 = time.perf_counter()
-    hf_checkpoint.write_checkpoint(ckpt, args.model, weights=args.weights)
+    hf_checkpoint.write_checkpoint(ckpt, args.model, weights=args.weights,
+                                   num_layers=2 if args.small else None)
     print(f"wrote {ckpt} in {time.perf_counter() - t0:.1f} s", flush=True)
   from pkvattn.models import load_config_and_tokenizer
   cfg, tok = load_config_and_tokenizer(ckpt)
@@ -798,6 +812,8 @@ def vllm_main(args):
       cmd += ["--vllm-site", args.vllm_site]
     if args.cache_dir:
       cmd += ["--cache-dir", args.cache_dir]
+    if args.small:
+      cmd += ["--small"]
     print("running", arm, flush=True)
     subprocess.run(cmd, env=env, check=True)
     with open(path) as f:
@@ -816,16 +832,18 @@ def vllm_main(args):
   row = dict(model=args.model, weights=args.weights, ckpt=ckpt,
              order="pkvattn then vllm, separate processes",
              num_prompts=args.num_prompts, new_tokens=args.new_tokens,
-             engine_config=dataclasses.asdict(CFG),
+             engine_config=dataclasses.asdict(_vllm_engine_config(args)),
              vllm_args=dict(max_num_seqs=256, enable_prefix_caching=True,
-                            dtype="bfloat16", max_model_len=CFG.max_model_len,
+                            dtype="bfloat16",
+                            max_model_len=_vllm_engine_config(args).max_model_len,
                             gpu_memory_utilization=args.gpu_memory_utilization),
              check_token_agreement=float(np.mean(agree)),
              check_first_token_agreement=float(np.mean(
                  [a[0] == b[0] for a, b in zip(pk["check_tokens"],
                                                vl["check_tokens"])])),
              pkvattn=pk, vllm=vl, **ratios)
-  name = f"serving_vllm_{args.model}_{stamp['device'].replace(' ', '_')}"
+  name = (f"serving_vllm_{args.model}" + ("_small" if args.small else "")
+          + f"_{stamp['device'].replace(' ', '_')}")
   for p in results.write(name, [row], out=args.out, env=stamp):
     print("wrote", p)
   table = []
