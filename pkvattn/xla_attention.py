@@ -23,9 +23,10 @@ runs well on a CPU or on GPUs without the Pallas kernels:
   before its window, and rows past the tile's tokens give `-inf` logits;
   V rows past `kv_lens[b]` are zeroed before the `P @ V` matmul, so the NaN
   or garbage that unowned pages and tail rows hold never reaches an output.
-* FP8 pages: a block is converted to f32 after its gather (the gather reads
-  the FP8 bytes); `k_scale` is folded into the query's logit scale and
-  `v_scale` into the output.
+* FP8 pages: a block is converted to f32 by its gather (XLA fuses the
+  conversion into the gather: only gathered values convert, never the
+  pool); `k_scale` is folded into the query's logit scale and `v_scale` into
+  the output.
 * Sinks (gpt-oss) join the final denominator only; `lse` is over the visible
   keys (sink excluded); a row with no visible key gives zeros and `-inf`.
 
@@ -78,9 +79,9 @@ def block_sizes(num_tokens: int, page_size: int, *, batch_size: int = 1,
 
 
 def _tiles(q_indptr, kv_lens, block_q: int, num_tiles: int):
-  """Per-tile `(seq, first token, rows, first position)`, each `i32[num_tiles]`;
-  tiles past the last real one get `rows = 0`. Also returns, per sequence, the
-  index of its first tile `i32[batch_size]`."""
+  """Per-tile `(seq, first token, rows, first position)`, each `i32[num_tiles]`
+  (tiles past the last real one get `rows = 0`), then each sequence's first
+  tile `i32[batch_size]`."""
   batch_size = kv_lens.shape[0]
   q_len = q_indptr[1:] - q_indptr[:-1]
   per_seq = (q_len + block_q - 1) // block_q
