@@ -19,8 +19,8 @@ Measured per request: time to first token (TTFT) = from its submission
 (the host sees it then); reported as median / p90 over the returning turns
 (turn >= 1) and over turn 0. Throughput = generated + prompt tokens / wall
 time of all turns. The tier's stats: blocks offloaded / reloaded, host hit
-rate, bytes and copy time (host side). Bandwidth: the reload path (host
-buffer gather + `jax.device_put` + scatter into the pool) timed alone on
+rate, bytes and copy time (host side). Bandwidth: the reload path (the host
+batches' copies to the device + the scatter into the pool) timed alone on
 the warm engine, against the copy roofs of the same run: `jax.device_put` of
 a large array from pinned host memory to HBM and back (`memory_kind=
 "pinned_host"`, where the platform has it) and from a numpy array.
@@ -151,15 +151,17 @@ def _roofs(mb: int):
 
 
 def _reload_bandwidth(engine, blocks: int):
-  """GB/s of the tier's reload path (host gather, put, scatter) alone."""
+  """GB/s of the tier's reload path (batch copies to the device + scatter
+  into the pool) alone, over up to `blocks` host slots that hold data."""
   import jax
   import numpy as np
   tier = engine.host_tier
-  size = min(blocks, tier.reload_sizes[-1], tier.num_slots)
-  rows = np.full(size, -1, np.int32)  # dropped by the scatter: pool unchanged
-  hs = np.arange(size, dtype=np.int64) % tier.num_slots
-  run = lambda: tier._scatter_all(  # noqa: E731
-      engine.pool, engine.state, rows, np.zeros(size, np.int32), hs)
+  hs = np.flatnonzero(tier._batch_of >= 0)[:blocks]  # noqa: SLF001
+  if not len(hs):
+    return float("nan")
+  rows = np.full(len(hs), -1, np.int32)  # dropped by the scatter
+  run = lambda: tier.load(  # noqa: E731
+      engine.pool, engine.state, rows, np.zeros(len(hs), np.int32), hs)
   engine.pool = run()
   jax.block_until_ready(engine.pool)
   t0 = time.perf_counter()
@@ -167,7 +169,7 @@ def _reload_bandwidth(engine, blocks: int):
   for _ in range(reps):
     engine.pool = run()
   jax.block_until_ready(engine.pool)
-  return size * tier.slot_bytes * reps / (time.perf_counter() - t0) / 1e9
+  return len(hs) * tier.slot_bytes * reps / (time.perf_counter() - t0) / 1e9
 
 
 def main(argv=None):
@@ -239,7 +241,8 @@ def main(argv=None):
         host_hit_rate=st.host_hit_rate,
         host_bytes_offloaded=st.host_bytes_offloaded,
         host_bytes_reloaded=st.host_bytes_reloaded,
-        host_transfer_s=st.host_transfer_s, ttft=ttft))
+        host_transfer_s=st.host_transfer_s,
+        host_phase_s=dict(e.host_tier.phase_s) if tier else {}, ttft=ttft))
     engines[tier] = (e, answers)
   (off, a_off), (on, a_on) = engines[False], engines[True]
   flat_off = [t for turn in a_off for o in turn for t in o]

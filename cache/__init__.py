@@ -31,6 +31,7 @@ from .alloc import ForkResult as ForkResult
 from .host_tier import HostTierConfig as HostTierConfig
 from .host_tier import HostTierInvariantError as HostTierInvariantError
 from .host_tier import HostTierState as HostTierState
+from .host_tier import host_invalidate as host_invalidate
 from .host_tier import host_lookup as host_lookup
 from .host_tier import host_offload_plan as host_offload_plan
 from .host_tier import host_tier_stats as host_tier_stats
@@ -115,6 +116,7 @@ __all__ = [
     "extend",
     "finish_step",
     "fork",
+    "host_invalidate",
     "host_lookup",
     "host_offload_plan",
     "host_tier_stats",

@@ -401,6 +401,20 @@ def host_lookup(host: HostTierState, tokens, lengths, start_blocks,
 
 
 @jax.jit
+def host_invalidate(host: HostTierState, slots) -> HostTierState:
+  """Frees host slots whose data the caller dropped (`i32[n]`, -1 = skip).
+
+  The caller owns the page data and may free it in units larger than one
+  block (the engine keeps copies in batches and frees a batch whole); the
+  blocks it held must then leave the bookkeeping, or a lookup would name
+  data that no longer exists. Freed slots are out of the hash table and
+  free for the next plan. Freeing a free slot is a no-op.
+  """
+  slots = jnp.asarray(slots, jnp.int32)
+  return _unhash(host, jnp.where(slots < host.num_slots, slots, -1))
+
+
+@jax.jit
 def host_tier_stats(host: HostTierState) -> dict[str, jax.Array]:
   """Device scalars: `num_slots`, `num_valid`, `num_free` (`num_valid +
   num_free == num_slots`), `num_offloaded`, `num_lookups`, `num_hits`."""

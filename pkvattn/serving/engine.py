@@ -472,16 +472,13 @@ class Engine:
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
     self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
-    if self.host_tier is not None:
-      self.host_tier.flush(self.stats)
     return num_sampled, time.perf_counter() - t0
 
   def _host_reload(self, scheduled: ScheduledStep, out) -> None:
-    """After a step: writes the mirrored blocks into the host buffer, then
-    reloads the blocks of its newly admitted requests found on the host
-    (`HostTier.reload`); each then prefills from after them."""
+    """After a step: reloads the blocks of its newly admitted requests
+    found on the host (`HostTier.reload`); each then prefills from after
+    them."""
     tier = self.host_tier
-    tier.flush(self.stats)
     reqs = [(i, req) for i, req in enumerate(scheduled.admitted)
             if out.claim_ok[i] and req.status is RequestStatus.PREFILL]
     self.pool, _ = tier.reload(self.pool, self.state, scheduled.inputs, reqs,

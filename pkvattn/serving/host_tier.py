@@ -1,37 +1,48 @@
-"""The engine's host-memory KV tier: the host buffer, its copies, its stats.
+"""The engine's host-memory KV tier: its page data, the copies, the stats.
 
 `pkvattn.cache.host_tier` keeps the bookkeeping (which block is in which
 host slot, verified lookups) as a pytree on the device; this module owns the
-page data, a numpy array `[host_num_slots, num_layers * 2, page_size,
-num_kv_heads, head_dim]` of the pool's dtype (FP8 included: the FP8 scales
+page data and the copies between it and the pool.
+
+Page data in batches. A host<->device copy runs near the link's speed only
+when it moves one large, page-locked (`pinned_host`) buffer: many small
+copies, or copies from pageable numpy memory, run several times slower
+(measured: docs/performance.md). So the data is held as *batches* of
+`batch_blocks` host slots' pages, each one JAX array in the device's
+`pinned_host` memory (`[batch_blocks, num_layers * 2, page_size,
+num_kv_heads, head_dim]`, the pool's dtype, FP8 included: the FP8 scales
 are per-layer constants, so nothing per block moves besides the pages), and
-the copies between it and the pool:
+a host slot maps to a (batch, row) pair. A batch is freed whole: when its
+last live row is reassigned, or, when the batches would exceed the byte
+budget, least recently used batch first (its live slots leave the
+bookkeeping through `cache.host_invalidate`).
 
 * **Offload** (`offload`, before a program that may allocate): when the
   pool's free slots may not cover what the program can take, the blocks
   that its allocations would evict are planned (`cache.host_offload_plan`:
   the device's eviction order, blocks already on the host skipped), gathered
   from the pool by a small program dispatched BEFORE the step (stream order:
-  it reads the old data, whatever the step then writes), and their device ->
-  host copy started (`copy_to_host_async`). `flush` writes them into the host
-  buffer after the step's results were read, so the copy overlaps the step.
-  A bound that is too small only loses reuse (a block evicted unmirrored is
-  recomputed later), never correctness: a lookup only finds blocks whose
-  copy was written.
+  it reads the old data, whatever the step then writes), and copied to a
+  new pinned batch by `jax.device_put`, asynchronously: the copy overlaps
+  the step, and a later reload of that batch waits for it (JAX orders the
+  transfers). A bound that is too small only loses reuse (a block evicted
+  unmirrored is recomputed later), never correctness.
 * **Reload** (`reload`, after a step's claims settled): the admitted
   requests are looked up from their device-reused blocks on
-  (`cache.host_lookup`); the hits' pages are gathered from the host buffer,
-  put on the device as one array per step, and scattered into the slots
-  the claim gave them (read from the cache state inside the jitted,
-  pool-donating program). Each request then starts its prefill after the
-  reloaded blocks; the block with its last prompt token is always computed.
+  (`cache.host_lookup`); each batch holding hits is put on the device in one
+  copy (all of them in one `jax.device_put`), and a pool-donating program
+  per batch scatters the hit rows into the slots the claim gave them (read
+  from the cache state inside the program). Each request then starts its
+  prefill after the reloaded blocks; the block with its last prompt token is
+  always computed.
 
-Every program here is compiled by `warmup` at fixed padded sizes, so an
-engine with the tier on compiles nothing after `Engine.warmup()`.
+Every program here has fixed shapes (one batch) and is compiled by `warmup`,
+so an engine with the tier on compiles nothing after `Engine.warmup()`.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -43,46 +54,88 @@ from pkvattn import cache as _cache
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.stats import EngineStats
 
-
-def _sizes(largest: int, smallest: int = 8) -> tuple[int, ...]:
-  """Padded copy sizes: `smallest`, x4 each, up to `largest` (included)."""
-  out, n = [], min(smallest, largest)
-  while n < largest:
-    out.append(n)
-    n *= 4
-  return tuple(out) + (largest,)
+# Blocks per host batch: large enough that one copy runs near the link's
+# speed, small enough that a reload moves few rows it does not need.
+BATCH_BLOCKS = 32
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots",))
 def _gather(pool, src, *, num_slots):
-  """Pages of device slots `src` (`i32[n]`, -1 = padding: garbage), in pool
-  layout `[n * num_layers * 2, page_size, num_kv_heads, head_dim]`."""
+  """`[n, num_layers * 2, page_size, num_kv_heads, head_dim]`: the pages of
+  device slots `src` (`i32[n]`, -1 = padding: garbage rows)."""
   slots = pool.reshape((num_slots, -1) + pool.shape[1:])
-  out = slots[jnp.clip(src, 0, num_slots - 1)]
-  return out.reshape((-1,) + pool.shape[1:])
+  return slots[jnp.clip(src, 0, num_slots - 1)]
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots",), donate_argnums=0)
-def _scatter(pool, seq_slots, rows, blocks, pages, *, num_slots):
-  """Writes `pages` (pool layout, `n` slots) into the slots of block
+def _scatter(pool, seq_slots, rows, blocks, batch_rows, batch, *, num_slots):
+  """Writes row `batch_rows[j]` of `batch` into the slot of block
   `blocks[j]` of sequence `rows[j]` (`state.seq_slots`; -1 rows skipped)."""
   r = jnp.clip(rows, 0, seq_slots.shape[0] - 1)
   b = jnp.clip(blocks, 0, seq_slots.shape[1] - 1)
   dst = jnp.where(rows >= 0, seq_slots[r, b], -1)
   dst = jnp.where(dst >= 0, dst, num_slots)
   slots = pool.reshape((num_slots, -1) + pool.shape[1:])
-  pages = pages.reshape((rows.shape[0],) + slots.shape[1:]).astype(pool.dtype)
-  return slots.at[dst].set(pages, mode="drop").reshape(pool.shape)
+  pages = batch[jnp.clip(batch_rows, 0, batch.shape[0] - 1)]
+  return slots.at[dst].set(pages.astype(pool.dtype),
+                           mode="drop").reshape(pool.shape)
+
+
+@jax.jit
+def _chain_fields(host, slots):
+  """`(key, parent_key, is_first)` of host slots `slots` (-1: slot 0's)."""
+  h = jnp.clip(slots, 0)
+  return host.key[h], host.parent_key[h], host.is_first[h]
+
+
+def _chain_order(key, parent, first) -> np.ndarray:
+  """A permutation of `n` blocks (`key`/`parent` u32[n, 2], `first`
+  bool[n]) that lists each chain's blocks together, root to leaf: blocks
+  are grouped by their oldest ancestor among the `n`, groups in the order
+  their first block appears, then by depth."""
+  index = {tuple(k): i for i, k in enumerate(key.tolist())}
+  up = [-1 if f else index.get(tuple(p), -1)
+        for f, p in zip(first.tolist(), parent.tolist())]
+  root, depth = [-1] * len(up), [0] * len(up)
+  for i in range(len(up)):
+    path, j = [], i
+    while root[j] < 0 and up[j] >= 0 and len(path) <= len(up):
+      path.append(j)  # `len(path)` bounds a (corrupt) cycle
+      j = up[j]
+    if root[j] < 0:
+      root[j], depth[j] = j, 0
+    for k in reversed(path):
+      root[k], depth[k] = root[j], depth[j] + 1
+      j = k
+  rank = {}
+  for r in root:
+    rank.setdefault(r, len(rank))
+  return np.asarray(sorted(range(len(up)),
+                           key=lambda i: (rank[root[i]], depth[i])),
+                    np.int64)
+
+
+def _host_memory_kind(pool) -> str:
+  """`pinned_host` where the pool's device has it, else `unpinned_host`."""
+  kinds = {m.kind for d in pool.sharding.device_set
+           for m in d.addressable_memories()}
+  for kind in ("pinned_host", "unpinned_host"):
+    if kind in kinds:
+      return kind
+  raise ValueError(
+      "Invalid host_kv_cache_bytes: the device has no host memory kind "
+      f"(expected pinned_host or unpinned_host, got {sorted(kinds)})")
 
 
 class HostTier:
   """The host tier of one engine (see the module docstring).
 
   Attributes:
-    num_slots: host slots (`host_kv_cache_bytes // slot_bytes`).
+    num_slots: host slots (`host_kv_cache_bytes // slot_bytes`, rounded
+      down to whole batches).
     slot_bytes: bytes of one slot, every layer, K and V.
-    buffer: the host pages, numpy `[num_slots, num_layers * 2, page_size,
-      num_kv_heads, head_dim]`.
+    batch_blocks: host slots per batch (one copy each way).
+    dtype: the page dtype (the pool's).
     state: the `cache.HostTierState` bookkeeping (device).
     max_plan: the most blocks one offload plan mirrors.
   """
@@ -100,19 +153,22 @@ class HostTier:
           + " (pass kv_groups=False and enable_swa_scratch_reuse=False, or "
           "host_kv_cache_bytes=0)")
     self.slot_bytes = num_layers * block_bytes
-    self.num_slots = config.host_kv_cache_bytes // self.slot_bytes
-    if self.num_slots < 1:
+    slots = config.host_kv_cache_bytes // self.slot_bytes
+    if slots < 1:
       raise ValueError(
           f"Invalid host_kv_cache_bytes: expected at least one slot of "
           f"{self.slot_bytes} bytes ({num_layers} layers x {block_bytes}), "
           f"got {config.host_kv_cache_bytes}")
+    # At least 8 batches, so freeing one whole frees a small part.
+    self.batch_blocks = max(1, min(BATCH_BLOCKS, slots // 8))
+    self.max_batches = slots // self.batch_blocks
+    self.num_slots = self.max_batches * self.batch_blocks
     self.config = config
     self.device_slots = cache_config.num_slots
     ps = config.page_size
     self.page_shape = tuple(pool_shape[1:])
     self.slot_shape = (num_layers * 2,) + self.page_shape
-    self.buffer = np.zeros((self.num_slots,) + self.slot_shape,
-                           jnp.dtype(dtype))
+    self.dtype = jnp.dtype(dtype)
     self.host_config = _cache.HostTierConfig(num_slots=self.num_slots,
                                              page_size=ps)
     self.state = _cache.init_host_tier(self.host_config)
@@ -122,16 +178,23 @@ class HostTier:
     step_blocks = config.num_admit * config.max_pages + config.max_seqs
     self.max_plan = max(1, min(step_blocks + self.burst_blocks,
                                self.device_slots, self.num_slots))
-    self.gather_sizes = _sizes(self.max_plan)
-    self.reload_sizes = _sizes(max(1, min(
-        config.num_admit * config.max_pages, self.num_slots, 4096)))
     self._plan = functools.partial(_cache.host_offload_plan,
                                    max_blocks=self.max_plan)
-    self._pending: list[tuple[jax.Array, np.ndarray]] = []
+    # Batches, least recently used first: id -> [array, live rows].
+    self._batches: collections.OrderedDict[int, list] = (
+        collections.OrderedDict())
+    self._next_batch = 0
+    self._batch_of = np.full(self.num_slots, -1, np.int64)
+    self._row_of = np.zeros(self.num_slots, np.int32)
+    # Host-side seconds per phase of the copies (plan, gather, put, lookup,
+    # load, free): where `EngineStats.host_transfer_s` goes.
+    self.phase_s: collections.Counter[str] = collections.Counter()
     self._mesh = mesh
     if mesh is not None:  # the bookkeeping is replicated, as the cache's
       from pkvattn import parallel as _parallel  # parallel imports models
       self.state = jax.device_put(self.state, _parallel.replicated(mesh))
+    else:  # committed, as the cache state (one placement, one compile)
+      self.state = jax.device_put(self.state, jax.devices()[0])
 
   # ----------------------------------------------------------------- bounds
   def step_bound(self, inputs) -> int:
@@ -148,40 +211,81 @@ class HostTier:
     """Slots a burst and the one chained after it can take."""
     return 2 * self.burst_blocks
 
+  # ---------------------------------------------------------------- batches
+  def _drop_row(self, batch: int) -> None:
+    entry = self._batches[batch]
+    entry[1] -= 1
+    if entry[1] <= 0:
+      del self._batches[batch]
+
+  def _evict_batch(self, batch: int) -> None:
+    """Frees a batch whole; its live host slots leave the bookkeeping."""
+    live = np.flatnonzero(self._batch_of == batch)
+    pad = np.full(self.batch_blocks, -1, np.int32)
+    pad[:len(live)] = live
+    self.state = _cache.host_invalidate(self.state, pad)
+    self._batch_of[live] = -1
+    del self._batches[batch]
+
+  def host_pages(self, slot: int) -> np.ndarray | None:
+    """The pages held by host slot `slot` (`slot_shape`), None if none."""
+    batch = int(self._batch_of[slot])
+    if batch < 0:
+      return None
+    return np.asarray(self._batches[batch][0])[self._row_of[slot]]
+
   # ---------------------------------------------------------------- offload
   def offload(self, pool, state, num_new_slots: int, num_free: int,
               stats: EngineStats) -> None:
     """Mirrors the blocks that `num_new_slots` allocations would evict
-    (nothing when the `num_free` slots last seen cover them). Dispatches
-    the gathers (before the caller's program) and starts their device ->
-    host copies; `flush` writes them."""
+    (nothing when the `num_free` slots last seen cover them): dispatches
+    the gathers (before the caller's program) and their asynchronous copies
+    into new host batches."""
     if num_new_slots <= num_free:
       return
     t0 = time.perf_counter()
     self.state, src, dst = self._plan(state, self.state, num_new_slots)
-    src, dst = jax.device_get((src, dst))
+    src, dst, (key, parent, first) = jax.device_get(
+        (src, dst, _chain_fields(self.state, dst)))
+    t1 = time.perf_counter()
+    self.phase_s["plan"] += t1 - t0
     n = int(np.sum(src >= 0))
-    for lo in range(0, n, self.gather_sizes[-1]):
-      m = min(n - lo, self.gather_sizes[-1])
-      size = next(s for s in self.gather_sizes if s >= m)
-      idx = np.full(size, -1, np.int32)
+    # Any order of the planned blocks is a valid copy; one that keeps each
+    # chain's blocks together puts a returning prompt's blocks in few
+    # batches, and a reload moves little it does not need.
+    order = _chain_order(key[:n], parent[:n], first[:n])
+    src, dst = src[:n][order], dst[:n][order]
+    S, kind = self.batch_blocks, _host_memory_kind(pool)
+    new = set()
+    for lo in range(0, n, S):
+      m = min(n - lo, S)
+      idx = np.full(S, -1, np.int32)
       idx[:m] = src[lo:lo + m]
+      t2 = time.perf_counter()
       pages = _gather(pool, idx, num_slots=self.device_slots)
-      pages.copy_to_host_async()
-      self._pending.append((pages, dst[lo:lo + m]))
+      t3 = time.perf_counter()
+      self.phase_s["gather"] += t3 - t2
+      batch, self._next_batch = self._next_batch, self._next_batch + 1
+      self._batches[batch] = [
+          jax.device_put(pages, pages.sharding.with_memory_kind(kind)), m]
+      t4 = time.perf_counter()
+      self.phase_s["put"] += t4 - t3
+      new.add(batch)
+      d = dst[lo:lo + m]
+      for old in self._batch_of[d]:
+        if old >= 0:
+          self._drop_row(int(old))
+      self._batch_of[d] = batch
+      self._row_of[d] = np.arange(m, dtype=np.int32)
+    t5 = time.perf_counter()
+    while len(self._batches) > self.max_batches:
+      oldest = next(iter(self._batches))
+      if oldest in new:
+        break
+      self._evict_batch(oldest)
+    self.phase_s["free"] += time.perf_counter() - t5
     stats.host_blocks_offloaded += n
     stats.host_bytes_offloaded += n * self.slot_bytes
-    stats.host_transfer_s += time.perf_counter() - t0
-
-  def flush(self, stats: EngineStats) -> None:
-    """Writes the started device -> host copies into the host buffer."""
-    if not self._pending:
-      return
-    t0 = time.perf_counter()
-    for pages, dst in self._pending:
-      data = np.asarray(pages).reshape((-1,) + self.slot_shape)
-      self.buffer[dst] = data[:len(dst)]
-    self._pending = []
     stats.host_transfer_s += time.perf_counter() - t0
 
   # ----------------------------------------------------------------- reload
@@ -201,7 +305,6 @@ class HostTier:
     """
     if not reqs or stats.host_blocks_offloaded == 0:
       return pool, {}
-    self.flush(stats)
     t0 = time.perf_counter()
     ps = self.config.page_size
     A = len(inputs.admit_ids)
@@ -213,6 +316,7 @@ class HostTier:
     self.state, count, slots = _cache.host_lookup(
         self.state, inputs.admit_tokens, lengths, start, inputs.admit_scope)
     count, slots = jax.device_get((count, slots))
+    self.phase_s["lookup"] += time.perf_counter() - t0
     rows, blocks, hslots, done = [], [], [], {}
     for i, req in reqs:
       n = int(count[i])
@@ -228,54 +332,80 @@ class HostTier:
         np.where(lengths > 0, (lengths - 1) // ps, 0) - start, 0)))
     if done:
       rows, blocks = np.concatenate(rows), np.concatenate(blocks)
-      hslots = np.concatenate(hslots)
-      pool = self._scatter_all(pool, state, rows, blocks, hslots)
+      t1 = time.perf_counter()
+      pool = self.load(pool, state, rows, blocks, np.concatenate(hslots))
+      self.phase_s["load"] += time.perf_counter() - t1
       stats.host_hits += len(rows)
       stats.host_blocks_reloaded += len(rows)
       stats.host_bytes_reloaded += len(rows) * self.slot_bytes
     stats.host_transfer_s += time.perf_counter() - t0
     return pool, done
 
-  def _scatter_all(self, pool, state, rows, blocks, hslots):
-    big = self.reload_sizes[-1]
-    for lo in range(0, len(rows), big):
-      m = min(len(rows) - lo, big)
-      size = next(s for s in self.reload_sizes if s >= m)
-      r = np.full(size, -1, np.int32)
-      b = np.zeros(size, np.int32)
-      pages = np.zeros((size,) + self.slot_shape, self.buffer.dtype)
-      r[:m], b[:m] = rows[lo:lo + m], blocks[lo:lo + m]
-      np.take(self.buffer, hslots[lo:lo + m], axis=0, out=pages[:m])
-      pool = self._scatter(pool, state, r, b, pages)
-    return pool
+  def load(self, pool, state, rows, blocks, hslots):
+    """Copies host slots `hslots` into the slots of block `blocks[j]` of
+    sequence `rows[j]` (rows -1: copied, then dropped). Returns the pool
+    (donated). Every batch holding one of them moves to the device in one
+    `jax.device_put` (one copy per batch) and becomes the most recently
+    used.
 
-  def _scatter(self, pool, state, rows, blocks, pages):
-    pages = pages.reshape((-1,) + self.page_shape)
-    # On a mesh the pages go straight to the pool's sharding (kv heads).
-    pages = (jax.device_put(pages, pool.sharding)
-             if self._mesh is not None else jax.device_put(pages))
-    return _scatter(pool, state.seq_slots, rows, blocks, pages,
-                    num_slots=self.device_slots)
+    Raises:
+      RuntimeError: a host slot holds no data (the bookkeeping and the
+        batches disagree: a bug, never silently skipped).
+    """
+    batch = self._batch_of[hslots]
+    if np.any(batch < 0):
+      raise RuntimeError(
+          f"host slots {hslots[batch < 0].tolist()} hold no data")
+    ids = [int(b) for b in dict.fromkeys(batch.tolist())]
+    arrays = [self._batches[b][0] for b in ids]
+    on_device = jax.device_put(
+        arrays, [a.sharding.with_memory_kind("device") for a in arrays])
+    S = self.batch_blocks
+    for b, dev in zip(ids, on_device):
+      self._batches.move_to_end(b)
+      sel = np.flatnonzero(batch == b)
+      for lo in range(0, len(sel), S):
+        part = sel[lo:lo + S]
+        r = np.full(S, -1, np.int32)
+        k = np.zeros(S, np.int32)
+        br = np.zeros(S, np.int32)
+        r[:len(part)], k[:len(part)] = rows[part], blocks[part]
+        br[:len(part)] = self._row_of[hslots[part]]
+        pool = _scatter(pool, state.seq_slots, r, k, br, dev,
+                        num_slots=self.device_slots)
+    return pool
 
   # ----------------------------------------------------------------- warmup
   def warmup(self, pool, state, inputs_shape):
-    """Compiles every program of the tier (plan, lookup, each gather and
-    scatter size) on `pool` and `state` (their shardings); returns the pool
-    (a scatter donates it). `inputs_shape`: `(num_admit, max_model_len)`.
-    The tier's state is left unchanged."""
+    """Compiles every program of the tier (plan, lookup, invalidate, the
+    gather and the scatter) on `pool` and `state` (their shardings); returns
+    the pool (the scatter donates it). `inputs_shape`: `(num_admit,
+    max_model_len)`. The tier's state is left unchanged."""
     saved = self.state
-    self._plan(state, self.state, 0)
+    _, _, dst = self._plan(state, self.state, 0)
+    _chain_fields(self.state, dst)
     A, T = inputs_shape
     _cache.host_lookup(self.state, np.zeros((A, T), np.int32),
                        np.zeros(A, np.int32), np.zeros(A, np.int32),
                        np.zeros(A, np.int32))
-    for size in self.gather_sizes:
-      _gather(pool, np.full(size, -1, np.int32), num_slots=self.device_slots)
-    for size in self.reload_sizes:
-      pool = self._scatter(pool, state, np.full(size, -1, np.int32),
-                           np.zeros(size, np.int32),
-                           np.zeros((size,) + self.slot_shape,
-                                    self.buffer.dtype))
+    S = self.batch_blocks
+    _cache.host_invalidate(self.state, np.full(S, -1, np.int32))
+    pages = _gather(pool, np.full(S, -1, np.int32),
+                    num_slots=self.device_slots)
+    kind = _host_memory_kind(pool)
+    host = jax.device_put(pages, pages.sharding.with_memory_kind(kind))
+    dev = jax.device_put(host, host.sharding.with_memory_kind("device"))
+    # Reserve the tier's host memory now: a first pinned allocation
+    # page-locks new memory (slow, and it blocks the caller), while the
+    # allocator hands a freed buffer out again cheaply.
+    if not self._batches:
+      reserve = [jax.device_put(pages, host.sharding)
+                 for _ in range(self.max_batches)]
+      jax.block_until_ready(reserve)
+      del reserve
+    pool = _scatter(pool, state.seq_slots, np.full(S, -1, np.int32),
+                    np.zeros(S, np.int32), np.zeros(S, np.int32), dev,
+                    num_slots=self.device_slots)
     self.state = saved
     return pool
 

@@ -70,7 +70,12 @@ class KVCacheManager:
     seq_tokens = jnp.zeros(self._token_shape, jnp.int32)
     shape, dtype = self.pool_shape, self.dtype
     if mesh is None:
-      return jnp.zeros(shape, dtype), state, seq_tokens
+      # Committed to the device, as the programs' outputs are, so every
+      # program (the steps, the host tier's) sees one placement and
+      # compiles once.
+      device = jax.devices()[0]
+      return jax.device_put((jnp.zeros(shape, dtype), state, seq_tokens),
+                            device)
     from pkvattn import parallel as _parallel  # parallel imports models
     pool = jax.jit(lambda: jnp.zeros(shape, dtype),
                    out_shardings=_parallel.pool_sharding(mesh))()

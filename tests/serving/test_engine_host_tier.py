@@ -90,7 +90,7 @@ def test_reloaded_pages_equal_the_device_ones(runs):
   for h in np.flatnonzero(valid):
     s = dkeys.get(tuple(keys[h].tolist()))
     if s is not None:
-      np.testing.assert_array_equal(tier.buffer[h], pool[s])
+      np.testing.assert_array_equal(tier.host_pages(h), pool[s])
       compared += 1
   assert compared > 0
 
@@ -101,7 +101,7 @@ def test_fp8_pool(model):
   off = _multi_turn(Engine(model, cfg), turns=2)
   engine = Engine(model, dataclasses.replace(cfg,
                                              host_kv_cache_bytes=HOST_BYTES))
-  assert engine.host_tier.buffer.dtype == np.dtype(jax.numpy.float8_e4m3fn)
+  assert engine.host_tier.dtype == np.dtype(jax.numpy.float8_e4m3fn)
   assert _multi_turn(engine, turns=2) == off
   assert engine.stats.host_hits > 0
   # With and without the tier, the engines share their step programs.
