@@ -313,3 +313,38 @@ def test_config_validation():
   with pytest.raises(ValueError, match="page_size"):
     cache.host_offload_plan(cache.init_cache(CFG), cache.init_host_tier(
         cache.HostTierConfig(num_slots=4, page_size=8)), 1, max_blocks=2)
+
+
+def test_invalidate_frees_slots_and_stops_hits():
+  """Host slots dropped by `host_invalidate` are free, out of the table, no
+  longer found by a lookup, and taken again by the next plan."""
+  cfg = cache.CacheConfig(num_slots=4, page_size=2, num_layers=1, max_seqs=2,
+                          max_pages=4)
+  state = cache.init_cache(cfg)
+  host = cache.init_host_tier(cache.HostTierConfig(num_slots=4, page_size=2))
+  rng = np.random.default_rng()
+  a = rng.integers(1, 1000, 7).tolist()       # 3 full blocks + 1 token
+  state, _ = cache.claim_batch(state, [0], [a], [7])
+  state = cache.commit(state, [0], [a], [7])
+  state = cache.release(state, [0])
+  host, src, dst = cache.host_offload_plan(state, host, 4, max_blocks=4)
+  dst = np.asarray(dst)
+  assert int((dst >= 0).sum()) == 3
+  padded = np.asarray(a + [0], np.int32)[None]
+  _, hits, _ = cache.host_lookup(host, padded, [7], [0])
+  assert hits.tolist() == [3]
+  # Drop the middle block's slot (and a padding entry, and a free slot).
+  free = int(np.setdiff1d(np.arange(4), dst[:3])[0])
+  host = cache.host_invalidate(host, np.array([dst[1], -1, free], np.int32))
+  cache.validate_host_tier(host)
+  st = cache.host_tier_stats(host)
+  assert int(st["num_valid"]) == 2 and int(st["num_free"]) == 2
+  _, hits, _ = cache.host_lookup(host, padded, [7], [0])
+  assert hits.tolist() == [1]                 # the chain stops at the hole
+  # The next plan mirrors the block again into a free slot.
+  host, src2, dst2 = cache.host_offload_plan(state, host, 4, max_blocks=4)
+  got = np.asarray(dst2)[np.asarray(src2) == np.asarray(src)[1]]
+  assert len(got) == 1 and not np.isin(got[0], [dst[0], dst[2]])
+  cache.validate_host_tier(host)
+  _, hits, _ = cache.host_lookup(host, padded, [7], [0])
+  assert hits.tolist() == [3]

@@ -151,3 +151,60 @@ def test_config_errors(model):
   with pytest.raises(ValueError, match="host_kv_cache_bytes.*kv_groups=False"):
     Engine(load_model("tiny-gemma3"), dataclasses.replace(
         CFG, host_kv_cache_bytes=HOST_BYTES))
+
+
+def _check_batches(tier):
+  """Every valid host slot names a live batch; batches hold at most
+  `batch_blocks` live rows and fit the byte budget."""
+  valid = np.asarray(tier.state.valid)
+  assert np.all(tier._batch_of[valid] >= 0)  # noqa: SLF001
+  assert len(tier._batches) <= tier.max_batches  # noqa: SLF001
+  live = np.bincount(tier._batch_of[tier._batch_of >= 0],  # noqa: SLF001
+                     minlength=tier._next_batch)  # noqa: SLF001
+  for b, (_, rows) in tier._batches.items():  # noqa: SLF001
+    assert 0 < rows == live[b] <= tier.batch_blocks
+
+
+def test_small_tier_frees_whole_batches(model, runs):
+  """A tier of 16 slots (8 batches of 2) fills up: batches are freed whole,
+  the bookkeeping follows, and the tokens stay those without the tier."""
+  (off, a_off), _ = runs
+  engine = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=16 * off.kv.block_bytes * 2))  # 2 layers
+  tier = engine.host_tier
+  assert (tier.num_slots, tier.batch_blocks, tier.max_batches) == (16, 2, 8)
+  assert _multi_turn(engine) == a_off
+  assert engine.stats.host_blocks_offloaded > tier.num_slots  # it cycled
+  assert engine.stats.host_hits > 0
+  _check_batches(tier)
+  cache.validate_host_tier(tier.state)
+
+
+def test_chain_order_keeps_chains_together():
+  """Interleaved chains come out grouped (in order of first appearance),
+  each root to leaf; a block whose parent is not among them roots a group."""
+  from pkvattn.serving.host_tier import _chain_order
+  rng = np.random.default_rng()
+  chains, nxt = [], 1
+  for _ in range(4):
+    n = int(rng.integers(1, 6))
+    chains.append(list(range(nxt, nxt + n)))
+    nxt += n
+  blocks = [(c, d) for c, ch in enumerate(chains) for d in range(len(ch))]
+  perm = rng.permutation(len(blocks))
+  blocks = [blocks[i] for i in perm]
+  # Drop chain 0's root: its next block becomes an orphan root.
+  blocks = [b for b in blocks if b != (0, 0)] if len(chains[0]) > 1 else blocks
+  key = np.array([[chains[c][d], 0] for c, d in blocks], np.uint32)
+  parent = np.array([[chains[c][d - 1] if d else 0, 0] for c, d in blocks],
+                    np.uint32)
+  first = np.array([d == 0 for _, d in blocks])
+  order = _chain_order(key, parent, first)
+  assert sorted(order.tolist()) == list(range(len(blocks)))
+  seq = [blocks[i] for i in order]
+  groups = [c for i, (c, _) in enumerate(seq) if i == 0 or seq[i - 1][0] != c]
+  assert len(groups) == len(set(groups))                 # contiguous chains
+  assert groups == list(dict.fromkeys(c for c, _ in blocks))  # first seen
+  for c in groups:
+    depths = [d for cc, d in seq if cc == c]
+    assert depths == sorted(depths)                      # root to leaf
