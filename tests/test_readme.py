@@ -16,7 +16,10 @@ fails:
   * `pkvattn-generate` with a built-in tiny model (`--model tiny-*`) and no
     flag of `GPU_FLAGS`: runs on the CPU and must exit 0;
   * any other `pkvattn-generate` command (real weights, a local checkpoint,
-    a GPU-only flag): its flags must parse with the CLI's own parser.
+    a GPU-only flag): its flags must parse with the CLI's own parser;
+  * a multi-process launch, `VAR=value ... python3 <script>.py [&]`: it must
+    set the three variables `pkvattn.distributed` reads, and no other
+    `PKVATTN_*` one (tests/test_multiprocess.py runs such a launch).
 A new kind of command needs a rule here first.
 """
 
@@ -139,12 +142,30 @@ def _runs_on_cpu(args: list[str]) -> bool:
           and not any(flag in joined for flag in GPU_FLAGS))
 
 
+def _is_launch(command: str) -> bool:
+  """The multi-process launch rule (module docstring); asserts its
+  variables when `command` is one."""
+  words = shlex.split(command)
+  env = [w.split("=", 1)[0] for w in words if re.match(r"^[A-Z_]+=", w)]
+  rest = words[len(env):]
+  if not env or len(rest) < 2 or rest[0] != "python3" or \
+      not rest[1].endswith(".py") or rest[2:] not in ([], ["&"]):
+    return False
+  from pkvattn import distributed
+  wanted = {distributed.COORDINATOR_ENV, distributed.NUM_PROCESSES_ENV,
+            distributed.PROCESS_ID_ENV}
+  assert {v for v in env if v.startswith("PKVATTN_")} == wanted, command
+  return True
+
+
 def _cli_commands() -> list[tuple[str, list[str]]]:
   """`(page, argv)` of every `pkvattn-generate` command; any other command
   that is not a `pip install` fails here."""
   out = []
   for page in PAGES:
     for command in _commands(page):
+      if _is_launch(command):
+        continue
       if "pip install" in command:
         command = command.split("&&")[-1].strip()
         if not command.startswith("pkvattn-generate"):
