@@ -318,6 +318,37 @@ def _paged(view: _kv.KVView, batch_indices):
   return (batch_indices, view.table, view.table_kind)
 
 
+def _append_xla(k, v, batch_indices, positions, k_pool, v_pool, k_table,
+                v_table):
+  """`reference.append_paged_kv_reference`'s update as one scatter into the
+  4-D pool(s), indexed by `(page, slot in page)`; `v_pool=None`: V shares
+  `k_pool`. Returns `(k_pool, v_pool)` (`v_pool` None when shared).
+
+  The reference scatters into the pool reshaped to flat rows
+  `[num_pages * page_size, num_kv_heads, head_dim]`. With one kv head (a
+  tensor-parallel shard's, or a small model's) that reshape leaves XLA a
+  choice of where the size-1 axis goes in memory, and where a loop (the XLA
+  prefill's) also reads the pool, layout assignment has picked a different
+  one for the two sides and inserted whole-pool copies (and a copy of the
+  donated argument) into the step. Scattering at `(page, slot)` keeps the
+  pool's own shape, so there is no layout to choose. Rows the reference
+  drops (`append_rows` gives `num_pages * page_size`) give page `num_pages`,
+  out of range, dropped by `mode="drop"`.
+  """
+  n, ps = k_pool.shape[:2]
+  k_rows = reference.append_rows(batch_indices, positions, k_table, ps, n)
+  v_rows = reference.append_rows(batch_indices, positions, v_table, ps, n)
+  if v_pool is None:
+    rows = jnp.concatenate([k_rows, v_rows])
+    vals = jnp.concatenate([k, v]).astype(k_pool.dtype)
+    return k_pool.at[rows // ps, rows % ps].set(vals, mode="drop"), None
+  k_pool = k_pool.at[k_rows // ps, k_rows % ps].set(k.astype(k_pool.dtype),
+                                                     mode="drop")
+  v_pool = v_pool.at[v_rows // ps, v_rows % ps].set(v.astype(v_pool.dtype),
+                                                     mode="drop")
+  return k_pool, v_pool
+
+
 def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
          interleaved: bool, impl: str, scales=(None, None)):
   """Shared body: returns (q_rotated or None, kv_cache in the caller's format).
@@ -339,9 +370,8 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
       v = _kv.as_bytes(_kv.quantize(v, scales[1]))
       k_pool = _kv.as_bytes(k_pool)
       v_pool = None if v_pool is None else _kv.as_bytes(v_pool)
-    k_pool, v_pool = reference.append_paged_kv_reference(
-        k, v, batch_indices, positions, k_pool, v_pool, view.k_table,
-        view.v_table)
+    k_pool, v_pool = _append_xla(k, v, batch_indices, positions, k_pool,
+                                 v_pool, view.k_table, view.v_table)
     if scales[0] is not None:
       k_pool = _kv.from_bytes(k_pool)
       v_pool = None if v_pool is None else _kv.from_bytes(v_pool)
