@@ -253,6 +253,7 @@ def attention_block(
     impl: Implementation | None = None,
     dtype=None,
     reduce_axis: str | None = None,
+    reduce_dtype=None,
 ):
   """Projections + `paged_attention`: the functional core of the Flax layers.
 
@@ -275,8 +276,11 @@ def attention_block(
     reduce_axis: static; for tensor parallelism under `shard_map` (Megatron):
       `params` hold this shard's heads (q/k/v column slices, the matching
       `o_proj` row slice) and the pool this shard's kv heads; the `o_proj`
-      partial products are accumulated in f32, `psum`-ed over this mesh axis,
-      and the `o_proj` bias is added once after the sum. None = one device.
+      partial products are `psum`-ed over this mesh axis in `reduce_dtype`
+      and the `o_proj` bias is added once after the sum
+      (`row_parallel_dense`). None = one device.
+    reduce_dtype: the dtype of that `psum` (static); None = `dtype`, the
+      activation dtype. Ignored without `reduce_axis`.
 
   Returns:
     `(out [num_tokens, hidden_size], kv_cache)`.
@@ -330,18 +334,41 @@ def attention_block(
   out = out.reshape(t, spec.num_qo_heads * d)
   if reduce_axis is None:
     return _dense(params["o_proj"], out, dtype), kv_cache
-  return row_parallel_dense(params["o_proj"], out, reduce_axis, dtype), kv_cache
+  return row_parallel_dense(params["o_proj"], out, reduce_axis, dtype,
+                            reduce_dtype=reduce_dtype), kv_cache
 
 
-def row_parallel_dense(p, x, axis: str, dtype):
+def row_parallel_dense(p, x, axis: str, dtype, *, reduce_dtype=None):
   """`x @ kernel` over a row (input-dim) shard, summed over mesh `axis`.
 
-  Partial products are accumulated and summed in f32, then cast to `dtype`,
-  so the result differs from the one-device dot only by f32 summation order.
-  The bias (replicated) is added once, after the sum.
+  Megatron's row-parallel linear: `x [num_tokens, in / tp]` (this shard's
+  input columns) times `kernel [in / tp, out]` gives this shard's partial
+  product `[num_tokens, out]`; one all-reduce (`psum` over `axis`) sums the
+  `tp` partials. The bias (replicated) is added once, after the sum.
+
+  Args:
+    p: `{"kernel": [in / tp, out], "bias"?: [out]}` (this shard's rows).
+    x: `[num_tokens, in / tp]`.
+    axis: the mesh axis to sum over (inside `shard_map`).
+    dtype: compute dtype of the matmul and of the result.
+    reduce_dtype: dtype of the partial products and of the all-reduce;
+      None = `dtype`. With the activation dtype (the default) each shard's
+      matmul is the one-device matmul (f32 accumulation inside the GEMM,
+      rounded to `dtype` at its output) and the all-reduce moves
+      `num_tokens * out * itemsize(dtype)` bytes: half of an f32 sum for a
+      bf16 model, the dtype vLLM and TensorRT-LLM all-reduce in. In bf16 the
+      `tp` partials are each rounded to bf16 before they are summed, so the
+      result differs from the one-device dot by bf16 rounding (tokens of a
+      bf16 model may differ from tp=1's); an f32 model sums in f32 and
+      differs only by f32 summation order. `jnp.float32` for a bf16 model
+      sums the f32 partials and rounds once (twice the bytes).
+
+  Returns:
+    `[num_tokens, out]` in `dtype`, replicated over `axis`.
   """
+  reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
   y = jnp.dot(x.astype(dtype), p["kernel"].astype(dtype),
-              preferred_element_type=jnp.float32)
+              preferred_element_type=reduce_dtype)
   y = jax.lax.psum(y, axis).astype(dtype)
   if "bias" in p:
     y = y + p["bias"].astype(dtype)

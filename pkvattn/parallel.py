@@ -15,7 +15,8 @@ under ONE `shard_map` over the tp axis, each device holding
   column-sliced; a tied head gets its own transposed copy of the
   embedding): each device reads `1 / tp` of the head per step and returns
   its logits columns, vocab-sharded. Greedy sampling takes the argmax per
-  shard and gathers only `(max, index)` per row (`greedy_tokens`); other
+  shard and gathers only `(max, index)` per row, in one all-gather
+  (`greedy_tokens`); other
   sampling gathers the logits (`gather_logits`). A vocabulary that does not
   divide by tp keeps the head replicated;
 * replicated: the embedding table (a step reads only its tokens' rows),
@@ -24,18 +25,23 @@ under ONE `shard_map` over the tp axis, each device holding
   on every device, so it runs replicated under `jit` outside the
   `shard_map`).
 
-Communication per step: two all-reduces of `[num_tokens, hidden]` f32 per
-layer (after `o_proj` and `down_proj`) and, for greedy sampling, one
-all-gather of `[tp, rows]` maxima and indices; nothing else.
+Communication per step: two all-reduces of `[num_tokens, hidden]` per layer
+(after `o_proj` and `down_proj`) in the activation dtype (bf16 for a bf16
+model) and, for greedy sampling, one all-gather of `[tp, 2, rows]` 32-bit
+words (each shard's maxima and indices); nothing else. Other sampling
+gathers the rows' logits instead (`[rows, vocab]` f32).
 
 **Fused projections** (`fuse_projections`, the engine's layout): q/k/v and
 gate/up kernels concatenated shard-major, so each device's column slice is
 its own `[q_i | k_i | v_i]` / `[gate_i | up_i]` and runs one matmul (and the
 in-place RoPE + append kernel) as on one device.
 
-The row-parallel products are accumulated and summed in f32 and rounded once
-(`pkvattn.flax.row_parallel_dense`), so tp=N differs from one device only by
-f32 summation order.
+The row-parallel partial products are rounded to the activation dtype and
+summed in it (`pkvattn.flax.row_parallel_dense`), as vLLM and TensorRT-LLM
+all-reduce: an f32 model's tp=N differs from one device only by f32
+summation order (greedy tokens match); a bf16 model's all-reduce moves half
+the bytes of an f32 one, and its sum of bf16-rounded partials differs from
+the one-device matmul by bf16 rounding.
 
 **KV-head replication.** When `tp > num_kv_heads` and `tp % num_kv_heads ==
 0`, each kv head is replicated `tp / num_kv_heads` times (the k/v projection
@@ -402,9 +408,10 @@ def greedy_tokens(logits: jax.Array, mesh: Mesh,
 
   Each device takes the max and first argmax of its vocabulary columns
   (`logits` f32[n, vocab], vocab-sharded as `tp_forward` returns it; a
-  replicated one is sliced locally), then one all-gather of `[tp, n]`
-  maxima and indices picks the largest, the lowest shard on a tie: the
-  lowest index, as `jnp.argmax` picks.
+  replicated one is sliced locally), then one all-gather of the maxima
+  (their f32 bits) and indices packed as i32[2, n] (one collective per
+  step, not two: its fixed latency counts once) picks the largest, the
+  lowest shard on a tie: the lowest index, as `jnp.argmax` picks.
 
   Raises:
     ValueError: `logits` is not 2-D or its vocab does not divide by tp.
@@ -417,11 +424,16 @@ def greedy_tokens(logits: jax.Array, mesh: Mesh,
   cols = logits.shape[1] // tp
 
   def body(local):
-    best = jnp.max(local, axis=-1)
+    best = jnp.max(local, axis=-1).astype(jnp.float32)  # exact from bf16
     index = (jnp.argmax(local, axis=-1).astype(jnp.int32)
              + jax.lax.axis_index(axis).astype(jnp.int32) * cols)
-    best = jax.lax.all_gather(best, axis)    # [tp, n]
-    index = jax.lax.all_gather(index, axis)  # [tp, n]
+    # The bit pattern travels (an all-gather only moves words), so the
+    # maxima come back exactly, NaN included.
+    packed = jnp.stack([jax.lax.bitcast_convert_type(best, jnp.int32),
+                        index])                           # [2, n]
+    packed = jax.lax.all_gather(packed, axis)             # [tp, 2, n]
+    best = jax.lax.bitcast_convert_type(packed[:, 0], jnp.float32)
+    index = packed[:, 1]
     shard = jnp.argmax(best, axis=0)         # first max: lowest index
     return jnp.take_along_axis(index, shard[None], axis=0)[0]
 

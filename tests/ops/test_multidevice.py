@@ -30,6 +30,7 @@ from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.flax import AttentionPlan, layer_page_tables
 from pkvattn.models import Model, forward, init_params, load_model
 from pkvattn.models.tiny import replace
+from pkvattn.serving.compiler import ProgramKey
 
 assert len(jax.devices()) == 4, jax.devices()
 res = {"logits": {}, "pool": {}, "engine": {}, "sharding": {}}
@@ -38,6 +39,23 @@ tok = load_model("tiny-llama").tokenizer
 def spec(x):  # PartitionSpec -> 4 entries (axis name or None), any jax version
   entries = [None if a is None else str(a) for a in x.sharding.spec]
   return entries + [None] * (x.ndim - len(entries))
+
+_COLLECTIVES = ("all_reduce", "all_gather", "collective_permute",
+                "all_to_all", "reduce_scatter", "collective_broadcast")
+
+def lowered_collectives(text):  # StableHLO -> [[op, result type]]
+  ops = "|".join(_COLLECTIVES)
+  found = re.findall(r'"stablehlo\.(%s)".*?\) -> (tensor<[^>]*>)' % ops, text,
+                     re.S)
+  assert len(found) == len(re.findall(r"stablehlo\.(%s)\b" % ops, text))
+  return [list(f) for f in found]
+
+def compiled_collectives(text):  # HLO -> [[op, dtype, dims]]
+  ops = "|".join(c.replace("_", "-") for c in _COLLECTIVES)
+  found = re.findall(r"= (\w+)\[([\d,]*)\]\S* (%s)(?:-start)?\(" % ops, text)
+  assert len(found) == len(re.findall(r" (%s)(?:-start)?\(" % ops, text))
+  return [[op, dtype, [int(d) for d in dims.split(",") if d]]
+          for dtype, dims, op in found]
 
 def model(name, **kw):
   cfg = replace(load_model(name).cfg, **kw)
@@ -108,11 +126,46 @@ for tp in (None, 2, 4):
     res["donation"] = [old_pool.is_deleted(), "input_output_alias" in hlo,
                        not re.search(re.escape(shard_type) + r"[^\n]*\bcopy\(",
                                      hlo)]
+  if tp == 2:  # the f32 model's all-reduces stay f32 (lowered, not run)
+    res["collectives"] = {"lowered_f32": lowered_collectives(
+        e._lower(ProgramKey("step", 32, True)).as_text())}
   if tp is not None:
     res["sharding"][f"engine/tp{tp}"] = [
         spec(e.pool),
         [list(s.data.shape) for s in e.pool.addressable_shards],
         spec(e.state.slot_refcount)]
+
+# The collectives of a bf16 tp=2 greedy step (compiled, not run). The
+# lowered module shows the dtypes pkvattn asks for; the compiled one is what
+# runs after SPMD partitioning (a resharding would add collectives there),
+# but XLA's CPU backend computes a bf16 all-reduce in f32, so only its ops
+# and shapes are checked there.
+mb = Model("tiny-llama", m.cfg,
+           init_params(m.cfg, jax.random.key(1), dtype=jnp.bfloat16,
+                       scale=0.08), tok)
+e = Engine(mb, ec, mesh=parallel.make_mesh(2))
+low = e._lower(ProgramKey("step", 32, True))
+res["collectives"].update(
+    lowered_bf16=lowered_collectives(low.as_text()),
+    compiled_bf16=compiled_collectives(low.compile().as_text()),
+    num_layers=mb.cfg.num_layers, hidden_size=mb.cfg.hidden_size,
+    rows=ec.max_seqs)
+
+# greedy_tokens (the engine's greedy programs on GPUs) vs jnp.argmax, with
+# maxima tied across shards and within one, -inf rows and bf16 logits.
+lg = np.array(jax.random.normal(jax.random.key(3), (6, 320)), np.float32)
+lg[0, [250, 7, 90]] = 9.0   # tie across shards: the lowest index wins
+lg[1, [5, 6]] = 9.0         # tie within a shard
+lg[2, :] = -np.inf
+lg[3, 319] = 1e30
+res["greedy"] = {}
+for tp in (2, 4):
+  mesh = parallel.make_mesh(tp)
+  for dt in ("float32", "bfloat16"):
+    x = jnp.asarray(lg, dt)
+    res["greedy"][f"tp{tp}/{dt}"] = [
+        parallel.greedy_tokens(x, mesh).tolist(),
+        jnp.argmax(x, -1).tolist()]
 
 # pmap: 2 independent groups of 2 equal-length prompts, vs the engine.
 groups = np.array([[tok.encode("abcd"), tok.encode("wxyz")],
@@ -187,6 +240,33 @@ def test_pool_is_sharded_on_kv_heads(results):
 def test_tp_step_donates_the_sharded_pool(results):
   deleted, aliased, no_copy = results["donation"]
   assert deleted and aliased and no_copy
+
+
+def test_tp_step_collectives_in_the_activation_dtype(results):
+  c = results["collectives"]
+  layers, hidden, rows = c["num_layers"], c["hidden_size"], c["rows"]
+  # Ideal: two all-reduces per layer (o_proj, down_proj) of [tokens, hidden]
+  # in the model's dtype, and one all-gather of the greedy (max, index) words.
+  # Lowered, the layer is one function called per layer: its two sums.
+  for dtype in ("bf16", "f32"):
+    lowered = c[f"lowered_{dtype}"]
+    assert [x for x in lowered if x[0] == "all_reduce"] == [
+        ["all_reduce", f"tensor<32x{hidden}x{dtype}>"]] * 2, lowered
+    assert [x for x in lowered if x[0] != "all_reduce"] == [
+        ["all_gather", f"tensor<2x2x{rows}xi32>"]], lowered
+  compiled = c["compiled_bf16"]
+  reduces = [x for x in compiled if x[0] == "all-reduce"]
+  assert len(reduces) == 2 * layers, compiled
+  assert all(dims == [32, hidden] for _, _, dims in reduces), reduces
+  others = [x for x in compiled if x[0] != "all-reduce"]
+  assert others == [["all-gather", "s32", [2, 2, rows]]], others
+
+
+def test_greedy_tokens_match_argmax(results):
+  assert len(results["greedy"]) == 4
+  for key, (actual, expected) in results["greedy"].items():
+    assert actual == expected, key
+    assert actual[:2] == [7, 5], key
 
 
 def test_pmap_loop_matches_engine(results):
