@@ -2,13 +2,17 @@
 
 Run:  `python -m bench.multiturn [--small] [--out DIR]`
 
-Model: random bf16 weights with Llama 3.2 1B's shapes (`bench/common/models`).
+Model: random bf16 weights with Llama 3.2 1B's shapes, or Llama 3 8B's
+(`--model llama3-8b`; `bench/common/models`).
 Workload: `--convs` conversations of `--turns` turns. Turn 0 sends a history
 of `--history` random tokens plus a user message of `--user` tokens; each
 later turn appends the previous answer (`--answer` tokens, greedy, EOS
 ignored) and a new user message, so histories grow to about
 `history + turns * (user + answer)` tokens. All conversations of a turn are
-submitted at once; the device pool holds about a quarter of the live
+submitted at once (`--arrival batch`: time to first token includes the wait
+for a row), or one after the other, each when the previous finished
+(`--arrival sequential`: time to first token is the prefill, or the reload
+plus the new message's prefill, alone); the device pool holds about a quarter of the live
 histories (`--pool-frac`), so between turns most of a conversation's blocks
 are evicted from it. The same engine config runs with the host tier off and
 on (`EngineConfig.host_kv_cache_bytes`), in the same process, after
@@ -34,7 +38,8 @@ f32; bf16 may flip a near-tie between a block recomputed by a prefill and the
 same block kept from the decode that wrote it) and the tier's invariants.
 
 `--small`: a tiny f32 model on the CPU, seconds. Writes
-`<out>/multiturn[_small]_<device>.json`; prints a table last.
+`<out>/multiturn[_small][_<model>][_sequential]_<device>.json` (the model
+named unless it is the default); prints a table last.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ def _parse(argv):
   ap.add_argument("--user", type=int, default=None)
   ap.add_argument("--answer", type=int, default=None)
   ap.add_argument("--max-seqs", type=int, default=None)
+  ap.add_argument("--model", choices=("llama3.2-1b", "llama3-8b"),
+                  default="llama3.2-1b", help="the shape (random weights)")
+  ap.add_argument("--arrival", choices=("batch", "sequential"),
+                  default="batch",
+                  help="a turn's conversations submitted at once (batch) or "
+                  "one after the other, each when the previous finished "
+                  "(sequential: time to first token without queueing)")
   ap.add_argument("--pool-frac", type=float, default=0.25,
                   help="device pool / live history tokens of the last turn")
   ap.add_argument("--host-gb", type=float, default=None)
@@ -72,27 +84,35 @@ def _percentile(xs, q):
   return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def _run_turns(engine, convs, turns, rng, hist0, user, answer, vocab):
+def _run_turns(engine, convs, turns, rng, hist0, user, answer, vocab,
+               sequential=False):
   """Runs the multi-turn workload; returns (answers, ttft rows, wall s,
-  tokens)."""
+  tokens). `sequential`: a turn's conversations are submitted one after the
+  other, each when the previous finished (time to first token without
+  queueing); else all at once."""
   from pkvattn.engine import SamplingParams
   sp = SamplingParams(max_new_tokens=answer, ignore_eos=True)
   hist = [rng.integers(1, vocab, hist0).tolist() for _ in range(convs)]
   answers, ttft, tokens = [], [], 0
   t_start = time.perf_counter()
-  for turn in range(turns):
-    prompts = [h + rng.integers(1, vocab, user).tolist() for h in hist]
-    submitted = {}
-    for c, p in enumerate(prompts):
-      rid = engine.add_request(p, sp)
-      submitted[rid] = (c, time.perf_counter())
-    first = {}
+
+  def drain(submitted, first):
     while engine.has_unfinished():
       engine.step()
       now = time.perf_counter()
       for rid in submitted:
         if rid not in first and engine.get_request(rid).output:
           first[rid] = now
+
+  for turn in range(turns):
+    prompts = [h + rng.integers(1, vocab, user).tolist() for h in hist]
+    submitted, first = {}, {}
+    for c, p in enumerate(prompts):
+      rid = engine.add_request(p, sp)
+      submitted[rid] = (c, time.perf_counter())
+      if sequential:
+        drain(submitted, first)
+    drain(submitted, first)
     outs = [None] * convs
     for rid, (c, t0) in submitted.items():
       req = engine.get_request(rid)
@@ -179,14 +199,14 @@ def main(argv=None):
   import numpy as np
 
   from bench.common import results
-  from bench.common.models import LLAMA_3_2_1B, SMALL
+  from bench.common.models import SHAPES, SMALL
   from pkvattn import cache
   from pkvattn.engine import Engine, EngineConfig
   from pkvattn.models import Model, init_params
 
   env = results.environment()
   small = args.small
-  mcfg = SMALL if small else LLAMA_3_2_1B
+  mcfg = SMALL if small else SHAPES[args.model]
   convs = args.convs or (6 if small else 32)
   turns = args.turns or (3 if small else 4)
   hist0 = args.history or (40 if small else 2048)
@@ -210,7 +230,7 @@ def main(argv=None):
                      max_model_len=max_len, decode_steps=4 if small else 8,
                      token_buckets=None if small else (max_seqs, 512, 4096))
   params = init_params(mcfg, jax.random.key(0), dtype, scale=0.02)
-  model = Model("small" if small else "llama-3.2-1b-shaped", mcfg, params,
+  model = Model("small" if small else f"{args.model}-shaped", mcfg, params,
                 None)
   print(f"pool {num_slots} slots ({num_slots * slot_bytes / 2**30:.2f} GiB, "
         f"{num_slots * ps} tokens) vs live histories {live} tokens; host "
@@ -225,7 +245,7 @@ def main(argv=None):
     warm = time.perf_counter() - t0
     answers, ttft, wall, toks = _run_turns(
         e, convs, turns, np.random.default_rng(1), hist0, user, answer,
-        mcfg.vocab_size)
+        mcfg.vocab_size, sequential=args.arrival == "sequential")
     ret = [r["ttft_s"] for r in ttft if r["turn"] >= 1]
     first = [r["ttft_s"] for r in ttft if r["turn"] == 0]
     st = e.stats
@@ -272,13 +292,16 @@ def main(argv=None):
       config=dict(convs=convs, turns=turns, history=hist0, user=user,
                   answer=answer, max_seqs=max_seqs, page_size=ps,
                   num_slots=num_slots, host_bytes=host_bytes,
-                  live_history_tokens=live, dtype=str(jnp.dtype(dtype))),
+                  live_history_tokens=live, dtype=str(jnp.dtype(dtype)),
+          model=args.model, arrival=args.arrival),
       token_agreement=agree, roofs=roofs, reload_path_gbps=reload_gbps,
       ttft_returning_speedup=(r_off["ttft_returning_median_s"]
                               / r_on["ttft_returning_median_s"]),
       throughput_speedup=r_on["tokens_per_s"] / r_off["tokens_per_s"],
       no_reuse_loss=rows[2]["loss"])
-  name = ("multiturn_small" if small else "multiturn") + \
+  name = ("multiturn_small" if small else "multiturn") + (
+      "" if small or args.model == "llama3.2-1b" else f"_{args.model}") + (
+      "_sequential" if args.arrival == "sequential" else "") + \
       f"_{results.device_tag()}"
   for path in results.write(name, rows, out=args.out, extra=extra, env=env):
     print("wrote", path)

@@ -57,6 +57,9 @@ from pkvattn.serving.stats import EngineStats
 # Blocks per host batch: large enough that one copy runs near the link's
 # speed, small enough that a reload moves few rows it does not need.
 BATCH_BLOCKS = 32
+# A plan mirrors this many steps' worth of evictions ahead, so the steps
+# after it plan nothing (a plan reads its result on the host: a sync).
+PLAN_HORIZON = 4
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots",))
@@ -138,6 +141,7 @@ class HostTier:
     dtype: the page dtype (the pool's).
     state: the `cache.HostTierState` bookkeeping (device).
     max_plan: the most blocks one offload plan mirrors.
+    num_plans: offload plans made (each reads its result on the host).
   """
 
   def __init__(self, config: EngineConfig, cache_config, pool_shape, dtype,
@@ -176,8 +180,13 @@ class HostTier:
     # extended row; a burst `cdiv(decode_steps, page_size) + 1` per row.
     self.burst_blocks = config.max_seqs * (-(-config.decode_steps // ps) + 1)
     step_blocks = config.num_admit * config.max_pages + config.max_seqs
-    self.max_plan = max(1, min(step_blocks + self.burst_blocks,
-                               self.device_slots, self.num_slots))
+    self.max_plan = max(1, min(
+        PLAN_HORIZON * (step_blocks + self.burst_blocks), self.device_slots,
+        self.num_slots))
+    # Evictions the last plans mirrored ahead and later steps have not
+    # consumed yet (counted by their upper bounds).
+    self._covered = 0
+    self.num_plans = 0
     self._plan = functools.partial(_cache.host_offload_plan,
                                    max_blocks=self.max_plan)
     # Batches, least recently used first: id -> [array, live rows].
@@ -240,11 +249,23 @@ class HostTier:
     """Mirrors the blocks that `num_new_slots` allocations would evict
     (nothing when the `num_free` slots last seen cover them): dispatches
     the gathers (before the caller's program) and their asynchronous copies
-    into new host batches."""
-    if num_new_slots <= num_free:
+    into new host batches. A plan mirrors `PLAN_HORIZON` times the blocks
+    needed, and the next calls plan nothing until their bounds have used
+    that up: the mirrored blocks stay at the head of the eviction order (a
+    block released later joins its tail), so they are the ones evicted
+    next; one reused in between shifts the head by a block (lost reuse at
+    worst, never a wrong hit)."""
+    need = num_new_slots - num_free
+    if need <= 0:
+      return
+    if need <= self._covered:  # mirrored by an earlier plan
+      self._covered -= need
       return
     t0 = time.perf_counter()
-    self.state, src, dst = self._plan(state, self.state, num_new_slots)
+    ahead = min(PLAN_HORIZON * need, self.max_plan)
+    self._covered = max(0, ahead - need)
+    self.num_plans += 1
+    self.state, src, dst = self._plan(state, self.state, num_free + ahead)
     src, dst, (key, parent, first) = jax.device_get(
         (src, dst, _chain_fields(self.state, dst)))
     t1 = time.perf_counter()

@@ -208,3 +208,20 @@ def test_chain_order_keeps_chains_together():
   for c in groups:
     depths = [d for cc, d in seq if cc == c]
     assert depths == sorted(depths)                      # root to leaf
+
+
+def test_a_plan_covers_the_next_steps(model):
+  """One plan mirrors PLAN_HORIZON steps' worth of evictions; the calls
+  whose bounds fit in what is left plan nothing."""
+  from pkvattn.serving.host_tier import PLAN_HORIZON
+  engine = Engine(model, dataclasses.replace(CFG,
+                                             host_kv_cache_bytes=HOST_BYTES))
+  tier, stats = engine.host_tier, engine.stats
+  need = int(np.random.default_rng().integers(1, 4))
+  for _ in range(PLAN_HORIZON):
+    tier.offload(engine.pool, engine.state, need, 0, stats)
+  assert tier.num_plans == 1
+  tier.offload(engine.pool, engine.state, need, 0, stats)
+  assert tier.num_plans == 2
+  tier.offload(engine.pool, engine.state, 5, 5, stats)  # free slots suffice
+  assert tier.num_plans == 2
