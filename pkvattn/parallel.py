@@ -363,7 +363,11 @@ def tp_forward(
     params, cfg: from `shard_model` (cfg = the global `tp_config`).
     tokens, kv_cache, plan, logits_indices, impl: as in `forward`; the pool
       may be laid out anyhow (`shard_map` reshards it to `pool_spec(axis)`),
-      but laid out so already, nothing moves.
+      but laid out so already, nothing moves. FP8 pages as float8_e4m3fn or
+      as their `uint8` bytes, as `forward` takes them (each shard's forward
+      converts as `forward` does; returned in the dtype given): hold them
+      as bytes on the XLA path, where a float8_e4m3fn pool is converted to
+      bytes and back around each step's in-place update.
 
   Returns:
     `(logits f32[n or num_tokens, vocab_size], kv_cache sharded with

@@ -23,10 +23,11 @@ runs well on a CPU or on GPUs without the Pallas kernels:
   before its window, and rows past the tile's tokens give `-inf` logits;
   V rows past `kv_lens[b]` are zeroed before the `P @ V` matmul, so the NaN
   or garbage that unowned pages and tail rows hold never reaches an output.
-* FP8 pages: a block is converted to f32 by its gather (XLA fuses the
-  conversion into the gather: only gathered values convert, never the
-  pool); `k_scale` is folded into the query's logit scale and `v_scale` into
-  the output.
+* FP8 pages: the loops read the pool as its `uint8` bytes and a gathered
+  block is converted to f32 (only gathered values convert, never the pool:
+  with a float8_e4m3fn loop operand XLA's CPU backend, which has no FP8
+  gather, converted the whole pool before the loop); `k_scale` is folded
+  into the query's logit scale and `v_scale` into the output.
 * Sinks (gpt-oss) join the final denominator only; `lse` is over the visible
   keys (sink excluded); a row with no visible key gives zeros and `-inf`.
 
@@ -42,6 +43,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pkvattn import _kv
 
 NEG_INF = float("-inf")
 
@@ -153,9 +156,21 @@ def paged_prefill(
   r = bq * g
   row_token = jnp.arange(r, dtype=jnp.int32) // g  # row = token * g + head
 
+  # FP8 pools enter the loops as their bytes (`_kv.as_bytes`, free; it
+  # cancels a caller's `from_bytes`) and each gathered block converts:
+  # given a float8_e4m3fn loop operand, XLA's CPU backend (no FP8 gather)
+  # converts the whole pool to a wider float before the loop.
+  fp8 = _kv.is_fp8(k_pool)
+  if fp8:
+    same = v_pool is k_pool
+    k_pool = _kv.as_bytes(k_pool)
+    v_pool = k_pool if same else _kv.as_bytes(v_pool)
+
   def gather(pool, table_row, kb):
     pages = lax.dynamic_slice(table_row, (kb * ppb,), (ppb,))
     blk = pool[jnp.clip(pages, 0, pool.shape[0] - 1)]
+    if fp8:
+      blk = _kv.from_bytes(blk)
     return blk.reshape(bk, hkv, d).astype(jnp.float32)
 
   def one_tile(args):

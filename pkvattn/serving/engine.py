@@ -70,7 +70,10 @@ class Engine:
   Attributes:
     model, config, cache_config, mesh: what the engine runs (`config` with
       `num_slots` derived from `kv_cache_memory` where set).
-    pool: the KV pages, `[num_pages, page_size, num_kv_heads, head_dim]`.
+    pool: the KV pages, `[num_pages, page_size, num_kv_heads, head_dim]`;
+      FP8 pages on the XLA path as their `uint8` bytes
+      (`serving.kv_manager`; `pkvattn._kv.from_bytes` reads them), the
+      page dtype in `stats.kv_cache_dtype`.
     state: the cache state (`pkvattn.cache`); `seq_tokens`: i32[max_seqs,
       max_model_len], each row's tokens.
     stats: an `EngineStats`; compile_times / lower_times: seconds per

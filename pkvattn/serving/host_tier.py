@@ -10,7 +10,9 @@ copies, or copies from pageable numpy memory, run several times slower
 (measured: docs/performance.md). So the data is held as *batches* of
 `batch_blocks` host slots' pages, each one JAX array in the device's
 `pinned_host` memory (`[batch_blocks, num_layers * 2, page_size,
-num_kv_heads, head_dim]`, the pool's dtype, FP8 included: the FP8 scales
+num_kv_heads, head_dim]`, the pool's dtype, FP8 included (as the pool
+stores them: `uint8` bytes on the XLA path, `serving.kv_manager`; the copies
+move them unconverted): the FP8 scales
 are per-layer constants, so nothing per block moves besides the pages), and
 a host slot maps to a (batch, row) pair. A batch is freed whole: when its
 last live row is reassigned, or, when the batches would exceed the byte
@@ -138,7 +140,9 @@ class HostTier:
       down to whole batches).
     slot_bytes: bytes of one slot, every layer, K and V.
     batch_blocks: host slots per batch (one copy each way).
-    dtype: the page dtype (the pool's).
+    dtype: the page dtype (float8_e4m3fn for FP8 pages, whether the pool
+      holds them as such or as their bytes; the copies use the pool's own
+      dtype).
     state: the `cache.HostTierState` bookkeeping (device).
     max_plan: the most blocks one offload plan mirrors.
     num_plans: offload plans made (each reads its result on the host).

@@ -9,6 +9,20 @@ starts from (the pool sharded on the kv-head axis under a tensor-parallel
 mesh), how a request's size
 compares with the pool (`pool_text`, `max_slots`), and the peak-usage
 figures of `EngineStats`.
+
+FP8 pages are stored as what the step's attention dispatch reads best
+(`storage_dtype`): on the Pallas path (`impl="pallas"`, or None on a GPU)
+as float8_e4m3fn, which the kernels read and write natively; on the XLA
+path (`impl="xla"`, or None elsewhere) as their `uint8` bytes
+(`pkvattn._kv.as_bytes`), end to end: allocated so, passed so through
+every program (`pkvattn.models.forward` and `pkvattn.parallel.tp_forward`
+take and return the bytes) and the host tier's copies. XLA's CPU backend
+has no FP8 scatter: a float8_e4m3fn pool given to a step is converted to
+bytes and back around its in-place update, two passes over the whole pool
+per step whatever the step's size, where a byte pool is updated in place
+(measured: docs/performance.md). The page dtype (`dtype`, and
+`EngineStats.kv_cache_dtype`) stays float8_e4m3fn either way; read a byte
+pool's values with `pkvattn._kv.from_bytes`.
 """
 
 from __future__ import annotations
@@ -17,12 +31,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pkvattn import _checks
+from pkvattn import _kv
 from pkvattn import cache as _cache
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.config import cache_config as _cache_config
 from pkvattn.serving.config import group_slots as _group_slots
 from pkvattn.serving.config import num_pool_pages as _num_pool_pages
 from pkvattn.serving.stats import EngineStats
+
+
+def storage_dtype(dtype, impl) -> jnp.dtype:
+  """The dtype an engine's pool of `dtype` pages is stored in under the
+  attention implementation `impl` ("pallas", "xla" or None = pallas on a
+  GPU, xla elsewhere, as `pkvattn.paged_prefill` resolves it): `uint8` (the
+  pages' bytes) for float8_e4m3fn pages on the XLA path, `dtype` otherwise
+  (module docstring)."""
+  dtype = jnp.dtype(dtype)
+  pallas = impl == "pallas" or (impl is None and _checks.is_gpu())
+  return jnp.dtype(jnp.uint8) if _kv.is_fp8(dtype) and not pallas else dtype
 
 
 class KVCacheManager:
@@ -39,6 +66,8 @@ class KVCacheManager:
     block_bytes: bytes of one block of one layer, K and V.
     pool_shape: `(num_pages, page_size, num_kv_heads, head_dim)`.
     dtype: the page dtype.
+    storage_dtype: the pool array's dtype (`storage_dtype`): `dtype`, or
+      `uint8` for FP8 pages on the XLA path.
   """
 
   def __init__(self, config: EngineConfig, model_cfg, dtype):
@@ -51,6 +80,7 @@ class KVCacheManager:
     self.scratch = any(c.swa_scratch_active for c in self.group_configs)
     self.max_slots = min(_group_slots(self.cache_config))
     self.dtype = jnp.dtype(dtype)
+    self.storage_dtype = storage_dtype(self.dtype, config.impl)
     self.block_bytes = (2 * config.page_size * model_cfg.num_kv_heads
                         * model_cfg.head_dim * self.dtype.itemsize)
     self.pool_shape = (_num_pool_pages(self.cache_config), config.page_size,
@@ -60,7 +90,8 @@ class KVCacheManager:
     self._num_layers = model_cfg.num_layers
 
   def allocate(self, mesh: jax.sharding.Mesh | None = None):
-    """`(pool, state, seq_tokens)`: a zeroed pool (`pool_shape`, `dtype`),
+    """`(pool, state, seq_tokens)`: a zeroed pool (`pool_shape`,
+    `storage_dtype`),
     an empty cache state and a zeroed token buffer (i32[max_seqs,
     max_model_len]: each row's tokens, which `commit` hashes for prefix
     reuse). On a mesh the pool is allocated sharded on its kv-head axis, so
@@ -68,7 +99,7 @@ class KVCacheManager:
     replicated (the bookkeeping runs identically on every device)."""
     state = _cache.init_cache(self.cache_config)
     seq_tokens = jnp.zeros(self._token_shape, jnp.int32)
-    shape, dtype = self.pool_shape, self.dtype
+    shape, dtype = self.pool_shape, self.storage_dtype
     if mesh is None:
       # Committed to the device, as the programs' outputs are, so every
       # program (the steps, the host tier's) sees one placement and

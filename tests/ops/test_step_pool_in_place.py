@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -34,26 +33,36 @@ def model():
   return load_model("tiny-llama")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto"])
-def test_prefill_step_updates_the_pool_in_place(model, kv_cache_dtype):
+def _pool_passes(engine, key):
+  """The unfused pool-sized ops of program `key` that are neither views nor
+  scatters; asserts the pool is aliased and scattered into."""
+  text = engine._lower(key).compile().as_text()
+  assert "input_output_alias" in text, key
+  ops = _materialized(text, math.prod(engine.pool.shape))
+  assert any("scatter" in op for op in ops), (key, ops)
+  return [op for op in ops
+          if op.split()[0] not in ALLOWED and "scatter" not in op]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_steps_update_the_pool_in_place(model, kv_cache_dtype):
+  """The prefill step (its loops in the program) and the decode step."""
   scales = {} if kv_cache_dtype == "auto" else dict(k_scale=0.05, v_scale=0.05)
   engine = Engine(model, dataclasses.replace(
       CFG, kv_cache_dtype=kv_cache_dtype, **scales))
   prompt = model.tokenizer.encode("hello world paged attention in place")
-  engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+  engine.add_request(prompt, SamplingParams(max_new_tokens=2,
+                                            ignore_eos=True))
   engine.step()
-  assert engine.last_inputs is not None
-  text = engine._lower(engine.last_program).compile().as_text()
-  assert "input_output_alias" in text
-  assert " while(" in text  # the XLA prefill's loops are in this step
-  numel = math.prod(engine.pool.shape)
-  ops = _materialized(text, numel)
-  assert any("scatter" in op for op in ops), ops
-  passes = [op for op in ops
-            if op.split()[0] not in ALLOWED and "scatter" not in op]
-  assert not passes, passes
-  if kv_cache_dtype == "fp8":
+  prefill = engine.last_program
+  assert " while(" in engine._lower(prefill).as_text(dialect="hlo")
+  engine.step()
+  decode = engine.last_program
+  assert engine.last_inputs.tokens.shape[0] < len(prompt)  # a decode step
+  for key in (prefill, decode):
+    assert not _pool_passes(engine, key), key
+  if kv_cache_dtype == "fp8":  # the XLA path holds FP8 pages as bytes
+    assert engine.pool.dtype == jnp.uint8
     assert engine.stats.kv_cache_dtype == "float8_e4m3fn"
   else:
     assert engine.pool.dtype == jnp.float32
-    jax.block_until_ready(engine.pool)
