@@ -50,7 +50,8 @@ Two more scenarios, each on its own flag (and JSON):
     per-token reference it replaced (`reference.paged_prefill_reference`).
   * `--fp8-pools 16MiB,512MiB` (`cpu_generate_fp8.json`): decode tok/s with
     FP8 pages against f32 pages at each pool size: the engine
-    (one prompt, `--new-tokens`) as the CLI builds it, and the bare jitted
+    (one prompt, `--new-tokens`) as the CLI builds it (its FP8 pool stored
+    as uint8 bytes on the XLA path, `pool_dtype`), and the bare jitted
     decode step (`models.forward` of one token, pool donated) with the FP8
     pool passed as float8_e4m3fn and as its uint8 bytes.
 """
@@ -130,7 +131,8 @@ def run_engine(model, cfg: EngineConfig, prompts, new_tokens: int) -> dict:
       tok_s=generated / walls[2], cold_tok_s=generated / walls[0],
       warm_prefill_s=s.prefill_time_s, warm_decode_s=s.decode_time_s,
       warm_host_s=s.host_time_s, warm_steps=s.num_steps,
-      warm_compile_s=s.compile_time_s, outputs=outs[2])
+      warm_compile_s=s.compile_time_s, pool_dtype=str(engine.pool.dtype),
+      outputs=outs[2])
 
 
 def _reset_stats(stats) -> None:
