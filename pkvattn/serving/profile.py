@@ -143,6 +143,8 @@ def profile(engine, iters: int = 10) -> dict:
   dtype = engine.model.params["embed"].dtype   # the compute dtype
 
   def attention_only(pool, state, inp):
+    if pool.dtype == jnp.uint8:  # FP8 pages held as bytes (XLA path)
+      pool = _kv.from_bytes(pool)
     tables = _programs.layer_tables(state, L, S)
     q = jnp.ones((inp.tokens.shape[0], mcfg.num_qo_heads, mcfg.head_dim),
                  dtype)

@@ -106,7 +106,12 @@ def test_int_scales_are_accepted():
   tv = pages[1][c["pages"]].reshape(-1, HKV, D)[:c["n"]] * vs
   want, _ = au.dense_attention(np.asarray(c["q"]), tk, tv, [c["n"] - 1],
                                c["n"], sm_scale=D**-0.5)
-  au.assert_close(out, want, jnp.float32)
+  # Values reach 400 * v_scale: f32 rounding of the weighted sum is
+  # absolute in their size, so the tolerance scales with them (an output
+  # near zero by cancellation keeps that absolute error).
+  np.testing.assert_allclose(
+      np.asarray(out, np.float64), want, rtol=au.RTOL[np.dtype(jnp.float32)],
+      atol=au.ATOL[np.dtype(jnp.float32)] * np.abs(tv).max())
   np.testing.assert_array_equal(
       ops["paged_prefill"](ks, vs), ops["paged_prefill"](float(ks), float(vs)))
   for name in APPENDS:
