@@ -624,30 +624,6 @@ def _run_grid(*, args, mcfg, dtype, impl, tps, name):
       "skipped"]
 
 
-def _gpu0_events(thunks) -> list[tuple[int, int, str]]:
-  """`(start_ns, duration_ns, name)` of the kernels and copies on the first
-  GPU's stream lines of a jax.profiler trace of `thunks` (every device runs
-  the same program: one device's time per step). Empty on a CPU."""
-  import glob
-  import tempfile
-  import jax
-  d = tempfile.mkdtemp()
-  jax.profiler.start_trace(d)
-  for thunk in thunks:
-    jax.block_until_ready(thunk())
-  jax.profiler.stop_trace()
-  path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"),
-                          recursive=True))[-1]
-  events = []
-  for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name == "/device:GPU:0":
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          events.extend((ev.start_ns, ev.duration_ns, ev.name)
-                        for ev in line.events)
-  return sorted(events)
-
-
 def _profile(step, tp, link_gbps, small) -> dict:
   """Collective kernel time per step on GPU 0 (profile) beside the ideal
   from the compiled program's collectives at `link_gbps`, and GPU 0's
@@ -661,7 +637,8 @@ def _profile(step, tp, link_gbps, small) -> dict:
                               for k, (n, b) in coll.items()}
     wire = sum(b for _, b in coll.values())
     out["coll_ideal_ms"] = wire / (link_gbps * 1e9) * 1e3
-  events = _gpu0_events([step] * calls)
+  # Every device runs the same program: one device's time per step.
+  events = _timing.gpu_trace_events([step] * calls, device="/device:GPU:0")
   if not events:
     out["coll_ms_per_step"] = None
     return out

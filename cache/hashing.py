@@ -25,6 +25,18 @@ _A_SALT = 0x632BE5AB
 _B_SALT = 0x2545F491
 
 
+def num_buckets(num_slots: int, hash_ways: int,
+                hash_buckets: int | None) -> int:
+  """Buckets of a set-associative key table: `hash_buckets` if given, else
+  the smallest power of two `>= 4 * num_slots / hash_ways` (load factor at
+  most 1/4: with 16 ways a bucket overflows with probability about 1e-6
+  even when every slot is in the table)."""
+  if hash_buckets is not None:
+    return hash_buckets
+  want = max(1, -(-4 * num_slots // hash_ways))
+  return 1 << (want - 1).bit_length()
+
+
 def fmix32(h: jax.Array) -> jax.Array:  # u32[...]
   """murmur3's 32-bit finaliser (a bijection on u32 with good avalanche)."""
   h = h ^ (h >> 16)

@@ -93,10 +93,8 @@ class HostTierConfig:
 
   @property
   def num_buckets(self) -> int:
-    if self.hash_buckets is not None:
-      return self.hash_buckets
-    want = max(1, -(-4 * self.num_slots // self.hash_ways))
-    return 1 << (want - 1).bit_length()
+    return hashing.num_buckets(self.num_slots, self.hash_ways,
+                               self.hash_buckets)
 
 
 @jax.tree_util.register_dataclass

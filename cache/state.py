@@ -34,6 +34,8 @@ from typing import Final
 import jax
 import jax.numpy as jnp
 
+from . import hashing
+
 NULL_PAGE: Final = -1  # table entry with no block
 NULL_SEQ: Final = -1   # padding entry in seq_ids: no request
 
@@ -138,10 +140,8 @@ class CacheConfig:
 
   @property
   def num_buckets(self) -> int:
-    if self.hash_buckets is not None:
-      return self.hash_buckets
-    want = max(1, -(-4 * self.num_slots // self.hash_ways))
-    return 1 << (want - 1).bit_length()
+    return hashing.num_buckets(self.num_slots, self.hash_ways,
+                               self.hash_buckets)
 
   @property
   def max_seq_len(self) -> int:

@@ -104,11 +104,13 @@ def time_fn(fn, *args, warmup: int = 3, iters: int = 20, min_time_s: float = 0.2
   return dict(compile_ms=compile_ms, **t)
 
 
-def gpu_trace_events(thunks) -> list[tuple[int, int, str]]:
+def gpu_trace_events(thunks, device: str = "/device:GPU"
+                     ) -> list[tuple[int, int, str]]:
   """Runs each `thunk()` (blocking on its result) under a jax.profiler trace
   and returns `(start_ns, duration_ns, name)` of every kernel / memcpy event
-  on the device's stream lines, in start order. Empty where the trace has no
-  GPU lines (CPU)."""
+  on the stream lines of the trace planes named `device...` (default every
+  GPU; `"/device:GPU:0"`: the first one only), in start order. Empty where
+  the trace has no GPU lines (CPU)."""
   import glob
   import tempfile
   d = tempfile.mkdtemp()
@@ -120,7 +122,7 @@ def gpu_trace_events(thunks) -> list[tuple[int, int, str]]:
                           recursive=True))[-1]
   events = []
   for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name.startswith("/device:GPU"):
+    if plane.name.startswith(device):
       for line in plane.lines:
         if line.name.startswith("Stream"):
           events.extend((ev.start_ns, ev.duration_ns, ev.name)

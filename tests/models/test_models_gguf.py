@@ -161,11 +161,15 @@ def _random_k_blocks(rng, qtype, num_blocks):
   return raw
 
 
-def _write(path, arch, tensors, metadata=None):
-  """A GGUF with `tensors` = {name: (array, raw_dtype or None)}."""
+def _write(path, arch, tensors, metadata=None, typed=None):
+  """A GGUF with `tensors` = {name: (array, raw_dtype or None)}, metadata
+  through the writer's `add_<key>` methods, and `typed` = {key: (value,
+  GGUFValueType)} written as given."""
   w = gguf.GGUFWriter(str(path), arch)
   for key, value in (metadata or {}).items():
     getattr(w, f"add_{key}")(value)
+  for key, (value, vtype) in (typed or {}).items():
+    w.add_key_value(key, value, vtype)
   for name, (array, raw_dtype) in tensors.items():
     w.add_tensor(name, array, raw_dtype=raw_dtype)
   w.write_header_to_file()

@@ -25,6 +25,7 @@ from pkvattn.models import gguf as pk_gguf  # noqa: E402
 from pkvattn.models import gguf_tokenizer  # noqa: E402
 from pkvattn.models.gguf_reader import GGUFFile  # noqa: E402
 from pkvattn.models.hf import aligned_empty  # noqa: E402
+from test_models_gguf import _write  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 BLOCK_TYPES = [t for t in pk_gguf.SUPPORTED_TENSOR_TYPES
@@ -46,18 +47,6 @@ def _blocks(rng, type_name, num_blocks):
     if type_name in ("Q4_1", "Q5_1"):
       raw[:, 2:4] = scale()
   return raw
-
-
-def _write(path, tensors, metadata):
-  w = gguf.GGUFWriter(str(path), "llama")
-  for key, (value, vtype) in metadata.items():
-    w.add_key_value(key, value, vtype)
-  for name, (array, raw_dtype) in tensors.items():
-    w.add_tensor(name, array, raw_dtype=raw_dtype)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
 
 
 def test_parser_matches_gguf_reader(tmp_path):
@@ -83,7 +72,7 @@ def test_parser_matches_gguf_reader(tmp_path):
           rng.standard_normal((2, 64)).astype(np.float32), Q.Q8_0), Q.Q8_0),
   }
   path = tmp_path / "m.gguf"
-  _write(path, tensors, metadata)
+  _write(path, "llama", tensors, typed=metadata)
   ours = GGUFFile(str(path))
   ref = gguf.GGUFReader(str(path))
   expected = {k: f.contents() for k, f in ref.fields.items()

@@ -6,17 +6,16 @@ recomputing them; greedy tokens are the same as without it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
-import jax.monitoring
 import numpy as np
 import pytest
 
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
+from test_engine_compile_once import count_compiles
 
 # 16 slots x 8 tokens; 4 conversations of up to ~90 tokens: every turn evicts
 # the others' histories from the device.
@@ -108,32 +107,14 @@ def test_fp8_pool(model):
   assert engine.stats.num_compiles == 1
 
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def _count_compiles():
-  events = []
-
-  def listener(name, secs, **kwargs):
-    del secs, kwargs
-    if name == BACKEND_COMPILE:
-      events.append(name)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_no_compile_after_warmup(model):
   jax.clear_caches()  # the tier's programs compile again, in warmup
   engine = Engine(model, dataclasses.replace(CFG,
                                              host_kv_cache_bytes=HOST_BYTES))
-  with _count_compiles() as events:
+  with count_compiles() as events:
     engine.warmup()
   assert events                       # the proof that compiles are counted
-  with _count_compiles() as events:
+  with count_compiles() as events:
     _multi_turn(engine, turns=2, seed=1)
   assert engine.stats.host_hits > 0
   assert events == []
