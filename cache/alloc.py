@@ -22,8 +22,10 @@ Common rules:
   * Integer array arguments may be given as Python lists (converted to int32
     arrays; an empty list too).
   * New blocks come from free slots (lowest index first), then from evicting
-    cached slots (published, unreferenced), least recently released first
-    (ties: lowest index). Evicted slots leave the prefix cache.
+    cached slots (published, unreferenced) by `eviction_order`: least
+    recently released first, then deepest block of its chain first (a
+    released chain loses its tail first, so its prefix stays reusable), then
+    lowest index. Evicted slots leave the prefix cache.
 
 Admission (`claim_batch`, `extend`, `fork`; all or nothing per request, in
 batch order). The supply is the `F` free slots plus, unless `evict=False`, the
@@ -294,7 +296,7 @@ def _take_slots(state: CacheState, ranks, total, protected, evict=True):
   """Allocates the blocks numbered by `ranks` (vectorised, no serial scan).
 
   Block `g` (a rank in `[0, total)`) gets the `g`-th slot in allocation order:
-  free slots by index, then evictable slots by (last release, index). Evicted
+  free slots by index, then evictable slots by `eviction_order`. Evicted
   slots are removed from the prefix cache. Callers guarantee `total <= supply`.
 
   This is the single allocation primitive; a scratch-slot path (SWA) can call
@@ -330,8 +332,7 @@ def _take_slots(state: CacheState, ranks, total, protected, evict=True):
     return free_list[jnp.clip(ranks, 0, k - 1)]
 
   def with_eviction():
-    lru = jnp.where(evictable, state.slot_last_use, _I32_MAX)
-    order = jnp.argsort(lru, stable=True).astype(jnp.int32)
+    order = eviction_order(state, evictable)
     evict_idx = jnp.clip(ranks - num_free, 0, num_slots - 1)
     return jnp.where(ranks < num_free, from_free(), order[evict_idx])
 
@@ -345,6 +346,35 @@ def _take_slots(state: CacheState, ranks, total, protected, evict=True):
   evicted = want & (ranks >= num_free)
   state = _unpublish(state, jnp.where(evicted, slots, -1))
   return state, slots
+
+
+def eviction_order(state: CacheState, evictable):
+  """Slots in eviction order, `evictable` ones first (`i32[num_slots]`).
+
+  The order is `(slot_last_use ascending, slot_depth descending, index
+  ascending)`, one stable `lexsort` (deterministic): least recently released
+  first and, among the blocks of one release (they share its clock), the
+  deepest block of its chain first. A prompt reuses only a leading run of
+  blocks and a block whose parent was evicted is never matched again
+  (`slot_parent_gen`), so evicting a chain's head would strand its whole
+  tail; evicting tail first keeps the shared prefix reusable longest (as
+  vLLM frees a request's blocks in reverse order). `slot_depth` is the
+  block's index in its sequence, stored at publication (`commit`), so no
+  walk over `slot_parent` is needed.
+
+  Args:
+    state: the cache state.
+    evictable: `bool[num_slots]`, the candidates; the other slots follow them
+      (their order among themselves is unspecified for callers).
+
+  Returns:
+    `i32[num_slots]`, a permutation of the slot ids.
+  """
+  lru = jnp.where(evictable, state.slot_last_use, _I32_MAX)
+  depth = jnp.where(evictable, state.slot_depth, 0)
+  idx = jnp.arange(state.num_slots, dtype=jnp.int32)
+  # lexsort: the last key is the primary one.
+  return jnp.lexsort((idx, -depth, lru)).astype(jnp.int32)
 
 
 def _unpublish(state: CacheState, slots):
@@ -519,7 +549,8 @@ def claim_batch(
   blocks, chain-verified, see the module docstring). Phase 2 admits requests
   all or nothing (module docstring, "Admission") and allocates the remaining
   blocks of the admitted ones, evicting only cached blocks that no admitted
-  request reuses, least recently released first: one request's allocation
+  request reuses, in `eviction_order` (least recently released first, a
+  chain's tail before its head): one request's allocation
   never evicts a block that another admitted request of the batch reuses,
   while the matches of a refused request protect nothing (so they never
   starve the others).
@@ -1099,6 +1130,8 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
       slot_parent=state.slot_parent.at[s].set(parent, mode="drop"),
       slot_parent_gen=state.slot_parent_gen.at[s].set(parent_gen, mode="drop"),
       slot_gen=state.slot_gen.at[s].add(1, mode="drop"),
+      slot_depth=state.slot_depth.at[s].set(
+          jnp.broadcast_to(pos, s.shape).astype(jnp.int32), mode="drop"),
   )
   return state
 
@@ -1113,7 +1146,7 @@ def release(
 
   A block whose last reference goes becomes free (private) or cached
   (published; it stays reusable until evicted, least recently released
-  first). Scratch slots of a running step are freed (`finish_step`).
+  first, a chain's tail before its head: `eviction_order`). Scratch slots of a running step are freed (`finish_step`).
   Padding (-1), out-of-range and dead ids are ignored. An id listed more than
   once is released once (ending is idempotent; refusing it, as the growing
   ops do with duplicates, would leak the sequence).

@@ -1,7 +1,8 @@
 """A host-memory tier for the prefix cache: bookkeeping as a pytree, pure ops.
 
 The device pool keeps published blocks until they are evicted (least recently
-released first, `cache/alloc.py`). The host tier keeps copies of such blocks
+released first, a chain's tail before its head: `cache/alloc.py`,
+`eviction_order`). The host tier keeps copies of such blocks
 in a second, larger pool of `num_slots` host slots, so a later prompt whose
 prefix was evicted from the device brings its KV back instead of recomputing
 it (TensorRT-LLM's secondary memory pool, vLLM's CPU offloading, SGLang's
@@ -15,8 +16,9 @@ num_kv_heads, head_dim)[slot]`).
 Mirror ahead, not copy at eviction. `host_offload_plan(state, host,
 num_new_slots)` names the device slots that the next `num_new_slots`
 allocations would evict (the device's eviction order: free slots are taken
-first, then cached slots, i.e. published and unreferenced, by `(slot_last_use,
-index)`), and gives each a host slot. The caller copies them BEFORE running
+first, then cached slots, i.e. published and unreferenced, by `(slot_last_use
+ascending, slot_depth descending, index ascending)`, `alloc.eviction_order`),
+and gives each a host slot. The caller copies them BEFORE running
 the allocating op, so the device ops stay unchanged: the copy reads the old
 data and the allocation may then overwrite it. A block already on the host
 (same key, tokens, scope and parent key) is not copied again: its host LRU
@@ -55,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hashing
+from .alloc import eviction_order
 from .state import CacheState
 
 _I32_MAX = np.iinfo(np.int32).max
@@ -215,8 +218,10 @@ def host_offload_plan(state: CacheState, host: HostTierState,
   """Host slots for the device blocks the next allocations would evict.
 
   The device allocates `num_new_slots` slots from its free slots first, then
-  by evicting cached slots (published, refcount 0) least recently released
-  first, ties by lowest index (`cache/alloc.py`, `_take_slots`). This picks
+  by evicting cached slots (published, refcount 0) by `(slot_last_use
+  ascending, slot_depth descending, index ascending)`: least recently
+  released first, the blocks of one release tail first (`cache/alloc.py`,
+  `eviction_order`, the very function `_take_slots` uses). This picks
   those cached slots, at most `max_blocks` of them, in that order, and gives
   each picked block a host slot (module docstring): free host slots first,
   then the least recently used host entries. Skipped: orphans (their parent
@@ -257,8 +262,7 @@ def host_offload_plan(state: CacheState, host: HostTierState,
   n_evict = jnp.clip(jnp.asarray(num_new_slots, jnp.int32) - num_free, 0,
                      max_blocks)
   k = min(max_blocks, S)
-  lru = jnp.where(evictable, state.slot_last_use, _I32_MAX)
-  order = jnp.argsort(lru, stable=True).astype(jnp.int32)[:k]
+  order = eviction_order(state, evictable)[:k]
   pos = jnp.arange(k, dtype=jnp.int32)
   picked = (pos < n_evict) & evictable[order]
   src = order

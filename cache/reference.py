@@ -54,6 +54,7 @@ class ReferenceCache:
     self.parent = [-1] * n
     self.parent_gen = [0] * n
     self.gen = [0] * n
+    self.depth = [0] * n  # block index in its sequence at publication
     self.seqs: dict[int, _Seq] = {}
     self.index: dict[tuple, int] = {}  # key -> published slot (keys are unique)
     self.clock = 0
@@ -64,7 +65,7 @@ class ReferenceCache:
     """An independent copy (keys and tokens are immutable tuples: shared)."""
     out = copy.copy(self)
     for name in ("refcount", "last_use", "published", "key", "tokens", "scope",
-                 "parent", "parent_gen", "gen"):
+                 "parent", "parent_gen", "gen", "depth"):
       setattr(out, name, list(getattr(self, name)))
     out.seqs = {k: _Seq(list(v.slots), v.length, v.scope, list(v.scratch),
                         v.scratch_first, v.scratch_count)
@@ -94,7 +95,7 @@ class ReferenceCache:
     evictable = sorted(
         (s for s in range(self.cfg.num_slots)
          if self.refcount[s] == 0 and self.published[s] and s not in protected),
-        key=lambda s: (self.last_use[s], s))
+        key=lambda s: (self.last_use[s], -self.depth[s], s))
     return free, evictable
 
   def _unpublish(self, s):
@@ -334,6 +335,7 @@ class ReferenceCache:
       self.parent[s] = parent
       self.parent_gen[s] = parent_gen
       self.gen[s] += 1
+      self.depth[s] = i
 
   def release(self, seq_ids):
     ids, valid = self._ids(seq_ids, want_live=True, dedupe=True)

@@ -285,8 +285,8 @@ class ReferenceHybridCache:
           seen_slots.add(s)
           if not identical and not dup:
             plans.append((s, keys[i], block, seq.scope, a, g0.gen[a],
-                          existing))
-      for s, key, block, scope, a, gen, existing in plans:
+                          existing, i))
+      for s, key, block, scope, a, gen, existing, i in plans:
         if existing >= 0:
           g._unpublish(existing)
         g.published[s] = True
@@ -297,6 +297,7 @@ class ReferenceHybridCache:
         g.parent[s] = a
         g.parent_gen[s] = gen
         g.gen[s] += 1
+        g.depth[s] = i
 
   def release(self, seq_ids):
     for g in self.groups:

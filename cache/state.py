@@ -11,7 +11,12 @@ Slot life cycle:
   free    refcount 0, not published: allocated first, lowest index first.
   used    refcount > 0: held by live sequences (shared only when full).
   cached  refcount 0, published: its key and tokens stay in the prefix cache
-          until the slot is evicted, least recently released first.
+          until the slot is evicted, by `(slot_last_use ascending, slot_depth
+          descending, index ascending)`: least recently released first, and
+          of one released chain its tail first (vLLM frees a request's
+          blocks in reverse order for the same reason): evicting a chain's
+          head would orphan every block after it, since a prompt only reuses
+          a leading run of blocks.
 Conservation: free + used + cached = num_slots.
 
 SWA scratch reuse (`cache/window.py`). With
@@ -177,6 +182,8 @@ class CacheState:
   slot_parent: jax.Array      # i32[num_slots], parent block's slot, -1 = first
   slot_parent_gen: jax.Array  # i32[num_slots], parent's slot_gen at publication
   slot_gen: jax.Array         # i32[num_slots], bumped on every publication
+  slot_depth: jax.Array       # i32[num_slots], block index in its sequence at
+                              # publication (0 = first block): eviction order
   slot_hash_pos: jax.Array    # i32[num_slots], flat index in hash_table, -1
   # --- prefix-cache index: set-associative table key -> slot ---
   hash_table: jax.Array       # i32[num_buckets, hash_ways], slot or -1
@@ -229,6 +236,7 @@ def init_cache(config: CacheConfig) -> CacheState:
       slot_parent=jnp.full((c.num_slots,), -1, i32),
       slot_parent_gen=jnp.zeros((c.num_slots,), i32),
       slot_gen=jnp.zeros((c.num_slots,), i32),
+      slot_depth=jnp.zeros((c.num_slots,), i32),
       slot_hash_pos=jnp.full((c.num_slots,), -1, i32),
       hash_table=jnp.full((c.num_buckets, c.hash_ways), -1, i32),
       seq_slots=jnp.full((c.max_seqs, c.max_pages), NULL_PAGE, i32),

@@ -39,7 +39,9 @@ def validate(state: CacheState, *, allow_window_holes: bool = False,
     * the prefix-cache index: every table entry is a published slot whose
       `slot_hash_pos` points back at it and whose key hashes to that bucket;
       every published slot is in the table exactly once; no two published
-      slots share a key; parents are valid slot ids or -1;
+      slots share a key; parents are valid slot ids or -1; a published
+      slot's `slot_depth` is in `[0, max_pages)`, 0 exactly when it has no
+      parent;
     * counters are non-negative and hits <= lookups.
 
   Args:
@@ -60,7 +62,8 @@ def validate(state: CacheState, *, allow_window_holes: bool = False,
       slot_published=((ns,), np.bool_), slot_key=((ns, 2), np.uint32),
       slot_tokens=((ns, ps), np.int32), slot_scope=((ns,), np.int32),
       slot_parent=((ns,), np.int32), slot_parent_gen=((ns,), np.int32),
-      slot_gen=((ns,), np.int32), slot_hash_pos=((ns,), np.int32),
+      slot_gen=((ns,), np.int32), slot_depth=((ns,), np.int32),
+      slot_hash_pos=((ns,), np.int32),
       hash_table=((cfg.num_buckets, cfg.hash_ways), np.int32),
       seq_slots=((ms, mp), np.int32), seq_lens=((ms,), np.int32),
       seq_live=((ms,), np.bool_), seq_scope=((ms,), np.int32),
@@ -189,6 +192,11 @@ def validate(state: CacheState, *, allow_window_holes: bool = False,
       errors.append(f"published slot with an invalid anchor: {parents}")
   elif ((parents < -1) | (parents >= ns)).any():
     errors.append(f"published slot with an invalid parent: {parents}")
+  else:
+    depths = f["slot_depth"][pub]
+    if ((depths < 0) | (depths >= mp) | ((parents < 0) != (depths == 0))).any():
+      errors.append(f"published slot with an invalid depth: {depths} "
+                    f"(parents {parents})")
   if f["num_lookups"] < 0 or f["num_hits"] < 0 or (
       f["num_hits"] > f["num_lookups"]):
     errors.append(f"counters: lookups {f['num_lookups']}, hits {f['num_hits']}")

@@ -129,6 +129,7 @@ def assert_same(state: cache.CacheState, ref: reference.ReferenceCache,
   for s in np.nonzero(ref.published)[0]:
     assert int(h.slot_parent[s]) == ref.parent[s]
     assert int(h.slot_parent_gen[s]) == ref.parent_gen[s]
+    assert int(h.slot_depth[s]) == ref.depth[s]
     assert tuple(h.slot_tokens[s].tolist()) == ref.tokens[s]
     assert int(h.slot_scope[s]) == ref.scope[s]
   if with_stats:

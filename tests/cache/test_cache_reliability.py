@@ -81,14 +81,15 @@ def test_refused_request_protects_nothing(head_of_line):
   assert np.asarray(res.num_new_blocks).tolist() == [1, 0]
   cache.validate(new)
   # A keeps its blocks; its new slot is B's least recently released block
-  # (both released together: the lower slot), which leaves the cache.
+  # (both released together: the deepest one, B's tail), which leaves the
+  # cache.
   row = np.asarray(new.seq_slots[2]).tolist()
-  assert row[:3] == a_slots + [min(b_slots)]
+  assert row[:3] == a_slots + [b_slots[1]]
   assert not bool(new.seq_live[3])
   published = np.asarray(new.slot_published)
   assert published[a_slots].all() and published.sum() == 3
-  # B's chain lost its head: alone it matches nothing and needs 3 slots,
-  # while only 1 (B's orphaned second block) is left.
+  # B's chain lost its tail: alone it reuses its head and needs 2 new slots,
+  # while the only cached slot left is that head.
   _, res = cache.claim_batch(new, _i32([3]), _i32([b]), _i32([17]))
   assert not bool(res.ok[0])
 

@@ -75,11 +75,12 @@ def test_batched_claim_protects_matched_blocks():
   st0, a = _setup_cached(cfg)
   x = _rand(4, 12)  # needs 3 blocks: 2 free + 1 eviction
 
-  # One at a time: X evicts A's least recently released block; B loses reuse.
+  # One at a time: X evicts the tail of A (released first, deepest block
+  # first); B keeps A's first block and reuses only that.
   st, rx = _claim(st0, [3], [x])
   st, rb = _claim(st, [4], [a])
   assert bool(rx.ok[0]) and bool(rb.ok[0])
-  assert int(rb.num_reused_tokens[0]) == 0
+  assert int(rb.num_reused_tokens[0]) == 4
   cache.validate(st)
 
   # Batched: phase 1 protects A's blocks for B, X evicts C's instead.
@@ -97,11 +98,36 @@ def test_batched_claim_protects_matched_blocks():
 def test_lru_evicts_least_recently_released_first():
   cfg = _cfg()
   st0, a = _setup_cached(cfg)
-  # 2 free, then A's blocks (released at clock 0) before C's (clock 1).
+  # 2 free, then A's blocks (released at clock 0) before C's (clock 1), A's
+  # tail (slot 1, depth 1) before its head (slot 0).
   st, res = _claim(st0, [3], [_rand(5, 12)])
   assert bool(res.ok[0])
-  np.testing.assert_array_equal(np.asarray(st.seq_slots[3])[:3], [6, 7, 0])
-  assert not bool(st.slot_published[0]) and bool(st.slot_published[1])
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[3])[:3], [6, 7, 1])
+  assert bool(st.slot_published[0]) and not bool(st.slot_published[1])
+
+
+def test_released_chain_is_evicted_tail_first():
+  # A's 3 full blocks (slots 0, 1, 2 at depths 0, 1, 2) share one release
+  # clock. One eviction must take the tail (slot 2), not the head: evicting
+  # slot 0 would orphan slots 1 and 2 and A's return would reuse nothing.
+  cfg = _cfg(num_slots=4)
+  a, x = _rand(6, 12), _rand(7, 8)
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [a])
+  st = _commit(st, [0], [a])
+  st = _release(st, [0])
+  np.testing.assert_array_equal(st.slot_depth[:3], [0, 1, 2])
+  st, rx = _claim(st, [1], [x])  # 2 blocks: free slot 3, then one eviction
+  assert bool(rx.ok[0])
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[1])[:2], [3, 2])
+  np.testing.assert_array_equal(st.slot_published, [True, True, False, False])
+  cache.validate(st)
+  st = _release(st, [1])
+  st, ra = _claim(st, [0], [a])
+  assert bool(ra.ok[0])
+  assert int(ra.num_reused_tokens[0]) == 8
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[0])[:2], [0, 1])
+  cache.validate(st)
 
 
 def test_out_of_pages_is_all_or_nothing_first_come_first_served():

@@ -220,21 +220,22 @@ def test_reload_after_eviction_and_scopes():
 
 
 def test_plan_follows_device_eviction_order():
-  """Cached slots are picked least recently released first, ties by lowest
-  index, only as many as the allocation would evict past the free ones."""
+  """Cached slots are picked least recently released first, the blocks of one
+  release deepest first (a chain's tail before its head), only as many as the
+  allocation would evict past the free ones."""
   w = World(tier=True)
   w.claim(0, 0, [1, 2, 3, 4])                 # slots 0, 1
   w.claim(1, 0, [5, 6, 7, 8, 9])              # slots 2, 3, 4
   w.commit(0), w.commit(1)
-  w.release(1)                                # 2, 3 cached first; 4 free
-  w.release(0)                                # then 0, 1
+  w.release(1)                                # 3, 2 cached first; 4 free
+  w.release(0)                                # then 1, 0
   state = w.state
   free = int(cache.stats(state)["num_free"])
   assert free == 2
   host = cache.init_host_tier(HOST)
   host, src, dst = cache.host_offload_plan(state, host, free + 3,
                                            max_blocks=4)
-  assert np.asarray(src).tolist() == [2, 3, 0, -1]
+  assert np.asarray(src).tolist() == [3, 2, 1, -1]
   assert np.asarray(dst).tolist() == [0, 1, 2, -1]
   # Nothing to evict: nothing planned.
   _, src, _ = cache.host_offload_plan(state, cache.init_host_tier(HOST), free,
@@ -242,7 +243,7 @@ def test_plan_follows_device_eviction_order():
   assert (np.asarray(src) < 0).all()
   # Already on the host: not copied again.
   host, src, _ = cache.host_offload_plan(state, host, free + 4, max_blocks=4)
-  assert np.asarray(src).tolist() == [1, -1, -1, -1]
+  assert np.asarray(src).tolist() == [0, -1, -1, -1]
 
 
 def test_host_lru_eviction():
@@ -275,8 +276,8 @@ def test_host_lru_eviction():
   free = int(cache.stats(state)["num_free"])
   host, src, dst = cache.host_offload_plan(state, host, free + 1,
                                            max_blocks=4)
-  # Big's blocks were released together: the tie goes to the lowest slot,
-  # slot 0 (its last block, which took p0's evicted slot).
+  # Big's blocks were released together: its deepest block goes first, slot
+  # 0 (its last block, which took p0's evicted slot).
   assert np.asarray(src).tolist() == [0, -1, -1, -1]
   assert np.asarray(dst).tolist() == [1, -1, -1, -1]
   assert np.asarray(host.key[1]).tolist() == np.asarray(
