@@ -121,9 +121,13 @@ def _chain_order(key, parent, first) -> np.ndarray:
 
 
 def _host_memory_kind(pool) -> str:
-  """`pinned_host` where the pool's device has it, else `unpinned_host`."""
-  kinds = {m.kind for d in pool.sharding.device_set
-           for m in d.addressable_memories()}
+  """`pinned_host` where the pool's device has it, else `unpinned_host`; on
+  a CPU `device`: its memory is host memory already, so the batches stay
+  plain arrays and no copy between memory kinds is made."""
+  devices = pool.sharding.device_set
+  if all(d.platform == "cpu" for d in devices):
+    return "device"
+  kinds = {m.kind for d in devices for m in d.addressable_memories()}
   for kind in ("pinned_host", "unpinned_host"):
     if kind in kinds:
       return kind
