@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import hashing
+from .alloc import _oob_scatter_index as _drop_index
 from .alloc import eviction_order
 from .state import CacheState
 
@@ -154,11 +155,6 @@ def init_host_tier(config: HostTierConfig) -> HostTierState:
       num_lookups=jnp.zeros((), i32),
       num_hits=jnp.zeros((), i32),
   )
-
-
-def _drop_index(mask, idx, size):
-  """`idx` where `mask`, else `size` (dropped by `mode="drop"` scatters)."""
-  return jnp.where(mask, idx, size)
 
 
 def _find(host: HostTierState, keys):
