@@ -426,8 +426,9 @@ class HostTier:
     dev = jax.device_put(host, host.sharding.with_memory_kind("device"))
     # Reserve the tier's host memory now: a first pinned allocation
     # page-locks new memory (slow, and it blocks the caller), while the
-    # allocator hands a freed buffer out again cheaply.
-    if not self._batches:
+    # allocator hands a freed buffer out again cheaply. (On a CPU the
+    # batches are plain arrays: nothing to reserve.)
+    if not self._batches and kind != "device":
       reserve = [jax.device_put(pages, host.sharding)
                  for _ in range(self.max_batches)]
       jax.block_until_ready(reserve)
