@@ -204,6 +204,10 @@ class Compiler:
     memo_key = self._memo_key(key, buffers)
     if lookup_compiled(memo_key) is not None:
       return self._compile(key, memo_key, None, t0)
+    # A compile never overlaps a program still running on these buffers (a
+    # chained burst in flight): the wait is small next to a compile, and the
+    # XLA CPU client has crashed compiling while a burst ran.
+    jax.block_until_ready(buffers)
     lowered = self.lower(key, buffers)
     self.lower_times[key] = time.perf_counter() - t0
     return self._compile(key, memo_key, lowered, t0)
