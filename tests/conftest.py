@@ -92,6 +92,18 @@ def _no_persistent_cache_leak():
     compile_cache.reset()
 
 
+@pytest.fixture(autouse=True)
+def _memory_maps_under_the_cap():
+  """Before a test, a worker near Linux's cap on memory maps releases the
+  executables it keeps (`memory_maps`: past the cap XLA:CPU segfaults in
+  its next compile)."""
+  import memory_maps
+  n = memory_maps.count()
+  if n is not None and n > memory_maps.budget():
+    memory_maps.release_executables()
+  yield
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
   """`fake_gpu(dispatch.HOPPER)` makes `dispatch.current_gpu()` answer that

@@ -106,7 +106,14 @@ def compiled_program(key, compile_fn):
 
 
 def clear_compiled():
-  """Forgets every executable `compiled_program` kept (tests, memory)."""
+  """Forgets every executable `compiled_program` kept.
+
+  Each one holds its code in memory: on XLA:CPU one to three memory maps per
+  compiled kernel (hundreds a program), and Linux caps a process at
+  `vm.max_map_count` maps (65,530 by default; past it XLA's next compile
+  fails inside LLVM and crashes the process). A process that builds many
+  engines of different shapes calls this, with `jax.clear_caches()`, to
+  release them (the tests do, per worker)."""
   with _COMPILED_LOCK:
     _COMPILED.clear()
 
@@ -204,10 +211,6 @@ class Compiler:
     memo_key = self._memo_key(key, buffers)
     if lookup_compiled(memo_key) is not None:
       return self._compile(key, memo_key, None, t0)
-    # A compile never overlaps a program still running on these buffers (a
-    # chained burst in flight): the wait is small next to a compile, and the
-    # XLA CPU client has crashed compiling while a burst ran.
-    jax.block_until_ready(buffers)
     lowered = self.lower(key, buffers)
     self.lower_times[key] = time.perf_counter() - t0
     return self._compile(key, memo_key, lowered, t0)

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.monitoring
+import memory_maps
 import numpy as np
 import pytest
 
@@ -155,3 +156,20 @@ def test_persistent_cache_serves_a_new_engine(model, tmp_path):
     jax.config.update("jax_compilation_cache_dir", old_dir)
     compile_cache.reset()
     compiler.clear_compiled()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or memory_maps.count() is None,
+                    reason="XLA:CPU's maps, read from /proc")
+def test_released_executables_unmap_their_memory(model):
+  # tests/conftest keeps each worker under Linux's cap on memory maps by
+  # releasing the executables it keeps: that works only if nothing else
+  # (the engine's per-process executables, jax's caches) still holds them.
+  memory_maps.release_executables()
+  before = memory_maps.count()
+  engine = Engine(model, dataclasses.replace(CFG, max_seqs=3, check=False))
+  engine.warmup()  # shapes no other test compiles
+  grown = memory_maps.count() - before
+  assert grown > 100 * len(engine.programs())
+  del engine
+  memory_maps.release_executables()
+  assert memory_maps.count() - before < grown // 4
