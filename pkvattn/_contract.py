@@ -28,19 +28,21 @@ _MIN_SCALE = 2.0 ** -126
 
 
 def scale_contract(k_scale, v_scale):
-  """The FP8 scales given as jax arrays (`f32[]`, or None where the scale was
-  a host number, already checked at trace time by `_kv.check_scales`).
+  """The FP8 scales given as jax arrays (`f32[]` or `f32[num_kv_heads]`, or
+  None where the scale was a host number, already checked at trace time by
+  `_kv.check_scales`).
 
-  Clause: each is finite and `>= 2**-126` (the smallest normal f32, so that
+  Clause: every value is finite and `>= 2**-126` (the smallest normal f32, so that
   the quantizers' `1 / scale` is finite).
   """
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None:
       continue
-    require(jnp.isfinite(s) & (s >= _MIN_SCALE),
+    good = jnp.isfinite(s) & (s >= _MIN_SCALE)
+    require(jnp.all(good),
             f"Invalid {name}: {name} = {{}}, expected a finite scale >= "
             f"{_MIN_SCALE:.4g} (the smallest normal f32; stored value = x / "
-            f"scale)", s)
+            f"scale)", s.reshape(-1)[first_true(~good)])
 
 
 def both(ok_a, ok_b):

@@ -174,13 +174,19 @@ def _host_scale(x):
         return np.float32(float(x))
       except OverflowError:  # an int past float's range
         return np.float32(np.inf if x > 0 else -np.inf)
+  if isinstance(x, (list, tuple)):
+    try:
+      x = np.asarray(x, np.float64)
+    except (TypeError, ValueError):
+      return None
   if isinstance(x, np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
     with np.errstate(over="ignore"):
       return x.astype(np.float32)
   return None
 
 
-def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
+def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache",
+                 num_kv_heads: int | None = None):
   """Validates the dequantisation scales of `pool` (trace time).
 
   A scale must be finite and at least `MIN_SCALE` (the smallest normal f32):
@@ -193,17 +199,20 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
 
   Args:
     pool: the K (or shared) page pool.
-    k_scale, v_scale: f32 scalars (Python floats or ints, 0-d or 1-element
-      arrays; may be traced) for an FP8 pool, None otherwise.
+    k_scale, v_scale: for an FP8 pool, each one scale per tensor (a Python
+      float or int, a 0-d or 1-element array) or, with `num_kv_heads`
+      given, one per KV head (`f32[num_kv_heads]`, vLLM's per-head KV
+      scales); arrays may be traced. None for other pools.
+    num_kv_heads: the pool's KV heads, where per-head scales are accepted.
 
   Returns:
-    `(k_scale, v_scale)` as `f32[]` arrays, or `(None, None)` for a pool that
-    is not FP8.
+    `(k_scale, v_scale)` as `f32[]` or `f32[num_kv_heads]` arrays, or
+    `(None, None)` for a pool that is not FP8.
 
   Raises:
-    ValueError: an FP8 pool without both scales, a scale that is not one
-      float, a host scale that is not finite or below `MIN_SCALE`, or scales
-      given with a pool that is not FP8 (they would be ignored).
+    ValueError: an FP8 pool without both scales, a scale of another shape,
+      a host scale that is not finite or below `MIN_SCALE`, or scales given
+      with a pool that is not FP8 (they would be ignored).
   """
   if not is_fp8(pool):
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -222,22 +231,83 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache"):
     if host is not None:
       x = host
     x = jnp.asarray(x)
-    if x.size != 1 or x.ndim > 1:
+    per_head = (num_kv_heads is not None and num_kv_heads > 1
+                and x.shape == (num_kv_heads,))
+    if not per_head and (x.size != 1 or x.ndim > 1):
+      heads = ("" if num_kv_heads is None else
+               f" or ({num_kv_heads},) (one per KV head)")
       raise ValueError(
-          f"Invalid shape of {name}: expected () (one scale per tensor), got "
-          f"{tuple(x.shape)}")
+          f"Invalid shape of {name}: expected () (one scale per tensor)"
+          f"{heads}, got {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(
           f"Invalid dtype of {name}: expected a float, got {x.dtype}")
     if host is not None:
-      value = float(np.asarray(host).reshape(()))
-      if not (np.isfinite(value) and value >= MIN_SCALE):
+      values = np.asarray(host, np.float64).reshape(-1)
+      if not (np.isfinite(values).all() and (values >= MIN_SCALE).all()):
         raise ValueError(
             f"Invalid {name}: expected a finite scale >= {MIN_SCALE:.4g} "
             f"(the smallest normal f32; stored value = x / scale), got "
             f"{_scale_repr(k_scale if name == 'k_scale' else v_scale)}")
-    out.append(x.reshape(()).astype(jnp.float32))
+    out.append((x if per_head else x.reshape(())).astype(jnp.float32))
   return tuple(out)
+
+
+def is_per_head(scales) -> bool:
+  """`check_scales`' result holds a per-KV-head scale."""
+  return scales[0] is not None and max(s.ndim for s in scales) == 1
+
+
+def fold_head_scales(q, scales, num_kv_heads: int):
+  """Per-KV-head scales as the kernels' per-tensor ones.
+
+  Attention reads page values times their head's scale. For query head `h`
+  (of KV head `h // group`), `q . (k * ks) = (q * ks) . k` and the output is
+  linear in `v`, so the K scale is folded into the query and the V scale
+  into the output: the logits, their soft cap, the sinks and the LSE are
+  unchanged, and every kernel keeps its one-scalar path. The scaled query
+  is f32 (rounding it back to a 16-bit dtype would add an error of
+  `|logit| * 2**-9` to each logit); the output is cast back to `q.dtype`
+  after its scale.
+
+  Args:
+    q: `[num_tokens, num_qo_heads, head_dim]`.
+    scales: `check_scales`' result.
+
+  Returns:
+    `(q, out_scale, scales)`: unchanged with `out_scale=None` for per-tensor
+    scales (or none); else the scaled f32 query, `(f32[num_qo_heads],
+    q.dtype)` for `scale_output`, and unit scales for the kernel.
+  """
+  if not is_per_head(scales):
+    return q, None, scales
+  group = q.shape[1] // num_kv_heads
+  ks, vs = (jnp.repeat(jnp.broadcast_to(s, (num_kv_heads,)), group)
+            for s in scales)
+  one = jnp.ones((), jnp.float32)
+  return q.astype(jnp.float32) * ks[:, None], (vs, q.dtype), (one, one)
+
+
+def scale_output(out, out_scale):
+  """`out` `[..., num_qo_heads, head_dim]` times `fold_head_scales`'
+  per-head V scale, in its dtype (None: unchanged)."""
+  if out_scale is None:
+    return out
+  scale, dtype = out_scale
+  return (out.astype(jnp.float32) * scale[:, None]).astype(dtype)
+
+
+def unit_head_scales(x, scale):
+  """`x` `[num_tokens, num_kv_heads, head_dim]` divided by its head's
+  `scale` (`f32[num_kv_heads]`; `f32[]`: `x` unchanged), so that a write
+  with scale 1 stores `x / scale` per head: how the append ops take
+  per-head scales (K's RoPE is linear per head, so the division commutes
+  with the rotation). Divided in f32, then back to `x`'s dtype: a bf16 `x`
+  is rounded to bf16 before FP8, which moves a value by at most one FP8
+  step, and only next to a rounding tie."""
+  if scale.ndim == 0:
+    return x
+  return (x.astype(jnp.float32) / scale[:, None]).astype(x.dtype)
 
 
 def _scale_repr(x) -> str:

@@ -34,7 +34,8 @@ def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q,
   """Trace-time checks; returns the FP8 scales (`f32[]` each, or None)."""
   _checks.check_ndim(q, (3,), name_q)
   _checks.check_dtype(q, _kv.SUPPORTED_DTYPES, name_q)
-  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale,
+                            num_kv_heads=view.num_kv_heads)
   if not _kv.is_fp8(view.k_pool):
     _checks.check_same_dtype(view.k_pool, q, "kv_cache", name_q)
   num_qo_heads, head_dim = q.shape[1], q.shape[2]
@@ -80,8 +81,8 @@ def paged_decode(
     return_lse: bool = False,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """One-token-per-sequence attention over a paged KV cache (FlashInfer decode).
 
@@ -125,14 +126,18 @@ def paged_decode(
       bounds in the GPU kernels (undefined; an illegal-address error ends
       the CUDA context). Staged in a caller's checkified jit, a call whose
       contract fails runs no kernel and returns NaN `out` and `lse`.
-    k_scale, v_scale: f32 scalars (Python floats or ints, 0-d arrays, may be
-      traced) for an FP8 `kv_cache`: a stored page value `x` means `x *
-      k_scale` (vLLM / FlashInfer per-tensor convention, stored value = x /
-      scale). Required with FP8 pages, refused otherwise. Each must be finite
+    k_scale, v_scale: for an FP8 `kv_cache`, each an f32 scalar (a Python
+      float or int, a 0-d array; may be traced) or one per KV head
+      (`f32[num_kv_heads]`, vLLM's per-head scales): a stored page value `x`
+      of head `h` means `x * k_scale[h]` (vLLM / FlashInfer convention,
+      stored value = x / scale). Required with FP8 pages, refused otherwise. Each must be finite
       and `>= 2**-126` (the smallest normal f32): Python and numpy numbers
       are checked at trace time, jax arrays in checked mode. The kernels
       read FP8 pages and dequantize on the fly (K's scale folded into the
-      logits scale, V's into the output); accumulation is f32.
+      logits scale, V's into the output); accumulation is f32. Per-head
+      scales are folded into `q` and the output before and after the
+      kernel (`_kv.fold_head_scales`: exact algebra, one rounding of the
+      scaled `q` to its dtype).
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
@@ -168,6 +173,8 @@ def paged_decode(
                        num_tokens=q.shape[0], window_left=window_left)
     ok = _contract.both(ok, _kv.run_scale_contract(scales, k_scale, v_scale))
   kv_lens = kv_lens.astype(jnp.int32)
+  q, out_scale, scales = _kv.fold_head_scales(q, scales,
+                                              view.num_kv_heads)
 
   def body():
     if q.shape[0] == 0:
@@ -186,6 +193,7 @@ def paged_decode(
 
   with _contract.unchecked():  # the kernels: their unchecked compilation
     out, lse = _contract.guard(ok, body, lambda: _violated(q))
+  out = _kv.scale_output(out, out_scale)
   return (out, lse) if return_lse else out
 
 
@@ -212,8 +220,8 @@ def paged_prefill(
     impl: Implementation | None = None,
     plan=None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """Ragged-batch attention of new tokens over a paged KV cache (FlashInfer prefill).
 
@@ -285,6 +293,8 @@ def paged_prefill(
                        window_left=window_left)
     ok = _contract.both(ok, _kv.run_scale_contract(scales, k_scale, v_scale))
   kv_lens = kv_lens.astype(jnp.int32)
+  q, out_scale, scales = _kv.fold_head_scales(q, scales,
+                                              view.num_kv_heads)
   q_indptr = q_indptr.astype(jnp.int32)
 
   def body():
@@ -309,6 +319,7 @@ def paged_prefill(
 
   with _contract.unchecked():  # the kernels: their unchecked compilation
     out, lse = _contract.guard(ok, body, lambda: _violated(q))
+  out = _kv.scale_output(out, out_scale)
   return (out, lse) if return_lse else out
 
 

@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="KV page dtype: auto = --dtype; fp8 = float8_e4m3fn "
                       "pages with per-layer scales calibrated from the first "
                       "prompts (half the bytes per token)")
+  p.add_argument("--kv-scales", choices=("per-tensor", "per-head"),
+                 default="per-tensor",
+                 help="with --kv-cache-dtype fp8: one K / V scale per layer, "
+                      "or one per layer and KV head (a head with small "
+                      "values keeps its own range)")
   p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                  help="bytes for the KV pool, e.g. 8GiB, 512MiB, 1e9; sets "
                       "--num-slots from the size (FP8 holds twice the "
@@ -218,6 +223,9 @@ def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
       bad("--kv-cache-memory", "a positive size such as 8GiB, 512MiB or "
           "1000000000", repr(args.kv_cache_memory))
     args.kv_cache_memory = size
+  if args.kv_scales == "per-head" and args.kv_cache_dtype != "fp8":
+    bad("--kv-scales", "per-tensor without --kv-cache-dtype fp8 (scales "
+        "apply to FP8 pages)", "per-head")
   gb = args.host_kv_cache_gb
   if not 0.0 <= gb < float("inf"):  # also rejects nan
     bad("--host-kv-cache-gb", "a number of GB >= 0 (0 = no host tier)", gb)
@@ -438,6 +446,7 @@ def main(argv=None) -> int:
       enable_swa_scratch_reuse=args.swa_scratch_reuse,
       kv_groups=False if args.no_kv_groups else None,
       kv_cache_dtype=args.kv_cache_dtype,
+      kv_scales=args.kv_scales.replace("-", "_"),
       kv_cache_memory=args.kv_cache_memory,
       host_kv_cache_bytes=int(args.host_kv_cache_gb * 1e9),
       decode_steps=args.decode_steps or (8 if on_gpu else 1),

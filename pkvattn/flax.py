@@ -172,8 +172,9 @@ def paged_attention(
       -1 = full attention (HF `sliding_window = W` is `window_left = W - 1`).
     logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits.
     impl: "pallas", "xla" or None (pallas on GPU, xla elsewhere).
-    k_scale, v_scale: f32 scalars for a float8_e4m3fn pool (quantized on
-      write, dequantized on read; `pkvattn.paged_decode`), else None.
+    k_scale, v_scale: f32 scalars or `f32[num_kv_heads]` for a
+      float8_e4m3fn pool (quantized on write, dequantized on read;
+      `pkvattn.paged_decode`), else None.
 
   Returns:
     `(out [num_tokens, num_qo_heads, head_dim] in q.dtype, kv_cache)`; padding
@@ -264,8 +265,9 @@ def attention_block(
       `qkv_proj [hidden_size, (num_qo_heads + 2 * num_kv_heads) * head_dim]`
       (q, k, v columns concatenated: one matmul) in place of the three;
       with `spec.qk_norm_eps`, `q_norm` / `k_norm [head_dim]` too; with a
-      float8_e4m3fn pool, `k_scale` / `v_scale` (f32 scalars: stored value =
-      x / scale; `pkvattn.models.calibrate_kv_scales` computes them).
+      float8_e4m3fn pool, `k_scale` / `v_scale` (f32 scalars or
+      `f32[num_kv_heads]`: stored value = x / scale;
+      `pkvattn.models.calibrate_kv_scales` computes them).
     x: `[num_tokens, hidden_size]`.
     kv_cache: the pool, dtype = `dtype` (default `x.dtype`), or
       float8_e4m3fn with the scales in `params`.

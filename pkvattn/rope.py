@@ -402,8 +402,8 @@ def append_paged_kv(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """Writes each token's K and V row into the paged cache.
 
@@ -432,9 +432,11 @@ def append_paged_kv(
       num_pages)` at its block (unchecked, such tokens are not written);
       `k_scale` / `v_scale` given as jax arrays finite and `>= 2**-126`
       (staged, a call with a bad scale writes nothing).
-    k_scale, v_scale: f32 scalars for a float8_e4m3fn `kv_cache` (required
-      there, refused otherwise), as in `pkvattn.paged_decode`: finite and
-      `>= 2**-126`, Python / numpy numbers checked at trace time.
+    k_scale, v_scale: for a float8_e4m3fn `kv_cache` (required there,
+      refused otherwise), f32 scalars or `f32[num_kv_heads]` as in
+      `pkvattn.paged_decode`: finite and `>= 2**-126`, Python / numpy
+      numbers checked at trace time. Per-head scales divide K and V per head
+      before the write (`_kv.unit_head_scales`), which then uses scale 1.
 
   Returns:
     The updated kv_cache in the format it came in. Donate it
@@ -452,9 +454,11 @@ def append_paged_kv(
       batch_indices, positions, page_table)
   view = _kv.make_view(kv_cache, page_table)
   _append_checks(k, v, batch_indices, positions, view)
-  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale,
+                            num_kv_heads=view.num_kv_heads)
   ok = _append_contract(view, batch_indices, positions, check, scales,
                         k_scale, v_scale)
+  k, v, scales = _per_head_to_unit(k, v, scales)
   if _nothing_to_write(view, k.shape[0]):
     return kv_cache
   impl = _resolve_impl(impl)
@@ -462,6 +466,17 @@ def append_paged_kv(
     _, kv_cache = _guarded(ok, view, lambda: _run(
         None, k, v, batch_indices, positions, view, None, False, impl, scales))
   return kv_cache
+
+
+def _per_head_to_unit(k, v, scales):
+  """Per-KV-head scales applied to `k` / `v` (`_kv.unit_head_scales`), the
+  write then at scale 1; per-tensor scales (or none) unchanged."""
+  if not _kv.is_per_head(scales):
+    return k, v, scales
+  k, v = (_kv.unit_head_scales(x, jnp.broadcast_to(s, (x.shape[1],)))
+          for x, s in zip((k, v), scales))
+  one = jnp.ones((), jnp.float32)
+  return k, v, (one, one)
 
 
 def _scale_kwargs(scales):
@@ -483,8 +498,8 @@ def apply_rope_and_append(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """RoPE on q and k, then K/V appended to the paged cache, in one pass.
 
@@ -528,9 +543,11 @@ def apply_rope_and_append(
   _append_checks(k, v, batch_indices, positions, view)
   _checks.check_shape(q, (k.shape[0], None, view.head_dim), "q")
   _checks.check_heads(q.shape[1], k.shape[1])
-  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale,
+                            num_kv_heads=view.num_kv_heads)
   ok = _append_contract(view, batch_indices, positions, check, scales,
                         k_scale, v_scale)
+  k, v, scales = _per_head_to_unit(k, v, scales)
   inv_freq = rope.inv_freq(view.head_dim)
   if _nothing_to_write(view, k.shape[0]):
     q = reference.rope_reference(q, positions, jnp.asarray(inv_freq),
@@ -553,8 +570,8 @@ def apply_rope_and_append_qkv(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """`apply_rope_and_append` on a fused qkv projection (TensorRT-LLM layout).
 
@@ -592,9 +609,18 @@ def apply_rope_and_append_qkv(
   _checks.check_heads(num_qo_heads, hkv)
   _check_index(batch_indices, "batch_indices", num_tokens)
   _check_index(positions, "positions", num_tokens)
-  scales = _kv.check_scales(view.k_pool, k_scale, v_scale)
+  scales = _kv.check_scales(view.k_pool, k_scale, v_scale,
+                            num_kv_heads=view.num_kv_heads)
   ok = _append_contract(view, batch_indices, positions, check, scales,
                         k_scale, v_scale)
+  if _kv.is_per_head(scales):  # K and V heads divided, q's unchanged
+    one = jnp.ones((num_qo_heads,), jnp.float32)
+    per_head = jnp.concatenate(
+        [one] + [jnp.broadcast_to(x, (hkv,)) for x in scales])
+    qkv = _kv.unit_head_scales(
+        qkv.reshape(num_tokens, num_qo_heads + 2 * hkv, d),
+        per_head).reshape(qkv.shape)
+    scales = (one[0], one[0])
   inv_freq = rope.inv_freq(d)
   interleaved = rope.style == "gptj"
   impl = _resolve_impl(impl)

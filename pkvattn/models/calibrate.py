@@ -1,9 +1,11 @@
-"""Per-layer FP8 KV scales: calibration from a prefill, and placing them.
+"""FP8 KV scales per layer or per layer and KV head: calibration from a
+prefill, and placing them.
 
 An FP8 KV pool stores `x / scale` (saturated to +-448, `pkvattn._kv`); each
 attention layer has one `k_scale` and one `v_scale` (vLLM's per-tensor
 `--kv-cache-dtype fp8` scales, kept in the layer's parameters as vLLM keeps
-them on its attention layers). `calibrate_kv_scales` runs the model over some
+them on its attention layers), or one per KV head (`f32[num_kv_heads]`,
+vLLM's per-head scales: a head with small values keeps its own range). `calibrate_kv_scales` runs the model over some
 prompts with an unquantized pool and sets each scale so that the largest K
 (after RoPE) or V value seen maps to `FP8_MAX / headroom`; `set_kv_scales`
 writes given scales into a parameter tree. `check_kv_scales` measures how
@@ -48,8 +50,9 @@ def set_kv_scales(params, k_scale, v_scale):
   Args:
     params: a decoder parameter tree, layers stacked (`params["layers"]` a
       dict of `[num_layers, ...]`) or unstacked (a list of per-layer trees).
-    k_scale, v_scale: `f32[num_layers]` (array or list), or one float for
-      every layer; None removes the scales (an unquantized pool).
+    k_scale, v_scale: `f32[num_layers]` (array or list), one float for
+      every layer, or `f32[num_layers, num_kv_heads]` (one per layer and KV
+      head); None removes the scales (an unquantized pool).
 
   Returns:
     A new tree (the input is not modified).
@@ -68,10 +71,11 @@ def set_kv_scales(params, k_scale, v_scale):
       continue
     arr = np.broadcast_to(np.asarray(x, np.float32), (n,)) if np.ndim(x) == 0 \
         else np.asarray(x, np.float32)
-    if arr.shape != (n,):
+    if arr.shape[:1] != (n,) or arr.ndim > 2:
       raise ValueError(
-          f"Invalid shape of {name}: expected ({n},) (one per layer) or a "
-          f"scalar, got {arr.shape}")
+          f"Invalid shape of {name}: expected ({n},) (one per layer), ({n}, "
+          f"num_kv_heads) (one per layer and KV head) or a scalar, got "
+          f"{arr.shape}")
     if not np.all(np.isfinite(arr) & (arr > 0)):
       raise ValueError(
           f"Invalid {name}: expected positive finite scales, got {arr}")
@@ -93,10 +97,12 @@ def set_kv_scales(params, k_scale, v_scale):
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "impl"))
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "page_size", "impl", "per_head"))
 def kv_amax(params, cfg: _decoder.DecoderConfig, tokens, q_indptr, *,
-            page_size: int = 16, impl=None):
-  """Largest `|K|` (after RoPE) and `|V|` per layer over a prefill.
+            page_size: int = 16, impl=None, per_head: bool = False):
+  """Largest `|K|` (after RoPE) and `|V|` per layer (or per layer and KV
+  head) over a prefill.
 
   Args:
     params: decoder parameters (compute dtype; any FP8 scales are ignored).
@@ -107,18 +113,22 @@ def kv_amax(params, cfg: _decoder.DecoderConfig, tokens, q_indptr, *,
       padding.
     page_size: static, pages of the temporary pool.
     impl: attention implementation.
+    per_head: static, one amax per layer and KV head.
 
   Returns:
-    `(k_amax f32[num_layers], v_amax f32[num_layers])`.
+    `(k_amax, v_amax)`, `f32[num_layers]` each (`f32[num_layers,
+    num_kv_heads]` with `per_head`).
   """
   pages = _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl)
-  amax = jnp.max(pages, axis=(0, 3))
+  amax = jnp.max(pages, axis=(0, 3, 5))  # [L, 2, heads]
+  if not per_head:
+    amax = jnp.max(amax, axis=-1)
   return amax[:, 0], amax[:, 1]
 
 
 def _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl):
   """`|K|` (after RoPE) and `|V|` of a prefill, f32[num_slots, num_layers,
-  2, page values]; rows no token wrote are zeros."""
+  2, page_size, num_kv_heads, head_dim]; rows no token wrote are zeros."""
   params = set_kv_scales(params, None, None)
   n = tokens.shape[0]
   batch_size = q_indptr.shape[0] - 1
@@ -134,12 +144,14 @@ def _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl):
                              num_tokens=n)
   _, pool = _decoder.forward(params, cfg, tokens, pool, plan, impl=impl,
                              logits_indices=jnp.zeros((1,), jnp.int32))
-  return jnp.abs(pool.astype(jnp.float32)).reshape(num_slots, L, 2, -1)
+  return jnp.abs(pool.astype(jnp.float32)).reshape(
+      num_slots, L, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
 
 
 def get_kv_scales(params):
-  """`(k_scale, v_scale)`, `f32[num_layers]` each, of a parameter tree with
-  scales (`set_kv_scales`), layers stacked or unstacked.
+  """`(k_scale, v_scale)`, `f32[num_layers]` (or `[num_layers,
+  num_kv_heads]`) each, of a parameter tree with scales (`set_kv_scales`),
+  layers stacked or unstacked.
 
   Raises:
     ValueError: the tree has no `attn.k_scale` / `attn.v_scale`.
@@ -172,16 +184,23 @@ def kv_saturation(params, cfg: _decoder.DecoderConfig, tokens, q_indptr, *,
   (`set_kv_scales`); the prefill itself runs with an unquantized pool.
 
   Returns:
-    `(k_amax, v_amax, k_saturated, v_saturated)`: `f32[num_layers]` the
-    largest `|K|` (after RoPE) / `|V|`, and `i32[num_layers]` how many K / V
-    values have `|x| / scale > FP8_MAX` (stored clipped to +-448).
+    `(k_amax, v_amax, k_saturated, v_saturated)`, each shaped as the scales
+    (`[num_layers]`, or `[num_layers, num_kv_heads]` per head): the largest
+    `|K|` (after RoPE) / `|V|` (f32), and how many K / V values have
+    `|x| / scale > FP8_MAX` (i32; stored clipped to +-448).
   """
   k_scale, v_scale = get_kv_scales(params)
+  per_head = k_scale.ndim == 2
+  heads = (cfg.num_layers, cfg.num_kv_heads)
+  limit = _kv.FP8_MAX * jnp.stack([  # [L, 2, heads]
+      jnp.broadcast_to(s.reshape(cfg.num_layers, -1), heads)
+      for s in (k_scale, v_scale)], axis=1)
   pages = _prefill_abs_kv(params, cfg, tokens, q_indptr, page_size, impl)
-  amax = jnp.max(pages, axis=(0, 3))
-  limit = _kv.FP8_MAX * jnp.stack([k_scale, v_scale], axis=1)  # [L, 2]
-  saturated = jnp.sum(pages > limit[None, :, :, None], axis=(0, 3),
-                      dtype=jnp.int32)
+  amax = jnp.max(pages, axis=(0, 3, 5))
+  saturated = jnp.sum(pages > limit[None, :, :, None, :, None],
+                      axis=(0, 3, 5), dtype=jnp.int32)
+  if not per_head:
+    amax, saturated = jnp.max(amax, axis=-1), jnp.sum(saturated, axis=-1)
   return amax[:, 0], amax[:, 1], saturated[:, 0], saturated[:, 1]
 
 
@@ -207,8 +226,10 @@ def _calibration_batch(prompts, num_tokens, max_prompts):
 
 def calibrate_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
                         num_tokens: int = 512, max_prompts: int = 8,
-                        headroom: float = DEFAULT_HEADROOM, impl=None):
-  """Per-layer FP8 scales from a prefill of `prompts` (at most `num_tokens`).
+                        headroom: float = DEFAULT_HEADROOM, impl=None,
+                        per_head: bool = False):
+  """Per-layer (or per layer and KV head) FP8 scales from a prefill of
+  `prompts` (at most `num_tokens`).
 
   Args:
     params, cfg: the model.
@@ -217,9 +238,13 @@ def calibrate_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
     num_tokens, max_prompts: static sizes of the calibration batch (one
       compiled program per pair).
     headroom: the largest value seen maps to `FP8_MAX / headroom`.
+    per_head: one scale per layer and KV head (vLLM's per-head KV scales):
+      a head whose values are much smaller than its layer's largest keeps
+      its own range instead of rounding to a few FP8 steps.
 
   Returns:
-    `(k_scale, v_scale)`, `np.float32[num_layers]` each (a layer that saw
+    `(k_scale, v_scale)`, `np.float32[num_layers]` each, or
+    `[num_layers, num_kv_heads]` with `per_head` (a layer or head that saw
     only zeros gets 1.0).
 
   Raises:
@@ -229,7 +254,7 @@ def calibrate_kv_scales(params, cfg: _decoder.DecoderConfig, prompts, *,
     raise ValueError(f"Invalid headroom: expected >= 1, got {headroom}")
   tokens, indptr, _ = _calibration_batch(prompts, num_tokens, max_prompts)
   k_amax, v_amax = jax.device_get(kv_amax(params, cfg, tokens, indptr,
-                                          impl=impl))
+                                          impl=impl, per_head=per_head))
   target = _kv.FP8_MAX / headroom
 
   def scale(amax):
@@ -244,10 +269,12 @@ class ScaleCheck:
   """How per-layer FP8 scales fit one prefill's K (after RoPE) and V.
 
   Attributes:
-    k_scale, v_scale: the scales checked, `np.float32[num_layers]`.
-    k_amax, v_amax: the largest `|K|` / `|V|` per layer.
-    k_saturated, v_saturated: per layer, values with `|x| / scale > 448`
-      (stored clipped to +-448).
+    k_scale, v_scale: the scales checked, `np.float32[num_layers]` (or
+      `[num_layers, num_kv_heads]` per head); the other arrays are shaped
+      alike, one entry per scale.
+    k_amax, v_amax: the largest `|K|` / `|V|` a scale covers.
+    k_saturated, v_saturated: values with `|x| / scale > 448` (stored
+      clipped to +-448).
     values_per_layer: K (or V) values each layer wrote: tokens x
       num_kv_heads x head_dim.
   """
@@ -274,20 +301,23 @@ class ScaleCheck:
     for kind, scale, amax, sat in (
         ("K", self.k_scale, self.k_amax, self.k_saturated),
         ("V", self.v_scale, self.v_amax, self.v_saturated)):
-      for layer in range(len(scale)):
-        frac = int(sat[layer]) / max(self.values_per_layer, 1)
+      # One scale covers a layer's values, or a head's share of them.
+      values = self.values_per_layer // (
+          1 if scale.ndim == 1 else scale.shape[1])
+      for at in np.ndindex(scale.shape):
+        where = f"layer {at[0]}" + (f" head {at[1]}" if len(at) > 1 else "")
+        frac = int(sat[at]) / max(values, 1)
         if frac > saturation:
           out.append(
-              f"layer {layer} {kind}: scale {float(scale[layer]):.3g} "
-              f"saturates {int(sat[layer])} of {self.values_per_layer} "
-              f"values ({frac:.2%}; expected at most {saturation:.2%}): "
-              f"amax {float(amax[layer]):.4g} needs a scale of at least "
-              f"{float(amax[layer]) / _kv.FP8_MAX:.3g}")
-        used = float(amax[layer]) / float(scale[layer])
-        if amax[layer] > 0 and used < min_range_used:
+              f"{where} {kind}: scale {float(scale[at]):.3g} saturates "
+              f"{int(sat[at])} of {values} values ({frac:.2%}; expected at "
+              f"most {saturation:.2%}): amax {float(amax[at]):.4g} needs a "
+              f"scale of at least {float(amax[at]) / _kv.FP8_MAX:.3g}")
+        used = float(amax[at]) / float(scale[at])
+        if amax[at] > 0 and used < min_range_used:
           out.append(
-              f"layer {layer} {kind}: scale {float(scale[layer]):.3g} maps "
-              f"the largest value ({float(amax[layer]):.4g}) to {used:.3g} "
+              f"{where} {kind}: scale {float(scale[at]):.3g} maps the "
+              f"largest value ({float(amax[at]):.4g}) to {used:.3g} "
               f"(expected at least {min_range_used:g} of e4m3's 448): "
               "most values round to zero or to subnormals")
     return out

@@ -92,6 +92,11 @@ class EngineConfig:
       layer's scale saturates more than `calibrate.FP8_SATURATION_WARN`
       (0.1%) of its K or V values or maps the largest below 1 of e4m3's
       448; `EngineStats.kv_saturated_values` counts the clipped values.
+    kv_scales: "per_tensor" (one `k_scale` / `v_scale` per layer) or
+      "per_head" (one per layer and KV head, vLLM's per-head FP8 scales:
+      a head whose values are much smaller than its layer's largest keeps
+      its own range). Per head, a given `k_scale` / `v_scale` starts every
+      head; calibration sets each head's own.
     calibration_tokens: tokens of the calibration prefill.
     host_kv_cache_bytes: bytes of host memory for a second KV tier
       (`pkvattn.serving.host_tier`, docs/kv_cache.md "Host tier"): cached
@@ -127,6 +132,7 @@ class EngineConfig:
   kv_cache_memory: int | None = None
   k_scale: float | None = None
   v_scale: float | None = None
+  kv_scales: str = "per_tensor"
   calibration_tokens: int = 512
   finished_history: int = 1024
   host_kv_cache_bytes: int = 0
@@ -182,6 +188,15 @@ class EngineConfig:
       if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ValueError(
             f"Invalid {name}: expected a positive finite float, got {value!r}")
+    if self.kv_scales not in ("per_tensor", "per_head"):
+      raise ValueError(
+          "Invalid kv_scales: expected 'per_tensor' or 'per_head', got "
+          f"{self.kv_scales!r}")
+    if self.kv_scales == "per_head" and self.kv_cache_dtype != "fp8_e4m3":
+      raise ValueError(
+          f"Invalid kv_scales: expected 'per_tensor' with kv_cache_dtype="
+          f"{self.kv_cache_dtype!r} (scales apply to FP8 pages), got "
+          "'per_head'")
     if (self.k_scale is None) != (self.v_scale is None):
       raise ValueError(
           "Invalid k_scale / v_scale: expected both or neither, got "

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pkvattn.models import Model
 from pkvattn.models import calibrate as _calibrate
@@ -36,7 +37,8 @@ def prepare_model(model: Model, config: EngineConfig,
     rather than inside a gemm fusion every step (measured:
     docs/performance.md).
   * FP8 pages (`pool_dtype` float8_e4m3fn): per-layer `k_scale` / `v_scale`
-    in the layer parameters (`config.k_scale` / `v_scale`, or 1.0 until
+    (`f32[num_kv_heads]` each with `config.kv_scales == "per_head"`) in the
+    layer parameters (`config.k_scale` / `v_scale`, or 1.0 until
     calibrated), inputs of the programs, so calibrating compiles nothing.
 
   Raises:
@@ -56,9 +58,19 @@ def prepare_model(model: Model, config: EngineConfig,
     model = dataclasses.replace(
         model, params=_decoder.fuse_projections(model.params))
   if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float8_e4m3fn):
+    shape = _scale_shape(model.cfg, config)
     model = dataclasses.replace(model, params=_calibrate.set_kv_scales(
-        model.params, config.k_scale or 1.0, config.v_scale or 1.0))
+        model.params, np.full(shape, config.k_scale or 1.0, np.float32),
+        np.full(shape, config.v_scale or 1.0, np.float32)))
   return model
+
+
+def _scale_shape(cfg, config: EngineConfig) -> tuple[int, ...]:
+  """`[num_layers]`, or `[num_layers, num_kv_heads]` with per-head scales:
+  the programs' scale inputs, the same before and after calibration."""
+  if config.kv_scales == "per_head":
+    return (cfg.num_layers, cfg.num_kv_heads)
+  return (cfg.num_layers,)
 
 
 def calibrate(model: Model, config: EngineConfig, prompts) -> Model:
@@ -69,7 +81,7 @@ def calibrate(model: Model, config: EngineConfig, prompts) -> Model:
   k_scale, v_scale = _calibrate.calibrate_kv_scales(
       model.params, model.cfg, prompts,
       num_tokens=config.calibration_tokens, max_prompts=config.max_seqs,
-      impl=config.impl)
+      impl=config.impl, per_head=config.kv_scales == "per_head")
   return dataclasses.replace(model, params=_calibrate.set_kv_scales(
       model.params, k_scale, v_scale))
 

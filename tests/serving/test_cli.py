@@ -86,6 +86,8 @@ def _error_line(capsys, argv) -> str:
     (["--seed", str(2**32 - 1), "--prompt", "b"],
      "argument --seed: expected <= 4294967294"),
     (["--page-size", "x"], "argument --page-size: invalid int value: 'x'"),
+    (["--kv-scales", "per-head"], "argument --kv-scales: expected per-tensor "
+                                  "without --kv-cache-dtype fp8"),
 ])
 def test_bad_flag_is_an_error_line(capsys, argv, expected):
   line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a"] + argv)

@@ -204,6 +204,10 @@ def test_kv_cache_memory_sets_slots(model):
     (dict(k_scale=-1.0, v_scale=1.0), "k_scale"),
     (dict(kv_cache_memory=0), "kv_cache_memory"),
     (dict(calibration_tokens=0), "calibration_tokens"),
+    (dict(kv_scales="per_layer"), "kv_scales: expected 'per_tensor' or "
+                                  "'per_head', got 'per_layer'"),
+    (dict(kv_cache_dtype="auto", kv_scales="per_head"),
+     "kv_scales: expected 'per_tensor' with kv_cache_dtype='auto'"),
 ])
 def test_bad_fp8_config(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -213,3 +217,67 @@ def test_bad_fp8_config(kw, match):
 def test_kv_cache_memory_too_small(model):
   with pytest.raises(ValueError, match="kv_cache_memory"):
     Engine(model, dataclasses.replace(CFG, kv_cache_memory=4096))
+
+
+@pytest.fixture(scope="module")
+def two_head_model(model):
+  """tiny-llama with 2 KV heads (4 query heads), head 1's K and V
+  projections 8x head 0's: per-head scales differ by about 8x."""
+  from pkvattn.models import Model, TINY_CONFIGS, init_params
+  cfg = dataclasses.replace(TINY_CONFIGS["tiny-llama"], num_qo_heads=4,
+                            num_kv_heads=2)
+  params = init_params(cfg, jax.random.key(5), jnp.float32)
+  attn = dict(params["layers"]["attn"])
+  for name in ("k_proj", "v_proj"):
+    w = attn[name]["kernel"]
+    attn[name] = {"kernel": w.at[..., cfg.head_dim:].multiply(8.0)}
+  params = dict(params, layers=dict(params["layers"], attn=attn))
+  return Model("tiny-llama-2kv", cfg, params, model.tokenizer)
+
+
+def test_per_head_scales_calibrate_each_head_without_a_compile(
+    two_head_model):
+  # Per-head scales: each layer's K / V scale per KV head, calibrated from
+  # the first prompts as per-layer ones are (the programs take them as
+  # inputs of the same shape before and after: no compile after warmup),
+  # and the calibration prompts' stored values fill every head's range.
+  model = two_head_model
+  engine = Engine(model, dataclasses.replace(CFG, kv_scales="per_head"))
+  engine.warmup()
+  rng = np.random.default_rng(11)
+  prompts = [list(rng.integers(3, 250, size=n)) for n in (29, 11)]
+  with count_compiles() as compiles:
+    engine.generate(prompts, SamplingParams(max_new_tokens=1,
+                                            ignore_eos=True))
+  assert not compiles
+  k_scale, v_scale = jax.device_get(calibrate.get_kv_scales(
+      engine.model.params))
+  L, H, D = model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
+  assert k_scale.shape == v_scale.shape == (L, H)
+  want = calibrate.calibrate_kv_scales(model.params, model.cfg, prompts,
+                                       num_tokens=64, max_prompts=2,
+                                       per_head=True)
+  np.testing.assert_allclose(k_scale, want[0], rtol=1e-6)
+  np.testing.assert_allclose(v_scale, want[1], rtol=1e-6)
+  per_layer = calibrate.calibrate_kv_scales(
+      model.params, model.cfg, prompts, num_tokens=64, max_prompts=2)
+  np.testing.assert_allclose(k_scale.max(axis=1), per_layer[0], rtol=1e-6)
+  np.testing.assert_allclose(v_scale.max(axis=1), per_layer[1], rtol=1e-6)
+  assert (v_scale[:, 1] > 4 * v_scale[:, 0]).all(), v_scale
+  # The first call prefilled the two prompts with these scales: every
+  # head's stored values stay within 448 / headroom and reach half of it.
+  pool = _pages(engine.pool).astype(np.float32)
+  top = np.abs(pool).reshape(-1, L, 2, CFG.page_size, H, D).max(
+      axis=(0, 3, 5))  # [L, K/V, H]
+  limit = _kv.FP8_MAX / calibrate.DEFAULT_HEADROOM
+  assert (top <= limit * 1.07).all(), top  # e4m3 rounding: 3 mantissa bits
+  assert (top >= limit * 0.5).all(), top
+  assert engine.stats.kv_saturated_values == 0
+
+
+def test_per_head_given_scale_warns_per_head(two_head_model):
+  engine = Engine(two_head_model, dataclasses.replace(
+      CFG, kv_scales="per_head", k_scale=1e-4, v_scale=1.0))
+  with pytest.warns(RuntimeWarning, match=r"layer 0 head 0 K: scale 0.0001 "
+                    r"saturates"):
+    engine.generate(_prompt(), SamplingParams(max_new_tokens=1))

@@ -1,0 +1,206 @@
+"""Per-KV-head FP8 scales (`k_scale` / `v_scale` of shape `[num_kv_heads]`).
+
+The heads of a pool hold values of very different magnitudes (head 1's are
+40x head 0's), so one scale per tensor would flush head 0 to a few FP8
+steps. Pages are quantized per head in numpy; the attention oracle is
+`attention_utils.dense_attention` (float64) over the dequantized pages, with
+NaN in every page no sequence owns and every row past `kv_lens`. The append
+ops are checked against the numpy storage rule per head.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+import numpy as np
+import pytest
+
+import attention_utils as au
+import pkvattn
+import rope_utils
+
+FP8 = jnp.float8_e4m3fn
+HKV = 2
+MAGNITUDE = np.array([1.0, 40.0])  # per KV head
+
+
+def _per_head_paged(rng, lens, *, page_size, head_dim, fmt):
+  """FP8 pages quantized per head: (paged, kv_cache, dequantized K / V
+  truths per sequence, k_scale f32[HKV], v_scale f32[HKV])."""
+  p = au.make_paged(rng, lens, page_size=page_size, num_kv_heads=HKV,
+                    head_dim=head_dim, dtype=jnp.float32, fmt=fmt)
+  mag = MAGNITUDE[None, None, :, None]
+  ks = (MAGNITUDE * 3.0 / 448).astype(np.float32)
+  vs = (MAGNITUDE * 2.5 / 448).astype(np.float32)
+  if fmt == "pair":
+    k_pool, v_pool = (np.asarray(x) * mag for x in p.kv_cache)
+  else:  # flashinfer: [pages, 2, page_size, heads, dim]
+    k_pool = np.asarray(p.kv_cache[:, 0]) * mag
+    v_pool = np.asarray(p.kv_cache[:, 1]) * mag
+
+  def quantize(pool, scale):
+    return au.quantize_np(pool / scale[None, None, :, None], 1.0)
+
+  kq, vq = quantize(k_pool, ks), quantize(v_pool, vs)
+  if fmt == "pair":
+    cache = (jnp.asarray(kq), jnp.asarray(vq))
+  else:
+    cache = jnp.asarray(np.stack([kq, vq], axis=1))
+
+  def truth(xs, scale):
+    return [au.quantize_np(x * MAGNITUDE[None, :, None] / scale[None, :, None],
+                           1.0).astype(np.float64) * scale[None, :, None]
+            for x in xs]
+  return p, cache, truth(p.k, ks), truth(p.v, vs), ks, vs
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("fmt, g, kw", [
+    ("pair", 3, {}), ("flashinfer", 2, dict(logits_soft_cap=8.0)),
+    ("pair", 4, dict(sinks=True, window_left=20))])
+def test_decode_per_head_scales(impl, fmt, g, kw):
+  rng = np.random.default_rng()
+  d, lens = 64, [1, 7, 33, 0, 70]
+  p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=16,
+                                             head_dim=d, fmt=fmt)
+  q, sinks, kw = au.query_and_sinks(rng, len(lens), g * HKV, d, kw)
+  if sinks is not None:
+    kw["sinks"] = jnp.asarray(sinks)
+  out, lse = pkvattn.paged_decode(
+      jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
+      jnp.asarray(lens), return_lse=True, impl=impl, k_scale=jnp.asarray(ks),
+      v_scale=vs, **kw)
+  au.assert_decode_matches(out, lse, q, tk, tv, lens, jnp.bfloat16,
+                           sm_scale=d**-0.5,
+                           window_left=kw.get("window_left", -1),
+                           logits_soft_cap=kw.get("logits_soft_cap"),
+                           sinks=sinks)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_prefill_per_head_scales_mixed_batch(impl):
+  rng = np.random.default_rng()
+  g, d, lens, q_lens = 2, 64, [40, 1, 29, 9], [17, 1, 29, 1]
+  p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=8,
+                                             head_dim=d, fmt="pair")
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = np.asarray(jnp.asarray(rng.standard_normal((int(indptr[-1]) + 3,
+                                                  g * HKV, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  out, lse = pkvattn.paged_prefill(
+      jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
+      jnp.asarray(indptr), jnp.asarray(lens), return_lse=True, impl=impl,
+      k_scale=ks, v_scale=jnp.asarray(vs))
+  au.assert_prefill_matches(out, lse, q, tk, tv, indptr, lens, jnp.bfloat16,
+                            sm_scale=d**-0.5)
+
+
+def test_equal_head_scales_match_the_tensor_scale():
+  rng = np.random.default_rng()
+  p = au.make_paged(rng, [9, 30], page_size=8, num_kv_heads=HKV, head_dim=64,
+                    dtype=jnp.float32, fmt="pair")
+  cache = tuple(jnp.asarray(x, FP8) for x in p.kv_cache)
+  q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+  run = lambda s: pkvattn.paged_decode(  # noqa: E731
+      q, cache, jnp.asarray(p.page_table), jnp.asarray([9, 30]), impl="xla",
+      k_scale=s, v_scale=s, return_lse=True)
+  one, per_head = run(0.25), run(jnp.full((HKV,), 0.25))
+  for a, b in zip(one, per_head):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=1e-6)
+
+
+def _written(cache, table, bidx, pos, page_size):
+  """`{(token, "k" | "v"): f32[HKV, D]}` rows written (pair format)."""
+  k_pool, v_pool = (np.asarray(x).astype(np.float32) for x in cache)
+  out = {}
+  for t in range(len(bidx)):
+    if bidx[t] >= 0:
+      blk, row = divmod(int(pos[t]), page_size)
+      page = table[bidx[t], blk]
+      out[t, "k"], out[t, "v"] = k_pool[page, row], v_pool[page, row]
+  return out
+
+
+@pytest.mark.parametrize("op", ["append_paged_kv", "apply_rope_and_append",
+                                "apply_rope_and_append_qkv"])
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_append_quantizes_per_head(op, impl):
+  rng = np.random.default_rng()
+  n, hq, d, ps, pages = 19, 4, 64, 8, 8
+  q = rng.standard_normal((n, hq, d)).astype(np.float32)
+  k = rng.standard_normal((n, HKV, d)) * MAGNITUDE[None, :, None] * 4
+  v = rng.standard_normal((n, HKV, d)) * MAGNITUDE[None, :, None]
+  k[0, 1, :2] = [1e6, -1e6]  # saturates at +-448 of its head's scale
+  k, v = k.astype(np.float32), v.astype(np.float32)
+  table = rng.permutation(pages)[:6].reshape(2, 3).astype(np.int32)
+  bidx = np.r_[np.zeros(10), np.ones(8), [-1]].astype(np.int32)
+  pos = np.r_[np.arange(10), np.arange(4, 12), [0]].astype(np.int32)
+  nan = jnp.full((pages, ps, HKV, d), jnp.nan, FP8)
+  ks = (MAGNITUDE * 4 * 3 / 448).astype(np.float32)
+  vs = jnp.asarray(MAGNITUDE * 3 / 448, jnp.float32)
+  rope = pkvattn.RopeConfig()
+  args = (bidx, pos, (nan, nan), table)
+  if op == "append_paged_kv":
+    cache = pkvattn.append_paged_kv(jnp.asarray(k), jnp.asarray(v), *args,
+                                    impl=impl, k_scale=ks, v_scale=vs)
+    k_want = k.astype(np.float64)
+  elif op == "apply_rope_and_append":
+    _, cache = pkvattn.apply_rope_and_append(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *args, rope,
+        impl=impl, k_scale=ks, v_scale=vs)
+    k_want = rope_utils.np_rope(k, pos, rope_utils.np_inv_freq(d, rope.theta), rope.style)
+  else:
+    qkv = np.concatenate([q, k, v], axis=1).reshape(n, -1)
+    _, cache = pkvattn.apply_rope_and_append_qkv(
+        jnp.asarray(qkv), *args, rope, impl=impl, k_scale=ks, v_scale=vs)
+    k_want = rope_utils.np_rope(k, pos, rope_utils.np_inv_freq(d, rope.theta), rope.style)
+  got = _written(cache, table, bidx, pos, ps)
+  vs = np.asarray(vs)
+  for (t, which), row in got.items():
+    assert not np.isnan(row).any()
+    if which == "k":  # one FP8 step where f32 and f64 rotations round apart
+      want = np.clip(k_want[t] / ks[:, None], -448, 448)
+      np.testing.assert_allclose(row, want, rtol=2**-3, atol=2**-9)
+    else:
+      np.testing.assert_array_equal(
+          row, au.quantize_np(v[t] / vs[:, None], 1.0).astype(np.float32))
+  assert np.abs(got[0, "k"][1, :2]).tolist() == [448.0, 448.0]
+  # Pages and rows nobody wrote keep their NaN.
+  k_pool = np.asarray(cache[0]).astype(np.float32)
+  owned = {(table[b, p // ps], p % ps) for b, p in zip(bidx, pos) if b >= 0}
+  for page in range(pages):
+    for row in range(ps):
+      if (page, row) not in owned:
+        assert np.isnan(k_pool[page, row]).all()
+
+
+@pytest.mark.parametrize("shape", [(3,), (1, 2), (2, 1)])
+def test_scale_of_another_shape_is_refused(shape):
+  cache = (jnp.zeros((4, 8, HKV, 64), FP8),) * 2
+  with pytest.raises(ValueError, match=r"Invalid shape of k_scale: expected "
+                     r"\(\) \(one scale per tensor\) or \(2,\) \(one per KV "
+                     rf"head\), got {re.escape(str(shape))}"):
+    pkvattn.paged_decode(jnp.zeros((1, 4, 64), jnp.bfloat16), cache,
+                         jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                         k_scale=np.ones(shape, np.float32), v_scale=1.0)
+
+
+def test_bad_head_scale_refused_on_the_host_and_in_checked_mode():
+  cache = (jnp.zeros((4, 8, HKV, 64), FP8),) * 2
+  call = lambda s: pkvattn.paged_decode(  # noqa: E731
+      jnp.zeros((1, 4, 64), jnp.bfloat16), cache, jnp.zeros((1, 2), jnp.int32),
+      jnp.ones((1,), jnp.int32), k_scale=1.0, v_scale=s, impl="xla")
+  with pytest.raises(ValueError, match=r"Invalid v_scale: expected a finite "
+                     r"scale >= .*got \[0.5, 0.0\]"):
+    call([0.5, 0.0])
+  staged = jax.jit(checkify.checkify(call))
+  with pkvattn.checked():
+    err, out = staged(jnp.asarray([0.5, 2.0**-127]))
+    assert "Invalid v_scale: v_scale = 5.877" in err.get(), err.get()
+    assert np.isnan(np.asarray(out, np.float32)).all()
+    err, _ = staged(jnp.asarray([0.5, 2.0]))
+    assert err.get() is None
