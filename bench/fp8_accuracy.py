@@ -1,22 +1,28 @@
-"""FP8 KV accuracy on a real model: SmolLM2-135M-Instruct, f32 compute, CPU.
+"""FP8 KV accuracy on a real model (SmolLM2-135M-Instruct or Gemma 3 270M), CPU.
 
-Two measures, FP8 KV pages (per-layer scales calibrated on the prompts by
-the engine) against unquantized f32 KV pages, same weights, same process:
+Arms, each against the model with f32 compute and f32 KV pages, same
+weights, same process: FP8 pages with per-layer (per-tensor) scales, FP8
+pages with per-layer-and-head scales (both calibrated on the prompts by the
+engine), and the whole model in bf16 (weights, compute and pages: what
+16-bit serving costs, for scale). Two measures per arm:
 
 1. Greedy tokens, 16 chat prompts x 64 new tokens (EOS ignored) through the
-   engine: tokens identical, and the first divergence per prompt.
+   engine: sequences identical, tokens agreeing position by position, and
+   the first divergence per prompt.
 2. Teacher forcing: one forward over a fixed 512-token text
-   (`bench.common.text.TEACHER_TEXT`), the next-token distribution at every position with FP8 vs
-   f32 pages: mean and max per-token KL(f32 || fp8) in nats. The scales come
-   from the prompts of (1), not from this text.
+   (`bench.common.text.TEACHER_TEXT`) the scales never saw: per position,
+   KL(f32 || arm) of the next-token distribution in nats, the mean absolute
+   logit error, and top-1 agreement.
 
-Run:  python bench/fp8_accuracy.py [--new-tokens 64] [--prompts 16]
-Writes `<out>/fp8_accuracy.json` (and under $OUT); prints a table last.
+Run:  python bench/fp8_accuracy.py [--model smollm2-135m|gemma3-270m]
+      [--new-tokens 64] [--prompts 16]
+Writes `<out>/fp8_accuracy_<model>.json` (and under $OUT); prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -68,62 +74,69 @@ def kl(p_logits, q_logits):
   return np.sum(np.exp(lp) * (lp - lq), axis=-1)
 
 
+ARMS = {  # name: (EngineConfig fields, model dtype)
+    "fp8 per-tensor": (dict(kv_cache_dtype="fp8"), jnp.float32),
+    "fp8 per-head": (dict(kv_cache_dtype="fp8", kv_scales="per_head"),
+                     jnp.float32),
+    "bf16": ({}, jnp.bfloat16),
+}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", choices=("smollm2-135m", "gemma3-270m"),
+                  default=models.DEFAULT_MODEL)
   ap.add_argument("--new-tokens", type=int, default=64)
   ap.add_argument("--prompts", type=int, default=16)
   ap.add_argument("--text-tokens", type=int, default=512)
   results.add_out_arg(ap)
   args = ap.parse_args()
   env = results.environment()
-  model = models.load_model(models.DEFAULT_MODEL)
+  model = models.load_model(args.model)
   tok = model.tokenizer
   ids = [tok.apply_chat_template(f"Explain {t} in a few sentences.")
          for t in TOPICS[:args.prompts]]
   sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-  outs, engines = {}, {}
-  for dt in ("auto", "fp8"):
-    cfg = EngineConfig(max_seqs=args.prompts, num_slots=256,
-                       max_num_tokens=512, max_model_len=256,
-                       kv_cache_dtype=dt, calibration_tokens=512)
-    e = Engine(model, cfg)
-    outs[dt] = e.generate(ids, sp)
-    engines[dt] = e
-  same, first = [], []
-  for a, b in zip(outs["auto"], outs["fp8"]):
-    a, b = list(a), list(b)
-    same.append(a == b)
-    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    first.append(diff[0] if diff else None)
-  # Teacher forcing over a text the scales never saw.
+  base = EngineConfig(max_seqs=args.prompts, num_slots=256,
+                      max_num_tokens=512, max_model_len=256,
+                      calibration_tokens=512)
+  ref_out = Engine(model, base).generate(ids, sp)
   text_ids = tok.encode(text.TEACHER_TEXT)[:args.text_tokens]
-  fp8_params = engines["fp8"].model.params
   ref = teacher_forced_logits(model, model.params, text_ids, jnp.float32)
-  got = teacher_forced_logits(model, calibrate.set_kv_scales(
-      model.params, *_scales(fp8_params)), text_ids, jnp.float8_e4m3fn)
-  per_token = kl(ref, got)
-  res = dict(
-      prompts=len(ids), new_tokens=args.new_tokens,
-      identical_sequences=int(sum(same)),
-      token_agreement=float(np.mean([np.mean(np.array(list(a)) == np.array(
-          list(b))) for a, b in zip(outs["auto"], outs["fp8"])])),
-      first_divergence=first, text_tokens=len(text_ids),
-      mean_kl_nats=float(per_token.mean()), max_kl_nats=float(per_token.max()),
-      top1_agreement=float(np.mean(ref.argmax(-1) == got.argmax(-1))))
-  results.write("fp8_accuracy", [res], out=args.out, env=env)
-  _timing.print_table([res], ["prompts", "new_tokens", "identical_sequences",
-                              "token_agreement", "mean_kl_nats",
-                              "max_kl_nats", "top1_agreement"])
-  print(f"greedy: {sum(same)}/{len(same)} sequences identical; mean KL "
-        f"{res['mean_kl_nats']:.2e} nats (bar 1e-2), max {res['max_kl_nats']:.2e}")
-
-
-def _scales(params):
-  layers = params["layers"]
-  if isinstance(layers, list):
-    return ([float(lp["attn"]["k_scale"]) for lp in layers],
-            [float(lp["attn"]["v_scale"]) for lp in layers])
-  return layers["attn"]["k_scale"], layers["attn"]["v_scale"]
+  rows = []
+  for arm, (fields, dtype) in ARMS.items():
+    m = model if dtype == jnp.float32 else models.load_model(args.model,
+                                                             dtype=dtype)
+    e = Engine(m, dataclasses.replace(base, **fields))
+    outs = e.generate(ids, sp)
+    if fields.get("kv_cache_dtype") == "fp8":
+      params = calibrate.set_kv_scales(
+          model.params, *calibrate.get_kv_scales(e.model.params))
+      got = teacher_forced_logits(model, params, text_ids, jnp.float8_e4m3fn)
+    else:
+      got = teacher_forced_logits(m, m.params, text_ids, dtype)
+    same = [list(a) == list(b) for a, b in zip(ref_out, outs)]
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+             for a, b in zip(ref_out, outs)]
+    per_token = kl(ref, got)
+    rows.append(dict(
+        model=args.model, arm=arm, prompts=len(ids),
+        new_tokens=args.new_tokens, identical_sequences=int(sum(same)),
+        token_agreement=float(np.mean([np.mean(np.array(list(a)) == np.array(
+            list(b))) for a, b in zip(ref_out, outs)])),
+        first_divergence=first,
+        median_first_divergence=float(np.median(
+            [args.new_tokens if f is None else f for f in first])),
+        text_tokens=len(text_ids), mean_kl_nats=float(per_token.mean()),
+        max_kl_nats=float(per_token.max()),
+        mean_abs_logit_error=float(np.mean(np.abs(ref - got))),
+        top1_agreement=float(np.mean(ref.argmax(-1) == got.argmax(-1)))))
+  results.write(f"fp8_accuracy_{args.model}", rows, out=args.out, env=env,
+                extra=dict(num_kv_heads=model.cfg.num_kv_heads))
+  _timing.print_table(rows, ["arm", "identical_sequences", "token_agreement",
+                             "median_first_divergence", "mean_kl_nats",
+                             "max_kl_nats", "mean_abs_logit_error",
+                             "top1_agreement"])
 
 
 if __name__ == "__main__":
