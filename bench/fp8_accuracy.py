@@ -6,8 +6,8 @@ pages with per-layer-and-head scales (both calibrated on the prompts by the
 engine), and the whole model in bf16 (weights, compute and pages: what
 16-bit serving costs, for scale). Two measures per arm:
 
-1. Greedy tokens, 16 chat prompts x 64 new tokens (EOS ignored) through the
-   engine: sequences identical, tokens agreeing position by position, and
+1. Greedy tokens, 16 prompts x 64 new tokens (EOS ignored; chat-templated
+   where the model has a template) through the engine: sequences identical, tokens agreeing position by position, and
    the first divergence per prompt.
 2. Teacher forcing: one forward over a fixed 512-token text
    (`bench.common.text.TEACHER_TEXT`) the scales never saw: per position,
@@ -94,7 +94,11 @@ def main():
   env = results.environment()
   model = models.load_model(args.model)
   tok = model.tokenizer
-  ids = [tok.apply_chat_template(f"Explain {t} in a few sentences.")
+  # Chat prompts where the tokenizer has a template (SmolLM2-Instruct); the
+  # same text as plain prompts for a base model (Gemma 3 270M).
+  encode = (tok.apply_chat_template if getattr(tok, "chat_template", None)
+            else tok.encode)
+  ids = [encode(f"Explain {t} in a few sentences.")
          for t in TOPICS[:args.prompts]]
   sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
   base = EngineConfig(max_seqs=args.prompts, num_slots=256,
