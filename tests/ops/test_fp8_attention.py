@@ -186,10 +186,12 @@ def test_fp8_bad_inputs():
   table, lens = jnp.array([[0, 1], [2, 3]]), jnp.array([9, 3])
   with pytest.raises(ValueError, match="k_scale"):
     pkvattn.paged_decode(q, (pages, pages), table, lens, impl="xla")
-  with pytest.raises(ValueError, match="shape of v_scale"):
+  with pytest.raises(ValueError, match=r"shape of v_scale: expected \(\) "
+                     r"\(one scale per tensor\) or \(2,\) \(one per KV head\), "
+                     r"got \(3,\)"):
     pkvattn.paged_prefill(q, (pages, pages), table, jnp.array([0, 1, 2]),
                           lens, impl="xla", k_scale=1.0,
-                          v_scale=jnp.ones(2))
+                          v_scale=jnp.ones(3))
   bf16 = jnp.zeros((4, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="k_scale"):
     pkvattn.paged_decode(q, (bf16, bf16), table, lens, impl="xla",
