@@ -7,8 +7,9 @@ engine), and the whole model in bf16 (weights, compute and pages: what
 16-bit serving costs, for scale). Two measures per arm:
 
 1. Greedy tokens, 16 prompts x 64 new tokens (EOS ignored; chat-templated
-   where the model has a template) through the engine: sequences identical, tokens agreeing position by position, and
-   the first divergence per prompt.
+   where the model has a template) through the engine: sequences identical,
+   tokens agreeing position by position, and the first divergence per
+   prompt.
 2. Teacher forcing: one forward over a fixed 512-token text
    (`bench.common.text.TEACHER_TEXT`) the scales never saw: per position,
    KL(f32 || arm) of the next-token distribution in nats, the mean absolute
