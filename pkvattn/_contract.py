@@ -32,8 +32,8 @@ def scale_contract(k_scale, v_scale):
   None where the scale was a host number, already checked at trace time by
   `_kv.check_scales`).
 
-  Clause: every value is finite and `>= 2**-126` (the smallest normal f32, so that
-  the quantizers' `1 / scale` is finite).
+  Clause: every value is finite and `>= 2**-126` (the smallest normal f32,
+  so that the quantizers' `1 / scale` is finite).
   """
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None:

@@ -299,14 +299,12 @@ def scale_output(out, out_scale):
 
 def unit_head_scales(x, scale):
   """`x` `[num_tokens, num_kv_heads, head_dim]` divided by its head's
-  `scale` (`f32[num_kv_heads]`; `f32[]`: `x` unchanged), so that a write
-  with scale 1 stores `x / scale` per head: how the append ops take
-  per-head scales (K's RoPE is linear per head, so the division commutes
-  with the rotation). Divided in f32, then back to `x`'s dtype: a bf16 `x`
-  is rounded to bf16 before FP8, which moves a value by at most one FP8
-  step, and only next to a rounding tie."""
-  if scale.ndim == 0:
-    return x
+  `scale` (`f32[num_kv_heads]`), so that a write with scale 1 stores
+  `x / scale` per head: how the append ops take per-head scales (K's RoPE
+  is linear per head, so the division commutes with the rotation). Divided
+  in f32, then back to `x`'s dtype: a bf16 `x` is rounded to bf16 before
+  FP8, which moves a value by at most one FP8 step, and only next to a
+  rounding tie."""
   return (x.astype(jnp.float32) / scale[:, None]).astype(x.dtype)
 
 

@@ -81,8 +81,8 @@ def paged_decode(
     return_lse: bool = False,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
+    v_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
 ):
   """One-token-per-sequence attention over a paged KV cache (FlashInfer decode).
 
@@ -130,14 +130,14 @@ def paged_decode(
       float or int, a 0-d array; may be traced) or one per KV head
       (`f32[num_kv_heads]`, vLLM's per-head scales): a stored page value `x`
       of head `h` means `x * k_scale[h]` (vLLM / FlashInfer convention,
-      stored value = x / scale). Required with FP8 pages, refused otherwise. Each must be finite
-      and `>= 2**-126` (the smallest normal f32): Python and numpy numbers
-      are checked at trace time, jax arrays in checked mode. The kernels
+      stored value = x / scale). Required with FP8 pages, refused
+      otherwise. Each must be finite and `>= 2**-126` (the smallest normal
+      f32): Python and numpy numbers are checked at trace time, jax arrays
+      in checked mode. The kernels
       read FP8 pages and dequantize on the fly (K's scale folded into the
       logits scale, V's into the output); accumulation is f32. Per-head
-      scales are folded into `q` and the output before and after the
-      kernel (`_kv.fold_head_scales`: exact algebra, one rounding of the
-      scaled `q` to its dtype).
+      scales are folded into `q` (scaled in f32) and the output before and
+      after the kernel (`_kv.fold_head_scales`).
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
@@ -220,8 +220,8 @@ def paged_prefill(
     impl: Implementation | None = None,
     plan=None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
+    v_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
 ):
   """Ragged-batch attention of new tokens over a paged KV cache (FlashInfer prefill).
 

@@ -402,8 +402,8 @@ def append_paged_kv(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
+    v_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
 ):
   """Writes each token's K and V row into the paged cache.
 
@@ -498,8 +498,8 @@ def apply_rope_and_append(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
+    v_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
 ):
   """RoPE on q and k, then K/V appended to the paged cache, in one pass.
 
@@ -570,8 +570,8 @@ def apply_rope_and_append_qkv(
     *,
     impl: Implementation | None = None,
     check: bool | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
+    v_scale: jax.Array | float | None = None,  # f32[] | [num_kv_heads]: FP8
 ):
   """`apply_rope_and_append` on a fused qkv projection (TensorRT-LLM layout).
 

@@ -5,9 +5,10 @@ An FP8 KV pool stores `x / scale` (saturated to +-448, `pkvattn._kv`); each
 attention layer has one `k_scale` and one `v_scale` (vLLM's per-tensor
 `--kv-cache-dtype fp8` scales, kept in the layer's parameters as vLLM keeps
 them on its attention layers), or one per KV head (`f32[num_kv_heads]`,
-vLLM's per-head scales: a head with small values keeps its own range). `calibrate_kv_scales` runs the model over some
-prompts with an unquantized pool and sets each scale so that the largest K
-(after RoPE) or V value seen maps to `FP8_MAX / headroom`; `set_kv_scales`
+vLLM's per-head scales: a head with small values keeps its own range).
+`calibrate_kv_scales` runs the model over some prompts with an unquantized
+pool and sets each scale so that the largest K (after RoPE) or V value seen
+maps to `FP8_MAX / headroom`; `set_kv_scales`
 writes given scales into a parameter tree. `check_kv_scales` measures how
 given scales fit a prefill's K and V: values that saturate, and how much of
 e4m3's range the largest value uses.
