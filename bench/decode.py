@@ -32,8 +32,10 @@ Modes:
 
 * `--fp8`: the pages quantized to float8_e4m3fn with per-tensor scales
   (amax / 448), every arm on the same FP8 bytes (FlashInfer with its
-  `k_scale` / `v_scale`), plus `pkvattn bf16 pages` for `x_bf16_pages`
-  (the FP8 arm's time / bf16 pages' time).
+  `k_scale` / `v_scale`), plus `pkvattn per-head scales` (the same scales
+  passed as `[num_kv_heads]` vectors: the cost of the per-head path) and
+  `pkvattn bf16 pages` for `x_bf16_pages` (the FP8 arm's time / bf16
+  pages' time).
 * `--layers L`: decode as a model runs it: L layers in one program, each
   layer's q depending on the last layer's output (`q_l + 1e-3 *
   out_{l-1}`), one `jax.jit` for pkvattn and one CUDA graph for FlashInfer
@@ -72,10 +74,15 @@ from bench.common import timing  # noqa: E402
 DEP = 1e-3  # q_l' = q_l + DEP * out_{l-1} in a multi-layer program
 
 
-def pkvattn_fn(fp8: bool):
+def pkvattn_fn(fp8: bool, num_kv_heads: int = 0):
   """The public call: `f(q, kv_cache, page_table, kv_lens[, k_scale,
-  v_scale])`."""
+  v_scale])`; with `num_kv_heads`, the scales passed as `[num_kv_heads]`
+  vectors (each head the given scale)."""
   import pkvattn  # pylint: disable=import-outside-toplevel
+  if num_kv_heads:
+    heads = lambda s: jnp.full((num_kv_heads,), s, jnp.float32)  # noqa: E731
+    return lambda q, c, t, n, ks, vs: pkvattn.paged_decode(
+        q, c, t, n, impl="pallas", k_scale=heads(ks), v_scale=heads(vs))
   if fp8:
     return lambda q, c, t, n, ks, vs: pkvattn.paged_decode(
         q, c, t, n, impl="pallas", k_scale=ks, v_scale=vs)
@@ -218,6 +225,7 @@ def run_spec(spec, args) -> list[dict]:
   arms = [("pkvattn", pkvattn_fn(fp8))]
   arms += kernel_arms(args.backend, spec, fp8)
   if fp8:
+    arms.append(("pkvattn per-head scales", pkvattn_fn(True, hkv)))
     arms.append(("pkvattn bf16 pages", pkvattn_fn(False)))
   if args.xla:
     arms.append(("xla", lambda q, c, t, n, *s: pkvattn.paged_decode(
