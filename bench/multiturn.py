@@ -38,8 +38,9 @@ f32; bf16 may flip a near-tie between a block recomputed by a prefill and the
 same block kept from the decode that wrote it) and the tier's invariants.
 
 `--small`: a tiny f32 model on the CPU, seconds. Writes
-`<out>/multiturn[_small][_<model>][_sequential]_<device>.json` (the model
-named unless it is the default); prints a table last.
+`<out>/multiturn[_small][_<model>][_sequential][_history<N>]_<device>.json`
+(the model named unless it is the default, the history where given); prints
+a table last.
 """
 
 from __future__ import annotations
@@ -301,7 +302,8 @@ def main(argv=None):
       no_reuse_loss=rows[2]["loss"])
   name = ("multiturn_small" if small else "multiturn") + (
       "" if small or args.model == "llama3.2-1b" else f"_{args.model}") + (
-      "_sequential" if args.arrival == "sequential" else "") + \
+      "_sequential" if args.arrival == "sequential" else "") + (
+      f"_history{hist0}" if args.history and not small else "") + \
       f"_{results.device_tag()}"
   for path in results.write(name, rows, out=args.out, extra=extra, env=env):
     print("wrote", path)

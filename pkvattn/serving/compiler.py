@@ -4,7 +4,7 @@ An engine's shapes are static, so the programs it may run are a small set
 known before the first request (`program_keys`): one `step` program per
 token bucket and, with `decode_steps > 1`, one `burst` program, each in a
 greedy-only and a sampled variant where the split pays (GPU backends; see
-`serving.programs`). `Compiler` lowers and compiles them:
+`serving.programs`), and one step of no tokens (the cache ops alone). `Compiler` lowers and compiles them:
 
 * **ahead of time** (`warmup`): programs are traced and lowered one after
   the other in the calling thread (Python, under the GIL) while XLA compiles
@@ -48,8 +48,8 @@ class ProgramKey:
   Attributes:
     kind: "step" (one mixed prefill / decode step) or "burst"
       (`decode_steps` decode iterations).
-    num_tokens: padded tokens of a step (its bucket); a burst's rows
-      (`max_seqs`).
+    num_tokens: padded tokens of a step (its bucket; 0: the cache ops
+      alone); a burst's rows (`max_seqs`).
     greedy_only: every row samples greedily (argmax only; no `lax.cond`).
   """
   kind: str
@@ -70,7 +70,9 @@ def program_keys(cfg: EngineConfig, split_variants: bool = True
   sampler's `lax.cond` built in (`greedy_only=False`).
   """
   variants = (True, False) if split_variants else (False,)
-  keys = [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
+  # A step of no tokens samples nothing: its greedy-only key alone.
+  keys = [ProgramKey("step", 0, split_variants)]
+  keys += [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
   if cfg.decode_steps > 1:
     keys += [ProgramKey("burst", cfg.max_seqs, g) for g in variants]
   return tuple(keys)
@@ -166,8 +168,8 @@ class Compiler:
   def key(self, kind: str, num_tokens: int, greedy_only: bool) -> ProgramKey:
     """The program for a call (greedy-only calls take the sampled program
     where the variants are not split)."""
-    return ProgramKey(kind, num_tokens,
-                      bool(greedy_only) and self.split_variants)
+    greedy = bool(greedy_only) or (kind == "step" and num_tokens == 0)
+    return ProgramKey(kind, num_tokens, greedy and self.split_variants)
 
   def lower(self, key: ProgramKey, buffers):
     """`jax.stages.Lowered` of `key` on `buffers` and the program's input

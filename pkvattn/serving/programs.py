@@ -4,7 +4,8 @@ Everything here runs on the device; the host (`serving.scheduler`) only fills
 the inputs, and `serving.compiler` compiles the bounded set of programs
 (`compiler.program_keys`): one `step` program per token bucket
 (`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst` program,
-each split into a greedy-only and a sampled variant on GPU backends.
+each split into a greedy-only and a sampled variant on GPU backends, plus
+one step of no tokens (the cache ops alone, for steps that feed nothing).
 
 The cache ops of a step (`commit` of finished prompts, `release` of finished
 / preempted sequences, `extend`, `claim_batch` of admitted requests) always
@@ -44,7 +45,7 @@ MAX_STOP_IDS = 8  # stop tokens per request handled on device in a burst
 
 @struct.dataclass
 class StepInputs:
-  tokens: jax.Array         # i32[num_tokens], num_tokens one of cfg.buckets
+  tokens: jax.Array         # i32[num_tokens]: 0 or one of cfg.buckets
   q_indptr: jax.Array       # i32[max_seqs + 1]
   kv_lens: jax.Array        # i32[max_seqs]
   sample_rows: jax.Array    # bool[max_seqs]
@@ -219,11 +220,14 @@ def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh):
                  gen_index, greedy_only=greedy_only)
 
 
-def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan):
-  """Records fed tokens and admitted prompts in the per-sequence token buffer."""
-  rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
-                   seq_tokens.shape[0])
-  seq_tokens = seq_tokens.at[rows, plan.positions].set(inp.tokens, mode="drop")
+def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan | None):
+  """Records fed tokens (none without a `plan`) and admitted prompts in the
+  per-sequence token buffer."""
+  if plan is not None:
+    rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
+                     seq_tokens.shape[0])
+    seq_tokens = seq_tokens.at[rows, plan.positions].set(inp.tokens,
+                                                         mode="drop")
   admit_rows = jnp.where(inp.admit_ids >= 0, inp.admit_ids, seq_tokens.shape[0])
   return seq_tokens.at[admit_rows].set(inp.admit_tokens, mode="drop")
 
@@ -233,6 +237,11 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
                 cfg: EngineConfig, mesh=None, greedy_only: bool = True):
   """One engine step: cache ops before, forward, sampling, cache ops after.
 
+  A step of no tokens (`inputs.tokens` of size 0: the engine's `step[0]`
+  program) runs the cache ops alone: a step that only admits, publishes or
+  releases (the first step of a batch, a request arriving at an idle
+  engine) costs no forward of the model.
+
   Returns `(pool, state, seq_tokens, StepOutputs)`. `tables` given
   (profiling only): the cache ops are skipped and these page tables used.
   """
@@ -241,15 +250,20 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
     with jax.named_scope(CACHE_OPS_SCOPE):
       state = cache_ops_before(state, seq_tokens, inp,
                                commit=cfg.enable_prefix_reuse)
-      tables = layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
-  plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
-                              inp.tokens.shape[0])
-  last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
-  logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
-                          logits_indices=last, impl=cfg.impl, mesh=mesh)
-  sampled = _sample_logits(logits, inp, inp.gen_index,
-                           greedy_only=greedy_only, mesh=mesh)
-  sampled = jnp.where(inp.sample_rows, sampled, -1)
+      if inp.tokens.shape[0]:
+        tables = layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
+  if inp.tokens.shape[0]:
+    plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
+                                inp.tokens.shape[0])
+    last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
+    logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
+                            logits_indices=last, impl=cfg.impl, mesh=mesh)
+    sampled = _sample_logits(logits, inp, inp.gen_index,
+                             greedy_only=greedy_only, mesh=mesh)
+    sampled = jnp.where(inp.sample_rows, sampled, -1)
+  else:  # nothing to feed: admissions, releases and commits only
+    plan = None
+    sampled = jnp.full(inp.sample_rows.shape, -1, jnp.int32)
   seq_tokens = _write_tokens(seq_tokens, inp, plan)
   if bookkeeping:
     with jax.named_scope(CACHE_OPS_SCOPE):

@@ -232,10 +232,12 @@ class Scheduler:
       feeds[r] = feed
       rows.append(ScheduledRow(req, n, samples))
     # Tokens are laid out in row order (q_indptr is cu_seqlens over rows),
-    # padded to the smallest bucket that holds them.
+    # padded to the smallest bucket that holds them; a step that feeds none
+    # runs the program of no tokens (its cache ops alone).
     q_indptr = np.zeros(S + 1, np.int32)
     q_indptr[1:] = np.cumsum(q_lens)
-    bucket = next(b for b in cfg.buckets if b >= q_indptr[-1])
+    bucket = next(b for b in cfg.buckets if b >= q_indptr[-1]) \
+        if q_indptr[-1] else 0
     tokens = tokens[:bucket]
     for r, feed in feeds.items():
       tokens[q_indptr[r]:q_indptr[r] + len(feed)] = feed

@@ -50,11 +50,12 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
   engine = Engine(model, CFG)
   expected = engine.generate(prompts, sp)
   # Programs come from the engine's bounded list only (decode-only steps at
-  # the 4-token bucket, the others at 32), each compiled once.
+  # the 4-token bucket, the others at 32, the first admissions at 0), each
+  # compiled once.
   assert CFG.buckets == (4, 32)
   compiled = set(engine.compile_times)
   assert compiled <= set(engine.programs())
-  assert {k.num_tokens for k in compiled if k.kind == "step"} == {4, 32}
+  assert {k.num_tokens for k in compiled if k.kind == "step"} == {0, 4, 32}
   assert engine.stats.num_compiles == len(compiled)
   cache.validate(engine.state)
   assert [len(o) for o in expected] == [16] * len(prompts)

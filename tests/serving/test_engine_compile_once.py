@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pkvattn import cache
-from pkvattn.engine import Engine, EngineConfig, SamplingParams
+from pkvattn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 from pkvattn.models import load_model
 from pkvattn.serving import compile_cache, compiler, programs
 
@@ -50,18 +50,21 @@ def count_compiles():
 
 def test_program_list_is_small_and_known():
   gpu = compiler.program_keys(dataclasses.replace(CFG, token_buckets=None))
-  # buckets (4, 32) x greedy/sampled, + 2 burst variants.
-  assert len(gpu) == 6 and len(set(gpu)) == 6
-  assert {k.num_tokens for k in gpu if k.kind == "step"} == {4, 32}
+  # The step of no tokens (greedy only), buckets (4, 32) x greedy/sampled,
+  # + 2 burst variants.
+  assert len(gpu) == 7 and len(set(gpu)) == 7
+  assert {k.num_tokens for k in gpu if k.kind == "step"} == {0, 4, 32}
+  assert [k for k in gpu if k.num_tokens == 0] == [
+      compiler.ProgramKey("step", 0, True)]
   cpu = compiler.program_keys(CFG, split_variants=False)
-  assert [(k.kind, k.num_tokens) for k in cpu] == [("step", 4), ("step", 32),
-                                                  ("burst", 4)]
+  assert [(k.kind, k.num_tokens) for k in cpu] == [
+      ("step", 0), ("step", 4), ("step", 32), ("burst", 4)]
   no_burst = compiler.program_keys(dataclasses.replace(CFG, decode_steps=1))
-  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 4
+  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 5
   # The default engine config of the benchmark workload stays under 16.
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
-  assert len(compiler.program_keys(bench)) == 6
+  assert len(compiler.program_keys(bench)) == 7
 
 
 def _workload(rng, vocab, n):
@@ -111,6 +114,25 @@ def test_no_compilation_after_warmup(model):
   cache.validate(engine.state)
   # Decode bursts ran (their program was used).
   assert engine.last_program is not None
+
+
+def test_step_of_no_tokens_admits_without_a_forward(model):
+  engine = Engine(model, dataclasses.replace(CFG, check=False))
+  sp = SamplingParams(max_new_tokens=3)
+  rid = engine.add_request([256, 1, 2, 3, 4, 5], sp)
+  engine.step()  # the admission alone: nothing is computed yet
+  key = engine.last_program
+  assert key.kind == "step" and key.num_tokens == 0
+  req = engine.get_request(rid)
+  assert req.status is RequestStatus.PREFILL and req.output == []
+  assert int(engine.state.seq_lens[req.seq_id]) == 6  # the claim settled
+  # Its program holds no matmul (the model did not run); a bucket's does.
+  assert " dot(" not in engine.compiler.compiled[key].as_text()
+  while engine.has_unfinished():
+    engine.step()
+  fed = engine.compiler.compiled[engine.compiler.key("step", 32, True)]
+  assert " dot(" in fed.as_text()
+  assert len(req.output) == 3  # (outputs: the parity tests, test_models_hf)
 
 
 def test_counter_sees_a_forced_compile(model):
