@@ -283,11 +283,20 @@ def main(argv=None):
     n = max(2 * num_slots * ps // nr_len, 2 * max_seqs)
     _no_reuse(e, max_seqs, nr_len, answer, np.random.default_rng(5),
               mcfg.vocab_size)  # fills the pool first
+    if e.host_tier is not None:
+      plans, phases = e.host_tier.num_plans, dict(e.host_tier.phase_s)
+      blocks = e.stats.host_blocks_offloaded
     _, tps = _no_reuse(e, n, nr_len, answer, np.random.default_rng(7),
                        mcfg.vocab_size)
     nr.append(tps)
-  rows.append(dict(workload="no_reuse", tokens_per_s_off=nr[0],
-                   tokens_per_s_on=nr[1], loss=1 - nr[1] / nr[0]))
+  tier = on.host_tier
+  rows.append(dict(
+      workload="no_reuse", prompts=n, prompt_len=nr_len,
+      tokens_per_s_off=nr[0], tokens_per_s_on=nr[1], loss=1 - nr[1] / nr[0],
+      host_blocks_offloaded=on.stats.host_blocks_offloaded - blocks,
+      host_plans=tier.num_plans - plans,
+      host_phase_s={k: v - phases.get(k, 0.0)
+                    for k, v in tier.phase_s.items()}))
   r_off, r_on = rows[0], rows[1]
   extra = dict(
       config=dict(convs=convs, turns=turns, history=hist0, user=user,
@@ -319,7 +328,10 @@ def main(argv=None):
         f" (target >= 3x); throughput {extra['throughput_speedup']:.2f}x; "
         f"token agreement {agree:.3f}")
   print(f"no reuse: {nr[0]:.0f} vs {nr[1]:.0f} tok/s, loss "
-        f"{100 * rows[2]['loss']:.2f}% (target < 2%)")
+        f"{100 * rows[2]['loss']:.2f}% (target < 2%); "
+        f"{rows[2]['host_blocks_offloaded']} blocks mirrored in "
+        f"{rows[2]['host_plans']} plans, host s: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in rows[2]["host_phase_s"].items()))
   print("bandwidth GB/s: reload path " f"{reload_gbps:.2f}; " + ", ".join(
       f"{k[:-5]} {v:.2f}" for k, v in roofs.items()))
   return 0

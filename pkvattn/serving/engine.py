@@ -189,12 +189,10 @@ class Engine:
     """`jax.stages.Lowered` of program `key` (HLO checks in tests, bench)."""
     return self.compiler.lower(key, self._buffers())
 
-  def _run(self, scheduled: ScheduledStep, throw: bool = True, inputs=None):
+  def _run(self, scheduled: ScheduledStep, throw: bool = True):
     """Runs the program of `scheduled` on the engine's buffers (donated) and
     keeps its new buffers; returns `(outputs, seconds spent compiling it)`,
     or with `throw=False` `(outputs, seconds, checkify error or None)`.
-    `inputs`: its inputs already on the device (`runner.put_inputs`), else
-    `scheduled.inputs`.
     Checked mode: raises the first contract violation
     (`checkify.JaxRuntimeError`) after the call (unless `throw=False`)."""
     key = self.compiler.key(scheduled.kind, scheduled.num_tokens,
@@ -204,9 +202,7 @@ class Engine:
     program = self.compiler.program(key, self._buffers())
     compile_s = self.stats.compile_time_s - compile_s
     result, err = _runner.run_program(
-        program, self._buffers(),
-        scheduled.inputs if inputs is None else inputs,
-        check=self.config.check,
+        program, self._buffers(), scheduled.inputs, check=self.config.check,
         inputs_sharding=self._inputs_sharding)
     self.pool, self.state, self.seq_tokens, out = result
     if not throw:
@@ -348,20 +344,19 @@ class Engine:
     self.last_inputs = scheduled.inputs
     has_prefill = any(row.request.status is RequestStatus.PREFILL
                       for row in scheduled.rows)
-    inputs = scheduled.inputs
     if self.host_tier is not None:  # mirror what the step may evict
-      # The inputs' copies first: queued behind the offload's copies to the
-      # host they would wait for them (one DMA queue), and so would the step.
-      inputs = _runner.put_inputs(inputs, self._inputs_sharding)
       self.host_tier.offload(self.pool, self.state,
                              self.host_tier.step_bound(scheduled.inputs),
                              self._num_free, self.stats)
     t1 = time.perf_counter()
     try:
-      out, compile_s, err = self._run(scheduled, throw=False, inputs=inputs)
+      out, compile_s, err = self._run(scheduled, throw=False)
     except Exception:
       self.scheduler.unschedule(scheduled, released)
       raise
+    finally:
+      if self.host_tier is not None:  # copies to the host behind the step
+        self.host_tier.flush(self.stats)
     out = jax.device_get(out)  # the one device -> host sync
     t2 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
@@ -431,22 +426,22 @@ class Engine:
       scheduled = self.scheduler.schedule_burst()
     else:
       scheduled = self.scheduler.schedule_burst(prev[1], prev[0].carry)
-    inputs = None
     if prev is None and self.host_tier is not None:
       # Nothing in flight: mirror what this burst and the next may evict
-      # (a chained burst plans nothing: its plan would wait for this one),
-      # after the burst's inputs are on the device (as in `_step`).
-      inputs = _runner.put_inputs(scheduled.inputs, self._inputs_sharding)
+      # (a chained burst plans nothing: its plan would wait for this one).
       self.host_tier.offload(self.pool, self.state,
                              self.host_tier.burst_bound(), self._num_free,
                              self.stats)
     t1 = time.perf_counter()
     try:
-      out, compile_s, err = self._run(scheduled, throw=False, inputs=inputs)
+      out, compile_s, err = self._run(scheduled, throw=False)
     except Exception:  # it did not run: the burst before it stays to read
       self.scheduler.unschedule(scheduled, self.scheduler.burst_taken)
       self._inflight = prev
       raise
+    finally:
+      if self.host_tier is not None:  # copies to the host behind the burst
+        self.host_tier.flush(self.stats)
     host_s = t1 - t0
     num_sampled = 0
     if prev is not None:  # read while `out` runs

@@ -19,16 +19,20 @@ last live row is reassigned, or, when the batches would exceed the byte
 budget, least recently used batch first (its live slots leave the
 bookkeeping through `cache.host_invalidate`).
 
-* **Offload** (`offload`, before a program that may allocate): when the
-  pool's free slots may not cover what the program can take, the blocks
-  that its allocations would evict are planned (`cache.host_offload_plan`:
-  the device's eviction order, blocks already on the host skipped), gathered
-  from the pool by a small program dispatched BEFORE the step (stream order:
-  it reads the old data, whatever the step then writes), and copied to a
-  new pinned batch by `jax.device_put`, asynchronously: the copy overlaps
-  the step, and a later reload of that batch waits for it (JAX orders the
-  transfers). A bound that is too small only loses reuse (a block evicted
-  unmirrored is recomputed later), never correctness.
+* **Offload** (`offload`, before a program that may allocate; `flush`,
+  after it is dispatched): when the pool's free slots may not cover what
+  the program can take, the blocks that its allocations would evict are
+  planned (`cache.host_offload_plan`: the device's eviction order, blocks
+  already on the host skipped) and gathered from the pool into batches by
+  one program dispatched BEFORE the step (stream order: it reads the old
+  data, whatever the step then writes). Once the step is dispatched,
+  `flush` queues each batch's copy to a new pinned batch
+  (`jax.device_put`, asynchronous): a copy to the host queued behind a
+  program waits for it and overlaps the next one, and the host queues the
+  copies while the device computes instead of before (measured:
+  docs/performance.md). A later reload of a batch waits for its copy (JAX
+  orders the transfers). A bound that is too small only loses reuse (a
+  block evicted unmirrored is recomputed later), never correctness.
 * **Reload** (`reload`, after a step's claims settled): the admitted
   requests are looked up from their device-reused blocks on
   (`cache.host_lookup`); each batch holding hits is put on the device in one
@@ -38,8 +42,9 @@ bookkeeping through `cache.host_invalidate`).
   prefill after the reloaded blocks; the block with its last prompt token is
   always computed.
 
-Every program here has fixed shapes (one batch) and is compiled by `warmup`,
-so an engine with the tier on compiles nothing after `Engine.warmup()`.
+Every program here has fixed shapes (one batch; the gather, a power of two
+of batches) and is compiled by `warmup`, so an engine with the tier on
+compiles nothing after `Engine.warmup()`.
 """
 
 from __future__ import annotations
@@ -64,12 +69,15 @@ BATCH_BLOCKS = 32
 PLAN_HORIZON = 4
 
 
-@functools.partial(jax.jit, static_argnames=("num_slots",))
-def _gather(pool, src, *, num_slots):
-  """`[n, num_layers * 2, page_size, num_kv_heads, head_dim]`: the pages of
-  device slots `src` (`i32[n]`, -1 = padding: garbage rows)."""
+@functools.partial(jax.jit, static_argnames=("num_slots", "batch_blocks"))
+def _gather(pool, src, *, num_slots, batch_blocks):
+  """The pages of device slots `src` (`i32[n * batch_blocks]`, -1 =
+  padding: garbage rows) as `n` batches `[batch_blocks, num_layers * 2,
+  page_size, num_kv_heads, head_dim]` (one program for all of them)."""
   slots = pool.reshape((num_slots, -1) + pool.shape[1:])
-  return slots[jnp.clip(src, 0, num_slots - 1)]
+  pages = slots[jnp.clip(src, 0, num_slots - 1)]
+  return tuple(pages[i:i + batch_blocks]
+               for i in range(0, src.shape[0], batch_blocks))
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots",), donate_argnums=0)
@@ -97,27 +105,33 @@ def _chain_order(key, parent, first) -> np.ndarray:
   """A permutation of `n` blocks (`key`/`parent` u32[n, 2], `first`
   bool[n]) that lists each chain's blocks together, root to leaf: blocks
   are grouped by their oldest ancestor among the `n`, groups in the order
-  their first block appears, then by depth."""
-  index = {tuple(k): i for i, k in enumerate(key.tolist())}
-  up = [-1 if f else index.get(tuple(p), -1)
-        for f, p in zip(first.tolist(), parent.tolist())]
-  root, depth = [-1] * len(up), [0] * len(up)
-  for i in range(len(up)):
-    path, j = [], i
-    while root[j] < 0 and up[j] >= 0 and len(path) <= len(up):
-      path.append(j)  # `len(path)` bounds a (corrupt) cycle
-      j = up[j]
-    if root[j] < 0:
-      root[j], depth[j] = j, 0
-    for k in reversed(path):
-      root[k], depth[k] = root[j], depth[j] + 1
-      j = k
-  rank = {}
-  for r in root:
-    rank.setdefault(r, len(rank))
-  return np.asarray(sorted(range(len(up)),
-                           key=lambda i: (rank[root[i]], depth[i])),
-                    np.int64)
+  their first block appears, then by depth. Vectorised: each block's parent
+  among the `n` by a sorted search, then ancestors and depths by pointer
+  jumping (`log2(n)` rounds; a (corrupt) cycle still yields a
+  permutation)."""
+  n = len(first)
+  if n == 0:
+    return np.zeros(0, np.int64)
+  as64 = lambda a: (a[:, 0].astype(np.uint64) << np.uint64(32)) | a[:, 1]  # noqa: E731
+  k, p = as64(np.asarray(key)), as64(np.asarray(parent))
+  by_key = np.argsort(k, kind="stable")
+  pos = np.minimum(np.searchsorted(k[by_key], p), n - 1)
+  found = (k[by_key][pos] == p) & ~np.asarray(first, bool)
+  anc = np.where(found, by_key[pos], np.arange(n))
+  depth = found.astype(np.int64)
+  for _ in range(n.bit_length() + 1):
+    nxt = anc[anc]
+    if np.array_equal(nxt, anc):
+      break
+    depth, anc = depth + depth[anc], nxt
+  root = anc
+  first_seen = np.full(n, n, np.int64)
+  np.minimum.at(first_seen, root, np.arange(n))
+  return np.lexsort((depth, first_seen[root])).astype(np.int64)
+
+
+def _pow2_at_least(x: int) -> int:
+  return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _host_memory_kind(pool) -> str:
@@ -203,6 +217,10 @@ class HostTier:
     self._next_batch = 0
     self._batch_of = np.full(self.num_slots, -1, np.int64)
     self._row_of = np.zeros(self.num_slots, np.int32)
+    # Gathered batches whose copies `flush` has not queued yet: (pages,
+    # host slots).
+    self._pending: list[tuple[jax.Array, np.ndarray]] = []
+    self._memory_kind = "device"
     # Host-side seconds per phase of the copies (plan, gather, put, lookup,
     # load, free): where `EngineStats.host_transfer_s` goes.
     self.phase_s: collections.Counter[str] = collections.Counter()
@@ -246,6 +264,7 @@ class HostTier:
 
   def host_pages(self, slot: int) -> np.ndarray | None:
     """The pages held by host slot `slot` (`slot_shape`), None if none."""
+    self.flush()
     batch = int(self._batch_of[slot])
     if batch < 0:
       return None
@@ -256,8 +275,9 @@ class HostTier:
               stats: EngineStats) -> None:
     """Mirrors the blocks that `num_new_slots` allocations would evict
     (nothing when the `num_free` slots last seen cover them): dispatches
-    the gathers (before the caller's program) and their asynchronous copies
-    into new host batches. A plan mirrors `PLAN_HORIZON` times the blocks
+    one program gathering them into batches, before the caller's program
+    (stream order: it reads the old data); `flush` then queues their copies
+    to the host. A plan mirrors `PLAN_HORIZON` times the blocks
     needed, and the next calls plan nothing until their bounds have used
     that up: the mirrored blocks stay at the head of the eviction order (a
     block released later joins its tail), so they are the ones evicted
@@ -269,6 +289,7 @@ class HostTier:
     if need <= self._covered:  # mirrored by an earlier plan
       self._covered -= need
       return
+    self.flush(stats)
     t0 = time.perf_counter()
     ahead = min(PLAN_HORIZON * need, self.max_plan)
     self._covered = max(0, ahead - need)
@@ -279,43 +300,62 @@ class HostTier:
     t1 = time.perf_counter()
     self.phase_s["plan"] += t1 - t0
     n = int(np.sum(src >= 0))
+    if n == 0:
+      return
     # Any order of the planned blocks is a valid copy; one that keeps each
     # chain's blocks together puts a returning prompt's blocks in few
     # batches, and a reload moves little it does not need.
     order = _chain_order(key[:n], parent[:n], first[:n])
     src, dst = src[:n][order], dst[:n][order]
-    S, kind = self.batch_blocks, _host_memory_kind(pool)
+    S = self.batch_blocks
+    nb = -(-n // S)
+    idx = np.full(_pow2_at_least(nb) * S, -1, np.int32)
+    idx[:n] = src
+    self._memory_kind = _host_memory_kind(pool)
+    pages = _gather(pool, idx, num_slots=self.device_slots, batch_blocks=S)
+    self._pending.extend(
+        (pages[i], dst[i * S:(i + 1) * S]) for i in range(nb))
+    self.phase_s["gather"] += time.perf_counter() - t1
+    stats.host_blocks_offloaded += n
+    stats.host_bytes_offloaded += n * self.slot_bytes
+    stats.host_transfer_s += time.perf_counter() - t0
+
+  def flush(self, stats: EngineStats | None = None) -> None:
+    """Queues the copies of the batches `offload` gathered into new host
+    batches (`jax.device_put`, asynchronous) and enters them in the tier.
+    The engine calls it right after dispatching the program the offload
+    preceded: the copies then run behind that program and overlap the
+    next one, and the host dispatches them while the device computes (a
+    copy to the host queued before a program overlaps it too, but the host
+    time of queueing it would keep the device idle). `offload`, `reload`,
+    `load` and `host_pages` flush first."""
+    if not self._pending:
+      return
+    t0 = time.perf_counter()
+    kind = self._memory_kind
     new = set()
-    for lo in range(0, n, S):
-      m = min(n - lo, S)
-      idx = np.full(S, -1, np.int32)
-      idx[:m] = src[lo:lo + m]
-      t2 = time.perf_counter()
-      pages = _gather(pool, idx, num_slots=self.device_slots)
-      t3 = time.perf_counter()
-      self.phase_s["gather"] += t3 - t2
+    for pages, d in self._pending:
       batch, self._next_batch = self._next_batch, self._next_batch + 1
       self._batches[batch] = [
-          jax.device_put(pages, pages.sharding.with_memory_kind(kind)), m]
-      t4 = time.perf_counter()
-      self.phase_s["put"] += t4 - t3
+          jax.device_put(pages, pages.sharding.with_memory_kind(kind)),
+          len(d)]
       new.add(batch)
-      d = dst[lo:lo + m]
       for old in self._batch_of[d]:
         if old >= 0:
           self._drop_row(int(old))
       self._batch_of[d] = batch
-      self._row_of[d] = np.arange(m, dtype=np.int32)
-    t5 = time.perf_counter()
+      self._row_of[d] = np.arange(len(d), dtype=np.int32)
+    self._pending.clear()
+    t1 = time.perf_counter()
+    self.phase_s["put"] += t1 - t0
     while len(self._batches) > self.max_batches:
       oldest = next(iter(self._batches))
       if oldest in new:
         break
       self._evict_batch(oldest)
-    self.phase_s["free"] += time.perf_counter() - t5
-    stats.host_blocks_offloaded += n
-    stats.host_bytes_offloaded += n * self.slot_bytes
-    stats.host_transfer_s += time.perf_counter() - t0
+    self.phase_s["free"] += time.perf_counter() - t1
+    if stats is not None:
+      stats.host_transfer_s += time.perf_counter() - t0
 
   # ----------------------------------------------------------------- reload
   def reload(self, pool, state, inputs, reqs, stats: EngineStats):
@@ -334,6 +374,7 @@ class HostTier:
     """
     if not reqs or stats.host_blocks_offloaded == 0:
       return pool, {}
+    self.flush(stats)
     t0 = time.perf_counter()
     ps = self.config.page_size
     A = len(inputs.admit_ids)
@@ -381,6 +422,7 @@ class HostTier:
       RuntimeError: a host slot holds no data (the bookkeeping and the
         batches disagree: a bug, never silently skipped).
     """
+    self.flush()
     batch = self._batch_of[hslots]
     if np.any(batch < 0):
       raise RuntimeError(
@@ -419,8 +461,13 @@ class HostTier:
                        np.zeros(A, np.int32))
     S = self.batch_blocks
     _cache.host_invalidate(self.state, np.full(S, -1, np.int32))
-    pages = _gather(pool, np.full(S, -1, np.int32),
-                    num_slots=self.device_slots)
+    nb = 1  # a gather per power of two of batches a plan can fill
+    while True:
+      pages = _gather(pool, np.full(nb * S, -1, np.int32),
+                      num_slots=self.device_slots, batch_blocks=S)[0]
+      if nb * S >= self.max_plan:
+        break
+      nb *= 2
     kind = _host_memory_kind(pool)
     host = jax.device_put(pages, pages.sharding.with_memory_kind(kind))
     dev = jax.device_put(host, host.sharding.with_memory_kind("device"))

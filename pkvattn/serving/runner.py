@@ -97,15 +97,6 @@ def check_scales(model: Model, config: EngineConfig,
       impl=config.impl)
 
 
-def put_inputs(inputs, inputs_sharding=None):
-  """A program's host inputs on the device now (one `jax.device_put` of the
-  tree; replicated with `inputs_sharding` on a mesh), for a caller that
-  queues other copies before the program runs."""
-  if inputs_sharding is None:
-    return jax.device_put(inputs)
-  return jax.device_put(inputs, inputs_sharding)
-
-
 def run_program(program, buffers, inputs, *, check: bool,
                 inputs_sharding=None):
   """Calls a compiled engine program; returns `((pool, state, seq_tokens,
@@ -130,7 +121,7 @@ def run_program(program, buffers, inputs, *, check: bool,
     buffers.
   """
   if inputs_sharding is not None:
-    inputs = put_inputs(inputs, inputs_sharding)
+    inputs = jax.device_put(inputs, inputs_sharding)
   result = program(*buffers, inputs)
   if check:
     err, result = result
