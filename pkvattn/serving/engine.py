@@ -48,6 +48,11 @@ from pkvattn.serving.scheduler import ScheduledStep
 from pkvattn.serving.scheduler import Scheduler
 from pkvattn.serving.stats import EngineStats
 
+# The host tier's copies to the host queued after a program's outputs are
+# read: those taking about this share of that program's time (they run
+# beside the next program; see `HostTier.flush`).
+FLUSH_SHARE = 0.5
+
 
 class Engine:
   """Continuous-batching generation with paged attention and prefix reuse.
@@ -120,6 +125,7 @@ class Engine:
           scratch=self.kv.scratch, mesh=mesh)
       self.host_tier.stats_into(self.stats)
     self._num_free = self.kv.max_slots
+    self._flushed_at = time.perf_counter()  # the tier's last `flush`
     self.stats.kv_scales_calibrated = self._fp8 and not self._needs_calibration
     self.compiler = Compiler(mcfg, config, mesh, self.stats,
                              self._inputs_sharding)
@@ -354,9 +360,6 @@ class Engine:
     except Exception:
       self.scheduler.unschedule(scheduled, released)
       raise
-    finally:
-      if self.host_tier is not None:  # copies to the host behind the step
-        self.host_tier.flush(self.stats)
     out = jax.device_get(out)  # the one device -> host sync
     t2 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
@@ -364,6 +367,7 @@ class Engine:
     self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
     if self.host_tier is not None:
       self._host_reload(scheduled, out)
+      self._flush_host_tier(t2 - t1)
     if err is not None:  # checked mode: raises a violation after booking
       err.throw()
     self.stats.num_steps += 1
@@ -439,9 +443,6 @@ class Engine:
       self.scheduler.unschedule(scheduled, self.scheduler.burst_taken)
       self._inflight = prev
       raise
-    finally:
-      if self.host_tier is not None:  # copies to the host behind the burst
-        self.host_tier.flush(self.stats)
     host_s = t1 - t0
     num_sampled = 0
     if prev is not None:  # read while `out` runs
@@ -455,6 +456,8 @@ class Engine:
       host_s += dt
       if err is not None:  # checked mode: raises a violation after booking
         err.throw()
+    if self.host_tier is not None:  # beside the burst in flight, if any
+      self._flush_host_tier(time.perf_counter() - self._flushed_at)
     self.stats.num_steps += self.config.decode_steps
     self.stats.host_time_s += host_s
     self.stats.decode_time_s += time.perf_counter() - t0 - compile_s
@@ -482,6 +485,14 @@ class Engine:
     self.kv.record_usage(self.stats, out.used_slots)
     self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
     return num_sampled, time.perf_counter() - t0
+
+  def _flush_host_tier(self, program_s: float) -> None:
+    """Queues the host tier's copies to the host (`HostTier.flush`) that
+    take about `FLUSH_SHARE` of `program_s`, the time of the program whose
+    outputs were just read: they run beside the next one, and its outputs'
+    read does not wait for them."""
+    self.host_tier.flush(self.stats, FLUSH_SHARE * program_s)
+    self._flushed_at = time.perf_counter()
 
   def _host_reload(self, scheduled: ScheduledStep, out) -> None:
     """After a step: reloads the blocks of its newly admitted requests

@@ -20,19 +20,20 @@ budget, least recently used batch first (its live slots leave the
 bookkeeping through `cache.host_invalidate`).
 
 * **Offload** (`offload`, before a program that may allocate; `flush`,
-  after it is dispatched): when the pool's free slots may not cover what
-  the program can take, the blocks that its allocations would evict are
-  planned (`cache.host_offload_plan`: the device's eviction order, blocks
-  already on the host skipped) and gathered from the pool into batches by
-  one program dispatched BEFORE the step (stream order: it reads the old
-  data, whatever the step then writes). Once the step is dispatched,
-  `flush` queues each batch's copy to a new pinned batch
-  (`jax.device_put`, asynchronous): a copy to the host queued behind a
-  program waits for it and overlaps the next one, and the host queues the
-  copies while the device computes instead of before (measured:
-  docs/performance.md). A later reload of a batch waits for its copy (JAX
-  orders the transfers). A bound that is too small only loses reuse (a
-  block evicted unmirrored is recomputed later), never correctness.
+  after its outputs are read): when the pool's free slots may not cover
+  what the program can take, the blocks that its allocations would evict
+  are planned (`cache.host_offload_plan`: the device's eviction order,
+  blocks already on the host skipped) and gathered from the pool into
+  batches by one program dispatched BEFORE the step (stream order: it
+  reads the old data, whatever the step then writes). The batches enter
+  the tier at once, in device memory; `flush` queues their copies to
+  pinned host memory (`jax.device_put`, asynchronous) a few at a time,
+  after the engine has read a program's outputs, so that they run beside
+  the next program: a read of outputs waits for every copy to the host
+  queued before it (see `flush`). A later reload of a batch waits for its
+  copy (JAX orders the transfers). A bound that is too small only loses
+  reuse (a block evicted unmirrored is recomputed later), never
+  correctness.
 * **Reload** (`reload`, after a step's claims settled): the admitted
   requests are looked up from their device-reused blocks on
   (`cache.host_lookup`); each batch holding hits is put on the device in one
@@ -217,10 +218,12 @@ class HostTier:
     self._next_batch = 0
     self._batch_of = np.full(self.num_slots, -1, np.int64)
     self._row_of = np.zeros(self.num_slots, np.int32)
-    # Gathered batches whose copies `flush` has not queued yet: (pages,
-    # host slots).
-    self._pending: list[tuple[jax.Array, np.ndarray]] = []
+    # Batches still in device memory (gathered, their copy to the host not
+    # queued yet by `flush`), oldest first.
+    self._pending: collections.deque[int] = collections.deque()
     self._memory_kind = "device"
+    # Copy speed to the host, bytes/s (timed by `warmup`; inf: not timed).
+    self.copy_bytes_per_s = float("inf")
     # Host-side seconds per phase of the copies (plan, gather, put, lookup,
     # load, free): where `EngineStats.host_transfer_s` goes.
     self.phase_s: collections.Counter[str] = collections.Counter()
@@ -264,7 +267,6 @@ class HostTier:
 
   def host_pages(self, slot: int) -> np.ndarray | None:
     """The pages held by host slot `slot` (`slot_shape`), None if none."""
-    self.flush()
     batch = int(self._batch_of[slot])
     if batch < 0:
       return None
@@ -289,7 +291,6 @@ class HostTier:
     if need <= self._covered:  # mirrored by an earlier plan
       self._covered -= need
       return
-    self.flush(stats)
     t0 = time.perf_counter()
     ahead = min(PLAN_HORIZON * need, self.max_plan)
     self._covered = max(0, ahead - need)
@@ -313,49 +314,64 @@ class HostTier:
     idx[:n] = src
     self._memory_kind = _host_memory_kind(pool)
     pages = _gather(pool, idx, num_slots=self.device_slots, batch_blocks=S)
-    self._pending.extend(
-        (pages[i], dst[i * S:(i + 1) * S]) for i in range(nb))
-    self.phase_s["gather"] += time.perf_counter() - t1
-    stats.host_blocks_offloaded += n
-    stats.host_bytes_offloaded += n * self.slot_bytes
-    stats.host_transfer_s += time.perf_counter() - t0
-
-  def flush(self, stats: EngineStats | None = None) -> None:
-    """Queues the copies of the batches `offload` gathered into new host
-    batches (`jax.device_put`, asynchronous) and enters them in the tier.
-    The engine calls it right after dispatching the program the offload
-    preceded: the copies then run behind that program and overlap the
-    next one, and the host dispatches them while the device computes (a
-    copy to the host queued before a program overlaps it too, but the host
-    time of queueing it would keep the device idle). `offload`, `reload`,
-    `load` and `host_pages` flush first."""
-    if not self._pending:
-      return
-    t0 = time.perf_counter()
-    kind = self._memory_kind
+    t2 = time.perf_counter()
+    self.phase_s["gather"] += t2 - t1
     new = set()
-    for pages, d in self._pending:
+    for i in range(nb):
+      d = dst[i * S:(i + 1) * S]
       batch, self._next_batch = self._next_batch, self._next_batch + 1
-      self._batches[batch] = [
-          jax.device_put(pages, pages.sharding.with_memory_kind(kind)),
-          len(d)]
+      self._batches[batch] = [pages[i], len(d)]
+      self._pending.append(batch)
       new.add(batch)
       for old in self._batch_of[d]:
         if old >= 0:
           self._drop_row(int(old))
       self._batch_of[d] = batch
       self._row_of[d] = np.arange(len(d), dtype=np.int32)
-    self._pending.clear()
-    t1 = time.perf_counter()
-    self.phase_s["put"] += t1 - t0
     while len(self._batches) > self.max_batches:
       oldest = next(iter(self._batches))
       if oldest in new:
         break
       self._evict_batch(oldest)
-    self.phase_s["free"] += time.perf_counter() - t1
+    self.phase_s["free"] += time.perf_counter() - t2
+    stats.host_blocks_offloaded += n
+    stats.host_bytes_offloaded += n * self.slot_bytes
+    stats.host_transfer_s += time.perf_counter() - t0
+
+  def flush(self, stats: EngineStats | None = None,
+            seconds: float | None = None) -> int:
+    """Queues the copies to the host of the batches `offload` gathered
+    (`jax.device_put` to the host memory kind, asynchronous), oldest first:
+    those that `copy_bytes_per_s` moves in `seconds` (at least one; None:
+    all). Returns the batches still on the device.
+
+    The engine calls it after reading a program's outputs, with a part of
+    that program's time: the copies then run beside the next program. A
+    copy to the host waits for the programs queued before it, and a read of
+    a program's outputs waits for the copies to the host queued before it
+    (one copy queue), so copies queued before a read would stall the host
+    and then the device for their whole length (measured:
+    docs/performance.md). Until its copy is queued a batch serves reloads
+    from device memory."""
+    if not self._pending:
+      return 0
+    t0 = time.perf_counter()
+    limit = len(self._pending)
+    if seconds is not None and self.copy_bytes_per_s < float("inf"):
+      batch_bytes = self.batch_blocks * self.slot_bytes
+      limit = max(1, int(seconds * self.copy_bytes_per_s // batch_bytes))
+    while self._pending and limit > 0:
+      batch = self._pending.popleft()
+      entry = self._batches.get(batch)
+      if entry is None:  # freed before its copy
+        continue
+      entry[0] = jax.device_put(
+          entry[0], entry[0].sharding.with_memory_kind(self._memory_kind))
+      limit -= 1
+    self.phase_s["put"] += time.perf_counter() - t0
     if stats is not None:
       stats.host_transfer_s += time.perf_counter() - t0
+    return len(self._pending)
 
   # ----------------------------------------------------------------- reload
   def reload(self, pool, state, inputs, reqs, stats: EngineStats):
@@ -374,7 +390,6 @@ class HostTier:
     """
     if not reqs or stats.host_blocks_offloaded == 0:
       return pool, {}
-    self.flush(stats)
     t0 = time.perf_counter()
     ps = self.config.page_size
     A = len(inputs.admit_ids)
@@ -415,14 +430,14 @@ class HostTier:
     """Copies host slots `hslots` into the slots of block `blocks[j]` of
     sequence `rows[j]` (rows -1: copied, then dropped). Returns the pool
     (donated). Every batch holding one of them moves to the device in one
-    `jax.device_put` (one copy per batch) and becomes the most recently
+    `jax.device_put` (one copy per batch; none for a batch whose copy to
+    the host `flush` has not queued yet) and becomes the most recently
     used.
 
     Raises:
       RuntimeError: a host slot holds no data (the bookkeeping and the
         batches disagree: a bug, never silently skipped).
     """
-    self.flush()
     batch = self._batch_of[hslots]
     if np.any(batch < 0):
       raise RuntimeError(
@@ -476,9 +491,15 @@ class HostTier:
     # allocator hands a freed buffer out again cheaply. (On a CPU the
     # batches are plain arrays: nothing to reserve.)
     if not self._batches and kind != "device":
+      t0 = time.perf_counter()
       reserve = [jax.device_put(pages, host.sharding)
                  for _ in range(self.max_batches)]
       jax.block_until_ready(reserve)
+      # The copies' speed, for `flush` (a lower bound: the first use of
+      # each buffer page-locks it).
+      self.copy_bytes_per_s = (self.max_batches * self.batch_blocks
+                               * self.slot_bytes
+                               / max(time.perf_counter() - t0, 1e-9))
       del reserve
     pool = _scatter(pool, state.seq_slots, np.full(S, -1, np.int32),
                     np.zeros(S, np.int32), np.zeros(S, np.int32), dev,

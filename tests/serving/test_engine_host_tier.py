@@ -162,6 +162,33 @@ def test_small_tier_frees_whole_batches(model, runs):
   cache.validate_host_tier(tier.state)
 
 
+def test_copies_queued_a_batch_at_a_time(model, runs):
+  """With copies slower than any program, each `flush` after a read queues
+  one batch: the others wait in device memory, reloads read them there, and
+  the tokens are those without the tier."""
+  (off, a_off), _ = runs
+  engine = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=12 * off.kv.block_bytes * 2))  # 2 layers
+  tier = engine.host_tier
+  assert tier.batch_blocks == 1
+  tier.copy_bytes_per_s = 1.0  # one batch per flush (at least one)
+  flush, waiting = tier.flush, []
+
+  def one_at_a_time(stats=None, seconds=None):
+    before = len(tier._pending)  # noqa: SLF001
+    left = flush(stats, seconds)
+    assert seconds is not None and left <= max(before - 1, 0)
+    waiting.append(left)
+    return left
+  tier.flush = one_at_a_time
+  assert _multi_turn(engine) == a_off
+  assert max(waiting) > 0 and engine.stats.host_hits > 0
+  _check_batches(tier)
+  cache.validate_host_tier(tier.state)
+  flush()  # all of them
+  assert not tier._pending  # noqa: SLF001
+
+
 def test_chain_order_keeps_chains_together():
   """Interleaved chains come out grouped (in order of first appearance),
   each root to leaf; a block whose parent is not among them roots a group."""
