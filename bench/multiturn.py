@@ -177,6 +177,8 @@ def _reload_bandwidth(engine, blocks: int):
   import jax
   import numpy as np
   tier = engine.host_tier
+  tier.flush()  # every batch in host memory
+  jax.block_until_ready([b[0] for b in tier._batches.values()])  # noqa: SLF001
   hs = np.flatnonzero(tier._batch_of >= 0)[:blocks]  # noqa: SLF001
   if not len(hs):
     return float("nan")

@@ -310,6 +310,10 @@ class HostTier:
     src, dst = src[:n][order], dst[:n][order]
     S = self.batch_blocks
     nb = -(-n // S)
+    # At most one plan's batches wait in device memory besides these.
+    excess = len(self._pending) - (-(-self.max_plan // S))
+    if excess > 0:
+      self.flush(stats, batches=excess)
     idx = np.full(_pow2_at_least(nb) * S, -1, np.int32)
     idx[:n] = src
     self._memory_kind = _host_memory_kind(pool)
@@ -339,11 +343,11 @@ class HostTier:
     stats.host_transfer_s += time.perf_counter() - t0
 
   def flush(self, stats: EngineStats | None = None,
-            seconds: float | None = None) -> int:
+            seconds: float | None = None, batches: int | None = None) -> int:
     """Queues the copies to the host of the batches `offload` gathered
     (`jax.device_put` to the host memory kind, asynchronous), oldest first:
-    those that `copy_bytes_per_s` moves in `seconds` (at least one; None:
-    all). Returns the batches still on the device.
+    `batches` of them, or those that `copy_bytes_per_s` moves in `seconds`
+    (at least one), or all. Returns the batches still on the device.
 
     The engine calls it after reading a program's outputs, with a part of
     that program's time: the copies then run beside the next program. A
@@ -356,7 +360,7 @@ class HostTier:
     if not self._pending:
       return 0
     t0 = time.perf_counter()
-    limit = len(self._pending)
+    limit = len(self._pending) if batches is None else batches
     if seconds is not None and self.copy_bytes_per_s < float("inf"):
       batch_bytes = self.batch_blocks * self.slot_bytes
       limit = max(1, int(seconds * self.copy_bytes_per_s // batch_bytes))
