@@ -1,20 +1,20 @@
 """Host KV tier benchmark: multi-turn chat whose histories exceed the pool.
 
-Run:  `python -m bench.multiturn [--small] [--out DIR]`
+Run:  `python -m bench.multiturn [--host-gb 40] [--small] [--out DIR]`
 
-Model: random bf16 weights with Llama 3.2 1B's shapes, or Llama 3 8B's
-(`--model llama3-8b`; `bench/common/models`).
+Model: random bf16 weights with Llama 3 8B's shapes, or Llama 3.2 1B's
+(`--model llama3.2-1b`; `bench/common/models`).
 Workload: `--convs` conversations of `--turns` turns. Turn 0 sends a history
-of `--history` random tokens plus a user message of `--user` tokens; each
-later turn appends the previous answer (`--answer` tokens, greedy, EOS
+of `--history` random tokens (4,096) plus a user message of `--user` tokens;
+each later turn appends the previous answer (`--answer` tokens, greedy, EOS
 ignored) and a new user message, so histories grow to about
-`history + turns * (user + answer)` tokens. All conversations of a turn are
-submitted at once (`--arrival batch`: time to first token includes the wait
-for a row), or one after the other, each when the previous finished
+`history + turns * (user + answer)` tokens. The conversations of a turn are
+submitted one after the other, each when the previous finished
 (`--arrival sequential`: time to first token is the prefill, or the reload
-plus the new message's prefill, alone); the device pool holds about a quarter of the live
-histories (`--pool-frac`), so between turns most of a conversation's blocks
-are evicted from it. The same engine config runs with the host tier off and
+plus the new message's prefill, alone), or all at once (`--arrival batch`:
+time to first token includes the wait for a row); the device pool holds
+about a quarter of the live histories (`--pool-frac`), so between turns most
+of a conversation's blocks are evicted from it. The same engine config runs with the host tier off and
 on (`EngineConfig.host_kv_cache_bytes`), in the same process, after
 `warmup()` (both share the step programs).
 
@@ -38,9 +38,8 @@ f32; bf16 may flip a near-tie between a block recomputed by a prefill and the
 same block kept from the decode that wrote it) and the tier's invariants.
 
 `--small`: a tiny f32 model on the CPU, seconds. Writes
-`<out>/multiturn[_small][_<model>][_sequential][_history<N>]_<device>.json`
-(the model named unless it is the default, the history where given); prints
-a table last.
+`<out>/multiturn_<model>_<arrival>_history<N>_<device>.json`
+(`multiturn_small_<device>.json` with `--small`); prints a table last.
 """
 
 from __future__ import annotations
@@ -65,9 +64,9 @@ def _parse(argv):
   ap.add_argument("--answer", type=int, default=None)
   ap.add_argument("--max-seqs", type=int, default=None)
   ap.add_argument("--model", choices=("llama3.2-1b", "llama3-8b"),
-                  default="llama3.2-1b", help="the shape (random weights)")
+                  default="llama3-8b", help="the shape (random weights)")
   ap.add_argument("--arrival", choices=("batch", "sequential"),
-                  default="batch",
+                  default="sequential",
                   help="a turn's conversations submitted at once (batch) or "
                   "one after the other, each when the previous finished "
                   "(sequential: time to first token without queueing)")
@@ -212,7 +211,7 @@ def main(argv=None):
   mcfg = SMALL if small else SHAPES[args.model]
   convs = args.convs or (6 if small else 32)
   turns = args.turns or (3 if small else 4)
-  hist0 = args.history or (40 if small else 2048)
+  hist0 = args.history or (40 if small else 4096)
   user = args.user or (16 if small else 384)
   answer = args.answer or (4 if small else 32)
   max_seqs = args.max_seqs or (2 if small else 8)
@@ -311,10 +310,8 @@ def main(argv=None):
                               / r_on["ttft_returning_median_s"]),
       throughput_speedup=r_on["tokens_per_s"] / r_off["tokens_per_s"],
       no_reuse_loss=rows[2]["loss"])
-  name = ("multiturn_small" if small else "multiturn") + (
-      "" if small or args.model == "llama3.2-1b" else f"_{args.model}") + (
-      "_sequential" if args.arrival == "sequential" else "") + (
-      f"_history{hist0}" if args.history and not small else "") + \
+  name = ("multiturn_small" if small else
+          f"multiturn_{args.model}_{args.arrival}_history{hist0}") + \
       f"_{results.device_tag()}"
   for path in results.write(name, rows, out=args.out, extra=extra, env=env):
     print("wrote", path)

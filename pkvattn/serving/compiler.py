@@ -57,6 +57,8 @@ class ProgramKey:
   greedy_only: bool
 
   def __str__(self):
+    if self.kind == "step" and self.num_tokens == 0:
+      return "step[no tokens]"
     mode = "greedy" if self.greedy_only else "sampled"
     return f"{self.kind}[{self.num_tokens} tokens, {mode}]"
 

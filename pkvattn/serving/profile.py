@@ -33,7 +33,8 @@ def profile_programs(engine) -> dict:
   `cache_ops_args()`, `attention_inputs` (a `StepInputs` of the step).
 
   Raises:
-    ValueError: nothing to profile yet (no step run, no burst pending).
+    ValueError: nothing to profile yet (no step run, no burst pending, or
+      the last step fed no token).
   """
   cfg, mcfg = engine.config, engine.model.cfg
   L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
@@ -61,6 +62,10 @@ def profile_programs(engine) -> dict:
     per = k
   elif engine.last_inputs is None:
     raise ValueError("Invalid call: profile() needs at least one step() first")
+  elif not engine.last_inputs.tokens.shape[0]:
+    raise ValueError("Invalid call: profile() times a step that feeds "
+                     "tokens; the last step fed none (it only admitted, "
+                     "published or released): step() again first")
   else:
     attention_inputs = engine.last_inputs
     inp = jax.tree.map(jnp.asarray, engine.last_inputs)
@@ -112,7 +117,8 @@ def profile(engine, iters: int = 10) -> dict:
   Raises:
     NotImplementedError: the engine runs on a mesh (the split times
       single-device pieces only).
-    ValueError: nothing to profile yet (no step run, no burst pending).
+    ValueError: nothing to profile yet (no step run, no burst pending, or
+      the last step fed no token).
   """
   if engine.config.check:
     raise ValueError("Invalid call: profile() times unchecked programs; got an "

@@ -169,7 +169,10 @@ def test_profile_on_fp8_pages(model, fp8_run):
   the engine's state alone."""
   engine = fp8_run[0]
   engine.add_request([256, 5, 6, 7, 8], SamplingParams(max_new_tokens=3))
-  engine.step()
+  engine.step()  # the admission: it feeds no token
+  with pytest.raises(ValueError, match="the last step fed none"):
+    engine.profile(iters=1)
+  engine.step()  # the prefill
   before = [np.asarray(x) for x in jax.tree.leaves(engine.state)]
   prof = engine.profile(iters=1)
   assert prof["step_ms"] > 0 and prof["attention_ms"] > 0
@@ -281,3 +284,17 @@ def test_per_head_given_scale_warns_per_head(two_head_model):
   with pytest.warns(RuntimeWarning, match=r"layer 0 head 0 K: scale 0.0001 "
                     r"saturates"):
     engine.generate(_prompt(), SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("gpu, kv_scales, impl, warns", [
+    (True, "per_head", None, True), (True, "per_tensor", None, False),
+    (True, "per_head", "xla", False), (False, "per_head", None, False)])
+def test_per_head_scales_on_a_gpu_warn_of_the_slow_kernel(
+    two_head_model, monkeypatch, gpu, kv_scales, impl, warns):
+  monkeypatch.setattr(_checks, "is_gpu", lambda: gpu)
+  cfg = dataclasses.replace(CFG, kv_scales=kv_scales, impl=impl)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    Engine(two_head_model, cfg)
+  slow = [w for w in caught if "f32 Triton kernel" in str(w.message)]
+  assert len(slow) == int(warns), [str(w.message) for w in caught]
