@@ -134,7 +134,6 @@ class Engine:
           scratch=self.kv.scratch, mesh=mesh)
       self.host_tier.stats_into(self.stats)
     self._num_free = self.kv.max_slots
-    self._flushed_at = time.perf_counter()  # the tier's last `flush`
     self.stats.kv_scales_calibrated = self._fp8 and not self._needs_calibration
     self.compiler = Compiler(mcfg, config, mesh, self.stats,
                              self._inputs_sharding)
@@ -465,8 +464,8 @@ class Engine:
       host_s += dt
       if err is not None:  # checked mode: raises a violation after booking
         err.throw()
-    if self.host_tier is not None:  # beside the burst in flight, if any
-      self._flush_host_tier(time.perf_counter() - self._flushed_at)
+    if self.host_tier is not None:  # this call lasted about one burst
+      self._flush_host_tier(time.perf_counter() - t0)
     self.stats.num_steps += self.config.decode_steps
     self.stats.host_time_s += host_s
     self.stats.decode_time_s += time.perf_counter() - t0 - compile_s
@@ -501,7 +500,6 @@ class Engine:
     outputs were just read: they run beside the next one, and its outputs'
     read does not wait for them."""
     self.host_tier.flush(self.stats, FLUSH_SHARE * program_s)
-    self._flushed_at = time.perf_counter()
 
   def _host_reload(self, scheduled: ScheduledStep, out) -> None:
     """After a step: reloads the blocks of its newly admitted requests
