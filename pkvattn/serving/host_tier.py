@@ -165,6 +165,8 @@ class HostTier:
     state: the `cache.HostTierState` bookkeeping (device).
     max_plan: the most blocks one offload plan mirrors.
     num_plans: offload plans made (each reads its result on the host).
+    copy_bytes_per_s: copy speed to the host timed by `warmup` (`flush`
+      sizes its copies by it; inf where nothing is copied: a CPU).
   """
 
   def __init__(self, config: EngineConfig, cache_config, pool_shape, dtype,
@@ -222,7 +224,6 @@ class HostTier:
     # queued yet by `flush`), oldest first.
     self._pending: collections.deque[int] = collections.deque()
     self._memory_kind = "device"
-    # Copy speed to the host, bytes/s (timed by `warmup`; inf: not timed).
     self.copy_bytes_per_s = float("inf")
     # Host-side seconds per phase of the copies (plan, gather, put, lookup,
     # load, free): where `EngineStats.host_transfer_s` goes.
