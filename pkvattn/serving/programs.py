@@ -237,10 +237,10 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
                 cfg: EngineConfig, mesh=None, greedy_only: bool = True):
   """One engine step: cache ops before, forward, sampling, cache ops after.
 
-  A step of no tokens (`inputs.tokens` of size 0: the engine's `step[0]`
-  program) runs the cache ops alone: a step that only admits, publishes or
-  releases (the first step of a batch, a request arriving at an idle
-  engine) costs no forward of the model.
+  A step of no tokens (`inputs.tokens` of size 0: the engine's
+  `step[no tokens]` program) runs the cache ops alone: a step that only
+  admits, publishes or releases (the first step of a batch, a request
+  arriving at an idle engine) costs no forward of the model.
 
   Returns `(pool, state, seq_tokens, StepOutputs)`. `tables` given
   (profiling only): the cache ops are skipped and these page tables used.
