@@ -53,6 +53,13 @@ def test_steps_update_the_pool_in_place(model, kv_cache_dtype):
   prompt = model.tokenizer.encode("hello world paged attention in place")
   engine.add_request(prompt, SamplingParams(max_new_tokens=2,
                                             ignore_eos=True))
+  engine.step()  # the admission: the program of no tokens
+  admit = engine.last_program
+  assert admit.num_tokens == 0
+  text = engine._lower(admit).compile().as_text()
+  assert "input_output_alias" in text
+  assert all(op.split()[0] in ALLOWED  # the pool passes through untouched
+             for op in _materialized(text, math.prod(engine.pool.shape)))
   engine.step()
   prefill = engine.last_program
   assert " while(" in engine._lower(prefill).as_text(dialect="hlo")
