@@ -14,9 +14,9 @@ submitted one after the other, each when the previous finished
 plus the new message's prefill, alone), or all at once (`--arrival batch`:
 time to first token includes the wait for a row); the device pool holds
 about a quarter of the live histories (`--pool-frac`), so between turns most
-of a conversation's blocks are evicted from it. The same engine config runs with the host tier off and
-on (`EngineConfig.host_kv_cache_bytes`), in the same process, after
-`warmup()` (both share the step programs).
+of a conversation's blocks are evicted from it. The same engine config runs
+with the host tier off and on (`EngineConfig.host_kv_cache_bytes`), in the
+same process, after `warmup()` (both share the step programs).
 
 Measured per request: time to first token (TTFT) = from its submission
 (`add_request`) to the end of the engine step that booked its first token
@@ -278,19 +278,18 @@ def main(argv=None):
   roofs = _roofs(16 if small else 512)
   reload_gbps = _reload_bandwidth(on, 64 if small else 1024)
   # No reuse: distinct prompts, the pool filled (the tier mirrors evictions).
-  nr = []
+  nr, tier = [], on.host_tier
   for e in (off, on):
     nr_len = min(max_len - answer - 1, 1024 if not small else 40)
     n = max(2 * num_slots * ps // nr_len, 2 * max_seqs)
     _no_reuse(e, max_seqs, nr_len, answer, np.random.default_rng(5),
               mcfg.vocab_size)  # fills the pool first
-    if e.host_tier is not None:
-      plans, phases = e.host_tier.num_plans, dict(e.host_tier.phase_s)
-      blocks = e.stats.host_blocks_offloaded
+    if e is on:  # the tier's work on this workload alone
+      plans, phases = tier.num_plans, dict(tier.phase_s)
+      blocks = on.stats.host_blocks_offloaded
     _, tps = _no_reuse(e, n, nr_len, answer, np.random.default_rng(7),
                        mcfg.vocab_size)
     nr.append(tps)
-  tier = on.host_tier
   rows.append(dict(
       workload="no_reuse", prompts=n, prompt_len=nr_len,
       tokens_per_s_off=nr[0], tokens_per_s_on=nr[1], loss=1 - nr[1] / nr[0],
