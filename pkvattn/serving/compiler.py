@@ -2,8 +2,8 @@
 
 An engine's shapes are static, so the programs it may run are a small set
 known before the first request (`program_keys`): one `step` program per
-token bucket and, with `decode_steps > 1`, one `burst` program, each in a
-greedy-only and a sampled variant where the split pays (GPU backends; see
+token bucket and, with `decode_steps > 1`, one `burst` program per row
+bucket, each in a greedy-only and a sampled variant where the split pays (GPU backends; see
 `serving.programs`), and one step of no tokens (the cache ops alone).
 `Compiler` lowers and compiles them:
 
@@ -50,7 +50,7 @@ class ProgramKey:
     kind: "step" (one mixed prefill / decode step) or "burst"
       (`decode_steps` decode iterations).
     num_tokens: padded tokens of a step (its bucket; 0: the cache ops
-      alone); a burst's rows (`max_seqs`).
+      alone); a burst's rows (its row bucket, `EngineConfig.burst_buckets`).
     greedy_only: every row samples greedily (argmax only; no `lax.cond`).
   """
   kind: str
@@ -77,7 +77,8 @@ def program_keys(cfg: EngineConfig, split_variants: bool = True
   keys = [ProgramKey("step", 0, split_variants)]
   keys += [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
   if cfg.decode_steps > 1:
-    keys += [ProgramKey("burst", cfg.max_seqs, g) for g in variants]
+    keys += [ProgramKey("burst", r, g) for r in cfg.burst_buckets
+             for g in variants]
   return tuple(keys)
 
 
@@ -177,8 +178,9 @@ class Compiler:
   def lower(self, key: ProgramKey, buffers):
     """`jax.stages.Lowered` of `key` on `buffers` and the program's input
     shapes (replicated on the mesh, if any)."""
-    fn = _programs.jitted_program(self.model_cfg, self.config, self.mesh,
-                                  key.kind, key.greedy_only)
+    fn = _programs.jitted_program(
+        self.model_cfg, self.config, self.mesh, key.kind, key.greedy_only,
+        rows=key.num_tokens if key.kind == "burst" else None)
     if key.kind == "step":
       inputs = _programs.step_input_shapes(self.config, key.num_tokens)
     else:

@@ -48,6 +48,15 @@ class EngineConfig:
       chained: the next is dispatched from the device's end state of this
       one before the host reads it (with requests waiting, only while no
       running request reaches its length in the burst in flight).
+    burst_rows: row counts of the burst programs (with `decode_steps > 1`):
+      a burst runs the model over the first R rows, R the smallest of them
+      above every running request's row (rows are handed out lowest first),
+      like `token_buckets` for steps (vLLM captures a CUDA graph per batch
+      size). None = `(min(64, max_seqs), max_seqs)`: a 64-row decode step
+      reads each weight once as a 1-row one does, while a model whose
+      `max_seqs`-row step is compute-bound (Llama-3.2-1B at 256 rows) pays
+      for every row; `max_seqs` is always added. One program (two on a GPU:
+      greedy-only and sampled) per row count.
     scan_layers: run the layers under `lax.scan` over stacked weights (True)
       or as an unrolled loop over per-layer weights (False: the engine keeps
       `pkvattn.models.unstack_layers(params)`, MaxText's `scan_layers`).
@@ -123,6 +132,7 @@ class EngineConfig:
   hash_ways: int = 8
   token_buckets: tuple[int, ...] | None = None
   decode_steps: int = 1
+  burst_rows: tuple[int, ...] | None = None
   scan_layers: bool | None = None
   check: bool = False
   kv_groups: bool | None = None
@@ -229,6 +239,13 @@ class EngineConfig:
       raise ValueError(
           f"Invalid token_buckets: expected positive sizes, got "
           f"{self.token_buckets}")
+    if self.burst_rows is not None and (
+        not isinstance(self.burst_rows, tuple) or not self.burst_rows
+        or any(not isinstance(r, int) or isinstance(r, bool)
+               or not 0 < r <= self.max_seqs for r in self.burst_rows)):
+      raise ValueError(
+          f"Invalid burst_rows: expected None or a non-empty tuple of ints in "
+          f"[1, max_seqs={self.max_seqs}], got {self.burst_rows!r}")
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -236,6 +253,12 @@ class EngineConfig:
     sizes = self.token_buckets or (self.max_seqs,)
     return tuple(sorted({min(int(b), self.max_num_tokens) for b in sizes}
                         | {self.max_num_tokens}))
+
+  @property
+  def burst_buckets(self) -> tuple[int, ...]:
+    """Sorted row counts of the burst programs, the last one `max_seqs`."""
+    rows = self.burst_rows or (min(64, self.max_seqs),)
+    return tuple(sorted(set(rows) | {self.max_seqs}))
 
   @property
   def max_pages(self) -> int:

@@ -43,9 +43,11 @@ def profile_programs(engine) -> dict:
     # finished rows, which attention ignores): its inputs are one decode step
     # of the current batch (for attention).
     attention_inputs = engine.scheduler.schedule().inputs
-    greedy = engine.compiler.key("burst", S,
+    rows = engine.scheduler.burst_rows()
+    greedy = engine.compiler.key("burst", rows,
                                  engine.scheduler.burst_greedy()).greedy_only
-    fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "burst", greedy)
+    fn = _programs.jitted_program(mcfg, cfg, engine.mesh, "burst", greedy,
+                                  rows=rows)
     binp = jax.tree.map(jnp.asarray, engine.scheduler.burst_inputs())
     ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
     # Tables that already hold the burst's new blocks (timing only).

@@ -3,9 +3,9 @@
 Everything here runs on the device; the host (`serving.scheduler`) only fills
 the inputs, and `serving.compiler` compiles the bounded set of programs
 (`compiler.program_keys`): one `step` program per token bucket
-(`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst` program,
-each split into a greedy-only and a sampled variant on GPU backends, plus
-one step of no tokens (the cache ops alone, for steps that feed nothing).
+(`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst` program
+per row bucket (`EngineConfig.burst_buckets`), each split into a greedy-only
+and a sampled variant on GPU backends, plus one step of no tokens (the cache ops alone, for steps that feed nothing).
 
 The cache ops of a step (`commit` of finished prompts, `release` of finished
 / preempted sequences, `extend`, `claim_batch` of admitted requests) always
@@ -305,7 +305,7 @@ def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
 def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
                         tables=None, *, model_cfg: _decoder.DecoderConfig,
                         cfg: EngineConfig, mesh=None,
-                        greedy_only: bool = False):
+                        greedy_only: bool = False, rows: int | None = None):
   """`cfg.decode_steps` decode iterations; each is `device_step` restricted to
   decode rows, with the sampled token fed back on device.
 
@@ -324,9 +324,21 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   `extend` up front holds the eviction's. `tables` given (profiling only):
   no cache op runs and these page tables (which must cover the burst) are
   used.
+
+  `rows` (static, one of `cfg.burst_buckets`; None = `max_seqs`): the
+  iterations run the model over the first `rows` rows only, so a few
+  requests do not pay for `max_seqs` rows of matmuls (at Llama-3.2-1B's
+  shape a 256-row decode step is compute-bound, a 64-row one reads the
+  weights at the same cost as one row). The host picks the smallest bucket
+  above every active row (`Scheduler.burst_rows`); rows from `rows` on
+  must be inactive and come out as they went in (tokens -1). The inputs,
+  outputs and cache work keep their `max_seqs` rows, so bursts of any
+  bucket chain into each other.
   """
   S, k = cfg.max_seqs, cfg.decode_steps
-  rows = jnp.arange(S, dtype=jnp.int32)
+  R = S if rows is None else rows
+  if not 0 < R <= S:
+    raise ValueError(f"Invalid rows: expected an int in [1, {S}], got {rows!r}")
   if tables is None:
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, tables, _ = reserve_burst(
@@ -336,26 +348,33 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
   usage = _cache.stats(state)  # the state is not touched again in the burst
+  # The iterations see the first R rows (`rows`); the rest pass through.
+  head = lambda x: x[:R]
+  sub = inp.replace(**{f: head(getattr(inp, f)) for f in (
+      "active", "last", "computed", "remaining", "stop_ids", "temperature",
+      "top_k", "top_p", "seeds", "gen_index")})
+  tables, reserved = tables[:, :R], reserved[:R]
+  row_ids = jnp.arange(R, dtype=jnp.int32)
 
   def one(carry, _):
     pool, seq_tokens, active, last, computed, remaining, gen, pre = carry
     q_lens = active.astype(jnp.int32)
     q_indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)])
-    tokens = jnp.zeros((S,), jnp.int32).at[
-        jnp.where(active, q_indptr[:-1], S)].set(last, mode="drop")
+    tokens = jnp.zeros((R,), jnp.int32).at[
+        jnp.where(active, q_indptr[:-1], R)].set(last, mode="drop")
     kv_lens = jnp.where(active, computed + 1, 0)
-    plan = AttentionPlan.create(tables, q_indptr, kv_lens, S)
+    plan = AttentionPlan.create(tables, q_indptr, kv_lens, R)
     logits, pool = _forward(
         params, model_cfg, tokens, pool, plan,
         logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
         mesh=mesh)
-    tok = _sample_logits(logits, inp, gen, greedy_only=greedy_only,
+    tok = _sample_logits(logits, sub, gen, greedy_only=greedy_only,
                          mesh=mesh)
-    seq_tokens = seq_tokens.at[jnp.where(active, rows, S), computed].set(
+    seq_tokens = seq_tokens.at[jnp.where(active, row_ids, S), computed].set(
         last, mode="drop")
     step = active.astype(jnp.int32)
     computed, gen, remaining = computed + step, gen + step, remaining - step
-    stop = jnp.any(tok[:, None] == inp.stop_ids, axis=1) | (remaining <= 0)
+    stop = jnp.any(tok[:, None] == sub.stop_ids, axis=1) | (remaining <= 0)
     need = active & ~stop
     fits = computed + 1 <= reserved  # the next fed token has its slot
     pre = pre | (need & ~fits)
@@ -364,10 +383,19 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
     return (pool, seq_tokens, need & fits, last, computed, remaining, gen,
             pre), emitted
 
-  carry = (pool, seq_tokens, inp.active, inp.last, inp.computed,
-           inp.remaining, inp.gen_index, jnp.zeros((S,), bool))
+  carry = (pool, seq_tokens, sub.active, sub.last, sub.computed,
+           sub.remaining, sub.gen_index, jnp.zeros((R,), bool))
   carry, emitted = lax.scan(one, carry, None, length=k)
   pool, seq_tokens, active, last, computed, remaining, gen, pre = carry
+  if R < S:  # rows R.. as they came in: inactive, no tokens
+    tail = lambda x, y: jnp.concatenate([x, y[R:]])
+    active, last, computed, remaining, gen = (
+        tail(active, inp.active), tail(last, inp.last),
+        tail(computed, inp.computed), tail(remaining, inp.remaining),
+        tail(gen, inp.gen_index))
+    pre = jnp.concatenate([pre, jnp.zeros((S - R,), bool)])
+    emitted = jnp.concatenate(
+        [emitted, jnp.full((k, S - R), -1, jnp.int32)], axis=1)
   return pool, state, seq_tokens, BurstOutputs(
       emitted, pre, usage["num_used"], usage["num_free"],
       BurstCarry(active, last, computed, remaining, gen))
@@ -390,14 +418,20 @@ def compiler_options() -> dict:
 
 @functools.lru_cache(maxsize=64)
 def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
-                   mesh, kind: str, greedy_only: bool):
+                   mesh, kind: str, greedy_only: bool,
+                   rows: int | None = None):
   """The `jax.jit` of one program kind (shared by engines with one config);
-  the pool, the cache state and the token buffer are donated. With
+  the pool, the cache state and the token buffer are donated. `rows`: a
+  burst's row bucket (`device_decode_burst`; None = `max_seqs`). With
   `cfg.check` the program is functionalized by `checkify` (it returns
   `(error, outputs)`) and must be traced inside `pkvattn.checked()`."""
-  body = functools.partial(
-      device_step if kind == "step" else device_decode_burst,
-      model_cfg=model_cfg, cfg=cfg, mesh=mesh, greedy_only=greedy_only)
+  if kind == "step":
+    body = functools.partial(device_step, model_cfg=model_cfg, cfg=cfg,
+                             mesh=mesh, greedy_only=greedy_only)
+  else:
+    body = functools.partial(device_decode_burst, model_cfg=model_cfg,
+                             cfg=cfg, mesh=mesh, greedy_only=greedy_only,
+                             rows=rows)
   if cfg.check:  # returns (checkify.Error, outputs); trace under checked()
     body = checkify.checkify(body)
   return jax.jit(body, donate_argnums=(1, 2, 3),

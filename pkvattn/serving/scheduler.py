@@ -80,11 +80,14 @@ class ScheduledStep:
     rows: a step's requests, in feed order (decode rows first); empty for a
       burst, whose rows are the running requests when it is read.
     admitted: a step's claims, in `inputs.admit_ids` order.
+    burst_rows: a burst's row bucket (`EngineConfig.burst_buckets`): its
+      program runs the model over rows `[0, burst_rows)`.
   """
   inputs: _programs.StepInputs | _programs.BurstInputs
   greedy_only: bool
   rows: tuple[ScheduledRow, ...] = ()
   admitted: tuple[Request, ...] = ()
+  burst_rows: int = 0
 
   @property
   def kind(self) -> str:
@@ -94,9 +97,9 @@ class ScheduledStep:
 
   @property
   def num_tokens(self) -> int:
-    """Padded tokens of a step (its bucket); a burst's rows (`max_seqs`)."""
+    """Padded tokens of a step (its bucket); a burst's row bucket."""
     if self.kind == "burst":
-      return int(self.inputs.active.shape[0])
+      return self.burst_rows
     return int(self.inputs.tokens.shape[0])
 
 
@@ -389,7 +392,15 @@ class Scheduler:
       inputs = _programs.chain_inputs(prev.inputs, carry,
                                       *self.release_inputs())
     self.burst_taken = self.take_released_rows()
-    return ScheduledStep(inputs, greedy_only=self.burst_greedy())
+    return ScheduledStep(inputs, greedy_only=self.burst_greedy(),
+                         burst_rows=self.burst_rows())
+
+  def burst_rows(self) -> int:
+    """The smallest row bucket (`EngineConfig.burst_buckets`) above every
+    running request's row. Rows hand out lowest first, so a few requests
+    sit in the first rows; a chained burst's active rows are among them."""
+    top = max((r.seq_id for r in self.running), default=0) + 1
+    return next(b for b in self.config.burst_buckets if b >= top)
 
   def can_chain(self) -> bool:
     """Whether the burst just dispatched (not read yet) can stay in flight

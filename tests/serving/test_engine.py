@@ -138,6 +138,27 @@ def test_bursts_release_finished_rows(model):
   assert engine.get_request(rid).num_reused > 0
 
 
+def test_bursts_shrink_to_row_buckets(model):
+  # Rows 3, 2, 1 finish first: each burst runs the model over the smallest
+  # row bucket above the running rows (4, then 2, then 1; chained bursts of
+  # different buckets hand their end state on), with the tokens of one-step
+  # decoding; rows outside a bucket come out untouched.
+  prompts = _prompts(4, seed=7)
+  cfg = dataclasses.replace(CFG, burst_rows=(1, 2))
+  assert cfg.burst_buckets == (1, 2, 4)
+  single, engine, _ = _queued_in_bursts(model, cfg, prompts, (24, 12, 7, 3))
+  rows = []
+  while engine.has_unfinished():
+    engine.step()
+    if engine.last_program.kind == "burst":
+      rows.append(engine.last_program.num_tokens)
+  assert [engine.get_request(i).output for i in range(4)] == single
+  assert rows == sorted(rows, reverse=True) and {1, 2, 4} <= set(rows), rows
+  engine.step()  # releases the last finished row
+  cache.validate(engine.state)
+  assert int(cache.stats(engine.state)["num_used"]) == 0
+
+
 def test_bursts_chain_while_requests_wait(model):
   # Two rows, four requests: bursts chain while the other two wait, and a
   # row that frees by length goes to a waiting request right after the

@@ -61,10 +61,15 @@ def test_program_list_is_small_and_known():
       ("step", 0), ("step", 4), ("step", 32), ("burst", 4)]
   no_burst = compiler.program_keys(dataclasses.replace(CFG, decode_steps=1))
   assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 5
-  # The default engine config of the benchmark workload stays under 16.
+  # The default engine config of the benchmark workload stays under 16: its
+  # bursts come in two row buckets, 64 and max_seqs.
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
-  assert len(compiler.program_keys(bench)) == 7
+  keys = compiler.program_keys(bench)
+  assert len(keys) == 9
+  assert sorted({k.num_tokens for k in keys if k.kind == "burst"}) == [64, 256]
+  one = dataclasses.replace(bench, burst_rows=(256,))
+  assert len(compiler.program_keys(one)) == 7
 
 
 def _workload(rng, vocab, n):
