@@ -36,7 +36,11 @@
 * Prefill with many query rows per sequence dequantizes the named pages
   before the launch instead (`dequantize_pages`,
   `paged_prefill.Config.fp8_pages`): a fixed cost per key, where in-kernel
-  conversion costs per query tile.
+  conversion costs per query tile. Per-KV-head scales always take that
+  path in prefill (the prefill kernels read one scale per tensor).
+* Scales: one per tensor (`f32[]`), or one per KV head (`f32[num_kv_heads]`,
+  `is_per_head`). The Triton decode kernel reads one per kv head it serves;
+  the Mosaic-GPU kernels read one per tensor.
 """
 
 from __future__ import annotations
@@ -122,6 +126,22 @@ def convert_loaded(x, dtype, rows_ok):
   return jnp.where(keep, y, jnp.zeros_like(y))
 
 
+def is_per_head(k_scale, v_scale, num_kv_heads: int) -> bool:
+  """Whether either scale is one per KV head (`f32[num_kv_heads]`); None,
+  scalars and 1-element arrays are per tensor. Static: reads shapes only.
+
+  Raises:
+    ValueError: a scale neither of one value nor of shape `(num_kv_heads,)`.
+  """
+  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if x is not None and jnp.size(x) != 1 and (
+        jnp.shape(x) != (num_kv_heads,)):
+      raise ValueError(
+          f"Invalid shape of {name}: expected () (one scale per tensor) or "
+          f"({num_kv_heads},) (one per KV head), got {jnp.shape(x)}")
+  return any(x is not None and jnp.size(x) > 1 for x in (k_scale, v_scale))
+
+
 def dequantize_pages(pool, table, scale, dtype):
   """The pages a table names, dequantized into a compact pool of their own.
 
@@ -131,20 +151,24 @@ def dequantize_pages(pool, table, scale, dtype):
       outside `[0, num_pages)` (e.g. -1 past a sequence's pages) are clipped
       into range: their copies land in compact pages the kernels never read,
       as they never read those entries.
-    scale: f32 scalar (may be traced): a stored value `x` means `x * scale`.
+    scale: f32 scalar, or `f32[num_kv_heads]` (one per KV head, broadcast
+      over `[..., num_kv_heads, head_dim]`); may be traced: a stored value
+      `x` of head `h` means `x * scale[h]`.
     dtype: the pool's new dtype (the query's: bf16, f16 or f32).
 
   Returns:
     `(pages [batch_size * max_pages, page_size, num_kv_heads, head_dim]
     dtype, table i32[batch_size, max_pages])` with `pages[table[b, i]] ==
-    pool[table_in[b, i]] * scale` rounded once to `dtype` (e4m3 is exact in
-    bf16 and f16: the product's rounding is the only one). One fused XLA
-    gather: it reads the named pages' FP8 bytes once and writes them in
-    `dtype` (1 + 2 bytes per value for bf16), which a compute-bound prefill
-    then reads as 16-bit pages (`paged_prefill.Config.fp8_pages`).
+    pool[table_in[b, i]] * scale` (per head) rounded once to `dtype` (e4m3
+    is exact in bf16 and f16: the product's rounding is the only one). One
+    fused XLA gather: it reads the named pages' FP8 bytes once and writes
+    them in `dtype` (1 + 2 bytes per value for bf16), which a compute-bound
+    prefill then reads as 16-bit pages (`paged_prefill.Config.fp8_pages`).
   """
   ids = jnp.clip(table, 0, pool.shape[0] - 1).reshape(-1)
   scale = jnp.asarray(scale, jnp.float32)
+  if scale.ndim:  # [num_kv_heads] (or [1]) -> [num_kv_heads, 1]
+    scale = scale.reshape(-1, 1)
   pages = (pool[ids].astype(jnp.float32) * scale).astype(dtype)
   new_table = jnp.arange(ids.shape[0], dtype=jnp.int32).reshape(table.shape)
   return pages, new_table

@@ -96,15 +96,16 @@ MMA_CTAS_PER_SM = 2.5
 def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
            page_size: int, batch_size: int, num_kv_heads: int,
            max_pages: int, window_left: int = -1, q_tokens_per_seq: int = 1,
-           backend: str | None = None,
+           head_scales: bool = False, backend: str | None = None,
            num_sms: int = DECODE_NUM_SMS) -> Choice:
   """The decode kernel and its config for one call (static facts only).
 
   Rules, first match wins:
 
-  1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones, and a
-     case `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups
-     1..8, pages of 8..128 tokens): the per-warp Mosaic-GPU kernel
+  1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones with
+     per-tensor scales (it reads one scale per tensor), and a case
+     `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups 1..8,
+     pages of 8..128 tokens): the per-warp Mosaic-GPU kernel
      (`"mosaic_mma"`, `paged_decode.MmaConfig`). Steps of 16 keys, 32 for
      FP8 pages at head_dim <= 128 (half the bytes per key, half the
      registers in flight); splits for about `MMA_CTAS_PER_SM` CTAs per SM
@@ -112,14 +113,15 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      nearest it, each split keeping >= 2 rounds of the four warps' steps,
      at most 64.
   2. FP8 pages on a GPU that converts e4m3 pairs in one instruction
-     (compute capability >= 8.9): the Triton kernel reading both tiles as
-     column pairs (`fp8_convert="pairs"`) on 2 warps, 3 stages. Head_dim 64
-     packs two kv heads per program where their number is even
-     (`pack_heads=2`: 128-byte rows); an odd number keeps one, with 64-token
-     steps and splits for 4 programs per SM. Otherwise steps of 64 tokens,
-     32 at head_dim 256 or with > 4 programs per SM, and splits for 2
-     programs per SM; page ids a step ahead where a step covers <= 64
-     tokens.
+     (compute capability >= 8.9; on Hopper, those with per-KV-head scales
+     and cases the per-warp kernel does not take): the Triton kernel
+     reading both tiles as column pairs (`fp8_convert="pairs"`) on 2
+     warps, 3 stages. Head_dim 64 packs two kv heads per program where
+     their number is even (`pack_heads=2`: 128-byte rows); an odd number
+     keeps one, with 64-token steps and splits for 4 programs per SM.
+     Otherwise steps of 64 tokens, 32 at head_dim 256 or with > 4 programs
+     per SM, and splits for 2 programs per SM; page ids a step ahead where
+     a step covers <= 64 tokens.
   3. Everything else (f32, other GPUs, interpret mode; FP8 pages there
      convert in the loaded layout, `fp8_convert="loaded"`): the Triton
      kernel, 3 stages. Steps of 64 tokens (32 at head_dim 256, to bound
@@ -145,6 +147,8 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       kernels skip pages outside the window at run time.
     q_tokens_per_seq: decode rows per sequence (`paged_decode_rows`);
       the splits count `batch_size * q_tokens_per_seq` rows.
+    head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`),
+      which only the Triton kernel reads: rule 1 is skipped.
     backend: None (the rules above), or "triton" / "mosaic_mma" to take
       that backend's config for the shape whatever the GPU (benchmarks,
       tests).
@@ -170,9 +174,9 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   fp8 = jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
   rows = batch_size * q_tokens_per_seq
 
-  # 1. Hopper: the per-warp Mosaic-GPU kernel.
-  if backend == "mosaic_mma" or backend is None and gpu.is_hopper and (
-      paged_decode_mma.supports(
+  # 1. Hopper: the per-warp Mosaic-GPU kernel (per-tensor scales only).
+  if backend == "mosaic_mma" or backend is None and gpu.is_hopper and not (
+      fp8 and head_scales) and (paged_decode_mma.supports(
           dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
           page_size=page_size, group_size=group_size) is None):
     tiles = (2 if fp8 and head_dim <= 128
@@ -263,14 +267,17 @@ PREFILL_PERSISTENT_SPARE_RATIO = 2
 
 def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
             page_size: int | None, num_tokens: int, batch_size: int,
-            window_left: int = -1, backend: str | None = None) -> Choice:
+            window_left: int = -1, head_scales: bool = False,
+            backend: str | None = None) -> Choice:
   """The prefill kernel and its config for one call (static facts only).
 
   FP8 pages, under every rule: dequantized into a 16-bit pool first
   (`fp8_pages="dequantize"`) from `paged_prefill.DEQUANTIZE_MIN_ROWS` query
   rows (tokens x group) per sequence, where the gather's fixed cost per key
   is repaid; read in the kernel (`"kernel"`) below
-  (`paged_prefill.dequantize_pays`).
+  (`paged_prefill.dequantize_pays`). With per-KV-head scales always
+  dequantized (the gather scales each head; the kernels read one scale per
+  tensor).
 
   Rules, first match wins:
 
@@ -327,6 +334,8 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
     num_tokens: rows of q (the step's new tokens, padded).
     batch_size: sequences in the step.
     window_left: the sliding window (-1 = none).
+    head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`):
+      `fp8_pages="dequantize"` whatever the rows.
     backend: None (the rules above), or "triton" / "mosaic" to take that
       backend's config for the shape whatever the GPU (benchmarks, tests).
 
@@ -347,7 +356,7 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   kv_dtype = dtype if kv_dtype is None else kv_dtype
   fp8_pages = "auto"  # 16-bit pages: no FP8 to read
   if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
-    fp8_pages = "dequantize" if paged_prefill.dequantize_pays(
+    fp8_pages = "dequantize" if head_scales or paged_prefill.dequantize_pays(
         num_tokens=num_tokens, batch_size=batch_size,
         group_size=group_size) else "kernel"
   # Multi-token decode: sequences of up to this many new tokens run apart

@@ -14,6 +14,14 @@ head: FP8 pages at head_dim 64). Each split writes a normalised partial
 output and its log-sum-exp; a small jnp step combines the splits by LSE and
 adds the sinks to the denominator (FlashInfer `merge_state`).
 
+FP8 pages: scales per tensor or per KV head. Each program reads the scales
+of the kv heads it serves (one, or `pack_heads`): K's multiplies its query
+rows' logits (a scalar folded into the logits scale where every row has the
+same one, a per-row vector for packed heads with per-head scales) and V's
+its output rows before they are stored (before the split combine: a split's
+output is linear in V, its LSE depends on the logits only). The query
+keeps its dtype.
+
 Memory: K/V pages are read through masked gathers, so rows past `kv_lens[b]`,
 outside the window, or in pages past the split's end are never loaded (they may
 be NaN or belong to another sequence), and table entries outside the visible
@@ -29,11 +37,11 @@ Backends: `paged_decode` runs this module's Pallas-Triton kernel
 (`TritonConfig`) or the per-warp Mosaic-GPU kernel (`MmaConfig`,
 `paged_decode_mma`: `mma.sync` on fragments loaded straight from the pages).
 `pallas_kernels.dispatch.decode` picks one per call: the per-warp kernel on
-Hopper for bf16 / f16 q over pages of that dtype or FP8 ones, Triton for f32,
-other GPUs and interpret mode. The per-warp kernel, not a TMA / wgmma
-pipeline, serves Hopper because a page of a decode cache is a few KiB: a
-descriptor-driven copy and a producer / consumer hand-over per page cost more
-than they save there.
+Hopper for bf16 / f16 q over pages of that dtype or FP8 ones with per-tensor
+scales, Triton for f32, per-KV-head scales, other GPUs and interpret mode.
+The per-warp kernel, not a TMA / wgmma pipeline, serves Hopper because a
+page of a decode cache is a few KiB: a descriptor-driven copy and a
+producer / consumer hand-over per page cost more than they save there.
 """
 
 from __future__ import annotations
@@ -125,9 +133,11 @@ class TritonConfig:
       its logits are its own head's, and keeps its own head's columns of
       the output. The program then reads `pack_heads * head_dim`-wide rows
       for `pack_heads * group_size` query rows (the dots do `pack_heads`
-      times the FLOPs, which decode does not run short of). One difference
-      from unpacked heads: a non-finite K value in an owned row of one head
-      reaches the logits of the heads packed with it (0 * inf).
+      times the FLOPs, which decode does not run short of). Per-KV-head
+      FP8 scales then differ between a program's rows: each row's logits
+      and output take its own head's. One difference from unpacked heads:
+      a non-finite K value in an owned row of one head reaches the logits
+      of the heads packed with it (0 * inf).
     prefetch_ids: load each step's page ids one step ahead (carried through
       the loop) instead of at the step's start.
   """
@@ -188,8 +198,8 @@ def _paged_decode_kernel(
     v_table_ref,   # i32[max_pages] (row b)
     q_ref,         # [num_qo_heads, head_dim] (row b)
     sinks_ref,     # f32[num_qo_heads] | None
-    k_scale_ref,   # f32[1] of FP8 pages | None
-    v_scale_ref,   # f32[1] of FP8 pages | None
+    k_scale_ref,   # f32[1] | f32[pack] of FP8 pages (kv head k's) | None
+    v_scale_ref,   # f32[1] | f32[pack] of FP8 pages (kv head k's) | None
     k_pool_ref,    # [num_pages, page_size, <kv head k>, pack * head_dim]
     v_pool_ref,    # [num_pages', page_size, <kv head k>, pack * head_dim]
     o_ref,         # final: [num_qo_heads, head_dim] q.dtype (row b);
@@ -274,11 +284,22 @@ def _paged_decode_kernel(
   qk_scale = sm_scale if logits_soft_cap is not None else sm_scale * _LOG2E
   v_scale = None
   if k_scale_ref is not None:
-    # FP8 pages: K's scale folds into the logits scale and V's into the
-    # output, both exact (per-tensor scales); the tiles and q convert to f16
-    # for the dots (f32 for an f32 q): `_fp8`'s notes.
-    qk_scale = qk_scale * k_scale_ref[0]
-    v_scale = v_scale_ref[0]
+    # FP8 pages: a kv head's K scale multiplies its rows' logits and its V
+    # scale their output (the partial outputs are linear in V; the LSE
+    # depends on the logits only); the tiles and q convert to f16 for the
+    # dots (f32 for an f32 q): `_fp8`'s notes.
+    if k_scale_ref.shape[0] == 1:
+      # One scale for all rows (per-tensor scales, or an unpacked program's
+      # kv head): folded into the logits scale.
+      qk_scale = qk_scale * k_scale_ref[0]
+      v_scale = v_scale_ref[0]
+    else:
+      # Packed heads with per-KV-head scales: row r's head is the pack's
+      # (r // (group_size / pack))-th (as in `load_q`; padding rows, never
+      # stored, take the last head's), so the scales are per-row vectors.
+      row_head = jnp.minimum(group_row // (group_size // pack), pack - 1)
+      qk_scale = qk_scale * pltriton.load(k_scale_ref.at[row_head])[:, None]
+      v_scale = pltriton.load(v_scale_ref.at[row_head])[:, None]
     dot_dtype = _fp8.dot_dtype(qs[0].dtype)
     qs = tuple(_fp8.query_for_dots(q) for q in qs)
   page_iota = lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size), 0)
@@ -418,7 +439,8 @@ def _paged_decode_call(
     k_table,   # i32[batch_size, max_pages]
     v_table,   # i32[batch_size, max_pages]
     kv_lens,   # i32[batch_size]
-    scales=None,  # (k_scale f32[1], v_scale f32[1]) of FP8 pages | None
+    scales=None,  # (k_scale, v_scale) of FP8 pages, each f32[1] (per
+    #               tensor) or f32[num_kv_heads * pack] (per head) | None
     *,
     sm_scale: float,
     window_left: int,
@@ -434,7 +456,9 @@ def _paged_decode_call(
   num_kv_heads, k_splits, group_padded, head_dim], lse f32[batch_size,
   num_kv_heads, k_splits, group_padded])`, normalised per split, of which
   only the first `group_size` rows are written; empty splits give `o = 0,
-  lse = -inf`; sinks are left to `_combine`.
+  lse = -inf`; sinks are left to `_combine`. Per-head scales go to each
+  program as the `pack_heads` scales of the kv heads it serves (a block
+  of `f32[num_kv_heads * pack]`); a per-tensor scale as its one value.
   """
   batch_size, num_qo_heads, head_dim = q.shape
   _, page_size, num_kv_heads, width = k_pool.shape  # width: packed heads
@@ -445,6 +469,11 @@ def _paged_decode_call(
   final = ks == 1
   if not final:
     sinks = None
+  head_scales = scales is not None and scales[0].shape[0] > 1
+  if head_scales:
+    scale_spec = pl.BlockSpec((config.pack_heads,), lambda b, k, s: (k,))
+  else:
+    scale_spec = pl.BlockSpec((1,), lambda b, k, s: (0,))
   kernel = functools.partial(
       _paged_decode_kernel, sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
@@ -482,6 +511,7 @@ def _paged_decode_call(
           f"{'' if config.fp8_convert == 'loaded' else '_fp8' + config.fp8_convert}"
           f"{'' if config.pack_heads == 1 else f'_pk{config.pack_heads}'}"
           f"{'_pf' if config.prefetch_ids else ''}"
+          f"{'_hs' if head_scales else ''}"
           f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
   return pl.pallas_call(
       kernel,
@@ -493,8 +523,7 @@ def _paged_decode_call(
           pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
           None if sinks is None else pl.BlockSpec((num_qo_heads,),
                                                   lambda b, k, s: (0,)),
-          *([None, None] if scales is None else
-            [pl.BlockSpec((1,), lambda b, k, s: (0,))] * 2),
+          *([None, None] if scales is None else [scale_spec] * 2),
           pool_spec(k_pool.shape[0]),
           pool_spec(v_pool.shape[0]),
       ],
@@ -548,8 +577,8 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     config: TritonConfig | MmaConfig | None = None,
-    k_scale=None,  # f32[]: FP8 pages
-    v_scale=None,  # f32[]: FP8 pages
+    k_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """Flash-decoding over a paged KV cache (see the module docstring).
 
@@ -572,9 +601,13 @@ def paged_decode(
       `MmaConfig` (the per-warp Mosaic-GPU kernel); None =
       `dispatch.decode`'s choice for this call on
       `dispatch.current_gpu(interpret)`.
-    k_scale, v_scale: f32 scalars (traced) of FP8 pages: a stored value `x`
-      means `x * scale` (read in the kernel: K's scale folded into the
-      logits scale, V's into the output).
+    k_scale, v_scale: of FP8 pages, each an f32 scalar (a 0-d or
+      1-element array) or one per KV head (`f32[num_kv_heads]`); may be
+      traced: a stored value `x` of kv head `h` means `x * scale[h]`. Read
+      in the kernel: the Triton kernel multiplies each query row's logits
+      by its kv head's K scale and its output by the V scale (per-tensor
+      scales fold into the logits scale); the per-warp kernel takes
+      per-tensor scales only.
 
   Returns:
     `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -586,8 +619,10 @@ def paged_decode(
       128, 256}, a page_size that is not a power of two in [8, 128], other
       dtypes).
     ValueError: `config` of neither class; an `MmaConfig` in interpret mode,
-      or on a case `paged_decode_mma` does not serve (its errors); an
-      `MmaConfig` or `fp8_convert="pairs"` with FP8 pages where
+      on a case `paged_decode_mma` does not serve (its errors), or with
+      per-KV-head scales; a scale neither of one value nor of shape
+      `(num_kv_heads,)`; an `MmaConfig` or `fp8_convert="pairs"` with FP8
+      pages where
       `dispatch.current_gpu` is a GPU below compute capability 8.9 (no e4m3
       pair conversion; without a GPU, e.g. lowering for CUDA on a CPU host,
       it lowers); `pack_heads` that does not divide num_kv_heads or makes
@@ -600,9 +635,11 @@ def paged_decode(
   if reason is not None:
     raise NotImplementedError(f"paged_decode kernel: {reason}")
   group_size = num_qo_heads // num_kv_heads
+  head_scales = _fp8.is_per_head(k_scale, v_scale, num_kv_heads)
   if config is None:
-    config = _default_config(q, k_pool, k_table, interpret)
-  _check_config(config, k_scale, interpret)
+    config = _default_config(q, k_pool, k_table, interpret,
+                             head_scales=head_scales)
+  _check_config(config, k_scale, interpret, head_scales=head_scales)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   if isinstance(config, MmaConfig):
@@ -612,6 +649,7 @@ def paged_decode(
                        logits_soft_cap=logits_soft_cap, config=config,
                        interpret=interpret)
   pack = config.pack_heads
+  num_scales = num_kv_heads  # per-head scales: one per kv head, unpacked
   if pack > 1:
     if num_kv_heads % pack or pack * head_dim > 256:
       raise ValueError(
@@ -626,10 +664,13 @@ def paged_decode(
     k_pool, v_pool = _fp8.pair_view(k_pool), _fp8.pair_view(v_pool)
   scales = None
   if k_scale is not None:
-    # Two f32[1] inputs (free reshapes), not one stacked pair: a stack is
-    # one more small XLA kernel per call.
-    scales = tuple(jnp.asarray(x, jnp.float32).reshape(1)
-                   for x in (k_scale, v_scale))
+    # Two inputs, not one stacked pair (a stack is one more small XLA
+    # kernel per call): f32[1] each for per-tensor scales (free reshapes),
+    # else f32[num_kv_heads] each (a per-tensor scale beside a per-head one
+    # broadcast), read per program (`_paged_decode_call`).
+    shape = (num_scales,) if head_scales else (1,)
+    scales = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(-1),
+                                    shape) for x in (k_scale, v_scale))
   with suppress_triton_deprecation():
     o, lse = _paged_decode_call(
         q, sinks, k_pool, v_pool, k_table.astype(jnp.int32),
@@ -645,10 +686,12 @@ def paged_decode(
 
 
 def _default_config(q, k_pool, k_table, interpret: bool,
-                    num_rows: int | None = None) -> TritonConfig | MmaConfig:
+                    num_rows: int | None = None, *,
+                    head_scales: bool = False) -> TritonConfig | MmaConfig:
   """`dispatch.decode`'s config for a call with these q heads, pages and
   tables on `dispatch.current_gpu(interpret)`: `k_table`'s rows are the
-  sequences, each with `num_rows / rows` query rows (None: one)."""
+  sequences, each with `num_rows / rows` query rows (None: one);
+  `head_scales`: the FP8 scales are per KV head."""
   batch_size, max_pages = k_table.shape
   q_tokens_per_seq = 1
   if num_rows is not None and batch_size:
@@ -660,7 +703,7 @@ def _default_config(q, k_pool, k_table, interpret: bool,
       kv_dtype=k_pool.dtype, head_dim=head_dim,
       group_size=num_qo_heads // num_kv_heads, page_size=page_size,
       batch_size=batch_size, num_kv_heads=num_kv_heads, max_pages=max_pages,
-      q_tokens_per_seq=q_tokens_per_seq).config
+      q_tokens_per_seq=q_tokens_per_seq, head_scales=head_scales).config
 
 
 def _has_row(q_rows, num_tokens: int):
@@ -668,16 +711,24 @@ def _has_row(q_rows, num_tokens: int):
   return (q_rows >= 0) & (q_rows < num_tokens)
 
 
-def _check_config(config, k_scale, interpret: bool) -> None:
-  """Raises ValueError for a config of neither class, and where FP8 pages
-  would take a conversion the GPU lacks: the per-warp kernel and
-  `fp8_convert="pairs"` convert e4m3 pairs with `cvt.rn.f16x2.e4m3x2`
-  (compute capability >= 8.9). Without a GPU (interpret mode, or lowering
-  for CUDA on a CPU host) nothing is refused."""
+def _check_config(config, k_scale, interpret: bool, *,
+                  head_scales: bool = False) -> None:
+  """Raises ValueError for a config of neither class, an `MmaConfig` with
+  per-KV-head scales (`head_scales`: the per-warp kernel reads one scale
+  per tensor), and where FP8 pages would take a conversion the GPU lacks:
+  the per-warp kernel and `fp8_convert="pairs"` convert e4m3 pairs with
+  `cvt.rn.f16x2.e4m3x2` (compute capability >= 8.9). Without a GPU
+  (interpret mode, or lowering for CUDA on a CPU host) no conversion is
+  refused."""
   if not isinstance(config, (TritonConfig, MmaConfig)):
     raise ValueError(f"Invalid config: expected a TritonConfig or an "
                      f"MmaConfig, got {config!r}")
   mma = isinstance(config, MmaConfig)
+  if mma and head_scales:
+    raise ValueError(
+        "Invalid config: MmaConfig (backend 'mosaic_mma') reads one k_scale "
+        "/ v_scale per tensor, got per-KV-head scales (a TritonConfig reads "
+        "them)")
   if k_scale is None or not (mma or config.fp8_convert == "pairs"):
     return
   gpu = dispatch.current_gpu(interpret)
@@ -769,8 +820,8 @@ def paged_decode_rows(
     logits_soft_cap: float | None = None,
     interpret: bool = False,
     config: TritonConfig | MmaConfig | None = None,
-    k_scale=None,  # f32[]: FP8 pages
-    v_scale=None,  # f32[]: FP8 pages
+    k_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """Token rows of a prefill call decoded into its output, one query each.
 
@@ -823,15 +874,16 @@ def paged_decode_rows(
                      f"got {got}")
   num_tokens = q.shape[0]
   q_rows = q_rows.astype(jnp.int32)
+  head_scales = _fp8.is_per_head(k_scale, v_scale, k_pool.shape[2])
   if config is None:
     # Splits for all `num_rows` rows, though a CTA of the per-warp kernel
     # may serve several (`paged_decode_mma.row_packing`): most rows of a
     # call with prompts are empty, and splitting them would add a combine
     # and a scatter to the call (measured: docs/performance.md).
     config = _default_config(q, k_pool, k_table, interpret,
-                             num_rows=num_rows)
+                             num_rows=num_rows, head_scales=head_scales)
   if isinstance(config, MmaConfig) and not interpret:
-    _check_config(config, k_scale, interpret)
+    _check_config(config, k_scale, interpret, head_scales=head_scales)
     if sinks is not None:
       sinks = sinks.astype(jnp.float32)
     return _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,

@@ -76,9 +76,9 @@ are 8 bytes a lane. `dispatch.decode` takes steps of 32 keys there at
 head_dim <= 128 (measured: docs/performance.md).
 
 `dispatch.decode` sends a Hopper call with bf16 / f16 q over pages of that
-dtype or FP8 pages here (`paged_decode.MmaConfig`); f32, other GPUs and
-interpret mode take the Triton kernel (`supports` says why a case is not
-taken here).
+dtype or FP8 pages with per-tensor scales here (`paged_decode.MmaConfig`);
+f32, per-KV-head scales, other GPUs and interpret mode take the Triton
+kernel (`supports` says why a case is not taken here).
 """
 
 from __future__ import annotations
@@ -966,9 +966,10 @@ def paged_decode_mma(
     ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in
       (1, 2, 4), `final=True` with `k_splits > 1`, sinks with `final=False`
       or of another shape, an unknown `load_hint`, FP8 pages without both
-      scales (or scales with 16-bit pages), `q_rows` not of
-      `(batch_size,)` or tables whose rows do not divide it (or, without
-      `q_rows`, tables of other than `batch_size` rows), or `into` without
+      scales (or scales with 16-bit pages), a scale of more than one value
+      (per-KV-head scales), `q_rows` not of `(batch_size,)` or tables
+      whose rows do not divide it (or, without `q_rows`, tables of other
+      than `batch_size` rows), or `into` without
       `q_rows` and `final` (or of shapes or dtypes other than q's rows),
       `tokens_per_item` other than 1 without `q_rows`, or not dividing R,
       or over `8 * n_tiles / group_size`; `n_tiles` not 1 or 2.
@@ -1020,6 +1021,11 @@ def paged_decode_mma(
         f"{jnp.dtype(k_pool.dtype).name}, k_scale "
         f"{'set' if k_scale is not None else 'None'}, v_scale "
         f"{'set' if v_scale is not None else 'None'}")
+  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if x is not None and jnp.size(x) != 1:
+      raise ValueError(
+          f"Invalid shape of {name}: expected one scale per tensor (per-KV-"
+          f"head scales run the Triton kernel), got {jnp.shape(x)}")
   if k_splits < 1:
     raise ValueError(f"Invalid k_splits: expected >= 1, got {k_splits}")
   if tiles is None:

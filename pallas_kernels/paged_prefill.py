@@ -158,10 +158,12 @@ class PrefillConfig:
       (`paged_decode_mma.row_packing`).
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
       converted to f16 there, scales folded into the logits and the
-      output); "dequantize" first gathers the pages the tables name into a
-      compact pool in q's dtype, scaled (`_fp8.dequantize_pages`, one fused
-      XLA gather), and runs the 16-bit kernels on it; "auto" dequantizes
-      where `dequantize_pays` (the rule `dispatch.prefill` applies).
+      output; per-tensor scales only); "dequantize" first gathers the
+      pages the tables name into a compact pool in q's dtype, scaled per
+      tensor or per KV head (`_fp8.dequantize_pages`, one fused XLA
+      gather), and runs the 16-bit kernels on it; "auto" dequantizes where
+      `dequantize_pays`, and always with per-KV-head scales (the rule
+      `dispatch.prefill` applies).
   """
   backend: ClassVar[str]
   block_q: int = 16
@@ -203,13 +205,14 @@ class PrefillConfig:
                        f"{self.decode_rows_per_seq}")
 
   def dequantizes_fp8(self, *, num_tokens: int, batch_size: int,
-                      group_size: int) -> bool:
+                      group_size: int, head_scales: bool = False) -> bool:
     """Whether a call on FP8 pages runs on dequantized pages (`fp8_pages`;
-    "auto": `dequantize_pays`)."""
+    "auto": with per-KV-head scales, `head_scales`, or where
+    `dequantize_pays`)."""
     if self.fp8_pages != "auto":
       return self.fp8_pages == "dequantize"
-    return dequantize_pays(num_tokens=num_tokens, batch_size=batch_size,
-                           group_size=group_size)
+    return head_scales or dequantize_pays(
+        num_tokens=num_tokens, batch_size=batch_size, group_size=group_size)
 
   @property
   def plan_align(self) -> int:
@@ -696,8 +699,8 @@ def paged_prefill(
     interpret: bool = False,
     config: TritonConfig | MosaicConfig | None = None,
     plan: plan_lib.PrefillPlan | None = None,
-    k_scale=None,  # f32[]: FP8 pages
-    v_scale=None,  # f32[]: FP8 pages
+    k_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
 ):
   """Ragged prefill attention over a paged KV cache (the `impl="pallas"` path).
 
@@ -711,17 +714,20 @@ def paged_prefill(
   Args:
     q: `[num_tokens, num_qo_heads, head_dim]`; bf16, f16 or f32.
     k_pool, v_pool: `[num_pages, page_size, num_kv_heads, head_dim]`, dtype of
-      `q`, or float8_e4m3fn with `k_scale` / `v_scale` (f32 scalars, may be
-      traced; a stored value `x` means `x * scale`); page_size a power of
-      two. FP8 pages run in the backend the config names, as 16-bit pages
-      do (Mosaic GPU: TMA-staged FP8 tiles converted to f16 by the producer
-      warpgroup; Triton: tiles converted in registers; both run f16 dots),
-      or, where `config.dequantizes_fp8` (by default from
-      `DEQUANTIZE_MIN_ROWS` query rows per sequence, `dequantize_pays`),
-      are first gathered
-      and dequantized into a compact pool of q's dtype
-      (`_fp8.dequantize_pages`: the named pages only, `batch_size *
-      max_pages` of them, held for the call) that the 16-bit kernels read.
+      `q`, or float8_e4m3fn with `k_scale` / `v_scale` (each an f32 scalar
+      or one per KV head, `f32[num_kv_heads]`; may be traced; a stored
+      value `x` of kv head `h` means `x * scale[h]`); page_size a power of
+      two. FP8 pages with per-tensor scales run in the backend the config
+      names, as 16-bit pages do (Mosaic GPU: TMA-staged FP8 tiles
+      converted to f16 by the producer warpgroup; Triton: tiles converted
+      in registers; both run f16 dots), or, where `config.dequantizes_fp8`
+      (by default from `DEQUANTIZE_MIN_ROWS` query rows per sequence,
+      `dequantize_pays`), are first gathered and dequantized into a
+      compact pool of q's dtype (`_fp8.dequantize_pages`: the named pages
+      only, `batch_size * max_pages` of them, held for the call) that the
+      16-bit kernels read. Per-KV-head scales are always dequantized that
+      way, each head by its own scale (the kernels read one scale per
+      tensor), so the query keeps its dtype on every backend.
     k_table, v_table: `i32[batch_size, max_pages]`; entries outside a
       sequence's visible key range are never read (may be -1).
     q_indptr: `i32[batch_size + 1]`, cu_seqlens; tokens past `q_indptr[-1]`
@@ -747,7 +753,9 @@ def paged_prefill(
   Raises:
     ValueError: a plan built for a different block_q / num_tokens / batch;
       a `MosaicConfig` in interpret mode or one whose tiles do not fit the
-      group (`MosaicConfig.validate`).
+      group (`MosaicConfig.validate`); a scale neither of one value nor of
+      shape `(num_kv_heads,)`; per-KV-head scales with
+      `config.fp8_pages="kernel"`.
     NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
   """
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -755,16 +763,23 @@ def paged_prefill(
   group_size = num_qo_heads // num_kv_heads
   defaulted = config is None
   fp8 = k_scale is not None
+  head_scales = _fp8.is_per_head(k_scale, v_scale, num_kv_heads)
   if config is None:
     config = dispatch.prefill(
         gpu=dispatch.current_gpu(interpret), dtype=q.dtype,
         kv_dtype=k_pool.dtype, head_dim=head_dim, group_size=group_size,
         page_size=k_pool.shape[1], window_left=window_left,
-        num_tokens=num_tokens, batch_size=kv_lens.shape[0]).config
+        num_tokens=num_tokens, batch_size=kv_lens.shape[0],
+        head_scales=head_scales).config
   config.validate(group_size)
+  if head_scales and config.fp8_pages == "kernel":
+    raise ValueError(
+        "Invalid config.fp8_pages: 'kernel' reads one k_scale / v_scale per "
+        "tensor, got per-KV-head scales (expected 'dequantize' or 'auto')")
   if fp8 and config.dequantizes_fp8(num_tokens=num_tokens,
                                     batch_size=kv_lens.shape[0],
-                                    group_size=group_size):
+                                    group_size=group_size,
+                                    head_scales=head_scales):
     k_pool, k_table = _fp8.dequantize_pages(k_pool, k_table, k_scale, q.dtype)
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None

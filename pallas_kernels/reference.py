@@ -31,12 +31,16 @@ def _gather_kv(pool, table, scale=None):
 
   Entries < 0 are clipped to page 0; the caller masks those rows out before
   they can reach an output (NaNs are removed with `where`, never multiplied).
-  With `scale` (FP8 pages), the pages are dequantized: f32 `value * scale`.
+  With `scale` (FP8 pages: `f32[]`, or `f32[H]` one per KV head), the pages
+  are dequantized: f32 `value * scale[h]`.
   """
   b, p = table.shape
   _, ps, h, d = pool.shape
   pages = pool[jnp.clip(table, 0, pool.shape[0] - 1)]
   if scale is not None:
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.ndim:  # [H] -> [H, 1], over [..., H, D]
+      scale = scale.reshape(-1, 1)
     pages = pages.astype(jnp.float32) * scale
   return pages.reshape(b, p * ps, h, d)
 
@@ -93,8 +97,8 @@ def paged_decode_reference(
     v_table,    # i32[batch_size, max_pages]
     kv_lens,    # i32[batch_size]
     sinks=None,  # f32[num_qo_heads] | None
-    k_scale=None,  # f32[] | None: FP8 pages (value * k_scale)
-    v_scale=None,  # f32[] | None
+    k_scale=None,  # f32[] | f32[num_kv_heads] | None: FP8 (value * k_scale)
+    v_scale=None,  # f32[] | f32[num_kv_heads] | None
     *,
     sm_scale: float,
     window_left: int = -1,
@@ -105,9 +109,9 @@ def paged_decode_reference(
   Query `b` sees keys `j` with `max(0, kv_lens[b] - 1 - window_left) <= j <
   kv_lens[b]` (all of `j < kv_lens[b]` with `window_left = -1`); the GQA
   group of kv head `h` is query heads `h * group_size ..`. FP8 pages are
-  read as `value * k_scale` / `value * v_scale` in f32. The oracle of
-  `paged_decode` and `paged_decode_mma` (vLLM / FlashInfer paged decode;
-  sinks as gpt-oss's).
+  read as `value * k_scale` / `value * v_scale` in f32 (per-KV-head scales:
+  each head's own). The oracle of `paged_decode` and `paged_decode_mma`
+  (vLLM / FlashInfer paged decode; sinks as gpt-oss's).
 
   Returns `(out [batch_size, num_qo_heads, head_dim] q.dtype,
   lse f32[batch_size, num_qo_heads])`; an empty sequence gives zeros and
@@ -160,8 +164,8 @@ def paged_prefill_reference(
     q_indptr,   # i32[batch_size + 1]
     kv_lens,    # i32[batch_size]
     sinks=None,  # f32[num_qo_heads] | None
-    k_scale=None,  # f32[] | None: FP8 pages (value * k_scale)
-    v_scale=None,  # f32[] | None
+    k_scale=None,  # f32[] | f32[num_kv_heads] | None: FP8 (value * k_scale)
+    v_scale=None,  # f32[] | f32[num_kv_heads] | None
     *,
     causal: bool = True,
     sm_scale: float,
@@ -174,7 +178,8 @@ def paged_prefill_reference(
   Sequence `b`'s new tokens are rows `q_indptr[b] .. q_indptr[b + 1]` of
   `q`, its last `q_len` positions; visibility is the module docstring's rule
   (FlashInfer's `BatchPrefillWithPagedKVCache`). FP8 pages are read as
-  `value * scale` in f32. The oracle of `paged_prefill` (both backends).
+  `value * scale` in f32 (per-KV-head scales: each head's own). The oracle
+  of `paged_prefill` (both backends).
 
   Tokens are processed `chunk` at a time (`lax.map`); each token gathers its
   own sequence's pages, so memory is `chunk * max_pages * page_size * H * D`.

@@ -32,7 +32,8 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # FP8 KV pages (vLLM `--kv-cache-dtype fp8`, FlashInfer `kv_data_type=
 # float8_e4m3fn`): stored value = x / scale, saturated to +-FP8_MAX; read as
-# value * scale. One f32 scale per K tensor and one per V tensor (per layer).
+# value * scale. One f32 scale per K tensor and one per V tensor (per layer),
+# or one per KV head of each (`check_scales`).
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 KV_DTYPES = SUPPORTED_DTYPES + (FP8_DTYPE,)
@@ -256,45 +257,6 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache",
 def is_per_head(scales) -> bool:
   """`check_scales`' result holds a per-KV-head scale."""
   return scales[0] is not None and max(s.ndim for s in scales) == 1
-
-
-def fold_head_scales(q, scales, num_kv_heads: int):
-  """Per-KV-head scales as the kernels' per-tensor ones.
-
-  Attention reads page values times their head's scale. For query head `h`
-  (of KV head `h // group`), `q . (k * ks) = (q * ks) . k` and the output is
-  linear in `v`, so the K scale is folded into the query and the V scale
-  into the output: the logits, their soft cap, the sinks and the LSE are
-  unchanged, and every kernel keeps its one-scalar path. The scaled query
-  is f32 (rounding it back to a 16-bit dtype would add an error of
-  `|logit| * 2**-9` to each logit); the output is cast back to `q.dtype`
-  after its scale.
-
-  Args:
-    q: `[num_tokens, num_qo_heads, head_dim]`.
-    scales: `check_scales`' result.
-
-  Returns:
-    `(q, out_scale, scales)`: unchanged with `out_scale=None` for per-tensor
-    scales (or none); else the scaled f32 query, `(f32[num_qo_heads],
-    q.dtype)` for `scale_output`, and unit scales for the kernel.
-  """
-  if not is_per_head(scales):
-    return q, None, scales
-  group = q.shape[1] // num_kv_heads
-  ks, vs = (jnp.repeat(jnp.broadcast_to(s, (num_kv_heads,)), group)
-            for s in scales)
-  one = jnp.ones((), jnp.float32)
-  return q.astype(jnp.float32) * ks[:, None], (vs, q.dtype), (one, one)
-
-
-def scale_output(out, out_scale):
-  """`out` `[..., num_qo_heads, head_dim]` times `fold_head_scales`'
-  per-head V scale, in its dtype (None: unchanged)."""
-  if out_scale is None:
-    return out
-  scale, dtype = out_scale
-  return (out.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
 
 def unit_head_scales(x, scale):

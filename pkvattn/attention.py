@@ -31,7 +31,8 @@ def _resolve_impl(impl: Implementation | None) -> str:
 
 def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q,
                    k_scale=None, v_scale=None):
-  """Trace-time checks; returns the FP8 scales (`f32[]` each, or None)."""
+  """Trace-time checks; returns the FP8 scales (`f32[]` or
+  `f32[num_kv_heads]` each, or None)."""
   _checks.check_ndim(q, (3,), name_q)
   _checks.check_dtype(q, _kv.SUPPORTED_DTYPES, name_q)
   scales = _kv.check_scales(view.k_pool, k_scale, v_scale,
@@ -133,11 +134,14 @@ def paged_decode(
       stored value = x / scale). Required with FP8 pages, refused
       otherwise. Each must be finite and `>= 2**-126` (the smallest normal
       f32): Python and numpy numbers are checked at trace time, jax arrays
-      in checked mode. The kernels
-      read FP8 pages and dequantize on the fly (K's scale folded into the
-      logits scale, V's into the output); accumulation is f32. Per-head
-      scales are folded into `q` (scaled in f32) and the output before and
-      after the kernel (`_kv.fold_head_scales`).
+      in checked mode. The kernels read FP8 pages and dequantize on the
+      fly (K's scale folded into the logits scale, V's into the output);
+      accumulation is f32 and `q` keeps its dtype. Per-head scales are
+      read per KV head: the Triton decode kernel multiplies each query
+      row's logits by its kv head's K scale and its output by the V scale
+      (on Hopper, per-head decode runs that kernel: the Mosaic-GPU one
+      reads one scale per tensor), and the xla path dequantizes each
+      head's pages by its own scales.
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
@@ -173,8 +177,6 @@ def paged_decode(
                        num_tokens=q.shape[0], window_left=window_left)
     ok = _contract.both(ok, _kv.run_scale_contract(scales, k_scale, v_scale))
   kv_lens = kv_lens.astype(jnp.int32)
-  q, out_scale, scales = _kv.fold_head_scales(q, scales,
-                                              view.num_kv_heads)
 
   def body():
     if q.shape[0] == 0:
@@ -193,7 +195,6 @@ def paged_decode(
 
   with _contract.unchecked():  # the kernels: their unchecked compilation
     out, lse = _contract.guard(ok, body, lambda: _violated(q))
-  out = _kv.scale_output(out, out_scale)
   return (out, lse) if return_lse else out
 
 
@@ -260,7 +261,12 @@ def paged_prefill(
       first dequantizes the pages the table names into a compact 16-bit
       pool (one XLA gather, `batch_size * max_pages` pages held for the
       call) and runs the 16-bit kernels, which is faster for prompts
-      (`pallas_kernels.paged_prefill.PrefillConfig.fp8_pages`).
+      (`pallas_kernels.paged_prefill.PrefillConfig.fp8_pages`). Per-head
+      scales always take that path there (each head's pages scaled by its
+      own; the prefill kernels read one scale per tensor), except calls
+      that run as decode rows (`causal` with `num_tokens <= batch_size`),
+      which read them per KV head as `paged_decode` does; the xla path
+      applies them per KV head as well.
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
@@ -293,8 +299,6 @@ def paged_prefill(
                        window_left=window_left)
     ok = _contract.both(ok, _kv.run_scale_contract(scales, k_scale, v_scale))
   kv_lens = kv_lens.astype(jnp.int32)
-  q, out_scale, scales = _kv.fold_head_scales(q, scales,
-                                              view.num_kv_heads)
   q_indptr = q_indptr.astype(jnp.int32)
 
   def body():
@@ -319,7 +323,6 @@ def paged_prefill(
 
   with _contract.unchecked():  # the kernels: their unchecked compilation
     out, lse = _contract.guard(ok, body, lambda: _violated(q))
-  out = _kv.scale_output(out, out_scale)
   return (out, lse) if return_lse else out
 
 

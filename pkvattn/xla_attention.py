@@ -27,7 +27,8 @@ runs well on a CPU or on GPUs without the Pallas kernels:
   block is converted to f32 (only gathered values convert, never the pool:
   with a float8_e4m3fn loop operand XLA's CPU backend, which has no FP8
   gather, converted the whole pool before the loop); `k_scale` is folded
-  into the query's logit scale and `v_scale` into the output.
+  into the query's logit scale and `v_scale` into the output (per-KV-head
+  scales: each kv head's into its group's query rows and output rows).
 * Sinks (gpt-oss) join the final denominator only; `lse` is over the visible
   keys (sink excluded); a row with no visible key gives zeros and `-inf`.
 
@@ -81,6 +82,14 @@ def block_sizes(num_tokens: int, page_size: int, *, batch_size: int = 1,
   return bq, bk - bk % page_size
 
 
+def _head_scale(scale, trailing: int):
+  """An FP8 scale as f32: a scalar unchanged, one per KV head
+  (`[num_kv_heads]`) with `trailing` unit dimensions appended, to broadcast
+  over its head's axis."""
+  scale = jnp.asarray(scale, jnp.float32)
+  return scale.reshape(scale.shape + (1,) * trailing) if scale.ndim else scale
+
+
 def _tiles(q_indptr, kv_lens, block_q: int, num_tiles: int):
   """Per-tile `(seq, first token, rows, first position)`, each `i32[num_tiles]`
   (tiles past the last real one get `rows = 0`), then each sequence's first
@@ -114,8 +123,8 @@ def paged_prefill(
     q_indptr,   # i32[batch_size + 1]
     kv_lens,    # i32[batch_size]
     sinks=None,  # f32[num_qo_heads] | None
-    k_scale=None,  # f32[] | None: FP8 pages (value * k_scale)
-    v_scale=None,  # f32[] | None
+    k_scale=None,  # f32[] | f32[num_kv_heads] | None: FP8 (value * k_scale)
+    v_scale=None,  # f32[] | f32[num_kv_heads] | None
     *,
     causal: bool = True,
     sm_scale: float,
@@ -151,8 +160,8 @@ def paged_prefill(
   v_table = jnp.pad(v_table, ((0, 0), (0, pad_pages)), constant_values=-1)
   q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))
   logit_scale = jnp.float32(sm_scale)
-  if k_scale is not None:
-    logit_scale = logit_scale * k_scale
+  if k_scale is not None:  # [hkv, 1, 1] per head: over [bq, hkv, g, d]
+    logit_scale = logit_scale * _head_scale(k_scale, 2)
   r = bq * g
   row_token = jnp.arange(r, dtype=jnp.int32) // g  # row = token * g + head
 
@@ -176,7 +185,7 @@ def paged_prefill(
   def one_tile(args):
     b, t0, n_rows, p0 = args
     qt = lax.dynamic_slice(q_pad, (t0, 0, 0), (bq, hq, d)).astype(jnp.float32)
-    qt = (qt * logit_scale).reshape(bq, hkv, g, d).transpose(1, 0, 2, 3)
+    qt = (qt.reshape(bq, hkv, g, d) * logit_scale).transpose(1, 0, 2, 3)
     qt = qt.reshape(hkv, r, d)
     q_pos = p0 + row_token                       # [R]
     row_ok = row_token < n_rows
@@ -234,6 +243,9 @@ def paged_prefill(
 
   out_t, lse_t = lax.map(one_tile, (seq, first, rows, pos0))
   if v_scale is not None:
+    v_scale = _head_scale(v_scale, 1)
+    if v_scale.ndim:  # [hq, 1] per head: over [tiles, bq, hq, d]
+      v_scale = jnp.repeat(v_scale, g, axis=0)
     out_t = out_t * v_scale
 
   # Token t of sequence b sits in tile starts[b] + (t - q_indptr[b]) // bq.

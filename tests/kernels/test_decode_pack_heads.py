@@ -142,16 +142,18 @@ def test_pack_heads_bad_config():
                                                      pack_heads=pack))
 
 
-@pytest.mark.parametrize("k_splits", [1, 2])
-def test_packed_kernel_lowers_for_cuda(k_splits):
+@pytest.mark.parametrize("k_splits, scale_shape", [(1, ()), (2, ()),
+                                                   (2, (8,))])
+def test_packed_kernel_lowers_for_cuda(k_splits, scale_shape):
   """Cross-lowered for CUDA on any host (the Triton lowering, not interpret
   mode): the packed kernel, its block-diagonal q load and its 3-D output
-  select lower with this jax, into a kernel whose pools are 128 wide."""
+  select lower with this jax, into a kernel whose pools are 128 wide; with
+  per-KV-head scales (`scale_shape` `(8,)`), its per-row scale gathers."""
   sds = jax.ShapeDtypeStruct
   args = [sds((3, 32, 64), jnp.bfloat16), sds((64, 16, 8, 64), FP8),
           sds((64, 16, 8, 64), FP8), sds((3, 16), jnp.int32),
           sds((3, 16), jnp.int32), sds((3,), jnp.int32),
-          sds((), jnp.float32), sds((), jnp.float32)]
+          sds(scale_shape, jnp.float32), sds(scale_shape, jnp.float32)]
   cfg = kernel.TritonConfig(pages_per_block=4, k_splits=k_splits,
                             num_warps=4, pack_heads=2)
   f = jax.jit(lambda q, kp, vp, kt, vt, n, a, b: kernel.paged_decode(
@@ -159,3 +161,4 @@ def test_packed_kernel_lowers_for_cuda(k_splits):
       v_scale=b))
   text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "paged_decode_g8_d128_ps16_ppb4" in text and "_pk2" in text
+  assert ("_hs" in text) == bool(scale_shape)

@@ -58,15 +58,19 @@ def test_fp8_pages_modes_match_oracle(mode, fmt, kw):
                             logits_soft_cap=kw.get("logits_soft_cap"))
 
 
-def test_dequantize_pages_gathers_and_scales():
+@pytest.mark.parametrize("scale", [0.02, np.float32([0.02, 0.5])])
+def test_dequantize_pages_gathers_and_scales(scale):
+  """A scale per tensor, or one per KV head (`f32[num_kv_heads]`, over
+  the pages' head axis)."""
   rng = np.random.default_rng()
   pool = _kv.quantize(jnp.asarray(rng.standard_normal((6, 8, 2, 64)) * 3,
                                   jnp.float32), 0.02)
   table = jnp.asarray([[4, 0, -1], [2, 5, 1]], jnp.int32)
-  pages, new_table = _fp8.dequantize_pages(pool, table, 0.02, jnp.bfloat16)
+  pages, new_table = _fp8.dequantize_pages(pool, table, scale, jnp.bfloat16)
   assert pages.shape == (6, 8, 2, 64) and pages.dtype == jnp.bfloat16
   assert new_table.shape == table.shape
-  want = np.asarray(pool, np.float32).astype(np.float64) * np.float32(0.02)
+  want = np.asarray(pool, np.float32).astype(np.float64) * np.reshape(
+      np.float32(scale), (-1, 1))
   for b in range(2):
     for i in range(3):
       if table[b, i] >= 0:

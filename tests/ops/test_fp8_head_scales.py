@@ -4,8 +4,13 @@ The heads of a pool hold values of very different magnitudes (head 1's are
 40x head 0's), so one scale per tensor would flush head 0 to a few FP8
 steps. Pages are quantized per head in numpy; the attention oracle is
 `attention_utils.dense_attention` (float64) over the dequantized pages, with
-NaN in every page no sequence owns and every row past `kv_lens`. The append
-ops are checked against the numpy storage rule per head.
+NaN in every page no sequence owns and every row past `kv_lens`: the public
+ops (both impls), the Triton decode kernel itself in interpret mode (one or
+two kv heads per program, "loaded" and "pairs" conversion, splits, window,
+soft cap, sinks, an f32 query) and the prefill path that dequantizes pages
+per head (its oracle reads the pages as it does: rounded once to q's dtype).
+The append ops are checked against the numpy storage rule per head, and the
+kernels that read one scale per tensor refuse per-head ones.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import pytest
 
 import attention_utils as au
 import pkvattn
+from pkvattn import _kv
+from pkvattn.pallas_kernels import paged_decode as decode_kernel
+from pkvattn.pallas_kernels import paged_prefill as prefill_kernel
 import rope_utils
 
 FP8 = jnp.float8_e4m3fn
@@ -27,9 +35,11 @@ HKV = 2
 MAGNITUDE = np.array([1.0, 40.0])  # per KV head
 
 
-def _per_head_paged(rng, lens, *, page_size, head_dim, fmt):
+def _per_head_paged(rng, lens, *, page_size, head_dim, fmt, round_to=None):
   """FP8 pages quantized per head: (paged, kv_cache, dequantized K / V
-  truths per sequence, k_scale f32[HKV], v_scale f32[HKV])."""
+  truths per sequence, k_scale f32[HKV], v_scale f32[HKV]). With
+  `round_to` (a dtype), each truth value is `value * scale` in f32 rounded
+  once to it, as `_fp8.dequantize_pages` writes the pages."""
   p = au.make_paged(rng, lens, page_size=page_size, num_kv_heads=HKV,
                     head_dim=head_dim, dtype=jnp.float32, fmt=fmt)
   mag = MAGNITUDE[None, None, :, None]
@@ -51,10 +61,27 @@ def _per_head_paged(rng, lens, *, page_size, head_dim, fmt):
     cache = jnp.asarray(np.stack([kq, vq], axis=1))
 
   def truth(xs, scale):
-    return [au.quantize_np(x * MAGNITUDE[None, :, None] / scale[None, :, None],
-                           1.0).astype(np.float64) * scale[None, :, None]
-            for x in xs]
+    out = []
+    for x in xs:
+      q8 = au.quantize_np(x * MAGNITUDE[None, :, None] / scale[None, :, None],
+                          1.0)
+      if round_to is None:
+        out.append(q8.astype(np.float64) * scale[None, :, None])
+      else:
+        deq = q8.astype(np.float32) * scale[None, :, None]
+        out.append(np.asarray(jnp.asarray(deq, round_to), np.float64))
+    return out
   return p, cache, truth(p.k, ks), truth(p.v, vs), ks, vs
+
+
+def _in_head_units(out, tv, g):
+  """`out [T, HKV * g, D]` and the V truths in units of each kv head's
+  value range (divided by its `MAGNITUDE`; attention is linear in V):
+  rounding in `P @ V` is relative to the values, 40x larger in head 1,
+  so tolerances meant for values of about 1 hold there."""
+  per_q_head = np.repeat(MAGNITUDE, g)[None, :, None]
+  return (np.asarray(jnp.asarray(out, jnp.float32)) / per_q_head,
+          [v / MAGNITUDE[None, :, None] for v in tv])
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
@@ -80,12 +107,50 @@ def test_decode_per_head_scales(impl, fmt, g, kw):
                            sinks=sinks)
 
 
+@pytest.mark.parametrize("fmt, pack, convert, k_splits, kw, q_dtype", [
+    ("pair", 1, "loaded", 2, dict(window_left=20), jnp.bfloat16),
+    ("flashinfer", 2, "pairs", 2, dict(logits_soft_cap=8.0), jnp.bfloat16),
+    ("pair", 2, "loaded", 1, dict(sinks=True, window_left=40), jnp.float32)])
+def test_decode_kernel_per_head_scales(fmt, pack, convert, k_splits, kw,
+                                       q_dtype):
+  """The Triton kernel reads each kv head's scales: with `pack_heads=2` one
+  program's rows belong to both heads (40x apart), so each row's logits
+  and output take its own head's (errors in `_in_head_units`)."""
+  rng = np.random.default_rng()
+  g, d, lens = 3, 64, [1, 7, 33, 0, 70]
+  p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=8,
+                                             head_dim=d, fmt=fmt)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  q, sinks, kw = au.query_and_sinks(rng, len(lens), g * HKV, d, kw)
+  cfg = decode_kernel.TritonConfig(pages_per_block=2, k_splits=k_splits,
+                                   num_warps=2, fp8_convert=convert,
+                                   pack_heads=pack)
+  out, lse = decode_kernel.paged_decode(
+      jnp.asarray(q, q_dtype), view.k_pool, view.v_pool, view.k_table,
+      view.v_table, jnp.asarray(lens),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
+      interpret=True, config=cfg, k_scale=jnp.asarray(ks),
+      v_scale=jnp.asarray(vs), **kw)
+  assert out.shape == q.shape and out.dtype == q_dtype
+  out, tv = _in_head_units(out, tv, g)
+  au.assert_decode_matches(out, lse, q, tk, tv, lens, q_dtype,
+                           sm_scale=d**-0.5,
+                           window_left=kw.get("window_left", -1),
+                           logits_soft_cap=kw.get("logits_soft_cap"),
+                           sinks=sinks)
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_prefill_per_head_scales_mixed_batch(impl):
+  """Chunks beside decode rows: the pallas path dequantizes the pages per
+  head into bf16 (the oracle reads them so) and runs the 16-bit kernels;
+  the xla path scales q and the output per head in f32. Errors in
+  `_in_head_units` (bf16 `P @ V`)."""
   rng = np.random.default_rng()
   g, d, lens, q_lens = 2, 64, [40, 1, 29, 9], [17, 1, 29, 1]
-  p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=8,
-                                             head_dim=d, fmt="pair")
+  p, cache, tk, tv, ks, vs = _per_head_paged(
+      rng, lens, page_size=8, head_dim=d, fmt="pair",
+      round_to=jnp.bfloat16 if impl == "pallas" else None)
   indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   q = np.asarray(jnp.asarray(rng.standard_normal((int(indptr[-1]) + 3,
                                                   g * HKV, d)),
@@ -94,8 +159,33 @@ def test_prefill_per_head_scales_mixed_batch(impl):
       jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
       jnp.asarray(indptr), jnp.asarray(lens), return_lse=True, impl=impl,
       k_scale=ks, v_scale=jnp.asarray(vs))
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  out, tv = _in_head_units(out, tv, g)
   au.assert_prefill_matches(out, lse, q, tk, tv, indptr, lens, jnp.bfloat16,
                             sm_scale=d**-0.5)
+
+
+def test_one_scale_per_tensor_kernels_refuse_per_head_scales():
+  """The per-warp Mosaic-GPU decode kernel and the prefill kernels' FP8
+  tiles read one scale per tensor: per-head scales are refused there
+  (trace time), not applied as one."""
+  cache = jnp.zeros((4, 8, HKV, 64), FP8)
+  table, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+  q = jnp.zeros((1, 4, 64), jnp.bfloat16)
+  heads = jnp.ones((HKV,), jnp.float32)
+  with pytest.raises(ValueError, match=r"Invalid config: MmaConfig .* "
+                     r"per-KV-head scales"):
+    decode_kernel.paged_decode(
+        q, cache, cache, table, table, lens, sm_scale=0.125,
+        config=decode_kernel.MmaConfig(k_splits=1), k_scale=heads,
+        v_scale=1.0)
+  cfg = prefill_kernel.TritonConfig(block_q=16, fp8_pages="kernel")
+  with pytest.raises(ValueError, match=r"Invalid config.fp8_pages: 'kernel' "
+                     r".*per-KV-head scales"):
+    prefill_kernel.paged_prefill(
+        q, cache, cache, table, table, jnp.asarray([0, 1]), lens,
+        sm_scale=0.125, interpret=True, config=cfg, k_scale=1.0,
+        v_scale=heads)
 
 
 def test_equal_head_scales_match_the_tensor_scale():
