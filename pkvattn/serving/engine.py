@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pkvattn import _checks
 from pkvattn.models import Model
 from pkvattn.sampling import SamplingParams
 from pkvattn.serving import programs as _programs
@@ -100,14 +99,6 @@ class Engine:
       config = dataclasses.replace(
           config, num_slots=_slots_for_memory(config, mcfg, dtype))
     self._fp8 = jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    if (self._fp8 and config.kv_scales == "per_head" and config.impl != "xla"
-        and _checks.is_gpu()):
-      warnings.warn(
-          "kv_scales='per_head' on a GPU: attention takes the query in f32 "
-          "(each head's K scale folded into it), which no Hopper kernel "
-          "reads; decode runs the f32 Triton kernel, many times slower than "
-          "with per-tensor scales (docs/fp8.md)", RuntimeWarning,
-          stacklevel=2)
     self._needs_calibration = self._fp8 and config.k_scale is None
     # FP8 scales, calibrated or given, are checked once against the first
     # requests' prompts (`_calibrate`).

@@ -284,17 +284,3 @@ def test_per_head_given_scale_warns_per_head(two_head_model):
   with pytest.warns(RuntimeWarning, match=r"layer 0 head 0 K: scale 0.0001 "
                     r"saturates"):
     engine.generate(_prompt(), SamplingParams(max_new_tokens=1))
-
-
-@pytest.mark.parametrize("gpu, kv_scales, impl, warns", [
-    (True, "per_head", None, True), (True, "per_tensor", None, False),
-    (True, "per_head", "xla", False), (False, "per_head", None, False)])
-def test_per_head_scales_on_a_gpu_warn_of_the_slow_kernel(
-    two_head_model, monkeypatch, gpu, kv_scales, impl, warns):
-  monkeypatch.setattr(_checks, "is_gpu", lambda: gpu)
-  cfg = dataclasses.replace(CFG, kv_scales=kv_scales, impl=impl)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    Engine(two_head_model, cfg)
-  slow = [w for w in caught if "f32 Triton kernel" in str(w.message)]
-  assert len(slow) == int(warns), [str(w.message) for w in caught]
