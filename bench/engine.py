@@ -49,8 +49,8 @@ Modes (one process each, correctness first):
   workload (256 chat-templated questions, EOS honoured). Checks first:
   greedy tokens of both engines on the first prompts (agreement reported;
   random bf16 weights make near-ties, so it is a report, not a gate).
-  vLLM comes from `--vllm-site` (appended to sys.path; see
-  `bench/tools/vllm_wheels.sh`).
+  vLLM is installed on a GPU machine without a registry by
+  `bench/tools/vllm_wheels.sh`.
 * `--load-only`: start-up of the built-in GGUF models: `load_model` wall
   time from call to ready parameters and tokenizer, split by phase (read,
   config, tokenizer, dequantize, host copy, device transfer), each load in
@@ -704,9 +704,6 @@ def _child_pkvattn(args, ckpt, prompts, chat):
 
 
 def _child_vllm(args, ckpt, prompts, chat):
-  import sys
-  if args.vllm_site:
-    sys.path.append(args.vllm_site)  # after the image's own packages
   import torch
   import vllm
   from vllm import LLM
@@ -808,8 +805,6 @@ def vllm_main(args):
            str(args.new_tokens), "--gpu-memory-utilization",
            str(args.gpu_memory_utilization),
            "--eos-ids", ",".join(map(str, cfg.eos_token_ids))]
-    if args.vllm_site:
-      cmd += ["--vllm-site", args.vllm_site]
     if args.cache_dir:
       cmd += ["--cache-dir", args.cache_dir]
     if args.small:
@@ -903,9 +898,6 @@ def main(argv=None):
                   default="random", help="--vllm: checkpoint weights")
   ap.add_argument("--ckpt-dir", default=None,
                   help="--vllm: checkpoint directory (written if missing)")
-  ap.add_argument("--vllm-site", default=None,
-                  help="--vllm: folder with vLLM installed (appended to "
-                  "sys.path)")
   ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                   help="--vllm: vLLM's gpu_memory_utilization")
   ap.add_argument("--child-in", help=argparse.SUPPRESS)

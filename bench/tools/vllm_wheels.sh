@@ -10,20 +10,19 @@
 # Llama model and the FA3 / FlashInfer attention backends import at module
 # level (read off vLLM's sources by their import statements; HTTP-server,
 # structured-output, multimodal-media and MoE-only dependencies are left
-# out). Everything is installed with --no-deps into /tmp/vllm_site, which the
-# benchmark APPENDS to sys.path (`bench.engine --vllm-site`), so the image's
-# own copy of any package wins.
+# out). Everything is installed with --no-deps into /tmp/vllm_site, which a
+# .pth file in the interpreter's site-packages APPENDS to sys.path, so the
+# image's own copy of any package wins. A .pth file, not `sys.path.append`:
+# vLLM inspects model classes in a subprocess (`python -m ...`), which would
+# not see a path appended at run time.
 #
 # Trimmed from the vllm wheel: vllm_flash_attn/_vllm_fa2_C.abi3.so (FlashAttention
 # 2, for pre-Hopper GPUs; vLLM picks FA3 on compute capability 9.x and
 # imports FA2 inside try/except) and the vllm-rs binary (the Rust HTTP
 # frontend of `vllm serve`). RECORD drops their lines.
 #
-# Checked on a CPU machine (Python 3.11, CPU torch, the same packages in
-# their cp311 builds): `from vllm import LLM` and vLLM's engine core,
-# executors, GPU worker and model runner, Llama model, model loader,
-# compilation backend, FA3 / FlashInfer backends and flashinfer import with
-# this set appended to sys.path; not run on a GPU here.
+# Run on an H200 (`bench.engine --vllm`): vLLM's V1 engine with
+# torch.compile, CUDA graphs and its FA3 backend.
 #
 # Usage:
 #   here (network):  bash bench/tools/vllm_wheels.sh download
@@ -33,8 +32,8 @@
 #   briefly between calls), each run() carrying that one folder:
 #                    bash bench/tools/vllm_wheels.sh stash
 #   device, last:    bash bench/tools/vllm_wheels.sh install
-#       -> /tmp/vllm_site; check: PYTHONPATH= python3 -c "import sys;
-#          sys.path.append('/tmp/vllm_site'); import vllm; print(vllm.__version__)"
+#       -> /tmp/vllm_site, on sys.path through zz_vllm_site.pth;
+#          check: python3 -c "import vllm; print(vllm.__version__)"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DOWNLOADS="${VLLM_WHEELS_DIR:-/tmp/vllm_wheels}/pip"  # as pip fetched them
@@ -127,9 +126,8 @@ case "${1:-}" in
     fi
     mkdir -p /tmp/vllm_wheels_dev && tar -C /tmp/vllm_wheels_dev -xf /tmp/vllm_wheels.tar
     python3 -m pip install -q --no-index --no-deps --target "$SITE" /tmp/vllm_wheels_dev/*.whl
+    echo "$SITE" > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz_vllm_site.pth"
     python3 - <<PY
-import sys
-sys.path.append("$SITE")
 import vllm, flashinfer
 from vllm import LLM, SamplingParams
 print("vllm", vllm.__version__, "flashinfer", flashinfer.__version__)
