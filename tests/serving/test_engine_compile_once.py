@@ -193,8 +193,11 @@ def test_released_executables_unmap_their_memory(model):
   # (the engine's per-process executables, jax's caches) still holds them.
   memory_maps.release_executables()
   before = memory_maps.count()
-  engine = Engine(model, dataclasses.replace(CFG, max_seqs=3, check=False))
-  engine.warmup()  # shapes no other test compiles
+  # Shapes no other test compiles; two programs (no bursts, one bucket).
+  engine = Engine(model, dataclasses.replace(
+      CFG, max_seqs=3, check=False, decode_steps=1, token_buckets=(32,)))
+  engine.warmup()
+  assert len(engine.programs()) == 2
   grown = memory_maps.count() - before
   assert grown > 100 * len(engine.programs())
   del engine
