@@ -21,7 +21,8 @@ Modes (one process each, correctness first):
   "fp8_e4m3" (scales calibrated from the prompts), 256 prompts of 1,024
   tokens, 128 new tokens: decode / prefill tok/s after `warmup()`, token
   agreement, and for a KV byte budget (`--kv-gib`) the slots and sequences
-  each dtype holds. `--trace` profiles a second generate's decode phase:
+  each dtype holds. `--per-head`: a third arm, FP8 with per-KV-head scales
+  (`kv_scales="per_head"`), its decode / prefill tok/s over per-tensor's. `--trace` profiles a second generate's decode phase:
   GPU-busy time per step by kernel kind against the step's wall time, and
   the GPU's idle time per step by gap size (`timing.idle_gaps`).
 * `--serving`: SmolLM2-135M's shape (`--model llama1b`: Llama-3.2-1B's),
@@ -313,19 +314,22 @@ def fp8_main(args, env):
   total = args.prompt_len + args.new_tokens
   blocks = -(-total // page_size)
   rows, outs = [], {}
-  for dt in ("auto", "fp8_e4m3"):
+  arms = [("auto", "per_tensor"), ("fp8_e4m3", "per_tensor")]
+  if args.per_head:
+    arms.append(("fp8_e4m3", "per_head"))
+  for dt, kv_scales in arms:
     cfg = EngineConfig(
         page_size=page_size, num_slots=args.num_prompts * blocks + 8,
         max_seqs=args.num_prompts, max_num_tokens=8192,
         max_model_len=blocks * page_size, impl="pallas",
         enable_prefix_reuse=False, decode_steps=args.decode_steps,
-        kv_cache_dtype=dt)
+        kv_cache_dtype=dt, kv_scales=kv_scales)
     engine = Engine(model, cfg)
     t0 = time.perf_counter()
     engine.warmup()
     warm = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outs[dt] = engine.generate(prompts, SamplingParams(
+    outs[dt, kv_scales] = engine.generate(prompts, SamplingParams(
         max_new_tokens=args.new_tokens, ignore_eos=True))
     wall = time.perf_counter() - t0
     st = engine.stats
@@ -333,7 +337,9 @@ def fp8_main(args, env):
     slots = slots_for_memory(dataclasses.replace(cfg, kv_cache_memory=budget),
                              mcfg, engine.pool.dtype)
     rows.append(dict(
-        kv_cache_dtype=st.kv_cache_dtype, kv_cache_bytes=st.kv_cache_bytes,
+        kv_cache_dtype=st.kv_cache_dtype,
+        kv_scales=kv_scales if dt != "auto" else None,
+        kv_cache_bytes=st.kv_cache_bytes,
         decode_tok_s=st.decode_tokens_per_s,
         prefill_tok_s=st.prefill_tokens_per_s, warmup_s=warm, wall_s=wall,
         num_compiles_after_warmup=st.num_compiles - len(engine.programs()),
@@ -346,8 +352,8 @@ def fp8_main(args, env):
     print(rows[-1], flush=True)
     del engine
     gc.collect()
-  agree = float(np.mean([np.mean(np.equal(a, b))
-                         for a, b in zip(outs["auto"], outs["fp8_e4m3"])]))
+  agree = float(np.mean([np.mean(np.equal(a, b)) for a, b in zip(
+      outs["auto", "per_tensor"], outs["fp8_e4m3", "per_tensor"])]))
   extra = dict(num_prompts=args.num_prompts, prompt_len=args.prompt_len,
                new_tokens=args.new_tokens, decode_steps=args.decode_steps,
                token_agreement=agree,
@@ -355,9 +361,15 @@ def fp8_main(args, env):
                / rows[0]["decode_tok_s"],
                budget_sequences_ratio=rows[1]["budget_sequences"]
                / rows[0]["budget_sequences"])
+  if args.per_head:
+    extra.update(
+        decode_per_head_over_per_tensor=rows[2]["decode_tok_s"]
+        / rows[1]["decode_tok_s"],
+        prefill_per_head_over_per_tensor=rows[2]["prefill_tok_s"]
+        / rows[1]["prefill_tok_s"])
   results.write(f"engine_fp8_{results.device_tag()}", rows, out=args.out,
                 extra=extra, env=env)
-  _timing.print_table(rows, ["kv_cache_dtype", "decode_tok_s",
+  _timing.print_table(rows, ["kv_cache_dtype", "kv_scales", "decode_tok_s",
                              "prefill_tok_s", "budget_sequences",
                              "warmup_s", "wall_s"])
   print(f"decode tok/s bf16 {rows[0]['decode_tok_s']:,.0f}, fp8 "
@@ -886,6 +898,8 @@ def main(argv=None):
                   help="--fp8: the KV byte budget compared")
   ap.add_argument("--trace", action="store_true",
                   help="--fp8: profile a second generate's decode phase")
+  ap.add_argument("--per-head", action="store_true",
+                  help="--fp8: a third arm, FP8 with per-KV-head scales")
   ap.add_argument("--model", choices=tuple(MODELS), default="smollm2",
                   help="--serving: the model shape")
   ap.add_argument("--phase", choices=("full", "warm"), default="full",
