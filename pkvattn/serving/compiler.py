@@ -3,8 +3,9 @@
 An engine's shapes are static, so the programs it may run are a small set
 known before the first request (`program_keys`): one `step` program per
 token bucket and, with `decode_steps > 1`, one `burst` program per row
-bucket, each in a greedy-only and a sampled variant where the split pays (GPU backends; see
-`serving.programs`), and one step of no tokens (the cache ops alone).
+bucket, each in a greedy-only and a sampled variant where the split pays
+(GPU backends; see `serving.programs`), and one step of no tokens (the
+cache ops alone).
 `Compiler` lowers and compiles them:
 
 * **ahead of time** (`warmup`): programs are traced and lowered one after

@@ -5,7 +5,8 @@ the inputs, and `serving.compiler` compiles the bounded set of programs
 (`compiler.program_keys`): one `step` program per token bucket
 (`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst` program
 per row bucket (`EngineConfig.burst_buckets`), each split into a greedy-only
-and a sampled variant on GPU backends, plus one step of no tokens (the cache ops alone, for steps that feed nothing).
+and a sampled variant on GPU backends, plus one step of no tokens (the cache
+ops alone, for steps that feed nothing).
 
 The cache ops of a step (`commit` of finished prompts, `release` of finished
 / preempted sequences, `extend`, `claim_batch` of admitted requests) always
