@@ -544,9 +544,7 @@ def _combine(o, lse, sinks, group_size):
   """
   o = o[..., :group_size, :]
   lse = lse[..., :group_size]
-  m = jnp.max(lse, axis=2)  # [B, Hkv, G]
-  if sinks is not None:
-    m = jnp.maximum(m, sinks[None])
+  m = jnp.max(lse, axis=2)  # [B, Hkv, G]; the keys' own: see below
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - m_safe[:, :, None]), 0.0)
   den = jnp.sum(w, axis=2)
@@ -554,7 +552,12 @@ def _combine(o, lse, sinks, group_size):
   lse_total = jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m_safe,
                         -jnp.inf)
   if sinks is not None:
-    den = den + jnp.exp(sinks[None] - m_safe)
+    # Rescaled to the larger of the two only here: a sink far above every
+    # logit must not underflow the keys' weights before the LSE is taken.
+    top = jnp.maximum(m_safe, sinks[None])
+    keep = jnp.exp(m_safe - top)
+    out = out * keep[..., None]
+    den = den * keep + jnp.exp(sinks[None] - top)
   out = out / jnp.where(den > 0, den, 1.0)[..., None]
   return out, lse_total
 

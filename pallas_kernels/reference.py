@@ -58,24 +58,26 @@ def _logits(q, k, sm_scale, logits_soft_cap):
 def _masked_softmax_av(s, mask, v, sinks):
   """s f32[..., Hkv, G, S], mask bool broadcastable, v [..., S, Hkv, D].
 
-  Returns (out f32[..., Hkv, G, D], lse f32[..., Hkv, G]).
+  Returns (out f32[..., Hkv, G, D], lse f32[..., Hkv, G]). The LSE is taken
+  against the visible keys' own maximum: a sink far above every logit
+  would otherwise underflow `exp(s - m)` to zero and turn a finite LSE
+  into -inf. The sink joins the output's denominator only.
   """
   s = jnp.where(mask, s, NEG_INF)
   m = jnp.max(s, axis=-1)
-  if sinks is not None:
-    m = jnp.maximum(m, sinks)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
   denom = jnp.sum(p, axis=-1)
   lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m_safe,
                   NEG_INF)
-  if sinks is not None:
-    denom = denom + jnp.exp(sinks - m_safe)
   v = jnp.where(jnp.isnan(v), 0.0, v.astype(jnp.float32))  # masked rows may be NaN
   out = jnp.einsum("...kgs,...skd->...kgd", p, v,
                    precision=lax.Precision.HIGHEST)
-  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return out, lse
+  if sinks is None:
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None], lse
+  top = jnp.maximum(m_safe, sinks)  # both finite: exp() below is at most 1
+  keep = jnp.exp(m_safe - top)
+  return out * (keep / (denom * keep + jnp.exp(sinks - top)))[..., None], lse
 
 
 def _visible(q_pos, kv_pos, kv_len, causal, window_left):

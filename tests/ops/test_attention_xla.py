@@ -52,3 +52,26 @@ def test_prefill_with_few_tokens_runs_as_decode_rows(impl):
     assert_lse_close(lse[lo:hi], exp_lse, jnp.float32)
   np.testing.assert_array_equal(np.asarray(out[q_indptr[-1]:]), 0.0)
   assert np.isneginf(np.asarray(lse[q_indptr[-1]:])).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_sink_far_above_the_logits_keeps_the_lse_finite(impl):
+  """A sink 100 above a sequence's only logit: its weight `exp(-100)`
+  underflows f32, yet the LSE covers the keys alone and stays finite."""
+  rng = np.random.default_rng()
+  kv_lens = [1, 5]
+  p = make_paged(rng, kv_lens, page_size=8, num_kv_heads=2, head_dim=64,
+                 dtype=jnp.float32, fmt="pair")
+  q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+  k0 = np.repeat(p.k[0][0], 4, axis=0)  # row 0's one key, per query head
+  q[0] = -95.0 * 8 * k0 / (k0 * k0).sum(-1, keepdims=True)  # logit -95
+  sinks = np.full(8, 5.0, np.float32)
+  out, lse = pkvattn.paged_decode(
+      jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table),
+      jnp.asarray(p.kv_lens), return_lse=True, impl=impl, sinks=jnp.asarray(sinks))
+  for b, n in enumerate(kv_lens):
+    exp, exp_lse = dense_attention(q[b:b + 1], p.k[b], p.v[b], [n - 1], n,
+                                   sm_scale=1 / 8, sinks=sinks)
+    assert_close(out[b:b + 1], exp, jnp.float32, f"b={b}")
+    assert_lse_close(lse[b], exp_lse[0], jnp.float32)
+  np.testing.assert_allclose(np.asarray(lse[0]), -95.0, rtol=1e-4)
