@@ -373,8 +373,9 @@ def load_gguf(path: str, dtype=jnp.float32, timings: dict | None = None):
       f32 and cast to it.
     timings: if a dict, the wall seconds of each phase are added to it:
       "read" (parsing the file), "config", "tokenizer", "dequantize",
-      "host_copy" (transposing / casting into the per-layer stacks),
-      "device_transfer" (`jnp.asarray` of the stacks, waited for).
+      "host_copy" (casting into the per-layer stacks), "device_transfer"
+      (`jax.device_put` of the stacks and their transposes on the device,
+      waited for).
 
   Returns:
     `(cfg: DecoderConfig, params, tokenizer: GGUFTokenizer)`, params in the

@@ -1,9 +1,10 @@
 """Loading local Hugging Face checkpoints: config.json, *.safetensors, tokenizer.json.
 
 Supported `model_type`s: llama, mistral, qwen2, gemma2, gemma3_text (and
-gemma3 checkpoints' text model). Weights are read with the
-`safetensors` library (flax framework, so bf16 tensors load without torch),
-transposed to `[in, out]` kernels and stacked along a leading layer axis.
+gemma3 checkpoints' text model). Weights are read one tensor at a time
+with the `safetensors` library (numpy framework: bf16 through `ml_dtypes`,
+no torch), stacked along a leading layer axis on the host and transposed
+to `[in, out]` kernels on the device.
 """
 
 from __future__ import annotations
@@ -124,16 +125,19 @@ def _ropes(hf: dict):
           RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0))))
 
 
-def _read_tensors(path: str) -> dict[str, np.ndarray]:
+def _open_tensors(path: str, stack: contextlib.ExitStack) -> dict:
+  """`{name: open safetensors file}` over the checkpoint's shards, each
+  file opened once (numpy framework: a tensor is read from the file only
+  when `get_tensor` asks for it; `ml_dtypes`, which jax imports, gives
+  numpy its bf16)."""
   from safetensors import safe_open
   files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
   if not files:
     raise ValueError(f"Invalid checkpoint path: no *.safetensors in {path!r}")
   out = {}
   for f in files:
-    with safe_open(f, framework="flax") as st:
-      for name in st.keys():
-        out[name] = st.get_tensor(name)
+    st = stack.enter_context(safe_open(f, framework="numpy"))
+    out.update(dict.fromkeys(st.keys(), st))
   return out
 
 
@@ -161,22 +165,23 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
   if hf.get("model_type") == "gemma3":  # the multimodal wrapper's text model
     hf = {**hf, "model_type": "gemma3_text"}
   cfg = config_from_hf(hf)
-  tensors = _read_tensors(path)
+  with contextlib.ExitStack() as files:
+    tensors = _open_tensors(path, files)
 
-  def find(name):
-    for prefix in ("model.", "", "language_model.model."):
-      if prefix + name in tensors:
-        return prefix + name
-    return None
+    def find(name):
+      for prefix in ("model.", "", "language_model.model."):
+        if prefix + name in tensors:
+          return prefix + name
+      return None
 
-  def get(name):
-    key = find(name)
-    if key is None:
-      raise ValueError(
-          f"Invalid checkpoint: missing weight {name!r} in {path!r}")
-    return np.asarray(tensors[key])
+    def get(name):
+      key = find(name)
+      if key is None:
+        raise ValueError(
+            f"Invalid checkpoint: missing weight {name!r} in {path!r}")
+      return tensors[key].get_tensor(key)
 
-  return build_params(cfg, get, lambda name: find(name) is not None, dtype)
+    return build_params(cfg, get, lambda name: find(name) is not None, dtype)
 
 
 def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
@@ -186,6 +191,9 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
   Each weight is fetched once, cast to `dtype` on the host and written into
   its slot of a preallocated `[num_layers, ...]` stack, so at most one source
   tensor (in its own dtype) and the stacks (in `dtype`) are alive at a time.
+  Host copies stay contiguous: the `[out, in] -> [in, out]` transposes run
+  on the device, one per stack (numpy's strided copy of a transposed matrix
+  moves well under 0.1 GB/s; a GPU transposes a stack in milliseconds).
 
   Args:
     cfg: the architecture.
@@ -196,8 +204,9 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
     has: `has(name) -> bool` (used for `lm_head.weight`).
     dtype: parameter dtype.
     timings: if a dict, seconds are added to its keys "weights" (in `get`),
-      "host_copy" (transposing and casting into the stacks) and
-      "device_transfer" (`jnp.asarray` of the stacks, waited for).
+      "host_copy" (casting into the stacks) and "device_transfer"
+      (`jax.device_put` of the stacks and the transposes on the device,
+      waited for).
 
   Returns:
     `(cfg, params)`; `cfg.tie_word_embeddings` is set when the config unties
@@ -223,19 +232,20 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
     out = None
     for i in range(L):
       w = fetch(fmt.format(i), shape)
-      w = w.T if transpose else w
       if out is None:
         out = aligned_empty((L, *w.shape), np_dtype)
       with clock("host_copy"):
         out[i] = w  # casts on the host: no f32 copy of the whole stack
-    return to_device(out)
+    return to_device(out, transpose)
 
-  def to_device(x):
+  def to_device(x, transpose=False):
     with clock("device_transfer"):
       # On the CPU a 64-byte aligned array is aliased, not copied
       # (`jnp.asarray` always copies); the host arrays are not written
       # again after this.
       y = jax.device_put(x)
+      if transpose:
+        y = _swap_last(y)
       if timings is not None:
         y.block_until_ready()
     return y
@@ -272,24 +282,31 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
     layers["post_mlp_norm"] = norm("post_feedforward_layernorm")
   else:
     layers["mlp_norm"] = norm("post_attention_layernorm")
-  def cast(w):
+  def cast(w, transpose=False):
     w = np.asarray(w)
     if w.dtype != np_dtype or w.ctypes.data % _ALIGN:
       with clock("host_copy"):
         out = aligned_empty(w.shape, np_dtype)
         out[...] = w
       w = out
-    return to_device(w)
+    return to_device(w, transpose)
 
   params = {"embed": cast(fetch("embed_tokens.weight", (cfg.vocab_size, H))),
             "layers": layers,
             "final_norm": cast(fetch("norm.weight", (H,)))}
   if not cfg.tie_word_embeddings:
     if has("lm_head.weight"):
-      params["lm_head"] = cast(fetch("lm_head.weight", (cfg.vocab_size, H)).T)
+      params["lm_head"] = cast(fetch("lm_head.weight", (cfg.vocab_size, H)),
+                               transpose=True)
     else:  # some checkpoints tie without saying so
       cfg = _replace(cfg, tie_word_embeddings=True)
   return cfg, params
+
+
+@jax.jit
+def _swap_last(x):
+  """`[..., m, n] -> [..., n, m]` on `x`'s device."""
+  return jnp.swapaxes(x, -1, -2)
 
 
 # Alignment, bytes, of host arrays handed to `jax.device_put`: XLA:CPU
