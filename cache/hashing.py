@@ -6,13 +6,21 @@ hashes. A serial chain over `max_pages` blocks would be `max_pages` dependent
 steps on the device; instead each block contributes an affine map
 `x -> a_i * x + b_i (mod 2**32)` (`a_i` odd, both mixed from the block's
 tokens), and the chain value after block `i` is the composition of the maps of
-blocks `0..i` applied to a scope-derived seed. Affine maps compose
-associatively, so `lax.associative_scan` gives every prefix key in
-`log2(num_blocks)` elementwise steps. A final murmur3 mix spreads the bits.
+blocks `0..i` applied to a scope-derived seed `x_-1`:
 
-Two independent 32-bit lanes make a 64-bit key. Keys only speed up the lookup:
-a match is always verified against the stored tokens, scope and parent block
-(see `cache/alloc.py`), so a collision can cost reuse but never correctness.
+    x_i = A_i * x_-1 + B_i,   A_i = a_0 * .. * a_i,
+    B_i = sum_{j <= i} b_j * a_{j+1} * .. * a_i = A_i * sum_{j <= i} b_j / A_j
+
+(odd numbers are invertible mod 2**32). So a cumulative product, one
+elementwise inverse and a cumulative sum give every prefix key: three
+operations in the program (each one XLA reduce-window), where an
+associative scan of the maps unrolled into hundreds, and every engine step
+hashes twice (claim and commit). A final murmur3 mix spreads the bits.
+
+Two independent 32-bit lanes (a trailing axis of 2) make a 64-bit key.
+Keys only speed up the lookup: a match is always verified against the
+stored tokens, scope and parent block (see `cache/alloc.py`), so a
+collision can cost reuse but never correctness.
 """
 
 from __future__ import annotations
@@ -46,10 +54,31 @@ def fmix32(h: jax.Array) -> jax.Array:  # u32[...]
   return h ^ (h >> 16)
 
 
-def _compose(earlier, later):
-  a1, b1 = earlier
-  a2, b2 = later
-  return a2 * a1, a2 * b1 + b2
+def _inverse_odd(a: jax.Array) -> jax.Array:  # u32[...], odd
+  """`a**-1 mod 2**32` for odd `a`: Newton's iteration `x <- x (2 - a x)`
+  doubles the correct low bits, and `x = a` starts with 3 (`a * a = 1 mod
+  8` for odd `a`): four steps give 48 >= 32."""
+  x = a
+  for _ in range(4):
+    x = x * (jnp.uint32(2) - a * x)
+  return x
+
+
+def block_maps(
+    block_tokens: jax.Array,  # i32[n, num_blocks, page_size]
+) -> tuple[jax.Array, jax.Array]:  # (a, b), u32[n, num_blocks, 2] each
+  """Each block's affine map `x -> a * x + b (mod 2**32)` per lane (`a`
+  odd), mixed from its tokens and their positions in the block."""
+  salt = jnp.asarray(_LANE_SALTS, jnp.uint32)                # [2]
+  tok = block_tokens.astype(jnp.uint32)[..., None]           # [n, nb, ps, 1]
+  pos = jnp.arange(block_tokens.shape[2], dtype=jnp.uint32)[:, None]
+  pos_mix = fmix32(pos * jnp.uint32(0x01000193) + salt)      # [ps, 2]
+  # Per-block digest: order-sensitive sum of mixed (token, position) pairs.
+  digest = fmix32(jnp.sum(fmix32(tok ^ pos_mix), axis=2, dtype=jnp.uint32)
+                  + salt)
+  a = fmix32(digest ^ jnp.uint32(_A_SALT)) | jnp.uint32(1)
+  b = fmix32(digest ^ jnp.uint32(_B_SALT))
+  return a, b
 
 
 def block_keys(
@@ -66,21 +95,13 @@ def block_keys(
 
   Returns:
     `u32[n, num_blocks, 2]`: key of block `i` of row `r`, a function of the
-    scope and of all tokens of blocks `0..i` (not of padding past them).
+    scope and of all tokens of blocks `0..i` (not of padding past them):
+    `fmix32(x_i)` of the module docstring's chain, per lane.
   """
-  n, num_blocks, page_size = block_tokens.shape
-  tok = block_tokens.astype(jnp.uint32)
-  pos = jnp.arange(page_size, dtype=jnp.uint32)
-  keys = []
-  for salt in _LANE_SALTS:
-    # Per-block digest: order-sensitive sum of mixed (token, position) pairs.
-    pos_mix = fmix32(pos * jnp.uint32(0x01000193) + jnp.uint32(salt))
-    digest = fmix32(jnp.sum(fmix32(tok ^ pos_mix), axis=-1, dtype=jnp.uint32)
-                    + jnp.uint32(salt))
-    a = fmix32(digest ^ jnp.uint32(_A_SALT)) | jnp.uint32(1)
-    b = fmix32(digest ^ jnp.uint32(_B_SALT))
-    if num_blocks:
-      a, b = jax.lax.associative_scan(_compose, (a, b), axis=1)
-    seed = fmix32(scope.astype(jnp.uint32) ^ jnp.uint32(salt))[:, None]
-    keys.append(fmix32(a * seed + b))
-  return jnp.stack(keys, axis=-1).reshape(n, num_blocks, 2)
+  a, b = block_maps(block_tokens)
+  salt = jnp.asarray(_LANE_SALTS, jnp.uint32)
+  seed = fmix32(scope.astype(jnp.uint32)[:, None] ^ salt)[:, None, :]
+  prod = jnp.cumprod(a, axis=1, dtype=jnp.uint32)            # A_i
+  x = prod * (seed + jnp.cumsum(b * _inverse_odd(prod), axis=1,
+                                dtype=jnp.uint32))
+  return fmix32(x)

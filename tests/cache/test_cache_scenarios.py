@@ -293,11 +293,16 @@ def test_block_keys_chain_and_scope():
   assert (keys[2, 1:] != keys[0, 1:]).any(axis=-1).all()
   other = np.asarray(hashing.block_keys(toks, jnp.array([1, 1, 1], jnp.int32)))
   assert (other[0] != keys[0]).any(axis=-1).all()
-  # Matches a serial fold of the same affine chain (associative scan check).
-  serial = np.stack([np.asarray(hashing.block_keys(toks[:, :i + 1],
-                                                   jnp.zeros((3,), jnp.int32)))[:, i]
-                     for i in range(5)], axis=1)
-  np.testing.assert_array_equal(serial, keys)
+  # The parallel prefix composition equals a serial fold of the blocks'
+  # affine maps from the scope's seed, x <- a * x + b (mod 2**32), mixed.
+  a, b = (np.asarray(m, np.uint64) for m in hashing.block_maps(toks))
+  salt = np.asarray(hashing._LANE_SALTS, np.uint32)
+  x = np.asarray(hashing.fmix32(jnp.zeros((3, 1), jnp.uint32) ^ salt),
+                 np.uint64)
+  for i in range(5):
+    x = (a[:, i] * x + b[:, i]) % 2**32
+    np.testing.assert_array_equal(
+        np.asarray(hashing.fmix32(jnp.asarray(x, jnp.uint32))), keys[:, i])
 
 
 def test_full_hash_bucket_only_skips_publication():
