@@ -24,6 +24,11 @@ FAST_CPU_FLAGS = ("--xla_backend_optimization_level=0",
                   "--xla_cpu_copy_insertion_use_region_analysis=false")
 OPTIMIZED_CPU_OPTIONS = {"xla_backend_optimization_level": 2,
                          "xla_llvm_disable_expensive_passes": False}
+# XLA's defaults for the two codegen flags above: tests that read the
+# compiled program's structure (an in-place scatter, no pool-sized copy)
+# compile with them, so they check what a user's XLA:CPU builds.
+DEFAULT_CODEGEN_OPTIONS = {"xla_cpu_use_fusion_emitters": True,
+                           "xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def _fast_cpu_compile_flags():

@@ -102,7 +102,10 @@ def test_pages_have_python_blocks():
 def test_python_block_runs(code, capsys):
   expected = _expected_output(code)
   if MULTI_DEVICE in code:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The test run's XLA flags (conftest: faster compiles) and two devices
+    # for blocks that keep flags already set.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + f" {MULTI_DEVICE}=2")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

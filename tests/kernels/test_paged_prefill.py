@@ -264,9 +264,13 @@ def test_plan_reuse_and_determinism():
   a = _direct(case, p, q, q_indptr, sinks, config, plan)
   b = _direct(case, p, q, q_indptr, sinks, config, plan)
   c = _direct(case, p, q, q_indptr, sinks, config)
-  for x, y in ((a, b), (a, c)):
-    np.testing.assert_array_equal(np.asarray(x[0]), np.asarray(y[0]))
-    np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y[1]))
+  for x in (0, 1):  # one program twice: bit for bit
+    np.testing.assert_array_equal(np.asarray(a[x]), np.asarray(b[x]))
+  # A plan passed in or computed inside: the same tiles in another program,
+  # whose XLA:CPU code (interpret mode) may round an f32 ulp differently.
+  for x in (0, 1):
+    np.testing.assert_allclose(np.asarray(a[x], np.float32),
+                               np.asarray(c[x], np.float32), rtol=1e-6, atol=0)
   _check(case, *a, *_expected(case, p, q, q_indptr, sinks))
   bad = dataclasses.replace(config, block_q=config.block_q * 2)
   with pytest.raises(ValueError, match="Invalid plan"):
