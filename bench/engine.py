@@ -54,10 +54,11 @@ Modes (one process each, correctness first):
   `bench/tools/vllm_wheels.sh`.
 * `--load-only`: start-up of the built-in GGUF models: `load_model` wall
   time from call to ready parameters and tokenizer, split by phase (read,
-  config, tokenizer, dequantize, host copy, device transfer), each load in
-  a fresh process (`--repeats`); `--baseline-tree DIR` times the same loads
-  with the `pkvattn` package found in DIR (e.g. `git archive <rev> pkvattn`
-  unpacked there) in the same run.
+  config, tokenizer, dequantize, host copy, device transfer), and of HF
+  checkpoint directories named in `--load-models` (weights, in total),
+  each load in a fresh process (`--repeats`); `--baseline-tree DIR` times
+  the same loads with the `pkvattn` package found in DIR (e.g. `git archive
+  <rev> pkvattn` unpacked there) in the same run.
 
 Writes `<out>/engine[_small|_fp8]_<device>.json`,
 `<out>/serving_<model>[_warm]_<device>.json`,
@@ -560,23 +561,28 @@ def serving_main(args, env):
 # ------------------------------------------------------------- --load-only
 LOAD_MODELS = ("smollm2-135m", "gemma3-270m")
 _LOAD_CHILD = r"""
-import json, sys, time, inspect
+import json, os, sys, time, inspect
 t0 = time.perf_counter()
 import jax, jax.numpy as jnp
 from pkvattn import models
 from pkvattn.models import gguf
 t_import = time.perf_counter() - t0
 name, dtype = sys.argv[1], jnp.dtype(sys.argv[2])
-path = models.builtin_gguf_path(name)
 timings = {}
 t0 = time.perf_counter()
-if "timings" in inspect.signature(gguf.load_gguf).parameters:
-  cfg, params, tok = gguf.load_gguf(path, dtype, timings=timings)
+if os.path.isdir(name):  # an HF checkpoint: weights only, no phases
+  from pkvattn.models import hf
+  cfg, params = hf.load_hf_checkpoint(name, dtype)
 else:
-  cfg, params, tok = gguf.load_gguf(path, dtype)
+  path = models.builtin_gguf_path(name)
+  if "timings" in inspect.signature(gguf.load_gguf).parameters:
+    cfg, params, tok = gguf.load_gguf(path, dtype, timings=timings)
+  else:
+    cfg, params, tok = gguf.load_gguf(path, dtype)
+  assert tok.encode("Hello")
 jax.block_until_ready(params)
 total = time.perf_counter() - t0
-assert tok.encode("Hello") and cfg.num_layers > 0
+assert cfg.num_layers > 0
 print("LOAD_RESULT " + json.dumps(dict(total_s=total, import_s=t_import,
                                        **{k + "_s": v for k, v in timings.items()})))
 """
@@ -604,7 +610,8 @@ def _load_once(name: str, dtype: str, tree: str | None) -> dict:
 
 
 def load_main(args, env):
-  """GGUF start-up per phase, each load in a fresh process (`--load-only`)."""
+  """Start-up per phase, each load in a fresh process (`--load-only`):
+  GGUF files by phase, HF checkpoint directories in total."""
   import statistics
   dtype = args.dtype or ("float32" if jax.default_backend() == "cpu"
                          else "bfloat16")
@@ -918,7 +925,8 @@ def main(argv=None):
   ap.add_argument("--child-out", help=argparse.SUPPRESS)
   ap.add_argument("--eos-ids", default="2", help=argparse.SUPPRESS)
   ap.add_argument("--load-models", default=None,
-                  help=f"--load-only: comma list (default {','.join(LOAD_MODELS)})")
+                  help="--load-only: comma list of built-in GGUF models and "
+                  f"HF checkpoint directories (default {','.join(LOAD_MODELS)})")
   ap.add_argument("--baseline-tree", default=None,
                   help="--load-only: a folder holding an older pkvattn package")
   ap.add_argument("--baseline-rev", default=None,
