@@ -192,8 +192,9 @@ def build_params(cfg: DecoderConfig, get, has, dtype=jnp.float32,
   its slot of a preallocated `[num_layers, ...]` stack, so at most one source
   tensor (in its own dtype) and the stacks (in `dtype`) are alive at a time.
   Host copies stay contiguous: the `[out, in] -> [in, out]` transposes run
-  on the device, one per stack (numpy's strided copy of a transposed matrix
-  moves well under 0.1 GB/s; a GPU transposes a stack in milliseconds).
+  on the device, one per stack, which briefly holds that stack twice
+  (numpy's copy of a transposed matrix runs far below memory bandwidth once
+  the matrix outgrows the cache: docs/performance.md, Start-up).
 
   Args:
     cfg: the architecture.
