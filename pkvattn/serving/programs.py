@@ -285,12 +285,14 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
 
 
 def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
-                  decode_steps: int, commit: bool):
+                  decode_steps: int, commit: bool,
+                  table_rows: int | None = None):
   """A burst's cache work, done once up front: the rows that finished before
   it are published and released (`cache_ops_before`, as a step does), then
   one `extend` reserves every active row's tokens for the burst
   (`min(decode_steps, remaining - 1)` beyond the fed one) and the page
-  tables are built once. Returns `(state, tables, ok)`."""
+  tables of the first `table_rows` rows (None: all) are built once.
+  Returns `(state, tables, ok)`."""
   state = cache_ops_before(state, seq_tokens, inp, commit=commit)
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
@@ -300,7 +302,8 @@ def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
   state, ext = _cache.extend(state, jnp.where(inp.active, rows, -1),
                              jnp.where(inp.active, grow, 0),
                              num_computed=inp.computed)
-  return (state, layer_tables(state, num_layers, rows.shape[0]), ext.ok)
+  table_rows = rows.shape[0] if table_rows is None else table_rows
+  return (state, layer_tables(state, num_layers, table_rows), ext.ok)
 
 
 def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
@@ -344,7 +347,7 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, tables, _ = reserve_burst(
           state, seq_tokens, inp, num_layers=model_cfg.num_layers,
-          decode_steps=k, commit=cfg.enable_prefix_reuse)
+          decode_steps=k, commit=cfg.enable_prefix_reuse, table_rows=R)
       reserved = state.seq_lens  # tokens with a slot, per row
   else:
     reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
