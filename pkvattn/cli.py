@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="generate --max-new-tokens tokens even past the model's "
                       "end-of-sequence / end-of-turn tokens")
   p.add_argument("--compile-cache-dir", default=None,
-                 help="directory of JAX's persistent compilation cache: a "
+                 help="directory of the persistent compilation cache: a "
                       "later run with the same model and flags loads the "
                       "engine's programs from it instead of compiling them "
                       "(default: $XDG_CACHE_HOME/pkvattn/xla, i.e. "

@@ -10,7 +10,7 @@
 * `serving.compiler`: the bounded set of programs, compiled once;
 * `serving.engine`: `Engine`, the loop that ties them;
 * `serving.stats`: `EngineStats`; `serving.profile`: `Engine.profile`;
-* `serving.compile_cache`: JAX's persistent compilation cache.
+* `serving.compile_cache`: the persistent cache of compiled programs.
 
 docs/engine.md describes the design.
 """

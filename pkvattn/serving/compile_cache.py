@@ -1,14 +1,33 @@
-"""JAX's persistent compilation cache, as the engine and the CLI use it.
+"""The persistent compilation cache, as the engine and the CLI use it.
 
-With a cache directory set, every XLA executable JAX compiles is written
-there (keyed by the program, the jax / XLA versions and the device), and a
-later process with the same model and engine config loads the engine's
-programs instead of compiling them: `Engine.warmup()` then takes seconds.
+With a cache directory set, two things are kept there:
+
+* JAX's persistent compilation cache: every XLA executable JAX compiles
+  (keyed by the lowered program, the jax / XLA versions and the device). A
+  hit skips XLA's compile, but JAX must still trace and lower the program to
+  compute its key, and for an engine's programs that is most of the time.
+* The engine's own programs (`programs/`, `load_program` / `save_program`):
+  each compiled program serialized (`jax.experimental.serialize_executable`)
+  under a digest of everything its trace depends on (`program_digest`: the
+  model and engine configs, the program, the buffers' shapes, dtypes and
+  shardings, the jax / jaxlib versions, the devices, XLA_FLAGS, the JAX
+  options that change a trace and pkvattn's own source). A later process
+  loads it without tracing, lowering or compiling anything.
+
+Either way `Engine.warmup()` of a later process with the same model and
+engine config takes seconds. Like JAX's cache, a cached program is code the
+process loads and runs: the directory must be as trusted as the Python
+environment itself.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import pickle
+import sys
+import tempfile
 
 import jax
 
@@ -54,3 +73,86 @@ def reset():
     cc.reset_cache()
   except (ImportError, AttributeError):
     pass
+
+
+PROGRAMS_SUBDIR = "programs"
+
+# JAX options whose value changes what a program traces to.
+_TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision",
+                  "jax_default_prng_impl", "jax_threefry_partitionable")
+
+
+@functools.cache
+def source_digest() -> str:
+  """sha256 of pkvattn's Python sources (`pkvattn`, `pkvattn.cache`,
+  `pkvattn.pallas_kernels`, file names and contents): any edit to the code
+  a program traces invalidates its cached executable."""
+  import pkvattn.cache  # noqa: PLC0415
+  import pkvattn.pallas_kernels  # noqa: PLC0415
+  h = hashlib.sha256()
+  for pkg in (sys.modules["pkvattn"], pkvattn.cache, pkvattn.pallas_kernels):
+    for root in pkg.__path__:
+      for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+          path = os.path.join(dirpath, name)
+          h.update(os.path.relpath(path, root).encode())
+          with open(path, "rb") as f:
+            h.update(f.read())
+  return h.hexdigest()
+
+
+def program_digest(*parts) -> str:
+  """Hex digest of a program's identity: `repr` of `parts` (the caller's:
+  model config, engine config, program, argument signature) and of this
+  process's jax / jaxlib versions, devices, XLA_FLAGS, trace options and
+  `source_digest()`."""
+  import jaxlib  # noqa: PLC0415
+  devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+  context = (jax.__version__, jaxlib.__version__, devices,
+             os.environ.get("XLA_FLAGS", ""),
+             [(o, getattr(jax.config, o, None)) for o in _TRACE_OPTIONS],
+             source_digest())
+  return hashlib.sha256(repr((parts, context)).encode()).hexdigest()
+
+
+def program_path(cache_dir: str, digest: str) -> str:
+  """Where the program of `digest` is kept under `cache_dir`."""
+  return os.path.join(cache_dir, PROGRAMS_SUBDIR, digest + ".pkl")
+
+
+def load_program(path: str, devices):
+  """The `jax.stages.Compiled` saved at `path`, loaded onto `devices` (those
+  it was compiled for), or None: no file, or one that does not load
+  (another jax, a truncated write); the caller then compiles and saves it
+  again."""
+  if not os.path.isfile(path):
+    return None
+  from jax.experimental import serialize_executable  # noqa: PLC0415
+  try:
+    with open(path, "rb") as f:
+      payload, in_tree, out_tree = pickle.load(f)
+    return serialize_executable.deserialize_and_load(
+        payload, in_tree, out_tree, execution_devices=list(devices))
+  except Exception:  # noqa: BLE001: any failure means "not cached"
+    return None
+
+
+def save_program(path: str, compiled) -> bool:
+  """Writes `compiled` to `path` (atomically: a temporary file renamed);
+  False where the executable cannot be serialized (the backend's, or one
+  holding constants) or the directory cannot be written."""
+  from jax.experimental import serialize_executable  # noqa: PLC0415
+  tmp = None
+  try:
+    data = pickle.dumps(serialize_executable.serialize(compiled))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+    return True
+  except Exception:  # noqa: BLE001: the program runs uncached
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)
+    return False

@@ -19,8 +19,10 @@ After that the engine calls the compiled executables directly: no workload
 traces or compiles anything. Executables are also kept per process
 (`compiled_program`), keyed by model config, engine config, mesh, program and
 argument signature, so a second engine of the same shapes compiles nothing;
-and with `EngineConfig.compile_cache_dir` JAX's persistent compilation cache
-(`serving.compile_cache`) lets a later process load them from disk.
+and with `EngineConfig.compile_cache_dir` each compiled program is also
+saved there (`serving.compile_cache`): a later process loads it without
+tracing, lowering or compiling (and JAX's persistent compilation cache, on
+in the same directory, serves the rest of its jitted functions).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ class Compiler:
       or on first use.
     compile_times: `{ProgramKey: seconds}` from the start of lowering to the
       end of compiling (or loading) each program.
-    lower_times: `{ProgramKey: seconds}` of those spent tracing + lowering.
+    lower_times: `{ProgramKey: seconds}` of those spent tracing + lowering
+      (none for a program loaded from `compile_cache_dir`).
     split_variants: greedy-only and sampled variants are separate programs
       (GPU backends, where the sampler's `lax.cond` syncs the host).
   """
@@ -197,11 +200,50 @@ class Compiler:
   def _memo_key(self, key: ProgramKey, buffers):
     return (self.model_cfg, self.config, self.mesh, key, signature(*buffers))
 
-  def _compile(self, key: ProgramKey, memo_key, lowered, t0: float):
-    """Compiles `lowered` (once per process and `memo_key`; None = kept
-    already) and records it."""
-    compiled = compiled_program(
-        memo_key, None if lowered is None else lowered.compile)
+  def _saved_path(self, memo_key) -> str | None:
+    """Where `compile_cache_dir` keeps the program of `memo_key` (None: no
+    directory, or an engine on a mesh or of several processes: only
+    one-device engines save their programs; JAX's persistent cache serves
+    the others)."""
+    cache_dir = self.config.compile_cache_dir
+    if cache_dir is None or self.mesh is not None or jax.process_count() > 1:
+      return None
+    model_cfg, config, mesh, key, sig = memo_key
+    config = dataclasses.replace(config, compile_cache_dir=None)
+    return _compile_cache.program_path(cache_dir, _compile_cache.program_digest(
+        model_cfg, config, mesh, key, sig, self.inputs_sharding,
+        _programs.compiler_options()))
+
+  def _ready(self, memo_key, buffers):
+    """`compile_fn` of a program this process keeps or `compile_cache_dir`
+    holds (loaded onto the device of `buffers`); None: it must be lowered
+    and compiled."""
+    kept = lookup_compiled(memo_key)
+    if kept is not None:
+      return lambda: kept
+    path = self._saved_path(memo_key)
+    sharding = getattr(jax.tree.leaves(buffers)[0], "sharding", None)
+    if path is None or sharding is None:
+      return None
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    loaded = _compile_cache.load_program(path, devices)
+    return None if loaded is None else (lambda: loaded)
+
+  def _compile_fn(self, memo_key, lowered):
+    """`compile_fn` that compiles `lowered` and saves it to
+    `compile_cache_dir` (if set)."""
+    def compile_fn():
+      compiled = lowered.compile()
+      path = self._saved_path(memo_key)
+      if path is not None:
+        _compile_cache.save_program(path, compiled)
+      return compiled
+    return compile_fn
+
+  def _compile(self, key: ProgramKey, memo_key, compile_fn, t0: float):
+    """The program of `memo_key` (once per process: `compiled_program`),
+    recorded as `key`'s."""
+    compiled = compiled_program(memo_key, compile_fn)
     dt = time.perf_counter() - t0
     with self._lock:
       self.compiled[key] = compiled
@@ -217,11 +259,13 @@ class Compiler:
       return compiled
     t0 = time.perf_counter()
     memo_key = self._memo_key(key, buffers)
-    if lookup_compiled(memo_key) is not None:
-      return self._compile(key, memo_key, None, t0)
+    ready = self._ready(memo_key, buffers)
+    if ready is not None:
+      return self._compile(key, memo_key, ready, t0)
     lowered = self.lower(key, buffers)
     self.lower_times[key] = time.perf_counter() - t0
-    return self._compile(key, memo_key, lowered, t0)
+    return self._compile(key, memo_key, self._compile_fn(memo_key, lowered),
+                         t0)
 
   def warmup(self, buffers,
              progress: bool | Callable[[ProgramKey, float], Any] = False,
@@ -248,13 +292,15 @@ class Compiler:
       for key in keys:
         t0 = time.perf_counter()
         memo_key = self._memo_key(key, buffers)
-        if lookup_compiled(memo_key) is not None:
-          self._compile(key, memo_key, None, t0)
+        ready = self._ready(memo_key, buffers)
+        if ready is not None:
+          self._compile(key, memo_key, ready, t0)
           done(key)
           continue
         lowered = self.lower(key, buffers)
         self.lower_times[key] = time.perf_counter() - t0
-        futures[pool.submit(self._compile, key, memo_key, lowered, t0)] = key
+        futures[pool.submit(self._compile, key, memo_key,
+                            self._compile_fn(memo_key, lowered), t0)] = key
       for fut in concurrent.futures.as_completed(futures):
         fut.result()
         done(futures[fut])

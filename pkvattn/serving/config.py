@@ -81,10 +81,12 @@ class EngineConfig:
       decreasing window); None = `HybridCacheConfig.from_budget(num_slots,
       ...)`: the global groups get `num_slots`' worth of the flat pool's
       bytes left after each sliding group gets what its sequences can use.
-    compile_cache_dir: a directory for JAX's persistent compilation cache
-      (`jax_compilation_cache_dir`); a later process with the same model and
-      config loads its programs from there instead of compiling them. None =
-      leave JAX's setting as it is (off unless the user enabled it).
+    compile_cache_dir: a directory for the engine's compiled programs and
+      JAX's persistent compilation cache (`jax_compilation_cache_dir`;
+      `serving.compile_cache`); a later process with the same model and
+      config loads its programs from there instead of tracing and
+      compiling them. None = leave JAX's setting as it is (off unless the
+      user enabled it) and save no programs.
     kv_cache_dtype: "auto" (the model's compute dtype) or "fp8_e4m3" (alias
       "fp8"): float8_e4m3fn pages with one `k_scale` / `v_scale` per layer
       (vLLM's `--kv-cache-dtype fp8`): half the bytes per token of bf16.

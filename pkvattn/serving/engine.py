@@ -162,9 +162,9 @@ class Engine:
     After it, no step, burst or request of any kind compiles anything.
     Programs are lowered one after the other in this thread while XLA
     compiles the ones already lowered in worker threads; with
-    `EngineConfig.compile_cache_dir` set, programs found in the persistent
-    cache are loaded instead of compiled. FP8 pages without given scales
-    also compile their calibration prefill here.
+    `EngineConfig.compile_cache_dir` set, programs saved there are loaded
+    instead (no tracing, lowering or compiling). FP8 pages without given
+    scales also compile their calibration prefill here.
 
     Args:
       progress: True = a tqdm bar on stderr; a callable is called as

@@ -155,6 +155,10 @@ def test_counter_sees_a_forced_compile(model):
 
 
 def test_persistent_cache_serves_a_new_engine(model, tmp_path):
+  """A later engine of the same model and config loads every program from
+  `compile_cache_dir` (nothing traced, lowered or compiled, the same
+  tokens); with the saved programs unreadable it lowers them again and
+  JAX's persistent cache in the same directory serves their compiles."""
   hits = []
 
   def listener(name, **kwargs):
@@ -165,24 +169,52 @@ def test_persistent_cache_serves_a_new_engine(model, tmp_path):
   cfg = dataclasses.replace(CFG, max_seqs=2, max_num_tokens=16, decode_steps=1,
                             check=False,
                             compile_cache_dir=str(tmp_path / "xla"))
+  prompts = [[256, 1, 2, 3], [256, 7]]
+  sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+
+  def fresh_engine():
+    # Nothing compiled earlier in this process may serve it.
+    compiler.clear_compiled()
+    jax.clear_caches()
+    engine = Engine(model, cfg)
+    with count_compiles() as compiles:
+      engine.warmup()
+    return engine, compiles
+
   jax.monitoring.register_event_listener(listener)
   try:
-    # Nothing compiled earlier in this process may serve the first engine
-    # (it must compile, and so write the cache).
-    compiler.clear_compiled()
-    jax.clear_caches()
-    Engine(model, cfg).warmup()
-    assert any((tmp_path / "xla").iterdir())
-    compiler.clear_compiled()
-    jax.clear_caches()
-    second = Engine(model, cfg)
-    second.warmup()
-    assert len(hits) >= len(second.programs())
+    first, _ = fresh_engine()
+    want = first.generate(prompts, sp)
+    saved = sorted((tmp_path / "xla" / compile_cache.PROGRAMS_SUBDIR).iterdir())
+    assert len(saved) == len(first.programs()) == len(first.lower_times)
+    second, compiles = fresh_engine()
+    assert compiles == [] and second.lower_times == {}
+    assert second.stats.num_compiles == len(second.programs())
+    assert second.generate(prompts, sp) == want
+    for path in saved:  # unreadable: lowered again, compiled from JAX's cache
+      path.write_bytes(path.read_bytes()[:100])
+    hits.clear()
+    third, _ = fresh_engine()
+    assert len(third.lower_times) == len(third.programs())
+    assert len(hits) >= len(third.programs())
+    assert third.generate(prompts, sp) == want
+    assert all(p.stat().st_size > 100 for p in saved)  # saved again
   finally:
     jax.monitoring.unregister_event_listener(listener)
     jax.config.update("jax_compilation_cache_dir", old_dir)
     compile_cache.reset()
     compiler.clear_compiled()
+
+
+def test_saved_program_digest_covers_code_config_and_flags(monkeypatch):
+  base = compile_cache.program_digest("model", "config")
+  assert compile_cache.program_digest("model", "config") == base
+  assert compile_cache.program_digest("model", "config2") != base
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+  flagged = compile_cache.program_digest("model", "config")
+  assert flagged != base
+  monkeypatch.setattr(compile_cache, "source_digest", lambda: "edited")
+  assert compile_cache.program_digest("model", "config") != flagged
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or memory_maps.count() is None,
