@@ -76,6 +76,10 @@ def reset():
 
 
 PROGRAMS_SUBDIR = "programs"
+# Saved programs kept per directory, the least recently used removed first:
+# a code or config change digests to new files, which would otherwise pile
+# up (an engine has up to about ten programs).
+MAX_SAVED_PROGRAMS = 64
 
 # JAX options whose value changes what a program traces to.
 _TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision",
@@ -132,8 +136,10 @@ def load_program(path: str, devices):
   try:
     with open(path, "rb") as f:
       payload, in_tree, out_tree = pickle.load(f)
-    return serialize_executable.deserialize_and_load(
+    compiled = serialize_executable.deserialize_and_load(
         payload, in_tree, out_tree, execution_devices=list(devices))
+    os.utime(path)  # recently used: `prune_programs` keeps it
+    return compiled
   except Exception:  # noqa: BLE001: any failure means "not cached"
     return None
 
@@ -151,8 +157,21 @@ def save_program(path: str, compiled) -> bool:
     with os.fdopen(fd, "wb") as f:
       f.write(data)
     os.replace(tmp, path)
+    prune_programs(os.path.dirname(path))
     return True
   except Exception:  # noqa: BLE001: the program runs uncached
     if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
     return False
+
+
+def prune_programs(programs_dir: str, keep: int = MAX_SAVED_PROGRAMS) -> None:
+  """Removes all but the `keep` most recently used saved programs of
+  `programs_dir` (by modification time: saving or loading one touches it)."""
+  try:
+    entries = [e for e in os.scandir(programs_dir) if e.name.endswith(".pkl")]
+    entries.sort(key=lambda e: e.stat().st_mtime_ns, reverse=True)
+    for e in entries[keep:]:
+      os.remove(e.path)
+  except OSError:  # another process pruned it first: nothing to do
+    pass

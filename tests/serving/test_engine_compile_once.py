@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import jax
 import jax.monitoring
@@ -204,6 +205,16 @@ def test_persistent_cache_serves_a_new_engine(model, tmp_path):
     jax.config.update("jax_compilation_cache_dir", old_dir)
     compile_cache.reset()
     compiler.clear_compiled()
+
+
+def test_saved_programs_keep_the_most_recently_used(tmp_path):
+  for i in range(5):
+    path = tmp_path / f"{i}.pkl"
+    path.write_bytes(b"x")
+    os.utime(path, ns=(i * 10**9, i * 10**9))
+  os.utime(tmp_path / "1.pkl")  # used now
+  compile_cache.prune_programs(str(tmp_path), keep=2)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1.pkl", "4.pkl"]
 
 
 def test_saved_program_digest_covers_code_config_and_flags(monkeypatch):
