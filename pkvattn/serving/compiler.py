@@ -105,7 +105,8 @@ def lookup_compiled(key):
 def compiled_program(key, compile_fn):
   """The executable kept for `key`, else `compile_fn()` (kept): engines with
   the same model config, engine config, program and argument signature share
-  one executable per process. `compile_fn` None: the key must be kept."""
+  one executable per process (`compile_fn` compiles, or loads a saved
+  program: `Compiler`)."""
   compiled = lookup_compiled(key)
   if compiled is None:
     compiled = compile_fn()
