@@ -22,9 +22,10 @@ Modes (one process each, correctness first):
   tokens, 128 new tokens: decode / prefill tok/s after `warmup()`, token
   agreement, and for a KV byte budget (`--kv-gib`) the slots and sequences
   each dtype holds. `--per-head`: a third arm, FP8 with per-KV-head scales
-  (`kv_scales="per_head"`), its decode / prefill tok/s over per-tensor's. `--trace` profiles a second generate's decode phase:
-  GPU-busy time per step by kernel kind against the step's wall time, and
-  the GPU's idle time per step by gap size (`timing.idle_gaps`).
+  (`kv_scales="per_head"`), its decode / prefill tok/s over per-tensor's.
+  `--trace` profiles a second generate's decode phase: GPU-busy time per
+  step by kernel kind against the step's wall time, and the GPU's idle
+  time per step by gap size (`timing.idle_gaps`).
 * `--serving`: SmolLM2-135M's shape (`--model llama1b`: Llama-3.2-1B's),
   256 prompts of 35-47 tokens, 256 new tokens each, `EngineConfig(
   page_size=16, num_slots=8192, max_seqs=256, max_num_tokens=4096,

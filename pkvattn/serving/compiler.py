@@ -215,14 +215,13 @@ class Compiler:
         model_cfg, config, mesh, key, sig, self.inputs_sharding,
         _programs.compiler_options()))
 
-  def _ready(self, memo_key, buffers):
+  def _ready(self, memo_key, path, buffers):
     """`compile_fn` of a program this process keeps or `compile_cache_dir`
-    holds (loaded onto the device of `buffers`); None: it must be lowered
-    and compiled."""
+    holds at `path` (loaded onto the device of `buffers`); None: it must be
+    lowered and compiled."""
     kept = lookup_compiled(memo_key)
     if kept is not None:
       return lambda: kept
-    path = self._saved_path(memo_key)
     sharding = getattr(jax.tree.leaves(buffers)[0], "sharding", None)
     if path is None or sharding is None:
       return None
@@ -230,12 +229,12 @@ class Compiler:
     loaded = _compile_cache.load_program(path, devices)
     return None if loaded is None else (lambda: loaded)
 
-  def _compile_fn(self, memo_key, lowered):
-    """`compile_fn` that compiles `lowered` and saves it to
-    `compile_cache_dir` (if set)."""
+  @staticmethod
+  def _compile_fn(lowered, path):
+    """`compile_fn` that compiles `lowered` and saves it at `path` (None:
+    not saved)."""
     def compile_fn():
       compiled = lowered.compile()
-      path = self._saved_path(memo_key)
       if path is not None:
         _compile_cache.save_program(path, compiled)
       return compiled
@@ -260,13 +259,13 @@ class Compiler:
       return compiled
     t0 = time.perf_counter()
     memo_key = self._memo_key(key, buffers)
-    ready = self._ready(memo_key, buffers)
+    path = self._saved_path(memo_key)
+    ready = self._ready(memo_key, path, buffers)
     if ready is not None:
       return self._compile(key, memo_key, ready, t0)
     lowered = self.lower(key, buffers)
     self.lower_times[key] = time.perf_counter() - t0
-    return self._compile(key, memo_key, self._compile_fn(memo_key, lowered),
-                         t0)
+    return self._compile(key, memo_key, self._compile_fn(lowered, path), t0)
 
   def warmup(self, buffers,
              progress: bool | Callable[[ProgramKey, float], Any] = False,
@@ -293,7 +292,8 @@ class Compiler:
       for key in keys:
         t0 = time.perf_counter()
         memo_key = self._memo_key(key, buffers)
-        ready = self._ready(memo_key, buffers)
+        path = self._saved_path(memo_key)
+        ready = self._ready(memo_key, path, buffers)
         if ready is not None:
           self._compile(key, memo_key, ready, t0)
           done(key)
@@ -301,7 +301,7 @@ class Compiler:
         lowered = self.lower(key, buffers)
         self.lower_times[key] = time.perf_counter() - t0
         futures[pool.submit(self._compile, key, memo_key,
-                            self._compile_fn(memo_key, lowered), t0)] = key
+                            self._compile_fn(lowered, path), t0)] = key
       for fut in concurrent.futures.as_completed(futures):
         fut.result()
         done(futures[fut])
