@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import pickle
 import sys
@@ -125,6 +126,24 @@ def program_path(cache_dir: str, digest: str) -> str:
   return os.path.join(cache_dir, PROGRAMS_SUBDIR, digest + ".pkl")
 
 
+@functools.cache
+def _load_kernel_runtime() -> None:
+  """Loads Mosaic GPU's runtime library into the process (GPU backends).
+
+  A saved program's Mosaic GPU kernels are compiled again when it loads,
+  and their host code calls `mosaic_gpu_launch_kernel`, a symbol of the
+  runtime that importing `jax.experimental.mosaic.gpu` loads. A process
+  that loads programs before it traces any kernel has not imported it yet;
+  without it the load fails ("Symbols not found") and the program is
+  compiled again."""
+  if jax.default_backend() != "gpu":
+    return
+  try:
+    importlib.import_module("jax.experimental.mosaic.gpu")
+  except ImportError:  # a jaxlib without Mosaic GPU: no kernels to load
+    pass
+
+
 def load_program(path: str, devices):
   """The `jax.stages.Compiled` saved at `path`, loaded onto `devices` (those
   it was compiled for), or None: no file, or one that does not load
@@ -133,6 +152,7 @@ def load_program(path: str, devices):
   if not os.path.isfile(path):
     return None
   from jax.experimental import serialize_executable  # noqa: PLC0415
+  _load_kernel_runtime()
   try:
     with open(path, "rb") as f:
       payload, in_tree, out_tree = pickle.load(f)

@@ -11,7 +11,7 @@ cache ops alone).
 * **ahead of time** (`warmup`): programs are traced and lowered one after
   the other in the calling thread (Python, under the GIL) while XLA compiles
   the ones already lowered in worker threads (outside the GIL), so the
-  compiles overlap;
+  compiles overlap; saved programs load in the worker threads;
 * **or on first use** (`program`), its time counted in
   `EngineStats.compile_time_s` and kept out of the tokens/s figures.
 
@@ -288,16 +288,23 @@ class Compiler:
 
     workers = max_workers or min(len(keys), os.cpu_count() or 1) or 1
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      futures = {}
+      # Saved programs load in the worker threads, all at once (a load
+      # compiles the program's Mosaic GPU kernels again, outside the GIL).
+      loads = {}
       for key in keys:
-        t0 = time.perf_counter()
         memo_key = self._memo_key(key, buffers)
         path = self._saved_path(memo_key)
-        ready = self._ready(memo_key, path, buffers)
+        loads[key] = (memo_key, path, time.perf_counter(),
+                      pool.submit(self._ready, memo_key, path, buffers))
+      futures = {}
+      for key in keys:
+        memo_key, path, t0, load = loads[key]
+        ready = load.result()
         if ready is not None:
           self._compile(key, memo_key, ready, t0)
           done(key)
           continue
+        t0 = time.perf_counter()
         lowered = self.lower(key, buffers)
         self.lower_times[key] = time.perf_counter() - t0
         futures[pool.submit(self._compile, key, memo_key,
