@@ -20,14 +20,16 @@ import jax
 import jax.numpy as jnp
 
 from . import alloc as _alloc
+from . import forking as _forking
 from . import hybrid as _hybrid
+from . import publish as _publish
 from . import state as _state
 from . import tables as _tables
 from . import validate as _validate
 from ._contract import checked as checked
 from .alloc import ClaimResult as ClaimResult
 from .alloc import ExtendResult as ExtendResult
-from .alloc import ForkResult as ForkResult
+from .forking import ForkResult as ForkResult
 from .host_tier import HostTierConfig as HostTierConfig
 from .host_tier import HostTierInvariantError as HostTierInvariantError
 from .host_tier import HostTierState as HostTierState
@@ -67,10 +69,10 @@ def _dispatch(flat, hybrid):
 init_cache = _dispatch(_state.init_cache, _hybrid.init_hybrid_cache)
 claim_batch = _dispatch(_alloc.claim_batch, _hybrid.claim_batch)
 extend = _dispatch(_alloc.extend, _hybrid.extend)
-commit = _dispatch(_alloc.commit, _hybrid.commit)
+commit = _dispatch(_publish.commit, _hybrid.commit)
 release = _dispatch(_alloc.release, _hybrid.release)
 finish_step = _dispatch(_alloc.finish_step, _hybrid.finish_step)
-fork = _dispatch(_alloc.fork, _hybrid.fork)
+fork = _dispatch(_forking.fork, _hybrid.fork)
 page_table = _dispatch(_tables.page_table, _hybrid.page_table)
 stats = _dispatch(_state.stats, _hybrid.stats)
 validate = _dispatch(_validate.validate, _hybrid.validate)

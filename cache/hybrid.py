@@ -71,6 +71,8 @@ import numpy as np
 from . import _checks
 from . import _contract
 from . import alloc as _alloc
+from . import forking as _forking
+from . import publish as _publish
 from . import tables as _tables
 from . import validate as _validate
 from .state import NULL_PAGE, CacheConfig, CacheState, init_cache
@@ -570,7 +572,7 @@ def commit(state: HybridCacheState, seq_ids, tokens, lengths, *,
                                  (seq_ids, tokens, lengths))
   _alloc._check_token_batch(seq_ids, tokens, lengths)
   if _contract.enabled(check):
-    _contract.run(_alloc._commit_contract, state.groups[0], seq_ids, lengths)
+    _contract.run(_publish._commit_contract, state.groups[0], seq_ids, lengths)
   with _contract.unchecked():
     return _commit(state, seq_ids, tokens, lengths)
 
@@ -578,7 +580,7 @@ def commit(state: HybridCacheState, seq_ids, tokens, lengths, *,
 @jax.jit
 def _commit(state, seq_ids, tokens, lengths):
   groups = list(state.groups)
-  g0 = _alloc._commit_impl(groups[0], seq_ids, tokens, lengths)
+  g0 = _publish._commit_impl(groups[0], seq_ids, tokens, lengths)
   groups[0] = g0
   if len(groups) > 1:
     idx, _ = _alloc._select(g0, seq_ids.astype(jnp.int32), want_live=True)
@@ -586,8 +588,8 @@ def _commit(state, seq_ids, tokens, lengths):
     pub = (own >= 0) & g0.slot_published[jnp.clip(own, 0)]
     anchor = (jnp.where(pub, own, -1), g0.slot_gen[jnp.clip(own, 0)])
     for gid in range(1, len(groups)):
-      groups[gid] = _alloc._commit_impl(groups[gid], seq_ids, tokens, lengths,
-                                        anchor=anchor)
+      groups[gid] = _publish._commit_impl(groups[gid], seq_ids, tokens,
+                                          lengths, anchor=anchor)
   return dataclasses.replace(state, groups=tuple(groups))
 
 
@@ -618,9 +620,9 @@ def fork(state: HybridCacheState, parent_ids, child_ids, *,
   """
   _check_state(state)
   parent_ids, child_ids = map(_checks.as_index_array, (parent_ids, child_ids))
-  _alloc._check_fork_args(parent_ids, child_ids)
+  _forking._check_fork_args(parent_ids, child_ids)
   if _contract.enabled(check):
-    _contract.run(_alloc._fork_contract, state.groups[0], parent_ids,
+    _contract.run(_forking._fork_contract, state.groups[0], parent_ids,
                   child_ids)
   with _contract.unchecked():
     return _fork(state, parent_ids, child_ids, head_of_line=head_of_line)
@@ -629,14 +631,14 @@ def fork(state: HybridCacheState, parent_ids, child_ids, *,
 @functools.partial(jax.jit, static_argnames=("head_of_line",))
 def _fork(state, parent_ids, child_ids, *, head_of_line=True):
   cfg = state.config
-  preps = [_alloc._fork_prepare(st, parent_ids, child_ids)
+  preps = [_forking._fork_prepare(st, parent_ids, child_ids)
            for st in state.groups]
   ok = _admit_joint(state.groups, preps[0][0].valid, [p[1] for p in preps],
                     head_of_line=head_of_line)
   n = parent_ids.shape[0]
   new_groups, srcs, dsts = [], [], []
   for gid, (st, (inp, need)) in enumerate(zip(state.groups, preps)):
-    st, res = _alloc._fork_apply(st, inp, ok, jnp.where(ok, need, 0))
+    st, res = _forking._fork_apply(st, inp, ok, jnp.where(ok, need, 0))
     base = cfg.group_page_base[gid]
     # Explicit width (K and V of each of the group's layers): `reshape(n,
     # -1)` cannot infer it for an empty batch.
@@ -647,7 +649,7 @@ def _fork(state, parent_ids, child_ids, *, head_of_line=True):
                           -1).reshape(n, width))
     new_groups.append(st)
   return (dataclasses.replace(state, groups=tuple(new_groups)),
-          _alloc.ForkResult(ok=ok,
+          _forking.ForkResult(ok=ok,
                             src_pages=jnp.concatenate(srcs, 1).reshape(-1),
                             dst_pages=jnp.concatenate(dsts, 1).reshape(-1)))
 

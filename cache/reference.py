@@ -1,8 +1,8 @@
 """Slow, loop-based model of the cache semantics: the test oracle (never jitted).
 
-Mirrors `cache/alloc.py` rule by rule with plain Python lists and dicts, so
-that a random sequence of operations can be run through both and compared
-slot for slot. Where the device code uses a 64-bit chained hash, this model
+Mirrors the device ops (`cache/alloc.py`, `publish.py`, `forking.py`) rule
+by rule with plain Python lists and dicts, so that a random sequence of
+operations can be run through both and compared slot for slot. Where the device code uses a 64-bit chained hash, this model
 uses an exact key (a nested tuple of the scope and all tokens up to the end
 of the block), so it
 describes the behaviour of a collision-free hash. It assumes no hash bucket

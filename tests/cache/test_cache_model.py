@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 
 from pkvattn import cache
 from pkvattn.cache import alloc
+from pkvattn.cache import forking
+from pkvattn.cache import publish
 from pkvattn.cache import reference
 
 CONFIGS = {
@@ -75,10 +77,10 @@ _claim = jax.jit(_counted("claim", alloc.claim_batch.__wrapped__),
                  static_argnames=("head_of_line", "evict"))
 _extend = jax.jit(_counted("extend", alloc.extend.__wrapped__),
                   static_argnames=("head_of_line", "evict"))
-_commit = jax.jit(_counted("commit", alloc.commit.__wrapped__))
+_commit = jax.jit(_counted("commit", publish.commit.__wrapped__))
 _release = jax.jit(_counted("release", alloc.release.__wrapped__))
 _finish = jax.jit(_counted("finish", alloc.finish_step.__wrapped__))
-_fork = jax.jit(_counted("fork", alloc.fork.__wrapped__),
+_fork = jax.jit(_counted("fork", forking.fork.__wrapped__),
                 static_argnames=("head_of_line",))
 
 
