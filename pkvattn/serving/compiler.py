@@ -85,6 +85,22 @@ def program_keys(cfg: EngineConfig, split_variants: bool = True
   return tuple(keys)
 
 
+def lowering_order(keys) -> list[ProgramKey]:
+  """`keys` in the order `Compiler.warmup` lowers them: the longest compiles
+  first. Lowering is serial and each compile starts when its lowering ends,
+  so a long compile lowered last would bound the warmup; the largest step
+  (its token bucket's forward and prefill kernels) compiles longest, then
+  the bursts (a decode step and a sampler per iteration), then the smaller
+  steps, the step of no tokens last (cache ops only)."""
+  steps = sorted((k for k in keys if k.kind == "step"),
+                 key=lambda k: -k.num_tokens)
+  top = steps[0].num_tokens if steps else None
+  largest = [k for k in steps if k.num_tokens == top]
+  bursts = sorted((k for k in keys if k.kind == "burst"),
+                  key=lambda k: -k.num_tokens)
+  return largest + bursts + [k for k in steps if k not in largest]
+
+
 def signature(*trees) -> tuple:
   """A hashable (structure, shapes, dtypes, shardings) key of array trees."""
   leaves, treedef = jax.tree.flatten(trees)
@@ -272,7 +288,7 @@ class Compiler:
              max_workers: int | None = None) -> dict[ProgramKey, float]:
     """Compiles every program of `keys()` not compiled yet (see
     `Engine.warmup`); returns `{ProgramKey: seconds}` of all compiled."""
-    keys = [k for k in self.keys() if k not in self.compiled]
+    keys = lowering_order([k for k in self.keys() if k not in self.compiled])
     bar = None
     if progress is True:
       from tqdm import tqdm

@@ -73,6 +73,18 @@ def test_program_list_is_small_and_known():
   assert len(compiler.program_keys(one)) == 7
 
 
+def test_lowering_order_puts_the_longest_compiles_first():
+  bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
+                       max_num_tokens=4096, max_model_len=1024, decode_steps=8)
+  keys = compiler.program_keys(bench)
+  order = compiler.lowering_order(list(reversed(keys)))
+  assert sorted(order, key=keys.index) == list(keys)  # a permutation
+  assert [(k.kind, k.num_tokens) for k in order] == (
+      [("step", 4096)] * 2 + [("burst", 256)] * 2 + [("burst", 64)] * 2
+      + [("step", 256)] * 2 + [("step", 0)])
+  assert compiler.lowering_order([]) == []
+
+
 def _workload(rng, vocab, n):
   """Mixed lengths, a shared prefix for half the prompts, mixed sampling."""
   shared = rng.integers(1, vocab, 16).tolist()
