@@ -79,12 +79,11 @@ def profile_programs(engine) -> dict:
                     copy_tree(engine.seq_tokens), inp)
     seq_tokens = engine.seq_tokens
 
-    def cache_ops(state):
-      state = _programs.cache_ops_before(state, seq_tokens, inp,
-                                         commit=cfg.enable_prefix_reuse)
+    def cache_ops(state):  # as the step does, around its forward
       t = _programs.layer_tables(state, L, S)
       state, ext, claim = _programs.cache_ops_after(
-          state, seq_tokens, inp, commit=cfg.enable_prefix_reuse)
+          state, seq_tokens, inp, commit=cfg.enable_prefix_reuse,
+          finished=_programs.finished_tokens(seq_tokens, inp))
       return state, t, ext.ok, claim.ok
     per = 1
   return dict(step=fn, step_args=args, bare_args=lambda: args() + (tables,),

@@ -55,7 +55,7 @@ class StepInputs:
   top_p: jax.Array          # f32[max_seqs]
   seeds: jax.Array          # u32[max_seqs]
   gen_index: jax.Array      # i32[max_seqs]
-  commit_ids: jax.Array     # i32[max_seqs], -1 = none (before the forward)
+  commit_ids: jax.Array     # i32[max_seqs], finished rows to publish, -1 = none
   commit_lens: jax.Array    # i32[max_seqs]
   prompt_commit_ids: jax.Array  # i32[max_seqs], rows whose prompt ends in
   #   this step: committed up to kv_lens after the forward, before `extend`
@@ -169,8 +169,10 @@ def layer_tables(state, num_layers: int, max_seqs: int):
 
 def cache_ops_before(state, seq_tokens, inp: StepInputs | BurstInputs, *,
                      commit: bool):
-  """`commit` (published prompts; static `commit=False` when prefix reuse is
-  off) then `release`, both masked by `-1` ids."""
+  """A burst's cache ops before its decode iterations: `commit` of the
+  finished rows the host publishes (static `commit=False` when prefix reuse
+  is off) then `release`, both masked by `-1` ids. (A step runs them after
+  its forward, in its one commit: `cache_ops_after`.)"""
   if commit:
     # commit reads tokens[i] for seq_ids[i]: gather each committed row.
     rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
@@ -179,17 +181,39 @@ def cache_ops_before(state, seq_tokens, inp: StepInputs | BurstInputs, *,
   return _cache.release(state, inp.release_ids)
 
 
-def cache_ops_after(state, seq_tokens, inp: StepInputs, *, commit: bool):
-  """`commit` of the prompts completed in this step (static `commit=False`
-  when prefix reuse is off), `extend` by one token for rows that keep
+def finished_tokens(seq_tokens, inp: StepInputs | BurstInputs):
+  """`i32[max_seqs, max_model_len]`: the token rows of `inp.commit_ids` (the
+  finished rows to publish), gathered before the program writes any token.
+  The commit runs after the writes, and the program does not rely on the
+  host never admitting a request into a row it releases in the same step
+  (the scheduler frees released rows for the next step): an admission
+  writes its prompt over the row."""
+  return seq_tokens[jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)]
+
+
+def cache_ops_after(state, seq_tokens, inp: StepInputs, *, commit: bool,
+                    finished=None):
+  """A step's cache ops, after its forward: one `commit` (static
+  `commit=False` when prefix reuse is off) of the prompts completed in this
+  step (up to `kv_lens`) and of the finished rows the host publishes
+  (`commit_ids`, their tokens `finished`: `finished_tokens`), `release` of
+  the finished and preempted rows, `extend` by one token for rows that keep
   decoding, then `claim_batch` for the admitted requests (all masked by `-1`
-  ids). The prompt is published before `extend`: a per-window-group cache
-  releases the sliding layers' old blocks there, and they must be published
-  first to be reusable."""
+  ids). One commit for both kinds: each commit is a few dozen small kernels
+  of every step program (its scatters and sorts), and no row is both (a
+  prompt that completes runs; a finished row does not). Releasing after the
+  forward changes nothing for it (released rows feed nothing); the released
+  slots are free for this step's `extend` and claims, as before. The prompt
+  is published before `extend`: a per-window-group cache releases the
+  sliding layers' old blocks there, and they must be published first to be
+  reusable."""
   if commit:
     rows = jnp.clip(inp.prompt_commit_ids, 0, seq_tokens.shape[0] - 1)
-    state = _cache.commit(state, inp.prompt_commit_ids, seq_tokens[rows],
-                          inp.kv_lens[rows])
+    state = _cache.commit(
+        state, jnp.concatenate([inp.prompt_commit_ids, inp.commit_ids]),
+        jnp.concatenate([seq_tokens[rows], finished]),
+        jnp.concatenate([inp.kv_lens[rows], inp.commit_lens]))
+  state = _cache.release(state, inp.release_ids)
   ones = jnp.ones_like(inp.extend_ids)
   state, ext = _cache.extend(state, inp.extend_ids, ones)
   state, claim = _cache.claim_batch(state, inp.admit_ids, inp.admit_tokens,
@@ -236,7 +260,8 @@ def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan | None):
 def device_step(params, pool, state, seq_tokens, inp: StepInputs,
                 tables=None, *, model_cfg: _decoder.DecoderConfig,
                 cfg: EngineConfig, mesh=None, greedy_only: bool = True):
-  """One engine step: cache ops before, forward, sampling, cache ops after.
+  """One engine step: forward, sampling, then the cache ops
+  (`cache_ops_after`).
 
   A step of no tokens (`inputs.tokens` of size 0: the engine's
   `step[no tokens]` program) runs the cache ops alone: a step that only
@@ -249,8 +274,8 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
   bookkeeping = tables is None
   if bookkeeping:
     with jax.named_scope(CACHE_OPS_SCOPE):
-      state = cache_ops_before(state, seq_tokens, inp,
-                               commit=cfg.enable_prefix_reuse)
+      finished = (finished_tokens(seq_tokens, inp)
+                  if cfg.enable_prefix_reuse else None)
       if inp.tokens.shape[0]:
         tables = layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
   if inp.tokens.shape[0]:
@@ -269,7 +294,8 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
   if bookkeeping:
     with jax.named_scope(CACHE_OPS_SCOPE):
       state, ext, claim = cache_ops_after(state, seq_tokens, inp,
-                                          commit=cfg.enable_prefix_reuse)
+                                          commit=cfg.enable_prefix_reuse,
+                                          finished=finished)
     ext_ok, claim_ok = ext.ok, claim.ok
     claim_reused, claim_new = claim.num_reused_tokens, claim.num_new_blocks
   else:
@@ -288,7 +314,7 @@ def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
                   decode_steps: int, commit: bool,
                   table_rows: int | None = None):
   """A burst's cache work, done once up front: the rows that finished before
-  it are published and released (`cache_ops_before`, as a step does), then
+  it are published and released (`cache_ops_before`), then
   one `extend` reserves every active row's tokens for the burst
   (`min(decode_steps, remaining - 1)` beyond the fed one) and the page
   tables of the first `table_rows` rows (None: all) are built once.

@@ -196,6 +196,30 @@ def test_prefix_reuse_respects_scope(model):
   assert again.num_reused == 16 and again.output == first.output
 
 
+def test_finished_row_is_published_with_its_own_tokens(model):
+  # One row: B waits for A and runs in A's row after it. A's full blocks
+  # are published by the commit of the step that releases A (one commit
+  # with the prompts completed in that step), under A's tokens: B, with an
+  # unrelated prompt, reuses nothing and decodes as alone, and A's prompt,
+  # asked again, reuses A's blocks and decodes as A did.
+  cfg = dataclasses.replace(CFG, max_seqs=1)
+  sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+  prompt_a = [256] + list(range(40, 60))    # 21 tokens: 2 full pages of 8
+  prompt_b = [256] + list(range(100, 120))
+  expected_b = Engine(model, cfg).generate([prompt_b], sp)[0]
+  engine = Engine(model, cfg)
+  ids = [engine.add_request(p, sp) for p in (prompt_a, prompt_b)]
+  while engine.has_unfinished():
+    engine.step()
+  a, b = (engine.get_request(i) for i in ids)
+  assert b.num_reused == 0 and b.output == expected_b
+  again = engine.get_request(engine.add_request(prompt_a, sp))
+  while engine.has_unfinished():
+    engine.step()
+  assert again.num_reused == 16 and again.output == a.output
+  cache.validate(engine.state)
+
+
 def test_prompt_larger_than_pool_raises(model):
   # A request that can never fit the pool is refused when it is added
   # (nothing queued), not after steps.
