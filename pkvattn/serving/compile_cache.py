@@ -32,6 +32,8 @@ import tempfile
 
 import jax
 
+from pkvattn import _checks
+
 
 def default_dir() -> str:
   """`$XDG_CACHE_HOME/pkvattn/xla` (`~/.cache/pkvattn/xla` by default)."""
@@ -136,7 +138,7 @@ def _load_kernel_runtime() -> None:
   that loads programs before it traces any kernel has not imported it yet;
   without it the load fails ("Symbols not found") and the program is
   compiled again."""
-  if jax.default_backend() != "gpu":
+  if not _checks.is_gpu():
     return
   try:
     importlib.import_module("jax.experimental.mosaic.gpu")

@@ -174,10 +174,8 @@ def cache_ops_before(state, seq_tokens, inp: StepInputs | BurstInputs, *,
   is off) then `release`, both masked by `-1` ids. (A step runs them after
   its forward, in its one commit: `cache_ops_after`.)"""
   if commit:
-    # commit reads tokens[i] for seq_ids[i]: gather each committed row.
-    rows = jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)
-    state = _cache.commit(state, inp.commit_ids, seq_tokens[rows],
-                          inp.commit_lens)
+    state = _cache.commit(state, inp.commit_ids,
+                          finished_tokens(seq_tokens, inp), inp.commit_lens)
   return _cache.release(state, inp.release_ids)
 
 
