@@ -107,6 +107,13 @@ def sample(
 ) -> jax.Array:              # i32[batch_size]
   """Samples one token per row; rows with `temperature == 0` take the argmax.
 
+  A sampling row keeps the `top_k` most likely tokens, then the smallest
+  prefix of them whose probability, renormalised to the top k, reaches
+  `top_p` (HF transformers' and vLLM's order), and draws one
+  of the kept tokens in proportion to its probability (inverse CDF on the
+  sorted probabilities, one uniform number per row from
+  `fold_in(key(seed), index)`).
+
   The sort over the vocabulary runs only when some row samples (`lax.cond`).
   `greedy_only` (static): the caller knows every row is greedy; the argmax
   alone is built (no `lax.cond`, which costs a device-to-host sync on GPU).
@@ -116,20 +123,31 @@ def sample(
     return greedy
 
   def stochastic(_):
-    vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1),
+                           axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # Mass of the strictly better tokens, shifted rather than `cum - probs`
+    # so that it never decreases with the rank: the kept tokens are then a
+    # prefix of the ranks.
+    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))
+    vocab = logits.shape[-1]
     rank = jnp.arange(vocab)[None, :]
-    keep = (before < top_p[:, None]) & (
-        (top_k[:, None] <= 0) | (rank < top_k[:, None]))
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    # top-p on the distribution renormalised to the top k.
+    top_k_mass = jnp.take_along_axis(cum, k[:, None] - 1, axis=-1)
+    keep = (rank < k[:, None]) & (before < top_p[:, None] * top_k_mass)
     keep = keep | (rank == 0)
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    # Inverse CDF over the kept prefix: one uniform number per row, not a
+    # Gumbel draw per vocabulary entry.
+    num_kept = jnp.sum(keep, axis=-1)
+    kept_mass = jnp.take_along_axis(cum, num_kept[:, None] - 1, axis=-1)
     keys = jax.vmap(
         lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
+    u = jax.vmap(jax.random.uniform)(keys)
+    choice = jnp.sum(keep & (cum <= u[:, None] * kept_mass), axis=-1)
+    choice = jnp.minimum(choice, num_kept - 1)
     token = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     return jnp.where(temperature > 0, token.astype(jnp.int32), greedy)
 

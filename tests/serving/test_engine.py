@@ -3,7 +3,7 @@
 Parity with transformers lives in test_models_hf.py; here: a full pool
 (requests wait / are preempted and recomputed, outputs unchanged), stop tokens,
 seeded sampling independent of batch composition, one compile for all steps,
-donation of the pool, and the sampler itself.
+donation of the pool (the sampler itself: tests/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import pytest
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
-from pkvattn.sampling import sample
 
 # One engine config shared by most tests, so the step compiles once per module.
 CFG = EngineConfig(page_size=8, num_slots=40, max_seqs=4, max_num_tokens=32,
@@ -271,30 +270,6 @@ def test_invalid_requests(model):
     EngineConfig(max_seqs=8, max_num_tokens=4)
   with pytest.raises(ValueError, match="temperature"):
     SamplingParams(temperature=-1.0)
-
-
-def test_sampler():
-  sample_fn = jax.jit(sample)
-  logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)),
-                       jnp.float32)
-  greedy = np.argmax(np.asarray(logits), -1)
-  zeros = jnp.zeros(4, jnp.int32)
-  seeds = jnp.arange(4, dtype=jnp.uint32)
-  # Greedy rows, top_k = 1 and a tiny top_p all give the argmax.
-  for temp, k, p in ((0.0, 0, 1.0), (1.0, 1, 1.0), (1.0, 0, 1e-6)):
-    out = sample_fn(logits, jnp.full(4, temp), jnp.full(4, k, jnp.int32),
-                 jnp.full(4, p), seeds, zeros)
-    np.testing.assert_array_equal(np.asarray(out), greedy)
-  # top_k = 3: always one of the 3 best; deterministic for a seed and index.
-  out = [np.asarray(sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32),
-                           jnp.ones(4), seeds, jnp.full(4, i, jnp.int32)))
-         for i in range(20)]
-  top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
-  assert all(np.isin(o[b], top3[b]) for o in out for b in range(4))
-  assert len({tuple(o) for o in out}) > 1
-  again = sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32), jnp.ones(4),
-                 seeds, jnp.full(4, 5, jnp.int32))
-  np.testing.assert_array_equal(np.asarray(again), out[5])
 
 
 def test_profile_reports_split(model):

@@ -1,0 +1,73 @@
+"""The engine's sampler (`pkvattn.sampling.sample`) against a float64 oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn.sampling import sample
+
+
+def test_sampler():
+  sample_fn = jax.jit(sample)
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)),
+                       jnp.float32)
+  greedy = np.argmax(np.asarray(logits), -1)
+  zeros = jnp.zeros(4, jnp.int32)
+  seeds = jnp.arange(4, dtype=jnp.uint32)
+  # Greedy rows, top_k = 1 and a tiny top_p all give the argmax.
+  for temp, k, p in ((0.0, 0, 1.0), (1.0, 1, 1.0), (1.0, 0, 1e-6)):
+    out = sample_fn(logits, jnp.full(4, temp), jnp.full(4, k, jnp.int32),
+                 jnp.full(4, p), seeds, zeros)
+    np.testing.assert_array_equal(np.asarray(out), greedy)
+  # top_k = 3: always one of the 3 best; deterministic for a seed and index.
+  out = [np.asarray(sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32),
+                           jnp.ones(4), seeds, jnp.full(4, i, jnp.int32)))
+         for i in range(20)]
+  top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+  assert all(np.isin(o[b], top3[b]) for o in out for b in range(4))
+  assert len({tuple(o) for o in out}) > 1
+  again = sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32), jnp.ones(4),
+                 seeds, jnp.full(4, 5, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(again), out[5])
+
+
+def _kept_distribution(logits, temperature, top_k, top_p):
+  """float64 oracle: HF transformers' top-k then top-p (on the top-k
+  renormalised softmax), renormalised over the kept tokens."""
+  z = np.asarray(logits, np.float64) / temperature
+  order = np.argsort(-z, kind="stable")
+  p = np.exp(z[order] - z[order].max())
+  p /= p.sum()
+  k = top_k if top_k > 0 else len(p)
+  p[k:] = 0
+  p /= p.sum()
+  before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+  p[before >= top_p] = 0
+  p /= p.sum()
+  out = np.zeros_like(p)
+  out[order] = p
+  return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.7)])
+def test_sampler_draws_the_kept_distribution(temperature, top_k, top_p):
+  rng = np.random.default_rng()
+  vocab, draws = 12, 20_000
+  logits = rng.normal(scale=1.5, size=vocab).astype(np.float32)
+  want = _kept_distribution(logits, temperature, top_k, top_p)
+  n = draws
+  out = jax.jit(sample)(
+      jnp.broadcast_to(jnp.asarray(logits), (n, vocab)),
+      jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
+      jnp.full(n, top_p, jnp.float32),
+      jnp.full(n, rng.integers(2**32), jnp.uint32),
+      jnp.arange(n, dtype=jnp.int32))
+  freq = np.bincount(np.asarray(out), minlength=vocab) / n
+  assert np.all(freq[want == 0] == 0), (freq, want)
+  # Five binomial standard deviations per token (and an absolute floor).
+  tol = 5 * np.sqrt(want * (1 - want) / n) + 1e-3
+  np.testing.assert_array_less(np.abs(freq - want), tol)
