@@ -361,14 +361,22 @@ def _forward(params, cfg: DecoderConfig, tokens, kv_cache, plan: AttentionPlan,
       raise ValueError(
           f"Invalid params['layers']: expected {L} per-layer trees, got "
           f"{len(params['layers'])}")
+    # Each layer's table is a dynamic slice at an index XLA cannot fold (it
+    # passes an optimization barrier): a static slice would give every layer
+    # a table copy of its own offset, L distinct kernels to compile; these
+    # are L launches of one kernel.
+    layer_ids = lax.optimization_barrier(
+        tuple(jnp.int32(layer) for layer in range(L)))
     for layer, lp in enumerate(params["layers"]):
       # Layers with the same window are one traced function: traced and
       # lowered once per program, called L times (XLA inlines the calls, so
       # the compiled program is the unrolled loop with every weight read in
       # place). Tracing and lowering each layer anew made compile time grow
       # with the depth (Pallas kernels lower in Python).
+      table = lax.dynamic_index_in_dim(plan.page_table, layer_ids[layer],
+                                       keepdims=False)
       x, kv_cache = _traced_layer(
-          lp, x, kv_cache, plan.replace(page_table=plan.page_table[layer]),
+          lp, x, kv_cache, plan.replace(page_table=table),
           cfg=cfg, layer=layer % p, impl=impl, tp_axis=tp_axis)
     return _head(params, cfg, x, logits_indices), kv_cache
 
