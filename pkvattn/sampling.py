@@ -109,10 +109,10 @@ def sample(
 
   A sampling row keeps the `top_k` most likely tokens, then the smallest
   prefix of them whose probability, renormalised to the top k, reaches
-  `top_p` (HF transformers' and vLLM's order), and draws one
-  of the kept tokens in proportion to its probability (inverse CDF on the
-  sorted probabilities, one uniform number per row from
-  `fold_in(key(seed), index)`).
+  `top_p` (HF transformers' and vLLM's order), and draws one of the kept
+  tokens in proportion to its probability (inverse CDF on the sorted
+  probabilities, one uniform number per row from `fold_in(key(seed),
+  index)`).
 
   The sort over the vocabulary runs only when some row samples (`lax.cond`).
   `greedy_only` (static): the caller knows every row is greedy; the argmax

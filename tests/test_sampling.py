@@ -56,10 +56,9 @@ def _kept_distribution(logits, temperature, top_k, top_p):
     (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.7)])
 def test_sampler_draws_the_kept_distribution(temperature, top_k, top_p):
   rng = np.random.default_rng()
-  vocab, draws = 12, 20_000
+  vocab, n = 12, 20_000  # n draws: one row per generated-token index
   logits = rng.normal(scale=1.5, size=vocab).astype(np.float32)
   want = _kept_distribution(logits, temperature, top_k, top_p)
-  n = draws
   out = jax.jit(sample)(
       jnp.broadcast_to(jnp.asarray(logits), (n, vocab)),
       jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
