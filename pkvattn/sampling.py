@@ -104,6 +104,7 @@ def sample(
     indices: jax.Array,      # i32[batch_size], generated-token index (rng stream)
     *,
     greedy_only: bool = False,
+    cond: bool = True,
 ) -> jax.Array:              # i32[batch_size]
   """Samples one token per row; rows with `temperature == 0` take the argmax.
 
@@ -117,6 +118,9 @@ def sample(
   The sort over the vocabulary runs only when some row samples (`lax.cond`).
   `greedy_only` (static): the caller knows every row is greedy; the argmax
   alone is built (no `lax.cond`, which costs a device-to-host sync on GPU).
+  `cond=False` (static): the caller knows some row samples; the sort runs
+  unconditionally, again with no `lax.cond` (greedy rows still take the
+  argmax).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if greedy_only:
@@ -151,4 +155,6 @@ def sample(
     token = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     return jnp.where(temperature > 0, token.astype(jnp.int32), greedy)
 
+  if not cond:
+    return stochastic(None)
   return lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)

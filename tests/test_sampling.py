@@ -32,6 +32,14 @@ def test_sampler():
   again = sample_fn(logits, jnp.ones(4), jnp.full(4, 3, jnp.int32), jnp.ones(4),
                  seeds, jnp.full(4, 5, jnp.int32))
   np.testing.assert_array_equal(np.asarray(again), out[5])
+  # Without the cond (the caller knows a row samples): the same tokens, and
+  # greedy rows still take the argmax.
+  mixed = (logits, jnp.asarray([0.0, 1.0, 0.0, 0.7]), jnp.full(4, 3, jnp.int32),
+           jnp.ones(4), seeds, jnp.full(4, 2, jnp.int32))
+  no_cond = jax.jit(lambda *a: sample(*a, cond=False))(*mixed)
+  np.testing.assert_array_equal(np.asarray(no_cond),
+                                np.asarray(sample_fn(*mixed)))
+  np.testing.assert_array_equal(np.asarray(no_cond)[[0, 2]], greedy[[0, 2]])
 
 
 def _kept_distribution(logits, temperature, top_k, top_p):

@@ -159,7 +159,9 @@ class Compiler:
     lower_times: `{ProgramKey: seconds}` of those spent tracing + lowering
       (none for a program loaded from `compile_cache_dir`).
     split_variants: greedy-only and sampled variants are separate programs
-      (GPU backends, where the sampler's `lax.cond` syncs the host).
+      (GPU backends, where the sampler's `lax.cond` syncs the host); the
+      sampled one runs only when some row samples, so it has no `lax.cond`
+      either (`programs.jitted_program(sample_cond=False)`).
   """
 
   def __init__(self, model_cfg, config: EngineConfig,
@@ -201,7 +203,8 @@ class Compiler:
     shapes (replicated on the mesh, if any)."""
     fn = _programs.jitted_program(
         self.model_cfg, self.config, self.mesh, key.kind, key.greedy_only,
-        rows=key.num_tokens if key.kind == "burst" else None)
+        rows=key.num_tokens if key.kind == "burst" else None,
+        sample_cond=not self.split_variants)
     if key.kind == "step":
       inputs = _programs.step_input_shapes(self.config, key.num_tokens)
     else:

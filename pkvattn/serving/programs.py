@@ -16,9 +16,11 @@ combination of cache ops would multiply the programs (dozens), each compiled
 at start-up or, worse, the first time a combination shows up while serving.
 One static stays where it saves device time on every decode iteration:
 `greedy_only` (the argmax alone: no sort over the vocabulary and no
-`lax.cond` in the sampler, whose predicate a GPU reads back on the host). On
-a CPU backend, where a `lax.cond` costs no such sync, it is not split: one
-program per bucket and one burst.
+`lax.cond` in the sampler, whose predicate a GPU reads back on the host).
+The host runs the other variant only when some row samples, so on a GPU
+that one has no `lax.cond` either (`sample_cond=False`: the sort always
+runs). On a CPU backend, where a `lax.cond` costs no such sync, it is not
+split: one program per bucket and one burst, the sort under the cond.
 """
 
 from __future__ import annotations
@@ -229,7 +231,8 @@ def _forward(params, model_cfg, tokens, pool, plan, *, logits_indices, impl,
                               logits_indices=logits_indices, impl=impl)
 
 
-def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh):
+def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh,
+                   sample_cond: bool):
   """`sampling.sample` of the rows' logits. On a mesh the logits come
   vocab-sharded (`parallel.tp_forward`): greedy takes the per-shard argmax
   and gathers `(max, index)` only (`parallel.greedy_tokens`); otherwise the
@@ -240,7 +243,7 @@ def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh):
       return _parallel.greedy_tokens(logits, mesh)
     logits = _parallel.gather_logits(logits, mesh)
   return _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                 gen_index, greedy_only=greedy_only)
+                 gen_index, greedy_only=greedy_only, cond=sample_cond)
 
 
 def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan | None):
@@ -257,7 +260,8 @@ def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan | None):
 
 def device_step(params, pool, state, seq_tokens, inp: StepInputs,
                 tables=None, *, model_cfg: _decoder.DecoderConfig,
-                cfg: EngineConfig, mesh=None, greedy_only: bool = True):
+                cfg: EngineConfig, mesh=None, greedy_only: bool = True,
+                sample_cond: bool = True):
   """One engine step: forward, sampling, then the cache ops
   (`cache_ops_after`).
 
@@ -283,7 +287,8 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
     logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
                             logits_indices=last, impl=cfg.impl, mesh=mesh)
     sampled = _sample_logits(logits, inp, inp.gen_index,
-                             greedy_only=greedy_only, mesh=mesh)
+                             greedy_only=greedy_only, mesh=mesh,
+                             sample_cond=sample_cond)
     sampled = jnp.where(inp.sample_rows, sampled, -1)
   else:  # nothing to feed: admissions, releases and commits only
     plan = None
@@ -333,7 +338,8 @@ def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
 def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
                         tables=None, *, model_cfg: _decoder.DecoderConfig,
                         cfg: EngineConfig, mesh=None,
-                        greedy_only: bool = False, rows: int | None = None):
+                        greedy_only: bool = False, rows: int | None = None,
+                        sample_cond: bool = True):
   """`cfg.decode_steps` decode iterations; each is `device_step` restricted to
   decode rows, with the sampled token fed back on device.
 
@@ -397,7 +403,7 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
         logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
         mesh=mesh)
     tok = _sample_logits(logits, sub, gen, greedy_only=greedy_only,
-                         mesh=mesh)
+                         mesh=mesh, sample_cond=sample_cond)
     seq_tokens = seq_tokens.at[jnp.where(active, row_ids, S), computed].set(
         last, mode="drop")
     step = active.astype(jnp.int32)
@@ -447,19 +453,22 @@ def compiler_options() -> dict:
 @functools.lru_cache(maxsize=64)
 def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
                    mesh, kind: str, greedy_only: bool,
-                   rows: int | None = None):
+                   rows: int | None = None, sample_cond: bool = True):
   """The `jax.jit` of one program kind (shared by engines with one config);
   the pool, the cache state and the token buffer are donated. `rows`: a
-  burst's row bucket (`device_decode_burst`; None = `max_seqs`). With
+  burst's row bucket (`device_decode_burst`; None = `max_seqs`);
+  `sample_cond`: the sampled variant's `lax.cond` (False where the variants
+  are split: the host runs it only when some row samples). With
   `cfg.check` the program is functionalized by `checkify` (it returns
   `(error, outputs)`) and must be traced inside `pkvattn.checked()`."""
   if kind == "step":
     body = functools.partial(device_step, model_cfg=model_cfg, cfg=cfg,
-                             mesh=mesh, greedy_only=greedy_only)
+                             mesh=mesh, greedy_only=greedy_only,
+                             sample_cond=sample_cond)
   else:
     body = functools.partial(device_decode_burst, model_cfg=model_cfg,
                              cfg=cfg, mesh=mesh, greedy_only=greedy_only,
-                             rows=rows)
+                             rows=rows, sample_cond=sample_cond)
   if cfg.check:  # returns (checkify.Error, outputs); trace under checked()
     body = checkify.checkify(body)
   return jax.jit(body, donate_argnums=(1, 2, 3),
