@@ -198,13 +198,19 @@ class Compiler:
     greedy = bool(greedy_only) or (kind == "step" and num_tokens == 0)
     return ProgramKey(kind, num_tokens, greedy and self.split_variants)
 
-  def lower(self, key: ProgramKey, buffers):
-    """`jax.stages.Lowered` of `key` on `buffers` and the program's input
-    shapes (replicated on the mesh, if any)."""
-    fn = _programs.jitted_program(
+  def jitted(self, key: ProgramKey):
+    """The `jax.jit` of `key` (`programs.jitted_program`): a burst's rows are
+    its bucket; the sampled variant has its `lax.cond` only where the
+    variants are not split."""
+    return _programs.jitted_program(
         self.model_cfg, self.config, self.mesh, key.kind, key.greedy_only,
         rows=key.num_tokens if key.kind == "burst" else None,
         sample_cond=not self.split_variants)
+
+  def lower(self, key: ProgramKey, buffers):
+    """`jax.stages.Lowered` of `key` on `buffers` and the program's input
+    shapes (replicated on the mesh, if any)."""
+    fn = self.jitted(key)
     if key.kind == "step":
       inputs = _programs.step_input_shapes(self.config, key.num_tokens)
     else:

@@ -163,8 +163,8 @@ class Engine:
     Programs are lowered one after the other in this thread while XLA
     compiles the ones already lowered in worker threads; with
     `EngineConfig.compile_cache_dir` set, programs saved there are loaded
-    instead, in the worker threads (no tracing, lowering or compiling). FP8 pages without given
-    scales also compile their calibration prefill here.
+    instead, in the worker threads (no tracing, lowering or compiling). FP8
+    pages without given scales also compile their calibration prefill here.
 
     Args:
       progress: True = a tqdm bar on stderr; a callable is called as

@@ -44,11 +44,8 @@ def profile_programs(engine) -> dict:
     # of the current batch (for attention).
     attention_inputs = engine.scheduler.schedule().inputs
     rows = engine.scheduler.burst_rows()
-    greedy = engine.compiler.key("burst", rows,
-                                 engine.scheduler.burst_greedy()).greedy_only
-    fn = _programs.jitted_program(
-        mcfg, cfg, engine.mesh, "burst", greedy, rows=rows,
-        sample_cond=not engine.compiler.split_variants)
+    fn = engine.compiler.jitted(engine.compiler.key(
+        "burst", rows, engine.scheduler.burst_greedy()))
     binp = jax.tree.map(jnp.asarray, engine.scheduler.burst_inputs())
     ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
     # Tables that already hold the burst's new blocks (timing only).
@@ -72,10 +69,7 @@ def profile_programs(engine) -> dict:
   else:
     attention_inputs = engine.last_inputs
     inp = jax.tree.map(jnp.asarray, engine.last_inputs)
-    key = engine.last_program
-    fn = _programs.jitted_program(
-        mcfg, cfg, engine.mesh, "step", key.greedy_only,
-        sample_cond=not engine.compiler.split_variants)
+    fn = engine.compiler.jitted(engine.last_program)
     tables = _programs.layer_tables(engine.state, L, S)
     args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
                     copy_tree(engine.seq_tokens), inp)
