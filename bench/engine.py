@@ -512,14 +512,17 @@ def serving_main(args, env):
   rng = np.random.default_rng(0)
   batch1 = chat_like_prompts(rng, args.num_prompts, mcfg.vocab_size)
   batch2 = chat_like_prompts(rng, args.num_prompts, mcfg.vocab_size)
-  sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+  sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True,
+                      temperature=args.temperature, top_p=args.top_p)
   params = init_params(mcfg, jax.random.key(0), jnp.bfloat16, scale=0.02)
-  row = dict(model=args.model, phase=args.phase, config=dataclasses.asdict(cfg))
+  row = dict(model=args.model, phase=args.phase, config=dataclasses.asdict(cfg),
+             temperature=args.temperature, top_p=args.top_p)
   row["pkvattn"] = run_pkvattn(mcfg, params, cfg, batch1, batch2, sp,
                                args.phase)
   del params
   gc.collect()
   name = (f"serving_{args.model}" + ("_warm" if args.phase == "warm" else "")
+          + ("_sampled" if args.temperature else "")
           + f"_{results.device_tag()}")
   results.write(name, [row], out=args.out, env=env)  # again with the peer
   pk = row["pkvattn"]
@@ -914,6 +917,11 @@ def main(argv=None):
                   help="--serving: warm = build and warm up only")
   ap.add_argument("--cache-dir", default=None,
                   help="--serving: persistent compilation cache")
+  ap.add_argument("--temperature", type=float, default=0.0,
+                  help="--serving: sampling temperature (0 = greedy; "
+                  "transformers stays greedy)")
+  ap.add_argument("--top-p", type=float, default=1.0,
+                  help="--serving: nucleus sampling threshold")
   ap.add_argument("--no-transformers", action="store_true",
                   help="--serving: skip the transformers peer")
   ap.add_argument("--weights", choices=("random", "smollm2-gguf"),
@@ -940,6 +948,13 @@ def main(argv=None):
                   "bf16 on a GPU)")
   results.add_out_arg(ap)
   args = ap.parse_args(argv)
+  if args.temperature and args.serving and not args.no_transformers:
+    ap.error("--temperature: the transformers peer decodes greedily; "
+             "expected --no-transformers with it")
+  if not 0 < args.top_p <= 1:
+    ap.error(f"--top-p: expected a number in (0, 1], got {args.top_p}")
+  if args.temperature < 0:
+    ap.error(f"--temperature: expected >= 0, got {args.temperature}")
   if args.vllm_child:
     return vllm_child_main(args)
   if args.vllm:  # the children stamp the results (this process stays off the GPU)

@@ -95,6 +95,39 @@ class SamplingParams:
           f"Invalid ignore_eos: expected a bool, got {self.ignore_eos!r}")
 
 
+# The draw's inverse CDF runs over blocks of this many vocabulary entries:
+# block sums, their cumulative sum, then one block's entries.
+_DRAW_BLOCK = 256
+
+
+def _inverse_cdf(kept, u):
+  """Per row, the first index where the running sum of `kept` (f32[rows,
+  vocab], zero outside the kept set) exceeds `u * sum(kept)`; always an entry
+  with `kept > 0` (rounding at the end falls back to the last kept entry of
+  the block)."""
+  rows, vocab = kept.shape
+  nb = -(-vocab // _DRAW_BLOCK)
+  blocks = jnp.pad(kept, ((0, 0), (0, nb * _DRAW_BLOCK - vocab))).reshape(
+      rows, nb, _DRAW_BLOCK)
+  block_sums = jnp.sum(blocks, axis=-1)
+  block_cum = jnp.cumsum(block_sums, axis=-1)
+  target = u * block_cum[:, -1]
+  arange_nb = jnp.arange(nb)
+  last_block = jnp.max(jnp.where(block_sums > 0, arange_nb, 0), axis=-1)
+  blk = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), last_block)
+  before = jnp.where(blk > 0, jnp.take_along_axis(
+      block_cum, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+  inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]
+  inner_cum = before[:, None] + jnp.cumsum(inner, axis=-1)
+  idx = jnp.sum(inner_cum <= target[:, None], axis=-1)
+  arange_b = jnp.arange(_DRAW_BLOCK)
+  # The last kept entry at or before `idx` (is `idx` itself unless the sums'
+  # rounding left `target` past the block's end).
+  idx = jnp.max(jnp.where((inner > 0) & (arange_b <= idx[:, None]),
+                          arange_b, 0), axis=-1)
+  return (blk * _DRAW_BLOCK + idx).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,       # f32[batch_size, vocab_size]
     temperature: jax.Array,  # f32[batch_size], 0 = greedy
@@ -108,18 +141,24 @@ def sample(
 ) -> jax.Array:              # i32[batch_size]
   """Samples one token per row; rows with `temperature == 0` take the argmax.
 
-  A sampling row keeps the `top_k` most likely tokens, then the smallest
-  prefix of them whose probability, renormalised to the top k, reaches
-  `top_p` (HF transformers' and vLLM's order), and draws one of the kept
-  tokens in proportion to its probability (inverse CDF on the sorted
-  probabilities, one uniform number per row from `fold_in(key(seed),
-  index)`).
+  A sampling row keeps the `top_k` most likely tokens, then the smallest set
+  of them, most likely first, whose probability renormalised to the top k
+  reaches `top_p` (HF transformers' and vLLM's order), and draws one of the
+  kept tokens in proportion to its probability. Tokens tied in probability
+  with the last one kept are kept too (a sort would break the tie by its
+  order).
 
-  The sort over the vocabulary runs only when some row samples (`lax.cond`).
+  The kept set is a probability threshold read off the probabilities sorted
+  alone (a sort of one operand: no index payload, no gather through the
+  order), and the draw is an inverse CDF in vocabulary order over the kept
+  probabilities (`_inverse_cdf`), one uniform number per row from
+  `fold_in(key(seed), index)`.
+
+  The sampling path runs only when some row samples (`lax.cond`).
   `greedy_only` (static): the caller knows every row is greedy; the argmax
   alone is built (no `lax.cond`, which costs a device-to-host sync on GPU).
-  `cond=False` (static): the caller knows some row samples; the sort runs
-  unconditionally, again with no `lax.cond` (greedy rows still take the
+  `cond=False` (static): the caller knows some row samples; the sampling path
+  runs unconditionally, again with no `lax.cond` (greedy rows still take the
   argmax).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -128,32 +167,27 @@ def sample(
 
   def stochastic(_):
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1),
-                           axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    # Mass of the strictly better tokens, shifted rather than `cum - probs`
-    # so that it never decreases with the rank: the kept tokens are then a
-    # prefix of the ranks.
-    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))
+    probs = jax.nn.softmax(scaled, axis=-1)
+    # The probabilities alone, most likely first: a sort of one operand (no
+    # index payload), whose values give the kept set's threshold.
+    desc = -jnp.sort(-probs, axis=-1)
+    cum = jnp.cumsum(desc, axis=-1)
+    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # never decreases
     vocab = logits.shape[-1]
     rank = jnp.arange(vocab)[None, :]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     # top-p on the distribution renormalised to the top k.
     top_k_mass = jnp.take_along_axis(cum, k[:, None] - 1, axis=-1)
-    keep = (rank < k[:, None]) & (before < top_p[:, None] * top_k_mass)
-    keep = keep | (rank == 0)
-    # Inverse CDF over the kept prefix: one uniform number per row, not a
-    # Gumbel draw per vocabulary entry.
-    num_kept = jnp.sum(keep, axis=-1)
-    kept_mass = jnp.take_along_axis(cum, num_kept[:, None] - 1, axis=-1)
+    keep = (rank < k[:, None]) & ((before < top_p[:, None] * top_k_mass)
+                                  | (top_p[:, None] >= 1))
+    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    floor = jnp.take_along_axis(desc, num_kept[:, None] - 1, axis=-1)
+    kept = jnp.where(probs >= floor, probs, 0.0)
     keys = jax.vmap(
         lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
     u = jax.vmap(jax.random.uniform)(keys)
-    choice = jnp.sum(keep & (cum <= u[:, None] * kept_mass), axis=-1)
-    choice = jnp.minimum(choice, num_kept - 1)
-    token = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature > 0, token.astype(jnp.int32), greedy)
+    token = _inverse_cdf(kept, u)
+    return jnp.where(temperature > 0, token, greedy)
 
   if not cond:
     return stochastic(None)

@@ -60,21 +60,49 @@ def _kept_distribution(logits, temperature, top_k, top_p):
   return out
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.7)])
-def test_sampler_draws_the_kept_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("vocab,params_a,params_b", [
+    (12, (1.0, 0, 1.0), (0.7, 5, 1.0)),
+    (12, (1.3, 0, 0.8), (1.0, 6, 0.7)),
+    # Several draw blocks, the last one partial; rows of both settings share
+    # the batch.
+    (300, (1.0, 0, 0.9), (0.8, 40, 0.95)),
+])
+def test_sampler_draws_the_kept_distribution(vocab, params_a, params_b):
   rng = np.random.default_rng()
-  vocab, n = 12, 20_000  # n draws: one row per generated-token index
-  logits = rng.normal(scale=1.5, size=vocab).astype(np.float32)
-  want = _kept_distribution(logits, temperature, top_k, top_p)
-  out = jax.jit(sample)(
-      jnp.broadcast_to(jnp.asarray(logits), (n, vocab)),
-      jnp.full(n, temperature, jnp.float32), jnp.full(n, top_k, jnp.int32),
-      jnp.full(n, top_p, jnp.float32),
-      jnp.full(n, rng.integers(2**32), jnp.uint32),
-      jnp.arange(n, dtype=jnp.int32))
-  freq = np.bincount(np.asarray(out), minlength=vocab) / n
-  assert np.all(freq[want == 0] == 0), (freq, want)
-  # Five binomial standard deviations per token (and an absolute floor).
-  tol = 5 * np.sqrt(want * (1 - want) / n) + 1e-3
-  np.testing.assert_array_less(np.abs(freq - want), tol)
+  n = 20_000  # draws per setting: one row per generated-token index
+  logits = rng.normal(scale=1.5 if vocab < 100 else 3.0,
+                      size=vocab).astype(np.float32)
+  # Rows alternate between the two settings.
+  params = np.asarray([params_a, params_b] * n, np.float64)
+  out = np.asarray(jax.jit(sample)(
+      jnp.broadcast_to(jnp.asarray(logits), (2 * n, vocab)),
+      jnp.asarray(params[:, 0], jnp.float32),
+      jnp.asarray(params[:, 1], jnp.int32),
+      jnp.asarray(params[:, 2], jnp.float32),
+      jnp.full(2 * n, rng.integers(2**32), jnp.uint32),
+      jnp.arange(2 * n, dtype=jnp.int32)))
+  for half, (temperature, top_k, top_p) in enumerate((params_a, params_b)):
+    want = _kept_distribution(logits, temperature, top_k, top_p)
+    freq = np.bincount(out[half::2], minlength=vocab) / n
+    assert np.all(freq[want == 0] == 0), (freq, want)
+    # Five binomial standard deviations per token (and an absolute floor).
+    tol = 5 * np.sqrt(want * (1 - want) / n) + 1e-3
+    np.testing.assert_array_less(np.abs(freq - want), tol)
+
+
+def test_sampler_keeps_ties_and_the_top_token():
+  n = 6_000
+  draw = jax.jit(lambda logits, k, p: sample(
+      jnp.broadcast_to(logits, (n, logits.shape[0])), jnp.ones(n),
+      jnp.full(n, k, jnp.int32), jnp.full(n, p, jnp.float32),
+      jnp.full(n, 7, jnp.uint32), jnp.arange(n, dtype=jnp.int32)))
+  # Three tokens tied for the top: top_k = 2 keeps all three (the boundary's
+  # ties), in equal shares.
+  logits = jnp.asarray([0.0, 2.0, -1.0, 2.0, 2.0, 1.0], jnp.float32)
+  freq = np.bincount(np.asarray(draw(logits, 2, 1.0)), minlength=6) / n
+  assert set(np.flatnonzero(freq)) == {1, 3, 4}, freq
+  np.testing.assert_allclose(freq[[1, 3, 4]], 1 / 3, atol=0.03)
+  # A top_p whose target rounds to zero still keeps the most likely token.
+  logits = jnp.asarray(np.random.default_rng().normal(size=300), jnp.float32)
+  out = np.asarray(draw(logits, 0, 1e-45))
+  np.testing.assert_array_equal(out, int(np.argmax(np.asarray(logits))))
