@@ -439,15 +439,24 @@ def compiler_options() -> dict:
   """XLA debug options of every engine program, set per compilation (the
   process's `XLA_FLAGS` and other programs are left alone).
 
-  On a GPU: `xla_gpu_enable_triton_gemm=False`, the projections as cuBLAS
-  gemms. At decode batch sizes XLA's autotuner picks split-K Triton gemm
-  fusions whose partial sums then need a separate reduction kernel (the
-  autotuner times the gemm alone), which makes the decode step slower than
-  cuBLAS (measured: docs/performance.md). Elsewhere none.
+  On a GPU:
+
+  * `xla_gpu_enable_triton_gemm=False`, the projections as cuBLAS gemms. At
+    decode batch sizes XLA's autotuner picks split-K Triton gemm fusions
+    whose partial sums then need a separate reduction kernel (the autotuner
+    times the gemm alone), which makes the decode step slower than cuBLAS
+    (measured: docs/performance.md).
+  * `xla_gpu_autotune_level=0`: cuBLAS's own heuristics pick each gemm's
+    algorithm, with no timing of candidates on the device while compiling.
+    The engine's concurrent compiles shared the one GPU for that timing,
+    which cost the warmup seconds, and the decode step and throughput stay
+    the same (measured: docs/performance.md).
+
+  Elsewhere none.
   """
   if jax.default_backend() != "gpu":
     return {}
-  return {"xla_gpu_enable_triton_gemm": False}
+  return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 
 
 @functools.lru_cache(maxsize=64)
