@@ -77,11 +77,14 @@ def test_lowering_order_puts_the_longest_compiles_first():
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
   keys = compiler.program_keys(bench)
-  order = compiler.lowering_order(list(reversed(keys)))
-  assert sorted(order, key=keys.index) == list(keys)  # a permutation
-  assert [(k.kind, k.num_tokens) for k in order] == (
-      [("step", 4096)] * 2 + [("burst", 256)] * 2 + [("burst", 64)] * 2
-      + [("step", 256)] * 2 + [("step", 0)])
+  for given in (list(keys), list(reversed(keys))):
+    order = compiler.lowering_order(given)
+    assert sorted(order, key=keys.index) == list(keys)  # a permutation
+    assert [(k.kind, k.num_tokens) for k in order] == (
+        [("step", 4096)] * 2 + [("burst", 256)] * 2 + [("burst", 64)] * 2
+        + [("step", 256)] * 2 + [("step", 0)])
+    # In each bucket the sampled variant first (its compile is the longer).
+    assert [k.greedy_only for k in order] == [False, True] * 4 + [True]
   assert compiler.lowering_order([]) == []
 
 
