@@ -447,10 +447,10 @@ def compiler_options() -> dict:
     times the gemm alone), which makes the decode step slower than cuBLAS
     (measured: docs/performance.md).
   * `xla_gpu_autotune_level=0`: cuBLAS's own heuristics pick each gemm's
-    algorithm, with no timing of candidates on the device while compiling.
-    The engine's concurrent compiles shared the one GPU for that timing,
-    which cost the warmup seconds, and the decode step and throughput stay
-    the same (measured: docs/performance.md).
+    algorithm, with no timing of candidates on the device while compiling
+    (the nine programs compile at once on one GPU). The SmolLM2-shaped
+    warmup is shorter, and the decode step and throughput are unchanged at
+    the SmolLM2 and Llama-3.2-1B shapes (measured: docs/performance.md).
 
   Elsewhere none.
   """
