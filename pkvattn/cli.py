@@ -508,6 +508,8 @@ def main(argv=None) -> int:
       try:
         n = engine.step()
       except RuntimeError as e:  # a request larger than the whole pool
+        if isinstance(e, jax.errors.JaxRuntimeError):
+          raise                  # XLA's own failure: not the pool's size
         failure = e              # (checked up front, except with SWA scratch
         break                    # reuse); reported once the bar is closed
       timed.add(before, engine.stats, time.perf_counter() - t_step, n)

@@ -29,6 +29,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 
 import jax
 
@@ -185,6 +186,37 @@ def save_program(path: str, compiled) -> bool:
     if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
     return False
+
+
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_thread = threading.local()
+
+
+def _count_jax_cache_hit(event: str, **kwargs) -> None:
+  del kwargs
+  if event == _JAX_CACHE_HIT:  # recorded in the thread that compiles
+    _thread.jax_cache_hits = getattr(_thread, "jax_cache_hits", 0) + 1
+
+
+@functools.cache
+def _watch_jax_cache_hits() -> None:
+  jax.monitoring.register_event_listener(_count_jax_cache_hit)
+
+
+def compile_and_save(lowered, path: str | None):
+  """`lowered.compile()`, saved at `path` (None: not saved) unless JAX's
+  persistent cache served the executable.
+
+  An executable JAX deserialized from its cache does not serialize whole on
+  XLA:CPU: the copy saved from it loads, then fails when run ("Function ...
+  not found"). Such a program is left unsaved; a later process lowers it
+  again and JAX's cache serves it again (seconds, not a compile)."""
+  _watch_jax_cache_hits()
+  before = getattr(_thread, "jax_cache_hits", 0)
+  compiled = lowered.compile()
+  if path is not None and getattr(_thread, "jax_cache_hits", 0) == before:
+    save_program(path, compiled)
+  return compiled
 
 
 def prune_programs(programs_dir: str, keep: int = MAX_SAVED_PROGRAMS) -> None:

@@ -259,13 +259,8 @@ class Compiler:
   @staticmethod
   def _compile_fn(lowered, path):
     """`compile_fn` that compiles `lowered` and saves it at `path` (None:
-    not saved)."""
-    def compile_fn():
-      compiled = lowered.compile()
-      if path is not None:
-        _compile_cache.save_program(path, compiled)
-      return compiled
-    return compile_fn
+    not saved; `compile_cache.compile_and_save`)."""
+    return lambda: _compile_cache.compile_and_save(lowered, path)
 
   def _compile(self, key: ProgramKey, memo_key, compile_fn, t0: float):
     """The program of `memo_key` (once per process: `compiled_program`),
