@@ -6,9 +6,11 @@ Run on a GPU:  `python -m bench.decode [--specs 0,4] [--fp8] [--layers 16]
 
 Specs: `bench.common.specs.DECODE` (Llama-3-8B heads at four batch /
 length / page shapes, SmolLM2, group 6 at head_dim 128, Gemma 3 270M;
-`DECODE_EXTRA` by name), every sequence at full length on shuffled pages in
-FlashInfer's layout (pkvattn's "flashinfer" kv_cache format), NaN in the
-spare pages, bf16.
+`DECODE_EXTRA` by name or group, e.g. `--specs short`: the engine's short
+contexts in a table sized for 1,024 tokens), every sequence at full length
+on shuffled pages in FlashInfer's layout (pkvattn's "flashinfer" kv_cache
+format), NaN in the spare pages and in table entries past a sequence's
+pages, bf16.
 
 Arms, each checked against the f32 reference (`impl="xla"` on f32 copies of
 the same pages; rel err < 2e-2, 5e-2 on FP8 pages) before it is timed:
@@ -100,7 +102,7 @@ def kernel_arms(names, spec, fp8: bool):
     for label, f in kernels.decode_arms(
         name, batch_size=spec.batch_size, num_qo_heads=hq, num_kv_heads=hkv,
         head_dim=d, page_size=spec.page_size,
-        max_pages=spec.seq_len // spec.page_size,
+        max_pages=spec.max_pages,
         kv_dtype=jnp.float8_e4m3fn if fp8 else jnp.bfloat16):
       if fp8:
         out.append((label, lambda q, c, t, n, ks, vs, f=f: f(
@@ -336,8 +338,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--specs", default="",
                   help="comma-separated names or indices of "
-                  "bench.common.specs.DECODE (+ DECODE_EXTRA by name); "
-                  "default: all of DECODE")
+                  "bench.common.specs.DECODE (+ DECODE_EXTRA by name or "
+                  "group, e.g. short); default: all of DECODE")
   ap.add_argument("--fp8", action="store_true",
                   help="FP8 pages (per-tensor scales) for every arm")
   ap.add_argument("--layers", type=int, default=0,

@@ -91,6 +91,13 @@ DECODE_NUM_SMS = 132
 # CTAs per SM the per-warp Mosaic kernel's splits aim at (halved at head_dim
 # 256 for 16-bit pages, whose CTAs hold about twice the registers).
 MMA_CTAS_PER_SM = 2.5
+# From this many (query row, kv head) items per SM, 16-token pages of 16 bits
+# at head_dim <= 128 with one query row per sequence take the Triton kernel
+# on Hopper too: an engine's decode step (hundreds of rows, short contexts),
+# where the per-warp kernel's four-warp CTAs and their merge cost more than
+# the Triton programs' pipelined 64-token steps. (128-token pages stay
+# faster on the per-warp kernel; measured: docs/performance.md.)
+TRITON_ITEMS_PER_SM = 3
 
 
 def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
@@ -105,7 +112,10 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones with
      per-tensor scales (it reads one scale per tensor), and a case
      `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups 1..8,
-     pages of 8..128 tokens): the per-warp Mosaic-GPU kernel
+     pages of 8..128 tokens), except 16-token pages of 16 bits at head_dim
+     <= 128 with one query row per sequence and at least
+     `TRITON_ITEMS_PER_SM` (row, kv head) items per SM (those take rule
+     3): the per-warp Mosaic-GPU kernel
      (`"mosaic_mma"`, `paged_decode.MmaConfig`). Steps of 16 keys, 32 for
      FP8 pages at head_dim <= 128 (half the bytes per key, half the
      registers in flight); splits for about `MMA_CTAS_PER_SM` CTAs per SM
@@ -122,9 +132,9 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      Otherwise steps of 64 tokens, 32 at head_dim 256 or with > 4 programs
      per SM, and splits for 2 programs per SM; page ids a step ahead where
      a step covers <= 64 tokens.
-  3. Everything else (f32, other GPUs, interpret mode; FP8 pages there
-     convert in the loaded layout, `fp8_convert="loaded"`): the Triton
-     kernel, 3 stages. Steps of 64 tokens (32 at head_dim 256, to bound
+  3. Everything else (f32, other GPUs, interpret mode, Hopper's many
+     one-token rows over 16-bit pages; FP8 pages there convert in the
+     loaded layout, `fp8_convert="loaded"`): the Triton kernel, 3 stages. Steps of 64 tokens (32 at head_dim 256, to bound
      registers) on 4 warps; with many programs (>= 8 per SM) 128-token
      steps at head_dim <= 128; otherwise 2 warps at head_dim 64. Splits for
      2 programs per SM, 4 for 2-warp programs.
@@ -174,9 +184,13 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   fp8 = jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
   rows = batch_size * q_tokens_per_seq
 
-  # 1. Hopper: the per-warp Mosaic-GPU kernel (per-tensor scales only).
+  # 1. Hopper: the per-warp Mosaic-GPU kernel (per-tensor scales only), not
+  # for many one-token rows over 16-bit pages.
+  many_rows = (not fp8 and head_dim <= 128 and page_size == 16 and
+               q_tokens_per_seq == 1 and
+               rows * num_kv_heads >= TRITON_ITEMS_PER_SM * num_sms)
   if backend == "mosaic_mma" or backend is None and gpu.is_hopper and not (
-      fp8 and head_scales) and (paged_decode_mma.supports(
+      fp8 and head_scales) and not many_rows and (paged_decode_mma.supports(
           dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
           page_size=page_size, group_size=group_size) is None):
     tiles = (2 if fp8 and head_dim <= 128

@@ -38,7 +38,10 @@ Backends: `paged_decode` runs this module's Pallas-Triton kernel
 `paged_decode_mma`: `mma.sync` on fragments loaded straight from the pages).
 `pallas_kernels.dispatch.decode` picks one per call: the per-warp kernel on
 Hopper for bf16 / f16 q over pages of that dtype or FP8 ones with per-tensor
-scales, Triton for f32, per-KV-head scales, other GPUs and interpret mode.
+scales, Triton for f32, per-KV-head scales, other GPUs, interpret mode and
+Hopper's many one-token rows over 16-token pages of 16 bits (an engine's
+decode step). Both read a prefill call's decode rows in place
+(`paged_decode_rows`).
 The per-warp kernel, not a TMA / wgmma pipeline, serves Hopper because a
 page of a decode cache is a few KiB: a descriptor-driven copy and a
 producer / consumer hand-over per page cost more than they save there.
@@ -194,18 +197,26 @@ class MmaConfig:
 
 def _paged_decode_kernel(
     kv_lens_ref,   # i32[batch_size] (whole array)
-    k_table_ref,   # i32[max_pages] (row b)
-    v_table_ref,   # i32[max_pages] (row b)
-    q_ref,         # [num_qo_heads, head_dim] (row b)
+    tok_ref,       # i32[batch_size] (whole array): q's row of sequence b,
+                   # with `q_rows` | None (q's row b)
+    k_table_ref,   # i32[max_pages] (row b, or b // R with `q_rows`)
+    v_table_ref,   # i32[max_pages] (row b, or b // R with `q_rows`)
+    q_ref,         # [num_qo_heads, head_dim] (row b); with `q_rows` the
+                   # whole [num_tokens, num_qo_heads, head_dim]
     sinks_ref,     # f32[num_qo_heads] | None
     k_scale_ref,   # f32[1] | f32[pack] of FP8 pages (kv head k's) | None
     v_scale_ref,   # f32[1] | f32[pack] of FP8 pages (kv head k's) | None
     k_pool_ref,    # [num_pages, page_size, <kv head k>, pack * head_dim]
     v_pool_ref,    # [num_pages', page_size, <kv head k>, pack * head_dim]
-    o_ref,         # final: [num_qo_heads, head_dim] q.dtype (row b);
-                   # else f32[group_padded, head_dim] (split s of head k)
-    lse_ref,       # final: f32[num_qo_heads]; else f32[group_padded]
-    *,
+    *refs,         # [out, lse aliased into o_ref, lse_ref: unread], o_ref,
+                   # lse_ref:
+                   # final: [num_qo_heads, head_dim] q.dtype (row b), with
+                   # `q_rows` the whole [num_tokens, ...] (aliased, written
+                   # in place); else f32[group_padded, head_dim] (split s of
+                   # head k)
+                   # final: f32[num_qo_heads] (row b; whole with `q_rows`);
+                   # else f32[group_padded]
+
     sm_scale: float,
     window_left: int,
     logits_soft_cap: float | None,
@@ -218,10 +229,28 @@ def _paged_decode_kernel(
     prefetch_ids: bool = False,
     interpret: bool = False,
 ):
+  o_ref, lse_ref = refs[-2:]
   b = pl.program_id(0)
   kv_head = pl.program_id(1)
   split = pl.program_id(2)
   page_size = k_pool_ref.shape[1]
+  kv_len = kv_lens_ref[b]
+  # `q_rows`: sequence b's query is q's row `tok`; a sequence without one
+  # (a row outside `[0, num_tokens)`) reads no key and stores nothing.
+  in_place = tok_ref is not None
+  has_row = True
+  if in_place:
+    tok = tok_ref[b]
+    has_row = (tok >= 0) & (tok < q_ref.shape[0])
+    tok = jnp.where(has_row, tok, 0)
+    kv_len = jnp.where(has_row, kv_len, 0)
+
+  def at_row(ref, *index):
+    """`ref.at[index]`, behind q's row `tok` with `q_rows` (every index of
+    one shape, the form the Triton lowering and interpret mode accept)."""
+    if in_place:
+      index = (jnp.full(index[0].shape, tok, jnp.int32),) + index
+    return ref.at[index]
   # FP8 pages read as 16-bit words of column pairs (`fp8_convert="pairs"`):
   # the pools' last dimension holds head_dim / 2 words.
   pairs = k_scale_ref is not None and fp8_convert == "pairs"
@@ -252,7 +281,8 @@ def _paged_decode_kernel(
       block = group_row // (group_size // pack)
       mask = mask & (cols // q_dim == jnp.broadcast_to(block[:, None], shape))
       cols = cols % q_dim
-    return pltriton.load(q_ref.at[rows, cols], mask=mask, other=0.0)
+    return pltriton.load(at_row(q_ref, rows, cols), mask=mask & has_row,
+                         other=0.0)
 
   # Output columns (per word with `pairs`: the even ones, `+ 1` the odd).
   o_shape = (group_padded, q_dim // step_cols)
@@ -261,7 +291,6 @@ def _paged_decode_kernel(
   q_mask = jnp.broadcast_to(row_ok[:, None], o_shape)
   qs = tuple(load_q(first) for first in range(step_cols))
 
-  kv_len = kv_lens_ref[b]
   lo = jnp.int32(0)
   if window_left >= 0:
     lo = jnp.maximum(kv_len - 1 - window_left, 0)
@@ -403,10 +432,14 @@ def _paged_decode_kernel(
       return jnp.where(own3, acc3, 0.0).sum(1)
     accs = tuple(own_columns(acc) for acc in accs)
 
-  def store_out(ref, rows, out):
-    for first, part in enumerate(out):  # with `pairs`: even, then odd
-      pltriton.store(ref.at[rows, q_cols + first], part.astype(ref.dtype),
-                     mask=q_mask)
+  def store_out(ref, rows, out, in_row: bool = False):
+    """`out` (a tuple: even, then odd columns with `pairs`) into `ref`'s
+    `rows`; `in_row`: the final output, behind q's row with `q_rows`."""
+    for first, part in enumerate(out):
+      index = (rows, q_cols + first)
+      pltriton.store(at_row(ref, *index) if in_row else ref.at[index],
+                     part.astype(ref.dtype),
+                     mask=q_mask & has_row if in_row else q_mask)
 
   if not final:
     if pairs:
@@ -427,8 +460,9 @@ def _paged_decode_kernel(
     accs = tuple(acc * alpha[:, None] for acc in accs)
     den = l * alpha + jnp.exp2(sink - m_all)
   den = jnp.where(den > 0.0, den, 1.0)
-  store_out(o_ref, q_rows, tuple(acc / den[:, None] for acc in accs))
-  pltriton.store(lse_ref.at[head_rows], lse, mask=row_ok)
+  store_out(o_ref, q_rows, tuple(acc / den[:, None] for acc in accs),
+            in_row=True)
+  pltriton.store(at_row(lse_ref, head_rows), lse, mask=row_ok & has_row)
 
 
 def _paged_decode_call(
@@ -447,12 +481,18 @@ def _paged_decode_call(
     logits_soft_cap: float | None,
     config: TritonConfig,
     interpret: bool,
+    q_rows=None,  # i32[batch_size] | None
+    into=None,    # (out, lse) of q's rows | None
 ):
   """Runs the kernel.
 
   With `config.k_splits == 1` returns the final `(out [batch_size,
   num_qo_heads, head_dim] q.dtype, lse f32[batch_size, num_qo_heads])` (sinks
-  applied). Otherwise returns per-split partials `(o f32[batch_size,
+  applied). With `q_rows` (`paged_decode_rows`), q is `[num_tokens,
+  num_qo_heads, head_dim]`, sequence b's query its row `q_rows[b]` (none
+  outside `[0, num_tokens)`), its pages those of table row `b // R` (R =
+  `batch_size / table rows`); with one split the kernel writes those rows
+  of `into` in place (aliased) and returns `into`. Otherwise returns per-split partials `(o f32[batch_size,
   num_kv_heads, k_splits, group_padded, head_dim], lse f32[batch_size,
   num_kv_heads, k_splits, group_padded])`, normalised per split, of which
   only the first `group_size` rows are written; empty splits give `o = 0,
@@ -460,13 +500,16 @@ def _paged_decode_call(
   program as the `pack_heads` scales of the kv heads it serves (a block
   of `f32[num_kv_heads * pack]`); a per-tensor scale as its one value.
   """
-  batch_size, num_qo_heads, head_dim = q.shape
+  num_tokens, num_qo_heads, head_dim = q.shape
+  batch_size = kv_lens.shape[0]
+  rows_per_seq = batch_size // max(k_table.shape[0], 1)
   _, page_size, num_kv_heads, width = k_pool.shape  # width: packed heads
   group_size = num_qo_heads // num_kv_heads
   group_padded = max(16, _next_pow2(group_size))
   max_pages = k_table.shape[1]
   ks = config.k_splits
   final = ks == 1
+  in_place = q_rows is not None and final
   if not final:
     sinks = None
   head_scales = scales is not None and scales[0].shape[0] > 1
@@ -482,7 +525,13 @@ def _paged_decode_call(
       prefetch_ids=config.prefetch_ids, interpret=interpret)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, width), lambda b, k, s: (0, 0, k, 0))
-  if final:
+  whole = lambda *shape: pl.BlockSpec(  # noqa: E731
+      shape, lambda b, k, s: (0,) * len(shape))
+  if in_place:
+    out_specs = [whole(num_tokens, num_qo_heads, head_dim),
+                 whole(num_tokens, num_qo_heads)]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in into]
+  elif final:
     out_specs = [
         pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
         pl.BlockSpec((None, num_qo_heads), lambda b, k, s: (b, 0)),
@@ -512,28 +561,41 @@ def _paged_decode_call(
           f"{'' if config.pack_heads == 1 else f'_pk{config.pack_heads}'}"
           f"{'_pf' if config.prefetch_ids else ''}"
           f"{'_hs' if head_scales else ''}"
-          f"{'_' + config.kv_eviction if config.kv_eviction else ''}")
+          f"{'_' + config.kv_eviction if config.kv_eviction else ''}"
+          f"{'_rows' if q_rows is not None else ''}")
+  table_spec = pl.BlockSpec((None, max_pages),
+                            lambda b, k, s: (b // rows_per_seq, 0))
+  args = [kv_lens, q_rows, k_table, v_table, q, sinks,
+          *(scales or (None, None)), k_pool, v_pool,
+          *(into if in_place else ())]
+  in_specs = [
+      whole(batch_size),
+      None if q_rows is None else whole(batch_size),
+      table_spec,
+      table_spec,
+      (whole(*q.shape) if q_rows is not None else
+       pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0))),
+      None if sinks is None else whole(num_qo_heads),
+      *([None, None] if scales is None else [scale_spec] * 2),
+      pool_spec(k_pool.shape[0]),
+      pool_spec(v_pool.shape[0]),
+      *out_specs[:2 if in_place else 0],
+  ]
+  # `into` is written in place: its two inputs (the last ones) alias the
+  # outputs.
+  n_in = sum(x is not None for x in args)
+  aliases = {n_in - 2: 0, n_in - 1: 1} if in_place else {}
   return pl.pallas_call(
       kernel,
       grid=(batch_size, num_kv_heads, ks),
-      in_specs=[
-          pl.BlockSpec((batch_size,), lambda b, k, s: (0,)),
-          pl.BlockSpec((None, max_pages), lambda b, k, s: (b, 0)),
-          pl.BlockSpec((None, max_pages), lambda b, k, s: (b, 0)),
-          pl.BlockSpec((None, num_qo_heads, head_dim), lambda b, k, s: (b, 0, 0)),
-          None if sinks is None else pl.BlockSpec((num_qo_heads,),
-                                                  lambda b, k, s: (0,)),
-          *([None, None] if scales is None else [scale_spec] * 2),
-          pool_spec(k_pool.shape[0]),
-          pool_spec(v_pool.shape[0]),
-      ],
+      in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=triton_params(config.num_warps, config.num_stages),
       interpret=interpret,
       name=name,
-  )(kv_lens, k_table, v_table, q, sinks, *(scales or (None, None)), k_pool,
-    v_pool)
+  )(*args)
 
 
 def _combine(o, lse, sinks, group_size):
@@ -651,6 +713,24 @@ def paged_decode(
                        window_left=window_left,
                        logits_soft_cap=logits_soft_cap, config=config,
                        interpret=interpret)
+  return _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                        k_scale, v_scale, sm_scale=sm_scale,
+                        window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, config=config,
+                        interpret=interpret)
+
+
+def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                   k_scale, v_scale, *, sm_scale, window_left,
+                   logits_soft_cap, config: TritonConfig, interpret: bool,
+                   q_rows=None, into=None):
+  """`paged_decode` on this module's kernel (a `TritonConfig`); with
+  `q_rows` and `into`, `paged_decode_rows` (in place with one split)."""
+  batch_size = kv_lens.shape[0]
+  _, num_qo_heads, head_dim = q.shape
+  num_kv_heads = k_pool.shape[2]
+  group_size = num_qo_heads // num_kv_heads
+  head_scales = _fp8.is_per_head(k_scale, v_scale, num_kv_heads)
   pack = config.pack_heads
   num_scales = num_kv_heads  # per-head scales: one per kv head, unpacked
   if pack > 1:
@@ -679,13 +759,17 @@ def paged_decode(
         q, sinks, k_pool, v_pool, k_table.astype(jnp.int32),
         v_table.astype(jnp.int32), kv_lens.astype(jnp.int32), scales,
         sm_scale=float(sm_scale), window_left=int(window_left),
-        logits_soft_cap=logits_soft_cap, config=config, interpret=interpret)
+        logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,
+        q_rows=q_rows, into=into)
   if config.k_splits == 1:
     return o, lse
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
   out, lse = _combine(o, lse, sk, group_size)
-  return (out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype),
-          lse.reshape(batch_size, num_qo_heads))
+  out = out.reshape(batch_size, num_qo_heads, head_dim).astype(q.dtype)
+  lse = lse.reshape(batch_size, num_qo_heads)
+  if into is None:
+    return out, lse
+  return _scatter_rows(into, q_rows, out, lse)
 
 
 def _default_config(q, k_pool, k_table, interpret: bool,
@@ -835,11 +919,10 @@ def paged_decode_rows(
   query at position `kv_lens[i] - 1`: a multi-token sequence's tokens
   keep their causal order by their key counts); every other row keeps its
   value. Semantics per row are `paged_decode`'s
-  (`reference.paged_decode_reference`). On the per-warp Mosaic-GPU backend
-  (`paged_decode_mma`, the Hopper default) the kernel reads the rows of
-  `q` and, with one split, writes those of `out` / `lse` in place (no
-  gather, no scatter); otherwise the rows are gathered, decoded and
-  scattered back.
+  (`reference.paged_decode_reference`). Both kernels read the rows of `q`
+  in place and, with one split, write those of `out` / `lse` in place (no
+  gather, no scatter); with several, the combined rows are scattered
+  back.
 
   Args:
     out, lse: `[num_tokens, num_qo_heads, head_dim]` of q's dtype and
@@ -875,9 +958,12 @@ def paged_decode_rows(
   if got != want:
     raise ValueError(f"Invalid out / lse: expected (shape, dtype) {want}, "
                      f"got {got}")
-  num_tokens = q.shape[0]
   q_rows = q_rows.astype(jnp.int32)
   head_scales = _fp8.is_per_head(k_scale, v_scale, k_pool.shape[2])
+  reason = supports(dtype=q.dtype, kv_dtype=k_pool.dtype,
+                    head_dim=q.shape[2], page_size=k_pool.shape[1])
+  if reason is not None:
+    raise NotImplementedError(f"paged_decode kernel: {reason}")
   if config is None:
     # Splits for all `num_rows` rows, though a CTA of the per-warp kernel
     # may serve several (`paged_decode_mma.row_packing`): most rows of a
@@ -885,23 +971,11 @@ def paged_decode_rows(
     # and a scatter to the call (measured: docs/performance.md).
     config = _default_config(q, k_pool, k_table, interpret,
                              num_rows=num_rows, head_scales=head_scales)
-  if isinstance(config, MmaConfig) and not interpret:
-    _check_config(config, k_scale, interpret, head_scales=head_scales)
-    if sinks is not None:
-      sinks = sinks.astype(jnp.float32)
-    return _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                       k_scale, v_scale, sm_scale=sm_scale,
-                       window_left=window_left,
-                       logits_soft_cap=logits_soft_cap, config=config,
-                       interpret=interpret, q_rows=q_rows, into=(out, lse))
-  ok = _has_row(q_rows, num_tokens)
-  rows_per_seq = num_rows // max(batch_size, 1)
-  if rows_per_seq > 1:
-    k_table, v_table = (jnp.repeat(t, rows_per_seq, axis=0)
-                        for t in (k_table, v_table))
-  d_out, d_lse = paged_decode(
-      q[jnp.where(ok, q_rows, 0)], k_pool, v_pool, k_table, v_table,
-      jnp.where(ok, kv_lens, 0), sinks, sm_scale=sm_scale,
-      window_left=window_left, logits_soft_cap=logits_soft_cap,
-      interpret=interpret, config=config, k_scale=k_scale, v_scale=v_scale)
-  return _scatter_rows((out, lse), q_rows, d_out, d_lse)
+  _check_config(config, k_scale, interpret, head_scales=head_scales)
+  if sinks is not None:
+    sinks = sinks.astype(jnp.float32)
+  run = _mma_decode if isinstance(config, MmaConfig) else _triton_decode
+  return run(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
+             v_scale, sm_scale=sm_scale, window_left=window_left,
+             logits_soft_cap=logits_soft_cap, config=config,
+             interpret=interpret, q_rows=q_rows, into=(out, lse))

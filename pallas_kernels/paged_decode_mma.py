@@ -77,8 +77,9 @@ head_dim <= 128 (measured: docs/performance.md).
 
 `dispatch.decode` sends a Hopper call with bf16 / f16 q over pages of that
 dtype or FP8 pages with per-tensor scales here (`paged_decode.MmaConfig`);
-f32, per-KV-head scales, other GPUs and interpret mode take the Triton
-kernel (`supports` says why a case is not taken here).
+f32, per-KV-head scales, other GPUs, interpret mode and many one-token rows
+over 16-token pages of 16 bits (`dispatch.TRITON_ITEMS_PER_SM`) take the
+Triton kernel (`supports` says why a case is not taken here).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ DECODE_ARMS = {
     "triton-grid": "the Triton kernel over a tiling grid (tokens per step, "
                    "splits, warps, stages)",
     "mma-grid": "the per-warp kernel with twice / half the splits and "
-                "1 / 4 MMA tiles per step",
+                "1 / 2 / 4 MMA tiles per step",
 }
 PREFILL_ARMS = {
     "triton": "the Pallas-Triton prefill kernel's default config",
@@ -110,9 +110,9 @@ def decode_arms(name: str, *, batch_size: int, num_qo_heads: int,
                                        k_splits=min(64, 2 * base.k_splits))))
     if base.k_splits > 1:
       configs.append(("mma splits /2", R(base, k_splits=base.k_splits // 2)))
-    configs.append(("mma tiles 1", R(base, tiles=1)))
-    if head_dim <= 128:
-      configs.append(("mma tiles 4", R(base, tiles=4)))
+    for tiles in (1, 2, 4):
+      if tiles != base.tiles and (tiles < 4 or head_dim <= 128):
+        configs.append((f"mma tiles {tiles}", R(base, tiles=tiles)))
   return [(label, _decode_call(c, head_dim)) for label, c in configs]
 
 

@@ -42,16 +42,29 @@ SPARE_PAGES = 8
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-  """`batch_size` sequences of `seq_len` cached tokens, one query each."""
+  """`batch_size` sequences of `seq_len` cached tokens, one query each.
+
+  `table_pages`: the page table's width (an engine sizes it for
+  `max_model_len`, not for the sequences' length); 0 = just the sequences'
+  pages. Entries past a sequence's pages name NaN pages. `groups`: the
+  benchmark sets the spec belongs to (`select`)."""
   heads: str
   batch_size: int
   seq_len: int
   page_size: int = 16
+  table_pages: int = 0
+  groups: tuple[str, ...] = ()
 
   @property
   def name(self) -> str:
-    return (f"{self.heads}_b{self.batch_size}_s{self.seq_len}"
+    table = f"_t{self.table_pages}" if self.table_pages else ""
+    return (f"{self.heads}_b{self.batch_size}_s{self.seq_len}{table}"
             f"_p{self.page_size}")
+
+  @property
+  def max_pages(self) -> int:
+    """The page table's width."""
+    return max(self.table_pages, -(-self.seq_len // self.page_size))
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -69,6 +82,13 @@ DECODE = [
     DecodeSpec("gemma3_270m", 64, 4096, 16),
     DecodeSpec("gemma3_270m", 256, 1024, 16),
 ]
+# The engine's regime (group "short"): hundreds of rows, tens to hundreds of
+# keys, the table sized for a 1,024-token max_model_len (64 pages of 16).
+DECODE_SHORT = [
+    DecodeSpec(h, b, s, 16, table_pages=64, groups=("short",))
+    for h in ("smollm2", "llama3_2_1b", "llama3_8b", "gemma3_270m")
+    for b in (64, 256) for s in (32, 80, 256, 1024)
+]
 # Extra decode shapes, by name only (`--specs`): the engine's Llama-3.2-1B
 # heads and the page sizes of the Hopper page-size sweep.
 DECODE_EXTRA = [
@@ -77,6 +97,7 @@ DECODE_EXTRA = [
     *[DecodeSpec(h, 64, 4096, ps) for h in ("smollm2", "llama3_2_1b",
                                              "llama3_8b")
       for ps in (8, 32, 128)],
+    *DECODE_SHORT,
 ]
 
 
@@ -251,17 +272,22 @@ def decode_inputs(spec: DecodeSpec, seed: int = 0, num_layers: int = 0):
   `[batch_size, num_qo_heads, head_dim]` (`[num_layers, ...]` with
   `num_layers`), the cache `[num_pages, 2, page_size, num_kv_heads,
   head_dim]` bf16 with NaN spare pages, page_table `i32[batch_size,
-  seq_len / page_size]` (numpy, shuffled), kv_lens `i32[batch_size]`
-  (numpy)."""
+  spec.max_pages]` (numpy, shuffled; entries past a sequence's pages name
+  NaN pages), kv_lens `i32[batch_size]` (numpy)."""
   hq, hkv, d = spec.shape
   b, s, ps = spec.batch_size, spec.seq_len, spec.page_size
-  pages_per_seq = s // ps
+  pages_per_seq = -(-s // ps)
   n_pages = b * pages_per_seq + SPARE_PAGES
   kk, kq, kp = jax.random.split(jax.random.key(seed), 3)
   kv = jax.random.normal(kk, (n_pages, 2, ps, hkv, d), jnp.bfloat16)
   perm = np.asarray(jax.random.permutation(kp, n_pages)).astype(np.int32)
   table = perm[:b * pages_per_seq].reshape(b, pages_per_seq)
   kv = kv.at[perm[b * pages_per_seq:]].set(jnp.nan)
+  if spec.max_pages > pages_per_seq:
+    spare = perm[b * pages_per_seq:]
+    pad = spare[np.arange(b * (spec.max_pages - pages_per_seq))
+                % len(spare)].reshape(b, -1)
+    table = np.concatenate([table, pad], axis=1)
   shape = ((num_layers,) if num_layers else ()) + (b, hq, d)
   q = jax.random.normal(kq, shape, jnp.bfloat16)
   return q, kv, table, np.full((b,), s, np.int32)

@@ -146,18 +146,25 @@ def test_default_rule_on_hopper():
 
 
 @settings(max_examples=200, deadline=None)
-@given(b=st.integers(1, 512), hkv=st.integers(1, 16),
+@given(b=st.integers(1, 256), hkv=st.integers(1, 8),
        log_ps=st.integers(3, 7), max_pages=st.integers(1, 4096),
        d=st.sampled_from(mma.HEAD_DIMS), num_sms=st.sampled_from([78, 132]))
 def test_split_rule(b, hkv, log_ps, max_pages, d, num_sms):
   """The default splits: a power of two in [1, 64], each split keeping
   >= 2 rounds of the four warps' 16-key steps, and the power of two
-  nearest the CTAs-per-SM target unless that cap binds."""
+  nearest the CTAs-per-SM target unless that cap binds; the Triton kernel
+  from `TRITON_ITEMS_PER_SM` items per SM at head_dim <= 128 with
+  16-token pages."""
   ps = 1 << log_ps
   choice = dispatch.decode(
       gpu=dispatch.HOPPER, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
       head_dim=d, group_size=4, page_size=ps, batch_size=b,
       num_kv_heads=hkv, max_pages=max_pages, num_sms=num_sms)
+  if (d <= 128 and ps == 16 and
+      b * hkv >= dispatch.TRITON_ITEMS_PER_SM * num_sms):
+    # Many one-token rows over 16-token pages of 16 bits: the Triton kernel.
+    assert choice.backend == "triton"
+    return
   assert choice.backend == "mosaic_mma"
   k = choice.config.k_splits
   assert 1 <= k <= 64 and k & (k - 1) == 0
@@ -359,7 +366,9 @@ def _rows_case(rng, group, d, page_size, fmt, kw, kv_lens=(0, 1, 7, 129,
   q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
   out = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
   lse = jnp.asarray(rng.standard_normal((t, hq)), jnp.float32)
-  rows = rng.permutation(t)[:n].astype(np.int32)
+  # Row 0 is never named: a row-less sequence's output sent there would
+  # show.
+  rows = 1 + rng.permutation(t - 1)[:n].astype(np.int32)
   rows[1], rows[-1] = t, -1
   r = np.arange(rows_per_seq)
   keys = np.maximum(np.asarray(p.kv_lens)[:, None] - (rows_per_seq - 1 - r),
@@ -385,15 +394,26 @@ def _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d):
           sinks=None if sinks is None else np.asarray(sinks), **kw)
 
 
-def test_decode_rows_fallback_and_errors():
-  """`paged_decode_rows` off the Mosaic-GPU backend (interpret mode): the
-  named rows of a token-major q decoded into `out` / `lse`, every other
-  row (and those of sequences without one, `num_tokens` or -1) kept;
-  with one row per sequence and with three (each token its own key
-  count, the rest of the sequence's keys masked); against the float64
-  oracle with NaN in unowned pages. And its shape errors."""
+@pytest.mark.parametrize("k_splits,gpu", [
+    (1, False), (2, False),
+    pytest.param(1, True, marks=pytest.mark.skipif(
+        dispatch.current_gpu().interpret, reason="needs a GPU")),
+    pytest.param(4, True, marks=pytest.mark.skipif(
+        dispatch.current_gpu().interpret, reason="needs a GPU"))])
+def test_decode_rows_triton_and_errors(k_splits, gpu):
+  """`paged_decode_rows` on the Triton kernel (interpret mode, and on a GPU
+  where there is one): the named
+  rows of a token-major q decoded into `out` / `lse` (in place with one
+  split, combined and scattered with two), every other row (and those of
+  sequences without one, `num_tokens` or -1) kept; with one row per
+  sequence and with three (each token its own key count, the rest of the
+  sequence's keys masked); against the float64 oracle with NaN in unowned
+  pages; its program for a GPU without a gather or (one split) a scatter.
+  And its shape errors."""
+  cfg = kernel.TritonConfig(pages_per_block=2, k_splits=k_splits,
+                            num_warps=2)
   for rows_per_seq in (1, 3):
-    rng = np.random.default_rng(11 + rows_per_seq)
+    rng = np.random.default_rng(11 + rows_per_seq + 10 * k_splits)
     p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
         rng, 3, 64, 16, "pair", dict(window_left=50, sinks=True),
         kv_lens=(3, 1, 70, 20), rows_per_seq=rows_per_seq)
@@ -402,8 +422,20 @@ def test_decode_rows_fallback_and_errors():
             jnp.asarray(keys), sinks)
     out, lse = kernel.paged_decode_rows(
         out0, lse0, q, jnp.asarray(rows), *args, sm_scale=0.125,
-        interpret=True, **kw)
+        interpret=not gpu, config=cfg, **kw)
     _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, 64)
+    # For a GPU: q's rows read in the kernel (no gather); with one split
+    # `out` / `lse` alias the kernel's outputs (no scatter).
+    text = jax.jit(functools.partial(
+        kernel.paged_decode_rows, sm_scale=0.125, config=cfg, **kw)).trace(
+            out0, lse0, q, jnp.asarray(rows), *args).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert text.count("@__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.gather" not in text
+    assert ("stablehlo.scatter" in text) == (k_splits > 1)
+    assert ("output_operand_aliases" in text) == (k_splits == 1)
+  if k_splits > 1 or gpu:
+    return
   with pytest.raises(ValueError, match="q_rows"):
     kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows[:2]), *args,
                              sm_scale=0.125, interpret=True)
