@@ -49,8 +49,8 @@ Modes:
   `host_us`, the host's time per call of a loop of launches before its
   closing sync. A call is host-bound where host_us >= kernel_us.
 
-Writes `<out>/decode[_fp8|_layers|_call_overhead]_<device>.json`; prints a
-table last.
+Writes `<out>/decode[_fp8][_short][_layers|_call_overhead]_<device>.json`
+(`_short`: every spec a short-context one); prints a table last.
 """
 
 from __future__ import annotations
@@ -372,9 +372,12 @@ def main(argv=None):
     ap.error(str(e))
   env = results.environment()
   print(env, flush=True)
+  # Short-context specs (tables wider than the sequences) get files of
+  # their own beside the long-context ones.
   mode = ("_fp8" if args.fp8 else "") + (
-      "_layers" if args.layers else "") + (
-          "_call_overhead" if args.call_overhead else "")
+      "_short" if all(s.table_pages for s in chosen) else "") + (
+          "_layers" if args.layers else "") + (
+              "_call_overhead" if args.call_overhead else "")
   name = f"decode{mode}_{results.device_tag()}"
   extra = dict(fi_versions=fi.versions(), layers=args.layers,
                backend_arms=args.backend)
