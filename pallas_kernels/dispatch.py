@@ -134,10 +134,13 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      a step covers <= 64 tokens.
   3. Everything else (f32, other GPUs, interpret mode, Hopper's many
      one-token rows over 16-bit pages; FP8 pages there convert in the
-     loaded layout, `fp8_convert="loaded"`): the Triton kernel, 3 stages. Steps of 64 tokens (32 at head_dim 256, to bound
-     registers) on 4 warps; with many programs (>= 8 per SM) 128-token
-     steps at head_dim <= 128; otherwise 2 warps at head_dim 64. Splits for
-     2 programs per SM, 4 for 2-warp programs.
+     loaded layout, `fp8_convert="loaded"`): the Triton kernel, 3 stages.
+     Steps of 64 tokens (32 at head_dim 256, to bound registers) on 4
+     warps; with many programs (>= 8 per SM) at head_dim <= 128, 128-token
+     steps, except for Hopper's many one-token rows, which keep 64-token
+     steps on 2 warps (a 128-token step is mostly masked at tens of keys);
+     otherwise 2 warps at head_dim 64. Splits for 2 programs per SM, 4 for
+     2-warp programs.
 
   Triton splits are a power of two <= 64, each keeping >= 2 steps of the
   longest sequence, so short contexts are not split into empty programs;
@@ -224,7 +227,10 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   block_tokens = 32 if head_dim > 128 else 64
   num_warps = 4
   if head_dim <= 128 and programs >= 8 * num_sms:
-    block_tokens = 128
+    if gpu.is_hopper and many_rows:
+      num_warps = 2
+    else:
+      block_tokens = 128
   elif head_dim <= 64:
     num_warps = 2
   pages_per_block = max(1, block_tokens // page_size)
