@@ -2,8 +2,9 @@
 
 Users write `pkvattn.cache.init_cache(cfg)`, `pkvattn.cache.claim_batch(...)`,
 and so on; see `cache/state.py` for the pool layout and `cache/alloc.py` for
-the semantics shared by all operations. `checked()` (also `pkvattn.checked`)
-turns the ops' runtime contract into errors (`cache/_contract.py`).
+the semantics shared by all operations (`claim_batch` itself is in
+`cache/claim.py`). `checked()` (also `pkvattn.checked`) turns the ops'
+runtime contract into errors (`cache/_contract.py`).
 
 A host-memory tier for evicted prefix blocks (`HostTierConfig`,
 `host_offload_plan`, `host_lookup`) lives in `cache/host_tier.py`.
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from . import alloc as _alloc
+from . import claim as _claim
 from . import forking as _forking
 from . import hybrid as _hybrid
 from . import publish as _publish
@@ -27,8 +29,8 @@ from . import state as _state
 from . import tables as _tables
 from . import validate as _validate
 from ._contract import checked as checked
-from .alloc import ClaimResult as ClaimResult
 from .alloc import ExtendResult as ExtendResult
+from .claim import ClaimResult as ClaimResult
 from .forking import ForkResult as ForkResult
 from .host_tier import HostTierConfig as HostTierConfig
 from .host_tier import HostTierInvariantError as HostTierInvariantError
@@ -67,7 +69,7 @@ def _dispatch(flat, hybrid):
 
 
 init_cache = _dispatch(_state.init_cache, _hybrid.init_hybrid_cache)
-claim_batch = _dispatch(_alloc.claim_batch, _hybrid.claim_batch)
+claim_batch = _dispatch(_claim.claim_batch, _hybrid.claim_batch)
 extend = _dispatch(_alloc.extend, _hybrid.extend)
 commit = _dispatch(_publish.commit, _hybrid.commit)
 release = _dispatch(_alloc.release, _hybrid.release)

@@ -71,6 +71,7 @@ import numpy as np
 from . import _checks
 from . import _contract
 from . import alloc as _alloc
+from . import claim as _claim
 from . import forking as _forking
 from . import publish as _publish
 from . import tables as _tables
@@ -417,7 +418,7 @@ def claim_batch(state: HybridCacheState, seq_ids, tokens, lengths,
     reuse_scope = _checks.as_index_array(reuse_scope)
   _alloc._check_token_batch(seq_ids, tokens, lengths)
   if _contract.enabled(check):
-    _contract.run(_alloc._claim_contract, state.groups[0], seq_ids, tokens,
+    _contract.run(_claim._claim_contract, state.groups[0], seq_ids, tokens,
                   lengths)
   with _contract.unchecked():
     return _claim_batch(state, seq_ids, tokens, lengths, reuse_scope,
@@ -437,8 +438,8 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
   ps = cfg.page_size
   groups = state.groups
   g0 = groups[0]
-  inp = _alloc._claim_inputs(g0, seq_ids, tokens, lengths, reuse_scope)
-  cand0, ver0 = _alloc._claim_lookup(g0, inp)
+  inp = _claim._claim_inputs(g0, seq_ids, tokens, lengths, reuse_scope)
+  cand0, ver0 = _claim._claim_lookup(g0, inp)
   nbt = cand0.shape[1]
   pos = jnp.arange(nbt, dtype=jnp.int32)[None, :]
   in_reach = pos < inp.matchable[:, None]
@@ -453,7 +454,7 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
     feasible = nn <= reused[:, None]
     found = {}
     for gid, w in sliding:
-      cand, ver = _alloc._claim_lookup(groups[gid], inp, anchor)
+      cand, ver = _claim._claim_lookup(groups[gid], inp, anchor)
       found[gid] = cand
       cs = jnp.concatenate([jnp.zeros((ver.shape[0], 1), jnp.int32),
                             jnp.cumsum(ver.astype(jnp.int32), axis=1)], axis=1)
@@ -473,7 +474,7 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
       matcheds.append(jnp.zeros_like(matched0) if sliding else matched0)
   plans, needs = [], []
   for st in groups:
-    plan, need = _alloc._claim_need(st.config, inp, reused)
+    plan, need = _claim._claim_need(st.config, inp, reused)
     plans.append(plan)
     needs.append(need)
   ok = _admit_joint(groups, inp.valid, needs, cands, matcheds, evict=evict,
@@ -482,7 +483,7 @@ def _claim_batch(state, seq_ids, tokens, lengths, reuse_scope=None, *,
   for st, plan, need, cand, matched in zip(groups, plans, needs, cands,
                                            matcheds):
     need = jnp.where(ok, need, 0)
-    st, res = _alloc._claim_apply(st, inp, ok, need, plan,
+    st, res = _claim._claim_apply(st, inp, ok, need, plan,
                                   _protected(st, ok, cand, matched), cand,
                                   matched, reused, evict=evict)
     new_groups.append(st)

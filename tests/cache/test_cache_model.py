@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from pkvattn import cache
 from pkvattn.cache import alloc
+from pkvattn.cache import claim
 from pkvattn.cache import forking
 from pkvattn.cache import publish
 from pkvattn.cache import reference
@@ -73,7 +74,7 @@ def _counted(name, fn):
   return traced
 
 
-_claim = jax.jit(_counted("claim", alloc.claim_batch.__wrapped__),
+_claim = jax.jit(_counted("claim", claim.claim_batch.__wrapped__),
                  static_argnames=("head_of_line", "evict"))
 _extend = jax.jit(_counted("extend", alloc.extend.__wrapped__),
                   static_argnames=("head_of_line", "evict"))
