@@ -387,6 +387,23 @@ def _replace(state, **kw):
   return dataclasses.replace(state, **kw)
 
 
+def _open_seqs(state: CacheState, ok, idx, rows, lengths, scope):
+  """The state with sequences `idx[r]` live where `ok[r]`: slot rows `rows`
+  (`i32[n, max_pages]`, -1 for none; one more reference on each slot
+  named), lengths and scopes. Returns `(state, row_idx)`, the sequences'
+  rows as scatter indices (out of range where not `ok`)."""
+  owners = _oob_scatter_index(rows >= 0, rows, state.num_slots)
+  row_idx = _oob_scatter_index(ok, idx, state.config.max_seqs)
+  return _replace(
+      state,
+      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
+      seq_slots=state.seq_slots.at[row_idx].set(rows, mode="drop"),
+      seq_lens=state.seq_lens.at[row_idx].set(lengths, mode="drop"),
+      seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
+      seq_scope=state.seq_scope.at[row_idx].set(scope, mode="drop"),
+  ), row_idx
+
+
 def _find(state: CacheState, keys):
   """Slot in the hash table holding exactly `keys` (`u32[..., 2]`), else -1."""
   cfg = state.config

@@ -27,7 +27,7 @@ from .alloc import _check_token_batch
 from .alloc import _content_ok
 from .alloc import _find
 from .alloc import _leading_run
-from .alloc import _oob_scatter_index
+from .alloc import _open_seqs
 from .alloc import _parent_ok
 from .alloc import _replace
 from .alloc import _select
@@ -288,16 +288,11 @@ def _claim_apply(state, inp: _ClaimInputs, ok, need, plan, protected, cand,
   if nbt > 0:
     keep = matched & ok[:, None]
     row = row.at[:, :nbt].set(jnp.where(keep, cand, row[:, :nbt]))
-  owners = _oob_scatter_index(row >= 0, row, state.num_slots)
-  row_idx = _oob_scatter_index(ok, inp.idx, cfg.max_seqs)
   reused = jnp.where(ok, reused, 0)
+  state, row_idx = _open_seqs(state, ok, inp.idx, row, inp.lengths,
+                              inp.scope)
   state = _replace(
       state,
-      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
-      seq_slots=state.seq_slots.at[row_idx].set(row, mode="drop"),
-      seq_lens=state.seq_lens.at[row_idx].set(inp.lengths, mode="drop"),
-      seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
-      seq_scope=state.seq_scope.at[row_idx].set(inp.scope, mode="drop"),
       num_lookups=state.num_lookups + jnp.sum(
           jnp.where(ok, inp.matchable, 0)),
       num_hits=state.num_hits + jnp.sum(reused),

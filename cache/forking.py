@@ -18,8 +18,7 @@ from . import _checks
 from . import _contract
 from .alloc import _admit
 from .alloc import _check_ids
-from .alloc import _oob_scatter_index
-from .alloc import _replace
+from .alloc import _open_seqs
 from .alloc import _require_live
 from .alloc import _select
 from .alloc import _take_slots
@@ -162,17 +161,8 @@ def _fork_apply(state, inp: _ForkInputs, ok, need):
   row = jnp.where(shared, parent_rows, -1)
   row = jnp.where((pos == num_full[:, None]) & (need[:, None] > 0),
                   new_slot[:, None], row)
-  owners = _oob_scatter_index(row >= 0, row, state.num_slots)
-  row_idx = _oob_scatter_index(ok, inp.cidx, cfg.max_seqs)
-  state = _replace(
-      state,
-      slot_refcount=state.slot_refcount.at[owners].add(1, mode="drop"),
-      seq_slots=state.seq_slots.at[row_idx].set(row, mode="drop"),
-      seq_lens=state.seq_lens.at[row_idx].set(inp.length, mode="drop"),
-      seq_live=state.seq_live.at[row_idx].set(True, mode="drop"),
-      seq_scope=state.seq_scope.at[row_idx].set(
-          state.seq_scope[pidx], mode="drop"),
-  )
+  state, _ = _open_seqs(state, ok, inp.cidx, row, inp.length,
+                        state.seq_scope[pidx])
   src_slot = jnp.take_along_axis(
       parent_rows, jnp.clip(num_full, 0, cfg.max_pages - 1)[:, None],
       axis=1)[:, 0]
