@@ -208,15 +208,13 @@ def _paged_decode_kernel(
     v_scale_ref,   # f32[1] | f32[pack] of FP8 pages (kv head k's) | None
     k_pool_ref,    # [num_pages, page_size, <kv head k>, pack * head_dim]
     v_pool_ref,    # [num_pages', page_size, <kv head k>, pack * head_dim]
-    *refs,         # [out, lse aliased into o_ref, lse_ref: unread], o_ref,
-                   # lse_ref:
-                   # final: [num_qo_heads, head_dim] q.dtype (row b), with
-                   # `q_rows` the whole [num_tokens, ...] (aliased, written
-                   # in place); else f32[group_padded, head_dim] (split s of
-                   # head k)
-                   # final: f32[num_qo_heads] (row b; whole with `q_rows`);
-                   # else f32[group_padded]
-
+    *refs,         # o_ref, lse_ref; before them, with `q_rows` and one
+                   # split, `into`'s two inputs (aliased to them, unread).
+                   # o_ref: final: [num_qo_heads, head_dim] q.dtype (row
+                   # b; with `q_rows` the whole [num_tokens, ...], written
+                   # in place); else f32[group_padded, head_dim] (split s
+                   # of head k). lse_ref: final: f32[num_qo_heads] (row b;
+                   # whole with `q_rows`); else f32[group_padded].
     sm_scale: float,
     window_left: int,
     logits_soft_cap: float | None,
@@ -492,9 +490,10 @@ def _paged_decode_call(
   num_qo_heads, head_dim]`, sequence b's query its row `q_rows[b]` (none
   outside `[0, num_tokens)`), its pages those of table row `b // R` (R =
   `batch_size / table rows`); with one split the kernel writes those rows
-  of `into` in place (aliased) and returns `into`. Otherwise returns per-split partials `(o f32[batch_size,
-  num_kv_heads, k_splits, group_padded, head_dim], lse f32[batch_size,
-  num_kv_heads, k_splits, group_padded])`, normalised per split, of which
+  of `into` in place (aliased) and returns `into`. Otherwise returns
+  per-split partials `(o f32[batch_size, num_kv_heads, k_splits,
+  group_padded, head_dim], lse f32[batch_size, num_kv_heads, k_splits,
+  group_padded])`, normalised per split, of which
   only the first `group_size` rows are written; empty splits give `o = 0,
   lse = -inf`; sinks are left to `_combine`. Per-head scales go to each
   program as the `pack_heads` scales of the kv heads it serves (a block
