@@ -394,24 +394,25 @@ def _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d):
           sinks=None if sinks is None else np.asarray(sinks), **kw)
 
 
-@pytest.mark.parametrize("k_splits,gpu", [
-    (1, False), (2, False),
-    pytest.param(1, True, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("k_splits,pack,gpu", [
+    (1, 1, False), (2, 1, False), (1, 2, False),
+    pytest.param(1, 1, True, marks=pytest.mark.skipif(
         dispatch.current_gpu().interpret, reason="needs a GPU")),
-    pytest.param(4, True, marks=pytest.mark.skipif(
+    pytest.param(4, 1, True, marks=pytest.mark.skipif(
         dispatch.current_gpu().interpret, reason="needs a GPU"))])
-def test_decode_rows_triton_and_errors(k_splits, gpu):
+def test_decode_rows_triton_and_errors(k_splits, pack, gpu):
   """`paged_decode_rows` on the Triton kernel (interpret mode, and on a GPU
   where there is one): the named
   rows of a token-major q decoded into `out` / `lse` (in place with one
   split, combined and scattered with two), every other row (and those of
   sequences without one, `num_tokens` or -1) kept; with one row per
   sequence and with three (each token its own key count, the rest of the
-  sequence's keys masked); against the float64 oracle with NaN in unowned
-  pages; its program for a GPU without a gather or (one split) a scatter.
-  And its shape errors."""
+  sequence's keys masked), with both kv heads in one program too
+  (`pack_heads=2`); against the float64 oracle with NaN in unowned pages;
+  its program for a GPU without a gather or (one split) a scatter. And its
+  shape errors."""
   cfg = kernel.TritonConfig(pages_per_block=2, k_splits=k_splits,
-                            num_warps=2)
+                            num_warps=2, pack_heads=pack)
   for rows_per_seq in (1, 3):
     rng = np.random.default_rng(11 + rows_per_seq + 10 * k_splits)
     p, q, out0, lse0, rows, keys, sinks, kw = _rows_case(
@@ -434,7 +435,7 @@ def test_decode_rows_triton_and_errors(k_splits, gpu):
     assert "stablehlo.gather" not in text
     assert ("stablehlo.scatter" in text) == (k_splits > 1)
     assert ("output_operand_aliases" in text) == (k_splits == 1)
-  if k_splits > 1 or gpu:
+  if k_splits > 1 or pack > 1 or gpu:
     return
   with pytest.raises(ValueError, match="q_rows"):
     kernel.paged_decode_rows(out0, lse0, q, jnp.asarray(rows[:2]), *args,
