@@ -1,6 +1,6 @@
 """The benchmarks' trace and timing arithmetic (`bench.common.timing`,
-`idle_gaps`) and the multi-layer decode program of
-`bench.decode --layers`."""
+`idle_gaps`), the multi-layer decode program of `bench.decode --layers`
+and the short-context decode specs (`--specs short`)."""
 
 import os
 import sys
@@ -146,3 +146,31 @@ def test_pipelined_time_cancels_a_samples_fixed_cost(monkeypatch):
                              rtol=1e-9)
   # Warm-up, calibration, then 5 pairs of n and 2n calls.
   assert len(launches) == 2 + 5 * 3 * n
+
+
+def test_short_decode_specs_pad_the_table_with_nan_pages():
+  # bench/decode.py --specs short: each sequence's own pages first, then
+  # table entries up to the table's width that name NaN pages (so a kernel
+  # that read past kv_lens would show), and the public call still matches
+  # the same spec with a table of just its pages.
+  import jax.numpy as jnp  # noqa: PLC0415
+  from bench import decode  # noqa: PLC0415
+  from bench.common import specs  # noqa: PLC0415
+  short = specs.select(specs.DECODE + specs.DECODE_EXTRA, "short")
+  assert short and all(s.table_pages == 64 and "short" in s.groups
+                       for s in short)
+  assert len({s.name for s in short}) == len(short)
+  spec = specs.DecodeSpec("smollm2", 3, 40, 16, table_pages=6)
+  assert spec.name == "smollm2_b3_s40_t6_p16" and spec.max_pages == 6
+  q, kv, table, lens = specs.decode_inputs(spec)
+  assert table.shape == (3, 6) and (lens == 40).all()
+  pages = np.asarray(kv[jnp.asarray(table)], np.float32)
+  assert np.isfinite(pages[:, :3]).all()       # 3 pages hold 40 keys
+  assert np.isnan(pages[:, 3:]).all()
+  assert len(set(table[:, :3].ravel())) == 9   # no page shared
+  call = decode.pkvattn_fn(fp8=False)
+  out = call(q, kv, jnp.asarray(table), jnp.asarray(lens))
+  narrow = call(q, kv, jnp.asarray(table[:, :3]), jnp.asarray(lens))
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(narrow, np.float32))
+  assert np.isfinite(np.asarray(out, np.float32)).all()
