@@ -48,7 +48,6 @@ class ClaimResult(NamedTuple):
   num_missed_blocks: jax.Array  # i32[n], reusable-position blocks not found
 
 
-
 def claim_batch(
     state: CacheState,
     seq_ids: jax.Array,                   # i32[n]

@@ -235,9 +235,9 @@ def _paged_decode_kernel(
   kv_len = kv_lens_ref[b]
   # `q_rows`: sequence b's query is q's row `tok`; a sequence without one
   # (a row outside `[0, num_tokens)`) reads no key and stores nothing.
-  in_place = tok_ref is not None
+  by_row = tok_ref is not None
   has_row = True
-  if in_place:
+  if by_row:
     tok = tok_ref[b]
     has_row = (tok >= 0) & (tok < q_ref.shape[0])
     tok = jnp.where(has_row, tok, 0)
@@ -246,7 +246,7 @@ def _paged_decode_kernel(
   def at_row(ref, *index):
     """`ref.at[index]`, behind q's row `tok` with `q_rows` (every index of
     one shape, the form the Triton lowering and interpret mode accept)."""
-    if in_place:
+    if by_row:
       index = (jnp.full(index[0].shape, tok, jnp.int32),) + index
     return ref.at[index]
   # FP8 pages read as 16-bit words of column pairs (`fp8_convert="pairs"`):
@@ -692,31 +692,35 @@ def paged_decode(
       it lowers); `pack_heads` that does not divide num_kv_heads or makes
       rows wider than 256.
   """
-  batch_size, num_qo_heads, head_dim = q.shape
-  _, page_size, num_kv_heads, _ = k_pool.shape
-  reason = supports(dtype=q.dtype, kv_dtype=k_pool.dtype, head_dim=head_dim,
-                    page_size=page_size)
+  return _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                 k_scale, v_scale, sm_scale=sm_scale, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, config=config,
+                 interpret=interpret)
+
+
+def _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
+            v_scale, *, sm_scale, window_left, logits_soft_cap, config,
+            interpret: bool, q_rows=None, into=None):
+  """`paged_decode` (or, with `q_rows` and `into`, `paged_decode_rows`) on
+  `config`'s kernel; None = `dispatch.decode`'s config, its splits counting
+  every one of `kv_lens`'s rows."""
+  reason = supports(dtype=q.dtype, kv_dtype=k_pool.dtype, head_dim=q.shape[2],
+                    page_size=k_pool.shape[1])
   if reason is not None:
     raise NotImplementedError(f"paged_decode kernel: {reason}")
-  group_size = num_qo_heads // num_kv_heads
-  head_scales = _fp8.is_per_head(k_scale, v_scale, num_kv_heads)
+  head_scales = _fp8.is_per_head(k_scale, v_scale, k_pool.shape[2])
   if config is None:
     config = _default_config(q, k_pool, k_table, interpret,
+                             num_rows=kv_lens.shape[0],
                              head_scales=head_scales)
   _check_config(config, k_scale, interpret, head_scales=head_scales)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
-  if isinstance(config, MmaConfig):
-    return _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                       k_scale, v_scale, sm_scale=sm_scale,
-                       window_left=window_left,
-                       logits_soft_cap=logits_soft_cap, config=config,
-                       interpret=interpret)
-  return _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
-                        k_scale, v_scale, sm_scale=sm_scale,
-                        window_left=window_left,
-                        logits_soft_cap=logits_soft_cap, config=config,
-                        interpret=interpret)
+  run = _mma_decode if isinstance(config, MmaConfig) else _triton_decode
+  return run(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
+             v_scale, sm_scale=sm_scale, window_left=window_left,
+             logits_soft_cap=logits_soft_cap, config=config,
+             interpret=interpret, q_rows=q_rows, into=into)
 
 
 def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
@@ -957,24 +961,12 @@ def paged_decode_rows(
   if got != want:
     raise ValueError(f"Invalid out / lse: expected (shape, dtype) {want}, "
                      f"got {got}")
-  q_rows = q_rows.astype(jnp.int32)
-  head_scales = _fp8.is_per_head(k_scale, v_scale, k_pool.shape[2])
-  reason = supports(dtype=q.dtype, kv_dtype=k_pool.dtype,
-                    head_dim=q.shape[2], page_size=k_pool.shape[1])
-  if reason is not None:
-    raise NotImplementedError(f"paged_decode kernel: {reason}")
-  if config is None:
-    # Splits for all `num_rows` rows, though a CTA of the per-warp kernel
-    # may serve several (`paged_decode_mma.row_packing`): most rows of a
-    # call with prompts are empty, and splitting them would add a combine
-    # and a scatter to the call (measured: docs/performance.md).
-    config = _default_config(q, k_pool, k_table, interpret,
-                             num_rows=num_rows, head_scales=head_scales)
-  _check_config(config, k_scale, interpret, head_scales=head_scales)
-  if sinks is not None:
-    sinks = sinks.astype(jnp.float32)
-  run = _mma_decode if isinstance(config, MmaConfig) else _triton_decode
-  return run(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
-             v_scale, sm_scale=sm_scale, window_left=window_left,
-             logits_soft_cap=logits_soft_cap, config=config,
-             interpret=interpret, q_rows=q_rows, into=(out, lse))
+  # The default config's splits count all `num_rows` rows, though a CTA of
+  # the per-warp kernel may serve several (`paged_decode_mma.row_packing`):
+  # most rows of a call with prompts are empty, and splitting them would
+  # add a combine and a scatter to the call (measured: docs/performance.md).
+  return _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
+                 k_scale, v_scale, sm_scale=sm_scale, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, config=config,
+                 interpret=interpret, q_rows=q_rows.astype(jnp.int32),
+                 into=(out, lse))
