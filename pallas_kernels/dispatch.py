@@ -137,10 +137,13 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      loaded layout, `fp8_convert="loaded"`): the Triton kernel, 3 stages.
      Steps of 64 tokens (32 at head_dim 256, to bound registers) on 4
      warps; with many programs (>= 8 per SM) at head_dim <= 128, 128-token
-     steps, except for Hopper's many one-token rows, which keep 64-token
-     steps on 2 warps (a 128-token step is mostly masked at tens of keys);
-     otherwise 2 warps at head_dim 64. Splits for 2 programs per SM, 4 for
-     2-warp programs.
+     steps, except for Hopper's many one-token rows (a 128-token step is
+     mostly masked at tens of keys): with an even number of kv heads two
+     per program (`pack_heads=2`, one dot for both heads' query rows) in
+     32-token steps on 2 warps, 2 stages (smaller tiles, more programs
+     resident per SM), otherwise 64-token steps on 2 warps; otherwise 2
+     warps at head_dim 64. Splits for 2 programs per SM, 4 for 2-warp
+     programs, counted in packed programs.
 
   Triton splits are a power of two <= 64, each keeping >= 2 steps of the
   longest sequence, so short contexts are not split into empty programs;
@@ -225,9 +228,12 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
 
   # 3. The Triton kernel.
   block_tokens = 32 if head_dim > 128 else 64
-  num_warps = 4
+  num_warps, num_stages, pack = 4, 3, 1
   if head_dim <= 128 and programs >= 8 * num_sms:
-    if gpu.is_hopper and many_rows:
+    if gpu.is_hopper and many_rows and num_kv_heads % 2 == 0:
+      block_tokens, num_warps, num_stages, pack = 32, 2, 2, 2
+      programs //= pack
+    elif gpu.is_hopper and many_rows:
       num_warps = 2
     else:
       block_tokens = 128
@@ -239,7 +245,7 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       k_splits=_decode_splits(programs, max_pages, pages_per_block,
                               per_sm=4 if num_warps == 2 else 2,
                               num_sms=num_sms),
-      num_warps=num_warps, num_stages=3))
+      num_warps=num_warps, num_stages=num_stages, pack_heads=pack))
 
 
 def _pow2_at_least(x: int) -> int:

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 DECODE_ARMS = {
     "triton": "the Pallas-Triton decode kernel's default config",
     "mma": "the per-warp Mosaic-GPU decode kernel's default config (Hopper)",
-    "triton-grid": "the Triton kernel over a tiling grid (tokens per step, "
-                   "splits, warps, stages)",
+    "triton-grid": "the Triton kernel over a tiling grid (32 / 64 / 128 "
+                   "tokens per step, warps and stages, one or two kv heads "
+                   "per program; half and twice the splits)",
     "mma-grid": "the per-warp kernel with twice / half the splits and "
                 "1 / 2 / 4 MMA tiles per step",
 }
@@ -95,16 +96,26 @@ def decode_arms(name: str, *, batch_size: int, num_qo_heads: int,
   R = dataclasses.replace
   if name == "triton-grid":
     seen = {base}
-    for tokens in (64, 128):
-      ppb = max(1, tokens // page_size)
-      for ks in sorted({max(1, base.k_splits // 2), base.k_splits,
-                        base.k_splits * 2}):
-        for warps, stages in ((4, 2), (4, 3), (4, 4), (2, 3)):
-          c = R(base, pages_per_block=ppb, k_splits=ks, num_warps=warps,
-                num_stages=stages)
+    packs = [1] + ([2] if num_kv_heads % 2 == 0 and 2 * head_dim <= 256
+                   else [])
+    for tokens in (32, 64, 128):
+      if tokens < page_size or (head_dim > 128 and tokens > 64):
+        continue
+      ppb = tokens // page_size
+      for pack in packs:
+        for warps, stages in ((2, 1), (2, 2), (2, 3), (4, 1), (4, 2),
+                              (4, 3), (4, 4)):
+          c = R(base, pages_per_block=ppb, num_warps=warps,
+                num_stages=stages, pack_heads=pack)
           if c not in seen:
             seen.add(c)
-            configs.append((f"triton ppb{ppb} ks{ks} w{warps} s{stages}", c))
+            configs.append((f"triton ppb{ppb} ks{base.k_splits} w{warps} "
+                            f"s{stages} pk{pack}", c))
+    for ks in sorted({max(1, base.k_splits // 2), base.k_splits * 2}):
+      c = R(base, k_splits=ks)
+      if c not in seen:
+        seen.add(c)
+        configs.append((f"triton ks{ks}", c))
   elif name == "mma-grid":
     configs.append(("mma splits x2", R(base,
                                        k_splits=min(64, 2 * base.k_splits))))

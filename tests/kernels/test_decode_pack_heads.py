@@ -38,7 +38,7 @@ CASES = [  # (fmt, fp8, group, num_kv_heads, head_dim, pack, k_splits, kwargs)
 
 
 def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
-           fp8_convert="loaded", ppb=2, ps=8):
+           fp8_convert="loaded", ppb=2, ps=8, num_warps=None, num_stages=3):
   rng = np.random.default_rng()
   if fp8:
     p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
@@ -54,8 +54,9 @@ def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
   q, sinks, kw = query_and_sinks(rng, len(lens), g * hkv, d, kw)
   cfg = kernel.TritonConfig(pages_per_block=ppb, k_splits=ksplit,
                             pack_heads=pack,
-                            num_warps=2 if fp8_convert == "pairs" else 4,
-                            fp8_convert=fp8_convert)
+                            num_warps=num_warps or (
+                                2 if fp8_convert == "pairs" else 4),
+                            num_stages=num_stages, fp8_convert=fp8_convert)
   out, lse = kernel.paged_decode(
       jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, view.k_table,
       view.v_table, jnp.asarray(lens),
@@ -100,6 +101,49 @@ def test_packed_heads_gpu(g, mode):
            interpret=False, fp8_convert=mode, ppb=4, ps=16)
   _check("flashinfer", False, g, 4, 64, 2, 2, dict(sinks=True),
          [1, 7, 129, 4095], interpret=False, ppb=4, ps=16)
+
+
+@pytest.mark.skipif(dispatch.current_gpu().interpret, reason="needs a GPU")
+@pytest.mark.parametrize("g, d", [(4, 128), (4, 64), (8, 64), (1, 128)])
+def test_packed_heads_many_rows_gpu(g, d):
+  """On the GPU, Hopper's default for many one-token rows over 16-bit pages
+  with an even number of kv heads (2 packed, 32-key steps on 2 warps, 2
+  stages): odd lengths, splits, sinks, NaN in unowned pages and tail rows."""
+  for ksplit, kw in ((1, {}), (2, dict(sinks=True, window_left=90))):
+    _check("flashinfer", False, g, 8, d, 2, ksplit, kw,
+           [1, 7, 129, 0, 1023, 80, 33], interpret=False, ppb=2, ps=16,
+           num_warps=2, num_stages=2)
+
+
+def test_pack_heads_many_rows_rule():
+  """Hopper, 16-token pages of 16 bits at head_dim <= 128, one query row
+  per sequence and >= 8 (row, kv head) items per SM (an engine's step at
+  hundreds of rows): two kv heads per program where their number is even,
+  32-token steps on 2 warps, 2 stages, splits counted in packed programs;
+  odd kv heads keep one head and 64-token steps; fewer items, Ada, FP8
+  pages and two query rows per sequence do not pack."""
+  kw = dict(max_pages=64, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+            page_size=16)
+
+  def cfg(gpu=dispatch.HOPPER, **over):
+    return dispatch.decode(**{**dict(gpu=gpu), **kw, **over}).config
+
+  for d, hkv in ((128, 8), (64, 8), (64, 2), (128, 4)):
+    rows = -(-8 * dispatch.DECODE_NUM_SMS // hkv)
+    c = cfg(batch_size=rows, num_kv_heads=hkv, head_dim=d, group_size=4)
+    assert (c.pack_heads, c.pages_per_block, c.num_warps, c.num_stages,
+            c.k_splits) == (2, 2, 2, 2, 1), (d, hkv, c)
+    fewer = cfg(batch_size=rows - 1, num_kv_heads=hkv, head_dim=d,
+                group_size=4)
+    assert fewer.pack_heads == 1 and fewer.pages_per_block == 4, fewer
+  odd = cfg(batch_size=512, num_kv_heads=3, head_dim=64, group_size=3)
+  assert (odd.pack_heads, odd.pages_per_block, odd.num_warps) == (1, 4, 2)
+  for other in (dict(gpu=dispatch.ADA), dict(kv_dtype=FP8),
+                dict(q_tokens_per_seq=2)):
+    c = dispatch.decode(**{**dict(gpu=dispatch.HOPPER), **kw, **dict(
+        batch_size=256, num_kv_heads=8, head_dim=128, group_size=4),
+                           **other}).config
+    assert getattr(c, "pack_heads", 1) == 1, other
 
 
 def test_pack_heads_default_rule():

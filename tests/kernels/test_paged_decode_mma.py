@@ -399,6 +399,8 @@ def _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d):
     pytest.param(1, 1, True, marks=pytest.mark.skipif(
         dispatch.current_gpu().interpret, reason="needs a GPU")),
     pytest.param(4, 1, True, marks=pytest.mark.skipif(
+        dispatch.current_gpu().interpret, reason="needs a GPU")),
+    pytest.param(1, 2, True, marks=pytest.mark.skipif(
         dispatch.current_gpu().interpret, reason="needs a GPU"))])
 def test_decode_rows_triton_and_errors(k_splits, pack, gpu):
   """`paged_decode_rows` on the Triton kernel (interpret mode, and on a GPU
