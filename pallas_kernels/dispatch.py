@@ -95,7 +95,7 @@ MMA_CTAS_PER_SM = 2.5
 # at head_dim <= 128 with one query row per sequence take the Triton kernel
 # on Hopper too: an engine's decode step (hundreds of rows, short contexts),
 # where the per-warp kernel's four-warp CTAs and their merge cost more than
-# the Triton programs' pipelined 64-token steps. (128-token pages stay
+# the Triton programs' pipelined 32- or 64-token steps. (128-token pages stay
 # faster on the per-warp kernel; measured: docs/performance.md.)
 TRITON_ITEMS_PER_SM = 3
 
