@@ -230,11 +230,11 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   block_tokens = 32 if head_dim > 128 else 64
   num_warps, num_stages, pack = 4, 3, 1
   if head_dim <= 128 and programs >= 8 * num_sms:
-    if gpu.is_hopper and many_rows and num_kv_heads % 2 == 0:
-      block_tokens, num_warps, num_stages, pack = 32, 2, 2, 2
-      programs //= pack
-    elif gpu.is_hopper and many_rows:
+    if gpu.is_hopper and many_rows:
       num_warps = 2
+      if num_kv_heads % 2 == 0:
+        block_tokens, num_stages, pack = 32, 2, 2
+        programs //= pack
     else:
       block_tokens = 128
   elif head_dim <= 64:
