@@ -451,12 +451,25 @@ def compiler_options() -> dict:
     (the nine programs compile at once on one GPU). The SmolLM2-shaped
     warmup is shorter, and the decode step and throughput are unchanged at
     the SmolLM2 and Llama-3.2-1B shapes (measured: docs/performance.md).
+  * `xla_gpu_enable_command_buffer`: XLA's default command types plus
+    `WHILE`, so a decode burst's `lax.scan` over its steps replays as one
+    CUDA graph with a conditional node for the loop instead of launching
+    every kernel of every step from the host (vLLM captures its decode step
+    as a CUDA graph for the same reason). `CONDITIONAL` stays off: the
+    programs' `lax.cond`s are cheaper as host-side branches than as graph
+    nodes (measured: docs/performance.md).
 
   Elsewhere none.
   """
   if jax.default_backend() != "gpu":
     return {}
-  return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+  return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0,
+          "xla_gpu_enable_command_buffer": ",".join(_COMMAND_BUFFER_TYPES)}
+
+
+# XLA's default command buffer types (`DebugOptions`) and WHILE.
+_COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN",
+                         "DYNAMIC_SLICE_FUSION", "WHILE")
 
 
 @functools.lru_cache(maxsize=64)
