@@ -249,6 +249,22 @@ def test_saved_program_digest_covers_code_config_and_flags(monkeypatch):
   assert compile_cache.program_digest("model", "config") != flagged
 
 
+def test_gpu_compiler_options_are_valid_xla_options(monkeypatch):
+  # XLA parses every option when it compiles, on any backend: a misspelt
+  # field or enum value (a command buffer type) fails here, not on a GPU.
+  import jax.numpy as jnp
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  options = programs.compiler_options()
+  monkeypatch.undo()
+  assert "WHILE" in options["xla_gpu_enable_command_buffer"].split(",")
+  x = jnp.arange(3.0)
+  out = jax.jit(lambda v: v + 1, compiler_options=options).lower(x).compile()(x)
+  np.testing.assert_array_equal(np.asarray(out), np.arange(3.0) + 1)
+  bad = dict(options, xla_gpu_enable_command_buffer="FUSION,WHILEX")
+  with pytest.raises(Exception, match="WHILEX"):
+    jax.jit(lambda v: v + 2, compiler_options=bad).lower(x).compile()
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu" or memory_maps.count() is None,
                     reason="XLA:CPU's maps, read from /proc")
 def test_released_executables_unmap_their_memory(model):
