@@ -455,9 +455,10 @@ def compiler_options() -> dict:
     `WHILE`, so a decode burst's `lax.scan` over its steps replays as one
     CUDA graph with a conditional node for the loop instead of launching
     every kernel of every step from the host (vLLM captures its decode step
-    as a CUDA graph for the same reason). `CONDITIONAL` stays off: the
-    programs' `lax.cond`s are cheaper as host-side branches than as graph
-    nodes (measured: docs/performance.md).
+    as a CUDA graph for the same reason). `CONDITIONAL` stays off: as graph
+    nodes the programs' `lax.cond`s made a burst iteration timed alone
+    slower, while serving throughput moved within its run-to-run spread
+    (measured: docs/performance.md).
 
   Elsewhere none.
   """
