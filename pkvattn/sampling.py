@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from pkvattn import _checks
+
 INT32_MAX = 2**31 - 1
 # The largest finite float32: a larger finite Python float becomes inf on the
 # device.
@@ -128,6 +130,42 @@ def _inverse_cdf(kept, u):
   return (blk * _DRAW_BLOCK + idx).astype(jnp.int32)
 
 
+def kept_floor(probs, top_k, top_p, active, impl: str | None = None):
+  """Per row, the probability of the last token top-k then top-p keep in
+  sorted order: the row keeps `probs >= floor` (ties with it too).
+
+  One dispatch rule (`pallas_kernels.dispatch.sample_floor`): on a GPU the
+  sort-free bisection kernel (`pallas_kernels.sample_floor`), elsewhere the
+  floor read off the sorted row (`sample_floor.reference_floor`).
+
+  Args:
+    probs: `f32[rows, vocab]` softmax rows.
+    top_k: `i32[rows]`, 0 = off. top_p: `f32[rows]`, 1 = off.
+    active: `bool[rows]`, rows that sample (others may get any floor).
+    impl: None = the dispatch rule; "xla" = the sorted reference; "pallas"
+      = the kernel (interpret mode without a GPU).
+
+  Returns:
+    `f32[rows]`.
+  """
+  from pkvattn.pallas_kernels import dispatch  # noqa: PLC0415
+  from pkvattn.pallas_kernels import sample_floor  # noqa: PLC0415
+  if impl is not None:
+    _checks.check_choice(impl, ("pallas", "xla"), "impl")
+  gpu = dispatch.current_gpu()
+  choice = dispatch.sample_floor(gpu=gpu, dtype=probs.dtype,
+                                 vocab_size=probs.shape[-1])
+  if impl == "pallas" and choice.backend != "triton":
+    choice = dispatch.Choice("triton", sample_floor.Config(
+        block=min(sample_floor.Config().block,
+                  dispatch.pow2_at_least(probs.shape[-1]))))
+  if impl != "xla" and choice.backend == "triton":
+    return sample_floor.sample_floor(probs, top_k, top_p, active,
+                                     config=choice.config,
+                                     interpret=gpu.interpret)
+  return sample_floor.reference_floor(probs, top_k, top_p)
+
+
 def sample(
     logits: jax.Array,       # f32[batch_size, vocab_size]
     temperature: jax.Array,  # f32[batch_size], 0 = greedy
@@ -138,6 +176,7 @@ def sample(
     *,
     greedy_only: bool = False,
     cond: bool = True,
+    impl: str | None = None,
 ) -> jax.Array:              # i32[batch_size]
   """Samples one token per row; rows with `temperature == 0` take the argmax.
 
@@ -148,18 +187,18 @@ def sample(
   with the last one kept are kept too (a sort would break the tie by its
   order).
 
-  The kept set is a probability threshold read off the probabilities sorted
-  alone (a sort of one operand: no index payload, no gather through the
-  order), and the draw is an inverse CDF in vocabulary order over the kept
-  probabilities (`_inverse_cdf`), one uniform number per row from
-  `fold_in(key(seed), index)`.
+  The kept set is a probability threshold (`kept_floor`: on a GPU found by
+  bisection over counts and sums, no sort; elsewhere read off the
+  probabilities sorted), and the draw is an inverse CDF in vocabulary order
+  over the kept probabilities (`_inverse_cdf`), one uniform number per row
+  from `fold_in(key(seed), index)`.
 
   The sampling path runs only when some row samples (`lax.cond`).
   `greedy_only` (static): the caller knows every row is greedy; the argmax
   alone is built (no `lax.cond`, which costs a device-to-host sync on GPU).
   `cond=False` (static): the caller knows some row samples; the sampling path
   runs unconditionally, again with no `lax.cond` (greedy rows still take the
-  argmax).
+  argmax). `impl` (static): the floor's backend (`kept_floor`).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if greedy_only:
@@ -168,21 +207,8 @@ def sample(
   def stochastic(_):
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
-    # The probabilities alone, most likely first: a sort of one operand (no
-    # index payload), whose values give the kept set's threshold.
-    desc = -jnp.sort(-probs, axis=-1)
-    cum = jnp.cumsum(desc, axis=-1)
-    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # never decreases
-    vocab = logits.shape[-1]
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    # top-p on the distribution renormalised to the top k.
-    top_k_mass = jnp.take_along_axis(cum, k[:, None] - 1, axis=-1)
-    keep = (rank < k[:, None]) & ((before < top_p[:, None] * top_k_mass)
-                                  | (top_p[:, None] >= 1))
-    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    floor = jnp.take_along_axis(desc, num_kept[:, None] - 1, axis=-1)
-    kept = jnp.where(probs >= floor, probs, 0.0)
+    floor = kept_floor(probs, top_k, top_p, temperature > 0, impl)
+    kept = jnp.where(probs >= floor[:, None], probs, 0.0)
     keys = jax.vmap(
         lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
     u = jax.vmap(jax.random.uniform)(keys)
