@@ -96,8 +96,9 @@ def run_spec(name: str, configs, reps: int):
     got = np.asarray(fn(*args))
     same = np.all((p >= got[:, None]) == (p >= want[:, None]), axis=1)
     boundary = np.flatnonzero(~same)
-    ok = bool(np.all(boundary_ok(probs, np.asarray(top_k), np.asarray(top_p),
-                                 got[boundary]))) if boundary.size else True
+    ok = bool(np.all(boundary_ok(
+        p[boundary], np.asarray(top_k)[boundary],
+        np.asarray(top_p)[boundary], got[boundary]))) if boundary.size else True
     ms = timing.device_kernel_ms(fn, lambda args=args: args, calls=reps)
     out.append(dict(spec=name, rows=rows, vocab=vocab, arm=arm,
                     config=None if cfg is None else f"{cfg.block}:{cfg.num_warps}",
