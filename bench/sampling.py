@@ -1,7 +1,7 @@
 """The sampler's kept-set floor: the sort-free kernel against the sort.
 
 Run on a GPU:  `python -m bench.sampling [--specs NAME,...]
-[--configs BLOCK:WARPS,...]`
+[--configs BLOCK:WARPS:WAYS,...]`
 
 Specs (`SPECS`): rows x vocabulary of SmolLM2 (49,152), Llama 3 (128,256)
 and Gemma 3 (262,144) at 64 and 256 rows, each with three settings: top-p
@@ -101,7 +101,8 @@ def run_spec(name: str, configs, reps: int):
         np.asarray(top_p)[boundary], got[boundary]))) if boundary.size else True
     ms = timing.device_kernel_ms(fn, lambda args=args: args, calls=reps)
     out.append(dict(spec=name, rows=rows, vocab=vocab, arm=arm,
-                    config=None if cfg is None else f"{cfg.block}:{cfg.num_warps}",
+                    config=None if cfg is None else
+                    f"{cfg.block}:{cfg.num_warps}:{cfg.ways}",
                     kernel_us=ms * 1e3, boundary_rows=int(boundary.size),
                     check_ok=ok))
   # The whole sampler, either floor.
@@ -128,7 +129,7 @@ def main(argv=None):
   ap.add_argument("--specs", default=None,
                   help=f"comma list (default all): {', '.join(SPECS)}")
   ap.add_argument("--configs", default=None,
-                  help="kernel configs BLOCK:WARPS,... (default: the "
+                  help="kernel configs BLOCK:WARPS[:WAYS],... (default: the "
                   "dispatch rule's)")
   ap.add_argument("--reps", type=int, default=5)
   results.add_out_arg(ap)
@@ -144,7 +145,8 @@ def main(argv=None):
       configs = [sample_floor.Config(*map(int, c.split(":")))
                  for c in args.configs.split(",")]
     except (TypeError, ValueError):
-      ap.error(f"--configs: expected BLOCK:WARPS,..., got {args.configs!r}")
+      ap.error(f"--configs: expected BLOCK:WARPS[:WAYS],..., got "
+               f"{args.configs!r}")
   env = results.environment()
   rows = []
   for name in names:

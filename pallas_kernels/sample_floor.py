@@ -46,16 +46,16 @@ from pkvattn.pallas_kernels._compat import triton_params
 # float32 1.0's bit pattern: probabilities lie in [0, 1], whose bit patterns
 # are [0, _ONE_BITS] in the same order as the values.
 _ONE_BITS = 0x3F800000
-# Bisection steps over [0, _ONE_BITS]: 2**30 > _ONE_BITS + 1.
-_STEPS = 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Launch config: `block` probabilities per loop step (a power of two),
-  `num_warps` per program (one program per row)."""
+  `num_warps` per program (one program per row), `ways`: the search's
+  branching (`ways - 1` probes a pass over the row; 2 = bisection)."""
   block: int = 2048
   num_warps: int = 8
+  ways: int = 2
 
 
 def reference_floor(probs, top_k, top_p):
@@ -85,43 +85,63 @@ def reference_floor(probs, top_k, top_p):
   return jnp.take_along_axis(desc, num_kept[:, None] - 1, axis=-1)[:, 0]
 
 
+def _steps(ways: int) -> int:
+  """Search steps that narrow [0, _ONE_BITS] to one pattern, `ways`-ary."""
+  steps, size = 0, _ONE_BITS + 1
+  while size > 1:
+    size, steps = -(-size // ways), steps + 1
+  return steps
+
+
 def _kernel(top_k_ref, top_p_ref, active_ref, probs_ref, floor_ref, *,
-            vocab: int, block: int):
+            vocab: int, block: int, ways: int):
   row = pl.program_id(0)
   k = top_k_ref[row]
   k = jnp.where((k > 0) & (k < vocab), k, vocab)
   top_p = top_p_ref[row]
   lanes = lax.iota(jnp.int32, block)
 
-  def above(v):
-    """`(C(v), G(v))`: count and sum of the row's probabilities > v."""
+  def above(vs):
+    """`[(C(v), G(v)) for v in vs]`: the count and sum of the row's
+    probabilities > v, every v in one pass."""
     def body(i, acc):
-      count, mass = acc
       start = i * block
       # Padding reads -1, never above a v >= 0.
       x = pltriton.load(probs_ref.at[pl.ds(start, block)],
                         mask=start + lanes < vocab, other=-1.0)
-      hit = x > v
-      return count + hit.astype(jnp.int32), mass + jnp.where(hit, x, 0.0)
-    count, mass = lax.fori_loop(
-        0, pl.cdiv(vocab, block), body,
-        (jnp.zeros((block,), jnp.int32), jnp.zeros((block,), jnp.float32)))
-    return jnp.sum(count), jnp.sum(mass)
+      out = []
+      for v, (count, mass) in zip(vs, acc):
+        hit = x > v
+        out.append((count + hit.astype(jnp.int32),
+                    mass + jnp.where(hit, x, 0.0)))
+      return tuple(out)
+    zeros = (jnp.zeros((block,), jnp.int32), jnp.zeros((block,), jnp.float32))
+    acc = lax.fori_loop(0, pl.cdiv(vocab, block), body, (zeros,) * len(vs))
+    return [(jnp.sum(count), jnp.sum(mass)) for count, mass in acc]
 
   def smallest_true(pred):
     """The smallest float32 in [0, 1] where `pred` (false below, true above)
-    holds, by bisection over bit patterns."""
+    holds: a `ways`-ary search over bit patterns, `ways - 1` probes a pass.
+    `pred` maps the probes' `above` results to booleans."""
     def body(_, lo_hi):
-      lo, hi = lo_hi
-      mid = lo + (hi - lo) // 2
-      ok = pred(lax.bitcast_convert_type(mid, jnp.float32))
-      return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-    _, hi = lax.fori_loop(0, _STEPS, body,
+      lo, hi = lo_hi  # pred(hi) holds; the answer is in [lo, hi]
+      step = (hi - lo + ways) // ways  # ceil((hi - lo + 1) / ways)
+      probes = [jnp.minimum(lo - 1 + j * step, hi) for j in range(1, ways)]
+      ok = [pred(r) for r in above(
+          [lax.bitcast_convert_type(m, jnp.float32) for m in probes])]
+      # The probes that fail are a prefix: the answer lies past the last.
+      new_lo, new_hi = lo, probes[0]
+      for j in range(1, ways):
+        nxt = probes[j] if j < ways - 1 else hi
+        new_lo = jnp.where(ok[j - 1], new_lo, probes[j - 1] + 1)
+        new_hi = jnp.where(ok[j - 1], new_hi, nxt)
+      return new_lo, new_hi
+    _, hi = lax.fori_loop(0, _steps(ways), body,
                           (jnp.int32(0), jnp.int32(_ONE_BITS)))
     return lax.bitcast_convert_type(hi, jnp.float32)
 
   def top_k_floor(_):
-    return smallest_true(lambda v: above(v)[0] < k)
+    return smallest_true(lambda count_mass: count_mass[0] < k)
 
   def floor(zero):
     # (Branches return their operand rather than a constant: the Triton
@@ -129,12 +149,12 @@ def _kernel(top_k_ref, top_p_ref, active_ref, probs_ref, floor_ref, *,
     t_k = lax.cond(k < vocab, top_k_floor, lambda z: z, zero)
 
     def top_p_floor(t_k):
-      count, mass = above(t_k)
+      (count, mass), (_, total) = above([t_k, jnp.float32(-0.5)])
       m = jnp.where(k < vocab, mass + (k - count).astype(jnp.float32) * t_k,
-                    above(jnp.float32(-0.5))[1])
+                    total)
 
-      def kept(v):
-        count, mass = above(v)
+      def kept(count_mass):
+        count, mass = count_mass
         return (count < k) & (mass < top_p * m)
       return smallest_true(kept)
     return lax.cond(top_p < 1.0, top_p_floor, lambda t: t, t_k)
@@ -174,7 +194,8 @@ def sample_floor(probs, top_k, top_p, active, *, config: Config = Config(),
   whole = pl.BlockSpec((rows,), lambda r: (0,))
   with suppress_triton_deprecation():
     return pl.pallas_call(
-        functools.partial(_kernel, vocab=vocab, block=config.block),
+        functools.partial(_kernel, vocab=vocab, block=config.block,
+                          ways=config.ways),
         grid=(rows,),
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((None, vocab), lambda r: (r, 0))],
@@ -182,6 +203,7 @@ def sample_floor(probs, top_k, top_p, active, *, config: Config = Config(),
         out_shape=jax.ShapeDtypeStruct((rows,), jnp.float32),
         compiler_params=triton_params(config.num_warps, num_stages=1),
         interpret=interpret,
-        name=f"sample_floor_b{config.block}_w{config.num_warps}",
+        name=(f"sample_floor_b{config.block}_w{config.num_warps}"
+              f"_r{config.ways}"),
     )(top_k.astype(jnp.int32), top_p.astype(jnp.float32),
       active.astype(jnp.int32), probs)

@@ -24,8 +24,9 @@ def _rows(rng, rows, vocab):
   return jax.nn.softmax(jnp.asarray(logits), axis=-1)
 
 
-@pytest.mark.parametrize("vocab,block", [(50, 64), (300, 128), (1000, 256)])
-def test_floor_keeps_the_reference_set(vocab, block):
+@pytest.mark.parametrize("vocab,block,ways", [
+    (50, 64, 2), (300, 128, 4), (1000, 256, 8), (1000, 128, 3)])
+def test_floor_keeps_the_reference_set(vocab, block, ways):
   rng = np.random.default_rng()
   rows = 16
   probs = _rows(rng, rows, vocab)
@@ -34,7 +35,8 @@ def test_floor_keeps_the_reference_set(vocab, block):
   top_p = jnp.asarray(rng.choice([1.0, 0.95, 0.5, 1e-6], rows), jnp.float32)
   active = jnp.asarray(rng.random(rows) < 0.8).at[:2].set(True)
   got = np.asarray(sf.sample_floor(probs, top_k, top_p, active,
-                                   config=sf.Config(block, 4), interpret=True))
+                                   config=sf.Config(block, 4, ways),
+                                   interpret=True))
   want = np.asarray(jax.jit(sf.reference_floor)(probs, top_k, top_p))
   p = np.asarray(probs)
   a = np.asarray(active)
