@@ -542,13 +542,14 @@ def sample_floor(*, gpu: Gpu, dtype, vocab_size: int) -> Choice:
   Rules, first match wins:
 
   1. A GPU and a case `sample_floor.supports` takes (f32 probabilities):
-     the Pallas-Triton bisection kernel (`"triton"`, `sample_floor.Config`:
-     one program a row on 8 warps, 2,048 probabilities a loop step, the
-     vocabulary's power of two where it is smaller). It replaces a
+     the Pallas-Triton search kernel (`"triton"`, `sample_floor.Config`:
+     one program a row on 16 warps, 4,096 probabilities a loop step, the
+     vocabulary's power of two where it is smaller, 4-ary: three probes a
+     pass over the row). It replaces a
      `[rows, vocab]` radix sort, the costliest kernel of a sampled decode
      step (measured: docs/performance.md).
   2. Otherwise (interpret mode: the CPU) the floor read off the sorted
-     rows (`"xla"`, no config): the kernel's 30-odd passes over each row
+     rows (`"xla"`, no config): the kernel's 15-odd passes over each row
      are for a GPU.
 
   Args:
@@ -561,6 +562,6 @@ def sample_floor(*, gpu: Gpu, dtype, vocab_size: int) -> Choice:
   """
   from pkvattn.pallas_kernels import sample_floor as kernel  # noqa: PLC0415
   if not gpu.interpret and kernel.supports(dtype, vocab_size) is None:
-    block = min(2048, pow2_at_least(vocab_size))
-    return Choice("triton", kernel.Config(block=block, num_warps=8))
+    return Choice("triton", kernel.Config(
+        block=min(kernel.Config().block, pow2_at_least(vocab_size))))
   return Choice("xla", None)

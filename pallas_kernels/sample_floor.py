@@ -13,20 +13,23 @@ the first sorted token of value `v` has rank `C(v)` and `G(v)` of mass
 before it, so a value is kept iff `C(v) < k` and `G(v) < top_p * M` (`M` the
 top-k mass, or the whole row's), a predicate that only turns from false to
 true as `v` grows. The floor is the smallest probability where it holds:
-a bisection over float32 bit patterns in `[0, bits(1.0)]` (monotone for
-non-negative floats; 30 steps), each step one pass over the row (a count
-and a sum, accumulated per lane and reduced once). With `0 < top_k <
-vocab`, the k-th largest probability `t_k` comes first by the same bisection
+a search over float32 bit patterns in `[0, bits(1.0)]` (ordered as the
+values), each step one pass over the row that probes `ways - 1` thresholds
+at once (per lane a count and a sum per probe, reduced once a pass) and
+keeps the part of the interval between the last probe that fails and the
+first that holds: 15 passes at 4 ways, 30 at 2. Passes, not compares,
+bound it (a row is read from L2 or HBM each pass). With `0 < top_k <
+vocab`, the k-th largest probability `t_k` comes first by the same search
 (`C(v) < k`), and `M = G(t_k) + (k - C(t_k)) * t_k` (ties at `t_k` counted
-as the sort would, up to `k`). A row with `top_p >= 1` takes `t_k` (0 without
-top-k: every token), an inactive row (greedy) 0 at once.
+as the sort would, up to `k`). A row with `top_p >= 1` takes `t_k` (0
+without top-k: every token), an inactive row (greedy) 0 at once.
 
 The sums run in a different order than the reference's cumulative sum, so
 a row whose `G(v)` lies within rounding of `top_p * M` at a boundary may
 keep one token more or fewer; otherwise the floors are equal. FlashInfer's
 sampling kernels (`top_k_top_p_sampling_from_probs`) avoid the sort as
 well, by rejection sampling with pivots (a different draw per seed);
-bisection keeps the reference's draw.
+the search keeps the reference's draw.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ class Config:
   """Launch config: `block` probabilities per loop step (a power of two),
   `num_warps` per program (one program per row), `ways`: the search's
   branching (`ways - 1` probes a pass over the row; 2 = bisection)."""
-  block: int = 2048
-  num_warps: int = 8
-  ways: int = 2
+  block: int = 4096
+  num_warps: int = 16
+  ways: int = 4
 
 
 def reference_floor(probs, top_k, top_p):

@@ -21,7 +21,7 @@ from pkvattn.pallas_kernels import dispatch
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                    "docs", "kernels.md")
-OPS = ("decode", "prefill", "rope_append")
+OPS = ("decode", "prefill", "rope_append", "sample_floor")
 DTYPES = {"f32": jnp.float32, "float32": jnp.float32,
           "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
           "f16": jnp.float16, "float16": jnp.float16,

@@ -87,7 +87,7 @@ def test_dispatch_takes_the_kernel_on_a_gpu_only():
   for gpu in (dispatch.HOPPER, dispatch.AMPERE):
     choice = dispatch.sample_floor(gpu=gpu, dtype=jnp.float32,
                                    vocab_size=49152)
-    assert choice.backend == "triton" and choice.config.block == 2048
+    assert choice.backend == "triton" and choice.config.block == 4096
   small = dispatch.sample_floor(gpu=dispatch.ADA, dtype=jnp.float32,
                                 vocab_size=300)
   assert small.config.block == 512
