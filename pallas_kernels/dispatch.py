@@ -543,7 +543,7 @@ def sample_floor(*, gpu: Gpu, dtype, vocab_size: int) -> Choice:
 
   1. A GPU and a case `sample_floor.supports` takes (f32 probabilities):
      the Pallas-Triton search kernel (`"triton"`, `sample_floor.Config`:
-     one program a row on 16 warps, 4,096 probabilities a loop step, the
+     one program a row on 32 warps, 4,096 probabilities a loop step, the
      vocabulary's power of two where it is smaller, 4-ary: three probes a
      pass over the row). It replaces a
      `[rows, vocab]` radix sort, the costliest kernel of a sampled decode

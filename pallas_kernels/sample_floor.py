@@ -17,8 +17,10 @@ a search over float32 bit patterns in `[0, bits(1.0)]` (ordered as the
 values), each step one pass over the row that probes `ways - 1` thresholds
 at once (per lane a count and a sum per probe, reduced once a pass) and
 keeps the part of the interval between the last probe that fails and the
-first that holds: 15 passes at 4 ways, 30 at 2. Passes, not compares,
-bound it (a row is read from L2 or HBM each pass). With `0 < top_k <
+first that holds: 15 passes at 4 ways, 30 at 2. A pass over a row that
+stays in L2 (SmolLM2's 49,152 entries) is bound by its compares, one that
+streams from HBM (Llama 3's 128,256) by its bytes; 4 ways on 32 warps
+serve both. With `0 < top_k <
 vocab`, the k-th largest probability `t_k` comes first by the same search
 (`C(v) < k`), and `M = G(t_k) + (k - C(t_k)) * t_k` (ties at `t_k` counted
 as the sort would, up to `k`). A row with `top_p >= 1` takes `t_k` (0
@@ -57,7 +59,7 @@ class Config:
   `num_warps` per program (one program per row), `ways`: the search's
   branching (`ways - 1` probes a pass over the row; 2 = bisection)."""
   block: int = 4096
-  num_warps: int = 16
+  num_warps: int = 32
   ways: int = 4
 
 
@@ -104,9 +106,9 @@ def _kernel(top_k_ref, top_p_ref, active_ref, probs_ref, floor_ref, *,
   top_p = top_p_ref[row]
   lanes = lax.iota(jnp.int32, block)
 
-  def above(vs):
+  def above(vs, with_mass=True):
     """`[(C(v), G(v)) for v in vs]`: the count and sum of the row's
-    probabilities > v, every v in one pass."""
+    probabilities > v, every v in one pass (G 0 without `with_mass`)."""
     def body(i, acc):
       start = i * block
       # Padding reads -1, never above a v >= 0.
@@ -116,13 +118,13 @@ def _kernel(top_k_ref, top_p_ref, active_ref, probs_ref, floor_ref, *,
       for v, (count, mass) in zip(vs, acc):
         hit = x > v
         out.append((count + hit.astype(jnp.int32),
-                    mass + jnp.where(hit, x, 0.0)))
+                    mass + jnp.where(hit, x, 0.0) if with_mass else mass))
       return tuple(out)
     zeros = (jnp.zeros((block,), jnp.int32), jnp.zeros((block,), jnp.float32))
     acc = lax.fori_loop(0, pl.cdiv(vocab, block), body, (zeros,) * len(vs))
     return [(jnp.sum(count), jnp.sum(mass)) for count, mass in acc]
 
-  def smallest_true(pred):
+  def smallest_true(pred, with_mass=True):
     """The smallest float32 in [0, 1] where `pred` (false below, true above)
     holds: a `ways`-ary search over bit patterns, `ways - 1` probes a pass.
     `pred` maps the probes' `above` results to booleans."""
@@ -131,7 +133,8 @@ def _kernel(top_k_ref, top_p_ref, active_ref, probs_ref, floor_ref, *,
       step = (hi - lo + ways) // ways  # ceil((hi - lo + 1) / ways)
       probes = [jnp.minimum(lo - 1 + j * step, hi) for j in range(1, ways)]
       ok = [pred(r) for r in above(
-          [lax.bitcast_convert_type(m, jnp.float32) for m in probes])]
+          [lax.bitcast_convert_type(m, jnp.float32) for m in probes],
+          with_mass)]
       # The probes that fail are a prefix: the answer lies past the last.
       new_lo, new_hi = lo, probes[0]
       for j in range(1, ways):
@@ -144,7 +147,8 @@ def _kernel(top_k_ref, top_p_ref, active_ref, probs_ref, floor_ref, *,
     return lax.bitcast_convert_type(hi, jnp.float32)
 
   def top_k_floor(_):
-    return smallest_true(lambda count_mass: count_mass[0] < k)
+    return smallest_true(lambda count_mass: count_mass[0] < k,
+                         with_mass=False)
 
   def floor(zero):
     # (Branches return their operand rather than a constant: the Triton
