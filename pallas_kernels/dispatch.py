@@ -248,8 +248,7 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       num_warps=num_warps, num_stages=num_stages, pack_heads=pack))
 
 
-def pow2_at_least(x: int) -> int:
-  """The smallest power of two >= x (1 for x <= 1)."""
+def _pow2_at_least(x: int) -> int:
   return 1 << max(0, (int(x) - 1).bit_length())
 
 
@@ -257,9 +256,9 @@ def _decode_splits(programs: int, max_pages: int, pages_per_block: int, *,
                    per_sm: int, num_sms: int) -> int:
   """Splits for about `per_sm` programs per SM (rounded up to a power of
   two), each keeping >= 2 steps of the longest sequence, at most 64."""
-  want = pow2_at_least(max(1, -(-per_sm * num_sms // max(1, programs))))
+  want = _pow2_at_least(max(1, -(-per_sm * num_sms // max(1, programs))))
   max_steps = max(1, -(-max_pages // pages_per_block))
-  cap = pow2_at_least(max(1, max_steps // 2))
+  cap = _pow2_at_least(max(1, max_steps // 2))
   if cap > max_steps // 2 and cap > 1:
     cap //= 2
   return max(1, min(want, cap, 64))
@@ -388,7 +387,7 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
         group_size=group_size) else "kernel"
   # Multi-token decode: sequences of up to this many new tokens run apart
   # from the main tiles (a short launch, or the decode kernel).
-  short_tokens = max(8, 16 // pow2_at_least(group_size))
+  short_tokens = max(8, 16 // _pow2_at_least(group_size))
 
   # 1. Hopper: the Mosaic-GPU kernel.
   mosaic_block_k = 64 if head_dim > 128 else 128
@@ -526,7 +525,7 @@ def rope_append(*, gpu: Gpu, dtype, kv_dtype, pool_dtype, head_dim: int,
   # 2b. Smaller: split the heads until about ROPE_PROGRAMS programs.
   block_tokens = 4 if num_tokens <= 512 else 8
   tiles = max(1, -(-num_tokens // block_tokens))
-  want = pow2_at_least(-(-ROPE_PROGRAMS // tiles))
+  want = _pow2_at_least(-(-ROPE_PROGRAMS // tiles))
   config = split(block_tokens, want)
   if config.num_splits < want and tiles * config.num_splits < ROPE_PROGRAMS:
     config = kernel.TritonConfig(block_tokens=block_tokens, num_warps=4,
@@ -562,6 +561,5 @@ def sample_floor(*, gpu: Gpu, dtype, vocab_size: int) -> Choice:
   """
   from pkvattn.pallas_kernels import sample_floor as kernel  # noqa: PLC0415
   if not gpu.interpret and kernel.supports(dtype, vocab_size) is None:
-    return Choice("triton", kernel.Config(
-        block=min(kernel.Config().block, pow2_at_least(vocab_size))))
+    return Choice("triton", kernel.Config.for_vocab(vocab_size))
   return Choice("xla", None)

@@ -135,7 +135,7 @@ def kept_floor(probs, top_k, top_p, active, impl: str | None = None):
   sorted order: the row keeps `probs >= floor` (ties with it too).
 
   One dispatch rule (`pallas_kernels.dispatch.sample_floor`): on a GPU the
-  sort-free bisection kernel (`pallas_kernels.sample_floor`), elsewhere the
+  sort-free search kernel (`pallas_kernels.sample_floor`), elsewhere the
   floor read off the sorted row (`sample_floor.reference_floor`).
 
   Args:
@@ -156,9 +156,8 @@ def kept_floor(probs, top_k, top_p, active, impl: str | None = None):
   choice = dispatch.sample_floor(gpu=gpu, dtype=probs.dtype,
                                  vocab_size=probs.shape[-1])
   if impl == "pallas" and choice.backend != "triton":
-    choice = dispatch.Choice("triton", sample_floor.Config(
-        block=min(sample_floor.Config().block,
-                  dispatch.pow2_at_least(probs.shape[-1]))))
+    choice = dispatch.Choice(
+        "triton", sample_floor.Config.for_vocab(probs.shape[-1]))
   if impl != "xla" and choice.backend == "triton":
     return sample_floor.sample_floor(probs, top_k, top_p, active,
                                      config=choice.config,
@@ -188,7 +187,7 @@ def sample(
   order).
 
   The kept set is a probability threshold (`kept_floor`: on a GPU found by
-  bisection over counts and sums, no sort; elsewhere read off the
+  a search over counts and sums, no sort; elsewhere read off the
   probabilities sorted), and the draw is an inverse CDF in vocabulary order
   over the kept probabilities (`_inverse_cdf`), one uniform number per row
   from `fold_in(key(seed), index)`.
