@@ -33,7 +33,8 @@ class EngineConfig:
       `extend` and `page_table`. Where scratch is active (all layers SWA) the
       engine prefills a prompt in one step, so `len(prompt) + max_new_tokens`
       must fit `max_num_tokens`.
-    impl: attention / rope implementation ("pallas", "xla", None = auto).
+    impl: attention / rope / sampling-floor implementation ("pallas",
+      "xla", None = auto).
     hash_ways: prefix-cache hash-table associativity.
     token_buckets: padded step sizes; a step runs at the smallest bucket that
       holds its tokens (one program per bucket, like CUDA-graph capture

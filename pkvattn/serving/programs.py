@@ -232,18 +232,26 @@ def _forward(params, model_cfg, tokens, pool, plan, *, logits_indices, impl,
 
 
 def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh,
-                   sample_cond: bool):
-  """`sampling.sample` of the rows' logits. On a mesh the logits come
-  vocab-sharded (`parallel.tp_forward`): greedy takes the per-shard argmax
-  and gathers `(max, index)` only (`parallel.greedy_tokens`); otherwise the
-  logits are gathered first."""
-  if mesh is not None:
-    from pkvattn import parallel as _parallel  # only engines on a mesh need it
-    if greedy_only and logits.shape[-1] % _parallel.tp_size(mesh) == 0:
-      return _parallel.greedy_tokens(logits, mesh)
-    logits = _parallel.gather_logits(logits, mesh)
-  return _sample(logits, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                 gen_index, greedy_only=greedy_only, cond=sample_cond)
+                   sample_cond: bool, impl):
+  """`sampling.sample` of the rows' logits (`impl`: its kept-set floor's
+  backend, the engine's `impl`). On a mesh the logits come vocab-sharded
+  (`parallel.tp_forward`): greedy takes the per-shard argmax and gathers
+  `(max, index)` only (`parallel.greedy_tokens`); otherwise the logits are
+  gathered and every device samples its replicated copy under `shard_map`
+  (the floor kernel, a custom call, never meets the SPMD partitioner)."""
+  def sample(logits, temperature, top_k, top_p, seeds, gen_index):
+    return _sample(logits, temperature, top_k, top_p, seeds, gen_index,
+                   greedy_only=greedy_only, cond=sample_cond, impl=impl)
+  args = (inp.temperature, inp.top_k, inp.top_p, inp.seeds, gen_index)
+  if mesh is None:
+    return sample(logits, *args)
+  from pkvattn import parallel as _parallel  # only engines on a mesh need it
+  if greedy_only and logits.shape[-1] % _parallel.tp_size(mesh) == 0:
+    return _parallel.greedy_tokens(logits, mesh)
+  logits = _parallel.gather_logits(logits, mesh)
+  replicated = jax.sharding.PartitionSpec()
+  return _parallel.shard_map(sample, mesh=mesh, in_specs=(replicated,) * 6,
+                             out_specs=replicated)(logits, *args)
 
 
 def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan | None):
@@ -288,7 +296,7 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs,
                             logits_indices=last, impl=cfg.impl, mesh=mesh)
     sampled = _sample_logits(logits, inp, inp.gen_index,
                              greedy_only=greedy_only, mesh=mesh,
-                             sample_cond=sample_cond)
+                             sample_cond=sample_cond, impl=cfg.impl)
     sampled = jnp.where(inp.sample_rows, sampled, -1)
   else:  # nothing to feed: admissions, releases and commits only
     plan = None
@@ -403,7 +411,7 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
         logits_indices=jnp.maximum(q_indptr[1:] - 1, 0), impl=cfg.impl,
         mesh=mesh)
     tok = _sample_logits(logits, sub, gen, greedy_only=greedy_only,
-                         mesh=mesh, sample_cond=sample_cond)
+                         mesh=mesh, sample_cond=sample_cond, impl=cfg.impl)
     seq_tokens = seq_tokens.at[jnp.where(active, row_ids, S), computed].set(
         last, mode="drop")
     step = active.astype(jnp.int32)
