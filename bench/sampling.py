@@ -83,14 +83,13 @@ def run_spec(name: str, configs, reps: int):
   want = np.asarray(sort(probs, top_k, top_p))
   p = np.asarray(probs)
   out = []
-  arms = [("sort", None, lambda: sort)]
+  arms = [("sort", None, sort)]
   default = dispatch.sample_floor(gpu=dispatch.current_gpu(),
                                   dtype=probs.dtype, vocab_size=vocab).config
   for cfg in configs or [default]:
-    fn = jax.jit(functools.partial(sample_floor.sample_floor, config=cfg))
-    arms.append(("kernel", cfg, lambda fn=fn: fn))
-  for arm, cfg, get in arms:
-    fn = get()
+    arms.append(("kernel", cfg, jax.jit(functools.partial(
+        sample_floor.sample_floor, config=cfg))))
+  for arm, cfg, fn in arms:
     args = (probs, top_k, top_p) if arm == "sort" else (probs, top_k, top_p,
                                                         active)
     got = np.asarray(fn(*args))
@@ -116,10 +115,12 @@ def run_spec(name: str, configs, reps: int):
                     arm="sampler, " + ("sort" if impl == "xla" else "kernel"),
                     config=None, kernel_us=ms * 1e3, boundary_rows=None,
                     check_ok=None))
-  base = {r["arm"].split(", ")[0] if "sampler" not in r["arm"] else r["arm"]:
-          r["kernel_us"] for r in out}
+  # Floors against the sort's floor, samplers against the sort's sampler.
+  sort_us = {"floor": out[0]["kernel_us"],
+             "sampler": next(r["kernel_us"] for r in out
+                             if r["arm"] == "sampler, sort")}
   for r in out:
-    ref = base["sampler, sort"] if "sampler" in r["arm"] else base["sort"]
+    ref = sort_us["sampler" if r["arm"].startswith("sampler") else "floor"]
     r["x_sort"] = ref / r["kernel_us"] if r["kernel_us"] else None
   return out
 

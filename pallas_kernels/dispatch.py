@@ -535,7 +535,8 @@ def rope_append(*, gpu: Gpu, dtype, kv_dtype, pool_dtype, head_dim: int,
 
 # -------------------------------------------------------------- sampling
 
-def sample_floor(*, gpu: Gpu, dtype, vocab_size: int) -> Choice:
+def sample_floor(*, gpu: Gpu, dtype, vocab_size: int,
+                 backend: str | None = None) -> Choice:
   """The sampler's kept-set floor (`pkvattn.sampling.kept_floor`).
 
   Rules, first match wins:
@@ -555,11 +556,21 @@ def sample_floor(*, gpu: Gpu, dtype, vocab_size: int) -> Choice:
     gpu: the device (`current_gpu()`).
     dtype: the probabilities' dtype.
     vocab_size: their row length.
+    backend: None (the rules above), or "triton" / "xla" to take that
+      backend whatever the GPU (interpret mode on a CPU; tests).
 
   Returns:
     `Choice("triton", sample_floor.Config)` or `Choice("xla", None)`.
+
+  Raises:
+    ValueError: `backend` not None, "triton" or "xla".
   """
   from pkvattn.pallas_kernels import sample_floor as kernel  # noqa: PLC0415
-  if not gpu.interpret and kernel.supports(dtype, vocab_size) is None:
-    return Choice("triton", kernel.Config.for_vocab(vocab_size))
+  if backend not in (None, "triton", "xla"):
+    raise ValueError(f"Invalid backend: expected None, 'triton' or 'xla', "
+                     f"got {backend!r}")
+  if backend == "triton" or backend is None and not gpu.interpret and (
+      kernel.supports(dtype, vocab_size) is None):
+    return Choice("triton", kernel.Config(
+        block=min(kernel.Config.block, _pow2_at_least(vocab_size))))
   return Choice("xla", None)

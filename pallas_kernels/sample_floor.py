@@ -62,13 +62,6 @@ class Config:
   num_warps: int = 32
   ways: int = 4
 
-  @classmethod
-  def for_vocab(cls, vocab_size: int) -> "Config":
-    """The default, its block cut to the vocabulary's power of two where
-    that is smaller."""
-    pow2 = 1 << max(0, (int(vocab_size) - 1).bit_length())
-    return cls(block=min(cls.block, pow2))
-
 
 def reference_floor(probs, top_k, top_p):
   """The floor read off the sorted probabilities (pure jnp; any backend).

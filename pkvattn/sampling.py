@@ -153,12 +153,10 @@ def kept_floor(probs, top_k, top_p, active, impl: str | None = None):
   if impl is not None:
     _checks.check_choice(impl, ("pallas", "xla"), "impl")
   gpu = dispatch.current_gpu()
-  choice = dispatch.sample_floor(gpu=gpu, dtype=probs.dtype,
-                                 vocab_size=probs.shape[-1])
-  if impl == "pallas" and choice.backend != "triton":
-    choice = dispatch.Choice(
-        "triton", sample_floor.Config.for_vocab(probs.shape[-1]))
-  if impl != "xla" and choice.backend == "triton":
+  choice = dispatch.sample_floor(
+      gpu=gpu, dtype=probs.dtype, vocab_size=probs.shape[-1],
+      backend={None: None, "pallas": "triton", "xla": "xla"}[impl])
+  if choice.backend == "triton":
     return sample_floor.sample_floor(probs, top_k, top_p, active,
                                      config=choice.config,
                                      interpret=gpu.interpret)

@@ -95,6 +95,15 @@ def test_dispatch_takes_the_kernel_on_a_gpu_only():
                      (dispatch.HOPPER, jnp.bfloat16)):
     assert dispatch.sample_floor(gpu=gpu, dtype=dtype,
                                  vocab_size=1000).backend == "xla"
+  # The override (impl="pallas" on a CPU; impl="xla" on a GPU).
+  forced = dispatch.sample_floor(gpu=dispatch.INTERPRET, dtype=jnp.float32,
+                                 vocab_size=300, backend="triton")
+  assert forced.backend == "triton" and forced.config.block == 512
+  assert dispatch.sample_floor(gpu=dispatch.HOPPER, dtype=jnp.float32,
+                               vocab_size=300, backend="xla").backend == "xla"
+  with pytest.raises(ValueError, match="backend"):
+    dispatch.sample_floor(gpu=dispatch.HOPPER, dtype=jnp.float32,
+                          vocab_size=300, backend="mosaic")
 
 
 def test_bad_impl_is_refused():
