@@ -835,8 +835,10 @@ def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
     for r in range(0, block_kv, 64):
       for c in range(0, head_dim, _CONVERT_COLS):
         cols = pl.ds(c, min(_CONVERT_COLS, head_dim))
+        # WGMMA_8BIT: 4-byte shared-memory loads (WGMMA's layout makes
+        # them 2-byte ones) and 8-byte f16 stores.
         x = _compat.mgpu_load(src8.at[s8, pl.ds(r, 64), cols],
-                              plgpu.Layout.WGMMA)
+                              plgpu.Layout.WGMMA_8BIT)
         dst[slot, pl.ds(r, 64), cols] = x.astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(bar.at[slot])
