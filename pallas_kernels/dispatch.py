@@ -384,7 +384,7 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
     fp8_pages = "dequantize" if head_scales or paged_prefill.dequantize_pays(
         num_tokens=num_tokens, batch_size=batch_size,
-        group_size=group_size) else "kernel"
+        group_size=group_size, window_left=window_left) else "kernel"
   # Multi-token decode: sequences of up to this many new tokens run apart
   # from the main tiles (a short launch, or the decode kernel).
   short_tokens = max(8, 16 // _pow2_at_least(group_size))

@@ -80,9 +80,9 @@ from pkvattn.pallas_kernels._compat import pltriton as plgpu
 # compute exp2(-inf - (-inf)) = NaN in the running max / rescale.
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # `dequantize_pays`: FP8 pages are dequantized before the launch from this
-# many query rows (tokens x group) per sequence (measured:
-# docs/performance.md).
-DEQUANTIZE_MIN_ROWS = 1024
+# many query rows (tokens x group) per sequence, twice as many with a sliding
+# window (measured: docs/performance.md).
+DEQUANTIZE_MIN_ROWS = 512
 FP8_PAGES = ("auto", "kernel", "dequantize")
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -205,14 +205,16 @@ class PrefillConfig:
                        f"{self.decode_rows_per_seq}")
 
   def dequantizes_fp8(self, *, num_tokens: int, batch_size: int,
-                      group_size: int, head_scales: bool = False) -> bool:
+                      group_size: int, head_scales: bool = False,
+                      window_left: int = -1) -> bool:
     """Whether a call on FP8 pages runs on dequantized pages (`fp8_pages`;
     "auto": with per-KV-head scales, `head_scales`, or where
     `dequantize_pays`)."""
     if self.fp8_pages != "auto":
       return self.fp8_pages == "dequantize"
     return head_scales or dequantize_pays(
-        num_tokens=num_tokens, batch_size=batch_size, group_size=group_size)
+        num_tokens=num_tokens, batch_size=batch_size, group_size=group_size,
+        window_left=window_left)
 
   @property
   def plan_align(self) -> int:
@@ -393,19 +395,23 @@ class MosaicConfig(PrefillConfig):
           f"{self.schedule!r}")
 
 
-def dequantize_pays(*, num_tokens: int, batch_size: int,
-                    group_size: int) -> bool:
+def dequantize_pays(*, num_tokens: int, batch_size: int, group_size: int,
+                    window_left: int = -1) -> bool:
   """Whether a call on FP8 pages runs faster on pages dequantized first
   (`PrefillConfig.fp8_pages`): when its query rows (`num_tokens *
-  group_size`) reach `DEQUANTIZE_MIN_ROWS` per sequence of the batch.
+  group_size`) reach `DEQUANTIZE_MIN_ROWS` per sequence of the batch, twice
+  that with a sliding window (`window_left >= 0`).
 
   Prefill is compute-bound: converting tiles in the kernel costs every
-  query row that shares a key (the Mosaic-GPU kernel's producer warpgroup
-  converts every tile), while the gather costs a fixed amount per key per
-  sequence, which enough query rows per sequence repay (measured:
+  query tile that reads a key (the Mosaic-GPU kernel's producer warpgroup
+  converts each tile its CTA reads, one query head's rows a CTA), while the
+  gather costs a fixed amount per key the table names, which enough query
+  rows per sequence repay. With a window the kernel reads only the window's
+  keys but the gather still takes every page the table names (measured:
   docs/performance.md).
   """
-  return num_tokens * group_size >= DEQUANTIZE_MIN_ROWS * max(batch_size, 1)
+  rows = DEQUANTIZE_MIN_ROWS * (2 if window_left >= 0 else 1)
+  return num_tokens * group_size >= rows * max(batch_size, 1)
 
 
 def _paged_prefill_kernel(
@@ -779,7 +785,8 @@ def paged_prefill(
   if fp8 and config.dequantizes_fp8(num_tokens=num_tokens,
                                     batch_size=kv_lens.shape[0],
                                     group_size=group_size,
-                                    head_scales=head_scales):
+                                    head_scales=head_scales,
+                                    window_left=window_left):
     k_pool, k_table = _fp8.dequantize_pages(k_pool, k_table, k_scale, q.dtype)
     v_pool, v_table = _fp8.dequantize_pages(v_pool, v_table, v_scale, q.dtype)
     fp8, k_scale, v_scale = False, None, None

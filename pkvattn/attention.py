@@ -257,7 +257,8 @@ def paged_prefill(
       `cdiv(kv_lens[b], page_size)`; rows without queries see none).
       Unchecked and staged as in `paged_decode`.
     k_scale, v_scale: as in `paged_decode` (FP8 pages). With at least
-      1,024 query rows (tokens x GQA group) per sequence, the pallas path
+      512 query rows (tokens x GQA group) per sequence (1,024 with a
+      window), the pallas path
       first dequantizes the pages the table names into a compact 16-bit
       pool (one XLA gather, `batch_size * max_pages` pages held for the
       call) and runs the 16-bit kernels, which is faster for prompts

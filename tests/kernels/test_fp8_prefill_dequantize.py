@@ -95,6 +95,13 @@ def test_fp8_pages_rule_and_bad_value():
                                  group_size=4)
   assert not cfg.dequantizes_fp8(num_tokens=8192, batch_size=256,
                                  group_size=4)  # an engine's mixed step
+  # A window doubles the rows (its kernel reads only the window's keys).
+  assert not cfg.dequantizes_fp8(num_tokens=rows // 4 * 8, batch_size=8,
+                                 group_size=4, window_left=511)
+  assert cfg.dequantizes_fp8(num_tokens=rows // 2 * 8, batch_size=8,
+                             group_size=4, window_left=511)
+  assert not cfg.dequantizes_fp8(num_tokens=rows // 2 * 8 - 1, batch_size=8,
+                                 group_size=4, window_left=511)
   assert kernel.TritonConfig(fp8_pages="dequantize").dequantizes_fp8(
       num_tokens=1, batch_size=256, group_size=1)
   assert not kernel.MosaicConfig(fp8_pages="kernel").dequantizes_fp8(
