@@ -299,8 +299,8 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
 
   FP8 pages, under every rule: dequantized into a 16-bit pool first
   (`fp8_pages="dequantize"`) from `paged_prefill.DEQUANTIZE_MIN_ROWS` query
-  rows (tokens x group) per sequence, where the gather's fixed cost per key
-  is repaid; read in the kernel (`"kernel"`) below
+  rows (tokens x group) per sequence, twice that with a window, where the
+  gather's fixed cost per key is repaid; read in the kernel (`"kernel"`) below
   (`paged_prefill.dequantize_pays`). With per-KV-head scales always
   dequantized (the gather scales each head; the kernels read one scale per
   tensor).
