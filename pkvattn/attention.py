@@ -256,18 +256,17 @@ def paged_prefill(
       can see (from the first query's window start, or 0, to
       `cdiv(kv_lens[b], page_size)`; rows without queries see none).
       Unchecked and staged as in `paged_decode`.
-    k_scale, v_scale: as in `paged_decode` (FP8 pages). With at least
-      512 query rows (tokens x GQA group) per sequence (1,024 with a
-      window), the pallas path
-      first dequantizes the pages the table names into a compact 16-bit
-      pool (one XLA gather, `batch_size * max_pages` pages held for the
-      call) and runs the 16-bit kernels, which is faster for prompts
-      (`pallas_kernels.paged_prefill.PrefillConfig.fp8_pages`). Per-head
-      scales always take that path there (each head's pages scaled by its
-      own; the prefill kernels read one scale per tensor), except calls
-      that run as decode rows (`causal` with `num_tokens <= batch_size`),
-      which read them per KV head as `paged_decode` does; the xla path
-      applies them per KV head as well.
+    k_scale, v_scale: as in `paged_decode` (FP8 pages). With at least 512 query
+      rows (tokens x GQA group) per sequence (1,024 with a window), the pallas
+      path first dequantizes the pages the table names into a compact 16-bit
+      pool (one XLA gather, `batch_size * max_pages` pages held for the call)
+      and runs the 16-bit kernels, which is faster for prompts
+      (`pallas_kernels.paged_prefill.PrefillConfig.fp8_pages`). Per-head scales
+      always take that path there (each head's pages scaled by its own; the
+      prefill kernels read one scale per tensor), except calls that run as
+      decode rows (`causal` with `num_tokens <= batch_size`), which read them
+      per KV head as `paged_decode` does; the xla path applies them per KV head
+      as well.
 
   Returns:
     `out [num_tokens, num_qo_heads, head_dim]` in `q.dtype` (zeros for padding
