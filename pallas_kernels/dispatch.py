@@ -545,9 +545,9 @@ def sample_floor(*, gpu: Gpu, dtype, vocab_size: int,
      the Pallas-Triton search kernel (`"triton"`, `sample_floor.Config`:
      one program a row on 32 warps, 4,096 probabilities a loop step, the
      vocabulary's power of two where it is smaller, 4-ary: three probes a
-     pass over the row). It replaces a
-     `[rows, vocab]` radix sort, the costliest kernel of a sampled decode
-     step (measured: docs/performance.md).
+     pass over the row). It replaces a `[rows, vocab]` radix sort, the
+     costliest kernel of a sampled decode step (measured:
+     docs/performance.md).
   2. Otherwise (interpret mode: the CPU) the floor read off the sorted
      rows (`"xla"`, no config): the kernel's 15-odd passes over each row
      are for a GPU.

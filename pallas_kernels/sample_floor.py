@@ -20,10 +20,9 @@ keeps the part of the interval between the last probe that fails and the
 first that holds: 15 passes at 4 ways, 30 at 2. A pass over a row that
 stays in L2 (SmolLM2's 49,152 entries) is bound by its compares, one that
 streams from HBM (Llama 3's 128,256) by its bytes; 4 ways on 32 warps
-serve both. With `0 < top_k <
-vocab`, the k-th largest probability `t_k` comes first by the same search
-(`C(v) < k`), and `M = G(t_k) + (k - C(t_k)) * t_k` (ties at `t_k` counted
-as the sort would, up to `k`). A row with `top_p >= 1` takes `t_k` (0
+serve both. With `0 < top_k < vocab`, the k-th largest probability `t_k`
+comes first by the same search (`C(v) < k`), and `M = G(t_k) + (k -
+C(t_k)) * t_k` (ties at `t_k` counted as the sort would, up to `k`). A row with `top_p >= 1` takes `t_k` (0
 without top-k: every token), an inactive row (greedy) 0 at once.
 
 The sums run in a different order than the reference's cumulative sum, so
