@@ -1,4 +1,4 @@
-"""Cache bookkeeping cost: `extend` and `claim_batch` on a large pool (issue 4).
+"""Cache bookkeeping cost: `extend` and `claim_batch` on a large pool.
 
 Workloads (pool of 65,536 slots, page_size 16, 32 layers):
   extend_free    `extend` by one token for 256 live sequences (lengths 512..1535

@@ -1,4 +1,4 @@
-"""Tests for the pure SWA scratch-reuse parts (`cache/window.py`, issue 5)."""
+"""Tests for the pure SWA scratch-reuse parts (`cache/window.py`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""SWA scratch reuse through the cache state (issue 5): claims, tables, e2e.
+"""SWA scratch reuse through the cache state: claims, tables, e2e.
 
-The pure planning parts are in `tests/test_swa_plan.py`; here the scratch path
-of `claim_batch` / `extend` / `page_table` / `finish_step` / `commit`, a seeded
-random run against `cache/reference.py` with scratch on, and an end-to-end
-chunked prefill through rope/append and paged prefill (xla, f32) with scratch
-on vs off.
+The pure planning parts are in `tests/cache/test_swa_plan.py`; here the
+scratch path of `claim_batch` / `extend` / `page_table` / `finish_step` /
+`commit`, a seeded random run against `cache/reference.py` with scratch on,
+and an end-to-end chunked prefill through rope/append and paged prefill (xla,
+f32) with scratch on vs off.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ def _check_greedy_generation(case, page_size, reuse, scratch=False):
   for b, (a, e) in enumerate(zip(actual, case.expected)):
     assert a == e, (f"{case.kind} page_size={page_size} prefix_reuse={reuse} "
                     f"scratch={scratch} prompt {b}: {a} != {e}")
-  if hasattr(engine.cache_config, "swa_scratch_active"):  # issue 5's cache
+  if hasattr(engine.cache_config, "swa_scratch_active"):  # flat caches only
     assert engine.cache_config.swa_scratch_active == (
         scratch and case.kind == "mistral")
   scratch_active = getattr(engine.cache_config, "swa_scratch_active", False)

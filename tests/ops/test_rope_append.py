@@ -1,4 +1,4 @@
-"""RoPE and fused RoPE + paged append (issue 3).
+"""RoPE and fused RoPE + paged append.
 
 Oracles: a numpy RoPE written here from the formulas (inverse frequencies by
 loop, pairs by index), a numpy row-by-row scatter, and transformers' own rope
