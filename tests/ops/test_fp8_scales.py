@@ -131,6 +131,32 @@ def test_int_scales_are_accepted():
         au.quantize_np(c["v"][t], vs).astype(np.float32))
 
 
+# A v_scale and f32 values whose exactly rounded quotient `x / scale` is an
+# e4m3 rounding tie (-34, -84) while `x * (1 / scale)` is a hair past it, so
+# the two store neighbouring e4m3 values (found by a search over random
+# values): the storage rule is the product.
+RECIPROCAL_SCALE = np.float32(0.0063317735)
+RECIPROCAL_VALUES = np.float32([-0.21528031, -0.531869])
+
+
+@pytest.mark.parametrize("name", APPENDS)
+def test_appends_store_the_reciprocal_product(name):
+  """Every append stores `x * (1 / v_scale)` rounded to e4m3, as the numpy
+  rule (`attention_utils.quantize_np`) does, also where an exactly rounded
+  division would store the neighbouring value."""
+  by_division = np.clip(RECIPROCAL_VALUES / RECIPROCAL_SCALE, -448, 448)
+  want = au.quantize_np(RECIPROCAL_VALUES, RECIPROCAL_SCALE)
+  assert (by_division.astype(want.dtype).view(np.uint8)
+          != want.view(np.uint8)).all()  # the cases tell the rules apart
+  c = _case(np.random.default_rng())
+  n = RECIPROCAL_VALUES.size
+  c["v"] = c["v"].at[0, 0, :n].set(RECIPROCAL_VALUES)
+  vp = jax.tree.leaves(_ops(c)[name](1.0, float(RECIPROCAL_SCALE)))[-1]
+  p = int(c["pos"][0])
+  stored = np.asarray(vp[c["pages"][p // PS], p % PS, 0, :n])
+  np.testing.assert_array_equal(stored.view(np.uint8), want.view(np.uint8))
+
+
 def test_smallest_scale_never_poisons_the_cache():
   """At 2**-126 the reciprocal is finite: every value saturates, 0 stays 0
   (a scale of 0 or a subnormal one would store NaN there)."""
