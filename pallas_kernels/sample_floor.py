@@ -10,20 +10,21 @@ a GPU and the costliest kernel of a sampled decode step at hundreds of rows.
 This kernel finds the same floor from counts and sums alone. For a value
 `v` let `C(v)` be the number of probabilities `> v` and `G(v)` their sum:
 the first sorted token of value `v` has rank `C(v)` and `G(v)` of mass
-before it, so a value is kept iff `C(v) < k` and `G(v) < top_p * M` (`M` the
-top-k mass, or the whole row's), a predicate that only turns from false to
-true as `v` grows. The floor is the smallest probability where it holds:
-a search over float32 bit patterns in `[0, bits(1.0)]` (ordered as the
-values), each step one pass over the row that probes `ways - 1` thresholds
-at once (per lane a count and a sum per probe, reduced once a pass) and
-keeps the part of the interval between the last probe that fails and the
-first that holds: 15 passes at 4 ways, 30 at 2. A pass over a row that
-stays in L2 (SmolLM2's 49,152 entries) is bound by its compares, one that
-streams from HBM (Llama 3's 128,256) by its bytes; 4 ways on 32 warps
+before it, so a value is kept iff `C(v) < k` and `G(v) < top_p * M` (`M`
+the top-k mass, or the whole row's), a predicate that only turns from
+false to true as `v` grows. The floor is the smallest probability where it
+holds: a search over float32 bit patterns in `[0, bits(1.0)]` (ordered as
+the values), each step one pass over the row that probes `ways - 1`
+thresholds at once (per lane a count and a sum per probe, reduced once a
+pass) and keeps the part of the interval between the last probe that fails
+and the first that holds: 15 passes at 4 ways, 30 at 2. A pass over a row
+that stays in L2 (SmolLM2's 49,152 entries) is bound by its compares, one
+that streams from HBM (Llama 3's 128,256) by its bytes; 4 ways on 32 warps
 serve both. With `0 < top_k < vocab`, the k-th largest probability `t_k`
 comes first by the same search (`C(v) < k`), and `M = G(t_k) + (k -
-C(t_k)) * t_k` (ties at `t_k` counted as the sort would, up to `k`). A row with `top_p >= 1` takes `t_k` (0
-without top-k: every token), an inactive row (greedy) 0 at once.
+C(t_k)) * t_k` (ties at `t_k` counted as the sort would, up to `k`). A row
+with `top_p >= 1` takes `t_k` (0 without top-k: every token), an inactive
+row (greedy) 0 at once.
 
 The sums run in a different order than the reference's cumulative sum, so
 a row whose `G(v)` lies within rounding of `top_p * M` at a boundary may
