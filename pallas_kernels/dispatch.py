@@ -143,7 +143,10 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      32-token steps on 2 warps, 2 stages (smaller tiles, more programs
      resident per SM), otherwise 64-token steps on 2 warps; otherwise 2
      warps at head_dim 64. Splits for 2 programs per SM, 4 for 2-warp
-     programs, counted in packed programs.
+     programs, counted in packed programs; none for Hopper's many
+     one-token rows, whose `TRITON_ITEMS_PER_SM` items per SM fill the
+     machine (a second split is empty at tens of keys, and costs the
+     combine).
 
   Triton splits are a power of two <= 64, each keeping >= 2 steps of the
   longest sequence, so short contexts are not split into empty programs;
@@ -240,11 +243,13 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   elif head_dim <= 64:
     num_warps = 2
   pages_per_block = max(1, block_tokens // page_size)
+  # Hopper's many rows fill the machine unsplit; a second split would be
+  # empty at tens of keys and add the combine.
+  splits = 1 if gpu.is_hopper and many_rows else _decode_splits(
+      programs, max_pages, pages_per_block,
+      per_sm=4 if num_warps == 2 else 2, num_sms=num_sms)
   return Choice("triton", paged_decode.TritonConfig(
-      pages_per_block=pages_per_block,
-      k_splits=_decode_splits(programs, max_pages, pages_per_block,
-                              per_sm=4 if num_warps == 2 else 2,
-                              num_sms=num_sms),
+      pages_per_block=pages_per_block, k_splits=splits,
       num_warps=num_warps, num_stages=num_stages, pack_heads=pack))
 
 
