@@ -4,8 +4,9 @@ An engine's shapes are static, so the programs it may run are a small set
 known before the first request (`program_keys`): one `step` program per
 token bucket and, with `decode_steps > 1`, one `burst` program per row
 bucket, each in a greedy-only and a sampled variant where the split pays
-(GPU backends; see `serving.programs`), and one step of no tokens (the
-cache ops alone).
+(GPU backends; see `serving.programs`), and the cache programs: the step of
+no tokens (every step's cache ops) and, with bursts, `reserve` (every
+burst's).
 `Compiler` lowers and compiles them:
 
 * **ahead of time** (`warmup`): programs are traced and lowered one after
@@ -50,10 +51,11 @@ class ProgramKey:
   """One compiled program of an engine.
 
   Attributes:
-    kind: "step" (one mixed prefill / decode step) or "burst"
-      (`decode_steps` decode iterations).
-    num_tokens: padded tokens of a step (its bucket; 0: the cache ops
-      alone); a burst's rows (its row bucket, `EngineConfig.burst_buckets`).
+    kind: "step" (one mixed prefill / decode step), "burst"
+      (`decode_steps` decode iterations) or "reserve" (a burst's cache ops).
+    num_tokens: padded tokens of a step (its bucket; 0: the step's cache
+      ops); a burst's rows (its row bucket, `EngineConfig.burst_buckets`);
+      0 for "reserve".
     greedy_only: every row samples greedily (argmax only; no `lax.cond`).
   """
   kind: str
@@ -63,6 +65,8 @@ class ProgramKey:
   def __str__(self):
     if self.kind == "step" and self.num_tokens == 0:
       return "step[no tokens]"
+    if self.kind == "reserve":
+      return "reserve"
     mode = "greedy" if self.greedy_only else "sampled"
     return f"{self.kind}[{self.num_tokens} tokens, {mode}]"
 
@@ -76,13 +80,31 @@ def program_keys(cfg: EngineConfig, split_variants: bool = True
   sampler's `lax.cond` built in (`greedy_only=False`).
   """
   variants = (True, False) if split_variants else (False,)
-  # A step of no tokens samples nothing: its greedy-only key alone.
+  # The cache programs sample nothing: their greedy-only keys alone.
   keys = [ProgramKey("step", 0, split_variants)]
   keys += [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
   if cfg.decode_steps > 1:
+    keys += [ProgramKey("reserve", 0, split_variants)]
     keys += [ProgramKey("burst", r, g) for r in cfg.burst_buckets
              for g in variants]
   return tuple(keys)
+
+
+def is_cache_program(key: ProgramKey) -> bool:
+  """`key` is a cache program: the step of no tokens, or `reserve`."""
+  return key.kind == "reserve" or (key.kind == "step" and key.num_tokens == 0)
+
+
+def program_sequence(key: ProgramKey, split_variants: bool
+                     ) -> tuple[ProgramKey, ...]:
+  """The programs a call of `key` runs, in order: a step that feeds tokens
+  runs its model program then the step's cache program, a burst the
+  `reserve` cache program then its model program."""
+  if key.kind == "step" and key.num_tokens:
+    return (key, ProgramKey("step", 0, split_variants))
+  if key.kind == "burst":
+    return (ProgramKey("reserve", 0, split_variants), key)
+  return (key,)
 
 
 def lowering_order(keys) -> list[ProgramKey]:
@@ -91,16 +113,19 @@ def lowering_order(keys) -> list[ProgramKey]:
   so a long compile lowered last would bound the warmup; the largest step
   (its token bucket's forward and prefill kernels) compiles longest, then
   the bursts (a decode step and a sampler per iteration), then the smaller
-  steps, the step of no tokens last (cache ops only). Within a bucket the
-  sampled variant comes before the greedy one: its sort over the vocabulary
-  compiles longer (measured: docs/performance.md)."""
+  steps, the cache programs last. Within a bucket the sampled variant comes
+  before the greedy one: its sort over the vocabulary compiles longer
+  (measured: docs/performance.md)."""
   def rank(k):  # larger buckets first, then sampled before greedy
     return (-k.num_tokens, k.greedy_only)
-  steps = sorted((k for k in keys if k.kind == "step"), key=rank)
+  model = [k for k in keys if not is_cache_program(k)]
+  steps = sorted((k for k in model if k.kind == "step"), key=rank)
   top = steps[0].num_tokens if steps else None
   largest = [k for k in steps if k.num_tokens == top]
-  bursts = sorted((k for k in keys if k.kind == "burst"), key=rank)
-  return largest + bursts + [k for k in steps if k not in largest]
+  bursts = sorted((k for k in model if k.kind == "burst"), key=rank)
+  cache = sorted((k for k in keys if is_cache_program(k)),
+                 key=lambda k: k.kind == "reserve")
+  return largest + bursts + [k for k in steps if k not in largest] + cache
 
 
 def signature(*trees) -> tuple:
@@ -197,15 +222,22 @@ class Compiler:
   def key(self, kind: str, num_tokens: int, greedy_only: bool) -> ProgramKey:
     """The program for a call (greedy-only calls take the sampled program
     where the variants are not split)."""
-    greedy = bool(greedy_only) or (kind == "step" and num_tokens == 0)
+    key = ProgramKey(kind, num_tokens, False)
+    greedy = bool(greedy_only) or is_cache_program(key)
     return ProgramKey(kind, num_tokens, greedy and self.split_variants)
+
+  def sequence(self, key: ProgramKey) -> tuple[ProgramKey, ...]:
+    """The programs a call of `key` runs, in order (`program_sequence`)."""
+    return program_sequence(key, self.split_variants)
 
   def jitted(self, key: ProgramKey):
     """The `jax.jit` of `key` (`programs.jitted_program`): a burst's rows are
     its bucket; the sampled variant has its `lax.cond` only where the
     variants are not split."""
+    kind = ("step_cache" if key.kind == "step" and is_cache_program(key)
+            else key.kind)
     return _programs.jitted_program(
-        self.model_cfg, self.config, self.mesh, key.kind, key.greedy_only,
+        self.model_cfg, self.config, self.mesh, kind, key.greedy_only,
         rows=key.num_tokens if key.kind == "burst" else None,
         sample_cond=not self.split_variants)
 

@@ -195,21 +195,39 @@ class Engine:
     return self.compiler.lower(key, self._buffers())
 
   def _run(self, scheduled: ScheduledStep, throw: bool = True):
-    """Runs the program of `scheduled` on the engine's buffers (donated) and
-    keeps its new buffers; returns `(outputs, seconds spent compiling it)`,
-    or with `throw=False` `(outputs, seconds, checkify error or None)`.
-    Checked mode: raises the first contract violation
-    (`checkify.JaxRuntimeError`) after the call (unless `throw=False`)."""
+    """Runs the programs of `scheduled` (`Compiler.sequence`: a model program
+    and a cache program) on the engine's buffers (donated) and keeps their
+    new buffers; returns `(outputs, seconds spent compiling them)`, or with
+    `throw=False` `(outputs, seconds, checkify error or None)`. A step's
+    outputs are its cache program's with the model program's `sampled`; a
+    burst's are its model program's. Both programs are compiled before
+    either runs. Checked mode: raises the first contract violation
+    (`checkify.JaxRuntimeError`) after the calls (unless `throw=False`)."""
     key = self.compiler.key(scheduled.kind, scheduled.num_tokens,
                             scheduled.greedy_only)
     self.last_program = key
     compile_s = self.stats.compile_time_s
-    program = self.compiler.program(key, self._buffers())
+    programs = [self.compiler.program(k, self._buffers())
+                for k in self.compiler.sequence(key)]
     compile_s = self.stats.compile_time_s - compile_s
-    result, err = _runner.run_program(
-        program, self._buffers(), scheduled.inputs, check=self.config.check,
-        inputs_sharding=self._inputs_sharding)
-    self.pool, self.state, self.seq_tokens, out = result
+    outs, errs = [], []
+    for k, program in zip(self.compiler.sequence(key), programs):
+      inputs = scheduled.inputs
+      if k.kind == "step" and not k.num_tokens:
+        inputs = _programs.step_cache_inputs(inputs)
+      result, err = _runner.run_program(
+          program, self._buffers(), inputs,
+          check=self.config.check, inputs_sharding=self._inputs_sharding)
+      self.pool, self.state, self.seq_tokens, out = result
+      outs.append(out)
+      errs.append(err)
+    # Checked mode: the first program's violation, if any (`get()` reads
+    # the error back from the device).
+    err = next((e for e in errs if e is not None and e.get() is not None),
+               errs[-1])
+    out = outs[-1]
+    if key.kind == "step" and key.num_tokens:
+      out = out.replace(sampled=outs[0])
     if not throw:
       return out, compile_s, err
     if err is not None:

@@ -14,7 +14,6 @@ import numpy as np
 
 from pkvattn import _kv
 from pkvattn import attention as _attention
-from pkvattn import cache as _cache
 from pkvattn.models import decoder as _decoder
 from pkvattn.serving import programs as _programs
 
@@ -27,39 +26,26 @@ def copy_tree(tree):
 def profile_programs(engine) -> dict:
   """The programs `profile` times, on copies of the current state.
 
-  Keys: `step` (jitted step or burst) with `step_args()` / `bare_args()`
-  (the latter adds precomputed page tables: no cache op runs), `per` (steps
-  per call), `cache_ops` (jitted, donating: the step's cache ops alone) with
-  `cache_ops_args()`, `attention_inputs` (a `StepInputs` of the step).
+  Keys: `step`, a call as the engine runs it (its model and cache programs
+  in order, `Compiler.sequence`), with `step_args()`; `model`, the model
+  program alone, with `model_args()` (a burst's on the state its cache
+  program leaves); `cache_ops`, the cache program alone, with
+  `cache_ops_args()`; `per` (steps per call); `attention_inputs` (a
+  `StepInputs` of the step). Every program is the engine's compiled one.
 
   Raises:
     ValueError: nothing to profile yet (no step run, no burst pending, or
       the last step fed no token).
   """
-  cfg, mcfg = engine.config, engine.model.cfg
-  L, S, k = mcfg.num_layers, cfg.max_seqs, cfg.decode_steps
   if engine.scheduler.burst_eligible():
     # `Scheduler.schedule` admits nothing in this state (it may release
     # finished rows, which attention ignores): its inputs are one decode step
     # of the current batch (for attention).
     attention_inputs = engine.scheduler.schedule().inputs
-    rows = engine.scheduler.burst_rows()
-    fn = engine.compiler.jitted(engine.compiler.key(
-        "burst", rows, engine.scheduler.burst_greedy()))
-    binp = jax.tree.map(jnp.asarray, engine.scheduler.burst_inputs())
-    ids = jnp.where(binp.active, jnp.arange(S, dtype=jnp.int32), -1)
-    # Tables that already hold the burst's new blocks (timing only).
-    grown, _ = _cache.extend(engine.state, ids, jnp.full((S,), k, jnp.int32))
-    tables = _programs.layer_tables(grown, L, S)
-    args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
-                    copy_tree(engine.seq_tokens), binp)
-    seq_tokens = engine.seq_tokens
-
-    def cache_ops(state):  # as the burst does, once
-      return _programs.reserve_burst(state, seq_tokens, binp, num_layers=L,
-                                     decode_steps=k,
-                                     commit=cfg.enable_prefix_reuse)
-    per = k
+    key = engine.compiler.key("burst", engine.scheduler.burst_rows(),
+                              engine.scheduler.burst_greedy())
+    inp = jax.tree.map(jnp.asarray, engine.scheduler.burst_inputs())
+    per = engine.config.decode_steps
   elif engine.last_inputs is None:
     raise ValueError("Invalid call: profile() needs at least one step() first")
   elif not engine.last_inputs.tokens.shape[0]:
@@ -68,23 +54,37 @@ def profile_programs(engine) -> dict:
                      "published or released): step() again first")
   else:
     attention_inputs = engine.last_inputs
+    key = engine.last_program
     inp = jax.tree.map(jnp.asarray, engine.last_inputs)
-    fn = engine.compiler.jitted(engine.last_program)
-    tables = _programs.layer_tables(engine.state, L, S)
-    args = lambda: (engine.model.params, copy_tree(engine.pool), copy_tree(engine.state),
-                    copy_tree(engine.seq_tokens), inp)
-    seq_tokens = engine.seq_tokens
-
-    def cache_ops(state):  # as the step does, around its forward
-      t = _programs.layer_tables(state, L, S)
-      state, ext, claim = _programs.cache_ops_after(
-          state, seq_tokens, inp, commit=cfg.enable_prefix_reuse,
-          finished=_programs.finished_tokens(seq_tokens, inp))
-      return state, t, ext.ok, claim.ok
     per = 1
-  return dict(step=fn, step_args=args, bare_args=lambda: args() + (tables,),
-              per=per, cache_ops=jax.jit(cache_ops, donate_argnums=0),
-              cache_ops_args=lambda: (copy_tree(engine.state),),
+  buffers = engine._buffers()  # noqa: SLF001
+  keys = engine.compiler.sequence(key)
+  fns = [engine.compiler.program(k, buffers) for k in keys]
+  cache_at = 0 if keys[0].kind == "reserve" else 1
+  params = engine.model.params
+
+  def args(state=None):
+    state = engine.state if state is None else state
+    return (params, copy_tree(engine.pool), copy_tree(state),
+            copy_tree(engine.seq_tokens), inp)
+
+  inputs = [_programs.step_cache_inputs(inp)
+            if k.kind == "step" and not k.num_tokens else inp for k in keys]
+
+  def call(params, pool, state, seq_tokens, _):
+    for fn, x in zip(fns, inputs):
+      pool, state, seq_tokens, out = fn(params, pool, state, seq_tokens, x)
+    return pool, state, seq_tokens, out
+
+  def cache_args():
+    return args()[:4] + (inputs[cache_at],)
+
+  model_state = engine.state
+  if cache_at == 0:  # the burst runs on the state its reservation leaves
+    model_state = jax.block_until_ready(fns[0](*args())[1])
+  return dict(step=call, step_args=args, per=per,
+              model=fns[1 - cache_at], model_args=lambda: args(model_state),
+              cache_ops=fns[cache_at], cache_ops_args=cache_args,
               attention_inputs=jax.tree.map(jnp.asarray, attention_inputs))
 
 
@@ -97,13 +97,12 @@ def profile(engine, iters: int = 10) -> dict:
 
   Returns milliseconds per step:
     * `step_ms`: the jitted step (or burst iteration) as the engine runs it;
-    * `bookkeeping_ms`: what the cache ops add to it: `step_ms` minus the
-      same program with the cache ops removed (page tables precomputed; no
-      commit / release / extend / claim);
-    * `bookkeeping_in_jit_ms`: the cache ops alone (page tables + commit /
-      release / extend / claim; in a burst, its one `extend` + page tables,
-      divided by `decode_steps`) in one jit on a donated state, less the
-      time of a trivial jitted call (the dispatch floor), per step;
+    * `bookkeeping_ms`: what the cache program adds to it: `step_ms` minus
+      the model program alone;
+    * `bookkeeping_in_jit_ms`: the cache program alone (commit / release /
+      extend / claim; in a burst, its publish / release and one `extend`,
+      divided by `decode_steps`) on a donated state, less the time of a
+      trivial jitted call (the dispatch floor), per step;
     * `attention_ms`: every layer's `paged_prefill` on the step's plan (q
       of ones in the model's compute dtype; FP8 pages with unit scales,
       which the kernels' time does not depend on), alone;
@@ -141,7 +140,7 @@ def profile(engine, iters: int = 10) -> dict:
 
   per = prog["per"]
   step_ms = timed(prog["step"], prog["step_args"], per=per)
-  bare_ms = timed(prog["step"], prog["bare_args"], per=per)
+  bare_ms = timed(prog["model"], prog["model_args"], per=per)
 
   dtype = engine.model.params["embed"].dtype   # the compute dtype
 

@@ -1,12 +1,17 @@
-"""The engine's device programs: one jitted step and one jitted decode burst.
+"""The engine's device programs: model programs and the cache programs.
 
 Everything here runs on the device; the host (`serving.scheduler`) only fills
 the inputs, and `serving.compiler` compiles the bounded set of programs
-(`compiler.program_keys`): one `step` program per token bucket
-(`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst` program
-per row bucket (`EngineConfig.burst_buckets`), each split into a greedy-only
-and a sampled variant on GPU backends, plus one step of no tokens (the cache
-ops alone, for steps that feed nothing).
+(`compiler.program_keys`). Model programs: one `step` program per token
+bucket (`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst`
+program per row bucket (`EngineConfig.burst_buckets`), each split into a
+greedy-only and a sampled variant on GPU backends. Cache programs: the
+step's (`step[no tokens]`, which every step runs after its model program,
+and alone for a step that feeds nothing) and, with bursts, the burst's
+(`reserve`, run before every burst program). Every program takes the
+engine's `(params, pool, state, seq_tokens)` and its inputs and returns
+`(pool, state, seq_tokens, outputs)`; a model program reads the state
+without changing it, a cache program passes the pool through.
 
 The cache ops of a step (`commit` of finished prompts, `release` of finished
 / preempted sequences, `extend`, `claim_batch` of admitted requests) always
@@ -29,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 from jax.experimental import checkify
@@ -254,118 +260,144 @@ def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh,
                              out_specs=replicated)(logits, *args)
 
 
-def _write_tokens(seq_tokens, inp: StepInputs, plan: AttentionPlan | None):
-  """Records fed tokens (none without a `plan`) and admitted prompts in the
-  per-sequence token buffer."""
-  if plan is not None:
-    rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
-                     seq_tokens.shape[0])
-    seq_tokens = seq_tokens.at[rows, plan.positions].set(inp.tokens,
-                                                         mode="drop")
+def _write_fed(seq_tokens, inp: StepInputs, plan: AttentionPlan):
+  """Records the step's fed tokens in the per-sequence token buffer."""
+  rows = jnp.where(plan.batch_indices >= 0, plan.batch_indices,
+                   seq_tokens.shape[0])
+  return seq_tokens.at[rows, plan.positions].set(inp.tokens, mode="drop")
+
+
+def _write_admitted(seq_tokens, inp: StepInputs):
+  """Records the admitted prompts in the per-sequence token buffer."""
   admit_rows = jnp.where(inp.admit_ids >= 0, inp.admit_ids, seq_tokens.shape[0])
   return seq_tokens.at[admit_rows].set(inp.admit_tokens, mode="drop")
 
 
-def device_step(params, pool, state, seq_tokens, inp: StepInputs,
-                tables=None, *, model_cfg: _decoder.DecoderConfig,
-                cfg: EngineConfig, mesh=None, greedy_only: bool = True,
-                sample_cond: bool = True):
-  """One engine step: forward, sampling, then the cache ops
-  (`cache_ops_after`).
+def device_step(params, pool, state, seq_tokens, inp: StepInputs, *,
+                model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
+                mesh=None, greedy_only: bool = True, sample_cond: bool = True):
+  """A step's model program (`step[N tokens, ...]`): the page tables of
+  `state`, the forward over the fed tokens, sampling, and the fed tokens
+  recorded in `seq_tokens`. The state is read, not changed: the step's cache
+  ops run next, in the program of no tokens (`device_step_cache`).
 
-  A step of no tokens (`inputs.tokens` of size 0: the engine's
-  `step[no tokens]` program) runs the cache ops alone: a step that only
-  admits, publishes or releases (the first step of a batch, a request
-  arriving at an idle engine) costs no forward of the model.
-
-  Returns `(pool, state, seq_tokens, StepOutputs)`. `tables` given
-  (profiling only): the cache ops are skipped and these page tables used.
+  Returns `(pool, state, seq_tokens, sampled)`, `sampled` `i32[max_seqs]`
+  (-1 for rows that do not sample).
   """
-  bookkeeping = tables is None
-  if bookkeeping:
-    with jax.named_scope(CACHE_OPS_SCOPE):
-      finished = (finished_tokens(seq_tokens, inp)
-                  if cfg.enable_prefix_reuse else None)
-      if inp.tokens.shape[0]:
-        tables = layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
-  if inp.tokens.shape[0]:
-    plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
-                                inp.tokens.shape[0])
-    last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
-    logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
-                            logits_indices=last, impl=cfg.impl, mesh=mesh)
-    sampled = _sample_logits(logits, inp, inp.gen_index,
-                             greedy_only=greedy_only, mesh=mesh,
-                             sample_cond=sample_cond, impl=cfg.impl)
-    sampled = jnp.where(inp.sample_rows, sampled, -1)
-  else:  # nothing to feed: admissions, releases and commits only
-    plan = None
-    sampled = jnp.full(inp.sample_rows.shape, -1, jnp.int32)
-  seq_tokens = _write_tokens(seq_tokens, inp, plan)
-  if bookkeeping:
-    with jax.named_scope(CACHE_OPS_SCOPE):
-      state, ext, claim = cache_ops_after(state, seq_tokens, inp,
-                                          commit=cfg.enable_prefix_reuse,
-                                          finished=finished)
-    ext_ok, claim_ok = ext.ok, claim.ok
-    claim_reused, claim_new = claim.num_reused_tokens, claim.num_new_blocks
-  else:
-    ext_ok = jnp.ones(inp.extend_ids.shape, bool)
-    claim_ok = jnp.zeros(inp.admit_ids.shape, bool)
-    claim_reused = claim_new = jnp.zeros(inp.admit_ids.shape, jnp.int32)
+  tables = layer_tables(state, model_cfg.num_layers, cfg.max_seqs)
+  plan = AttentionPlan.create(tables, inp.q_indptr, inp.kv_lens,
+                              inp.tokens.shape[0])
+  last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
+  logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
+                          logits_indices=last, impl=cfg.impl, mesh=mesh)
+  sampled = _sample_logits(logits, inp, inp.gen_index,
+                           greedy_only=greedy_only, mesh=mesh,
+                           sample_cond=sample_cond, impl=cfg.impl)
+  sampled = jnp.where(inp.sample_rows, sampled, -1)
+  return pool, state, _write_fed(seq_tokens, inp, plan), sampled
+
+
+def device_step_cache(params, pool, state, seq_tokens, inp: StepInputs, *,
+                      cfg: EngineConfig):
+  """A step's cache program (`step[no tokens]`): the admitted prompts
+  recorded in `seq_tokens`, then `cache_ops_after`. Every step runs it, after
+  its model program when it feeds tokens (`device_step`), alone when it
+  only admits, publishes or releases.
+
+  The cache ops live in one program of their own rather than in each token
+  bucket's: they are about half of a step's distinct kernels, and compiled
+  once instead of once per model program they shorten the engine's warmup
+  (measured: docs/performance.md). The finished rows' tokens are read here,
+  after the model program wrote its fed tokens: no row is both fed and
+  published as finished (a finished row feeds nothing). `params` and `pool`
+  pass through (the engine's programs share one signature).
+
+  Returns `(pool, state, seq_tokens, StepOutputs)` (`sampled` all -1: the
+  engine takes the model program's).
+  """
+  with jax.named_scope(CACHE_OPS_SCOPE):
+    finished = (finished_tokens(seq_tokens, inp)
+                if cfg.enable_prefix_reuse else None)
+    seq_tokens = _write_admitted(seq_tokens, inp)
+    state, ext, claim = cache_ops_after(state, seq_tokens, inp,
+                                        commit=cfg.enable_prefix_reuse,
+                                        finished=finished)
+  del params
   usage = _cache.stats(state)
   out = StepOutputs(
-      sampled=sampled, extend_ok=ext_ok, claim_ok=claim_ok,
-      claim_reused=claim_reused, claim_new_blocks=claim_new,
+      sampled=jnp.full(inp.sample_rows.shape, -1, jnp.int32),
+      extend_ok=ext.ok, claim_ok=claim.ok,
+      claim_reused=claim.num_reused_tokens,
+      claim_new_blocks=claim.num_new_blocks,
       used_slots=usage["num_used"], num_free=usage["num_free"])
   return pool, state, seq_tokens, out
 
 
-def reserve_burst(state, seq_tokens, inp: BurstInputs, *, num_layers: int,
-                  decode_steps: int, commit: bool,
-                  table_rows: int | None = None):
+def step_cache_inputs(inp: StepInputs) -> StepInputs:
+  """A step's inputs as its cache program takes them: without the fed tokens
+  (one `step[no tokens]` program serves every token bucket)."""
+  if not inp.tokens.shape[0]:
+    return inp
+  return inp.replace(tokens=np.zeros((0,), np.int32))
+
+
+def reserve_burst(state, seq_tokens, inp: BurstInputs, *, decode_steps: int,
+                  commit: bool):
   """A burst's cache work, done once up front: the rows that finished before
   it are published and released (`cache_ops_before`), then
   one `extend` reserves every active row's tokens for the burst
-  (`min(decode_steps, remaining - 1)` beyond the fed one) and the page
-  tables of the first `table_rows` rows (None: all) are built once.
-  Returns `(state, tables, ok)`."""
+  (`min(decode_steps, remaining - 1)` beyond the fed one).
+  Returns the state; a row's reserved tokens are its `seq_lens`."""
   state = cache_ops_before(state, seq_tokens, inp, commit=commit)
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
   # The fed token's position is reserved but not computed: the burst's first
   # query is at `computed` (a per-window-group cache releases the sliding
   # layers' blocks out of its reach).
-  state, ext = _cache.extend(state, jnp.where(inp.active, rows, -1),
-                             jnp.where(inp.active, grow, 0),
-                             num_computed=inp.computed)
-  table_rows = rows.shape[0] if table_rows is None else table_rows
-  return (state, layer_tables(state, num_layers, table_rows), ext.ok)
+  state, _ = _cache.extend(state, jnp.where(inp.active, rows, -1),
+                           jnp.where(inp.active, grow, 0),
+                           num_computed=inp.computed)
+  return state
 
 
-def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
-                        tables=None, *, model_cfg: _decoder.DecoderConfig,
+def device_burst_reserve(params, pool, state, seq_tokens, inp: BurstInputs,
+                         *, cfg: EngineConfig):
+  """A burst's cache program (`reserve`): `reserve_burst`, run before every
+  burst program of any row bucket (one program for all: the cache ops see
+  every row). Kept apart from the burst programs for the reason the step's
+  cache ops are (`device_step_cache`). `params` and `pool` pass through.
+
+  Returns `(pool, state, seq_tokens, ())`."""
+  del params
+  with jax.named_scope(CACHE_OPS_SCOPE):
+    state = reserve_burst(state, seq_tokens, inp,
+                          decode_steps=cfg.decode_steps,
+                          commit=cfg.enable_prefix_reuse)
+  return pool, state, seq_tokens, ()
+
+
+def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs, *,
+                        model_cfg: _decoder.DecoderConfig,
                         cfg: EngineConfig, mesh=None,
                         greedy_only: bool = False, rows: int | None = None,
                         sample_cond: bool = True):
-  """`cfg.decode_steps` decode iterations; each is `device_step` restricted to
-  decode rows, with the sampled token fed back on device.
+  """A burst's model program (`burst[R tokens, ...]`): `cfg.decode_steps`
+  decode iterations, each `device_step` restricted to decode rows, with the
+  sampled token fed back on device. The state is read, not changed.
 
-  The cache work is done once, up front (vLLM's multi-step lookahead slots):
-  rows that finished before the burst are published and released (so a
-  burst follows a burst while requests finish one after the other), then
-  one `extend` reserves every row's tokens for the whole burst
-  (`min(decode_steps, remaining - 1)` beyond the fed one) and one set of page
-  tables serves every iteration. A row whose reservation is refused (out of
-  slots; all-or-nothing, first come first served) keeps what it had: it runs
-  while its next token has a reserved position, then stops with
+  The cache work is done once, up front, by the burst's cache program
+  (`device_burst_reserve`, vLLM's multi-step lookahead slots): rows that
+  finished before the burst are published and released (so a burst follows
+  a burst while requests finish one after the other), then one `extend`
+  reserves every row's tokens for the whole burst (`min(decode_steps,
+  remaining - 1)` beyond the fed one), and here one set of page tables of
+  `state` serves every iteration. A row whose reservation was refused (out
+  of slots; all-or-nothing, first come first served) keeps what it had: it
+  runs while its next token has a reserved position, then stops with
   `preempted=True` (the host recomputes it later).
 
   `greedy_only` (static, chosen by the host): all rows greedy, so the
-  decode iterations hold no `lax.cond` (no device-to-host sync); the one
-  `extend` up front holds the eviction's. `tables` given (profiling only):
-  no cache op runs and these page tables (which must cover the burst) are
-  used.
+  decode iterations hold no `lax.cond` (no device-to-host sync).
 
   `rows` (static, one of `cfg.burst_buckets`; None = `max_seqs`): the
   iterations run the model over the first `rows` rows only, so a few
@@ -381,21 +413,15 @@ def device_decode_burst(params, pool, state, seq_tokens, inp: BurstInputs,
   R = S if rows is None else rows
   if not 0 < R <= S:
     raise ValueError(f"Invalid rows: expected an int in [1, {S}], got {rows!r}")
-  if tables is None:
-    with jax.named_scope(CACHE_OPS_SCOPE):
-      state, tables, _ = reserve_burst(
-          state, seq_tokens, inp, num_layers=model_cfg.num_layers,
-          decode_steps=k, commit=cfg.enable_prefix_reuse, table_rows=R)
-      reserved = state.seq_lens  # tokens with a slot, per row
-  else:
-    reserved = jnp.full((S,), jnp.iinfo(jnp.int32).max, jnp.int32)
-  usage = _cache.stats(state)  # the state is not touched again in the burst
+  with jax.named_scope(CACHE_OPS_SCOPE):
+    tables = layer_tables(state, model_cfg.num_layers, R)
+    usage = _cache.stats(state)
+  reserved = state.seq_lens[:R]  # tokens with a slot, per row
   # The iterations see the first R rows (`rows`); the rest pass through.
   head = lambda x: x[:R]
   sub = inp.replace(**{f: head(getattr(inp, f)) for f in (
       "active", "last", "computed", "remaining", "stop_ids", "temperature",
       "top_k", "top_p", "seeds", "gen_index")})
-  tables, reserved = tables[:, :R], reserved[:R]
   row_ids = jnp.arange(R, dtype=jnp.int32)
 
   def one(carry, _):
@@ -485,21 +511,30 @@ _COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN",
 def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
                    mesh, kind: str, greedy_only: bool,
                    rows: int | None = None, sample_cond: bool = True):
-  """The `jax.jit` of one program kind (shared by engines with one config);
-  the pool, the cache state and the token buffer are donated. `rows`: a
-  burst's row bucket (`device_decode_burst`; None = `max_seqs`);
-  `sample_cond`: the sampled variant's `lax.cond` (False where the variants
-  are split: the host runs it only when some row samples). With
-  `cfg.check` the program is functionalized by `checkify` (it returns
-  `(error, outputs)`) and must be traced inside `pkvattn.checked()`."""
+  """The `jax.jit` of one program kind (shared by engines with one config):
+  "step" (`device_step`), "step_cache" (`device_step_cache`), "reserve"
+  (`device_burst_reserve`) or "burst" (`device_decode_burst`). The pool, the
+  cache state and the token buffer are donated. `rows`: a burst's row
+  bucket (None = `max_seqs`); `sample_cond`: the sampled variant's
+  `lax.cond` (False where the variants are split: the host runs it only
+  when some row samples). With `cfg.check` the program is functionalized by
+  `checkify` (it returns `(error, outputs)`) and must be traced inside
+  `pkvattn.checked()`."""
   if kind == "step":
     body = functools.partial(device_step, model_cfg=model_cfg, cfg=cfg,
                              mesh=mesh, greedy_only=greedy_only,
                              sample_cond=sample_cond)
-  else:
+  elif kind == "step_cache":
+    body = functools.partial(device_step_cache, cfg=cfg)
+  elif kind == "reserve":
+    body = functools.partial(device_burst_reserve, cfg=cfg)
+  elif kind == "burst":
     body = functools.partial(device_decode_burst, model_cfg=model_cfg,
                              cfg=cfg, mesh=mesh, greedy_only=greedy_only,
                              rows=rows, sample_cond=sample_cond)
+  else:
+    raise ValueError("Invalid kind: expected 'step', 'step_cache', 'reserve' "
+                     f"or 'burst', got {kind!r}")
   if cfg.check:  # returns (checkify.Error, outputs); trace under checked()
     body = checkify.checkify(body)
   return jax.jit(body, donate_argnums=(1, 2, 3),

@@ -51,15 +51,16 @@ def count_compiles():
 
 def test_program_list_is_small_and_known():
   gpu = compiler.program_keys(dataclasses.replace(CFG, token_buckets=None))
-  # The step of no tokens (greedy only), buckets (4, 32) x greedy/sampled,
-  # + 2 burst variants.
-  assert len(gpu) == 7 and len(set(gpu)) == 7
+  # The cache programs (the step of no tokens, reserve; greedy only),
+  # buckets (4, 32) x greedy/sampled, + 2 burst variants.
+  assert len(gpu) == 8 and len(set(gpu)) == 8
   assert {k.num_tokens for k in gpu if k.kind == "step"} == {0, 4, 32}
-  assert [k for k in gpu if k.num_tokens == 0] == [
-      compiler.ProgramKey("step", 0, True)]
+  assert [k for k in gpu if compiler.is_cache_program(k)] == [
+      compiler.ProgramKey("step", 0, True),
+      compiler.ProgramKey("reserve", 0, True)]
   cpu = compiler.program_keys(CFG, split_variants=False)
   assert [(k.kind, k.num_tokens) for k in cpu] == [
-      ("step", 0), ("step", 4), ("step", 32), ("burst", 4)]
+      ("step", 0), ("step", 4), ("step", 32), ("reserve", 0), ("burst", 4)]
   no_burst = compiler.program_keys(dataclasses.replace(CFG, decode_steps=1))
   assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 5
   # The default engine config of the benchmark workload stays under 16: its
@@ -67,10 +68,18 @@ def test_program_list_is_small_and_known():
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
   keys = compiler.program_keys(bench)
-  assert len(keys) == 9
+  assert len(keys) == 10
+  # Each call runs a model program and a cache program; the cache programs
+  # are lowered last.
+  step = compiler.ProgramKey("step", 4096, True)
+  burst = compiler.ProgramKey("burst", 64, False)
+  assert compiler.program_sequence(step, True) == (step, keys[0])
+  assert compiler.program_sequence(burst, True) == (
+      compiler.ProgramKey("reserve", 0, True), burst)
+  assert compiler.program_sequence(keys[0], True) == (keys[0],)
   assert sorted({k.num_tokens for k in keys if k.kind == "burst"}) == [64, 256]
   one = dataclasses.replace(bench, burst_rows=(256,))
-  assert len(compiler.program_keys(one)) == 7
+  assert len(compiler.program_keys(one)) == 8
 
 
 def test_lowering_order_puts_the_longest_compiles_first():
@@ -82,9 +91,10 @@ def test_lowering_order_puts_the_longest_compiles_first():
     assert sorted(order, key=keys.index) == list(keys)  # a permutation
     assert [(k.kind, k.num_tokens) for k in order] == (
         [("step", 4096)] * 2 + [("burst", 256)] * 2 + [("burst", 64)] * 2
-        + [("step", 256)] * 2 + [("step", 0)])
-    # In each bucket the sampled variant first (its compile is the longer).
-    assert [k.greedy_only for k in order] == [False, True] * 4 + [True]
+        + [("step", 256)] * 2 + [("step", 0), ("reserve", 0)])
+    # In each bucket the sampled variant first (its compile is the longer);
+    # the cache programs last.
+    assert [k.greedy_only for k in order] == [False, True] * 4 + [True] * 2
   assert compiler.lowering_order([]) == []
 
 
