@@ -11,9 +11,10 @@ scatters (the one exception, `head_of_line=False`, is a `lax.scan` over the
 requests of a call: "Admission" below). The one data-dependent branch is the
 LRU eviction sort, under a `lax.cond` taken only when the free slots run out;
 on GPU its predicate is read by the host. `extend` and `claim_batch` take `evict=False` (static) for callers
-that know the free count covers the call: no eviction, no cond (the engine's
-steps). A branch-free sort on every call would make every `extend` pay for
-the eviction order it rarely needs (`_BRANCHLESS_EVICTION`).
+that know the free count covers the call: no eviction, no cond. `extend`
+also takes `evict="branchless"`: the eviction order is sorted on every call
+and there is no cond, for callers that must not wait on the device (the
+engine's burst reservation, dispatched while the burst before it runs).
 
 Common rules:
   * `seq_ids` entries equal to `NULL_SEQ = -1` are padding: `ok=False`, no
@@ -173,12 +174,6 @@ def _prefix_count(mask):
 
 
 _COUNT_BLOCK = 256
-# True: the eviction order (a sort over the slots) is computed on every
-# allocation instead of under a `lax.cond` (read at trace time). Off: every
-# call would pay for the sort, which the cond runs only when the free slots
-# run out; callers that know the free count avoid the cond (and its host
-# sync on a GPU) with `evict=False` instead.
-_BRANCHLESS_EVICTION = False
 
 
 def _supply(state: CacheState, protected):
@@ -296,7 +291,9 @@ def _take_slots(state: CacheState, ranks, total, protected, evict=True):
     protected: `bool[num_slots]`, slots that must not be evicted.
     evict: static. False: callers guarantee `total <= num_free` and the
       eviction path is not built (no `lax.cond`, which costs a device-to-host
-      sync on GPU).
+      sync on GPU). True: the eviction order is computed under a
+      `lax.cond`, only when the free slots run out. "branchless": it is
+      computed on every call (a sort over the slots; no `lax.cond`).
 
   Returns:
     `(state, slots)`: `slots i32[...]` like `ranks`, -1 where `ranks < 0`. The
@@ -325,7 +322,7 @@ def _take_slots(state: CacheState, ranks, total, protected, evict=True):
 
   if not evict:
     return state, jnp.where(want, from_free(), -1)
-  if _BRANCHLESS_EVICTION:
+  if evict == "branchless":
     slots = with_eviction()
   else:
     slots = jax.lax.cond(total > num_free, with_eviction, from_free)
@@ -558,11 +555,14 @@ def extend(
     seq_ids: `i32[n]` (array or list), live ids; -1 = padding.
     num_new_tokens: `i32[n]`, `>= 0`; the new length must stay within
       `max_pages * page_size`.
-    evict: static. True: the supply is free + evictable cached slots. False:
-      free slots only; requests beyond them are refused (`ok=False`) and no
-      cached block is touched. For a caller that knows the free count (an
-      engine's decode burst): this path has no `lax.cond`, hence no
-      device-to-host sync on GPU.
+    evict: static. True: the supply is free + evictable cached slots, the
+      eviction order sorted under a `lax.cond` only when the free slots run
+      out (its predicate is read by the host on a GPU). "branchless": the
+      same supply, the order sorted on every call, no `lax.cond` (no
+      device-to-host sync: for a caller that dispatches the next program
+      without waiting, such as an engine's burst reservation). False: free
+      slots only; requests beyond them are refused (`ok=False`) and no
+      cached block is touched (no sort, no `lax.cond`).
     head_of_line: static. True (first come, first served): once a valid
       request does not fit, every later one is refused. False: later requests
       that still fit are admitted (a `lax.scan` over the batch).
@@ -580,17 +580,26 @@ def extend(
     retired).
 
   Raises:
-    ValueError: shapes or dtypes of the arguments (trace time).
+    ValueError: shapes or dtypes of the arguments, or `evict` not True,
+      False or "branchless" (trace time).
     checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
       contract.
   """
   seq_ids, num_new_tokens = map(_checks.as_index_array, (seq_ids, num_new_tokens))
   _check_extend_args(seq_ids, num_new_tokens)
+  _check_evict(evict)
   if _contract.enabled(check):
     _contract.run(_extend_contract, state, seq_ids, num_new_tokens)
   with _contract.unchecked():
     return _extend(state, seq_ids, num_new_tokens, evict=evict,
                    head_of_line=head_of_line)
+
+
+def _check_evict(evict) -> None:
+  """`evict` is True, False or "branchless" (`extend`)."""
+  if not (isinstance(evict, bool) or evict == "branchless"):
+    raise ValueError("Invalid evict: expected True, False or 'branchless', "
+                     f"got {evict!r}")
 
 
 def _check_extend_args(seq_ids, num_new_tokens) -> None:

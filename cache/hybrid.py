@@ -520,6 +520,7 @@ def extend(state: HybridCacheState, seq_ids, num_new_tokens, *,
   seq_ids, num_new_tokens = map(_checks.as_index_array,
                                 (seq_ids, num_new_tokens))
   _alloc._check_extend_args(seq_ids, num_new_tokens)
+  _alloc._check_evict(evict)
   if num_computed is not None:
     num_computed = _checks.as_index_array(num_computed)
     _checks.check_int(num_computed, "num_computed")

@@ -7,7 +7,8 @@ kernel name.
 
 Targets: `extend` / `extend_noevict` (65,536 slots, page 16, 256 sequences
 +1 token, as bench/cache.py's extend_free; chained calls on a donated state;
-`evict=False` has no `lax.cond`); `decode` / `decode_xla` (Llama-3.2-1B-shaped
+`evict=False` has no `lax.cond`, nor `extend_branchless`'s
+`evict="branchless"`); `decode` / `decode_xla` (Llama-3.2-1B-shaped
 forward of 64 decode tokens at kv ~1,100, bf16, layers scanned) and
 `decode_unstacked` / `decode_xla_unstacked` (the same over unstacked
 layers). `--small` shrinks the model for a CPU smoke run (no device lines
@@ -47,15 +48,10 @@ def _extend(evict=True, branchless=False):
   state, _ = cache.claim_batch(cache.init_cache(cfg), ids, jnp.asarray(toks),
                                jnp.asarray(lens))
   one = jnp.ones(nd, jnp.int32)
-  from pkvattn.cache import alloc
+  mode = "branchless" if branchless else evict
 
   def call(st):
-    old, alloc._BRANCHLESS_EVICTION = alloc._BRANCHLESS_EVICTION, branchless
-    try:
-      # The unjitted body: the flag is read when this outer jit traces it.
-      return cache.extend.__wrapped__(st, ids, one, evict=evict)
-    finally:
-      alloc._BRANCHLESS_EVICTION = old
+    return cache.extend.__wrapped__(st, ids, one, evict=mode)
   f = jax.jit(call, donate_argnums=0)
   box = {"state": state}
 

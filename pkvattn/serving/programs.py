@@ -346,17 +346,21 @@ def reserve_burst(state, seq_tokens, inp: BurstInputs, *, decode_steps: int,
   """A burst's cache work, done once up front: the rows that finished before
   it are published and released (`cache_ops_before`), then
   one `extend` reserves every active row's tokens for the burst
-  (`min(decode_steps, remaining - 1)` beyond the fed one).
-  Returns the state; a row's reserved tokens are its `seq_lens`."""
+  (`min(decode_steps, remaining - 1)` beyond the fed one), with no
+  `lax.cond`. Returns the state; a row's reserved tokens are its
+  `seq_lens`."""
   state = cache_ops_before(state, seq_tokens, inp, commit=commit)
   rows = jnp.arange(inp.active.shape[0], dtype=jnp.int32)
   grow = jnp.clip(inp.remaining - 1, 0, decode_steps)
   # The fed token's position is reserved but not computed: the burst's first
   # query is at `computed` (a per-window-group cache releases the sliding
-  # layers' blocks out of its reach).
+  # layers' blocks out of its reach). The eviction order is sorted on every
+  # call (`evict="branchless"`), not under a `lax.cond`: its predicate would
+  # make the host wait for the burst in flight before dispatching the next
+  # one's programs.
   state, _ = _cache.extend(state, jnp.where(inp.active, rows, -1),
                            jnp.where(inp.active, grow, 0),
-                           num_computed=inp.computed)
+                           num_computed=inp.computed, evict="branchless")
   return state
 
 

@@ -214,7 +214,8 @@ class _Run:
     cfg = self.cfg
     ids = self._ids(rng, live)
     adds = rng.integers(0, 11, BATCH)
-    evict = bool(rng.integers(3))
+    # The eviction sort under a cond, on every call, or none (free only).
+    evict = (True, "branchless", False)[rng.integers(3)]
     valid = self._valid_once(ids, want_live=True)
     lens = [self.ref.seqs[s].length if v else 0 for s, v in zip(ids, valid)]
     computed = None
@@ -229,7 +230,7 @@ class _Run:
         None if computed is None else _i32(computed),
         head_of_line=self.head_of_line, evict=evict)
     want = self.ref.extend(ids, adds, computed,
-                           head_of_line=self.head_of_line, evict=evict)
+                           head_of_line=self.head_of_line, evict=bool(evict))
     assert np.asarray(res.ok).tolist() == want["ok"]
     assert np.asarray(res.num_new_blocks).tolist() == want["num_new_blocks"]
     for r, sid in enumerate(ids):

@@ -229,13 +229,14 @@ class _Run:
   def extend(self, rng, live, dead):
     ids = self._ids(rng, live)
     adds = rng.integers(0, 11, BATCH)
-    evict = bool(rng.integers(3))
+    # The eviction sort under a cond, on every call, or none (free only).
+    evict = (True, "branchless", False)[rng.integers(3)]
     before = {sid: (len(s.slots), s.length) for sid, s in self.ref.seqs.items()}
     valid = self._valid_once(ids, want_live=True)
     self.state, res = _extend(self.state, _i32(ids), _i32(adds),
                               head_of_line=self.head_of_line, evict=evict)
     want = self.ref.extend(ids, adds, head_of_line=self.head_of_line,
-                           evict=evict)
+                           evict=bool(evict))
     assert np.asarray(res.ok).tolist() == want["ok"]
     assert np.asarray(res.num_new_blocks).tolist() == want["num_new_blocks"]
     for r, sid in enumerate(ids):

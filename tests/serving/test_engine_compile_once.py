@@ -166,6 +166,24 @@ def test_step_of_no_tokens_admits_without_a_forward(model):
   assert len(req.output) == 3  # (outputs: the parity tests, test_models_hf)
 
 
+def test_cache_programs_hold_the_cache_ops_and_no_model(model):
+  """The cache programs hold no matmul, the model programs do. The burst's
+  reservation has no conditional: the host dispatches it and the burst
+  without waiting for the burst in flight."""
+  engine = Engine(model, dataclasses.replace(CFG, check=False))
+  texts = {str(k): engine._lower(k).as_text()  # noqa: SLF001
+           for k in engine.programs()}
+  for name, text in texts.items():
+    cache_program = name in ("step[no tokens]", "reserve")
+    assert ("dot_general" in text) != cache_program, name
+  assert "stablehlo.case" not in texts["reserve"]
+  assert "stablehlo.case" in texts["step[no tokens]"]  # the eviction cond
+  # A model program's state comes back as it went in.
+  fed = engine.compiler.key("step", 32, True)
+  hlo = engine._lower(fed).compile().as_text()  # noqa: SLF001
+  assert "input_output_alias" in hlo
+
+
 def test_counter_sees_a_forced_compile(model):
   engine = Engine(model, CFG)
   engine.warmup()
