@@ -339,10 +339,10 @@ class Engine:
     An exception while one request's inputs are prepared or its outputs
     booked finishes that request alone (`finish_reason="error"`,
     `Request.error`); the others go on. An exception that belongs to no
-    request (the program fails to compile or run, a checked-mode violation)
-    is raised after the queues are left consistent: if the program did not
-    run, its admissions go back to the queue front and its released rows
-    stay to be released; if it ran, its outputs are booked first.
+    request (a program fails to compile or run, a checked-mode violation)
+    is raised after the queues are left consistent: if the step's programs
+    did not run, its admissions go back to the queue front and its released
+    rows stay to be released; if they ran, its outputs are booked first.
 
     Raises:
       RuntimeError: a waiting request can never be admitted (its prompt needs

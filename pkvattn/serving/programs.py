@@ -189,11 +189,13 @@ def cache_ops_before(state, seq_tokens, inp: StepInputs | BurstInputs, *,
 
 def finished_tokens(seq_tokens, inp: StepInputs | BurstInputs):
   """`i32[max_seqs, max_model_len]`: the token rows of `inp.commit_ids` (the
-  finished rows to publish), gathered before the program writes any token.
-  The commit runs after the writes, and the program does not rely on the
-  host never admitting a request into a row it releases in the same step
-  (the scheduler frees released rows for the next step): an admission
-  writes its prompt over the row."""
+  finished rows to publish), gathered before the cache program writes the
+  admitted prompts (a burst's reservation writes none). The commit runs
+  after the writes, and the program does not rely on the host never
+  admitting a request into a row it releases in the same step (the
+  scheduler frees released rows for the next step): an admission writes
+  its prompt over the row. The model program's fed tokens never land in a
+  finished row (a finished row feeds nothing)."""
   return seq_tokens[jnp.clip(inp.commit_ids, 0, seq_tokens.shape[0] - 1)]
 
 
