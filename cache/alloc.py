@@ -586,8 +586,7 @@ def extend(
       contract.
   """
   seq_ids, num_new_tokens = map(_checks.as_index_array, (seq_ids, num_new_tokens))
-  _check_extend_args(seq_ids, num_new_tokens)
-  _check_evict(evict)
+  _check_extend_args(seq_ids, num_new_tokens, evict)
   if _contract.enabled(check):
     _contract.run(_extend_contract, state, seq_ids, num_new_tokens)
   with _contract.unchecked():
@@ -595,17 +594,13 @@ def extend(
                    head_of_line=head_of_line)
 
 
-def _check_evict(evict) -> None:
-  """`evict` is True, False or "branchless" (`extend`)."""
-  if not (isinstance(evict, bool) or evict == "branchless"):
-    raise ValueError("Invalid evict: expected True, False or 'branchless', "
-                     f"got {evict!r}")
-
-
-def _check_extend_args(seq_ids, num_new_tokens) -> None:
+def _check_extend_args(seq_ids, num_new_tokens, evict=True) -> None:
   _check_ids(seq_ids, "seq_ids")
   _checks.check_int(num_new_tokens, "num_new_tokens")
   _checks.check_shape(num_new_tokens, seq_ids.shape, "num_new_tokens")
+  if not (isinstance(evict, bool) or evict == "branchless"):
+    raise ValueError("Invalid evict: expected True, False or 'branchless', "
+                     f"got {evict!r}")
 
 
 def _require_live(state: CacheState, seq_ids, name: str, op: str):

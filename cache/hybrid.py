@@ -519,8 +519,7 @@ def extend(state: HybridCacheState, seq_ids, num_new_tokens, *,
   _check_state(state)
   seq_ids, num_new_tokens = map(_checks.as_index_array,
                                 (seq_ids, num_new_tokens))
-  _alloc._check_extend_args(seq_ids, num_new_tokens)
-  _alloc._check_evict(evict)
+  _alloc._check_extend_args(seq_ids, num_new_tokens, evict)
   if num_computed is not None:
     num_computed = _checks.as_index_array(num_computed)
     _checks.check_int(num_computed, "num_computed")

@@ -107,6 +107,15 @@ def program_sequence(key: ProgramKey, split_variants: bool
   return (key,)
 
 
+def program_inputs(key: ProgramKey, inputs):
+  """`inputs` of a call as program `key` of its sequence takes them: the
+  step's cache program without the fed tokens (`programs.step_cache_inputs`:
+  one program serves every bucket), every other program as they are."""
+  if key.kind == "step" and not key.num_tokens:
+    return _programs.step_cache_inputs(inputs)
+  return inputs
+
+
 def lowering_order(keys) -> list[ProgramKey]:
   """`keys` in the order `Compiler.warmup` lowers them: the longest compiles
   first. Lowering is serial and each compile starts when its lowering ends,

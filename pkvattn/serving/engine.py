@@ -34,6 +34,7 @@ from pkvattn.serving import programs as _programs
 from pkvattn.serving import runner as _runner
 from pkvattn.serving.compiler import Compiler
 from pkvattn.serving.compiler import ProgramKey
+from pkvattn.serving.compiler import program_inputs
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.config import kv_dtype as _kv_dtype
 from pkvattn.serving.config import slots_for_memory as _slots_for_memory
@@ -207,16 +208,13 @@ class Engine:
                             scheduled.greedy_only)
     self.last_program = key
     compile_s = self.stats.compile_time_s
-    programs = [self.compiler.program(k, self._buffers())
-                for k in self.compiler.sequence(key)]
+    keys = self.compiler.sequence(key)
+    programs = [self.compiler.program(k, self._buffers()) for k in keys]
     compile_s = self.stats.compile_time_s - compile_s
     outs, errs = [], []
-    for k, program in zip(self.compiler.sequence(key), programs):
-      inputs = scheduled.inputs
-      if k.kind == "step" and not k.num_tokens:
-        inputs = _programs.step_cache_inputs(inputs)
+    for k, program in zip(keys, programs):
       result, err = _runner.run_program(
-          program, self._buffers(), inputs,
+          program, self._buffers(), program_inputs(k, scheduled.inputs),
           check=self.config.check, inputs_sharding=self._inputs_sharding)
       self.pool, self.state, self.seq_tokens, out = result
       outs.append(out)

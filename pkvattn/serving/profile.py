@@ -16,6 +16,7 @@ from pkvattn import _kv
 from pkvattn import attention as _attention
 from pkvattn.models import decoder as _decoder
 from pkvattn.serving import programs as _programs
+from pkvattn.serving.compiler import program_inputs
 
 
 def copy_tree(tree):
@@ -68,8 +69,7 @@ def profile_programs(engine) -> dict:
     return (params, copy_tree(engine.pool), copy_tree(state),
             copy_tree(engine.seq_tokens), inp)
 
-  inputs = [_programs.step_cache_inputs(inp)
-            if k.kind == "step" and not k.num_tokens else inp for k in keys]
+  inputs = [program_inputs(k, inp) for k in keys]
 
   def call(params, pool, state, seq_tokens, _):
     for fn, x in zip(fns, inputs):
