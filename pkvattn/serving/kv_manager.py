@@ -97,22 +97,26 @@ class KVCacheManager:
     reuse). On a mesh the pool is allocated sharded on its kv-head axis, so
     no device ever holds all of it, and the state and token buffer are
     replicated (the bookkeeping runs identically on every device)."""
-    state = _cache.init_cache(self.cache_config)
-    seq_tokens = jnp.zeros(self._token_shape, jnp.int32)
     shape, dtype = self.pool_shape, self.storage_dtype
+    cache_config, token_shape = self.cache_config, self._token_shape
+
+    # One program builds all three: built op by op, each zeroed buffer of a
+    # new shape compiled a program of its own (about 20 on a GPU, most of a
+    # second before the first step could compile).
+    def build():
+      return (jnp.zeros(shape, dtype), _cache.init_cache(cache_config),
+              jnp.zeros(token_shape, jnp.int32))
+
     if mesh is None:
       # Committed to the device, as the programs' outputs are, so every
       # program (the steps, the host tier's) sees one placement and
       # compiles once.
-      device = jax.devices()[0]
-      return jax.device_put((jnp.zeros(shape, dtype), state, seq_tokens),
-                            device)
-    from pkvattn import parallel as _parallel  # parallel imports models
-    pool = jax.jit(lambda: jnp.zeros(shape, dtype),
-                   out_shardings=_parallel.pool_sharding(mesh))()
-    state, seq_tokens = jax.device_put((state, seq_tokens),
-                                       _parallel.replicated(mesh))
-    return pool, state, seq_tokens
+      shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+      from pkvattn import parallel as _parallel  # parallel imports models
+      replicated = _parallel.replicated(mesh)
+      shardings = (_parallel.pool_sharding(mesh), replicated, replicated)
+    return jax.jit(build, out_shardings=shardings)()
 
   @property
   def pool_text(self) -> str:

@@ -47,22 +47,36 @@ def prepare_model(model: Model, config: EngineConfig,
   if mesh is not None:
     from pkvattn import parallel as _parallel  # parallel imports models
     model = _parallel.shard_model(model, mesh, fuse=True)
-  if not config.scan_layers:
-    params = _decoder.unstack_layers(model.params)
-    if mesh is not None:
+    if not config.scan_layers:
+      params = _decoder.unstack_layers(model.params)
       params = jax.device_put(params, jax.tree.map(
           lambda s: jax.sharding.NamedSharding(mesh, s),
           _parallel.param_specs(params, tp=_parallel.tp_size(mesh))))
-    model = dataclasses.replace(model, params=params)
-  if mesh is None:
+      model = dataclasses.replace(model, params=params)
+  elif config.scan_layers or isinstance(model.params["layers"], (tuple, list)):
     model = dataclasses.replace(
         model, params=_decoder.fuse_projections(model.params))
+  else:
+    layers = model.params["layers"]
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    model = dataclasses.replace(model, params=dict(
+        model.params, layers=tuple(_fused_layer(layers, np.int32(i))
+                                   for i in range(num_layers))))
   if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float8_e4m3fn):
     shape = _scale_shape(model.cfg, config)
     model = dataclasses.replace(model, params=_calibrate.set_kv_scales(
         model.params, np.full(shape, config.k_scale or 1.0, np.float32),
         np.full(shape, config.v_scale or 1.0, np.float32)))
   return model
+
+
+@jax.jit
+def _fused_layer(layers, i):
+  """Layer `i` (i32[]) of stacked `layers`, q/k/v and gate/up fused
+  (`decoder.fuse_projections`): one program for every layer, where slicing
+  and concatenating op by op compiled a program per array shape."""
+  layer = jax.tree.map(lambda a: a[i], layers)
+  return _decoder.fuse_projections({"layers": (layer,)})["layers"][0]
 
 
 def _scale_shape(cfg, config: EngineConfig) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 
+import chex
 import jax
 import jax.monitoring
 import memory_maps
@@ -18,7 +19,7 @@ import pytest
 
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
-from pkvattn.models import load_model
+from pkvattn.models import decoder, load_model
 from pkvattn.serving import compile_cache, compiler, programs
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -145,6 +146,24 @@ def test_no_compilation_after_warmup(model):
   cache.validate(engine.state)
   # Decode bursts ran (their program was used).
   assert engine.last_program is not None
+
+
+def test_engine_construction_compiles_two_programs(model):
+  """`Engine(...)` lays out the weights in one program (called per layer)
+  and allocates the pool, state and token rows in another, not a program
+  per array shape; the layout is the one `fuse_projections` and
+  `unstack_layers` give op by op."""
+  jax.clear_caches()
+  with count_compiles() as compiles:
+    engine = Engine(model, CFG)
+  assert len(compiles) == 2
+  want = decoder.fuse_projections(decoder.unstack_layers(model.params))
+  chex.assert_trees_all_equal(engine.model.params, want)
+  state = cache.init_cache(engine.cache_config)
+  chex.assert_trees_all_equal(engine.state, state)
+  assert not np.asarray(engine.pool).any()
+  assert not np.asarray(engine.seq_tokens).any()
+  chex.assert_shape(engine.seq_tokens, (CFG.max_seqs, CFG.max_model_len))
 
 
 def test_step_of_no_tokens_admits_without_a_forward(model):
