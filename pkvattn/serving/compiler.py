@@ -3,9 +3,9 @@
 An engine's shapes are static, so the programs it may run are a small set
 known before the first request (`program_keys`): one `step` program per
 token bucket and, with `decode_steps > 1`, one `burst` program per row
-bucket, each in a greedy-only and a sampled variant where the split pays
-(GPU backends; see `serving.programs`), and the cache programs: the step of
-no tokens (every step's cache ops) and, with bursts, `reserve` (every
+bucket, in a greedy-only and a sampled variant where the split pays (GPU
+backends; see `serving.programs`), and the cache programs: the step of no
+tokens (every step's cache ops) and, with bursts, `reserve` (every
 burst's).
 `Compiler` lowers and compiles them:
 
@@ -56,7 +56,10 @@ class ProgramKey:
     num_tokens: padded tokens of a step (its bucket; 0: the step's cache
       ops); a burst's rows (its row bucket, `EngineConfig.burst_buckets`);
       0 for "reserve".
-    greedy_only: every row samples greedily (argmax only; no `lax.cond`).
+    greedy_only: every row samples greedily (argmax only; no `lax.cond`):
+      a burst's greedy variant, and the cache programs (they sample
+      nothing). False for a step's model program (its one program samples
+      under a `lax.cond`) and a burst's sampled variant.
   """
   kind: str
   num_tokens: int
@@ -67,6 +70,8 @@ class ProgramKey:
       return "step[no tokens]"
     if self.kind == "reserve":
       return "reserve"
+    if self.kind == "step":
+      return f"step[{self.num_tokens} tokens]"
     mode = "greedy" if self.greedy_only else "sampled"
     return f"{self.kind}[{self.num_tokens} tokens, {mode}]"
 
@@ -75,16 +80,19 @@ def program_keys(cfg: EngineConfig, split_variants: bool = True
                  ) -> tuple[ProgramKey, ...]:
   """Every program an engine with `cfg` may run (what `Engine.warmup` compiles).
 
-  `split_variants=False` (CPU backends, where a `lax.cond` costs no
-  device-to-host sync): one program per bucket and one burst, each with the
-  sampler's `lax.cond` built in (`greedy_only=False`).
+  A step has one model program per token bucket, its sampler under a
+  `lax.cond` (`programs.device_step`). A burst has a greedy-only and a
+  sampled variant per row bucket where `split_variants` (GPU backends, where
+  a `lax.cond` reads its predicate back on the host: the host dispatches a
+  burst while the previous one runs, which a read would serialize); one
+  program per row bucket, the `lax.cond` built in, otherwise.
   """
   variants = (True, False) if split_variants else (False,)
   # The cache programs sample nothing: their greedy-only keys alone.
-  keys = [ProgramKey("step", 0, split_variants)]
-  keys += [ProgramKey("step", b, g) for b in cfg.buckets for g in variants]
+  keys = [ProgramKey("step", 0, True)]
+  keys += [ProgramKey("step", b, False) for b in cfg.buckets]
   if cfg.decode_steps > 1:
-    keys += [ProgramKey("reserve", 0, split_variants)]
+    keys += [ProgramKey("reserve", 0, True)]
     keys += [ProgramKey("burst", r, g) for r in cfg.burst_buckets
              for g in variants]
   return tuple(keys)
@@ -95,15 +103,14 @@ def is_cache_program(key: ProgramKey) -> bool:
   return key.kind == "reserve" or (key.kind == "step" and key.num_tokens == 0)
 
 
-def program_sequence(key: ProgramKey, split_variants: bool
-                     ) -> tuple[ProgramKey, ...]:
+def program_sequence(key: ProgramKey) -> tuple[ProgramKey, ...]:
   """The programs a call of `key` runs, in order: a step that feeds tokens
   runs its model program then the step's cache program, a burst the
   `reserve` cache program then its model program."""
   if key.kind == "step" and key.num_tokens:
-    return (key, ProgramKey("step", 0, split_variants))
+    return (key, ProgramKey("step", 0, True))
   if key.kind == "burst":
-    return (ProgramKey("reserve", 0, split_variants), key)
+    return (ProgramKey("reserve", 0, True), key)
   return (key,)
 
 
@@ -122,19 +129,17 @@ def lowering_order(keys) -> list[ProgramKey]:
   so a long compile lowered last would bound the warmup; the largest step
   (its token bucket's forward and prefill kernels) compiles longest, then
   the bursts (a decode step and a sampler per iteration), then the smaller
-  steps, the cache programs last. Within a bucket the sampled variant comes
-  before the greedy one: its sort over the vocabulary compiles longer
-  (measured: docs/performance.md)."""
+  steps, the cache programs last. Within a row bucket the sampled burst
+  comes before the greedy one: its sampler compiles longer (measured:
+  docs/performance.md)."""
   def rank(k):  # larger buckets first, then sampled before greedy
     return (-k.num_tokens, k.greedy_only)
   model = [k for k in keys if not is_cache_program(k)]
   steps = sorted((k for k in model if k.kind == "step"), key=rank)
-  top = steps[0].num_tokens if steps else None
-  largest = [k for k in steps if k.num_tokens == top]
   bursts = sorted((k for k in model if k.kind == "burst"), key=rank)
   cache = sorted((k for k in keys if is_cache_program(k)),
                  key=lambda k: k.kind == "reserve")
-  return largest + bursts + [k for k in steps if k not in largest] + cache
+  return steps[:1] + bursts + steps[1:] + cache
 
 
 def signature(*trees) -> tuple:
@@ -194,10 +199,10 @@ class Compiler:
       end of compiling (or loading) each program.
     lower_times: `{ProgramKey: seconds}` of those spent tracing + lowering
       (none for a program loaded from `compile_cache_dir`).
-    split_variants: greedy-only and sampled variants are separate programs
-      (GPU backends, where the sampler's `lax.cond` syncs the host); the
-      sampled one runs only when some row samples, so it has no `lax.cond`
-      either (`programs.jitted_program(sample_cond=False)`).
+    split_variants: a burst's greedy-only and sampled variants are separate
+      programs (GPU backends, where the sampler's `lax.cond` syncs the
+      host); the sampled one runs only when some row samples, so it has no
+      `lax.cond` either (`programs.jitted_program(sample_cond=False)`).
   """
 
   def __init__(self, model_cfg, config: EngineConfig,
@@ -229,26 +234,30 @@ class Compiler:
     return program_keys(self.config, self.split_variants)
 
   def key(self, kind: str, num_tokens: int, greedy_only: bool) -> ProgramKey:
-    """The program for a call (greedy-only calls take the sampled program
-    where the variants are not split)."""
-    key = ProgramKey(kind, num_tokens, False)
-    greedy = bool(greedy_only) or is_cache_program(key)
-    return ProgramKey(kind, num_tokens, greedy and self.split_variants)
+    """The program for a call: a burst's greedy-only calls take its greedy
+    variant where the variants are split, a step always takes its bucket's
+    one program (`program_keys`)."""
+    if is_cache_program(ProgramKey(kind, num_tokens, True)):
+      return ProgramKey(kind, num_tokens, True)
+    if kind == "step":
+      return ProgramKey(kind, num_tokens, False)
+    return ProgramKey(kind, num_tokens,
+                      bool(greedy_only) and self.split_variants)
 
   def sequence(self, key: ProgramKey) -> tuple[ProgramKey, ...]:
     """The programs a call of `key` runs, in order (`program_sequence`)."""
-    return program_sequence(key, self.split_variants)
+    return program_sequence(key)
 
   def jitted(self, key: ProgramKey):
     """The `jax.jit` of `key` (`programs.jitted_program`): a burst's rows are
-    its bucket; the sampled variant has its `lax.cond` only where the
-    variants are not split."""
+    its bucket; a step samples under a `lax.cond`, a burst's sampled
+    variant only where the variants are not split."""
     kind = ("step_cache" if key.kind == "step" and is_cache_program(key)
             else key.kind)
     return _programs.jitted_program(
         self.model_cfg, self.config, self.mesh, kind, key.greedy_only,
         rows=key.num_tokens if key.kind == "burst" else None,
-        sample_cond=not self.split_variants)
+        sample_cond=key.kind == "step" or not self.split_variants)
 
   def lower(self, key: ProgramKey, buffers):
     """`jax.stages.Lowered` of `key` on `buffers` and the program's input

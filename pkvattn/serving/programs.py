@@ -4,7 +4,7 @@ Everything here runs on the device; the host (`serving.scheduler`) only fills
 the inputs, and `serving.compiler` compiles the bounded set of programs
 (`compiler.program_keys`). Model programs: one `step` program per token
 bucket (`EngineConfig.buckets`) and, with `decode_steps > 1`, one `burst`
-program per row bucket (`EngineConfig.burst_buckets`), each split into a
+program per row bucket (`EngineConfig.burst_buckets`), split into a
 greedy-only and a sampled variant on GPU backends. Cache programs: the
 step's (`step[no tokens]`, which every step runs after its model program,
 and alone for a step that feeds nothing) and, with bursts, the burst's
@@ -19,13 +19,17 @@ run, masked by `-1` ids when a step has none, and always with eviction built
 in (its `lax.cond` is taken once per step or burst). A static variant per
 combination of cache ops would multiply the programs (dozens), each compiled
 at start-up or, worse, the first time a combination shows up while serving.
-One static stays where it saves device time on every decode iteration:
-`greedy_only` (the argmax alone: no sort over the vocabulary and no
-`lax.cond` in the sampler, whose predicate a GPU reads back on the host).
-The host runs the other variant only when some row samples, so on a GPU
-that one has no `lax.cond` either (`sample_cond=False`: the sort always
-runs). On a CPU backend, where a `lax.cond` costs no such sync, it is not
-split: one program per bucket and one burst, the sort under the cond.
+
+Sampling: a step samples under a `lax.cond` (the sort over the vocabulary
+only when some row samples). A GPU reads the cond's predicate back on the
+host, which waits for the step's outputs right after anyway; a variant per
+sampling mode would compile every bucket's forward twice (measured:
+docs/performance.md). A burst is dispatched while the previous one runs, and
+a read back would serialize them, so on GPU backends the burst keeps a
+static `greedy_only` variant (the argmax alone) and a sampled one the host
+runs only when some row samples, without the cond (`sample_cond=False`: the
+sort always runs). On a CPU backend, where a `lax.cond` costs no such sync,
+the burst is not split either.
 """
 
 from __future__ import annotations
@@ -246,20 +250,31 @@ def _sample_logits(logits, inp, gen_index, *, greedy_only: bool, mesh,
   (`parallel.tp_forward`): greedy takes the per-shard argmax and gathers
   `(max, index)` only (`parallel.greedy_tokens`); otherwise the logits are
   gathered and every device samples its replicated copy under `shard_map`
-  (the floor kernel, a custom call, never meets the SPMD partitioner)."""
-  def sample(logits, temperature, top_k, top_p, seeds, gen_index):
+  (the floor kernel, a custom call, never meets the SPMD partitioner). With
+  `sample_cond` the `lax.cond` picks between the two, so an all-greedy call
+  gathers no logits."""
+  def sample(logits, temperature, top_k, top_p, seeds, gen_index, cond):
     return _sample(logits, temperature, top_k, top_p, seeds, gen_index,
-                   greedy_only=greedy_only, cond=sample_cond, impl=impl)
+                   greedy_only=greedy_only, cond=cond, impl=impl)
   args = (inp.temperature, inp.top_k, inp.top_p, inp.seeds, gen_index)
   if mesh is None:
-    return sample(logits, *args)
+    return sample(logits, *args, cond=sample_cond)
   from pkvattn import parallel as _parallel  # only engines on a mesh need it
-  if greedy_only and logits.shape[-1] % _parallel.tp_size(mesh) == 0:
+  per_shard = logits.shape[-1] % _parallel.tp_size(mesh) == 0
+  if greedy_only and per_shard:
     return _parallel.greedy_tokens(logits, mesh)
-  logits = _parallel.gather_logits(logits, mesh)
-  replicated = jax.sharding.PartitionSpec()
-  return _parallel.shard_map(sample, mesh=mesh, in_specs=(replicated,) * 6,
-                             out_specs=replicated)(logits, *args)
+
+  def gathered(cond: bool):
+    replicated = jax.sharding.PartitionSpec()
+    return _parallel.shard_map(
+        functools.partial(sample, cond=cond), mesh=mesh,
+        in_specs=(replicated,) * 6, out_specs=replicated)(
+            _parallel.gather_logits(logits, mesh), *args)
+  if sample_cond and per_shard:
+    return lax.cond(jnp.any(inp.temperature > 0),
+                    lambda: gathered(cond=False),
+                    lambda: _parallel.greedy_tokens(logits, mesh))
+  return gathered(sample_cond)
 
 
 def _write_fed(seq_tokens, inp: StepInputs, plan: AttentionPlan):
@@ -277,11 +292,12 @@ def _write_admitted(seq_tokens, inp: StepInputs):
 
 def device_step(params, pool, state, seq_tokens, inp: StepInputs, *,
                 model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
-                mesh=None, greedy_only: bool = True, sample_cond: bool = True):
-  """A step's model program (`step[N tokens, ...]`): the page tables of
-  `state`, the forward over the fed tokens, sampling, and the fed tokens
-  recorded in `seq_tokens`. The state is read, not changed: the step's cache
-  ops run next, in the program of no tokens (`device_step_cache`).
+                mesh=None):
+  """A step's model program (`step[N tokens]`): the page tables of `state`,
+  the forward over the fed tokens, sampling (under a `lax.cond`: module
+  docstring), and the fed tokens recorded in `seq_tokens`. The state is
+  read, not changed: the step's cache ops run next, in the program of no
+  tokens (`device_step_cache`).
 
   Returns `(pool, state, seq_tokens, sampled)`, `sampled` `i32[max_seqs]`
   (-1 for rows that do not sample).
@@ -292,9 +308,8 @@ def device_step(params, pool, state, seq_tokens, inp: StepInputs, *,
   last = jnp.maximum(inp.q_indptr[1:] - 1, 0)
   logits, pool = _forward(params, model_cfg, inp.tokens, pool, plan,
                           logits_indices=last, impl=cfg.impl, mesh=mesh)
-  sampled = _sample_logits(logits, inp, inp.gen_index,
-                           greedy_only=greedy_only, mesh=mesh,
-                           sample_cond=sample_cond, impl=cfg.impl)
+  sampled = _sample_logits(logits, inp, inp.gen_index, greedy_only=False,
+                           mesh=mesh, sample_cond=True, impl=cfg.impl)
   sampled = jnp.where(inp.sample_rows, sampled, -1)
   return pool, state, _write_fed(seq_tokens, inp, plan), sampled
 
@@ -488,7 +503,7 @@ def compiler_options() -> dict:
     (measured: docs/performance.md).
   * `xla_gpu_autotune_level=0`: cuBLAS's own heuristics pick each gemm's
     algorithm, with no timing of candidates on the device while compiling
-    (the nine programs compile at once on one GPU). The SmolLM2-shaped
+    (the programs compile at once on one GPU). The SmolLM2-shaped
     warmup is shorter, and the decode step and throughput are unchanged at
     the SmolLM2 and Llama-3.2-1B shapes (measured: docs/performance.md).
   * `xla_gpu_enable_command_buffer`: XLA's default command types plus
@@ -521,15 +536,14 @@ def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
   "step" (`device_step`), "step_cache" (`device_step_cache`), "reserve"
   (`device_burst_reserve`) or "burst" (`device_decode_burst`). The pool, the
   cache state and the token buffer are donated. `rows`: a burst's row
-  bucket (None = `max_seqs`); `sample_cond`: the sampled variant's
-  `lax.cond` (False where the variants are split: the host runs it only
-  when some row samples). With `cfg.check` the program is functionalized by
+  bucket (None = `max_seqs`); `greedy_only`, `sample_cond`: a burst's
+  variant and its sampler's `lax.cond` (False where the variants are split:
+  the host runs the sampled one only when some row samples). With `cfg.check` the program is functionalized by
   `checkify` (it returns `(error, outputs)`) and must be traced inside
   `pkvattn.checked()`."""
   if kind == "step":
     body = functools.partial(device_step, model_cfg=model_cfg, cfg=cfg,
-                             mesh=mesh, greedy_only=greedy_only,
-                             sample_cond=sample_cond)
+                             mesh=mesh)
   elif kind == "step_cache":
     body = functools.partial(device_step_cache, cfg=cfg)
   elif kind == "reserve":

@@ -75,8 +75,9 @@ class ScheduledStep:
     inputs: a `programs.StepInputs` (host arrays) for a step, or a
       `programs.BurstInputs` for a burst (host arrays, or device arrays
       taken from the previous burst's end state when chained).
-    greedy_only: every row that samples is greedy (selects the program
-      variant without the sampler's `lax.cond`).
+    greedy_only: every row that samples is greedy (selects a burst's
+      variant without the sampler's `lax.cond`; a step's one program reads
+      the same from its inputs).
     rows: a step's requests, in feed order (decode rows first); empty for a
       burst, whose rows are the running requests when it is read.
     admitted: a step's claims, in `inputs.admit_ids` order.

@@ -57,6 +57,16 @@ def compiled_collectives(text):  # HLO -> [[op, dtype, dims]]
   return [[op, dtype, [int(d) for d in dims.split(",") if d]]
           for dtype, dims, op in found]
 
+def compiled_gathers(text):  # HLO -> [[dtype, dims, cond branch or None]]
+  out = []
+  for dtype, dims, name in re.findall(
+      r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\("
+      r"[^\n]*op_name=\"([^\"]*)\"", text):
+    branch = re.search(r"/cond/branch_(\d)_fun/", name)
+    out.append([dtype, [int(d) for d in dims.split(",") if d],
+                branch and int(branch[1])])
+  return out
+
 def model(name, **kw):
   cfg = replace(load_model(name).cfg, **kw)
   return Model(name, cfg, init_params(cfg, jax.random.key(1), scale=0.08), tok)
@@ -128,7 +138,7 @@ for tp in (None, 2, 4):
                                      hlo)]
   if tp == 2:  # the f32 model's all-reduces stay f32 (lowered, not run)
     res["collectives"] = {"lowered_f32": lowered_collectives(
-        e._lower(ProgramKey("step", 32, True)).as_text())}
+        e._lower(ProgramKey("step", 32, False)).as_text())}
   if tp is not None:
     res["sharding"][f"engine/tp{tp}"] = [
         spec(e.pool),
@@ -145,7 +155,7 @@ for tp in (None, 2):
              mesh=None if tp is None else parallel.make_mesh(tp))
   res["sampled"][str(tp)] = e.generate(prompts, sps)
 
-# The collectives of a bf16 tp=2 greedy step (compiled, not run). The
+# The collectives of a bf16 tp=2 step (compiled, not run). The
 # lowered module shows the dtypes pkvattn asks for; the compiled one is what
 # runs after SPMD partitioning (a resharding would add collectives there),
 # but XLA's CPU backend computes a bf16 all-reduce in f32, so only its ops
@@ -154,10 +164,12 @@ mb = Model("tiny-llama", m.cfg,
            init_params(m.cfg, jax.random.key(1), dtype=jnp.bfloat16,
                        scale=0.08), tok)
 e = Engine(mb, ec, mesh=parallel.make_mesh(2))
-low = e._lower(ProgramKey("step", 32, True))
+low = e._lower(ProgramKey("step", 32, False))
 res["collectives"].update(
     lowered_bf16=lowered_collectives(low.as_text()),
     compiled_bf16=compiled_collectives(low.compile().as_text()),
+    gathers_bf16=compiled_gathers(low.compile().as_text()),
+    vocab_size=mb.cfg.vocab_size,
     num_layers=mb.cfg.num_layers, hidden_size=mb.cfg.hidden_size,
     rows=ec.max_seqs)
 
@@ -264,8 +276,10 @@ def test_tp_step_collectives_in_the_activation_dtype(results):
   c = results["collectives"]
   layers, hidden, rows = c["num_layers"], c["hidden_size"], c["rows"]
   # Ideal: two all-reduces per layer (o_proj, down_proj) of [tokens, hidden]
-  # in the model's dtype, and one all-gather of the greedy (max, index) words.
-  # Lowered, the layer is one function called per layer: its two sums.
+  # in the model's dtype, and one all-gather: of the greedy (max, index)
+  # words when every row is greedy, of the logits when some row samples (the
+  # step's lax.cond picks). Lowered, the layer is one function called per
+  # layer: its two sums.
   for dtype in ("bf16", "f32"):
     lowered = c[f"lowered_{dtype}"]
     assert [x for x in lowered if x[0] == "all_reduce"] == [
@@ -277,7 +291,11 @@ def test_tp_step_collectives_in_the_activation_dtype(results):
   assert len(reduces) == 2 * layers, compiled
   assert all(dims == [32, hidden] for _, _, dims in reduces), reduces
   others = [x for x in compiled if x[0] != "all-reduce"]
-  assert others == [["all-gather", "s32", [2, 2, rows]]], others
+  assert sorted(others) == [["all-gather", "f32", [rows, c["vocab_size"]]],
+                            ["all-gather", "s32", [2, 2, rows]]], others
+  # The cond's false branch (every row greedy) gathers the words alone.
+  assert sorted(c["gathers_bf16"]) == [["f32", [rows, c["vocab_size"]], 1],
+                                       ["s32", [2, 2, rows], 0]]
 
 
 def test_greedy_tokens_match_argmax(results):

@@ -245,22 +245,24 @@ def test_sampling_is_seeded_per_request(model):
 
 
 def test_split_sampled_variant_samples_as_the_one_program(model):
-  # On a GPU greedy-only and sampled programs are split, and the sampled one
-  # has no lax.cond (the host runs it only when a row samples). Forced here
-  # on the CPU: a batch of sampling and greedy rows gets the tokens of the
-  # one program with the cond, and greedy-only steps run their own variant.
+  # On a GPU a burst's greedy-only and sampled programs are split, and the
+  # sampled one has no lax.cond (the host runs it only when a row samples).
+  # Forced here on the CPU: a batch of sampling and greedy rows gets the
+  # tokens of the one program with the cond, and greedy-only bursts run
+  # their own variant.
   prompts = _prompts(4, seed=5)
   sps = [SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20,
                         top_p=0.9, seed=3, ignore_eos=True),
          SamplingParams(max_new_tokens=6, ignore_eos=True)] * 2
-  want = Engine(model, CFG).generate(prompts, sps)
-  split = Engine(model, dataclasses.replace(CFG, max_seqs=3))
+  cfg = dataclasses.replace(CFG, decode_steps=2)
+  want = Engine(model, cfg).generate(prompts, sps)
+  split = Engine(model, dataclasses.replace(cfg, max_seqs=3))
   split.compiler.split_variants = True
   got = split.generate(prompts, sps)
   assert got == want
-  ran = {k.greedy_only for k in split.compiler.compiled if k.num_tokens}
+  ran = {k.greedy_only for k in split.compiler.compiled if k.kind == "burst"}
   assert ran == {True, False}
-  assert got != Engine(model, CFG).generate(prompts, [sps[1]] * 4)
+  assert got != Engine(model, cfg).generate(prompts, [sps[1]] * 4)
 
 
 def test_pool_is_donated(model):

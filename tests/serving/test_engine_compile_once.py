@@ -53,34 +53,38 @@ def count_compiles():
 def test_program_list_is_small_and_known():
   gpu = compiler.program_keys(dataclasses.replace(CFG, token_buckets=None))
   # The cache programs (the step of no tokens, reserve; greedy only),
-  # buckets (4, 32) x greedy/sampled, + 2 burst variants.
-  assert len(gpu) == 8 and len(set(gpu)) == 8
+  # buckets (4, 32), one program each, + 2 burst variants.
+  assert len(gpu) == 6 and len(set(gpu)) == 6
   assert {k.num_tokens for k in gpu if k.kind == "step"} == {0, 4, 32}
   assert [k for k in gpu if compiler.is_cache_program(k)] == [
       compiler.ProgramKey("step", 0, True),
       compiler.ProgramKey("reserve", 0, True)]
+  assert [k.greedy_only for k in gpu if k.kind == "step" and k.num_tokens] == [
+      False, False]  # a step samples under its lax.cond
   cpu = compiler.program_keys(CFG, split_variants=False)
   assert [(k.kind, k.num_tokens) for k in cpu] == [
       ("step", 0), ("step", 4), ("step", 32), ("reserve", 0), ("burst", 4)]
+  assert cpu[:4] == gpu[:4]  # only the burst splits
   no_burst = compiler.program_keys(dataclasses.replace(CFG, decode_steps=1))
-  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 5
+  assert all(k.kind == "step" for k in no_burst) and len(no_burst) == 3
   # The default engine config of the benchmark workload stays under 16: its
   # bursts come in two row buckets, 64 and max_seqs.
   bench = EngineConfig(page_size=16, num_slots=8192, max_seqs=256,
                        max_num_tokens=4096, max_model_len=1024, decode_steps=8)
   keys = compiler.program_keys(bench)
-  assert len(keys) == 10
+  assert len(keys) == 8
   # Each call runs a model program and a cache program; the cache programs
   # are lowered last.
-  step = compiler.ProgramKey("step", 4096, True)
+  step = compiler.ProgramKey("step", 4096, False)
   burst = compiler.ProgramKey("burst", 64, False)
-  assert compiler.program_sequence(step, True) == (step, keys[0])
-  assert compiler.program_sequence(burst, True) == (
+  assert compiler.program_sequence(step) == (step, keys[0])
+  assert compiler.program_sequence(burst) == (
       compiler.ProgramKey("reserve", 0, True), burst)
-  assert compiler.program_sequence(keys[0], True) == (keys[0],)
+  assert compiler.program_sequence(keys[0]) == (keys[0],)
   assert sorted({k.num_tokens for k in keys if k.kind == "burst"}) == [64, 256]
   one = dataclasses.replace(bench, burst_rows=(256,))
-  assert len(compiler.program_keys(one)) == 8
+  assert len(compiler.program_keys(one)) == 6
+  assert [str(k) for k in keys[:2]] == ["step[no tokens]", "step[256 tokens]"]
 
 
 def test_lowering_order_puts_the_longest_compiles_first():
@@ -91,11 +95,12 @@ def test_lowering_order_puts_the_longest_compiles_first():
     order = compiler.lowering_order(given)
     assert sorted(order, key=keys.index) == list(keys)  # a permutation
     assert [(k.kind, k.num_tokens) for k in order] == (
-        [("step", 4096)] * 2 + [("burst", 256)] * 2 + [("burst", 64)] * 2
-        + [("step", 256)] * 2 + [("step", 0), ("reserve", 0)])
-    # In each bucket the sampled variant first (its compile is the longer);
-    # the cache programs last.
-    assert [k.greedy_only for k in order] == [False, True] * 4 + [True] * 2
+        [("step", 4096)] + [("burst", 256)] * 2 + [("burst", 64)] * 2
+        + [("step", 256), ("step", 0), ("reserve", 0)])
+    # In each row bucket the sampled burst first (its compile is the
+    # longer); the cache programs last.
+    assert [k.greedy_only for k in order] == [False] + [False, True] * 2 + [
+        False, True, True]
   assert compiler.lowering_order([]) == []
 
 
