@@ -101,8 +101,8 @@ class KVCacheManager:
     cache_config, token_shape = self.cache_config, self._token_shape
 
     # One program builds all three: built op by op, each zeroed buffer of a
-    # new shape compiled a program of its own (about 20 on a GPU, most of a
-    # second before the first step could compile).
+    # new shape compiled a program of its own, before the first step's
+    # lowering could start (measured: docs/performance.md).
     def build():
       return (jnp.zeros(shape, dtype), _cache.init_cache(cache_config),
               jnp.zeros(token_shape, jnp.int32))
