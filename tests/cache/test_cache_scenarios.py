@@ -280,6 +280,10 @@ def test_config_errors():
   with pytest.raises(ValueError, match="lengths"):
     cache.claim_batch(st, jnp.zeros((2,), jnp.int32), jnp.zeros((2, 8), jnp.int32),
                       jnp.zeros((2,), jnp.float32))
+  for evict in ("always", None, 1):
+    with pytest.raises(ValueError, match="Invalid evict: .* got"):
+      cache.extend(st, jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.int32),
+                   evict=evict)
 
 
 def test_block_keys_chain_and_scope():
