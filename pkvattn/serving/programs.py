@@ -538,9 +538,9 @@ def jitted_program(model_cfg: _decoder.DecoderConfig, cfg: EngineConfig,
   cache state and the token buffer are donated. `rows`: a burst's row
   bucket (None = `max_seqs`); `greedy_only`, `sample_cond`: a burst's
   variant and its sampler's `lax.cond` (False where the variants are split:
-  the host runs the sampled one only when some row samples). With `cfg.check` the program is functionalized by
-  `checkify` (it returns `(error, outputs)`) and must be traced inside
-  `pkvattn.checked()`."""
+  the host runs the sampled one only when some row samples). With
+  `cfg.check` the program is functionalized by `checkify` (it returns
+  `(error, outputs)`) and must be traced inside `pkvattn.checked()`."""
   if kind == "step":
     body = functools.partial(device_step, model_cfg=model_cfg, cfg=cfg,
                              mesh=mesh)
