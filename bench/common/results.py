@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -39,9 +40,16 @@ def commit() -> str:
 
   Raises:
     RuntimeError: neither is available.
+    ValueError: `$PKVATTN_COMMIT` is not a full 40-digit hex commit (a
+      short one would fail the results check only once the file is in the
+      repository).
   """
   env = os.environ.get(COMMIT_ENV, "").strip()
   if env:
+    if not re.fullmatch(r"[0-9a-f]{40}(-dirty)?", env):
+      raise ValueError(
+          f"Invalid {COMMIT_ENV}: expected a full commit (40 hex digits, "
+          f"`git rev-parse HEAD`), got {env!r}")
     return env
   try:
     head = _git("rev-parse", "HEAD")

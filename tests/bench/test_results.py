@@ -40,6 +40,13 @@ def test_commit_from_environment(monkeypatch):
   assert results.commit() == "ab" * 20
 
 
+def test_commit_from_environment_must_be_full(monkeypatch):
+  for short in ("ffef9a5", "ab" * 19, "AB" * 20):
+    monkeypatch.setenv(results.COMMIT_ENV, short)
+    with pytest.raises(ValueError, match="Invalid PKVATTN_COMMIT"):
+      results.commit()
+
+
 def test_commit_from_git_marks_a_dirty_tree(monkeypatch):
   monkeypatch.delenv(results.COMMIT_ENV, raising=False)
   answers = {("rev-parse", "HEAD"): "cd" * 20}
