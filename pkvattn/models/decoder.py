@@ -195,21 +195,26 @@ def fuse_projections(params):
   unstacked layers alike. Idempotent. Not for tensor-parallel shards (their
   column slices are per projection).
   """
-  def fuse(layer):
-    attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
-    if "q_proj" in attn:
-      parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
-      attn["qkv_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
-                          for k in parts[0]}
-    if "gate_proj" in mlp:
-      parts = [mlp.pop(n) for n in ("gate_proj", "up_proj")]
-      mlp["gate_up_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
-                             for k in parts[0]}
-    return dict(layer, attn=attn, mlp=mlp)
   layers = params["layers"]
   if isinstance(layers, (tuple, list)):
-    return dict(params, layers=tuple(fuse(lp) for lp in layers))
-  return dict(params, layers=fuse(layers))
+    return dict(params, layers=tuple(fuse_layer_projections(lp)
+                                     for lp in layers))
+  return dict(params, layers=fuse_layer_projections(layers))
+
+
+def fuse_layer_projections(layer):
+  """One layer's tree (stacked or not) with q/k/v and gate/up fused, as
+  `fuse_projections` lays out every layer. Idempotent."""
+  attn, mlp = dict(layer["attn"]), dict(layer["mlp"])
+  if "q_proj" in attn:
+    parts = [attn.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
+    attn["qkv_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
+                        for k in parts[0]}
+  if "gate_proj" in mlp:
+    parts = [mlp.pop(n) for n in ("gate_proj", "up_proj")]
+    mlp["gate_up_proj"] = {k: jnp.concatenate([q[k] for q in parts], axis=-1)
+                           for k in parts[0]}
+  return dict(layer, attn=attn, mlp=mlp)
 
 
 def stack_layers(params):

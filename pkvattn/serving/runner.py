@@ -73,10 +73,10 @@ def prepare_model(model: Model, config: EngineConfig,
 @jax.jit
 def _fused_layer(layers, i):
   """Layer `i` (i32[]) of stacked `layers`, q/k/v and gate/up fused
-  (`decoder.fuse_projections`): one program for every layer, where slicing
-  and concatenating op by op compiled a program per array shape."""
-  layer = jax.tree.map(lambda a: a[i], layers)
-  return _decoder.fuse_projections({"layers": (layer,)})["layers"][0]
+  (`decoder.fuse_layer_projections`): one program for every layer, where
+  slicing and concatenating op by op compiled a program per array shape."""
+  return _decoder.fuse_layer_projections(
+      jax.tree.map(lambda a: a[i], layers))
 
 
 def _scale_shape(cfg, config: EngineConfig) -> tuple[int, ...]:

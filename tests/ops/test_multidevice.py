@@ -165,10 +165,11 @@ mb = Model("tiny-llama", m.cfg,
                        scale=0.08), tok)
 e = Engine(mb, ec, mesh=parallel.make_mesh(2))
 low = e._lower(ProgramKey("step", 32, False))
+compiled = low.compile().as_text()
 res["collectives"].update(
     lowered_bf16=lowered_collectives(low.as_text()),
-    compiled_bf16=compiled_collectives(low.compile().as_text()),
-    gathers_bf16=compiled_gathers(low.compile().as_text()),
+    compiled_bf16=compiled_collectives(compiled),
+    gathers_bf16=compiled_gathers(compiled),
     vocab_size=mb.cfg.vocab_size,
     num_layers=mb.cfg.num_layers, hidden_size=mb.cfg.hidden_size,
     rows=ec.max_seqs)
