@@ -114,6 +114,15 @@ def program_sequence(key: ProgramKey) -> tuple[ProgramKey, ...]:
   return (key,)
 
 
+def model_position(key: ProgramKey) -> int | None:
+  """Where the model program runs in `program_sequence(key)`: 0 in a step
+  that feeds tokens, 1 in a burst (after `reserve`); None where the call
+  runs only a cache program. The model program's outputs carry the call's
+  sampled tokens."""
+  seq = program_sequence(key)
+  return next((i for i, k in enumerate(seq) if not is_cache_program(k)), None)
+
+
 def program_inputs(key: ProgramKey, inputs):
   """`inputs` of a call as program `key` of its sequence takes them: the
   step's cache program without the fed tokens (`programs.step_cache_inputs`:

@@ -34,6 +34,7 @@ from pkvattn.serving import programs as _programs
 from pkvattn.serving import runner as _runner
 from pkvattn.serving.compiler import Compiler
 from pkvattn.serving.compiler import ProgramKey
+from pkvattn.serving.compiler import model_position
 from pkvattn.serving.compiler import program_inputs
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.config import kv_dtype as _kv_dtype
@@ -224,8 +225,9 @@ class Engine:
     err = next((e for e in errs if e is not None and e.get() is not None),
                errs[-1])
     out = outs[-1]
-    if key.kind == "step" and key.num_tokens:
-      out = out.replace(sampled=outs[0])
+    at = model_position(key)
+    if at is not None and at != len(outs) - 1:  # a step: its cache program last
+      out = out.replace(sampled=outs[at])
     if not throw:
       return out, compile_s, err
     if err is not None:

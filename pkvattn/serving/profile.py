@@ -16,6 +16,7 @@ from pkvattn import _kv
 from pkvattn import attention as _attention
 from pkvattn.models import decoder as _decoder
 from pkvattn.serving import programs as _programs
+from pkvattn.serving.compiler import model_position
 from pkvattn.serving.compiler import program_inputs
 
 
@@ -61,7 +62,8 @@ def profile_programs(engine) -> dict:
   buffers = engine._buffers()  # noqa: SLF001
   keys = engine.compiler.sequence(key)
   fns = [engine.compiler.program(k, buffers) for k in keys]
-  cache_at = 0 if keys[0].kind == "reserve" else 1
+  model_at = model_position(key)
+  cache_at = 1 - model_at
   params = engine.model.params
 
   def args(state=None):
@@ -80,10 +82,10 @@ def profile_programs(engine) -> dict:
     return args()[:4] + (inputs[cache_at],)
 
   model_state = engine.state
-  if cache_at == 0:  # the burst runs on the state its reservation leaves
+  if model_at == 1:  # the burst runs on the state its reservation leaves
     model_state = jax.block_until_ready(fns[0](*args())[1])
   return dict(step=call, step_args=args, per=per,
-              model=fns[1 - cache_at], model_args=lambda: args(model_state),
+              model=fns[model_at], model_args=lambda: args(model_state),
               cache_ops=fns[cache_at], cache_ops_args=cache_args,
               attention_inputs=jax.tree.map(jnp.asarray, attention_inputs))
 

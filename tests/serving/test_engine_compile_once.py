@@ -81,6 +81,13 @@ def test_program_list_is_small_and_known():
   assert compiler.program_sequence(burst) == (
       compiler.ProgramKey("reserve", 0, True), burst)
   assert compiler.program_sequence(keys[0]) == (keys[0],)
+  # The model program's place in each sequence (None: a cache program alone).
+  for key in keys:
+    seq = compiler.program_sequence(key)
+    at = compiler.model_position(key)
+    assert [i for i, k in enumerate(seq)
+            if k.kind in ("step", "burst") and k.num_tokens] == (
+                [] if at is None else [at])
   assert sorted({k.num_tokens for k in keys if k.kind == "burst"}) == [64, 256]
   one = dataclasses.replace(bench, burst_rows=(256,))
   assert len(compiler.program_keys(one)) == 6
