@@ -321,19 +321,75 @@ def shard_model(model: Model, mesh: Mesh, axis: str = TP_AXIS, *,
   """
   tp = tp_size(mesh, axis)
   cfg = tp_config(model.cfg, tp)
+  reps = cfg.num_kv_heads // model.cfg.num_kv_heads
+  tie = cfg.tie_word_embeddings and vocab_parallel(cfg, tp)
   params = model.params
-  if cfg.num_kv_heads != model.cfg.num_kv_heads:
-    params = _replicate_kv_heads(params, model.cfg,
-                                 cfg.num_kv_heads // model.cfg.num_kv_heads)
-  if cfg.tie_word_embeddings and vocab_parallel(cfg, tp):
-    params = dict(params, lm_head=params["embed"].T)
+  if reps > 1 or tie or fuse:
+    params = _tp_layout(params, model.cfg, reps, tie, tp if fuse else None)
+  if tie:
     cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-  if fuse:
-    params = fuse_projections(params, tp)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                            param_specs(params, axis, tp=tp))
   params = jax.device_put(params, shardings)
   return dataclasses.replace(model, cfg=cfg, params=params)
+
+
+_PROJECTIONS = {"attn": ("q_proj", "k_proj", "v_proj"),
+                "mlp": ("gate_proj", "up_proj")}
+
+
+def _tp_layout(params, cfg: _decoder.DecoderConfig, reps: int, tie: bool,
+               fuse_tp: int | None):
+  """`params` with kv heads repeated `reps` times, `lm_head = embed.T` if
+  `tie`, and q/k/v and gate/up fused for `fuse_tp` shards (None: not),
+  computed in one program (`_tp_projections`) where op by op each array
+  shape compiled one. Only the q/k/v and gate/up projections and the
+  embedding go through it: the other weights are not copied."""
+  layers = params["layers"]
+  stacked = not isinstance(layers, (tuple, list))
+  sub = {"layers": (_projection_subtree(layers) if stacked
+                    else tuple(map(_projection_subtree, layers)))}
+  if tie:
+    sub["embed"] = params["embed"]
+  new = _tp_projections(sub, cfg, reps, tie, fuse_tp)
+  layers = (_merge_layer(layers, new["layers"]) if stacked
+            else tuple(map(_merge_layer, layers, new["layers"])))
+  out = dict(params, layers=layers)
+  if tie:
+    out["lm_head"] = new["lm_head"]
+  return out
+
+
+def _projection_subtree(layer):
+  """The q/k/v and gate/up projections of one layer tree (stacked or not),
+  fused or not."""
+  return {group: {n: p for n, p in layer[group].items()
+                  if n in _PROJECTIONS[group] or n in ("qkv_proj",
+                                                       "gate_up_proj")}
+          for group in _PROJECTIONS}
+
+
+def _merge_layer(layer, new):
+  """`layer` with its projections replaced by `new`'s (fused names drop the
+  parts)."""
+  out = dict(layer)
+  for group in _PROJECTIONS:
+    kept = {n: p for n, p in layer[group].items()
+            if n not in _PROJECTIONS[group] and n not in new[group]}
+    out[group] = {**kept, **new[group]}
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "reps", "tie", "fuse_tp"))
+def _tp_projections(sub, cfg, reps, tie, fuse_tp):
+  """`_tp_layout`'s program over the projections (and `embed`) in `sub`."""
+  if reps > 1:
+    sub = _replicate_kv_heads(sub, cfg, reps)
+  if tie:
+    sub = {"layers": sub["layers"], "lm_head": sub["embed"].T}
+  if fuse_tp is not None:
+    sub = fuse_projections(sub, fuse_tp)
+  return sub
 
 
 def _logits_spec(params, cfg: _decoder.DecoderConfig, tp: int,

@@ -47,12 +47,16 @@ def prepare_model(model: Model, config: EngineConfig,
   if mesh is not None:
     from pkvattn import parallel as _parallel  # parallel imports models
     model = _parallel.shard_model(model, mesh, fuse=True)
-    if not config.scan_layers:
-      params = _decoder.unstack_layers(model.params)
-      params = jax.device_put(params, jax.tree.map(
+    layers = model.params["layers"]
+    if not config.scan_layers and not isinstance(layers, (tuple, list)):
+      one = jax.eval_shape(_layer, layers, np.int32(0))
+      take = jax.jit(_layer, out_shardings=jax.tree.map(
           lambda s: jax.sharding.NamedSharding(mesh, s),
-          _parallel.param_specs(params, tp=_parallel.tp_size(mesh))))
-      model = dataclasses.replace(model, params=params)
+          _parallel.param_specs(one, tp=_parallel.tp_size(mesh))))
+      num_layers = jax.tree.leaves(layers)[0].shape[0]
+      model = dataclasses.replace(model, params=dict(
+          model.params, layers=tuple(take(layers, np.int32(i))
+                                     for i in range(num_layers))))
   elif config.scan_layers or isinstance(model.params["layers"], (tuple, list)):
     model = dataclasses.replace(
         model, params=_decoder.fuse_projections(model.params))
@@ -70,13 +74,18 @@ def prepare_model(model: Model, config: EngineConfig,
   return model
 
 
+def _layer(layers, i):
+  """Layer `i` (i32[]) of stacked `layers`: on a mesh, one program for
+  every layer, laid out by `parallel.param_specs`."""
+  return jax.tree.map(lambda a: a[i], layers)
+
+
 @jax.jit
 def _fused_layer(layers, i):
   """Layer `i` (i32[]) of stacked `layers`, q/k/v and gate/up fused
   (`decoder.fuse_layer_projections`): one program for every layer, where
   slicing and concatenating op by op compiled a program per array shape."""
-  return _decoder.fuse_layer_projections(
-      jax.tree.map(lambda a: a[i], layers))
+  return _decoder.fuse_layer_projections(_layer(layers, i))
 
 
 def _scale_shape(cfg, config: EngineConfig) -> tuple[int, ...]:

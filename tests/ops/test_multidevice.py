@@ -21,6 +21,7 @@ from pkvattn.models.tiny import replace
 _SCRIPT = r'''
 import dataclasses
 import json
+import logging
 import re
 import jax
 import jax.numpy as jnp
@@ -122,9 +123,26 @@ ec = EngineConfig(page_size=8, num_slots=32, max_seqs=4, max_num_tokens=32,
                   max_model_len=64, token_buckets=(32,))
 # tp=1 under a mesh is covered by the logits above; tp=2 also runs decode
 # bursts (decode_steps=4: the scan path), the others one step per call.
+class CompileNames(logging.Handler):  # jax_log_compiles -> program names
+  def __init__(self):
+    super().__init__()
+    self.names = []
+  def emit(self, record):
+    found = re.match(r"Finished XLA compilation of (?:jit\()?(\w+)",
+                     record.getMessage())
+    if found:
+      self.names.append(found.group(1))
+
 for tp in (None, 2, 4):
+  handler = CompileNames()
+  logging.getLogger("jax").addHandler(handler)
+  jax.config.update("jax_log_compiles", tp == 2)
   e = Engine(m, dataclasses.replace(ec, decode_steps=4 if tp == 2 else 1),
              mesh=None if tp is None else parallel.make_mesh(tp))
+  jax.config.update("jax_log_compiles", False)
+  logging.getLogger("jax").removeHandler(handler)
+  if tp == 2:
+    res["construction_compiles"] = handler.names
   res["engine"][str(tp)] = e.generate(prompts, sp)
   if tp == 2:  # donated: the old pool is gone, the step aliases its shards
     e.add_request(prompts[0], SamplingParams(max_new_tokens=1))
@@ -242,6 +260,15 @@ def test_tp_engine_token_identical(results):
   assert len(expected) == 3 and all(len(o) == 10 for o in expected)
   for tp in ("2", "4"):
     assert results["engine"][tp] == expected, tp
+
+
+def test_tp_engine_construction_lays_out_weights_in_two_programs(results):
+  """On a mesh, `Engine(...)` fuses (`parallel.shard_model`) and unstacks
+  the weights in one program each, and allocates in a third; op by op it
+  compiled one per weight shape. `_multi_slice` is JAX's own device_put
+  onto the mesh, one per new array shape."""
+  names = [n for n in results["construction_compiles"] if n != "_multi_slice"]
+  assert names == ["_tp_projections", "_layer", "build"]
 
 
 def test_tp_engine_samples_as_one_device(results):
