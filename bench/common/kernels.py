@@ -33,7 +33,8 @@ DECODE_ARMS = {
     "mma": "the per-warp Mosaic-GPU decode kernel's default config (Hopper)",
     "triton-grid": "the Triton kernel over a tiling grid (32 / 64 / 128 "
                    "tokens per step, warps and stages, one or two kv heads "
-                   "per program; half and twice the splits)",
+                   "per program; half and twice the splits; page ids "
+                   "loaded a step ahead or not)",
     "mma-grid": "the per-warp kernel with twice / half the splits and "
                 "1 / 2 / 4 MMA tiles per step",
 }
@@ -116,6 +117,8 @@ def decode_arms(name: str, *, batch_size: int, num_qo_heads: int,
       if c not in seen:
         seen.add(c)
         configs.append((f"triton ks{ks}", c))
+    c = R(base, prefetch_ids=not base.prefetch_ids)
+    configs.append((f"triton prefetch_ids={c.prefetch_ids}", c))
   elif name == "mma-grid":
     configs.append(("mma splits x2", R(base,
                                        k_splits=min(64, 2 * base.k_splits))))
