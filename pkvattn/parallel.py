@@ -342,9 +342,9 @@ def _tp_layout(params, cfg: _decoder.DecoderConfig, reps: int, tie: bool,
                fuse_tp: int | None):
   """`params` with kv heads repeated `reps` times, `lm_head = embed.T` if
   `tie`, and q/k/v and gate/up fused for `fuse_tp` shards (None: not),
-  computed in one program (`_tp_projections`) where op by op each array
-  shape compiled one. Only the q/k/v and gate/up projections and the
-  embedding go through it: the other weights are not copied."""
+  computed in one program (`_tp_projections`), not in one per array shape
+  as op by op. Only the q/k/v and gate/up projections and the embedding go
+  through it: the other weights are not copied."""
   layers = params["layers"]
   stacked = not isinstance(layers, (tuple, list))
   sub = {"layers": (_projection_subtree(layers) if stacked

@@ -75,8 +75,8 @@ def prepare_model(model: Model, config: EngineConfig,
 
 
 def _layer(layers, i):
-  """Layer `i` (i32[]) of stacked `layers`: on a mesh, one program for
-  every layer, laid out by `parallel.param_specs`."""
+  """Layer `i` (i32[], traced: one program serves every layer) of stacked
+  `layers`."""
   return jax.tree.map(lambda a: a[i], layers)
 
 

@@ -121,8 +121,7 @@ prompts = [tok.encode(p) for p in ("hello world", "paged attention on", "a")]
 sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
 ec = EngineConfig(page_size=8, num_slots=32, max_seqs=4, max_num_tokens=32,
                   max_model_len=64, token_buckets=(32,))
-# tp=1 under a mesh is covered by the logits above; tp=2 also runs decode
-# bursts (decode_steps=4: the scan path), the others one step per call.
+
 class CompileNames(logging.Handler):  # jax_log_compiles -> program names
   def __init__(self):
     super().__init__()
@@ -133,6 +132,9 @@ class CompileNames(logging.Handler):  # jax_log_compiles -> program names
     if found:
       self.names.append(found.group(1))
 
+# tp=1 under a mesh is covered by the logits above; tp=2 also runs decode
+# bursts (decode_steps=4: the scan path), the others one step per call, and
+# names the programs its construction compiles.
 for tp in (None, 2, 4):
   handler = CompileNames()
   logging.getLogger("jax").addHandler(handler)
