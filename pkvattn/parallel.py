@@ -334,10 +334,6 @@ def shard_model(model: Model, mesh: Mesh, axis: str = TP_AXIS, *,
   return dataclasses.replace(model, cfg=cfg, params=params)
 
 
-_PROJECTIONS = {"attn": ("q_proj", "k_proj", "v_proj"),
-                "mlp": ("gate_proj", "up_proj")}
-
-
 def _tp_layout(params, cfg: _decoder.DecoderConfig, reps: int, tie: bool,
                fuse_tp: int | None):
   """`params` with kv heads repeated `reps` times, `lm_head = embed.T` if
@@ -361,22 +357,18 @@ def _tp_layout(params, cfg: _decoder.DecoderConfig, reps: int, tie: bool,
 
 
 def _projection_subtree(layer):
-  """The q/k/v and gate/up projections of one layer tree (stacked or not),
-  fused or not."""
-  return {group: {n: p for n, p in layer[group].items()
-                  if n in _PROJECTIONS[group] or n in ("qkv_proj",
-                                                       "gate_up_proj")}
-          for group in _PROJECTIONS}
+  """The column-parallel projections (`_COLUMN`: q/k/v and gate/up, fused
+  or not) of one layer tree, stacked or not."""
+  return {group: {n: p for n, p in layer[group].items() if n in _COLUMN}
+          for group in ("attn", "mlp")}
 
 
 def _merge_layer(layer, new):
-  """`layer` with its projections replaced by `new`'s (fused names drop the
-  parts)."""
+  """`layer` with its column-parallel projections replaced by `new`'s."""
   out = dict(layer)
-  for group in _PROJECTIONS:
-    kept = {n: p for n, p in layer[group].items()
-            if n not in _PROJECTIONS[group] and n not in new[group]}
-    out[group] = {**kept, **new[group]}
+  for group, projections in new.items():
+    out[group] = {**{n: p for n, p in layer[group].items()
+                     if n not in _COLUMN}, **projections}
   return out
 
 
