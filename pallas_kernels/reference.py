@@ -145,7 +145,10 @@ def token_metadata(q_indptr, kv_lens, num_tokens):
   """
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   batch_size = kv_lens.shape[0]
-  b = jnp.searchsorted(q_indptr[1:], t, side="right").astype(jnp.int32)
+  # One fused compare-and-count: the default binary search is a while loop
+  # of small kernels on the GPU (three per step of the search).
+  b = jnp.searchsorted(q_indptr[1:], t, side="right",
+                       method="compare_all").astype(jnp.int32)
   valid = t < q_indptr[-1]
   b = jnp.clip(b, 0, batch_size - 1)
   q_len = q_indptr[b + 1] - q_indptr[b]

@@ -100,8 +100,9 @@ def _tiles(q_indptr, kv_lens, block_q: int, num_tiles: int):
   ends = jnp.cumsum(per_seq)
   starts = ends - per_seq
   i = jnp.arange(num_tiles, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0,
-                 batch_size - 1).astype(jnp.int32)
+  # compare_all: one fused count, not a while loop (`reference.token_metadata`).
+  seq = jnp.clip(jnp.searchsorted(ends, i, side="right", method="compare_all"),
+                 0, batch_size - 1).astype(jnp.int32)
   j = i - starts[seq]
   first = q_indptr[seq] + j * block_q
   rows = jnp.where(i < ends[-1], jnp.minimum(block_q, q_len[seq] - j * block_q),
@@ -250,8 +251,8 @@ def paged_prefill(
 
   # Token t of sequence b sits in tile starts[b] + (t - q_indptr[b]) // bq.
   t = jnp.arange(t_total, dtype=jnp.int32)
-  tb = jnp.clip(jnp.searchsorted(q_indptr[1:], t, side="right"), 0,
-                batch_size - 1)
+  tb = jnp.clip(jnp.searchsorted(q_indptr[1:], t, side="right",
+                                 method="compare_all"), 0, batch_size - 1)
   off = t - q_indptr[tb]
   valid = t < q_indptr[-1]
   tile = jnp.clip(starts[tb] + off // bq, 0, num_tiles - 1)

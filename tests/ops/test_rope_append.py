@@ -320,6 +320,25 @@ def test_get_batch_indices_positions():
     pkvattn.get_batch_indices_positions(q_indptr[:3], kv_lens, 12)
 
 
+def test_get_batch_indices_positions_without_a_loop():
+  """A decode step's 256 rows: one fused count, no `while` (a binary search
+  is a loop of small kernels, three launches per halving, in every step),
+  and the numpy oracle's answer on a fresh ragged batch."""
+  rng = np.random.default_rng()
+  q_lens = rng.integers(0, 3, 256)
+  q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  kv_lens = (q_lens + rng.integers(0, 100, 256)).astype(np.int32)
+  f = jax.jit(pkvattn.get_batch_indices_positions, static_argnums=2)
+  assert " while(" not in f.lower(q_indptr, kv_lens, 600).as_text(dialect="hlo")
+  bi, pos = f(q_indptr, kv_lens, 600)
+  t = np.arange(600)
+  b = np.minimum(np.searchsorted(q_indptr[1:], t, side="right"), 255)
+  valid = t < q_indptr[-1]
+  np.testing.assert_array_equal(bi, np.where(valid, b, -1))
+  np.testing.assert_array_equal(
+      pos, np.where(valid, kv_lens[b] - q_lens[b] + t - q_indptr[b], 0))
+
+
 def test_append_errors():
   k = jnp.ones((4, 2, 64))
   pair = (jnp.zeros((8, 8, 2, 64)), jnp.zeros((8, 8, 2, 64)))
