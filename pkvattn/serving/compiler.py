@@ -370,8 +370,8 @@ class Compiler:
     workers = max_workers or min(len(keys), os.cpu_count() or 1) or 1
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
       # Saved programs load in the worker threads, all at once: a load
-      # compiles the program's Mosaic GPU kernels again, and one after the
-      # other the nine of the serving config took about 4 s on an H200.
+      # compiles the program's Mosaic GPU kernels again, which one after
+      # the other would add up to most of a warm start.
       loads = {}
       for key in keys:
         memo_key = self._memo_key(key, buffers)
