@@ -38,7 +38,9 @@ each other's softmax) over FlashInfer's paged, ragged layout:
   sequences run in the decode kernel) skip the q load and epilogue, and
   the plan bounds the grid tightly (`plan.max_tiles`).
 * A KV step is `block_kv` keys. The producer reads the step's page ids from
-  the page table (scalars) and issues one TMA copy per page
+  the page table (scalars; with two consumers before it waits for the
+  step's stage, so their latency hides behind that wait) and issues one
+  TMA copy per page
   (`pool[page, rows, kv_head, :]` -> `[page_size, head_dim]` of the stage),
   all arriving on the stage's barrier. Pages past the last one a sequence
   owns are never read (the page index is clamped to that page).
@@ -743,10 +745,13 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # the clamped copies bring).
       first_page = lax.div(it.kv_first, jnp.array(page_size, i32))
 
-      def issue(j, slot, pool_ref, table_ref, smem, bar):
-        # Step j of the item: block lo_blk + j.
+      def pages(j, table_ref):
+        """Step j's (page, first row) per copy (block lo_blk + j): the page
+        ids are loaded here, so a caller can start their loads before it
+        waits for the stage they go to."""
         i = it.lo_blk + j
         first = i * block_kv
+        out = []
         for c in range(copies):
           if page_size >= block_kv:
             per_page = page_size // block_kv
@@ -758,18 +763,27 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
             r0 = 0
           if window:
             page_idx = jnp.maximum(page_idx, first_page)
-          page = table_ref[it.seq, jnp.minimum(page_idx, last_page)]
+          out.append((table_ref[it.seq, jnp.minimum(page_idx, last_page)],
+                      r0))
+        return out
+
+      def copy(step_pages, slot, pool_ref, smem, bar):
+        for c, (page, r0) in enumerate(step_pages):
           plgpu.copy_gmem_to_smem(
               pool_ref.at[page, pl.ds(r0, rows), kv_head],
               smem.at[slot, pl.ds(c * rows, rows)], bar.at[slot])
-      return issue
+
+      return pages, copy
 
     if fp8_stages:
       def produce_fp8(t, carry):
         g, row = carry
         it = Item(t, row)
         row_next = fetch(t + 1)
-        issue = item_loads(it)
+        pages, copy = item_loads(it)
+
+        def issue(j, slot, pool_ref, table_ref, smem, bar):
+          copy(pages(j, table_ref), slot, pool_ref, smem, bar)
         return _fp8_producer(
             lambda i, s8: issue(i, s8, k_pool_ref, k_table_ref, k8_smem,
                                 k8_bar),
@@ -785,20 +799,30 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       g, row = carry
       it = Item(t, row)
       row_next = fetch(t + 1)
-      issue = item_loads(it)
+      pages, copy = item_loads(it)
 
       def body(i, _):
         slot = stage(g, i)
+        # With two consumers the step's page ids load while the producer
+        # waits for its stage: a full ring then waits on the consumers
+        # only, not on the ids' latency after them. With three (head_dim
+        # 64's ring) loading them early measured slower
+        # (docs/performance.md).
+        early = n_cons == 2
+        k_pages = pages(i, k_table_ref) if early else None
+        v_pages = pages(i, v_table_ref) if early else None
 
         @pl.when(g + i >= num_stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
-        issue(i, slot, k_pool_ref, k_table_ref, k_smem, k_bar)
+        copy(k_pages or pages(i, k_table_ref), slot, k_pool_ref, k_smem,
+             k_bar)
 
         @pl.when(g + i >= num_stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
-        issue(i, slot, v_pool_ref, v_table_ref, v_smem, v_bar)
+        copy(v_pages or pages(i, v_table_ref), slot, v_pool_ref, v_smem,
+             v_bar)
       lax.fori_loop(0, it.total_steps, body, None)
       return g + it.total_steps, row_next
     lax.fori_loop(0, my_items, produce, (jnp.array(0, i32), fetch(0)))
