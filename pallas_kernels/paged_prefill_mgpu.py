@@ -815,14 +815,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         @pl.when(g + i >= num_stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
-        copy(k_pages or pages(i, k_table_ref), slot, k_pool_ref, k_smem,
-             k_bar)
+        copy(k_pages if early else pages(i, k_table_ref), slot, k_pool_ref,
+             k_smem, k_bar)
 
         @pl.when(g + i >= num_stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
-        copy(v_pages or pages(i, v_table_ref), slot, v_pool_ref, v_smem,
-             v_bar)
+        copy(v_pages if early else pages(i, v_table_ref), slot, v_pool_ref,
+             v_smem, v_bar)
       lax.fori_loop(0, it.total_steps, body, None)
       return g + it.total_steps, row_next
     lax.fori_loop(0, my_items, produce, (jnp.array(0, i32), fetch(0)))
