@@ -14,7 +14,8 @@ each other's softmax) over FlashInfer's paged, ragged layout:
   token rounded down to 8, so TMA lands them on whole 8-row swizzle tiles;
   rows of other sequences are computed and never stored). n = 2 or 3
   consumer warpgroups take 64 rows each; one more (the producer) issues
-  TMA. Items run heads fastest, so the heads of one GQA group run together
+  TMA, from one of its warps (FA3's producer; with FP8 pages the whole
+  warpgroup, which converts the tiles). Items run heads fastest, so the heads of one GQA group run together
   and share the K/V they read through L2.
 * `pack_gqa` (FlashAttention-3's PackGQA): an item is one kv head and a
   tile of `tile_q(n, G)` tokens, and a consumer's 64 rows are 64 // G
@@ -37,9 +38,9 @@ each other's softmax) over FlashInfer's paged, ragged layout:
   spare tiles: all of them in a speculative decoding verify step, whose
   sequences run in the decode kernel) skip the q load and epilogue, and
   the plan bounds the grid tightly (`plan.max_tiles`).
-* A KV step is `block_kv` keys. The producer reads the step's page ids from
-  the page table (scalars; with two consumers before it waits for the
-  step's stage, so their latency hides behind that wait) and issues one
+* A KV step is `block_kv` keys. The producer's warp reads the step's page
+  ids from the page table (scalars; with two consumers before it waits for
+  the step's stage, so their latency hides behind that wait) and issues one
   TMA copy per page
   (`pool[page, rows, kv_head, :]` -> `[page_size, head_dim]` of the stage),
   all arriving on the stage's barrier. Pages past the last one a sequence
@@ -255,14 +256,17 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     return tuple(tiles_ref[tile, f] for f in range(plan_lib.NUM_FIELDS))
 
   class Item:
-    """This CTA's item t: its head, tile and the tile's plan row (`fetch`)."""
+    """This CTA's item t: its head, tile and the tile's plan row (`fetch`).
+    `hinted`: alignment hints on its offsets (`pl.multiple_of`), which
+    single-warp code (the producer's) does not lower."""
 
-    def __init__(self, t, row):
+    def __init__(self, t, row, hinted: bool = True):
       w = cta + t * num_ctas
       self.head = lax.rem(w, jnp.array(grid_heads, i32))
       self.tile = lax.div(w, jnp.array(grid_heads, i32))
       (self.seq, self.q_start, self.q_end, self.kv_len,
        self.pos_offset) = row
+      self.hinted = hinted
       # The plan (align=8) puts the tile's origin at q_start rounded down
       # to 8 rows (TMA into 8-row swizzle tiles); rows before q_start or at
       # / past q_end belong to other sequences: computed, never stored.
@@ -270,9 +274,10 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       if packed:
         self.origin = self.q_start
       else:
-        self.origin = pl.multiple_of(
-            self.q_start - lax.rem(self.q_start, jnp.array(ALIGN, i32)),
-            ALIGN)
+        self.origin = self.q_start - lax.rem(self.q_start,
+                                             jnp.array(ALIGN, i32))
+        if hinted:
+          self.origin = pl.multiple_of(self.origin, ALIGN)
       # With a window, the item's steps start at the block of the first
       # key its first token sees (`kv_first`; every consumer walks from
       # there, and steps count from that block); else at key 0.
@@ -756,8 +761,9 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
           if page_size >= block_kv:
             per_page = page_size // block_kv
             page_idx = lax.div(i, jnp.array(per_page, i32))
-            r0 = pl.multiple_of(
-                lax.rem(i, jnp.array(per_page, i32)) * block_kv, block_kv)
+            r0 = lax.rem(i, jnp.array(per_page, i32)) * block_kv
+            if it.hinted:
+              r0 = pl.multiple_of(r0, block_kv)
           else:
             page_idx = lax.div(first, jnp.array(page_size, i32)) + c
             r0 = 0
@@ -797,7 +803,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
     def produce(t, carry):
       g, row = carry
-      it = Item(t, row)
+      it = Item(t, row, hinted=False)
       row_next = fetch(t + 1)
       pages, copy = item_loads(it)
 
@@ -825,7 +831,16 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
              v_smem, v_bar)
       lax.fori_loop(0, it.total_steps, body, None)
       return g + it.total_steps, row_next
-    lax.fori_loop(0, my_items, produce, (jnp.array(0, i32), fetch(0)))
+
+    def one_warp(warp):
+      # One warp issues the loads (FA3's producer): the warpgroup's other
+      # three wait at the join, so the scalar work of each step (page ids,
+      # TMA descriptors) takes no issue slots from the consumer warps that
+      # share their schedulers, and no warpgroup barrier precedes a copy.
+      @pl.when(warp == 0)
+      def _():
+        lax.fori_loop(0, my_items, produce, (jnp.array(0, i32), fetch(0)))
+    plgpu.warp_map(one_warp)
 
 
 def _fp8_producer(load_k, load_v, total_steps, g, k_smem, v_smem, k8_smem,
