@@ -15,8 +15,9 @@ each other's softmax) over FlashInfer's paged, ragged layout:
   rows of other sequences are computed and never stored). n = 2 or 3
   consumer warpgroups take 64 rows each; one more (the producer) issues
   TMA, from one of its warps (FA3's producer; with FP8 pages the whole
-  warpgroup, which converts the tiles). Items run heads fastest, so the heads of one GQA group run together
-  and share the K/V they read through L2.
+  warpgroup, which converts the tiles). Items run heads fastest, so the
+  heads of one GQA group run together and share the K/V they read through
+  L2.
 * `pack_gqa` (FlashAttention-3's PackGQA): an item is one kv head and a
   tile of `tile_q(n, G)` tokens, and a consumer's 64 rows are 64 // G
   tokens x the group's G query heads (row r: token r // G, head r % G). A
