@@ -5,10 +5,20 @@ dispatch between the Pallas kernels (`impl="pallas"`) and plain XLA (`impl="xla"
 decode rows through the pure-jnp reference, which gathers each row's pages
 once; prefill through the flash-style `pkvattn.xla_attention`). Semantics
 follow FlashInfer (see `pallas_kernels/reference.py`).
+
+An eager call whose arguments are all jax arrays (the bare op in a Python
+loop, as a user or a benchmark calls it) runs as one `jax.jit` of the whole
+op (`_one_program`): the checks and the layout normalisation happen when that
+function is traced, once per shape, and every later call is one dispatch of
+the compiled program, as a torch op is one launch. Otherwise (lists, Python
+scale numbers, checked mode, or inside the caller's own trace) the op runs
+as written, so its checks see host values and its contract is staged into
+the caller's program.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -18,6 +28,7 @@ from pkvattn import _checks
 from pkvattn import _contract
 from pkvattn import _kv
 from pkvattn import xla_attention
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import reference
 from pkvattn.types import Implementation
 
@@ -163,6 +174,19 @@ def paged_decode(
     >>> out.shape
     (2, 8, 64)
   """
+  arrays = (q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale)
+  statics = dict(sm_scale=sm_scale, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, return_lse=return_lse,
+                 impl=impl)
+  if _one_program(arrays, statics, check):
+    return _decode_program(*arrays, **statics, gpu=_gpu())
+  return _paged_decode(*arrays, **statics, check=check)
+
+
+def _paged_decode(q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale,
+                  *, sm_scale, window_left, logits_soft_cap, return_lse, impl,
+                  check):
+  """`paged_decode`, run as written (the module docstring: when)."""
   q, page_table, kv_lens, sinks = _arrays(q, page_table, kv_lens, sinks)
   view = _kv.make_view(kv_cache, page_table)
   scales = _common_checks(q, view, kv_lens, sinks, q.shape[0], "q", k_scale,
@@ -280,6 +304,20 @@ def paged_prefill(
     checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
       contract.
   """
+  arrays = (q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan, k_scale,
+            v_scale)
+  statics = dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, return_lse=return_lse,
+                 impl=impl)
+  if _one_program(arrays, statics, check):
+    return _prefill_program(*arrays, **statics, gpu=_gpu())
+  return _paged_prefill(*arrays, **statics, check=check)
+
+
+def _paged_prefill(q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan,
+                   k_scale, v_scale, *, causal, sm_scale, window_left,
+                   logits_soft_cap, return_lse, impl, check):
+  """`paged_prefill`, run as written (the module docstring: when)."""
   q, page_table, kv_lens, sinks = _arrays(q, page_table, kv_lens, sinks)
   q_indptr = _checks.as_index_array(q_indptr)
   view = _kv.make_view(kv_cache, page_table)
@@ -331,6 +369,54 @@ def _arrays(q, page_table, kv_lens, sinks):
   return (jnp.asarray(q), _checks.as_index_array(page_table),
           _checks.as_index_array(kv_lens),
           None if sinks is None else jnp.asarray(sinks))
+
+
+def _one_program(arrays, statics, check) -> bool:
+  """Whether an op call runs as one jitted program: every array argument is
+  a jax array outside any trace (no list, Python number or tracer), the
+  static arguments are plain hashable values, and checked mode is off (its
+  eager checks run before the op, on the host's values)."""
+  for x in jax.tree.leaves(arrays):
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return False
+  return (not _contract.enabled(check)
+          and all(v is None or isinstance(v, (bool, int, float, str))
+                  for v in statics.values()))
+
+
+def _gpu() -> dispatch.Gpu:
+  """The GPU the kernels are chosen for: read while tracing, so part of the
+  jitted ops' cache key."""
+  return dispatch.current_gpu(interpret=not _checks.is_gpu())
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "window_left", "logits_soft_cap",
+                              "return_lse", "impl", "gpu"))
+def _decode_program(q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale,
+                    *, sm_scale, window_left, logits_soft_cap, return_lse,
+                    impl, gpu):
+  """`_paged_decode` as one program; `gpu` (`_gpu()`) only keys the cache."""
+  del gpu
+  return _paged_decode(q, kv_cache, page_table, kv_lens, sinks, k_scale,
+                       v_scale, sm_scale=sm_scale, window_left=window_left,
+                       logits_soft_cap=logits_soft_cap, return_lse=return_lse,
+                       impl=impl, check=False)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("causal", "sm_scale", "window_left",
+                              "logits_soft_cap", "return_lse", "impl", "gpu"))
+def _prefill_program(q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan,
+                     k_scale, v_scale, *, causal, sm_scale, window_left,
+                     logits_soft_cap, return_lse, impl, gpu):
+  """`_paged_prefill` as one program; `gpu` (`_gpu()`) only keys the cache."""
+  del gpu
+  return _paged_prefill(q, kv_cache, page_table, q_indptr, kv_lens, sinks,
+                        plan, k_scale, v_scale, causal=causal,
+                        sm_scale=sm_scale, window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, return_lse=return_lse,
+                        impl=impl, check=False)
 
 
 def _empty(q):
