@@ -228,6 +228,14 @@ def test_forced_key_collision_is_never_reused(monkeypatch):
   assert int(res.num_reused_tokens[0]) == 0
   cache.validate(st)
   st = _release(st, [2, 3])
+  # Same key, one token of the block differs (its first or its last): every
+  # token is compared, so no reuse either.
+  for seq, pos in ((7, 0), (8, 3)):
+    near = list(a)
+    near[pos] += 1
+    st, res = _claim(st, [seq], [near])
+    assert int(res.num_reused_tokens[0]) == 0, pos
+  st = _release(st, [7, 8])
   # A colliding publication replaces the old entry instead of aliasing it.
   other = _rand(12, 9)
   st, _ = _claim(st, [4], [other])
