@@ -153,3 +153,51 @@ def test_checked_engine_reports_a_corrupted_page_table(model):
       seq_slots=engine.state.seq_slots.at[0, 0].set(CFG.num_slots + 3))
   with pytest.raises(checkify.JaxRuntimeError, match="page_table"):
     engine.step()
+
+
+@pytest.mark.parametrize("decode_steps", [1, 2])
+def test_a_program_that_raises_loses_no_request(model, monkeypatch,
+                                                decode_steps):
+  """Every other program call raises before it runs (as a launch or compile
+  error would): each such step or burst is undone (`Scheduler.unschedule`:
+  its admissions back at the queue's front, the rows it took to release
+  released by a later program), so every request still completes with the
+  tokens it gets alone, and every row and slot is free at the end."""
+  cfg = EngineConfig(page_size=8, num_slots=12, max_seqs=2, max_num_tokens=16,
+                     max_model_len=40, decode_steps=decode_steps)
+  rng = np.random.default_rng()
+  prompts = [rng.integers(1, 256, int(n)).tolist() for n in (5, 11, 3, 7)]
+  sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+  alone = [Engine(model, cfg).generate([p], sp)[0] for p in prompts]
+  engine = Engine(model, cfg)
+  ids = [engine.add_request(p, sp) for p in prompts]
+  run, calls = engine._run, [0]
+
+  def flaky(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] % 2:
+      raise RuntimeError("launch failed")
+    return run(*args, **kwargs)
+  monkeypatch.setattr(engine, "_run", flaky)
+  with pytest.raises(RuntimeError, match="launch failed"):
+    engine.step()  # admits the first two, then fails: queued as before
+  assert [r.request_id for r in engine.scheduler.waiting] == ids
+  assert engine.scheduler.free_rows == list(range(cfg.max_seqs))
+  failed = 1
+  for _ in range(200):  # bounded: a lost row would stall the queue
+    if not engine.has_unfinished():
+      break
+    try:
+      engine.step()
+    except RuntimeError:
+      failed += 1
+  assert not engine.has_unfinished()
+  assert failed == (calls[0] + 1) // 2 > 4
+  assert [engine.get_request(i).output for i in ids] == alone
+  monkeypatch.undo()
+  for _ in range(10):
+    if engine.scheduler.has_work():
+      engine.step()
+  assert engine.scheduler.free_rows == list(range(cfg.max_seqs))
+  assert not engine.scheduler.to_release
+  assert int(cache.stats(engine.state)["num_used"]) == 0
