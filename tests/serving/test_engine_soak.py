@@ -199,7 +199,9 @@ def test_soak(engine, prompts, oracle, seed, bad_rate):
   _check_bounded(engine)
 
 
-def test_a_request_failing_in_a_step_fails_alone(engine, prompts, oracle):
+@pytest.mark.parametrize("bad", [0, 1])  # the failing request's row
+def test_a_request_failing_in_a_step_fails_alone(engine, prompts, oracle,
+                                                 bad):
   class Exploding:  # reading its sampling fields raises, as a bug would
     max_new_tokens, ignore_eos, stop_token_ids = 4, True, None
 
@@ -209,16 +211,17 @@ def test_a_request_failing_in_a_step_fails_alone(engine, prompts, oracle):
 
   sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
   ids = [engine.add_request(p, sp) for p in prompts[:4]]
-  engine.get_request(ids[1]).params = Exploding()
+  engine.get_request(ids[bad]).params = Exploding()
   engine.get_request(ids[2]).prompt = [1, 2**40]  # fails its admission
   reqs = [engine.get_request(i) for i in ids]
   while engine.has_unfinished():
     engine.step()
-  for k in (1, 2):
+  for k in (bad, 2):
     assert reqs[k].finish_reason == "error"
     assert reqs[k].error
-  assert "boom" in reqs[1].error
-  assert reqs[0].output == oracle[0][:4] and reqs[3].output == oracle[3][:4]
+  assert "boom" in reqs[bad].error
+  for k in {0, 1, 3} - {bad}:
+    assert reqs[k].output == oracle[k][:4], k
   while engine.scheduler.has_work():
     engine.step()
   assert engine.scheduler.free_rows == list(range(CFG.max_seqs))
