@@ -8,7 +8,7 @@ follow FlashInfer (see `pallas_kernels/reference.py`).
 
 An eager call whose arguments are all jax arrays (the bare op in a Python
 loop, as a user or a benchmark calls it) runs as one `jax.jit` of the whole
-op (`_one_program`): the checks and the layout normalisation happen when that
+op (`_call`): the checks and the layout normalisation happen when that
 function is traced, once per shape, and every later call is one dispatch of
 the compiled program, as a torch op is one launch. Otherwise (lists, Python
 scale numbers, checked mode, or inside the caller's own trace) the op runs
@@ -174,13 +174,11 @@ def paged_decode(
     >>> out.shape
     (2, 8, 64)
   """
-  arrays = (q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale)
-  statics = dict(sm_scale=sm_scale, window_left=window_left,
-                 logits_soft_cap=logits_soft_cap, return_lse=return_lse,
-                 impl=impl)
-  if _one_program(arrays, statics, check):
-    return _decode_program(*arrays, **statics, gpu=_gpu())
-  return _paged_decode(*arrays, **statics, check=check)
+  return _call(_paged_decode, _decode_program,
+               (q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale),
+               dict(sm_scale=sm_scale, window_left=window_left,
+                    logits_soft_cap=logits_soft_cap, return_lse=return_lse,
+                    impl=impl), check)
 
 
 def _paged_decode(q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale,
@@ -304,14 +302,12 @@ def paged_prefill(
     checkify.JaxRuntimeError: (a ValueError) checked mode, a violated
       contract.
   """
-  arrays = (q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan, k_scale,
-            v_scale)
-  statics = dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
-                 logits_soft_cap=logits_soft_cap, return_lse=return_lse,
-                 impl=impl)
-  if _one_program(arrays, statics, check):
-    return _prefill_program(*arrays, **statics, gpu=_gpu())
-  return _paged_prefill(*arrays, **statics, check=check)
+  return _call(_paged_prefill, _prefill_program,
+               (q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan,
+                k_scale, v_scale),
+               dict(causal=causal, sm_scale=sm_scale, window_left=window_left,
+                    logits_soft_cap=logits_soft_cap, return_lse=return_lse,
+                    impl=impl), check)
 
 
 def _paged_prefill(q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan,
@@ -369,6 +365,14 @@ def _arrays(q, page_table, kv_lens, sinks):
   return (jnp.asarray(q), _checks.as_index_array(page_table),
           _checks.as_index_array(kv_lens),
           None if sinks is None else jnp.asarray(sinks))
+
+
+def _call(op, program, arrays, statics, check):
+  """`program(*arrays, **statics)`, the jit of `op`, where the call can run
+  as one program (`_one_program`), else `op(*arrays, **statics, check=)`."""
+  if _one_program(arrays, statics, check):
+    return program(*arrays, **statics, gpu=_gpu())
+  return op(*arrays, **statics, check=check)
 
 
 def _one_program(arrays, statics, check) -> bool:
