@@ -293,3 +293,52 @@ def test_status_is_a_str_enum_and_bursts_cap_stop_ids():
   sched, _ = _decoding(cfg, rng, max_new_tokens=8,
                        stop_token_ids=too_many[:MAX_STOP_IDS])
   assert sched.burst_eligible()
+
+
+def _queue(cfg, prompts):
+  """A scheduler with one queued request per prompt (8 new tokens each)."""
+  sched = Scheduler(cfg, EngineStats(), pool_text="num_slots=64")
+  for i, p in enumerate(prompts):
+    req = make_request(p, SamplingParams(max_new_tokens=8), _limits(cfg))
+    req.request_id = i
+    sched.add(req)
+  return sched
+
+
+def test_admissions_stop_at_max_admit_rows_and_backlog():
+  """A step admits while a row is free, fewer than `max_admit` requests
+  were admitted, and the prompt tokens admitted but not computed stay under
+  two steps' token budget; the rest stay queued in order."""
+  rng = np.random.default_rng()
+  prompts = [rng.integers(0, VOCAB, 5).tolist() for _ in range(4)]
+  cfg = dataclasses.replace(CFG, max_admit=2)
+  sched = _queue(cfg, prompts)
+  assert [r.request_id for r in sched.schedule().admitted] == [0, 1]
+  assert [r.request_id for r in sched.waiting] == [2, 3]
+  sched = _queue(CFG, prompts)  # 3 rows for 4 requests
+  assert [r.request_id for r in sched.schedule().admitted] == [0, 1, 2]
+  # Two steps' budget is 32 tokens: 20 + 11 admitted, then 31 < 32 lets a
+  # third in; with 20 + 12 the backlog is full.
+  for second, admitted in ((11, [0, 1, 2]), (12, [0, 1])):
+    lens = (20, second, 3)
+    sched = _queue(CFG, [rng.integers(0, VOCAB, n).tolist() for n in lens])
+    assert [r.request_id for r in sched.schedule().admitted] == admitted
+
+
+def test_no_burst_while_a_waiting_request_could_take_a_row():
+  """Bursts start only when nothing but decoding can happen: a waiting
+  request with a free row (or one about to be released) gets a step."""
+  cfg = dataclasses.replace(CFG, max_seqs=2, decode_steps=4)
+  rng = np.random.default_rng()
+  sched = _queue(cfg, [rng.integers(0, VOCAB, 3).tolist()])
+  streams = [[EOS + 1] * 20]  # never a stop token
+  for _ in range(2):  # the admission, then the prompt's prefill
+    scheduled = sched.schedule()
+    sched.take_released_rows()
+    sched.update_from_output(scheduled, _step_outputs(cfg, scheduled, streams,
+                                                      set()))
+  assert sched.burst_eligible()  # one decoding request, nothing waiting
+  req = make_request([1, 2], SamplingParams(max_new_tokens=2), _limits(cfg))
+  req.request_id = 1
+  sched.add(req)
+  assert sched.free_rows and not sched.burst_eligible()
