@@ -329,16 +329,24 @@ def test_no_burst_while_a_waiting_request_could_take_a_row():
   """Bursts start only when nothing but decoding can happen: a waiting
   request with a free row (or one about to be released) gets a step."""
   cfg = dataclasses.replace(CFG, max_seqs=2, decode_steps=4)
-  rng = np.random.default_rng()
-  sched = _queue(cfg, [rng.integers(0, VOCAB, 3).tolist()])
-  streams = [[EOS + 1] * 20]  # never a stop token
-  for _ in range(2):  # the admission, then the prompt's prefill
-    scheduled = sched.schedule()
-    sched.take_released_rows()
-    sched.update_from_output(scheduled, _step_outputs(cfg, scheduled, streams,
-                                                      set()))
+  sched, _ = _decoding(cfg, np.random.default_rng(), max_new_tokens=8)
   assert sched.burst_eligible()  # one decoding request, nothing waiting
   req = make_request([1, 2], SamplingParams(max_new_tokens=2), _limits(cfg))
   req.request_id = 1
   sched.add(req)
   assert sched.free_rows and not sched.burst_eligible()
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_burst_stays_in_flight_only_if_a_request_outlives_it(waiting):
+  """A dispatched burst of k steps chains into the next one when some
+  request has more than k tokens left (all of them have, when a request
+  waits for a row); one that may end in it is read first."""
+  cfg = dataclasses.replace(CFG, max_seqs=1, decode_steps=4)
+  rng = np.random.default_rng()
+  for left, chains in ((4, False), (5, True)):
+    sched, _ = _decoding(cfg, rng, max_new_tokens=1 + left)
+    if waiting:
+      sched.add(make_request([1], SamplingParams(max_new_tokens=1),
+                             _limits(cfg)))
+    assert sched.can_chain() is chains, left
