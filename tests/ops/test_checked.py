@@ -400,6 +400,18 @@ def test_cache_op_contract_raises(name, op, msg):
   op(st_)  # unchecked: a refused request or a no-op, never an error
 
 
+def test_cache_op_contract_holds_at_its_bounds():
+  """The bounds themselves are in contract: an extend to exactly the
+  sequence capacity (6 + 10 = 16 tokens) and a claim of as many tokens as
+  its row holds pass checked mode and are granted."""
+  st_ = _cache_state()
+  with pkvattn.checked():
+    _, res = cache.extend(st_, [0, 1], [10, 0])
+    assert np.asarray(res.ok).all()
+    _, res = cache.claim_batch(st_, [2, 3], np.ones((2, 4), int), [4, 0])
+    assert np.asarray(res.ok).all()
+
+
 def test_cache_ops_checked_valid_sequence_matches_unchecked():
   """Random in-contract calls: checked mode raises nothing and changes
   nothing (same results and states as unchecked)."""
