@@ -350,3 +350,40 @@ def test_a_burst_stays_in_flight_only_if_a_request_outlives_it(waiting):
       sched.add(make_request([1], SamplingParams(max_new_tokens=1),
                              _limits(cfg)))
     assert sched.can_chain() is chains, left
+
+
+def test_a_request_failing_beside_a_pending_release_frees_its_row():
+  """A request that fails while another row waits to be released (its
+  request ended in the step before) queues its own row for release too."""
+  cfg = dataclasses.replace(CFG, max_seqs=2)
+  sched = Scheduler(cfg, EngineStats(), pool_text="num_slots=64")
+  reqs = []
+  for i, n in enumerate((1, 8)):  # A ends with its first token
+    req = make_request([1, 2, 3], SamplingParams(max_new_tokens=n),
+                       _limits(cfg))
+    req.request_id = i
+    sched.add(req)
+    reqs.append(req)
+  streams = [[EOS + 1] * 20] * 2
+
+  def step():
+    scheduled = sched.schedule()
+    sched.take_released_rows()
+    sched.update_from_output(scheduled, _step_outputs(cfg, scheduled, streams,
+                                                      set()))
+
+  step()  # admission
+  step()  # both prompts: A samples its one token and ends
+  assert reqs[0].finish_reason == "length" and sched.to_release
+
+  class Exploding:  # B's next sampling step raises, as a bug would
+    max_new_tokens, ignore_eos, stop_token_ids = 8, False, None
+
+    @property
+    def temperature(self):
+      raise RuntimeError("boom")
+  reqs[1].params = Exploding()
+  step()
+  assert reqs[1].finish_reason == "error"
+  step()  # the rows queued for release are released
+  assert sched.free_rows == [0, 1] and not sched.to_release
