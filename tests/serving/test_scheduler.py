@@ -326,8 +326,8 @@ def test_admissions_stop_at_max_admit_rows_and_backlog():
 
 
 def test_no_burst_while_a_waiting_request_could_take_a_row():
-  """Bursts start only when nothing but decoding can happen: a waiting
-  request with a free row (or one about to be released) gets a step."""
+  """Bursts start only when nothing but decoding can happen: once a
+  request waits with a row free, the next program is a step (it admits)."""
   cfg = dataclasses.replace(CFG, max_seqs=2, decode_steps=4)
   sched, _ = _decoding(cfg, np.random.default_rng(), max_new_tokens=8)
   assert sched.burst_eligible()  # one decoding request, nothing waiting
