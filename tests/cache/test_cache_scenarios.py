@@ -248,6 +248,30 @@ def test_forced_key_collision_is_never_reused(monkeypatch):
   cache.validate(st)
 
 
+def test_lookup_matches_the_whole_key_within_a_bucket(monkeypatch):
+  """Keys that share their first word (the bucket index) and differ in the
+  second sit in one bucket: a lookup must take the entry whose whole key
+  matches, so each prompt finds its own cached blocks."""
+  keys = hashing.block_keys
+
+  def one_bucket(block_tokens, scope):
+    return keys(block_tokens, scope).at[..., 0].set(jnp.uint32(0))
+
+  monkeypatch.setattr(hashing, "block_keys", one_bucket)
+  # A config used by no other test (the jitted ops trace the patched hash).
+  cfg = _cfg(num_slots=20, hash_ways=8, max_seqs=7)
+  prompts = [_rand(20 + i, 9) for i in range(3)]  # two full blocks each
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0, 1, 2], prompts)
+  st = _commit(st, [0, 1, 2], prompts)
+  st = _release(st, [0, 1, 2])
+  assert int(jnp.sum(st.slot_published)) == 6
+  for seq, prompt in zip((3, 4, 5), prompts):
+    st, res = _claim(st, [seq], [prompt])
+    assert int(res.num_reused_tokens[0]) == 8, seq
+  cache.validate(st)
+
+
 def test_page_table_traced_layer_in_scan():
   cfg = _cfg(num_layers=3)
   st, _ = _claim(cache.init_cache(cfg), [0, 1], [_rand(1, 9), _rand(2, 3)])
