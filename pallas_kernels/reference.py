@@ -136,6 +136,16 @@ def paged_decode_reference(
   return out.reshape(b, hq, d).astype(q.dtype), lse.reshape(b, hq)
 
 
+def owner(ends, idx, n: int):
+  """Per entry of `idx`, the first position `b` of the sorted `ends` with
+  `ends[b] > idx` (the sequence or tile that `idx` falls in), clipped to
+  `[0, n)`, i32. One fused compare-and-count: the default binary search is
+  a while loop of small kernels on the GPU (three per step of the search)."""
+  return jnp.clip(jnp.searchsorted(ends, idx, side="right",
+                                   method="compare_all"),
+                  0, n - 1).astype(jnp.int32)
+
+
 def token_metadata(q_indptr, kv_lens, num_tokens):
   """Per-token sequence index and position for a ragged batch.
 
@@ -144,13 +154,8 @@ def token_metadata(q_indptr, kv_lens, num_tokens):
   position 0. Follows FlashInfer's `get_batch_indices_positions`.
   """
   t = jnp.arange(num_tokens, dtype=jnp.int32)
-  batch_size = kv_lens.shape[0]
-  # One fused compare-and-count: the default binary search is a while loop
-  # of small kernels on the GPU (three per step of the search).
-  b = jnp.searchsorted(q_indptr[1:], t, side="right",
-                       method="compare_all").astype(jnp.int32)
+  b = owner(q_indptr[1:], t, kv_lens.shape[0])
   valid = t < q_indptr[-1]
-  b = jnp.clip(b, 0, batch_size - 1)
   q_len = q_indptr[b + 1] - q_indptr[b]
   pos = kv_lens[b] - q_len + (t - q_indptr[b])
   return jnp.where(valid, b, -1), jnp.where(valid, pos, 0).astype(jnp.int32)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn import _kv
+from pkvattn.pallas_kernels import reference
 
 NEG_INF = float("-inf")
 
@@ -90,17 +91,6 @@ def _head_scale(scale, trailing: int):
   return scale.reshape(scale.shape + (1,) * trailing) if scale.ndim else scale
 
 
-def _owner(ends, idx, n: int):
-  """Per entry of `idx`, the first position `b` of the sorted `ends` with
-  `ends[b] > idx` (the tile or sequence that `idx` falls in), clipped to
-  `[0, n)`, i32. One fused compare-and-count: the default binary search
-  is a while loop of small kernels on a GPU (`reference.token_metadata`
-  does the same)."""
-  return jnp.clip(jnp.searchsorted(ends, idx, side="right",
-                                   method="compare_all"),
-                  0, n - 1).astype(jnp.int32)
-
-
 def _tiles(q_indptr, kv_lens, block_q: int, num_tiles: int):
   """Per-tile `(seq, first token, rows, first position)`, each `i32[num_tiles]`
   (tiles past the last real one get `rows = 0`), then each sequence's first
@@ -111,7 +101,7 @@ def _tiles(q_indptr, kv_lens, block_q: int, num_tiles: int):
   ends = jnp.cumsum(per_seq)
   starts = ends - per_seq
   i = jnp.arange(num_tiles, dtype=jnp.int32)
-  seq = _owner(ends, i, batch_size)
+  seq = reference.owner(ends, i, batch_size)
   j = i - starts[seq]
   first = q_indptr[seq] + j * block_q
   rows = jnp.where(i < ends[-1], jnp.minimum(block_q, q_len[seq] - j * block_q),
@@ -260,7 +250,7 @@ def paged_prefill(
 
   # Token t of sequence b sits in tile starts[b] + (t - q_indptr[b]) // bq.
   t = jnp.arange(t_total, dtype=jnp.int32)
-  tb = _owner(q_indptr[1:], t, batch_size)
+  tb = reference.owner(q_indptr[1:], t, batch_size)
   off = t - q_indptr[tb]
   valid = t < q_indptr[-1]
   tile = jnp.clip(starts[tb] + off // bq, 0, num_tiles - 1)
