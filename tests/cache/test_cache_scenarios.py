@@ -248,6 +248,43 @@ def test_forced_key_collision_is_never_reused(monkeypatch):
   cache.validate(st)
 
 
+def test_block_under_another_parent_is_not_reused(monkeypatch):
+  """With keys of each block's own tokens (not of the chain), a block cached
+  under one parent is found by key and tokens under another parent whose
+  publication generation is the same: the parent slot must match too, so
+  only the leading block is reused. Publishing the block under the new
+  parent replaces the key's entry: it is found under that parent, and the
+  old chain keeps only its leading block."""
+  keys = hashing.block_keys
+
+  def own_block_keys(block_tokens, scope):
+    n, nb, ps = block_tokens.shape
+    return keys(block_tokens.reshape(n * nb, 1, ps),
+                jnp.repeat(scope, nb)).reshape(n, nb, 2)
+
+  monkeypatch.setattr(hashing, "block_keys", own_block_keys)
+  # A config used by no other test (the jitted ops trace the patched hash).
+  cfg = _cfg(num_slots=12, hash_ways=8, max_seqs=5)
+  w, v, x, z = (_rand(30 + i, PS) for i in range(4))
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0, 1], [w + v + [7], x + z + [7]])
+  st = _commit(st, [0, 1], [w + v + [7], x + z + [7]])
+  st = _release(st, [0, 1])
+  gen = np.asarray(st.slot_gen)
+  assert gen[np.asarray(st.slot_published)].tolist() == [1] * 4
+  # Z's slot holds Z's key and tokens, its parent X's slot at generation 1,
+  # the same generation as W's slot: only W is reused.
+  st, res = _claim(st, [2], [w + z + [7]])
+  assert int(res.num_reused_tokens[0]) == PS
+  st = _commit(st, [2], [w + z + [7]])
+  st = _release(st, [2])
+  cache.validate(st)
+  for seq, prompt, reused in ((3, w + z + [7], 2 * PS), (4, x + z + [7], PS)):
+    st, res = _claim(st, [seq], [prompt])
+    assert int(res.num_reused_tokens[0]) == reused, seq
+  cache.validate(st)
+
+
 def test_lookup_matches_the_whole_key_within_a_bucket(monkeypatch):
   """Keys that share their first word (the bucket index) and differ in the
   second sit in one bucket: a lookup must take the entry whose whole key
