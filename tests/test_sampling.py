@@ -70,8 +70,13 @@ def _kept_distribution(logits, temperature, top_k, top_p):
 def test_sampler_draws_the_kept_distribution(vocab, params_a, params_b):
   rng = np.random.default_rng()
   n = 20_000  # draws per setting: one row per generated-token index
-  logits = rng.normal(scale=1.5 if vocab < 100 else 3.0,
-                      size=vocab).astype(np.float32)
+  logits = np.sort(rng.normal(scale=1.5 if vocab < 100 else 3.0,
+                              size=vocab).astype(np.float32))[::-1]
+  # The two most likely tokens first and last, the rest shuffled: every
+  # setting keeps tokens in the first draw block and in the last (partial)
+  # one.
+  logits = np.concatenate([logits[:1], rng.permutation(logits[2:]),
+                           logits[1:2]])
   # Rows alternate between the two settings.
   params = np.asarray([params_a, params_b] * n, np.float64)
   out = np.asarray(jax.jit(sample)(
@@ -106,3 +111,24 @@ def test_sampler_keeps_ties_and_the_top_token():
   logits = jnp.asarray(np.random.default_rng().normal(size=300), jnp.float32)
   out = np.asarray(draw(logits, 0, 1e-45))
   np.testing.assert_array_equal(out, int(np.argmax(np.asarray(logits))))
+
+
+def test_sampler_branches_only_where_asked():
+  """By default the sampling path sits under one `lax.cond` on whether any
+  row samples; `cond=False` and `greedy_only` build none (on a GPU a
+  `lax.cond` reads its predicate back on the host), and `greedy_only` builds
+  no sampling path at all (no random key)."""
+  rows, vocab = 3, 40
+  args = (jnp.zeros((rows, vocab)), jnp.ones(rows), jnp.zeros(rows, jnp.int32),
+          jnp.ones(rows), jnp.zeros(rows, jnp.uint32),
+          jnp.zeros(rows, jnp.int32))
+
+  def primitives(**kw):
+    jaxpr = jax.make_jaxpr(lambda *a: sample(*a, **kw))(*args)
+    return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+
+  assert "cond" in primitives()
+  no_cond = primitives(cond=False)
+  assert "cond" not in no_cond and "random_fold_in" in no_cond
+  greedy = primitives(greedy_only=True)
+  assert "cond" not in greedy and "random_fold_in" not in greedy
