@@ -91,10 +91,6 @@ class SwaScratchPlan(NamedTuple):
   num_scratch_slots: int | jax.Array   # cdiv(num_scratch_blocks, num_layers)
   num_step_slots: int | jax.Array      # num_scratch_slots + num_normal_blocks
 
-  @property
-  def num_new_blocks(self):
-    return self.end_new_block - self.first_new_block
-
 
 def swa_scratch_plan(
     history_len,         # int | i32[*batch]: tokens already cached (before the chunk)

@@ -130,6 +130,7 @@ def _random_cases(seed, n):
   capacity = history_len + rng.integers(0, 3000, n)
   window_left = rng.integers(-1, 1500, n)
   window_left[::7] = -1
+  window_left[1::7] = 0  # the current token alone
   max_rewind_len = np.where(rng.random(n) < 0.5, 0, rng.integers(0, 200, n))
   return [x.astype(np.int32) for x in (history_len, capacity, window_left,
                                         max_rewind_len)]
@@ -240,6 +241,10 @@ def test_scratch_page_indices_mixed_groups():
     assert len(set(k.tolist())) == 6
     pool_layers = (k // 2) % 6
     assert set(pool_layers.tolist()) <= set(swa.layers)  # only SWA layers' pages
+  for bad in ((), (0, 2, 2), (-1, 2), (0, 6)):
+    with pytest.raises(ValueError, match="group_layers"):
+      window.scratch_page_indices(scratch_slots, 6, 0, num_layers=6,
+                                  group_layers=bad, max_scratch_blocks=6)
 
 
 def test_per_layer_page_indices():
@@ -272,6 +277,14 @@ def test_layer_groups_none_and_errors():
     window.layer_groups([1, 2], 3)
   with pytest.raises(ValueError, match=r"layer_windows\[1\]"):
     window.layer_groups([1, -5, 2], 3)
+  # window_left 0 (the current token alone) is a sliding window: its group
+  # gets the SWA plan's scratch.
+  zero, full = window.layer_groups([0, -1, 0], 3)
+  assert zero.is_swa and not full.is_swa
+  plans = window.group_scratch_plans((zero, full), 0, 1024, 32)
+  assert plans[0] == window.swa_scratch_plan(0, 1024, 32, 0, 2)
+  assert plans[0].num_scratch_blocks > 0
+  assert plans[1].num_scratch_blocks == 0
 
 
 def test_page_index_mode():
