@@ -107,6 +107,14 @@ def test_sampler_keeps_ties_and_the_top_token():
   freq = np.bincount(np.asarray(draw(logits, 2, 1.0)), minlength=6) / n
   assert set(np.flatnonzero(freq)) == {1, 3, 4}, freq
   np.testing.assert_allclose(freq[[1, 3, 4]], 1 / 3, atol=0.03)
+  # Greedy rows beside sampling ones take the argmax (the first of tied
+  # tokens), never a draw among the tied.
+  temps = jnp.asarray([0.0, 1.0] * (n // 2))
+  out = np.asarray(jax.jit(sample)(
+      jnp.broadcast_to(logits, (n, 6)), temps, jnp.zeros(n, jnp.int32),
+      jnp.ones(n), jnp.full(n, 7, jnp.uint32), jnp.arange(n, dtype=jnp.int32)))
+  assert (out[::2] == 1).all()
+  assert {1, 3, 4} <= set(out[1::2].tolist())  # the sampling rows draw
   # A top_p whose target rounds to zero still keeps the most likely token.
   logits = jnp.asarray(np.random.default_rng().normal(size=300), jnp.float32)
   out = np.asarray(draw(logits, 0, 1e-45))

@@ -111,7 +111,11 @@ def test_empty_batches_give_empty_or_padding_outputs(impl):
     ("temperature", float("nan")), ("temperature", "hot"), ("top_k", -1),
     ("top_k", 1.5), ("top_p", 0.0), ("top_p", 1.5), ("top_p", None),
     ("seed", 1.0), ("seed", None), ("stop_token_ids", (1, -2)),
-    ("stop_token_ids", (1.0,)), ("ignore_eos", "yes"),
+    ("stop_token_ids", (1.0,)), ("stop_token_ids", 5),
+    ("stop_token_ids", "12"), ("ignore_eos", "yes"),
+    # One past the int32 / float32 range of the device programs.
+    ("max_new_tokens", 2**31), ("top_k", 2**31), ("stop_token_ids", (2**31,)),
+    ("temperature", 2 * float(np.finfo(np.float32).max)),
 ])
 def test_sampling_params_reject_bad_fields(field, value):
   with pytest.raises(ValueError, match=f"Invalid {field}: expected"):
@@ -124,3 +128,8 @@ def test_sampling_params_accept_valid_fields():
                      ignore_eos=True)
   assert p.max_new_tokens == 3 and p.top_p == 1
   SamplingParams(temperature=0.7, top_p=0.9, seed=2**40)
+  # Each range's ends.
+  SamplingParams(max_new_tokens=1, top_k=0, top_p=1.0)
+  big = 2**31 - 1
+  SamplingParams(max_new_tokens=big, top_k=big, stop_token_ids=(0, big),
+                 temperature=float(np.finfo(np.float32).max))
