@@ -232,15 +232,22 @@ def test_scratch_page_indices_mixed_groups():
   pages_of = jax.jit(lambda layer: window.scratch_page_indices(
       scratch_slots, 6, layer, num_layers=6, group_layers=swa.layers,
       max_scratch_blocks=6))
-  for layer in range(6):
+  for layer in range(-1, 7):
     pages = np.asarray(pages_of(layer))
-    if layer % 2:  # global layer: never scratch
+    if layer % 2 or not 0 <= layer < 6:  # global or no layer: never scratch
       assert (pages == window.NULL_PAGE).all()
       continue
     k = pages[0]
     assert len(set(k.tolist())) == 6
     pool_layers = (k // 2) % 6
     assert set(pool_layers.tolist()) <= set(swa.layers)  # only SWA layers' pages
+  # Every layer in the group: pages for layers 0..5, none for layers past them.
+  all_swa = jax.jit(lambda layer: window.scratch_page_indices(
+      scratch_slots, 6, layer, num_layers=6, max_scratch_blocks=6))
+  assert all((np.asarray(all_swa(layer)) != window.NULL_PAGE).all()
+             for layer in (0, 5))
+  assert all((np.asarray(all_swa(layer)) == window.NULL_PAGE).all()
+             for layer in (-1, 6))
   for bad in ((), (0, 2, 2), (-1, 2), (0, 6)):
     with pytest.raises(ValueError, match="group_layers"):
       window.scratch_page_indices(scratch_slots, 6, 0, num_layers=6,
@@ -248,9 +255,10 @@ def test_scratch_page_indices_mixed_groups():
 
 
 def test_per_layer_page_indices():
-  slots = jnp.array([[3, window.NULL_PAGE]], jnp.int32)
+  slots = jnp.array([[3, window.NULL_PAGE, 0]], jnp.int32)
   pages = window.per_layer_page_indices(slots, jnp.int32(2), 4)
-  assert pages.tolist() == [[[(3 * 4 + 2) * 2, (3 * 4 + 2) * 2 + 1], [-1, -1]]]
+  assert pages.tolist() == [[[(3 * 4 + 2) * 2, (3 * 4 + 2) * 2 + 1], [-1, -1],
+                             [2 * 2, 2 * 2 + 1]]]
 
 
 def test_layer_groups_alternating_gives_global_layers_no_scratch():
