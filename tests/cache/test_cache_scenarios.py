@@ -167,6 +167,11 @@ def test_invalid_requests_leave_state_unchanged():
     assert not np.asarray(res.ok).any(), (ids, lengths)
     assert int(np.asarray(res.num_new_blocks).sum()) == 0
     chex.assert_trees_all_equal(st, st0)
+  # Over max_pages * page_size with a token row wider than that.
+  st, res = cache.claim_batch(st0, jnp.array([3], jnp.int32),
+                              _tok([p], width=32), jnp.array([25], jnp.int32))
+  assert not bool(res.ok[0])
+  chex.assert_trees_all_equal(st, st0)
   st, res = cache.extend(st0, jnp.array([1, 9, 0, 0], jnp.int32),
                          jnp.array([1, 1, 1, 1], jnp.int32))
   assert not np.asarray(res.ok).any()  # dead, out of range, duplicated
@@ -393,6 +398,33 @@ def test_full_hash_bucket_only_skips_publication():
   st, res = _claim(st, [2, 3], [p + [1], q + [1]])
   np.testing.assert_array_equal(res.num_reused_tokens, [8, 0])
   cache.validate(st)
+
+
+def test_bucket_ways_go_to_that_buckets_blocks(monkeypatch):
+  """A commit's fresh blocks rank per bucket (row-major): blocks of other
+  buckets do not use up a bucket's ways. Keys are set by hand: block `i` of
+  row `r` goes to bucket `buckets[r, i]` (two ways each), so row 0 publishes
+  all 4 blocks and row 1 stops at its block 1, the third of bucket 5."""
+  buckets = np.asarray([[5, 6, 5, 7], [6, 5, 8, 9]], np.uint32)
+
+  def set_buckets(block_tokens, scope):
+    n, nb, _ = block_tokens.shape
+    ids = np.arange(n * nb, dtype=np.uint32).reshape(n, nb) + 1
+    bkt = np.pad(buckets, ((0, 0), (0, nb - 4)), constant_values=15)
+    return jnp.stack([jnp.asarray(bkt[:n]), jnp.asarray(ids)], axis=-1)
+
+  monkeypatch.setattr(hashing, "block_keys", set_buckets)
+  # A config used by no other test (the jitted ops trace the patched keys).
+  cfg = _cfg(num_slots=16, hash_ways=2, hash_buckets=16, max_seqs=3)
+  p, q = _rand(40, 17), _rand(41, 17)  # 4 full blocks each
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0, 1], [p, q])
+  st = _commit(st, [0, 1], [p, q])
+  cache.validate(st)
+  np.testing.assert_array_equal(st.slot_published[st.seq_slots[0, :4]],
+                                [True] * 4)
+  np.testing.assert_array_equal(st.slot_published[st.seq_slots[1, :4]],
+                                [True, False, False, False])
 
 
 def test_extend_without_eviction_uses_free_slots_only():
