@@ -383,6 +383,28 @@ def test_block_keys_chain_and_scope():
         np.asarray(hashing.fmix32(jnp.asarray(x, jnp.uint32))), keys[:, i])
 
 
+def test_in_batch_duplicates_publish_once_past_a_shorter_commit():
+  """Three sequences hold the same prompt: block 0 reused from the cache,
+  block 1 in a fresh slot each. Committing them in one batch with the
+  middle one's length short of block 1 publishes block 1 once (the first
+  row's); the third row's copy is a duplicate of the first even with the
+  middle row's same-key block, not committed, between them."""
+  cfg = _cfg(num_slots=12)
+  p = _rand(50, 9)
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [p[:5]])
+  st = _commit(st, [0], [p[:5]])
+  st = _release(st, [0])
+  st, res = _claim(st, [1, 2, 3], [p, p, p])
+  np.testing.assert_array_equal(res.num_reused_tokens, [4, 4, 4])
+  st = cache.commit(st, jnp.asarray([1, 2, 3], jnp.int32), _tok([p, p, p]),
+                    jnp.asarray([8, 4, 8], jnp.int32))
+  cache.validate(st)
+  np.testing.assert_array_equal(
+      st.slot_published[st.seq_slots[1:4, 1]], [True, False, False])
+  assert int(jnp.sum(st.slot_published)) == 2
+
+
 def test_full_hash_bucket_only_skips_publication():
   cfg = _cfg(num_slots=16, hash_ways=2, hash_buckets=1)
   p, q = _rand(20, 12), _rand(21, 12)
