@@ -382,6 +382,9 @@ _CACHE_BAD = [
     ("commit: negative length",
      lambda s: cache.commit(s, [0], np.zeros((1, 8), int), [-4]),
      r"lengths\[0\] = -4, expected >= 0"),
+    ("commit: one negative length of two",
+     lambda s: cache.commit(s, [0, 1], np.zeros((2, 8), int), [4, -4]),
+     r"lengths\[1\] = -4, expected >= 0"),
     ("release: duplicate",
      lambda s: cache.release(s, [0, 0]), r"id 0 appears more than once"),
     ("release: out of range",
@@ -392,12 +395,17 @@ _CACHE_BAD = [
      lambda s: cache.fork(s, [2], [3]), r"parent_ids\[0\] = 2 is not a live"),
     ("fork: live child",
      lambda s: cache.fork(s, [0], [1]), r"child_ids\[0\] = 1 is live"),
+    ("fork: live child 0, second of two",
+     lambda s: cache.fork(s, [1, 1], [2, 0]), r"child_ids\[1\] = 0 is live"),
     ("fork: duplicate child",
      lambda s: cache.fork(s, [0, 1], [2, 2]),
      r"child_ids: id 2 appears more than once"),
     ("fork: child without parent",
      lambda s: cache.fork(s, [-1], [2]),
      r"child_ids\[0\] = 2 with parent_ids\[0\] = -1"),
+    ("fork: second child without parent",
+     lambda s: cache.fork(s, [0, -1], [2, 3]),
+     r"child_ids\[1\] = 3 with parent_ids\[1\] = -1"),
 ]
 
 
@@ -412,13 +420,21 @@ def test_cache_op_contract_raises(name, op, msg):
 
 def test_cache_op_contract_holds_at_its_bounds():
   """The bounds themselves are in contract: an extend to exactly the
-  sequence capacity (6 + 10 = 16 tokens) and a claim of as many tokens as
-  its row holds pass checked mode and are granted."""
+  sequence capacity (6 + 10 = 16 tokens), a claim of as many tokens as its
+  row holds, a commit of no tokens and forks to the smallest new id pass
+  checked mode and are granted."""
   st_ = _cache_state()
   with pkvattn.checked():
     _, res = cache.extend(st_, [0, 1], [10, 0])
     assert np.asarray(res.ok).all()
     _, res = cache.claim_batch(st_, [2, 3], np.ones((2, 4), int), [4, 0])
+    assert np.asarray(res.ok).all()
+    # A commit of no tokens, and forks to a new id and to a released id 0
+    # (padding beside them).
+    cache.commit(st_, [0, 1], np.zeros((2, 8), int), [0, 4])
+    _, res = cache.fork(st_, [0, -1], [2, -1])
+    assert np.asarray(res.ok).tolist() == [True, False]
+    _, res = cache.fork(cache.release(st_, [0]), [1], [0])
     assert np.asarray(res.ok).all()
 
 
