@@ -387,6 +387,9 @@ _CACHE_BAD = [
      r"lengths\[1\] = -4, expected >= 0"),
     ("release: duplicate",
      lambda s: cache.release(s, [0, 0]), r"id 0 appears more than once"),
+    ("release: duplicate after the first id",
+     lambda s: cache.release(s, [0, 1, 1]),
+     r"id 1 appears more than once \(first at seq_ids\[1\]\)"),
     ("release: out of range",
      lambda s: cache.release(s, [-2]), r"seq_ids\[0\] = -2 is not -1"),
     ("finish_step: duplicate",
@@ -484,6 +487,10 @@ def test_cache_op_contract_staged_in_a_jitted_step():
     err, _ = staged(st_, _i32([0, 1]), _i32([1, 1]))
     assert err.get() is None
     err, _ = staged(st_, _i32([0, 0]), _i32([1, 1]))
+    assert "id 0 appears more than once" in err.get()
+    # Only the state traced, the ids given as constants: still staged.
+    err, _ = jax.jit(checkify.checkify(
+        lambda state: step(state, _i32([0, 0]), _i32([1, 1]))))(st_)
     assert "id 0 appears more than once" in err.get()
     # Documented alternative: checkify around the jitted function.
     err, _ = checkify.checkify(jax.jit(step))(st_, _i32([0, 3]), _i32([1, 1]))
