@@ -233,6 +233,52 @@ def test_split_table_and_flashinfer_cache():
       pkvattn.paged_decode(q, fi, bad, kv_lens, impl="xla")
 
 
+def test_contract_edges_and_the_entries_its_messages_name():
+  """In contract: `window_left=0` (blocks before the current token's may be
+  unmapped), a prefill row with no queries (it sees no block), an empty
+  batch with `q_indptr = [0]`. Out of it, the message names the offending
+  entry: a K row of a split table, the first decreasing `q_indptr` pair
+  after an empty row, a split table's token past the first."""
+  rng = np.random.default_rng()
+  q, _, _ = _decode_case(rng)
+  kv_lens = np.array([CAP, 5])
+  table = np.array([[-1, -1, 1], [2, -1, -1]], np.int32)
+  k, v = _pool()
+  pool = jnp.concatenate([k, v])
+  full = np.array([[0, 3, 1], [2, -1, -1]], np.int32)
+  split = np.stack([full, np.where(full >= 0, full + NUM_PAGES, -1)], 1)
+  qp = rng.standard_normal((T, H, D)).astype(np.float32)
+  with pkvattn.checked():
+    _decode(q, table, kv_lens, impl="xla", window_left=0)
+    # Row 0 has no queries and no pages; row 1 queries its 5 keys.
+    _prefill(qp, np.array([[-1, -1, -1], [2, -1, -1]], np.int32),
+             np.array([0, 0, 3]), np.array([CAP, 5]), impl="xla")
+    _prefill(qp, np.zeros((0, MAX_PAGES), np.int32), np.array([0]),
+             np.zeros((0,), np.int32), impl="xla")
+    with pytest.raises(checkify.JaxRuntimeError, match=r"q_indptr\[0\] = 1"):
+      _prefill(qp, np.zeros((0, MAX_PAGES), np.int32), np.array([1]),
+               np.zeros((0,), np.int32), impl="xla")
+    bad = split.copy()
+    bad[0, 0, 1] = 2 * NUM_PAGES
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=rf"page_table\[0, 0, 1\] = {2 * NUM_PAGES} "):
+      pkvattn.paged_decode(q, pool, bad, kv_lens, impl="xla")
+    three = np.array([[0, -1, -1], [1, -1, -1], [2, -1, -1]], np.int32)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"decreasing at q_indptr\[2\] = 3 > "
+                       r"q_indptr\[3\] = 2"):
+      _prefill(qp, three, np.array([0, 0, 3, 2]), np.array([4, 4, 4]),
+               impl="xla")
+    kt, vt = (rng.standard_normal((3, KV, D)).astype(np.float32)
+              for _ in range(2))
+    bad = split.copy()
+    bad[1, 1, 0] = -1   # token 2's V page (sequence 1, position 4)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"token 2 .* is written to page -1"):
+      pkvattn.append_paged_kv(kt, vt, np.array([-1, 0, 1]),
+                              np.array([0, 20, 4]), pool, bad, impl="xla")
+
+
 # ---------------------------------------------------------------------------
 # Append.
 

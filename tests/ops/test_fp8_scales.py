@@ -159,11 +159,13 @@ def test_appends_store_the_reciprocal_product(name):
 
 def test_smallest_scale_never_poisons_the_cache():
   """At 2**-126 the reciprocal is finite: every value saturates, 0 stays 0
-  (a scale of 0 or a subnormal one would store NaN there)."""
+  (a scale of 0 or a subnormal one would store NaN there); checked mode
+  takes it, as a host number and as an array."""
   rng = np.random.default_rng()
   c = _case(rng)
   c["k"] = c["k"].at[0].set(0.0)
-  kp, vp = _ops(c)["append_paged_kv"](2.0**-126, jnp.float32(2.0**-126))
+  with pkvattn.checked():
+    kp, vp = _ops(c)["append_paged_kv"](2.0**-126, jnp.float32(2.0**-126))
   for t, p in enumerate(np.asarray(c["pos"])):
     page = c["pages"][p // PS]
     for pool, x in ((kp, c["k"][t]), (vp, c["v"][t])):
