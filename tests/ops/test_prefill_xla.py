@@ -23,6 +23,7 @@ CASES = [  # (fmt, group, head_dim, page_size, kwargs)
     ("flashinfer", 1, 64, 16, dict(logits_soft_cap=5.0, sinks=True)),
     ("pair", 2, 64, 8, dict(causal=False, window_left=9, sinks=True)),
     ("pool", 3, 64, 16, dict(causal=False)),
+    ("pair", 2, 64, 8, dict(window_left=0)),  # each query sees itself alone
 ]
 
 
