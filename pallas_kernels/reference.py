@@ -188,8 +188,10 @@ def paged_prefill_reference(
   Sequence `b`'s new tokens are rows `q_indptr[b] .. q_indptr[b + 1]` of
   `q`, its last `q_len` positions; visibility is the module docstring's rule
   (FlashInfer's `BatchPrefillWithPagedKVCache`). FP8 pages are read as
-  `value * scale` in f32 (per-KV-head scales: each head's own). The oracle
-  of `paged_prefill` (both backends).
+  `value * scale` in f32 (per-KV-head scales: each head's own). The
+  pure-jnp statement of `paged_prefill`'s semantics, which the kernels and
+  the XLA prefill (`pkvattn.xla_attention`) follow; tested, like them,
+  against a float64 oracle.
 
   Tokens are processed `chunk` at a time (`lax.map`); each token gathers its
   own sequence's pages, so memory is `chunk * max_pages * page_size * H * D`.

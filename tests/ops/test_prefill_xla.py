@@ -1,4 +1,5 @@
-"""The flash-style XLA prefill (`pkvattn.xla_attention`) against the float64 oracle.
+"""The flash-style XLA prefill (`pkvattn.xla_attention`) and the pure-jnp
+reference prefill against the float64 oracle.
 
 Every page no sequence owns and every row past `kv_lens` is NaN
 (`attention_utils.make_paged`). Small tiles and key blocks make each case
@@ -112,6 +113,29 @@ def test_flash_prefill_fp8_pages(fmt, g, d, ps, kw):
       None if sinks is None else jnp.asarray(sinks), jnp.float32(ks),
       jnp.float32(vs), sm_scale=d**-0.5, block_q=8, block_k=16, **kw)
   _check(out, lse, q, tk, tv, indptr, lens, jnp.float32, d=d, sinks=sinks,
+         **kw)
+
+
+@pytest.mark.parametrize("fmt, g, d, ps, kw", CASES)
+def test_prefill_reference_matches_oracle(fmt, g, d, ps, kw):
+  """`reference.paged_prefill_reference`, the pure-jnp statement of the
+  op's semantics, on the same ragged batch, 8 tokens a chunk (so the last
+  chunk is part padding)."""
+  from pkvattn.pallas_kernels import reference
+  rng = np.random.default_rng()
+  lens = [70, 1, 9, 29, 45]
+  q_lens = [37, 1, 0, 29, 3]
+  kw = dict(kw)
+  sinks = (rng.standard_normal(g * 2).astype(np.float32) * 2
+           if kw.pop("sinks", False) else None)
+  p, indptr, q = _ragged(rng, lens, q_lens, fmt, g, d, ps)
+  view = pkvattn._kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  out, lse = reference.paged_prefill_reference(
+      jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(indptr), jnp.asarray(lens, np.int32),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
+      chunk=8, **kw)
+  _check(out, lse, q, p.k, p.v, indptr, lens, jnp.float32, d=d, sinks=sinks,
          **kw)
 
 
