@@ -225,6 +225,28 @@ def test_append_paged_kv(fmt, impl):
   assert_pools(actual, fmt, expected, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_append_drops_tokens_with_no_page(impl):
+  """Unchecked, a token whose batch index, position or table entry names
+  no page is not written (padding, a batch index past the table, a position
+  past its row, an entry of -1 or past the pool): the pools come back
+  bit-equal but for the one valid token's row (page 0, position 0)."""
+  rng = np.random.default_rng()
+  num_pages, ps, hkv, d = 4, 8, 2, 64
+  pools = tuple(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)),
+                            jnp.float32) for _ in range(2))
+  table = jnp.asarray([[0, 1], [-1, num_pages]], jnp.int32)
+  bidx = jnp.asarray([-1, 2, 0, 1, 1, 0], jnp.int32)
+  pos = jnp.asarray([0, 0, 2 * ps, 0, ps + 1, 0], jnp.int32)
+  k, v = (jnp.asarray(rng.standard_normal((6, hkv, d)), jnp.float32)
+          for _ in range(2))
+  out = pkvattn.append_paged_kv(k, v, bidx, pos, pools, table, impl=impl)
+  for got, pool, new in zip(out, pools, (k, v)):
+    want = np.array(pool)
+    want[0, 0] = np.asarray(new[5])
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 CASES = [  # (impl, fmt, dtype, rope)
     ("xla", "pair", jnp.float32, ROPES[0]),
     ("xla", "pool", jnp.bfloat16, ROPES[4]),
