@@ -17,6 +17,7 @@ import pytest
 import attention_utils as au
 import pkvattn
 from pkvattn import xla_attention
+from pkvattn.pallas_kernels import reference
 
 CASES = [  # (fmt, group, head_dim, page_size, kwargs)
     ("pair", 3, 64, 8, {}),
@@ -55,7 +56,9 @@ def _check(out, lse, q, k, v, indptr, lens, dtype, *, d, sinks=None,
 @pytest.mark.parametrize("fmt, g, d, ps, kw", CASES)
 def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw):
   """Ragged batch: a chunk over a cached prefix, a decode row, an idle row,
-  a whole prompt, and a sequence longer than several tiles."""
+  a whole prompt, and a sequence longer than several tiles. Also the
+  pure-jnp reference (`reference.paged_prefill_reference`, the op's stated
+  semantics), 8 tokens a chunk so the last chunk is part padding."""
   rng = np.random.default_rng()
   lens = [70, 1, 9, 29, 45]
   q_lens = [37, 1, 0, 29, 3]
@@ -76,6 +79,13 @@ def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw):
       jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table),
       jnp.asarray(indptr), jnp.asarray(lens), impl="xla", return_lse=True,
       sinks=None if sinks is None else jnp.asarray(sinks), **kw)
+  _check(out, lse, q, p.k, p.v, indptr, lens, jnp.float32, d=d, sinks=sinks,
+         **kw)
+  out, lse = reference.paged_prefill_reference(
+      jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(indptr), jnp.asarray(lens, np.int32),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
+      chunk=8, **kw)
   _check(out, lse, q, p.k, p.v, indptr, lens, jnp.float32, d=d, sinks=sinks,
          **kw)
 
@@ -113,29 +123,6 @@ def test_flash_prefill_fp8_pages(fmt, g, d, ps, kw):
       None if sinks is None else jnp.asarray(sinks), jnp.float32(ks),
       jnp.float32(vs), sm_scale=d**-0.5, block_q=8, block_k=16, **kw)
   _check(out, lse, q, tk, tv, indptr, lens, jnp.float32, d=d, sinks=sinks,
-         **kw)
-
-
-@pytest.mark.parametrize("fmt, g, d, ps, kw", CASES)
-def test_prefill_reference_matches_oracle(fmt, g, d, ps, kw):
-  """`reference.paged_prefill_reference`, the pure-jnp statement of the
-  op's semantics, on the same ragged batch, 8 tokens a chunk (so the last
-  chunk is part padding)."""
-  from pkvattn.pallas_kernels import reference
-  rng = np.random.default_rng()
-  lens = [70, 1, 9, 29, 45]
-  q_lens = [37, 1, 0, 29, 3]
-  kw = dict(kw)
-  sinks = (rng.standard_normal(g * 2).astype(np.float32) * 2
-           if kw.pop("sinks", False) else None)
-  p, indptr, q = _ragged(rng, lens, q_lens, fmt, g, d, ps)
-  view = pkvattn._kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
-  out, lse = reference.paged_prefill_reference(
-      jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
-      jnp.asarray(indptr), jnp.asarray(lens, np.int32),
-      None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
-      chunk=8, **kw)
-  _check(out, lse, q, p.k, p.v, indptr, lens, jnp.float32, d=d, sinks=sinks,
          **kw)
 
 
