@@ -240,7 +240,7 @@ def test_contract_edges_and_the_entries_its_messages_name():
   entry: a K row of a split table, the first decreasing `q_indptr` pair
   after an empty row, a split table's token past the first."""
   rng = np.random.default_rng()
-  q, _, _ = _decode_case(rng)
+  q = rng.standard_normal((B, H, D)).astype(np.float32)
   kv_lens = np.array([CAP, 5])
   table = np.array([[-1, -1, 1], [2, -1, -1]], np.int32)
   k, v = _pool()
