@@ -32,6 +32,11 @@ close to the copy bandwidth.
 Layouts (see `pkvattn/_kv.py`): K block `i` of sequence `b` is
 `k_pool[k_table[b, i]]`, V block `i` is `v_pool[v_table[b, i]]`; pools are NHD
 `[num_pages, page_size, num_kv_heads, head_dim]`; the pools may be one array.
+With `interleaved_kv` one table names page pairs: K block `i` is
+`pool[2 t]`, V block `i` `pool[2 t + 1]` for `t = k_table[b, i]`
+(FlashInfer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` cache
+viewed as `2 num_pages` pages), so a call on that cache needs no table of
+its own computed first (one XLA kernel less per call).
 
 Backends: `paged_decode` runs this module's Pallas-Triton kernel
 (`TritonConfig`) or the per-warp Mosaic-GPU kernel (`MmaConfig`,
@@ -225,6 +230,7 @@ def _paged_decode_kernel(
     kv_eviction: str | None,
     fp8_convert: str = "loaded",
     prefetch_ids: bool = False,
+    interleaved_kv: bool = False,
     interpret: bool = False,
 ):
   o_ref, lse_ref = refs[-2:]
@@ -336,6 +342,10 @@ def _paged_decode_kernel(
     """The K and V page ids of `step` (0 past the split's pages)."""
     page0 = split_start + step * pages_per_block
     page_ok = page0 + lax.iota(jnp.int32, pages_per_block) < split_end
+    if interleaved_kv:
+      ids = pltriton.load(k_table_ref.at[pl.ds(page0, pages_per_block)],
+                          mask=page_ok, other=0)
+      return 2 * ids, 2 * ids + 1
     return tuple(
         pltriton.load(table_ref.at[pl.ds(page0, pages_per_block)],
                       mask=page_ok, other=0)
@@ -481,8 +491,10 @@ def _paged_decode_call(
     interpret: bool,
     q_rows=None,  # i32[batch_size] | None
     into=None,    # (out, lse) of q's rows | None
+    interleaved_kv: bool = False,
 ):
-  """Runs the kernel.
+  """Runs the kernel (`interleaved_kv`: `k_table` names page pairs, the
+  module docstring's layouts; `v_table` is then not read).
 
   With `config.k_splits == 1` returns the final `(out [batch_size,
   num_qo_heads, head_dim] q.dtype, lse f32[batch_size, num_qo_heads])` (sinks
@@ -521,7 +533,8 @@ def _paged_decode_call(
       logits_soft_cap=logits_soft_cap, pages_per_block=config.pages_per_block,
       k_splits=ks, group_size=group_size, group_padded=group_padded,
       kv_eviction=config.kv_eviction, fp8_convert=config.fp8_convert,
-      prefetch_ids=config.prefetch_ids, interpret=interpret)
+      prefetch_ids=config.prefetch_ids, interleaved_kv=interleaved_kv,
+      interpret=interpret)
   pool_spec = lambda n: pl.BlockSpec(  # noqa: E731
       (n, page_size, None, width), lambda b, k, s: (0, 0, k, 0))
   whole = lambda *shape: pl.BlockSpec(  # noqa: E731
@@ -561,7 +574,8 @@ def _paged_decode_call(
           f"{'_pf' if config.prefetch_ids else ''}"
           f"{'_hs' if head_scales else ''}"
           f"{'_' + config.kv_eviction if config.kv_eviction else ''}"
-          f"{'_rows' if q_rows is not None else ''}")
+          f"{'_rows' if q_rows is not None else ''}"
+          f"{'_il' if interleaved_kv else ''}")
   table_spec = pl.BlockSpec((None, max_pages),
                             lambda b, k, s: (b // rows_per_seq, 0))
   args = [kv_lens, q_rows, k_table, v_table, q, sinks,
@@ -626,7 +640,7 @@ def _combine(o, lse, sinks, group_size):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "interpret",
-                     "config"))
+                     "config", "interleaved_kv"))
 def paged_decode(
     q,          # [batch_size, num_qo_heads, head_dim]
     k_pool,     # [num_pages, page_size, num_kv_heads, head_dim]
@@ -643,6 +657,7 @@ def paged_decode(
     config: TritonConfig | MmaConfig | None = None,
     k_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
     v_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    interleaved_kv: bool = False,
 ):
   """Flash-decoding over a paged KV cache (see the module docstring).
 
@@ -672,6 +687,11 @@ def paged_decode(
       by its kv head's K scale and its output by the V scale (per-tensor
       scales fold into the logits scale); the per-warp kernel takes
       per-tensor scales only.
+    interleaved_kv: static; `k_table` names page pairs of one pool (`k_pool
+      is v_pool`'s pages): K block `i` is `k_pool[2 t]`, V block `i`
+      `k_pool[2 t + 1]` for `t = k_table[b, i]` (FlashInfer's `[num_pages,
+      2, ...]` cache reshaped to `[2 num_pages, ...]`); `v_pool` and
+      `v_table` are not read (pass `k_pool` and `k_table`).
 
   Returns:
     `(out [batch_size, num_qo_heads, head_dim] q.dtype,
@@ -692,15 +712,20 @@ def paged_decode(
       it lowers); `pack_heads` that does not divide num_kv_heads or makes
       rows wider than 256.
   """
+  if interleaved_kv:
+    # One pool and one table inside this jit too (the kernels' `same_table`:
+    # each page id is read once).
+    v_pool, v_table = k_pool, k_table
   return _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
                  k_scale, v_scale, sm_scale=sm_scale, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, config=config,
-                 interpret=interpret)
+                 interpret=interpret, interleaved_kv=interleaved_kv)
 
 
 def _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
             v_scale, *, sm_scale, window_left, logits_soft_cap, config,
-            interpret: bool, q_rows=None, into=None):
+            interpret: bool, q_rows=None, into=None,
+            interleaved_kv: bool = False):
   """`paged_decode` (or, with `q_rows` and `into`, `paged_decode_rows`) on
   `config`'s kernel; None = `dispatch.decode`'s config, its splits counting
   every one of `kv_lens`'s rows."""
@@ -720,13 +745,14 @@ def _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
   return run(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
              v_scale, sm_scale=sm_scale, window_left=window_left,
              logits_soft_cap=logits_soft_cap, config=config,
-             interpret=interpret, q_rows=q_rows, into=into)
+             interpret=interpret, q_rows=q_rows, into=into,
+             interleaved_kv=interleaved_kv)
 
 
 def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
                    k_scale, v_scale, *, sm_scale, window_left,
                    logits_soft_cap, config: TritonConfig, interpret: bool,
-                   q_rows=None, into=None):
+                   q_rows=None, into=None, interleaved_kv: bool = False):
   """`paged_decode` on this module's kernel (a `TritonConfig`); with
   `q_rows` and `into`, `paged_decode_rows` (in place with one split)."""
   batch_size = kv_lens.shape[0]
@@ -763,7 +789,7 @@ def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         v_table.astype(jnp.int32), kv_lens.astype(jnp.int32), scales,
         sm_scale=float(sm_scale), window_left=int(window_left),
         logits_soft_cap=logits_soft_cap, config=config, interpret=interpret,
-        q_rows=q_rows, into=into)
+        q_rows=q_rows, into=into, interleaved_kv=interleaved_kv)
   if config.k_splits == 1:
     return o, lse
   sk = None if sinks is None else sinks.reshape(num_kv_heads, group_size)
@@ -838,7 +864,8 @@ def _pack_pool(pool, pack: int):
 
 def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
                 v_scale, *, sm_scale, window_left, logits_soft_cap,
-                config: MmaConfig, interpret: bool, q_rows=None, into=None):
+                config: MmaConfig, interpret: bool, q_rows=None, into=None,
+                interleaved_kv: bool = False):
   """`paged_decode` on the per-warp Mosaic-GPU kernel (an `MmaConfig`);
   with `q_rows` and `into`, `paged_decode_rows`."""
   if interpret:
@@ -855,13 +882,14 @@ def _mma_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
         q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
         sm_scale=float(sm_scale), window_left=int(window_left),
         logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
-        tiles=config.tiles, q_rows=q_rows, into=into)
+        tiles=config.tiles, q_rows=q_rows, into=into,
+        interleaved_kv=interleaved_kv)
   o, lse = paged_decode_mma.paged_decode_mma(
       q, k_pool, v_pool, k_table, v_table, kv_lens,
       sm_scale=float(sm_scale), window_left=int(window_left),
       logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
       k_splits=config.k_splits, tiles=config.tiles, final=False,
-      q_rows=q_rows)
+      q_rows=q_rows, interleaved_kv=interleaved_kv)
   # With q_rows a CTA may serve T sequences (`paged_decode_mma.row_packing`):
   # row n of item b' is sequence `T b' + n // G`'s head `n % G`.
   tokens = batch_size // o.shape[0] if o.shape[0] else 1

@@ -306,7 +306,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
           late_loads, load_hint, q_in_smem, fp8, num_tokens,
           rows_per_seq: int = 1, tokens_per_item: int = 1,
-          n_tiles: int = 1):
+          n_tiles: int = 1, interleaved_kv: bool = False):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
   `refs`: kv_lens, [q_rows with `num_tokens`], q, k_pool, v_pool, k_table,
   v_table, [k_scale, v_scale with `fp8`], [sinks], out, lse, smem; `mode`:
@@ -317,7 +317,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
   `num_tokens`): a work item serves sequences `T b' .. T b' + T - 1`
   (token rows of one table row), MMA column `n` being token `n // G`'s
   head `n % G`; `batch_size` then counts items (`b'`). `n_tiles`: MMA
-  n-tiles of 8 columns (1 or 2)."""
+  n-tiles of 8 columns (1 or 2). `interleaved_kv` (with `same_table`): the
+  table names page pairs, K's page `2 t` and V's `2 t + 1`."""
   del ctx
   refs = list(refs)
   kv_lens_ref = refs.pop(0)
@@ -516,6 +517,10 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                           wide(idx))
         ids.append(o.load_i32(gaddr(table_ref, elem, 4)))
       out.append(ids)
+    if interleaved_kv:
+      two = ci(2)
+      return [[arith.muli(x, two) for x in out[0]],
+              [arith.addi(arith.muli(x, two), ci(1)) for x in out[0]]]
     if same_table:
       out.append(out[0])
     return out
@@ -869,7 +874,8 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     jax.jit,
     static_argnames=("sm_scale", "window_left", "logits_soft_cap", "k_splits",
                      "tiles", "final", "late_loads", "load_hint",
-                     "q_in_smem", "tokens_per_item", "n_tiles"))
+                     "q_in_smem", "tokens_per_item", "n_tiles",
+                     "interleaved_kv"))
 def paged_decode_mma(
     q: jax.Array,         # [batch_size, num_qo_heads, head_dim]
     k_pool: jax.Array,    # [num_pages, page_size, num_kv_heads, head_dim]
@@ -894,6 +900,7 @@ def paged_decode_mma(
     into: tuple[jax.Array, jax.Array] | None = None,
     tokens_per_item: int | None = None,
     n_tiles: int | None = None,
+    interleaved_kv: bool = False,
 ):
   """One Mosaic-GPU launch of split-K paged decode on `mma.sync` (see the
   module docstring).
@@ -952,6 +959,11 @@ def paged_decode_mma(
       1 without `q_rows`.
     n_tiles: static, MMA n-tiles of 8 query columns per CTA (1 or 2); None
       = `row_packing` with `q_rows`, else 1.
+    interleaved_kv: static; `k_table` names page pairs of `k_pool`: K
+      block `i` is `k_pool[2 t]`, V block `i` `k_pool[2 t + 1]` for `t =
+      k_table[b, i]` (FlashInfer's `[num_pages, 2, ...]` cache reshaped to
+      `[2 num_pages, ...]`); `v_pool` and `v_table` are not read (pass
+      `k_pool` and `k_table`).
 
   Returns:
     With `final`: `(out [batch_size, num_qo_heads, head_dim] q.dtype, lse
@@ -1073,6 +1085,8 @@ def paged_decode_mma(
   if load_hint not in LOAD_HINTS:
     raise ValueError(f"Invalid load_hint: expected one of {LOAD_HINTS}, got "
                      f"{load_hint!r}")
+  if interleaved_kv:
+    v_pool, v_table = k_pool, k_table
   same_table = k_table is v_table
   max_pages = k_table.shape[1]
   dtype = q.dtype
@@ -1087,7 +1101,7 @@ def paged_decode_mma(
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
       late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
       fp8=fp8, num_tokens=num_tokens, rows_per_seq=rows_per_seq,
-      tokens_per_item=T, n_tiles=NT)
+      tokens_per_item=T, n_tiles=NT, interleaved_kv=interleaved_kv)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
   inputs = [kv_lens.astype(jnp.int32)]
@@ -1138,7 +1152,8 @@ def paged_decode_mma(
       compiler_params=plgpu.CompilerParams(),
       name=(f"paged_decode_mma_t{tiles}_{mode}{'_fp8' if fp8 else ''}"
             f"{'_rows' if q_rows is not None else ''}"
-            f"{f'_x{T}' if T > 1 else ''}{f'_n{NT}' if NT > 1 else ''}"),
+            f"{f'_x{T}' if T > 1 else ''}{f'_n{NT}' if NT > 1 else ''}"
+            f"{'_il' if interleaved_kv else ''}"),
   )(*inputs, *refs)
   if refs:
     return tuple(x[...] for x in refs)

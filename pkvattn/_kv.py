@@ -65,6 +65,16 @@ class KVView:
   def same_pool(self) -> bool:
     return self.fmt != "pair"
 
+  def decode_tables(self):
+    """`(k_table, v_table, interleaved_kv)` for the decode kernels
+    (`pallas_kernels.paged_decode`): FlashInfer's cache keeps its one table,
+    whose entry `t` the kernels read as pages `2 t` (K) and `2 t + 1` (V) of
+    the reshaped pool, so no K and V tables are computed before the launch
+    (one XLA kernel less per call); other formats give their own tables."""
+    if self.fmt == "flashinfer":
+      return self.table, self.table, True
+    return self.k_table, self.v_table, False
+
   @property
   def page_size(self) -> int:
     return self.k_pool.shape[1]

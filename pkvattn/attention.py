@@ -209,11 +209,12 @@ def _paged_decode(q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale,
           *scales, sm_scale=sm_scale, window_left=window_left,
           logits_soft_cap=logits_soft_cap)
     from pkvattn.pallas_kernels import paged_decode as kernel
+    k_table, v_table, interleaved = view.decode_tables()
     return kernel.paged_decode(
-        q, view.k_pool, view.v_pool, view.k_table, view.v_table, kv_lens, sinks,
+        q, view.k_pool, view.v_pool, k_table, v_table, kv_lens, sinks,
         sm_scale=sm_scale, window_left=window_left,
         logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu(),
-        **_scale_kwargs(scales))
+        interleaved_kv=interleaved, **_scale_kwargs(scales))
 
   with _contract.unchecked():  # the kernels: their unchecked compilation
     out, lse = _contract.guard(ok, body, lambda: _violated(q))
@@ -451,18 +452,20 @@ def _prefill_as_decode(q, view: _kv.KVView, q_indptr, kv_lens, sinks, scales,
   valid = bidx >= 0
   rows = jnp.clip(bidx, 0)
   tok_kv_lens = jnp.where(valid, pos + 1, 0).astype(jnp.int32)
-  k_table, v_table = view.k_table[rows], view.v_table[rows]
   if impl == "xla":
     return reference.paged_decode_reference(
-        q, view.k_pool, view.v_pool, k_table, v_table, tok_kv_lens, sinks,
-        *scales, sm_scale=sm_scale, window_left=window_left,
-        logits_soft_cap=logits_soft_cap)
+        q, view.k_pool, view.v_pool, view.k_table[rows], view.v_table[rows],
+        tok_kv_lens, sinks, *scales, sm_scale=sm_scale,
+        window_left=window_left, logits_soft_cap=logits_soft_cap)
   from pkvattn.pallas_kernels import paged_decode as kernel
+  k_table, v_table, interleaved = view.decode_tables()
+  k_table = k_table[rows]
+  v_table = k_table if interleaved else v_table[rows]
   return kernel.paged_decode(
       q, view.k_pool, view.v_pool, k_table, v_table, tok_kv_lens, sinks,
       sm_scale=sm_scale, window_left=window_left,
       logits_soft_cap=logits_soft_cap, interpret=not _checks.is_gpu(),
-      **_scale_kwargs(scales))
+      interleaved_kv=interleaved, **_scale_kwargs(scales))
 
 
 def plan_prefill(

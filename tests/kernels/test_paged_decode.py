@@ -53,14 +53,17 @@ def _check(out, lse, p, q, sinks, dtype, *, window_left=-1, soft_cap=None):
 
 
 def _run_kernel(p, q, sinks, dtype, config, **kw):
-  """Kernel in interpret mode with an explicit config (public API otherwise)."""
+  """Kernel in interpret mode with an explicit config (public API otherwise);
+  FlashInfer's cache through its one interleaved table, as the public op
+  passes it."""
   view = _kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  k_table, v_table, il = view.decode_tables()
   return kernel.paged_decode(
-      jnp.asarray(q, dtype), view.k_pool, view.v_pool, view.k_table,
-      view.v_table, jnp.asarray(p.kv_lens),
-      None if sinks is None else jnp.asarray(sinks),
+      jnp.asarray(q, dtype), view.k_pool, view.v_pool, k_table, v_table,
+      jnp.asarray(p.kv_lens), None if sinks is None else jnp.asarray(sinks),
       sm_scale=HEAD_DIM**-0.5, window_left=kw.get("window_left", -1),
-      logits_soft_cap=kw.get("soft_cap"), interpret=True, config=config)
+      logits_soft_cap=kw.get("soft_cap"), interpret=True, config=config,
+      interleaved_kv=il)
 
 
 # (fmt, group_size, page_size, dtype, window_left, soft_cap, sinks, config)

@@ -191,7 +191,8 @@ def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
                               tiles, fp8):
   """Pallas -> Mosaic GPU cross-lowering for CUDA (no GPU needed): the
   kernel's MLIR is built and verified for each table kind and option, on
-  bf16 and FP8 pages."""
+  bf16 and FP8 pages (FlashInfer's cache through its one interleaved
+  table, as `pkvattn.paged_decode` calls the kernel)."""
   rng = np.random.default_rng(0)
   p = make_paged(rng, [5, 40], page_size=page_size, num_kv_heads=hkv,
                  head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
@@ -204,12 +205,15 @@ def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
   sinks = jnp.zeros((hq,), jnp.float32) if kw.pop("sinks", False) else None
   q = jnp.zeros((2, hq, d), jnp.bfloat16)
 
+  k_table, v_table, interleaved = view.decode_tables()
+
   def f(q, kp, vp, kt, vt, n, s, ks, vs):
     scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
     return kernel.paged_decode(q, kp, vp, kt, vt, n, s, sm_scale=d ** -0.5,
-                               config=cfg, **scales, **kw)
+                               config=cfg, interleaved_kv=interleaved,
+                               **scales, **kw)
   text = jax.jit(f).trace(
-      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
+      q, view.k_pool, view.v_pool, k_table, v_table,
       jnp.asarray(p.kv_lens), sinks, jnp.float32(0.5),
       jnp.float32(2.0)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
@@ -217,6 +221,29 @@ def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
   assert ("cvt.rn.f16x2.e4m3x2" in text) == fp8
   # One split: the kernel stores the output, sinks added (no combine).
   assert (k_splits > 1) == ("exponential" in text)
+  assert ("_il" in text) == (fmt == "flashinfer")  # the interleaved table
+
+
+@pytest.mark.parametrize("fmt", ["flashinfer", "pair"])
+def test_public_decode_reads_flashinfer_table_in_place(fmt, fake_gpu,
+                                                       monkeypatch):
+  """`pkvattn.paged_decode` hands FlashInfer's cache to the kernel with its
+  one table, read as page pairs (no K and V tables computed first), other
+  formats with their own tables: cross-lowered for a Hopper GPU."""
+  from pkvattn import _checks  # noqa: PLC0415
+  import pkvattn  # noqa: PLC0415
+  fake_gpu(dispatch.HOPPER)
+  monkeypatch.setattr(_checks, "is_gpu", lambda: True)
+  jax.clear_caches()
+  p = make_paged(np.random.default_rng(0), [5, 40], page_size=16,
+                 num_kv_heads=3, head_dim=64, dtype=jnp.bfloat16, fmt=fmt)
+  f = jax.jit(lambda q, c, t, n: pkvattn.paged_decode(q, c, t, n))
+  text = f.trace(jnp.zeros((2, 9, 64), jnp.bfloat16), p.kv_cache,
+                 jnp.asarray(p.page_table), jnp.asarray(p.kv_lens)).lower(
+                     lowering_platforms=("cuda",)).as_text()
+  jax.clear_caches()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert ("_il" in text) == (fmt == "flashinfer")
 
 
 def _hopper() -> bool:
@@ -242,8 +269,9 @@ def _hopper() -> bool:
 def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, tiles):
   """Against the float64 dense oracle: NaN in every page a sequence does
   not own and past kv_len; kv lengths 0, 1, 7, 129, 4095; GQA groups 1..8;
-  the three kv_cache formats; window, soft cap, sinks; splits past the end
-  of short sequences."""
+  the three kv_cache formats (FlashInfer's through its one interleaved
+  table); window, soft cap, sinks; splits past the end of short
+  sequences."""
   rng = np.random.default_rng(group * 1000 + d + page_size)
   p, q, sinks, kw = paged_decode_case(rng, group=group, head_dim=d,
                                       page_size=page_size, fmt=fmt, kw=kw)
@@ -251,9 +279,11 @@ def test_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits, tiles):
   cfg = _config(b=q.shape[0], hkv=2, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
                 tiles=tiles or 1)
+  k_table, v_table, interleaved = view.decode_tables()
   out, lse = kernel.paged_decode(
-      q, view.k_pool, view.v_pool, view.k_table, view.v_table,
-      jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg, **kw)
+      q, view.k_pool, view.v_pool, k_table, v_table,
+      jnp.asarray(p.kv_lens), sinks, sm_scale=d ** -0.5, config=cfg,
+      interleaved_kv=interleaved, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == q.shape[:2]
   assert_decode_matches(
@@ -332,11 +362,12 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
   cfg = _config(b=len(kv_lens), hkv=hkv, ps=page_size,
                 max_pages=view.k_table.shape[1], d=d, k_splits=k_splits,
                 tiles=tiles or 1)
+  k_table, v_table, interleaved = view.decode_tables()
   out, lse = kernel.paged_decode(
-      jnp.asarray(q, dtype), view.k_pool, view.v_pool, view.k_table,
-      view.v_table, jnp.asarray(p.kv_lens),
-      None if sinks is None else jnp.asarray(sinks), sm_scale=d ** -0.5,
-      config=cfg, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs), **kw)
+      jnp.asarray(q, dtype), view.k_pool, view.v_pool, k_table, v_table,
+      jnp.asarray(p.kv_lens), None if sinks is None else jnp.asarray(sinks),
+      sm_scale=d ** -0.5, config=cfg, k_scale=jnp.float32(ks),
+      v_scale=jnp.float32(vs), interleaved_kv=interleaved, **kw)
   assert out.dtype == dtype and out.shape == q.shape
   assert np.isfinite(np.asarray(out, np.float32)).all()
   q_f16 = np.clip(q, -65504, 65504)
