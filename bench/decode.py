@@ -45,7 +45,9 @@ Modes:
   `span_us` (GPU time from the program's first kernel start to its last
   kernel end: launch gaps between kernels in, host time out).
 * `--call-overhead`: what a lone call costs the host: `jax floor` (a
-  trivial jitted program on the same arguments) beside the arms, and
+  trivial jitted program on the same arguments) and `pkvattn eager` (the
+  bare op called outside any `jax.jit`, as in a user's Python loop)
+  beside the arms, and
   `host_us`, the host's time per call of a loop of launches before its
   closing sync. A call is host-bound where host_us >= kernel_us.
 
@@ -229,6 +231,10 @@ def run_spec(spec, args) -> list[dict]:
   if fp8:
     arms.append(("pkvattn per-head scales", pkvattn_fn(True, hkv)))
     arms.append(("pkvattn bf16 pages", pkvattn_fn(False)))
+  if args.call_overhead:
+    # The bare op as a user calls it in a Python loop (not under the
+    # benchmark's jax.jit): the op's own one-program path.
+    arms.append(("pkvattn eager", pkvattn_fn(fp8)))
   if args.xla:
     arms.append(("xla", lambda q, c, t, n, *s: pkvattn.paged_decode(
         q, c, t, n, impl="xla", **(dict(k_scale=s[0], v_scale=s[1])
@@ -240,7 +246,8 @@ def run_spec(spec, args) -> list[dict]:
     bf16 = label == "pkvattn bf16 pages"
     a = ((q, kv, jt, jl) if bf16 else (q, kv_timed, jt, jl) + scale_args)
     f = (layers_fn(call if not bf16 else (lambda q, c, t, n, *s: call(
-        q, c, t, n)), layers, fp8) if layers else jax.jit(call))
+        q, c, t, n)), layers, fp8) if layers
+         else call if label == "pkvattn eager" else jax.jit(call))
     out = f(*a)
     first = out[0] if layers else out
     t = timing.time_fn(f, *a, iters=iters, min_time_s=min_time_s)
