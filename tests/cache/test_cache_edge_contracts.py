@@ -1,4 +1,5 @@
-"""Edges of the cache API: a fork of an empty batch, and `page_table`'s `layer`.
+"""Edges of the cache API: a fork of an empty batch, `page_table`'s `layer`,
+and a per-window-group `extend`'s `num_computed`.
 
 `fork(state, [], [])` returns an empty `ForkResult` and the state unchanged,
 on a flat and on a per-window-group cache alike. `page_table`'s `layer`: a
@@ -112,3 +113,19 @@ def test_page_table_unchecked_traced_layer_is_not_checked():
   out = jax.jit(lambda layer: cache.page_table(st, jnp.arange(k), layer))(
       jnp.int32(FLAT.num_layers))
   assert out.shape == (k, 2, FLAT.max_pages)
+
+
+def test_hybrid_extend_num_computed_as_list_and_refused():
+  """`num_computed` given as a list is taken as the array it names (the same
+  state and result); one of the wrong length or dtype raises ValueError
+  naming it, at trace time."""
+  st, k = _state(HYBRID, np.random.default_rng())
+  ids, one = jnp.arange(k, dtype=jnp.int32), jnp.ones((k,), jnp.int32)
+  done = [int(n) for n in np.asarray(st.groups[0].seq_lens)[:k]]
+  a = cache.extend(st, ids, one, num_computed=jnp.asarray(done, jnp.int32))
+  b = cache.extend(st, ids, one, num_computed=done)
+  _same_state(a, b)
+  with pytest.raises(ValueError, match="num_computed"):
+    cache.extend(st, ids, one, num_computed=jnp.zeros((k + 1,), jnp.int32))
+  with pytest.raises(ValueError, match="num_computed"):
+    cache.extend(st, ids, one, num_computed=jnp.zeros((k,), jnp.float32))
