@@ -1,5 +1,6 @@
 """Edges of the cache API: a fork of an empty batch, `page_table`'s `layer`,
-and a per-window-group `extend`'s `num_computed`.
+a per-window-group `extend`'s `num_computed`, and a per-window-group claim
+at the edge of its pool with cached blocks reused.
 
 `fork(state, [], [])` returns an empty `ForkResult` and the state unchanged,
 on a flat and on a per-window-group cache alike. `page_table`'s `layer`: a
@@ -129,3 +130,25 @@ def test_hybrid_extend_num_computed_as_list_and_refused():
     cache.extend(st, ids, one, num_computed=jnp.zeros((k + 1,), jnp.int32))
   with pytest.raises(ValueError, match="num_computed"):
     cache.extend(st, ids, one, num_computed=jnp.zeros((k,), jnp.float32))
+
+
+@pytest.mark.parametrize("windows,slots", [((-1,), (5,)), ((-1, 3), (5, 9))])
+def test_hybrid_claim_counts_the_cached_blocks_it_takes(windows, slots):
+  """A claim that reuses evictable cached blocks takes them out of the
+  supply its new blocks come from: with a 5-slot global group and 2 cached
+  blocks reused, 3 new blocks fit and 4 do not (2 + 4 > 5), and the
+  refused claim leaves the state as it was."""
+  cfg = cache.HybridCacheConfig(windows, slots, page_size=4, max_seqs=4,
+                                max_pages=6)
+  tokens = np.arange(24, dtype=np.int32)[None] + 1
+  st = cache.init_cache(cfg)
+  st, res = cache.claim_batch(st, jnp.array([0]), tokens, jnp.array([9]))
+  assert bool(res.ok[0])
+  st = cache.release(cache.commit(st, jnp.array([0]), tokens, jnp.array([9])),
+                     jnp.array([0]))   # 2 published blocks, now evictable
+  new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([24]))
+  assert not bool(res.ok[0])
+  _same_state(new, st)
+  new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([20]))
+  assert bool(res.ok[0])
+  assert int(res.num_reused_tokens[0]) == 8
