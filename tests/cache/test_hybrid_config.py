@@ -25,9 +25,9 @@ def test_group_num_slots_refused(slots):
 
 def test_edges_accepted():
   """Window -1 (full attention) and 0 (the current token alone), one slot
-  per group, and a pool of 2**31 - 2 pages (the last that int32 page ids
-  address with its two-per-block layout) are fine; 2**31 pages over two
-  groups that each fit alone are not."""
+  per group, and a pool of 2**31 - 2 pages (the largest below int32's
+  limit: pages come in K / V pairs) are fine; 2**31 pages over two groups
+  that each fit alone are not."""
   cfg = cache.HybridCacheConfig((-1, 0, -1), (1, 1), **_KW)
   assert cfg.layer_windows == (-1, 0, -1)
   assert [g.window_left for g in cfg.groups] == [-1, 0]
