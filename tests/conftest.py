@@ -1,8 +1,10 @@
+import atexit
 import os
 import shutil
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 # Make tests/ importable as a plain directory (attention_utils etc.).
@@ -51,7 +53,37 @@ if shutil.which("nvidia-smi"):
   os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # The CLI's persistent compilation cache defaults to $XDG_CACHE_HOME: keep
 # test runs out of the user's cache.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pkvattn-test-cache-")
+# Removed when the run ends (by the process that made it, not its children).
+_TEST_CACHE_HOME = tempfile.mkdtemp(prefix="pkvattn-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _TEST_CACHE_HOME
+_OWNER_PID = os.getpid()
+atexit.register(lambda: os.getpid() == _OWNER_PID and shutil.rmtree(
+    _TEST_CACHE_HOME, ignore_errors=True))
+
+SEED_ENV = "PKVATTN_TEST_SEED"
+
+
+@pytest.fixture
+def rng(request):
+  """A `np.random.Generator` with a fresh seed each run, so the inputs vary
+  from run to run; a failing test's report names its seed, and
+  `PKVATTN_TEST_SEED=<seed>` replays those inputs."""
+  seed = os.environ.get(SEED_ENV)
+  seed = int(seed) if seed else np.random.SeedSequence().entropy
+  request.node.user_properties.append((SEED_ENV, seed))
+  return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ARG001
+  """Adds the `rng` fixture's seed to a failed test's report."""
+  outcome = yield
+  report = outcome.get_result()
+  if report.failed:
+    for name, seed in item.user_properties:
+      if name == SEED_ENV:
+        report.sections.append(
+            ("random inputs", f"replay them with {SEED_ENV}={seed}"))
 
 
 @pytest.fixture(scope="module")

@@ -67,8 +67,7 @@ def _kept_distribution(logits, temperature, top_k, top_p):
     # the batch.
     (300, (1.0, 0, 0.9), (0.8, 40, 0.95)),
 ])
-def test_sampler_draws_the_kept_distribution(vocab, params_a, params_b):
-  rng = np.random.default_rng()
+def test_sampler_draws_the_kept_distribution(vocab, params_a, params_b, rng):
   n = 20_000  # draws per setting: one row per generated-token index
   logits = np.sort(rng.normal(scale=1.5 if vocab < 100 else 3.0,
                               size=vocab).astype(np.float32))[::-1]
@@ -95,7 +94,7 @@ def test_sampler_draws_the_kept_distribution(vocab, params_a, params_b):
     np.testing.assert_array_less(np.abs(freq - want), tol)
 
 
-def test_sampler_keeps_ties_and_the_top_token():
+def test_sampler_keeps_ties_and_the_top_token(rng):
   n = 6_000
   draw = jax.jit(lambda logits, k, p: sample(
       jnp.broadcast_to(logits, (n, logits.shape[0])), jnp.ones(n),
@@ -116,7 +115,7 @@ def test_sampler_keeps_ties_and_the_top_token():
   assert (out[::2] == 1).all()
   assert {1, 3, 4} <= set(out[1::2].tolist())  # the sampling rows draw
   # A top_p whose target rounds to zero still keeps the most likely token.
-  logits = jnp.asarray(np.random.default_rng().normal(size=300), jnp.float32)
+  logits = jnp.asarray(rng.normal(size=300), jnp.float32)
   out = np.asarray(draw(logits, 0, 1e-45))
   np.testing.assert_array_equal(out, int(np.argmax(np.asarray(logits))))
 

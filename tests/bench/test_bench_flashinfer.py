@@ -11,8 +11,7 @@ from bench.common import flashinfer as _flashinfer  # noqa: E402  (repo root, fo
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_paged_kv_indices_match_a_token_walk(page_size):
-  rng = np.random.default_rng()
+def test_paged_kv_indices_match_a_token_walk(page_size, rng):
   batch, max_pages = 7, 9
   table = rng.permutation(batch * max_pages).reshape(batch, max_pages)
   table = table.astype(np.int32)

@@ -11,12 +11,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bench.common import timing as _timing  # noqa: E402  (repo root, for the bench package)
 
 
-def test_idle_gaps_against_a_busy_timeline():
+def test_idle_gaps_against_a_busy_timeline(rng):
   # Random kernels on one stream (some overlapping their predecessor): the
   # idle time per size class must be what a 1-ns timeline leaves unbusy.
   # Times in whole microseconds (ns in the events), so a 1-us timeline is
   # exact.
-  rng = np.random.default_rng()
   events, t = [], 0
   for _ in range(200):
     t += int(rng.choice([0, rng.integers(1, 30), rng.integers(5, 3_000)]))
@@ -44,11 +43,10 @@ def test_idle_gaps_against_a_busy_timeline():
   assert got["largest"][0][0] == round(runs.max(), 3)
 
 
-def test_event_spans_split_at_idle_gaps():
+def test_event_spans_split_at_idle_gaps(rng):
   # Clusters of random kernels (overlapping or a few us apart) separated by
   # idle gaps longer than the threshold: one span per cluster, first start
   # to last end, whatever the order of overlapping ends.
-  rng = np.random.default_rng()
   events, want, t = [], [], 0
   for _ in range(int(rng.integers(1, 8))):
     first, last = t, t
@@ -64,11 +62,10 @@ def test_event_spans_split_at_idle_gaps():
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
 
 
-def test_kernel_groups_sum_by_name_per_call():
+def test_kernel_groups_sum_by_name_per_call(rng):
   # Random launches of a few kernels (names with and without a "(...)"
   # suffix), shuffled: per name, launches and us divided by `per`, most
   # time first, names cut at "(" and to `name_len`.
-  rng = np.random.default_rng()
   names = ["fusion_a", "paged_prefill_bq42", "x" * 90]
   events, want = [], {}
   for name in names:
@@ -117,12 +114,11 @@ def test_decode_layers_program_chains_its_layers():
                             np.asarray(alone, np.float32))
 
 
-def test_pipelined_time_cancels_a_samples_fixed_cost(monkeypatch):
+def test_pipelined_time_cancels_a_samples_fixed_cost(monkeypatch, rng):
   # On a fake clock: every launch costs `call` (the GPU's time per call in a
   # stream) and every sync a fixed `fixed` (first-call launch + wake-up).
   # The pair difference must give `call` exactly, whatever the fixed cost,
   # while T(n)/n keeps a share of it.
-  rng = np.random.default_rng()
   call, fixed = float(rng.uniform(1, 5)), float(rng.uniform(0.5, 50))
   now = [0.0]
   launches = []

@@ -49,8 +49,7 @@ def _same_state(a, b):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fork_of_an_empty_batch_is_empty(name):
-  rng = np.random.default_rng()
+def test_fork_of_an_empty_batch_is_empty(name, rng):
   st, _ = _state(CONFIGS[name], rng)
   for empty in ([], jnp.zeros((0,), jnp.int32)):
     new, res = cache.fork(st, empty, empty)
@@ -66,9 +65,9 @@ def test_fork_of_an_empty_batch_is_empty(name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_page_table_python_layer_out_of_range(name):
+def test_page_table_python_layer_out_of_range(name, rng):
   cfg = CONFIGS[name]
-  st, k = _state(cfg, np.random.default_rng())
+  st, k = _state(cfg, rng)
   n = cfg.num_layers
   for layer in (-1, n, n + 7, np.int64(-3)):
     with pytest.raises(ValueError, match=rf"Invalid layer: expected 0 <= "
@@ -78,9 +77,8 @@ def test_page_table_python_layer_out_of_range(name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("split", [True, False])
-def test_page_table_array_layer_checked(name, split):
+def test_page_table_array_layer_checked(name, split, rng):
   cfg = CONFIGS[name]
-  rng = np.random.default_rng()
   st, k = _state(cfg, rng)
   n = cfg.num_layers
   ids = jnp.asarray(rng.permutation(k), jnp.int32)
@@ -108,19 +106,19 @@ def test_page_table_array_layer_checked(name, split):
                                   cache.page_table(st, ids, layer))
 
 
-def test_page_table_unchecked_traced_layer_is_not_checked():
+def test_page_table_unchecked_traced_layer_is_not_checked(rng):
   """Unchecked, an array layer is not verified (documented): no error."""
-  st, k = _state(FLAT, np.random.default_rng())
+  st, k = _state(FLAT, rng)
   out = jax.jit(lambda layer: cache.page_table(st, jnp.arange(k), layer))(
       jnp.int32(FLAT.num_layers))
   assert out.shape == (k, 2, FLAT.max_pages)
 
 
-def test_hybrid_extend_num_computed_as_list_and_refused():
+def test_hybrid_extend_num_computed_as_list_and_refused(rng):
   """`num_computed` given as a list is taken as the array it names (the same
   state and result); one of the wrong length or dtype raises ValueError
   naming it, at trace time."""
-  st, k = _state(HYBRID, np.random.default_rng())
+  st, k = _state(HYBRID, rng)
   ids, one = jnp.arange(k, dtype=jnp.int32), jnp.ones((k,), jnp.int32)
   done = [int(n) for n in np.asarray(st.groups[0].seq_lens)[:k]]
   a = cache.extend(st, ids, one, num_computed=jnp.asarray(done, jnp.int32))

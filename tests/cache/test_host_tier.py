@@ -316,14 +316,13 @@ def test_config_validation():
         cache.HostTierConfig(num_slots=4, page_size=8)), 1, max_blocks=2)
 
 
-def test_invalidate_frees_slots_and_stops_hits():
+def test_invalidate_frees_slots_and_stops_hits(rng):
   """Host slots dropped by `host_invalidate` are free, out of the table, no
   longer found by a lookup, and taken again by the next plan."""
   cfg = cache.CacheConfig(num_slots=4, page_size=2, num_layers=1, max_seqs=2,
                           max_pages=4)
   state = cache.init_cache(cfg)
   host = cache.init_host_tier(cache.HostTierConfig(num_slots=4, page_size=2))
-  rng = np.random.default_rng()
   a = rng.integers(1, 1000, 7).tolist()       # 3 full blocks + 1 token
   state, _ = cache.claim_batch(state, [0], [a], [7])
   state = cache.commit(state, [0], [a], [7])

@@ -16,7 +16,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import attention_utils as au
@@ -37,9 +36,8 @@ CASES = [  # (fmt, fp8, group, num_kv_heads, head_dim, pack, k_splits, kwargs)
 ]
 
 
-def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
+def _check(rng, fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
            fp8_convert="loaded", ppb=2, ps=8, num_warps=None, num_stages=3):
-  rng = np.random.default_rng()
   if fp8:
     p, cache, tk, tv, ks, vs = _fp8_paged(rng, lens, page_size=ps,
                                           num_kv_heads=hkv, head_dim=d,
@@ -71,17 +69,18 @@ def _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, lens, *, interpret,
 
 
 @pytest.mark.parametrize("fmt, fp8, g, hkv, d, pack, ksplit, kw", CASES)
-def test_packed_heads_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit, kw):
-  _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, [1, 7, 33, 0, 70],
+def test_packed_heads_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit, kw,
+                                   rng):
+  _check(rng, fmt, fp8, g, hkv, d, pack, ksplit, kw, [1, 7, 33, 0, 70],
          interpret=True)
 
 
 @pytest.mark.parametrize("fmt, fp8, g, hkv, d, pack, ksplit, kw",
                          [c for c in CASES if c[1]])
 def test_packed_heads_pairs_match_oracle(fmt, fp8, g, hkv, d, pack, ksplit,
-                                         kw):
+                                         kw, rng):
   """FP8 pages read as column pairs (the FP8 default) with packed heads."""
-  _check(fmt, fp8, g, hkv, d, pack, ksplit, kw, [1, 7, 33, 0, 70],
+  _check(rng, fmt, fp8, g, hkv, d, pack, ksplit, kw, [1, 7, 33, 0, 70],
          interpret=True, fp8_convert="pairs")
 
 
@@ -93,24 +92,25 @@ def _on_gpu_with_fp8_cvt():
                     reason="needs a GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("g", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize("mode", ["loaded", "pairs"])
-def test_packed_heads_gpu(g, mode):
+def test_packed_heads_gpu(g, mode, rng):
   """On the GPU, the FP8 default's form (2 heads of 64, 64-key steps):
   group sizes 1-8, odd lengths, splits, NaN in unowned pages and tail rows."""
   for ksplit in (1, 4):
-    _check("pair", True, g, 4, 64, 2, ksplit, {}, [1, 7, 129, 0, 4095, 300],
-           interpret=False, fp8_convert=mode, ppb=4, ps=16)
-  _check("flashinfer", False, g, 4, 64, 2, 2, dict(sinks=True),
+    _check(rng, "pair", True, g, 4, 64, 2, ksplit, {},
+           [1, 7, 129, 0, 4095, 300], interpret=False, fp8_convert=mode,
+           ppb=4, ps=16)
+  _check(rng, "flashinfer", False, g, 4, 64, 2, 2, dict(sinks=True),
          [1, 7, 129, 4095], interpret=False, ppb=4, ps=16)
 
 
 @pytest.mark.skipif(dispatch.current_gpu().interpret, reason="needs a GPU")
 @pytest.mark.parametrize("g, d", [(4, 128), (4, 64), (8, 64), (1, 128)])
-def test_packed_heads_many_rows_gpu(g, d):
+def test_packed_heads_many_rows_gpu(g, d, rng):
   """On the GPU, Hopper's default for many one-token rows over 16-bit pages
   with an even number of kv heads (2 packed, 32-key steps on 2 warps, 2
   stages): odd lengths, splits, sinks, NaN in unowned pages and tail rows."""
   for ksplit, kw in ((1, {}), (2, dict(sinks=True, window_left=90))):
-    _check("flashinfer", False, g, 8, d, 2, ksplit, kw,
+    _check(rng, "flashinfer", False, g, 8, d, 2, ksplit, kw,
            [1, 7, 129, 0, 1023, 80, 33], interpret=False, ppb=2, ps=16,
            num_warps=2, num_stages=2)
 

@@ -31,8 +31,7 @@ FP8 = jnp.float8_e4m3fn
 @pytest.mark.parametrize("fmt, kw", [
     ("pair", {}), ("pool", dict(window_left=20)),
     ("flashinfer", dict(logits_soft_cap=8.0))])
-def test_fp8_pages_modes_match_oracle(mode, fmt, kw):
-  rng = np.random.default_rng()
+def test_fp8_pages_modes_match_oracle(mode, fmt, kw, rng):
   g, hkv, d, ps = 4, 2, 64, 8
   lens = [40, 1, 29, 9]
   q_lens = [17, 1, 29, 1]
@@ -59,10 +58,9 @@ def test_fp8_pages_modes_match_oracle(mode, fmt, kw):
 
 
 @pytest.mark.parametrize("scale", [0.02, np.float32([0.02, 0.5])])
-def test_dequantize_pages_gathers_and_scales(scale):
+def test_dequantize_pages_gathers_and_scales(scale, rng):
   """A scale per tensor, or one per KV head (`f32[num_kv_heads]`, over
   the pages' head axis)."""
-  rng = np.random.default_rng()
   pool = _kv.quantize(jnp.asarray(rng.standard_normal((6, 8, 2, 64)) * 3,
                                   jnp.float32), 0.02)
   table = jnp.asarray([[4, 0, -1], [2, 5, 1]], jnp.int32)
@@ -130,11 +128,10 @@ def _on_gpu():
 @pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mode", ["dequantize", "kernel"])
-def test_fp8_pages_modes_gpu(mode, d):
+def test_fp8_pages_modes_gpu(mode, d, rng):
   """The compiled kernels (Mosaic GPU at head_dim 128 on Hopper, Triton
   otherwise) on dequantized and in-kernel FP8 pages: odd lengths, chunks
   over a cached prefix, decode rows, NaN in unowned pages and tail rows."""
-  rng = np.random.default_rng()
   g, hkv, ps = 4, 2, 16
   lens = [4095, 129, 7, 300, 1]
   q_lens = [1000, 129, 7, 1, 1]

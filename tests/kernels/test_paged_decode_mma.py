@@ -339,7 +339,7 @@ def test_f16_and_partials_match_oracle_gpu():
     (8, 64, 16, "flashinfer", dict(window_left=300), 2, None, jnp.bfloat16),
 ])
 def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
-                                tiles, dtype):
+                                tiles, dtype, rng):
   """FP8 pages with per-tensor scales: the float64 oracle over the
   DEQUANTIZED pages (the quantization is the input, not the error) to the
   q dtype's tolerance; NaN in every page a sequence does not own and past
@@ -348,7 +348,6 @@ def test_fp8_matches_oracle_gpu(group, d, page_size, fmt, kw, k_splits,
   never inf."""
   from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
   from attention_utils import query_and_sinks  # noqa: PLC0415
-  rng = np.random.default_rng()
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095]
   p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
                                         num_kv_heads=hkv, head_dim=d, fmt=fmt)
@@ -616,14 +615,13 @@ def test_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
     (8, 256, 64, "pair", dict(sinks=True), 4, 2),
 ])
 def test_fp8_decode_rows_match_oracle_gpu(group, d, page_size, fmt, kw,
-                                          k_splits, rows_per_seq):
+                                          k_splits, rows_per_seq, rng):
   """`paged_decode_rows` on FP8 pages (per-tensor scales) with several
   token rows per sequence packed into a CTA's MMA columns: each row
   against the float64 oracle over the DEQUANTIZED pages, with its own key
   count; NaN in unowned pages and past kv_len; every row not named kept
   bit for bit."""
   from attention_utils import fp8_paged as _fp8_paged  # noqa: PLC0415
-  rng = np.random.default_rng()
   hkv, kv_lens = 2, [0, 1, 7, 129, 4095, 300]
   p, cache, tk, tv, ks, vs = _fp8_paged(rng, kv_lens, page_size=page_size,
                                         num_kv_heads=hkv, head_dim=d, fmt=fmt)

@@ -348,11 +348,10 @@ def test_plan_tiles_fit_the_static_bound(q_lens, first, padding, rows):
 
 
 @pytest.mark.parametrize("rank_max_rows", [0, plan_lib.RANK_MAX_ROWS])
-def test_plan_order_and_prefix_sum_match_numpy(monkeypatch, rank_max_rows):
+def test_plan_order_and_prefix_sum_match_numpy(monkeypatch, rank_max_rows, rng):
   # Both forms: the rank count and scatter / compare-all sum, and (with
   # RANK_MAX_ROWS = 0) argsort / cumsum. Eager, so each form is traced anew.
   monkeypatch.setattr(plan_lib, "RANK_MAX_ROWS", rank_max_rows)
-  rng = np.random.default_rng()
   for n in (1, 2, 37, 300):
     work = rng.integers(-1, 6, n).astype(np.int32)  # many ties
     rows = rng.integers(-2**20, 2**20, (n, 5)).astype(np.int32)

@@ -26,8 +26,7 @@ def _rows(rng, rows, vocab):
 
 @pytest.mark.parametrize("vocab,block,ways", [
     (50, 64, 2), (300, 128, 4), (1000, 256, 8), (1000, 128, 3)])
-def test_floor_keeps_the_reference_set(vocab, block, ways):
-  rng = np.random.default_rng()
+def test_floor_keeps_the_reference_set(vocab, block, ways, rng):
   rows = 16
   probs = _rows(rng, rows, vocab)
   top_k = jnp.asarray(rng.choice([0, 1, 3, 40, vocab, vocab + 5], rows),
@@ -67,10 +66,9 @@ def test_floor_of_ties_at_the_top_k_boundary():
                                 [False, True, False, True, True, False])
 
 
-def test_sampler_with_the_kernel_draws_the_reference_tokens():
+def test_sampler_with_the_kernel_draws_the_reference_tokens(rng):
   """`sample(impl="pallas")` (the kernel's floor) against `impl="xla"` (the
   sort's): the same draw from the same kept set gives the same tokens."""
-  rng = np.random.default_rng()
   rows, vocab = 32, 200
   logits = jnp.log(_rows(rng, rows, vocab))
   args = (logits, jnp.asarray(rng.choice([0.0, 0.7, 1.0], rows), jnp.float32),

@@ -9,8 +9,7 @@ from attention_utils import FORMATS, assert_close, assert_lse_close, dense_atten
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_xla_matches_oracle(fmt):
-  rng = np.random.default_rng()
+def test_decode_xla_matches_oracle(fmt, rng):
   kv_lens = [1, 7, 8, 9, 24]
   p = make_paged(rng, kv_lens, page_size=8, num_kv_heads=2, head_dim=64,
                  dtype=jnp.float32, fmt=fmt)
@@ -25,9 +24,8 @@ def test_decode_xla_matches_oracle(fmt):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_prefill_with_few_tokens_runs_as_decode_rows(impl):
+def test_prefill_with_few_tokens_runs_as_decode_rows(impl, rng):
   """num_tokens <= batch_size takes the per-token decode route: same semantics."""
-  rng = np.random.default_rng()
   kv_lens = np.array([9, 1, 17, 8, 16, 5], np.int32)
   q_lens = np.array([1, 1, 2, 0, 1, 0], np.int32)  # a 2-token row, idle rows
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -55,10 +53,9 @@ def test_prefill_with_few_tokens_runs_as_decode_rows(impl):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_sink_far_above_the_logits_keeps_the_lse_finite(impl):
+def test_sink_far_above_the_logits_keeps_the_lse_finite(impl, rng):
   """A sink 100 above a sequence's only logit: its weight `exp(-100)`
   underflows f32, yet the LSE covers the keys alone and stays finite."""
-  rng = np.random.default_rng()
   kv_lens = [1, 5]
   p = make_paged(rng, kv_lens, page_size=8, num_kv_heads=2, head_dim=64,
                  dtype=jnp.float32, fmt="pair")

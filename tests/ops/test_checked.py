@@ -136,8 +136,7 @@ def _prefill_bad_inputs(q, table, q_indptr, kv_lens):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_decode_contract(impl):
-  rng = np.random.default_rng()
+def test_decode_contract(impl, rng):
   with pkvattn.checked():
     staged = _staged(_decode, impl=impl)
     for _ in range(3):  # fresh valid inputs: no error, unchanged results
@@ -164,8 +163,7 @@ def test_decode_contract(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_prefill_contract(impl):
-  rng = np.random.default_rng()
+def test_prefill_contract(impl, rng):
   with pkvattn.checked():
     staged = _staged(_prefill, impl=impl)
     for _ in range(3):
@@ -183,8 +181,7 @@ def test_prefill_contract(impl):
         _prefill(*args, impl=impl)
 
 
-def test_windowed_blocks_before_the_window_may_be_unmapped():
-  rng = np.random.default_rng()
+def test_windowed_blocks_before_the_window_may_be_unmapped(rng):
   window_left = 9
   with pkvattn.checked():
     for _ in range(4):
@@ -208,8 +205,7 @@ def test_windowed_blocks_before_the_window_may_be_unmapped():
               impl="xla")
 
 
-def test_split_table_and_flashinfer_cache():
-  rng = np.random.default_rng()
+def test_split_table_and_flashinfer_cache(rng):
   q, table, kv_lens = _decode_case(rng)
   kv_lens[0] = CAP
   table = _table(rng, kv_lens)
@@ -233,13 +229,12 @@ def test_split_table_and_flashinfer_cache():
       pkvattn.paged_decode(q, fi, bad, kv_lens, impl="xla")
 
 
-def test_contract_edges_and_the_entries_its_messages_name():
+def test_contract_edges_and_the_entries_its_messages_name(rng):
   """In contract: `window_left=0` (blocks before the current token's may be
   unmapped), a prefill row with no queries (it sees no block), an empty
   batch with `q_indptr = [0]`. Out of it, the message names the offending
   entry: a K row of a split table, the first decreasing `q_indptr` pair
   after an empty row, a split table's token past the first."""
-  rng = np.random.default_rng()
   q = rng.standard_normal((B, H, D)).astype(np.float32)
   kv_lens = np.array([CAP, 5])
   table = np.array([[-1, -1, 1], [2, -1, -1]], np.int32)
@@ -333,8 +328,7 @@ def _append_bad_inputs(q, k, v, bidx, pos, table):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("rope", [False, True])
-def test_append_contract(impl, rope):
-  rng = np.random.default_rng()
+def test_append_contract(impl, rope, rng):
   with pkvattn.checked():
     staged = _staged(_append, impl=impl, rope=rope)
     for _ in range(3):
@@ -352,8 +346,7 @@ def test_append_contract(impl, rope):
         _append(*bad, impl=impl, rope=rope)
 
 
-def test_qkv_append_contract():
-  rng = np.random.default_rng()
+def test_qkv_append_contract(rng):
   q, k, v, bidx, pos, table = _append_case(rng)
   qkv = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)],
                         axis=1)
@@ -487,10 +480,9 @@ def test_cache_op_contract_holds_at_its_bounds():
     assert np.asarray(res.ok).all()
 
 
-def test_cache_ops_checked_valid_sequence_matches_unchecked():
+def test_cache_ops_checked_valid_sequence_matches_unchecked(rng):
   """Random in-contract calls: checked mode raises nothing and changes
   nothing (same results and states as unchecked)."""
-  rng = np.random.default_rng()
   plain, checked_ = _cache_state(), _cache_state()
   for step in range(15):
     live = [int(i) for i in np.flatnonzero(np.asarray(plain.seq_live))]

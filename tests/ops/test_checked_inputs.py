@@ -21,8 +21,7 @@ def _pool(num_pages=4, seed=0):
   return jnp.asarray(k), jnp.asarray(v)
 
 
-def test_index_arguments_accept_lists():
-  rng = np.random.default_rng()
+def test_index_arguments_accept_lists(rng):
   kv = _pool()
   q = jnp.asarray(rng.standard_normal((2, H, D)), jnp.float32)
   table, lens, indptr = [[0, 1], [3, -1]], [9, 5], [0, 1, 2]
@@ -61,9 +60,8 @@ def test_index_arguments_accept_lists():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_empty_batches_give_empty_or_padding_outputs(impl):
+def test_empty_batches_give_empty_or_padding_outputs(impl, rng):
   kv = _pool()
-  rng = np.random.default_rng()
   no_rows = jnp.zeros((0, 2), jnp.int32)
   # Decode of no sequences.
   out, lse = pkvattn.paged_decode(jnp.zeros((0, H, D)), kv, no_rows, [],

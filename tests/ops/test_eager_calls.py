@@ -40,11 +40,10 @@ def _case(rng, kv_lens):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_decode_traces_once_per_shape(traces, impl):
+def test_decode_traces_once_per_shape(traces, impl, rng):
   """Two eager calls of one shape on fresh inputs trace the op once, a new
   batch size once more; each result matches the float64 oracle (NaN in every
   page a sequence does not own) and the op staged in a caller's jit."""
-  rng = np.random.default_rng()
   calls = []
   # The first two batches hold six pages each: the same pool shape.
   for kv_lens, expected_traces in (([9, 17, 1], 1), ([4, 30, 8], 1),
@@ -68,11 +67,10 @@ def test_decode_traces_once_per_shape(traces, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_prefill_traces_once_per_shape_and_plan(traces, impl):
+def test_prefill_traces_once_per_shape_and_plan(traces, impl, rng):
   """Eager prefill calls of one shape trace once, with or without a plan
   (a pytree argument); a Python list for `q_indptr` runs the op as written
   (its checks on every call) with the same result."""
-  rng = np.random.default_rng()
   kv_lens = np.array([20, 9, 3], np.int32)
   q_lens = np.array([12, 1, 3], np.int32)
   indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -107,10 +105,9 @@ def test_prefill_traces_once_per_shape_and_plan(traces, impl):
   np.testing.assert_array_equal(np.asarray(listed), np.asarray(out))
 
 
-def test_eager_errors_name_the_argument(traces):
+def test_eager_errors_name_the_argument(traces, rng):
   """A bad argument raises the op's ValueError while the call's program is
   traced, on every call (a failed trace is not cached)."""
-  rng = np.random.default_rng()
   p, q = _case(rng, [9, 17, 1])
   args = (jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table))
   for _ in range(2):

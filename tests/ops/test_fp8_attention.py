@@ -37,8 +37,7 @@ CASES = [  # (fmt, group, head_dim, page_size, kwargs)
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 @pytest.mark.parametrize("fmt, g, d, ps, kw", CASES)
-def test_decode_fp8_pages(impl, fmt, g, d, ps, kw):
-  rng = np.random.default_rng()
+def test_decode_fp8_pages(impl, fmt, g, d, ps, kw, rng):
   hkv = 2
   lens = [1, 7, 33, 0, 70]
   p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
@@ -69,9 +68,8 @@ def test_decode_fp8_pages(impl, fmt, g, d, ps, kw):
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 @pytest.mark.parametrize("fmt, g, d, ps, kw", CASES[:3])
-def test_prefill_fp8_pages_mixed_batch(impl, fmt, g, d, ps, kw):
+def test_prefill_fp8_pages_mixed_batch(impl, fmt, g, d, ps, kw, rng):
   """Decode rows beside chunks over a cached prefix, and a whole prompt."""
-  rng = np.random.default_rng()
   hkv = 2
   lens = [40, 1, 29, 9]
   q_lens = [17, 1, 29, 1]
@@ -103,8 +101,7 @@ def _rope_np(x, pos, theta, d):
 
 
 @pytest.mark.parametrize("fmt", au.FORMATS)
-def test_rope_append_quantizes_on_write(fmt):
-  rng = np.random.default_rng()
+def test_rope_append_quantizes_on_write(fmt, rng):
   n, hq, hkv, d, ps, pages = 23, 4, 2, 64, 8, 10
   q = jnp.asarray(rng.standard_normal((n, hq, d)), jnp.bfloat16)
   k = np.asarray(rng.standard_normal((n, hkv, d)) * 4, np.float32)
@@ -212,14 +209,13 @@ def _on_gpu_with_fp8_cvt():
 
 @pytest.mark.parametrize("mode,prefetch", [
     ("loaded", False), ("loaded", True), ("pairs", False), ("pairs", True)])
-def test_decode_kernel_fp8_convert_modes(mode, prefetch):
+def test_decode_kernel_fp8_convert_modes(mode, prefetch, rng):
   """Both placements of the conversion (`TritonConfig.fp8_convert`) compute
   the oracle's attention ("pairs" runs its jnp twin in interpret mode; its
   PTX is checked on the GPU below); a bf16 query beyond f16's range (the
   FP8 dots run in f16) is clamped to +-65504, never inf (the oracle clamps
   it too)."""
   from pkvattn.pallas_kernels import paged_decode as kernel
-  rng = np.random.default_rng()
   hkv, g, d, ps = 2, 4, 64, 8
   lens = [1, 15, 40, 0, 23]
   p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
@@ -252,13 +248,12 @@ def test_decode_kernel_fp8_convert_modes(mode, prefetch):
 @pytest.mark.parametrize("g, d, ps, ppb, warps", [
     (4, 128, 16, 4, 2), (3, 64, 16, 8, 4), (8, 128, 64, 1, 2),
     (1, 128, 8, 8, 4), (4, 256, 16, 2, 2), (5, 64, 16, 2, 2)])
-def test_decode_kernel_fp8_convert_gpu(g, d, ps, ppb, warps):
+def test_decode_kernel_fp8_convert_gpu(g, d, ps, ppb, warps, rng):
   """The inline-PTX column pairs ("pairs") and the loaded-layout placement
   on the GPU against the oracle on the dequantized pages (NaN in unowned
   pages and past kv_lens), splits, page-id prefetch and odd lengths
   included."""
   from pkvattn.pallas_kernels import paged_decode as kernel
-  rng = np.random.default_rng()
   hkv = 2
   lens = [1, 7, 129, 0, 4095, 300]
   p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=ps,
@@ -284,13 +279,12 @@ def test_decode_kernel_fp8_convert_gpu(g, d, ps, ppb, warps):
 @pytest.mark.skipif(not _on_gpu_with_fp8_cvt(),
                     reason="needs a GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("d", [64, 128])
-def test_decode_kernel_fp8_pairs_f32_query_gpu(d):
+def test_decode_kernel_fp8_pairs_f32_query_gpu(d, rng):
   """An f32 query over FP8 pages with the column-pair default: the words
   split by integer ops (no PTX: the dots run in f32) on the GPU, against
   the oracle on the dequantized pages, splits and NaN-poisoned pages
   included."""
   from pkvattn.pallas_kernels import paged_decode as kernel
-  rng = np.random.default_rng()
   lens = [1, 7, 129, 0, 300]
   p, cache, tk, tv, ks, vs = au.fp8_paged(rng, lens, page_size=16,
                                         num_kv_heads=2, head_dim=d,
@@ -390,12 +384,11 @@ def test_decode_kernel_fp8_pairs_lowers_for_cuda(fake_gpu):
   jax.clear_caches()
 
 
-def test_pair_view_splits_columns():
+def test_pair_view_splits_columns(rng):
   """`pair_view` is a bitcast whose word `i` holds columns `2i` (low byte)
   and `2i + 1`, and `split_pairs` (its jnp form) returns those columns'
   values exactly, for every e4m3 bit pattern but NaN."""
   from pkvattn.pallas_kernels import _fp8
-  rng = np.random.default_rng()
   bits = np.arange(256, dtype=np.uint8)
   bits = bits[(bits & 0x7F) != 0x7F]  # NaN patterns
   pool = rng.choice(bits, size=(5, 8, 3, 64)).astype(np.uint8)

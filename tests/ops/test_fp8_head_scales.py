@@ -88,8 +88,7 @@ def _in_head_units(out, tv, g):
 @pytest.mark.parametrize("fmt, g, kw", [
     ("pair", 3, {}), ("flashinfer", 2, dict(logits_soft_cap=8.0)),
     ("pair", 4, dict(sinks=True, window_left=20))])
-def test_decode_per_head_scales(impl, fmt, g, kw):
-  rng = np.random.default_rng()
+def test_decode_per_head_scales(impl, fmt, g, kw, rng):
   d, lens = 64, [1, 7, 33, 0, 70]
   p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=16,
                                              head_dim=d, fmt=fmt)
@@ -112,11 +111,10 @@ def test_decode_per_head_scales(impl, fmt, g, kw):
     ("flashinfer", 2, "pairs", 2, dict(logits_soft_cap=8.0), jnp.bfloat16),
     ("pair", 2, "loaded", 1, dict(sinks=True, window_left=40), jnp.float32)])
 def test_decode_kernel_per_head_scales(fmt, pack, convert, k_splits, kw,
-                                       q_dtype):
+                                       q_dtype, rng):
   """The Triton kernel reads each kv head's scales: with `pack_heads=2` one
   program's rows belong to both heads (40x apart), so each row's logits
   and output take its own head's (errors in `_in_head_units`)."""
-  rng = np.random.default_rng()
   g, d, lens = 3, 64, [1, 7, 33, 0, 70]
   p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=8,
                                              head_dim=d, fmt=fmt)
@@ -141,12 +139,11 @@ def test_decode_kernel_per_head_scales(fmt, pack, convert, k_splits, kw,
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-def test_prefill_per_head_scales_mixed_batch(impl):
+def test_prefill_per_head_scales_mixed_batch(impl, rng):
   """Chunks beside decode rows: the pallas path dequantizes the pages per
   head into bf16 (the oracle reads them so) and runs the 16-bit kernels;
   the xla path scales q and the output per head in f32. Errors in
   `_in_head_units` (bf16 `P @ V`)."""
-  rng = np.random.default_rng()
   g, d, lens, q_lens = 2, 64, [40, 1, 29, 9], [17, 1, 29, 1]
   p, cache, tk, tv, ks, vs = _per_head_paged(
       rng, lens, page_size=8, head_dim=d, fmt="pair",
@@ -188,8 +185,7 @@ def test_one_scale_per_tensor_kernels_refuse_per_head_scales():
         v_scale=heads)
 
 
-def test_equal_head_scales_match_the_tensor_scale():
-  rng = np.random.default_rng()
+def test_equal_head_scales_match_the_tensor_scale(rng):
   p = au.make_paged(rng, [9, 30], page_size=8, num_kv_heads=HKV, head_dim=64,
                     dtype=jnp.float32, fmt="pair")
   cache = tuple(jnp.asarray(x, FP8) for x in p.kv_cache)
@@ -218,8 +214,7 @@ def _written(cache, table, bidx, pos, page_size):
 @pytest.mark.parametrize("op", ["append_paged_kv", "apply_rope_and_append",
                                 "apply_rope_and_append_qkv"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-def test_append_quantizes_per_head(op, impl):
-  rng = np.random.default_rng()
+def test_append_quantizes_per_head(op, impl, rng):
   n, hq, d, ps, pages = 19, 4, 64, 8, 8
   q = rng.standard_normal((n, hq, d)).astype(np.float32)
   k = rng.standard_normal((n, HKV, d)) * MAGNITUDE[None, :, None] * 4

@@ -77,8 +77,7 @@ APPENDS = [name for name in OPS if "append" in name]
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_host_scales_refused_at_trace_time(name):
-  rng = np.random.default_rng()
+def test_host_scales_refused_at_trace_time(name, rng):
   op = _ops(_case(rng))[name]
   for bad in BAD_SCALES:
     good = float(rng.uniform(0.01, 2.0))
@@ -93,9 +92,8 @@ def test_host_scales_refused_at_trace_time(name):
       jax.eval_shape(lambda b=bad: op(b, 1.0))
 
 
-def test_int_scales_are_accepted():
+def test_int_scales_are_accepted(rng):
   """`k_scale=2` means 2.0: the same outputs, and the oracles hold."""
-  rng = np.random.default_rng()
   c = _case(rng)
   ops = _ops(c)
   ks, vs = (int(x) for x in rng.integers(1, 5, 2))
@@ -140,7 +138,7 @@ RECIPROCAL_VALUES = np.float32([-0.21528031, -0.531869])
 
 
 @pytest.mark.parametrize("name", APPENDS)
-def test_appends_store_the_reciprocal_product(name):
+def test_appends_store_the_reciprocal_product(name, rng):
   """Every append stores `x * (1 / v_scale)` rounded to e4m3, as the numpy
   rule (`attention_utils.quantize_np`) does, also where an exactly rounded
   division would store the neighbouring value."""
@@ -148,7 +146,7 @@ def test_appends_store_the_reciprocal_product(name):
   want = au.quantize_np(RECIPROCAL_VALUES, RECIPROCAL_SCALE)
   assert (by_division.astype(want.dtype).view(np.uint8)
           != want.view(np.uint8)).all()  # the cases tell the rules apart
-  c = _case(np.random.default_rng())
+  c = _case(rng)
   n = RECIPROCAL_VALUES.size
   c["v"] = c["v"].at[0, 0, :n].set(RECIPROCAL_VALUES)
   vp = jax.tree.leaves(_ops(c)[name](1.0, float(RECIPROCAL_SCALE)))[-1]
@@ -157,11 +155,10 @@ def test_appends_store_the_reciprocal_product(name):
   np.testing.assert_array_equal(stored.view(np.uint8), want.view(np.uint8))
 
 
-def test_smallest_scale_never_poisons_the_cache():
+def test_smallest_scale_never_poisons_the_cache(rng):
   """At 2**-126 the reciprocal is finite: every value saturates, 0 stays 0
   (a scale of 0 or a subnormal one would store NaN there); checked mode
   takes it, as a host number and as an array."""
-  rng = np.random.default_rng()
   c = _case(rng)
   c["k"] = c["k"].at[0].set(0.0)
   with pkvattn.checked():
@@ -175,8 +172,7 @@ def test_smallest_scale_never_poisons_the_cache():
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_checked_mode_reports_array_scales(name):
-  rng = np.random.default_rng()
+def test_checked_mode_reports_array_scales(name, rng):
   c = _case(rng)
   op = _ops(c)[name]
   good = [jnp.float32(rng.uniform(0.01, 2.0)) for _ in range(2)]
@@ -211,9 +207,9 @@ def test_checked_mode_reports_array_scales(name):
 
 
 @pytest.mark.parametrize("name", ["paged_decode", "apply_rope_and_append"])
-def test_unchecked_array_scales_add_no_check(name, monkeypatch):
+def test_unchecked_array_scales_add_no_check(name, monkeypatch, rng):
   """Unchecked, array scales are not checked: no contract code runs."""
-  op = _ops(_case(np.random.default_rng()))[name]
+  op = _ops(_case(rng))[name]
 
   def forbidden(*a, **k):
     raise AssertionError("contract code ran on the unchecked path")

@@ -54,12 +54,11 @@ def _check(out, lse, q, k, v, indptr, lens, dtype, *, d, sinks=None,
 
 
 @pytest.mark.parametrize("fmt, g, d, ps, kw", CASES)
-def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw):
+def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw, rng):
   """Ragged batch: a chunk over a cached prefix, a decode row, an idle row,
   a whole prompt, and a sequence longer than several tiles. Also the
   pure-jnp reference (`reference.paged_prefill_reference`, the op's stated
   semantics), 8 tokens a chunk so the last chunk is part padding."""
-  rng = np.random.default_rng()
   lens = [70, 1, 9, 29, 45]
   q_lens = [37, 1, 0, 29, 3]
   kw = dict(kw)
@@ -90,9 +89,8 @@ def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw):
          **kw)
 
 
-def test_flash_prefill_bf16_long_prompt():
+def test_flash_prefill_bf16_long_prompt(rng):
   """One prompt of several default-sized tiles and key blocks, bf16."""
-  rng = np.random.default_rng()
   lens, q_lens = [1100], [1100]
   p, indptr, q = _ragged(rng, lens, q_lens, "pair", 3, 64, 16,
                          dtype=jnp.bfloat16, hkv=1)
@@ -103,10 +101,9 @@ def test_flash_prefill_bf16_long_prompt():
 
 
 @pytest.mark.parametrize("fmt, g, d, ps, kw", CASES[:3])
-def test_flash_prefill_fp8_pages(fmt, g, d, ps, kw):
+def test_flash_prefill_fp8_pages(fmt, g, d, ps, kw, rng):
   """FP8 pages, several tiles and blocks: the oracle runs on the
   dequantized pages (the quantization is the input, not the error)."""
-  rng = np.random.default_rng()
   lens, q_lens = [70, 1, 29], [37, 1, 29]
   kw = dict(kw)
   sinks = (rng.standard_normal(g * 2).astype(np.float32)

@@ -226,12 +226,11 @@ def test_append_paged_kv(fmt, impl):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_append_drops_tokens_with_no_page(impl):
+def test_append_drops_tokens_with_no_page(impl, rng):
   """Unchecked, a token whose batch index, position or table entry names
   no page is not written (padding, a batch index past the table, a position
   past its row, an entry of -1 or past the pool): the pools come back
   bit-equal but for the one valid token's row (page 0, position 0)."""
-  rng = np.random.default_rng()
   num_pages, ps, hkv, d = 4, 8, 2, 64
   pools = tuple(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)),
                             jnp.float32) for _ in range(2))
@@ -342,11 +341,10 @@ def test_get_batch_indices_positions():
     pkvattn.get_batch_indices_positions(q_indptr[:3], kv_lens, 12)
 
 
-def test_get_batch_indices_positions_without_a_loop():
+def test_get_batch_indices_positions_without_a_loop(rng):
   """A decode step's 256 rows: one fused count, no `while` (a binary search
   is a loop of small kernels, three launches per halving, in every step),
   and the numpy oracle's answer on a fresh ragged batch."""
-  rng = np.random.default_rng()
   q_lens = rng.integers(0, 3, 256)
   q_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   kv_lens = (q_lens + rng.integers(0, 100, 256)).astype(np.int32)

@@ -189,11 +189,10 @@ def test_copies_queued_a_batch_at_a_time(model, runs):
   assert not tier._pending  # noqa: SLF001
 
 
-def test_chain_order_keeps_chains_together():
+def test_chain_order_keeps_chains_together(rng):
   """Interleaved chains come out grouped (in order of first appearance),
   each root to leaf; a block whose parent is not among them roots a group."""
   from pkvattn.serving.host_tier import _chain_order
-  rng = np.random.default_rng()
   chains, nxt = [], 1
   for _ in range(4):
     n = int(rng.integers(1, 6))
@@ -219,14 +218,14 @@ def test_chain_order_keeps_chains_together():
     assert depths == sorted(depths)                      # root to leaf
 
 
-def test_a_plan_covers_the_next_steps(model):
+def test_a_plan_covers_the_next_steps(model, rng):
   """One plan mirrors PLAN_HORIZON steps' worth of evictions; the calls
   whose bounds fit in what is left plan nothing."""
   from pkvattn.serving.host_tier import PLAN_HORIZON
   engine = Engine(model, dataclasses.replace(CFG,
                                              host_kv_cache_bytes=HOST_BYTES))
   tier, stats = engine.host_tier, engine.stats
-  need = int(np.random.default_rng().integers(1, 4))
+  need = int(rng.integers(1, 4))
   for _ in range(PLAN_HORIZON):
     tier.offload(engine.pool, engine.state, need, 0, stats)
   assert tier.num_plans == 1

@@ -157,7 +157,7 @@ def test_checked_engine_reports_a_corrupted_page_table(model):
 
 @pytest.mark.parametrize("decode_steps", [1, 2])
 def test_a_program_that_raises_loses_no_request(model, monkeypatch,
-                                                decode_steps):
+                                                decode_steps, rng):
   """Every other program call raises before it runs (as a launch or compile
   error would): each such step or burst is undone (`Scheduler.unschedule`:
   its admissions back at the queue's front, the rows it took to release
@@ -165,7 +165,6 @@ def test_a_program_that_raises_loses_no_request(model, monkeypatch,
   tokens it gets alone, and every row and slot is free at the end."""
   cfg = EngineConfig(page_size=8, num_slots=12, max_seqs=2, max_num_tokens=16,
                      max_model_len=40, decode_steps=decode_steps)
-  rng = np.random.default_rng()
   prompts = [rng.integers(1, 256, int(n)).tolist() for n in (5, 11, 3, 7)]
   sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
   alone = [Engine(model, cfg).generate([p], sp)[0] for p in prompts]

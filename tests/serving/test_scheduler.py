@@ -305,11 +305,10 @@ def _queue(cfg, prompts):
   return sched
 
 
-def test_admissions_stop_at_max_admit_rows_and_backlog():
+def test_admissions_stop_at_max_admit_rows_and_backlog(rng):
   """A step admits while a row is free, fewer than `max_admit` requests
   were admitted, and the prompt tokens admitted but not computed stay under
   two steps' token budget; the rest stay queued in order."""
-  rng = np.random.default_rng()
   prompts = [rng.integers(0, VOCAB, 5).tolist() for _ in range(4)]
   cfg = dataclasses.replace(CFG, max_admit=2)
   sched = _queue(cfg, prompts)
@@ -325,11 +324,11 @@ def test_admissions_stop_at_max_admit_rows_and_backlog():
     assert [r.request_id for r in sched.schedule().admitted] == admitted
 
 
-def test_no_burst_while_a_waiting_request_could_take_a_row():
+def test_no_burst_while_a_waiting_request_could_take_a_row(rng):
   """Bursts start only when nothing but decoding can happen: once a
   request waits with a row free, the next program is a step (it admits)."""
   cfg = dataclasses.replace(CFG, max_seqs=2, decode_steps=4)
-  sched, _ = _decoding(cfg, np.random.default_rng(), max_new_tokens=8)
+  sched, _ = _decoding(cfg, rng, max_new_tokens=8)
   assert sched.burst_eligible()  # one decoding request, nothing waiting
   req = make_request([1, 2], SamplingParams(max_new_tokens=2), _limits(cfg))
   req.request_id = 1
@@ -338,12 +337,11 @@ def test_no_burst_while_a_waiting_request_could_take_a_row():
 
 
 @pytest.mark.parametrize("waiting", [False, True])
-def test_a_burst_stays_in_flight_only_if_a_request_outlives_it(waiting):
+def test_a_burst_stays_in_flight_only_if_a_request_outlives_it(waiting, rng):
   """A dispatched burst of k steps chains into the next one when some
   request has more than k tokens left (all of them have, when a request
   waits for a row); one that may end in it is read first."""
   cfg = dataclasses.replace(CFG, max_seqs=1, decode_steps=4)
-  rng = np.random.default_rng()
   for left, chains in ((4, False), (5, True)):
     sched, _ = _decoding(cfg, rng, max_new_tokens=1 + left)
     if waiting:
