@@ -48,3 +48,21 @@ def check_int(x, name: str) -> None:
   if not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(
         f"Invalid dtype of {name}: expected an integer dtype, got {dtype}")
+
+
+def check_positive_int(value, name: str) -> None:
+  """Raises ValueError unless `value` is a Python int >= 1 (a config size;
+  `bool` is not a size)."""
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ValueError(f"Invalid {name}: expected a positive int, got {value!r}")
+
+
+def check_power_of_two(value, name: str) -> None:
+  """Raises ValueError unless `value` is None or a Python int that is a
+  power of two (a hash table's bucket count)."""
+  if value is None:
+    return
+  if (not isinstance(value, int) or isinstance(value, bool) or value <= 0
+      or value & (value - 1)):
+    raise ValueError(
+        f"Invalid {name}: expected a power of two or None, got {value!r}")

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _checks
 from . import hashing
 from .alloc import _oob_scatter_index as _drop_index
 from .alloc import eviction_order
@@ -84,16 +85,8 @@ class HostTierConfig:
 
   def __post_init__(self):
     for name in ("num_slots", "page_size", "hash_ways"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(
-            f"Invalid {name}: expected a positive int, got {value!r}")
-    if self.hash_buckets is not None and (
-        not isinstance(self.hash_buckets, int) or self.hash_buckets <= 0
-        or self.hash_buckets & (self.hash_buckets - 1)):
-      raise ValueError(
-          "Invalid hash_buckets: expected a power of two or None, got "
-          f"{self.hash_buckets!r}")
+      _checks.check_positive_int(getattr(self, name), name)
+    _checks.check_power_of_two(self.hash_buckets, "hash_buckets")
 
   @property
   def num_buckets(self) -> int:

@@ -39,6 +39,7 @@ from typing import Final
 import jax
 import jax.numpy as jnp
 
+from . import _checks
 from . import hashing
 
 NULL_PAGE: Final = -1  # table entry with no block
@@ -100,15 +101,8 @@ class CacheConfig:
   def __post_init__(self):
     for name in ("num_slots", "page_size", "num_layers", "max_seqs",
                  "max_pages", "hash_ways"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"Invalid {name}: expected a positive int, got {value!r}")
-    if self.hash_buckets is not None and (
-        self.hash_buckets <= 0 or self.hash_buckets & (self.hash_buckets - 1)):
-      raise ValueError(
-          "Invalid hash_buckets: expected a power of two or None, got "
-          f"{self.hash_buckets!r}")
+      _checks.check_positive_int(getattr(self, name), name)
+    _checks.check_power_of_two(self.hash_buckets, "hash_buckets")
     if self.layer_windows is not None:
       if len(self.layer_windows) != self.num_layers:
         raise ValueError(

@@ -341,12 +341,18 @@ def test_page_table_traced_layer_in_scan():
 
 
 def test_config_errors():
-  with pytest.raises(ValueError, match="num_slots"):
-    _cfg(num_slots=0)
+  for bad in (0, -2, 4.0, True, None):
+    with pytest.raises(ValueError, match="Invalid num_slots: expected a "
+                       "positive int"):
+      _cfg(num_slots=bad)
   with pytest.raises(ValueError, match="layer_windows"):
     _cfg(layer_windows=(-1,))
-  with pytest.raises(ValueError, match="hash_buckets"):
-    _cfg(hash_buckets=3)
+  for bad in (3, 12, 0, -8, 8.0, "8", True):
+    with pytest.raises(ValueError, match="Invalid hash_buckets: expected a "
+                       "power of two or None"):
+      _cfg(hash_buckets=bad)
+  for good in (None, 1, 2, 1024):
+    assert _cfg(hash_buckets=good).hash_buckets == good
   st = cache.init_cache(_cfg())
   with pytest.raises(ValueError, match="tokens"):
     cache.claim_batch(st, jnp.zeros((2,), jnp.int32), jnp.zeros((3, 8), jnp.int32),

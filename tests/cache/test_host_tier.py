@@ -14,6 +14,7 @@ one the same ops give without the tier.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -309,8 +310,12 @@ def test_lookup_never_counts_the_last_block_and_respects_start():
 def test_config_validation():
   with pytest.raises(ValueError, match="num_slots"):
     cache.HostTierConfig(num_slots=0, page_size=4)
-  with pytest.raises(ValueError, match="hash_buckets"):
-    cache.HostTierConfig(num_slots=4, page_size=4, hash_buckets=3)
+  for bad in (3, 6, 0, -4, 8.0, "8", True):
+    with pytest.raises(ValueError, match="hash_buckets"):
+      cache.HostTierConfig(num_slots=4, page_size=4, hash_buckets=bad)
+  for good in (1, 2, 64):
+    assert cache.HostTierConfig(num_slots=4, page_size=4,
+                                hash_buckets=good).num_buckets == good
   with pytest.raises(ValueError, match="page_size"):
     cache.host_offload_plan(cache.init_cache(CFG), cache.init_host_tier(
         cache.HostTierConfig(num_slots=4, page_size=8)), 1, max_blocks=2)
@@ -348,3 +353,69 @@ def test_invalidate_frees_slots_and_stops_hits(rng):
   cache.validate_host_tier(host)
   _, hits, _ = cache.host_lookup(host, padded, [7], [0])
   assert hits.tolist() == [3]
+
+
+def _offloaded(rng, host_cfg, num_tokens):
+  """A device cache holding one published, released prompt of `num_tokens`
+  random tokens (page size 2) and a host tier that mirrored its blocks:
+  `(state, host, src, dst)` of the plan."""
+  cfg = cache.CacheConfig(num_slots=8, page_size=2, num_layers=1, max_seqs=1,
+                          max_pages=8)
+  state = cache.init_cache(cfg)
+  toks = rng.integers(1, 10**6, num_tokens).tolist()
+  state, _ = cache.claim_batch(state, [0], [toks], [num_tokens])
+  state = cache.commit(state, [0], [toks], [num_tokens])
+  state = cache.release(state, [0])
+  host, src, dst = cache.host_offload_plan(state, cache.init_host_tier(host_cfg),
+                                           8, max_blocks=8)
+  return state, host, np.asarray(src), np.asarray(dst)
+
+
+def test_plan_gives_each_bucket_its_own_ways(rng):
+  """With one way per bucket, a plan keeps exactly one block per distinct
+  bucket of its blocks' keys: ways are counted per bucket, not across the
+  plan."""
+  host_cfg = cache.HostTierConfig(num_slots=8, page_size=2, hash_ways=1,
+                                  hash_buckets=1024)
+  state, host, src, dst = _offloaded(rng, host_cfg, 9)   # 4 full blocks
+  keys = np.asarray(state.slot_key)[:, 0]
+  published = np.flatnonzero(np.asarray(state.slot_published))
+  assert len(published) == 4
+  buckets = {int(k) & 1023 for k in keys[published]}
+  assert int((src >= 0).sum()) == len(buckets)
+  cache.validate_host_tier(host)
+
+
+def test_invalidate_clears_the_first_table_position(rng):
+  """One bucket: the blocks take its ways in plan order from position 0;
+  freeing the entry at position 0 takes it out of the table too."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2, hash_ways=4,
+                                  hash_buckets=1)
+  _, host, src, dst = _offloaded(rng, host_cfg, 7)       # 3 full blocks
+  assert int((src >= 0).sum()) == 3
+  pos = np.asarray(host.hash_pos)
+  first = int(np.flatnonzero(pos == 0)[0])
+  host = cache.host_invalidate(host, np.array([first], np.int32))
+  cache.validate_host_tier(host)
+  assert int(host.hash_table[0, 0]) == -1
+  assert not bool(host.valid[first])
+
+
+def test_find_matches_both_key_words():
+  """A host entry is found only by its whole 64-bit key: equal first words
+  (the bucket's) or equal second words alone are not a match."""
+  from pkvattn.cache.host_tier import _find
+  host = cache.init_host_tier(cache.HostTierConfig(num_slots=2, page_size=2,
+                                                   hash_ways=2,
+                                                   hash_buckets=1))
+  key = np.array([[5, 7], [9, 11]], np.uint32)
+  host = dataclasses.replace(
+      host, key=jnp.asarray(key), valid=jnp.ones((2,), bool),
+      hash_pos=jnp.arange(2, dtype=jnp.int32),
+      hash_table=jnp.arange(2, dtype=jnp.int32)[None])
+  cache.validate_host_tier(host)
+  queries = np.array([[5, 7], [9, 11], [6, 7], [5, 8], [9, 7], [6, 11]],
+                     np.uint32)
+  found, bucket = _find(host, jnp.asarray(queries))
+  assert np.asarray(found).tolist() == [0, 1, -1, -1, -1, -1]
+  assert np.asarray(bucket).tolist() == [0] * 6
