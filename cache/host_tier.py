@@ -240,9 +240,7 @@ def host_offload_plan(state: CacheState, host: HostTierState,
     raise ValueError(
         f"Invalid host: expected page_size={cfg.page_size} (the device's), "
         f"got {host.config.page_size}")
-  if not isinstance(max_blocks, int) or max_blocks < 1:
-    raise ValueError(f"Invalid max_blocks: expected a positive int, got "
-                     f"{max_blocks!r}")
+  _checks.check_positive_int(max_blocks, "max_blocks")
   S, H = state.num_slots, host.num_slots
   unref = state.slot_refcount == 0
   free = unref & ~state.slot_published

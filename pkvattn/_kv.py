@@ -314,13 +314,6 @@ def quantize(x, scale):
   return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
-def dequantize(x, scale, dtype=jnp.float32):
-  """`x * scale` in `dtype` (f32 by default); `scale` None returns `x`."""
-  if scale is None:
-    return x
-  return (x.astype(jnp.float32) * scale).astype(dtype)
-
-
 def as_bytes(x):
   """FP8 values `x` as `uint8` of the same shape (a bitcast, no copy).
 

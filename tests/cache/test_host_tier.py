@@ -358,7 +358,7 @@ def test_invalidate_frees_slots_and_stops_hits(rng):
 def _offloaded(rng, host_cfg, num_tokens):
   """A device cache holding one published, released prompt of `num_tokens`
   random tokens (page size 2) and a host tier that mirrored its blocks:
-  `(state, host, src, dst)` of the plan."""
+  `(state, host, src, dst, tokens)`, src and dst those of the plan."""
   cfg = cache.CacheConfig(num_slots=8, page_size=2, num_layers=1, max_seqs=1,
                           max_pages=8)
   state = cache.init_cache(cfg)
@@ -368,7 +368,7 @@ def _offloaded(rng, host_cfg, num_tokens):
   state = cache.release(state, [0])
   host, src, dst = cache.host_offload_plan(state, cache.init_host_tier(host_cfg),
                                            8, max_blocks=8)
-  return state, host, np.asarray(src), np.asarray(dst)
+  return state, host, np.asarray(src), np.asarray(dst), toks
 
 
 def test_plan_gives_each_bucket_its_own_ways(rng):
@@ -377,7 +377,7 @@ def test_plan_gives_each_bucket_its_own_ways(rng):
   plan."""
   host_cfg = cache.HostTierConfig(num_slots=8, page_size=2, hash_ways=1,
                                   hash_buckets=1024)
-  state, host, src, dst = _offloaded(rng, host_cfg, 9)   # 4 full blocks
+  state, host, src, dst, _ = _offloaded(rng, host_cfg, 9)   # 4 full blocks
   keys = np.asarray(state.slot_key)[:, 0]
   published = np.flatnonzero(np.asarray(state.slot_published))
   assert len(published) == 4
@@ -391,7 +391,7 @@ def test_invalidate_clears_the_first_table_position(rng):
   freeing the entry at position 0 takes it out of the table too."""
   host_cfg = cache.HostTierConfig(num_slots=4, page_size=2, hash_ways=4,
                                   hash_buckets=1)
-  _, host, src, dst = _offloaded(rng, host_cfg, 7)       # 3 full blocks
+  _, host, src, dst, _ = _offloaded(rng, host_cfg, 7)       # 3 full blocks
   assert int((src >= 0).sum()) == 3
   pos = np.asarray(host.hash_pos)
   first = int(np.flatnonzero(pos == 0)[0])
@@ -419,3 +419,43 @@ def test_find_matches_both_key_words():
   found, bucket = _find(host, jnp.asarray(queries))
   assert np.asarray(found).tolist() == [0, 1, -1, -1, -1, -1]
   assert np.asarray(bucket).tolist() == [0] * 6
+
+
+def test_a_colliding_key_is_never_a_hit(rng):
+  """A lookup verifies the entry its key finds: an entry with the block's
+  64-bit key but another token, scope, first-block flag or parent key (a
+  hash collision, made here by editing the entry) is a miss, and the chain
+  of hits stops before it."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2)
+  _, host, _, _, toks = _offloaded(rng, host_cfg, 7)      # 3 full blocks
+  padded = np.asarray(toks + [0], np.int32)[None]
+  _, n, slots = cache.host_lookup(host, padded, [7], [0])
+  assert n.tolist() == [3]
+  h0, h1 = int(slots[0, 0]), int(slots[0, 1])
+
+  def edited(h, name, value):
+    return dataclasses.replace(
+        host, **{name: getattr(host, name).at[h].set(value)})
+
+  one = jnp.uint32(1)
+  for h, name, value, hits in (
+      (h0, "tokens", host.tokens[h0].at[1].add(1), 0),
+      (h0, "tokens", host.tokens[h0].at[0].add(1), 0),
+      (h0, "scope", 1, 0),
+      (h0, "is_first", False, 0),
+      (h1, "is_first", True, 1),
+      (h1, "parent_key", host.parent_key[h1].at[0].add(one), 1),
+      (h1, "parent_key", host.parent_key[h1].at[1].add(one), 1)):
+    _, n, _ = cache.host_lookup(edited(h, name, value), padded, [7], [0])
+    assert n.tolist() == [hits], (name, h)
+
+
+def test_plan_refuses_max_blocks_below_one():
+  state = cache.init_cache(CFG)
+  host = cache.init_host_tier(HOST)
+  for bad in (0, -1, 2.0, True):
+    with pytest.raises(ValueError, match="Invalid max_blocks: expected a "
+                       "positive int"):
+      cache.host_offload_plan(state, host, 1, max_blocks=bad)
+  _, src, dst = cache.host_offload_plan(state, host, 1, max_blocks=1)
+  assert src.shape == dst.shape == (1,)

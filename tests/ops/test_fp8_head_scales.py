@@ -186,17 +186,21 @@ def test_one_scale_per_tensor_kernels_refuse_per_head_scales():
 
 
 def test_equal_head_scales_match_the_tensor_scale(rng):
+  """Per-head scales all equal to the tensor scale give its result, K's and
+  V's each per head or per tensor (the two may differ in form)."""
   p = au.make_paged(rng, [9, 30], page_size=8, num_kv_heads=HKV, head_dim=64,
                     dtype=jnp.float32, fmt="pair")
   cache = tuple(jnp.asarray(x, FP8) for x in p.kv_cache)
   q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
-  run = lambda s: pkvattn.paged_decode(  # noqa: E731
+  run = lambda ks, vs: pkvattn.paged_decode(  # noqa: E731
       q, cache, jnp.asarray(p.page_table), jnp.asarray([9, 30]), impl="xla",
-      k_scale=s, v_scale=s, return_lse=True)
-  one, per_head = run(0.25), run(jnp.full((HKV,), 0.25))
-  for a, b in zip(one, per_head):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                               atol=1e-6)
+      k_scale=ks, v_scale=vs, return_lse=True)
+  heads = jnp.full((HKV,), 0.25)
+  one = run(0.25, 0.25)
+  for ks, vs in ((heads, heads), (heads, 0.25), (0.25, heads)):
+    for a, b in zip(one, run(ks, vs)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                                 atol=1e-6)
 
 
 def _written(cache, table, bidx, pos, page_size):

@@ -363,8 +363,11 @@ def test_append_errors():
   k = jnp.ones((4, 2, 64))
   pair = (jnp.zeros((8, 8, 2, 64)), jnp.zeros((8, 8, 2, 64)))
   bi = pos = jnp.zeros(4, jnp.int32)
-  with pytest.raises(ValueError, match="page_table"):  # pool needs a split table
-    pkvattn.append_paged_kv(k, k, bi, pos, pair[0], jnp.zeros((1, 4), jnp.int32))
+  for shape in ((1, 4), (1, 2), (1, 3, 4), (1, 1, 4)):  # pool: split table
+    with pytest.raises(ValueError, match="Invalid shape of page_table: a "
+                       "single 4-D kv_cache pool needs a split table"):
+      pkvattn.append_paged_kv(k, k, bi, pos, pair[0],
+                              jnp.zeros(shape, jnp.int32))
   with pytest.raises(ValueError, match="page_table"):  # pair needs a shared table
     pkvattn.append_paged_kv(k, k, bi, pos, pair, jnp.zeros((1, 2, 4), jnp.int32))
   with pytest.raises(ValueError, match="v"):
