@@ -218,7 +218,9 @@ def _written(cache, table, bidx, pos, page_size):
 @pytest.mark.parametrize("op", ["append_paged_kv", "apply_rope_and_append",
                                 "apply_rope_and_append_qkv"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-def test_append_quantizes_per_head(op, impl, rng):
+@pytest.mark.parametrize("v_per_head", [True, False])
+def test_append_quantizes_per_head(op, impl, v_per_head, rng):
+  """K's scale per head; V's per head too, or one for the tensor."""
   n, hq, d, ps, pages = 19, 4, 64, 8, 8
   q = rng.standard_normal((n, hq, d)).astype(np.float32)
   k = rng.standard_normal((n, HKV, d)) * MAGNITUDE[None, :, None] * 4
@@ -230,7 +232,8 @@ def test_append_quantizes_per_head(op, impl, rng):
   pos = np.r_[np.arange(10), np.arange(4, 12), [0]].astype(np.int32)
   nan = jnp.full((pages, ps, HKV, d), jnp.nan, FP8)
   ks = (MAGNITUDE * 4 * 3 / 448).astype(np.float32)
-  vs = jnp.asarray(MAGNITUDE * 3 / 448, jnp.float32)
+  vs = jnp.asarray(MAGNITUDE * 3 / 448 if v_per_head else
+                   MAGNITUDE.max() * 3 / 448, jnp.float32)
   rope = pkvattn.RopeConfig()
   args = (bidx, pos, (nan, nan), table)
   if op == "append_paged_kv":
@@ -248,7 +251,7 @@ def test_append_quantizes_per_head(op, impl, rng):
         jnp.asarray(qkv), *args, rope, impl=impl, k_scale=ks, v_scale=vs)
     k_want = rope_utils.np_rope(k, pos, rope_utils.np_inv_freq(d, rope.theta), rope.style)
   got = _written(cache, table, bidx, pos, ps)
-  vs = np.asarray(vs)
+  vs = np.broadcast_to(np.asarray(vs), (HKV,))
   for (t, which), row in got.items():
     assert not np.isnan(row).any()
     if which == "k":  # one FP8 step where f32 and f64 rotations round apart
