@@ -251,10 +251,9 @@ def apply_rope(
 
 
 def _resolve_impl(impl: Implementation | None) -> str:
-  """"pallas" / "xla" as named; None -> "auto" on GPU (pallas, falling back to
-  xla on NotImplementedError), "xla" elsewhere."""
+  """"pallas" / "xla" as named; None -> "pallas" on a GPU, else "xla"."""
   if impl is None:
-    return "auto" if _checks.is_gpu() else "xla"
+    return "pallas" if _checks.is_gpu() else "xla"
   _checks.check_choice(impl, ("pallas", "xla"), "impl")
   return impl
 
@@ -377,18 +376,12 @@ def _run(q, k, v, batch_indices, positions, view: _kv.KVView, inv_freq,
       v_pool = None if v_pool is None else _kv.from_bytes(v_pool)
     return q, _kv.rebuild(view, k_pool, v_pool)
   from pkvattn.pallas_kernels import rope_append as kernel
-  try:
-    q_out, k_pool, v_pool = kernel.rope_append(
-        q, k, v, positions, None, None,
-        None if inv_freq is None else jnp.asarray(inv_freq),
-        view.k_pool, None if view.same_pool else view.v_pool,
-        interleaved=interleaved, interpret=not _checks.is_gpu(),
-        paged=_paged(view, batch_indices), **_scale_kwargs(scales))
-  except NotImplementedError:
-    if impl == "pallas":  # named explicitly: re-raise
-      raise
-    return _run(q, k, v, batch_indices, positions, view, inv_freq, interleaved,
-                "xla", scales)
+  q_out, k_pool, v_pool = kernel.rope_append(
+      q, k, v, positions, None, None,
+      None if inv_freq is None else jnp.asarray(inv_freq),
+      view.k_pool, None if view.same_pool else view.v_pool,
+      interleaved=interleaved, interpret=not _checks.is_gpu(),
+      paged=_paged(view, batch_indices), **_scale_kwargs(scales))
   return q_out, _kv.rebuild(view, k_pool, v_pool)
 
 
@@ -523,8 +516,6 @@ def apply_rope_and_append(
     ValueError: as `append_paged_kv` and `apply_rope`.
     checkify.JaxRuntimeError: (a ValueError) checked mode, as
       `append_paged_kv`.
-    NotImplementedError: `impl="pallas"` with a config the kernel lacks
-      (non-power-of-two head splits; see `pallas_kernels.rope_append`).
 
   Example:
     >>> q = jnp.ones((2, 4, 64)); k = v = jnp.ones((2, 2, 64))
@@ -631,18 +622,14 @@ def apply_rope_and_append_qkv(
     return q, kv_cache
 
   def body():
-    if impl != "xla":
+    if impl == "pallas":
       from pkvattn.pallas_kernels import rope_append as kernel
-      try:
-        q_out, k_pool, v_pool = kernel.rope_append_qkv(
-            qkv, positions, None, None, jnp.asarray(inv_freq), view.k_pool,
-            None if view.same_pool else view.v_pool, interleaved=interleaved,
-            interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices),
-            **_scale_kwargs(scales))
-        return q_out, _kv.rebuild(view, k_pool, v_pool)
-      except NotImplementedError:
-        if impl == "pallas":
-          raise
+      q_out, k_pool, v_pool = kernel.rope_append_qkv(
+          qkv, positions, None, None, jnp.asarray(inv_freq), view.k_pool,
+          None if view.same_pool else view.v_pool, interleaved=interleaved,
+          interpret=not _checks.is_gpu(), paged=_paged(view, batch_indices),
+          **_scale_kwargs(scales))
+      return q_out, _kv.rebuild(view, k_pool, v_pool)
     q = heads[:, :num_qo_heads]
     k = heads[:, num_qo_heads:num_qo_heads + hkv]
     v = heads[:, num_qo_heads + hkv:]

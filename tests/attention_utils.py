@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -292,3 +294,13 @@ def query_and_sinks(rng, batch, num_qo_heads, head_dim, kw):
   if kw.pop("sinks", False):
     sinks = rng.standard_normal(num_qo_heads).astype(np.float32)
   return q, sinks, kw
+
+
+def primitive_names(jaxpr) -> set[str]:
+  """Names of the primitives in `jaxpr` and every jaxpr nested in it."""
+  out = set()
+  for eqn in jaxpr.eqns:
+    out.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out |= primitive_names(sub)
+  return out

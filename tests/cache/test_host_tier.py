@@ -384,6 +384,14 @@ def test_plan_gives_each_bucket_its_own_ways(rng):
   buckets = {int(k) & 1023 for k in keys[published]}
   assert int((src >= 0).sum()) == len(buckets)
   cache.validate_host_tier(host)
+  # One bucket of two ways: two of the four blocks are kept, the others
+  # dropped (never written over a taken way).
+  host_cfg = cache.HostTierConfig(num_slots=8, page_size=2, hash_ways=2,
+                                  hash_buckets=1)
+  _, host, src, _, _ = _offloaded(rng, host_cfg, 9)
+  assert int((src >= 0).sum()) == 2
+  assert int(cache.host_tier_stats(host)["num_valid"]) == 2
+  cache.validate_host_tier(host)
 
 
 def test_invalidate_clears_the_first_table_position(rng):
@@ -459,3 +467,92 @@ def test_plan_refuses_max_blocks_below_one():
       cache.host_offload_plan(state, host, 1, max_blocks=bad)
   _, src, dst = cache.host_offload_plan(state, host, 1, max_blocks=1)
   assert src.shape == dst.shape == (1,)
+
+
+def _published(state, seq, toks):
+  """`state` after `toks` were claimed, committed and released by `seq`."""
+  n = len(toks)
+  state, res = cache.claim_batch(state, [seq], [toks], [n])
+  assert bool(res.ok[0])
+  state = cache.commit(state, [seq], [toks], [n])
+  return cache.release(state, [seq])
+
+
+def test_plan_never_overwrites_an_entry_it_refreshed(rng):
+  """Host {A, free}; the plan picks A (already there: refreshed), B and C.
+  Only the free slot may take a new block, so B gets it and C is dropped;
+  A's entry is kept and still found."""
+  cfg = cache.CacheConfig(num_slots=8, page_size=2, num_layers=1, max_seqs=1,
+                          max_pages=4)
+  a, b, c = (rng.integers(1, 10**6, 2).tolist() for _ in range(3))
+  state = _published(cache.init_cache(cfg), 0, a)
+  host = cache.init_host_tier(cache.HostTierConfig(num_slots=2, page_size=2))
+  host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  assert np.asarray(dst).tolist() == [0, -1, -1, -1]       # A -> host slot 0
+  state = _published(_published(state, 0, b), 0, c)
+  host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  cache.validate_host_tier(host)
+  src, dst = np.asarray(src), np.asarray(dst)
+  assert dst.tolist() == [1, -1, -1, -1]
+  assert np.asarray(state.slot_tokens)[src[0]].tolist() == b
+  for toks, hits in ((a, 1), (b, 1), (c, 0)):
+    _, n, _ = cache.host_lookup(host, [toks + [0]], [3], [0])
+    assert n.tolist() == [hits]
+
+
+def test_plan_replaces_an_entry_whose_key_collides(rng):
+  """An entry with a picked block's key but other tokens (a collision, made
+  by editing host slot 0) leaves the table before the block gets a slot:
+  one entry per key, and the block is found afterwards."""
+  cfg = cache.CacheConfig(num_slots=8, page_size=2, num_layers=1, max_seqs=1,
+                          max_pages=4)
+  a = rng.integers(1, 10**6, 2).tolist()
+  state = _published(cache.init_cache(cfg), 0, a)
+  host = cache.init_host_tier(cache.HostTierConfig(num_slots=2, page_size=2))
+  host, _, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  assert np.asarray(dst).tolist() == [0, -1, -1, -1]
+  host = dataclasses.replace(host, tokens=host.tokens.at[0, 0].add(1))
+  _, n, _ = cache.host_lookup(host, [a + [0]], [3], [0])
+  assert n.tolist() == [0]                                 # not a hit
+  host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  cache.validate_host_tier(host)                           # one entry a key
+  assert int(cache.host_tier_stats(host)["num_valid"]) == 1
+  assert int((np.asarray(src) >= 0).sum()) == 1
+  _, n, _ = cache.host_lookup(host, [a + [0]], [3], [0])
+  assert n.tolist() == [1]
+
+
+def test_lookup_counts_and_refusals(rng):
+  """`num_lookups` counts the blocks a lookup may match (from its start
+  block, never the last prompt token's block), `num_hits` those found; bad
+  array shapes are refused."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2)
+  _, host, _, _, toks = _offloaded(rng, host_cfg, 7)      # 3 full blocks
+  padded = [toks + [0]]
+  for start, hits in ((0, 3), (1, 2), (3, 0), (5, 0)):
+    before = cache.host_tier_stats(host)
+    host, n, _ = cache.host_lookup(host, padded, [7], [start])
+    after = cache.host_tier_stats(host)
+    assert n.tolist() == [hits]
+    assert int(after["num_lookups"] - before["num_lookups"]) == max(3 - start,
+                                                                    0)
+    assert int(after["num_hits"] - before["num_hits"]) == hits
+  for lengths, start in (([7, 7], [0]), ([7], [0, 0]), ([[7]], [[0]])):
+    with pytest.raises(ValueError, match="Invalid tokens / lengths / "
+                       "start_blocks"):
+      cache.host_lookup(host, padded, lengths, start)
+  with pytest.raises(ValueError, match="Invalid tokens / lengths"):
+    cache.host_lookup(host, toks + [0], [7], [0])
+
+
+def test_invalidate_skips_slot_ids_out_of_range(rng):
+  """Ids past the last host slot (and -1) change nothing, with every slot,
+  the last one too, holding an entry."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2, hash_ways=4,
+                                  hash_buckets=1)
+  _, host, _, _, _ = _offloaded(rng, host_cfg, 9)         # 4 full blocks
+  assert bool(host.valid.all())
+  after = cache.host_invalidate(host, np.array([4, 5, -1, 2**30], np.int32))
+  cache.validate_host_tier(after)
+  for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

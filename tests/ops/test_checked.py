@@ -15,12 +15,12 @@ import functools
 import re
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
 
+import attention_utils as au
 import pkvattn
 from pkvattn import cache
 
@@ -543,15 +543,6 @@ def test_cache_op_contract_staged_in_a_jitted_step():
 # Unchecked, nothing of the above is in the program.
 
 
-def _primitives(jaxpr):
-  out = set()
-  for eqn in jaxpr.eqns:
-    out.add(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      out |= _primitives(sub)
-  return out
-
-
 _UNCHECKED_OPS = {
     "paged_decode": lambda check: (
         lambda q, t, n: _decode(q, t, n, impl="xla", check=check),
@@ -593,6 +584,6 @@ def test_unchecked_path_adds_nothing(name, monkeypatch):
   fn_off, _ = _UNCHECKED_OPS[name](False)
   off = jax.jit(fn_off)
   assert off.lower(*args).as_text() == default
-  assert "check" not in _primitives(jax.make_jaxpr(fn_off)(*args).jaxpr)
+  assert "check" not in au.primitive_names(jax.make_jaxpr(fn_off)(*args).jaxpr)
   with pkvattn.checked(False):
     assert jax.jit(fn).lower(*args).as_text() == default

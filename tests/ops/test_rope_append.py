@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import attention_utils as au
 import pkvattn
 from rope_utils import np_inv_freq
 from rope_utils import np_rope
@@ -188,8 +189,29 @@ def test_rope_config_is_static_and_validated():
   assert a == b and hash(a) == hash(b)
   f = jax.jit(lambda x, r: x + r.inv_freq(64).sum(), static_argnums=1)
   f(jnp.zeros(()), a)
-  with pytest.raises(ValueError, match="rotary_dim"):
-    pkvattn.RopeConfig(rotary_dim=7)
+  for bad in (7, 0, -2, 2.5):
+    with pytest.raises(ValueError, match="Invalid rotary_dim"):
+      pkvattn.RopeConfig(rotary_dim=bad)
+  for bad in (0.0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="Invalid theta"):
+      pkvattn.RopeConfig(theta=bad)
+  assert pkvattn.RopeConfig(rotary_dim=2, theta=1e-3).rotary_dim == 2
+  with pytest.raises(ValueError, match="Invalid scaling"):
+    pkvattn.RopeConfig(scaling=8.0)
+  for bad in (0.0, -8.0):
+    with pytest.raises(ValueError, match="Invalid factor"):
+      pkvattn.LinearRopeScaling(bad)
+    with pytest.raises(ValueError, match="Invalid factor"):
+      pkvattn.Llama3RopeScaling(factor=bad)
+  for low, high in ((4.0, 4.0), (4.0, 1.0), (0.0, 4.0), (-1.0, 4.0)):
+    with pytest.raises(ValueError, match="Invalid low_freq_factor"):
+      pkvattn.Llama3RopeScaling(low_freq_factor=low, high_freq_factor=high)
+  for bad in (0, -8192):
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+      pkvattn.Llama3RopeScaling(original_max_position_embeddings=bad)
+  assert pkvattn.Llama3RopeScaling(factor=0.5, low_freq_factor=0.5,
+                                   high_freq_factor=0.75,
+                                   original_max_position_embeddings=1).factor
   with pytest.raises(ValueError, match="style"):
     pkvattn.RopeConfig(style="glm")
   with pytest.raises(ValueError, match="rotary_dim"):
@@ -359,6 +381,34 @@ def test_get_batch_indices_positions_without_a_loop(rng):
       pos, np.where(valid, kv_lens[b] - q_lens[b] + t - q_indptr[b], 0))
 
 
+@pytest.mark.parametrize("op", ["append_paged_kv", "apply_rope_and_append",
+                                "apply_rope_and_append_qkv"])
+def test_impl_picks_the_kernel_or_xla(op):
+  """`impl="pallas"` runs the kernel (a `pallas_call`, interpreted on a CPU),
+  `impl="xla"` only XLA ops."""
+  t, hq, hkv, d, ps = 4, 4, 2, 64, 8
+  pool = (jnp.zeros((8, ps, hkv, d), jnp.bfloat16),) * 2
+  table = jnp.zeros((1, 4), jnp.int32)
+  bi = pos = jnp.zeros((t,), jnp.int32)
+  q = jnp.zeros((t, hq, d), jnp.bfloat16)
+  k = jnp.zeros((t, hkv, d), jnp.bfloat16)
+  rope = pkvattn.RopeConfig()
+
+  def call(impl):
+    if op == "append_paged_kv":
+      return pkvattn.append_paged_kv(k, k, bi, pos, pool, table, impl=impl)
+    if op == "apply_rope_and_append":
+      return pkvattn.apply_rope_and_append(q, k, k, bi, pos, pool, table,
+                                           rope, impl=impl)
+    qkv = jnp.zeros((t, (hq + 2 * hkv) * d), jnp.bfloat16)
+    return pkvattn.apply_rope_and_append_qkv(qkv, bi, pos, pool, table, rope,
+                                             impl=impl)
+
+  for impl, want in (("pallas", True), ("xla", False)):
+    names = au.primitive_names(jax.make_jaxpr(lambda: call(impl))().jaxpr)
+    assert ("pallas_call" in names) == want, (impl, sorted(names))
+
+
 def test_append_errors():
   k = jnp.ones((4, 2, 64))
   pair = (jnp.zeros((8, 8, 2, 64)), jnp.zeros((8, 8, 2, 64)))
@@ -485,6 +535,17 @@ def test_default_config_rule():
   for t in (4096, 65536):  # enough tiles: no head split wanted
     assert not _triton(t, 9, 3).one_head
   assert _triton(0, 32, 8).block_tokens == 4  # no tokens: any launch
+
+
+def test_default_configs_always_run():
+  """Every launch the rule picks runs its heads: the ops call the kernel
+  with the rule's config and have no other path (`check_supported` would
+  raise NotImplementedError)."""
+  from pkvattn.pallas_kernels import rope_append as kernel
+  for hkv in (1, 2, 3, 4, 6, 8, 16):
+    for group in (1, 2, 3, 4, 5, 7, 8):
+      for t in (0, 1, 7, 64, 513, 4096, 65536):
+        kernel.check_supported(hkv * group, hkv, _triton(t, hkv * group, hkv))
 
 
 def test_triton_config_validation():
