@@ -556,3 +556,43 @@ def test_invalidate_skips_slot_ids_out_of_range(rng):
   cache.validate_host_tier(after)
   for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(after)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_validate_names_each_broken_invariant(rng):
+  """`validate_host_tier` on a valid tier passes, and on the tier broken
+  one invariant at a time raises naming that invariant."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2, hash_ways=4,
+                                  hash_buckets=2)
+  _, host, _, _, _ = _offloaded(rng, host_cfg, 7)         # 3 entries
+  cache.validate_host_tier(host)
+  valid = np.asarray(host.valid)
+  h, free = int(np.flatnonzero(valid)[0]), int(np.flatnonzero(~valid)[0])
+  other = int(np.flatnonzero(valid)[1])
+  p = int(host.hash_pos[h])
+  table = host.hash_table.reshape(-1)
+
+  def at(name, index, value):
+    return {name: getattr(host, name).at[index].set(value)}
+
+  def flat_table(value):
+    return {"hash_table": table.at[p].set(value).reshape(
+        host.hash_table.shape)}
+
+  u32 = jnp.uint32
+  for change, message in (
+      ({"valid": jnp.ones((5,), bool)}, "shapes do not match"),
+      ({"hash_table": host.hash_table[:1]}, "shapes do not match"),
+      ({"tokens": host.tokens[:, :1]}, "shapes do not match"),
+      (flat_table(4), f"hash_table entry {p} -> 4: not a valid host slot"),
+      (flat_table(free), f"hash_table entry {p} -> {free}: not a valid"),
+      (at("hash_pos", h, p + 1), f"slot {h}: hash_pos {p + 1} != {p}"),
+      (at("key", (h, 0), host.key[h, 0] ^ u32(1)),
+       f"slot {h}: key in bucket {p // 4}, hashes elsewhere"),
+      (flat_table(-1), f"valid slot {h} is in the table 0 times"),
+      (at("hash_pos", free, 0), f"free slot {free} has hash_pos 0"),
+      (at("key", other, host.key[h]), "two valid host slots share a key"),
+      ({"num_hits": host.num_lookups + 1}, "hits > lookups"),
+      ({"num_offloaded": jnp.int32(-1)}, "counters negative")):
+    broken = dataclasses.replace(host, **change)
+    with pytest.raises(cache.HostTierInvariantError, match=message):
+      cache.validate_host_tier(broken)

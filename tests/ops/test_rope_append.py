@@ -585,6 +585,10 @@ def test_apply_rope_and_append_qkv(impl, fmt):
                              np_rope(q, pos, inv, rope.style),
                              atol=3 * ATOL[dtype], rtol=0)
   assert_pools(actual_cache, fmt, expected, atol=3 * ATOL[dtype])
-  with pytest.raises(ValueError, match="qkv"):
-    pkvattn.apply_rope_and_append_qkv(qkv[:, :-1], jnp.asarray(bi),
-                                      jnp.asarray(pos), actual_cache, table, rope)
+  # Not whole heads, or no room for a query head beside K's and V's.
+  for width in (qkv.shape[1] - 1, 2 * hkv * d, hkv * d):
+    with pytest.raises(ValueError, match="Invalid shape of qkv: expected "
+                       r"\(num_tokens, \(num_qo_heads \+ 2"):
+      pkvattn.apply_rope_and_append_qkv(qkv[:, :width], jnp.asarray(bi),
+                                        jnp.asarray(pos), actual_cache, table,
+                                        rope)
