@@ -361,6 +361,12 @@ def test_get_batch_indices_positions():
   np.testing.assert_array_equal(pos, [7, 8, 9, 0, 0, 1, 2, 3, 4, 0, 0, 0])
   with pytest.raises(ValueError, match="q_indptr"):
     pkvattn.get_batch_indices_positions(q_indptr[:3], kv_lens, 12)
+  for bad in (-1, 2.5):
+    with pytest.raises(ValueError, match="Invalid num_tokens: expected an int "
+                       ">= 0"):
+      pkvattn.get_batch_indices_positions(q_indptr, kv_lens, bad)
+  bi, pos = pkvattn.get_batch_indices_positions(q_indptr, kv_lens, 0)
+  assert bi.shape == pos.shape == (0,)
 
 
 def test_get_batch_indices_positions_without_a_loop(rng):
