@@ -50,3 +50,12 @@ def check_choice(value, choices, name: str) -> None:
 def is_gpu() -> bool:
   """True when the default backend is a CUDA/ROCm GPU."""
   return jax.default_backend() == "gpu"
+
+
+def resolve_impl(impl) -> str:
+  """An op's `impl` as named ("pallas" / "xla"); None is "pallas" on a GPU,
+  else "xla". Raises ValueError for another value."""
+  if impl is None:
+    return "pallas" if is_gpu() else "xla"
+  check_choice(impl, ("pallas", "xla"), "impl")
+  return impl

@@ -33,13 +33,6 @@ from pkvattn.pallas_kernels import reference
 from pkvattn.types import Implementation
 
 
-def _resolve_impl(impl: Implementation | None) -> str:
-  if impl is None:
-    return "pallas" if _checks.is_gpu() else "xla"
-  _checks.check_choice(impl, ("pallas", "xla"), "impl")
-  return impl
-
-
 def _common_checks(q, view: _kv.KVView, kv_lens, sinks, batch_size, name_q,
                    k_scale=None, v_scale=None):
   """Trace-time checks; returns the FP8 scales (`f32[]` or
@@ -122,7 +115,8 @@ def paged_decode(
     sm_scale: static; defaults to `1 / sqrt(head_dim)`.
     window_left: static; key `j` is visible iff `kv_lens[b] - 1 - window_left
       <= j`; -1 = no window (FlashInfer).
-    logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits; None = off.
+    logits_soft_cap: static; `c * tanh(s / c)` on the scaled logits; None or
+      <= 0 = off (FlashInfer's 0.0).
     sinks: optional `f32[num_qo_heads]`, a per-head logit that joins the
       softmax denominator only (gpt-oss).
     return_lse: also return `lse f32[batch_size, num_qo_heads]`, natural-log
@@ -191,7 +185,7 @@ def _paged_decode(q, kv_cache, page_table, kv_lens, sinks, k_scale, v_scale,
                           v_scale)
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
-  impl = _resolve_impl(impl)
+  impl = _checks.resolve_impl(impl)
   ok = None
   if _contract.enabled(check):
     ok = _contract.run(_contract.attention_contract, view.table, kv_lens,
@@ -325,7 +319,7 @@ def _paged_prefill(q, kv_cache, page_table, q_indptr, kv_lens, sinks, plan,
   _checks.check_shape(q_indptr, (batch_size + 1,), "q_indptr")
   sm_scale, window_left, logits_soft_cap = _statics(
       q.shape[-1], sm_scale, window_left, logits_soft_cap)
-  impl = _resolve_impl(impl)
+  impl = _checks.resolve_impl(impl)
   ok = None
   if _contract.enabled(check):
     ok = _contract.run(_contract.attention_contract, view.table, kv_lens,

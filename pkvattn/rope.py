@@ -250,14 +250,6 @@ def apply_rope(
           reference.rope_reference(k, positions, inv_freq, interleaved=interleaved))
 
 
-def _resolve_impl(impl: Implementation | None) -> str:
-  """"pallas" / "xla" as named; None -> "pallas" on a GPU, else "xla"."""
-  if impl is None:
-    return "pallas" if _checks.is_gpu() else "xla"
-  _checks.check_choice(impl, ("pallas", "xla"), "impl")
-  return impl
-
-
 def _append_checks(k, v, batch_indices, positions, view: _kv.KVView):
   _check_tokens(k, "k", None, view.head_dim)
   num_tokens = k.shape[0]
@@ -454,7 +446,7 @@ def append_paged_kv(
   k, v, scales = _per_head_to_unit(k, v, scales)
   if _nothing_to_write(view, k.shape[0]):
     return kv_cache
-  impl = _resolve_impl(impl)
+  impl = _checks.resolve_impl(impl)
   with _contract.unchecked():  # the kernels: their unchecked compilation
     _, kv_cache = _guarded(ok, view, lambda: _run(
         None, k, v, batch_indices, positions, view, None, False, impl, scales))
@@ -544,7 +536,7 @@ def apply_rope_and_append(
     q = reference.rope_reference(q, positions, jnp.asarray(inv_freq),
                                  interleaved=rope.style == "gptj")
     return q, kv_cache
-  impl = _resolve_impl(impl)
+  impl = _checks.resolve_impl(impl)
   with _contract.unchecked():  # the kernels: their unchecked compilation
     return _guarded(ok, view, lambda: _run(
         q, k, v, batch_indices, positions, view, inv_freq,
@@ -614,7 +606,7 @@ def apply_rope_and_append_qkv(
     scales = (one[0], one[0])
   inv_freq = rope.inv_freq(d)
   interleaved = rope.style == "gptj"
-  impl = _resolve_impl(impl)
+  impl = _checks.resolve_impl(impl)
   heads = qkv.reshape(num_tokens, num_qo_heads + 2 * hkv, d)
   if _nothing_to_write(view, num_tokens):
     q = reference.rope_reference(heads[:, :num_qo_heads], positions,

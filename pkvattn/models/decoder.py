@@ -331,7 +331,7 @@ def forward(
     ValueError: `plan.page_table` is not `[num_layers, batch_size, 2, max_pages]`,
       or other shape mismatches (trace time).
   """
-  L, p = cfg.num_layers, cfg.layer_period
+  L = cfg.num_layers
   _checks.check_shape(plan.page_table, (L, plan.batch_size, 2, None),
                       "plan.page_table")
   as_bytes = kv_cache.dtype == jnp.uint8  # FP8 pages held as their bytes
@@ -427,7 +427,7 @@ def _head(params, cfg: DecoderConfig, x, logits_indices):
 
 
 def _uses_pallas(impl) -> bool:
-  return impl == "pallas" or (impl is None and _checks.is_gpu())
+  return _checks.resolve_impl(impl) == "pallas"
 
 
 def param_count(params) -> int:

@@ -48,7 +48,7 @@ def storage_dtype(dtype, impl) -> jnp.dtype:
   pages' bytes) for float8_e4m3fn pages on the XLA path, `dtype` otherwise
   (module docstring)."""
   dtype = jnp.dtype(dtype)
-  pallas = impl == "pallas" or (impl is None and _checks.is_gpu())
+  pallas = _checks.resolve_impl(impl) == "pallas"
   return jnp.dtype(jnp.uint8) if _kv.is_fp8(dtype) and not pallas else dtype
 
 
