@@ -12,10 +12,11 @@ from attention_utils import primitive_names
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_xla_matches_oracle(fmt, rng):
-  kv_lens = [1, 7, 8, 9, 24]
+  """Rows of 0 to 24 keys (a row with none: zeros and -inf)."""
+  kv_lens = [1, 7, 0, 8, 9, 24]
   p = make_paged(rng, kv_lens, page_size=8, num_kv_heads=2, head_dim=64,
                  dtype=jnp.float32, fmt=fmt)
-  q = rng.standard_normal((5, 8, 64)).astype(np.float32)
+  q = rng.standard_normal((6, 8, 64)).astype(np.float32)
   out, lse = pkvattn.paged_decode(jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table),
                                   jnp.asarray(p.kv_lens), return_lse=True, impl="xla")
   for b, n in enumerate(kv_lens):
@@ -23,6 +24,8 @@ def test_decode_xla_matches_oracle(fmt, rng):
                                    sm_scale=1 / 8)
     assert_close(out[b:b + 1], exp, jnp.float32, f"b={b}")
     assert_lse_close(lse[b], exp_lse[0], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
+  assert np.isneginf(np.asarray(lse[2])).all()
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -62,16 +65,18 @@ def test_prefill_with_few_tokens_runs_as_decode_rows(impl, causal, rng):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_sink_far_above_the_logits_keeps_the_lse_finite(impl, rng):
+@pytest.mark.parametrize("gap", [100.0, -100.0])
+def test_sink_far_from_the_logits_keeps_the_lse_finite(impl, gap, rng):
   """A sink 100 above a sequence's only logit: its weight `exp(-100)`
-  underflows f32, yet the LSE covers the keys alone and stays finite."""
+  underflows f32, yet the LSE covers the keys alone and stays finite. A
+  sink 100 below: the output is that key's value, no overflow."""
   kv_lens = [1, 5]
   p = make_paged(rng, kv_lens, page_size=8, num_kv_heads=2, head_dim=64,
                  dtype=jnp.float32, fmt="pair")
   q = rng.standard_normal((2, 8, 64)).astype(np.float32)
   k0 = np.repeat(p.k[0][0], 4, axis=0)  # row 0's one key, per query head
   q[0] = -95.0 * 8 * k0 / (k0 * k0).sum(-1, keepdims=True)  # logit -95
-  sinks = np.full(8, 5.0, np.float32)
+  sinks = np.full(8, -95.0 + gap, np.float32)
   out, lse = pkvattn.paged_decode(
       jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table),
       jnp.asarray(p.kv_lens), return_lse=True, impl=impl, sinks=jnp.asarray(sinks))

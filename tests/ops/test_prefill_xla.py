@@ -89,6 +89,41 @@ def test_flash_prefill_matches_oracle(fmt, g, d, ps, kw, rng):
          **kw)
 
 
+def test_flash_prefill_with_few_spare_tiles(rng):
+  """Five sequences of 7 tokens in 8-token tiles, no padding token: the
+  tile budget (`(T + B (block_q - 1)) // block_q` = 8) spares 3 tiles, so
+  one tile too many counted per sequence would push the last sequence's
+  tile past it."""
+  lens, q_lens = [30, 7, 9, 7, 20], [7] * 5
+  p = au.make_paged(rng, lens, page_size=8, num_kv_heads=2, head_dim=64,
+                    dtype=jnp.float32, fmt="pair")
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = rng.standard_normal((int(indptr[-1]), 4, 64)).astype(np.float32)
+  view = pkvattn._kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  out, lse = xla_attention.paged_prefill(
+      jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(indptr), jnp.asarray(lens, np.int32), sm_scale=64**-0.5,
+      block_q=8, block_k=16)
+  _check(out, lse, q, p.k, p.v, indptr, lens, jnp.float32, d=64)
+
+
+def test_flash_prefill_sink_far_below_the_logits(rng):
+  """A sink 200 below every logit takes no weight: the output is the one
+  without it, with no overflow (`exp(m - sink)` would be inf)."""
+  lens, q_lens = [30, 12], [20, 12]
+  p, indptr, q = _ragged(rng, lens, q_lens, "pair", 2, 64, 8)
+  view = pkvattn._kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  run = lambda sinks: xla_attention.paged_prefill(  # noqa: E731
+      jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(indptr), jnp.asarray(lens, np.int32), sinks,
+      sm_scale=64**-0.5, block_q=8, block_k=16)
+  want, want_lse = run(None)
+  out, lse = run(jnp.full((4,), -200.0, jnp.float32))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6,
+                             atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
 def test_flash_prefill_bf16_long_prompt(rng):
   """One prompt of several default-sized tiles and key blocks, bf16."""
   lens, q_lens = [1100], [1100]
