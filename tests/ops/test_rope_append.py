@@ -256,8 +256,10 @@ def test_append_drops_tokens_with_no_page(impl, rng):
   num_pages, ps, hkv, d = 4, 8, 2, 64
   pools = tuple(jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)),
                             jnp.float32) for _ in range(2))
-  table = jnp.asarray([[0, 1], [-1, num_pages]], jnp.int32)
-  bidx = jnp.asarray([-1, 2, 0, 1, 1, 0], jnp.int32)
+  # Row 2 owns pages 2 and 3, where a batch index of 3 clamped to the last
+  # row would write.
+  table = jnp.asarray([[0, 1], [-1, num_pages], [2, 3]], jnp.int32)
+  bidx = jnp.asarray([-1, 3, 0, 1, 1, 0], jnp.int32)
   pos = jnp.asarray([0, 0, 2 * ps, 0, ps + 1, 0], jnp.int32)
   k, v = (jnp.asarray(rng.standard_normal((6, hkv, d)), jnp.float32)
           for _ in range(2))
