@@ -366,8 +366,8 @@ def _offloaded(rng, host_cfg, num_tokens):
   state, _ = cache.claim_batch(state, [0], [toks], [num_tokens])
   state = cache.commit(state, [0], [toks], [num_tokens])
   state = cache.release(state, [0])
-  host, src, dst = cache.host_offload_plan(state, cache.init_host_tier(host_cfg),
-                                           8, max_blocks=8)
+  host = cache.init_host_tier(host_cfg)
+  host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=8)
   return state, host, np.asarray(src), np.asarray(dst), toks
 
 
