@@ -139,3 +139,33 @@ def test_sampler_branches_only_where_asked():
   assert "cond" not in no_cond and "random_fold_in" in no_cond
   greedy = primitives(greedy_only=True)
   assert "cond" not in greedy and "random_fold_in" not in greedy
+
+
+def test_inverse_cdf_at_the_edges(rng):
+  """The draw's inverse CDF against numpy, exact: integer masses (sums exact
+  in f32) and `u` in 1/1024 steps, over 1,000 entries (4 blocks of 256) with
+  empty blocks first, last and between, zeros inside blocks, and `u` of 0
+  (the first kept entry) and 1 (rounding's end: the last kept entry)."""
+  from pkvattn.sampling import _inverse_cdf
+  vocab = 1000
+  kept = rng.integers(0, 8, (6, vocab)) * (rng.random((6, vocab)) < 0.3)
+  kept[0, :256] = 0                  # block 0 empty
+  kept[1, 512:] = 0                  # blocks 2 and 3 empty
+  kept[2, 256:512] = 0               # an empty block between
+  kept[3] = 0
+  kept[3, [3, 700]] = [5, 2]         # two entries, far apart
+  kept[4, :300] = 0                  # a block that starts empty inside
+  kept[5, 1:] = 0
+  kept[5, 0] = 1                     # one entry
+  us = np.concatenate([[0.0, 1.0], rng.integers(0, 1024, 30) / 1024])
+  got = np.stack([np.asarray(_inverse_cdf(
+      jnp.asarray(kept, jnp.float32), jnp.full((6,), u, jnp.float32)))
+      for u in us], axis=1)
+  cum = np.cumsum(kept, axis=1)
+  for r in range(6):
+    last = np.flatnonzero(kept[r])[-1]
+    for j, u in enumerate(us):
+      above = np.flatnonzero(cum[r] > u * cum[r, -1])
+      want = above[0] if len(above) else last
+      assert kept[r, want] > 0
+      assert got[r, j] == want, (r, u)
