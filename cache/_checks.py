@@ -50,19 +50,20 @@ def check_int(x, name: str) -> None:
         f"Invalid dtype of {name}: expected an integer dtype, got {dtype}")
 
 
+def _is_size(value) -> bool:
+  """A Python int >= 1 (`bool` is not a size)."""
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def check_positive_int(value, name: str) -> None:
-  """Raises ValueError unless `value` is a Python int >= 1 (a config size;
-  `bool` is not a size)."""
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+  """Raises ValueError unless `value` is a Python int >= 1 (a config size)."""
+  if not _is_size(value):
     raise ValueError(f"Invalid {name}: expected a positive int, got {value!r}")
 
 
 def check_power_of_two(value, name: str) -> None:
   """Raises ValueError unless `value` is None or a Python int that is a
   power of two (a hash table's bucket count)."""
-  if value is None:
-    return
-  if (not isinstance(value, int) or isinstance(value, bool) or value <= 0
-      or value & (value - 1)):
+  if value is not None and (not _is_size(value) or value & (value - 1)):
     raise ValueError(
         f"Invalid {name}: expected a power of two or None, got {value!r}")

@@ -363,9 +363,7 @@ def _offloaded(rng, host_cfg, num_tokens):
                           max_pages=8)
   state = cache.init_cache(cfg)
   toks = rng.integers(1, 10**6, num_tokens).tolist()
-  state, _ = cache.claim_batch(state, [0], [toks], [num_tokens])
-  state = cache.commit(state, [0], [toks], [num_tokens])
-  state = cache.release(state, [0])
+  state = _published(state, 0, toks)
   host = cache.init_host_tier(host_cfg)
   host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=8)
   return state, host, np.asarray(src), np.asarray(dst), toks
