@@ -257,16 +257,19 @@ def _pow2_at_least(x: int) -> int:
   return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def _pow2_at_most(x: int) -> int:
+  """The largest power of two <= `x` (>= 1)."""
+  return 1 << (int(x).bit_length() - 1)
+
+
 def _decode_splits(programs: int, max_pages: int, pages_per_block: int, *,
                    per_sm: int, num_sms: int) -> int:
   """Splits for about `per_sm` programs per SM (rounded up to a power of
   two), each keeping >= 2 steps of the longest sequence, at most 64."""
   want = _pow2_at_least(max(1, -(-per_sm * num_sms // max(1, programs))))
   max_steps = max(1, -(-max_pages // pages_per_block))
-  cap = _pow2_at_least(max(1, max_steps // 2))
-  if cap > max_steps // 2 and cap > 1:
-    cap //= 2
-  return max(1, min(want, cap, 64))
+  cap = _pow2_at_most(max(1, max_steps // 2))
+  return min(want, cap, 64)
 
 
 def _mma_splits(items: int, max_pages: int, *, pages_per_round: int,
@@ -275,7 +278,7 @@ def _mma_splits(items: int, max_pages: int, *, pages_per_round: int,
   sequence) pairs: the nearest power of two, halved until each split keeps
   >= 2 rounds of `pages_per_round` pages, at most 64."""
   want = ctas_per_sm * num_sms / max(1, items)
-  splits = 1 << max(0, round(math.log2(want))) if want > 1 else 1
+  splits = 1 << max(0, round(math.log2(want)))
   max_rounds = max(1, -(-max_pages // pages_per_round))
   while splits > 1 and 2 * splits > max_rounds:
     splits //= 2
@@ -475,7 +478,7 @@ def rope_append(*, gpu: Gpu, dtype, kv_dtype, pool_dtype, head_dim: int,
      b. Fewer: 4-token tiles up to 512 tokens, 8 beyond, the heads split
         until about `ROPE_PROGRAMS` programs fill the GPU. Where the head
         counts do not split that far (e.g. 9 q / 3 kv heads, or very few
-        tokens) and the programs stay fewer, one head per program
+        tokens), so the programs stay fewer, one head per program
         (`one_head`: the most programs, one short chain each).
 
   The constants were chosen by measurement (measured:
@@ -532,7 +535,8 @@ def rope_append(*, gpu: Gpu, dtype, kv_dtype, pool_dtype, head_dim: int,
   tiles = max(1, -(-num_tokens // block_tokens))
   want = _pow2_at_least(-(-ROPE_PROGRAMS // tiles))
   config = split(block_tokens, want)
-  if config.num_splits < want and tiles * config.num_splits < ROPE_PROGRAMS:
+  # Splits below `want` (a power of two) leave < ROPE_PROGRAMS programs.
+  if config.num_splits < want:
     config = kernel.TritonConfig(block_tokens=block_tokens, num_warps=4,
                                  one_head=True)
   return Choice("triton", config)

@@ -117,3 +117,50 @@ def test_per_head_scales_skip_the_mosaic_decode_kernel(head_dim, num_kv_heads,
   # 16-bit pages have no scales: the flag changes nothing there.
   bf16 = dict(kw, kv_dtype=jnp.bfloat16)
   assert dispatch.decode(**bf16, head_scales=True) == dispatch.decode(**bf16)
+
+
+def _is_pow2(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("per_sm", [2, 4])
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4, 8])
+def test_decode_splits_keep_two_steps_each(per_sm, pages_per_block):
+  """A power of two, at most 64, at most the programs per SM asked for
+  (rounded up to a power of two), every split >= 2 steps of the longest
+  sequence; and the largest such (doubling it breaks one of those)."""
+  sms = dispatch.DECODE_NUM_SMS
+  for programs in [1, 2, 3, 7, 64, 131, 132, 264, 265, 528, 1000, 5000]:
+    want = dispatch._pow2_at_least(-(-per_sm * sms // programs))
+    for max_pages in [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65,
+                      255, 256, 1000, 4096, 65536]:
+      s = dispatch._decode_splits(programs, max_pages, pages_per_block,
+                                  per_sm=per_sm, num_sms=sms)
+      steps = max(1, -(-max_pages // pages_per_block))
+      case = (programs, max_pages, s)
+      assert _is_pow2(s) and s <= min(64, want), case
+      assert s == 1 or 2 * s <= steps, case
+      assert s in (64, want) or 4 * s > steps, case
+
+
+@pytest.mark.parametrize("ctas_per_sm", [1.25, 2.5])
+@pytest.mark.parametrize("pages_per_round", [1, 2, 4, 8])
+def test_mma_splits_nearest_power_of_two_with_two_rounds_each(
+    ctas_per_sm, pages_per_round):
+  """The power of two nearest the CTAs per SM asked for (within a factor of
+  sqrt(2)), halved only as far as every split keeps >= 2 rounds, at most
+  64."""
+  sms = dispatch.DECODE_NUM_SMS
+  for items in [1, 2, 3, 5, 8, 24, 64, 100, 165, 330, 331, 1000, 4096]:
+    want = ctas_per_sm * sms / items
+    for max_pages in [0, 1, 2, 3, 4, 5, 8, 16, 17, 64, 256, 1024, 65536]:
+      s = dispatch._mma_splits(items, max_pages,
+                               pages_per_round=pages_per_round,
+                               ctas_per_sm=ctas_per_sm, num_sms=sms)
+      rounds = max(1, -(-max_pages // pages_per_round))
+      case = (items, max_pages, s)
+      assert _is_pow2(s) and s <= 64, case
+      assert s == 1 or 2 * s <= rounds, case
+      if s < 64 and 4 * s <= rounds:  # not capped: the nearest power of two
+        assert max(want, 1) / 2 ** 0.5 <= s <= max(want, 1) * 2 ** 0.5, case
+
