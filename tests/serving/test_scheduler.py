@@ -385,3 +385,212 @@ def test_a_request_failing_beside_a_pending_release_frees_its_row():
   assert reqs[1].finish_reason == "error"
   step()  # the rows queued for release are released
   assert sched.free_rows == [0, 1] and not sched.to_release
+
+
+@pytest.mark.parametrize("one_step", [False, True])
+def test_prefill_chunks_fill_the_budget_and_start_after_reused_tokens(
+    one_step, rng):
+  """A prefill feeds from its reused tokens on: chunks under the step's
+  token budget (one whole chunk where SWA scratch prefills prompts in one
+  step); a prefill the budget has no room for left is not in the step."""
+  sched = Scheduler(CFG, EngineStats(), prefill_in_one_step=one_step,
+                    pool_text="num_slots=64")
+  reqs = []
+  for i, n in enumerate((12, 16, 3)):
+    req = make_request(rng.integers(0, VOCAB, n).tolist(),
+                       SamplingParams(max_new_tokens=4), _limits(CFG))
+    req.request_id = i
+    sched.add(req)
+    reqs.append(req)
+  scheduled = sched.schedule()
+  assert list(scheduled.admitted) == reqs and not scheduled.rows
+  sched.take_released_rows()
+  # The first prompt reuses 8 cached tokens, the others none.
+  out = _claims(CFG, ok=[True, True, True])
+  reused = out.claim_reused.copy()
+  reused[0] = 8
+  sched.update_from_output(scheduled, out.replace(claim_reused=reused))
+  assert [r.num_computed for r in reqs] == [8, 0, 0]
+  # Budget 16: the first prompt's last 4 tokens, then 12 of the second's 16
+  # (or none of it, in one step only); no room for the third.
+  scheduled = sched.schedule()
+  fed = [(row.request.request_id, row.num_tokens, row.samples)
+         for row in scheduled.rows]
+  inp = scheduled.inputs
+  if one_step:
+    assert fed == [(0, 4, True), (2, 3, True)]
+  else:
+    assert fed == [(0, 4, True), (1, 12, False)]
+  assert inp.q_indptr[-1] == sum(n for _, n, _ in fed)
+  assert inp.kv_lens[0] == 12 and inp.q_indptr[1] == 4
+  np.testing.assert_array_equal(inp.tokens[:4], reqs[0].tokens[8:12])
+  # Booked: the fed tokens as prefill, a first token where a prompt ends
+  # (the step it came in: stats.num_steps, which the engine counts).
+  sched.stats.num_steps = 5
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(CFG, {0: 9, 2: 9}))
+  assert sched.stats.prefill_tokens == 4 + (3 if one_step else 12)
+  assert sched.stats.decode_tokens == 0
+  assert reqs[0].first_token_step == 5 and reqs[1].first_token_step is None
+  sched.stats.num_steps = 6
+  scheduled = sched.schedule()  # the prompts that ended decode
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(CFG, {0: 9, 2: 9}))
+  assert sched.stats.decode_tokens == (2 if one_step else 1)
+  assert reqs[0].first_token_step == 5 and reqs[0].output == [9, 9]
+
+
+def test_claims_count_the_slots_scratch_saved():
+  """With SWA scratch a claim takes fewer new blocks than its prompt's
+  unreused ones; the difference is added to `slots_saved_by_scratch`."""
+  stats = EngineStats(slots_saved_by_scratch=0)
+  sched = Scheduler(CFG, stats, pool_text="num_slots=64")
+  req = make_request(list(range(10)), SamplingParams(max_new_tokens=2),
+                     _limits(CFG))
+  sched.add(req)
+  scheduled = sched.schedule()
+  out = _claims(CFG, ok=[True])
+  reused, new_blocks = out.claim_reused.copy(), out.claim_new_blocks.copy()
+  reused[0], new_blocks[0] = 4, 1  # 3 blocks, 1 reused, 1 new: 1 saved
+  sched.update_from_output(scheduled, out.replace(
+      claim_reused=reused, claim_new_blocks=new_blocks))
+  assert req.num_computed == 4 and stats.reused_tokens == 4
+  assert stats.slots_saved_by_scratch == 1
+
+
+def _admitted(cfg, prompts, params, reused=None):
+  """A scheduler whose requests (one per prompt) were admitted in one step,
+  their claims granted (`reused[i]` tokens reused); returns `(sched,
+  requests)`."""
+  sched = Scheduler(cfg, EngineStats(), pool_text="num_slots=64")
+  reqs = []
+  for i, (p, sp) in enumerate(zip(prompts, params)):
+    req = make_request(p, sp, _limits(cfg))
+    req.request_id = i
+    sched.add(req)
+    reqs.append(req)
+  scheduled = sched.schedule()
+  assert list(scheduled.admitted) == reqs
+  sched.take_released_rows()
+  out = _claims(cfg, ok=[True] * len(reqs))
+  claim_reused = out.claim_reused.copy()
+  claim_reused[:len(reqs)] = reused or 0
+  sched.update_from_output(scheduled, out.replace(claim_reused=claim_reused))
+  return sched, reqs
+
+
+@pytest.mark.parametrize("prefix_reuse", [True, False])
+def test_step_inputs_reserve_publish_and_pick_the_variant(prefix_reuse, rng):
+  """A sampling row reserves the slot of the token it samples only if
+  another one follows it; a prompt's last chunk publishes the prompt (with
+  prefix reuse), a decode row does not; the step is greedy-only when no
+  sampling row has a temperature above 0."""
+  cfg = dataclasses.replace(CFG, enable_prefix_reuse=prefix_reuse)
+  params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=2),
+            SamplingParams(max_new_tokens=3, temperature=0.0)]
+  prompts = [rng.integers(0, VOCAB, 4).tolist() for _ in params]
+  sched, reqs = _admitted(cfg, prompts, params)
+  scheduled = sched.schedule()  # the three prompts, each sampling
+  inp = scheduled.inputs
+  np.testing.assert_array_equal(inp.extend_ids, [-1, 1, 2])
+  np.testing.assert_array_equal(inp.prompt_commit_ids,
+                                [0, 1, 2] if prefix_reuse else [-1] * 3)
+  assert scheduled.greedy_only
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(cfg, {0: 9, 1: 9, 2: 9}))
+  assert reqs[0].done and [r.status for r in reqs[1:]] == ["decode"] * 2
+  scheduled = sched.schedule()  # decode rows: the second samples its last
+  inp = scheduled.inputs
+  np.testing.assert_array_equal(inp.extend_ids, [-1, -1, 2])
+  np.testing.assert_array_equal(inp.prompt_commit_ids, [-1] * 3)
+  # A row at temperature > 0 among greedy ones: the sampled variant.
+  reqs[2].params = SamplingParams(max_new_tokens=3, temperature=0.5)
+  assert not sched.schedule().greedy_only
+
+
+def test_admission_backlog_counts_prompt_tokens_not_computed(rng):
+  """The prefill backlog that stops admissions (two steps' budget: 32
+  tokens) is the running prompts' tokens not computed yet, reused ones
+  excluded."""
+  sched, _ = _admitted(CFG, [rng.integers(0, VOCAB, 24).tolist()],
+                       [SamplingParams(max_new_tokens=4)], reused=[8])
+  for i, n in ((1, 16), (2, 5)):
+    req = make_request(rng.integers(0, VOCAB, n).tolist(),
+                       SamplingParams(max_new_tokens=4), _limits(CFG))
+    req.request_id = i
+    sched.add(req)
+  # 16 left + 16 admitted = 32: the 5-token prompt waits.
+  assert [r.request_id for r in sched.schedule().admitted] == [1]
+  assert [r.request_id for r in sched.waiting] == [2]
+
+
+def test_release_inputs_commit_each_row_once_at_its_longest():
+  """A row queued twice for release is committed once, with the longer
+  length (a duplicated commit id would void it); every entry is
+  released."""
+  sched = Scheduler(CFG, EngineStats(), pool_text="num_slots=64")
+  sched.to_release = [(2, 5), (0, 3), (2, 9)]
+  commit_ids, commit_lens, release_ids = sched.release_inputs()
+  np.testing.assert_array_equal(commit_ids, [0, 2, -1])
+  np.testing.assert_array_equal(commit_lens, [3, 9, 0])
+  np.testing.assert_array_equal(release_ids, [2, 0, 2])
+
+
+def test_unschedule_gives_back_admissions_and_released_rows(rng):
+  """A step whose program did not run is undone: its admissions return to
+  the queue front in order without rows, and the rows it was to release
+  wait for the next program again."""
+  cfg = dataclasses.replace(CFG, max_seqs=3)
+  params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=8)]
+  sched, reqs = _admitted(cfg, [[1, 2], [3, 4]], params)
+  scheduled = sched.schedule()
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(cfg, {0: 9, 1: 9}))
+  assert reqs[0].done and sched.to_release == [(0, 2)]
+  for i in (2, 3):
+    req = make_request([5, 6, 7], SamplingParams(max_new_tokens=2),
+                       _limits(cfg))
+    req.request_id = i
+    sched.add(req)
+  waiting = list(sched.waiting)
+  scheduled = sched.schedule()
+  # Row 2 is free; row 0 frees only in the program that releases it.
+  assert list(scheduled.admitted) == waiting[:1] and waiting[0].seq_id == 2
+  taken = sched.take_released_rows()
+  assert taken == [(0, 2)] and 0 in sched.free_rows
+  sched.unschedule(scheduled, taken)
+  assert list(sched.waiting) == waiting
+  assert all(r.seq_id == -1 for r in waiting)
+  assert sched.free_rows == [2] and sched.to_release == [(0, 2)]
+
+
+def test_burst_variant_rows_and_chaining_read_every_running_request(rng):
+  """A burst is greedy-only when every running request is (temperature 0
+  included); its row bucket holds the highest running row; with a request
+  waiting it chains only if no running request may end in it."""
+  cfg = dataclasses.replace(CFG, max_seqs=8, decode_steps=4,
+                            burst_rows=(1, 2, 4))
+  params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=9),
+            SamplingParams(max_new_tokens=9, temperature=0.0)]
+  sched, reqs = _admitted(cfg, [[1, 2], [3, 4], [5, 6]], params)
+  scheduled = sched.schedule()
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(cfg, {0: 9, 1: 9, 2: 9}))
+  assert sched.burst_greedy()
+  reqs[1].params = SamplingParams(max_new_tokens=9, temperature=0.7)
+  assert not sched.burst_greedy()
+  assert sched.burst_rows() == 4  # rows 0-2 run
+  sched.running.remove(reqs[2])
+  assert sched.burst_rows() == 2
+  sched.running.remove(reqs[0])  # row 1 alone still needs 2 rows
+  assert sched.burst_rows() == 2
+  sched.running[:0] = [reqs[0]]
+  # Over a 4-step burst, 4 and 8 tokens left: chains (the second outlives
+  # it); with a request waiting, only when none may end in it.
+  reqs[0].params = SamplingParams(max_new_tokens=5)
+  assert sched.can_chain()
+  sched.add(make_request([1], SamplingParams(max_new_tokens=1),
+                         _limits(cfg)))
+  assert not sched.can_chain()
+  reqs[0].params = SamplingParams(max_new_tokens=6)  # 5 and 8 left
+  assert sched.can_chain()
