@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 
 import chex
 import jax
@@ -111,6 +112,35 @@ def test_lowering_order_puts_the_longest_compiles_first():
   assert compiler.lowering_order([]) == []
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_each_call_takes_its_program_and_jit(model, monkeypatch, split):
+  """A step always takes its bucket's one program, a burst its greedy-only
+  variant only where the variants are split (GPU backends), a cache program
+  its greedy-only key; a burst's jit covers its row bucket, and the
+  sampler's `lax.cond` is built in everywhere but split bursts (and
+  `reserve`: the cache programs sample nothing either way)."""
+  comp = Engine(model, CFG).compiler
+  comp.split_variants = split
+  Key = compiler.ProgramKey
+  for greedy in (True, False):
+    assert comp.key("step", 32, greedy) == Key("step", 32, False)
+    assert comp.key("burst", 4, greedy) == Key("burst", 4, greedy and split)
+    assert comp.key("step", 0, greedy) == Key("step", 0, True)
+    assert comp.key("reserve", 0, greedy) == Key("reserve", 0, True)
+  made = []
+  monkeypatch.setattr(programs, "jitted_program",
+                      lambda *args, **kw: made.append((args[3:], kw)))
+  for key in (Key("step", 32, False), Key("step", 0, True),
+              Key("reserve", 0, True), Key("burst", 4, True)):
+    comp.jitted(key)
+  cond = not split
+  assert made == [
+      (("step", False), dict(rows=None, sample_cond=True)),
+      (("step_cache", True), dict(rows=None, sample_cond=True)),
+      (("reserve", True), dict(rows=None, sample_cond=cond)),
+      (("burst", True), dict(rows=4, sample_cond=cond))]
+
+
 def _workload(rng, vocab, n):
   """Mixed lengths, a shared prefix for half the prompts, mixed sampling."""
   shared = rng.integers(1, vocab, 16).tolist()
@@ -131,9 +161,18 @@ def _workload(rng, vocab, n):
 
 def test_no_compilation_after_warmup(model):
   engine = Engine(model, CFG)
-  report = engine.warmup()
+  seen = []
+  t0 = time.perf_counter()
+  report = engine.warmup(progress=lambda key, s: seen.append((key, s)))
+  wall = time.perf_counter() - t0
   assert set(report) == set(engine.programs())
-  assert engine.stats.warmup_time_s > 0
+  # The callback hears each program once, with its time; a program's
+  # lowering is part of it, and every one fits in the warmup.
+  assert sorted(seen, key=str) == sorted(report.items(), key=str)
+  lower = engine.compiler.lower_times
+  assert all(0 < lower[k] <= report[k] for k in lower)
+  assert all(0 < t <= wall for t in report.values())
+  assert 0 < engine.stats.warmup_time_s <= wall
   rng = np.random.default_rng(0)
   reqs = _workload(rng, model.cfg.vocab_size, 24)
   with count_compiles() as compiles:
@@ -223,10 +262,15 @@ def test_counter_sees_a_forced_compile(model):
   del engine.compiler.compiled[key]
   compiler.clear_compiled()
   jax.clear_caches()
+  t0 = time.perf_counter()
   with count_compiles() as compiles:
     engine.generate([[256, 1, 2]], SamplingParams(max_new_tokens=1))
+  wall = time.perf_counter() - t0
   assert len(compiles) >= 1
   assert engine.stats.num_compiles == len(engine.programs()) + 1
+  # Its lowering and compile are timed within the call.
+  times = engine.compiler.compile_times
+  assert 0 < engine.compiler.lower_times[key] <= times[key] <= wall
 
 
 def test_persistent_cache_serves_a_new_engine(model, tmp_path):
