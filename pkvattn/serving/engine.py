@@ -368,9 +368,12 @@ class Engine:
     has_prefill = any(row.request.status is RequestStatus.PREFILL
                       for row in scheduled.rows)
     if self.host_tier is not None:  # mirror what the step may evict
-      self.host_tier.offload(self.pool, self.state,
-                             self.host_tier.step_bound(scheduled.inputs),
-                             self._num_free, self.stats)
+      bound = self.host_tier.step_bound(scheduled.inputs)
+      if released and self.host_tier.would_plan(bound, self._num_free):
+        scheduled = self._release_first(scheduled, released)
+        released = []
+      self.host_tier.offload(self.pool, self.state, bound, self._num_free,
+                             self.stats)
     t1 = time.perf_counter()
     try:
       out, compile_s, err = self._run(scheduled, throw=False)
@@ -450,8 +453,12 @@ class Engine:
     if prev is None and self.host_tier is not None:
       # Nothing in flight: mirror what this burst and the next may evict
       # (a chained burst plans nothing: its plan would wait for this one).
-      self.host_tier.offload(self.pool, self.state,
-                             self.host_tier.burst_bound(), self._num_free,
+      bound = self.host_tier.burst_bound()
+      taken = self.scheduler.burst_taken
+      if taken and self.host_tier.would_plan(bound, self._num_free):
+        scheduled = self._release_first(scheduled, taken)
+        self.scheduler.burst_taken = []
+      self.host_tier.offload(self.pool, self.state, bound, self._num_free,
                              self.stats)
     t1 = time.perf_counter()
     try:
@@ -479,6 +486,35 @@ class Engine:
     self.stats.host_time_s += host_s
     self.stats.decode_time_s += time.perf_counter() - t0 - compile_s
     return num_sampled
+
+  def _release_first(self, scheduled: ScheduledStep,
+                     released: list[tuple[int, int]]) -> ScheduledStep:
+    """Publishes and releases the finished rows of `scheduled` in a
+    program of their own (`step[no tokens]`, `programs.release_only`);
+    returns `scheduled` without them. With a host tier: a step's claims or
+    a burst's extends may evict the blocks of rows released in the same
+    program, which a plan made before it cannot see (they are not
+    evictable yet); released first, they are in the plan. If the program
+    does not run, `scheduled` is undone (`Scheduler.unschedule` with the
+    `released` rows); a checked-mode violation is raised after it ran."""
+    only = ScheduledStep(_programs.release_only(self.config,
+                                                scheduled.inputs),
+                         greedy_only=True)
+    try:
+      out, _, err = self._run(only, throw=False)
+    except Exception:
+      self.scheduler.unschedule(scheduled, released)
+      raise
+    # [groups] when hybrid; read on the host (the plan syncs anyway).
+    self._num_free = int(np.min(jax.device_get(out.num_free)))
+    if err is not None:
+      try:
+        err.throw()
+      except Exception:
+        self.scheduler.unschedule(scheduled, [])  # its rows are free now
+        raise
+    return dataclasses.replace(
+        scheduled, inputs=_programs.without_release(scheduled.inputs))
 
   def _drain(self) -> int:
     """Reads the burst in flight, if any; returns its tokens."""

@@ -274,6 +274,12 @@ class HostTier:
     return np.asarray(self._batches[batch][0])[self._row_of[slot]]
 
   # ---------------------------------------------------------------- offload
+  def would_plan(self, num_new_slots: int, num_free: int) -> bool:
+    """Whether `offload` with these arguments plans (and mirrors) blocks:
+    the allocations may evict more than the earlier plans mirrored."""
+    need = num_new_slots - num_free
+    return need > 0 and need > self._covered
+
   def offload(self, pool, state, num_new_slots: int, num_free: int,
               stats: EngineStats) -> None:
     """Mirrors the blocks that `num_new_slots` allocations would evict
@@ -285,12 +291,13 @@ class HostTier:
     that up: the mirrored blocks stay at the head of the eviction order (a
     block released later joins its tail), so they are the ones evicted
     next; one reused in between shifts the head by a block (lost reuse at
-    worst, never a wrong hit)."""
+    worst, never a wrong hit). Blocks of rows that the caller's program
+    releases are not evictable yet, so no plan sees them: where a plan is
+    due (`would_plan`), the engine releases such rows in a program of their
+    own first."""
     need = num_new_slots - num_free
-    if need <= 0:
-      return
-    if need <= self._covered:  # mirrored by an earlier plan
-      self._covered -= need
+    if not self.would_plan(num_new_slots, num_free):
+      self._covered -= max(need, 0)  # mirrored by an earlier plan
       return
     t0 = time.perf_counter()
     ahead = min(PLAN_HORIZON * need, self.max_plan)
@@ -303,6 +310,7 @@ class HostTier:
     self.phase_s["plan"] += t1 - t0
     n = int(np.sum(src >= 0))
     if n == 0:
+      stats.host_transfer_s += t1 - t0
       return
     # Any order of the planned blocks is a valid copy; one that keeps each
     # chain's blocks together puts a returning prompt's blocks in few
@@ -313,14 +321,16 @@ class HostTier:
     nb = -(-n // S)
     # At most one plan's batches wait in device memory besides these.
     excess = len(self._pending) - (-(-self.max_plan // S))
-    if excess > 0:
-      self.flush(stats, batches=excess)
+    put_s = time.perf_counter()
+    if excess > 0:  # phase "put", counted in this call's total
+      self.flush(batches=excess)
+    put_s = time.perf_counter() - put_s
     idx = np.full(_pow2_at_least(nb) * S, -1, np.int32)
     idx[:n] = src
     self._memory_kind = _host_memory_kind(pool)
     pages = _gather(pool, idx, num_slots=self.device_slots, batch_blocks=S)
     t2 = time.perf_counter()
-    self.phase_s["gather"] += t2 - t1
+    self.phase_s["gather"] += t2 - t1 - put_s
     new = set()
     for i in range(nb):
       d = dst[i * S:(i + 1) * S]

@@ -7,6 +7,7 @@ recomputing them; greedy tokens are the same as without it.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -57,6 +58,7 @@ def test_same_tokens_fewer_prefill_tokens(runs):
   st = on.stats
   assert st.host_blocks_offloaded > 0
   assert st.host_hits > 0 and st.host_blocks_reloaded == st.host_hits
+  assert 0 < sum(on.host_tier.phase_s.values()) <= st.host_transfer_s
   assert 0 < st.host_hit_rate <= 1
   assert st.host_bytes_reloaded == st.host_blocks_reloaded * (
       on.host_tier.slot_bytes)
@@ -92,6 +94,7 @@ def test_reloaded_pages_equal_the_device_ones(runs):
       np.testing.assert_array_equal(tier.host_pages(h), pool[s])
       compared += 1
   assert compared > 0
+  assert all(tier.host_pages(h) is not None for h in np.flatnonzero(valid))
 
 
 def test_fp8_pool(model):
@@ -130,6 +133,14 @@ def test_config_errors(model):
     EngineConfig(host_kv_cache_bytes=1 << 20, enable_prefix_reuse=False)
   with pytest.raises(ValueError, match="host_kv_cache_bytes.*one slot"):
     Engine(model, dataclasses.replace(CFG, host_kv_cache_bytes=10))
+  # Exactly one slot's bytes: a tier of one batch of one slot.
+  slot_bytes = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=HOST_BYTES)).host_tier.slot_bytes
+  tier = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=slot_bytes)).host_tier
+  assert (tier.num_slots, tier.batch_blocks, tier.max_batches) == (1, 1, 1)
+  with pytest.raises(ValueError, match=f"one slot of {slot_bytes} bytes"):
+    Engine(model, dataclasses.replace(CFG, host_kv_cache_bytes=slot_bytes - 1))
   with pytest.raises(ValueError, match="host_kv_cache_bytes.*kv_groups=False"):
     Engine(load_model("tiny-gemma3"), dataclasses.replace(
         CFG, host_kv_cache_bytes=HOST_BYTES))
@@ -158,6 +169,7 @@ def test_small_tier_frees_whole_batches(model, runs):
   assert _multi_turn(engine) == a_off
   assert engine.stats.host_blocks_offloaded > tier.num_slots  # it cycled
   assert engine.stats.host_hits > 0
+  assert len(tier._batches) == tier.max_batches  # noqa: SLF001  full
   _check_batches(tier)
   cache.validate_host_tier(tier.state)
 
@@ -175,14 +187,21 @@ def test_copies_queued_a_batch_at_a_time(model, runs):
   flush, waiting = tier.flush, []
 
   def one_at_a_time(stats=None, seconds=None):
-    before = len(tier._pending)  # noqa: SLF001
+    # The oldest batch still live is queued; freed ones before it leave.
+    pending = list(tier._pending)  # noqa: SLF001
+    live = [b in tier._batches for b in pending]  # noqa: SLF001
+    expected = len(pending) - (live.index(True) + 1 if any(live)
+                               else len(pending))
     left = flush(stats, seconds)
-    assert seconds is not None and left <= max(before - 1, 0)
+    assert seconds is not None and left == expected
     waiting.append(left)
     return left
   tier.flush = one_at_a_time
+  t0 = time.perf_counter()
   assert _multi_turn(engine) == a_off
+  wall = time.perf_counter() - t0
   assert max(waiting) > 0 and engine.stats.host_hits > 0
+  assert 0 < sum(tier.phase_s.values()) <= engine.stats.host_transfer_s <= wall
   _check_batches(tier)
   cache.validate_host_tier(tier.state)
   flush()  # all of them
@@ -191,31 +210,43 @@ def test_copies_queued_a_batch_at_a_time(model, runs):
 
 def test_chain_order_keeps_chains_together(rng):
   """Interleaved chains come out grouped (in order of first appearance),
-  each root to leaf; a block whose parent is not among them roots a group."""
+  each root to leaf; a block whose parent is not among them roots a group
+  of its own, also where the key it names sorts next to another chain's
+  root."""
   from pkvattn.serving.host_tier import _chain_order
-  chains, nxt = [], 1
-  for _ in range(4):
-    n = int(rng.integers(1, 6))
-    chains.append(list(range(nxt, nxt + n)))
-    nxt += n
-  blocks = [(c, d) for c, ch in enumerate(chains) for d in range(len(ch))]
-  perm = rng.permutation(len(blocks))
-  blocks = [blocks[i] for i in perm]
-  # Drop chain 0's root: its next block becomes an orphan root.
-  blocks = [b for b in blocks if b != (0, 0)] if len(chains[0]) > 1 else blocks
-  key = np.array([[chains[c][d], 0] for c, d in blocks], np.uint32)
-  parent = np.array([[chains[c][d - 1] if d else 0, 0] for c, d in blocks],
-                    np.uint32)
+  lens = [3] + [int(n) for n in rng.integers(1, 6, 3)]
+  keys = rng.choice(2**40, sum(lens), replace=False).astype(np.uint64) + 2
+  chains = np.split(keys, np.cumsum(lens)[:-1])
+  # Chain 0 loses its middle block, whose key sorts just below chain 1's
+  # root: chain 0's leaf is an orphan (listed first), a group of its own.
+  chains[0][1] = chains[1][0] - 1
+  assert chains[0][1] not in keys[lens[0]:]
+  blocks = [(c, d) for c, n in enumerate(lens) for d in range(n)
+            if (c, d) not in ((0, 1), (0, 2))]
+  blocks = [(0, 2)] + [blocks[i] for i in rng.permutation(len(blocks))]
+
+  def pairs(values):  # u64 -> u32[n, 2] (high, low)
+    v = np.asarray(values, np.uint64)
+    return np.stack([v >> np.uint64(32), v & np.uint64(0xFFFFFFFF)],
+                    1).astype(np.uint32)
+  key = pairs([chains[c][d] for c, d in blocks])
+  parent = pairs([chains[c][d - 1] if d else 0 for c, d in blocks])
   first = np.array([d == 0 for _, d in blocks])
   order = _chain_order(key, parent, first)
-  assert sorted(order.tolist()) == list(range(len(blocks)))
-  seq = [blocks[i] for i in order]
-  groups = [c for i, (c, _) in enumerate(seq) if i == 0 or seq[i - 1][0] != c]
-  assert len(groups) == len(set(groups))                 # contiguous chains
-  assert groups == list(dict.fromkeys(c for c, _ in blocks))  # first seen
-  for c in groups:
-    depths = [d for cc, d in seq if cc == c]
-    assert depths == sorted(depths)                      # root to leaf
+  # Expected: groups by first appearance, each by depth (ties: listed order).
+  group = [(c, c == 0 and d == 2) for c, d in blocks]
+  seen = {g: i for i, g in reversed(list(enumerate(group)))}
+  expected = sorted(range(len(blocks)),
+                    key=lambda i: (seen[group[i]], blocks[i][1], i))
+  assert order.tolist() == expected
+  # One chain of 40, leaf first, then shuffled: ancestors 39 links up (6
+  # rounds of pointer jumping).
+  chain = rng.choice(2**40, 40, replace=False).astype(np.uint64) + 2
+  for depth in (np.arange(40)[::-1], rng.permutation(40)):
+    order = _chain_order(pairs(chain[depth]),
+                         pairs([chain[d - 1] if d else 0 for d in depth]),
+                         depth == 0)
+    assert depth[order].tolist() == list(range(40))
 
 
 def test_a_plan_covers_the_next_steps(model, rng):
@@ -233,3 +264,172 @@ def test_a_plan_covers_the_next_steps(model, rng):
   assert tier.num_plans == 2
   tier.offload(engine.pool, engine.state, 5, 5, stats)  # free slots suffice
   assert tier.num_plans == 2
+
+
+def test_batches_in_device_memory_stay_bounded(model, runs):
+  """With no copy to the host queued after reads (copies slower than
+  anything), a plan queues the oldest gathered batches itself, so at most
+  one plan's batches wait in device memory besides its own; after every
+  plan the bookkeeping holds (each live batch's row count is its live
+  slots), and the tokens are those without the tier."""
+  (off, a_off), _ = runs
+  engine = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=16 * off.kv.block_bytes * 2))  # 2 layers
+  tier = engine.host_tier
+  flush, offload, waiting = tier.flush, tier.offload, []
+
+  def only_when_asked(stats=None, seconds=None, batches=None):
+    return len(tier._pending) if batches is None else flush(  # noqa: SLF001
+        stats, batches=batches)
+
+  def checked(*args):
+    offload(*args)
+    waiting.append(len(tier._pending))  # noqa: SLF001
+    assert waiting[-1] <= 2 * -(-tier.max_plan // tier.batch_blocks)
+    _check_batches(tier)
+  tier.flush, tier.offload = only_when_asked, checked
+  t0 = time.perf_counter()
+  assert _multi_turn(engine) == a_off
+  wall = time.perf_counter() - t0
+  assert max(waiting) > -(-tier.max_plan // tier.batch_blocks)
+  st = engine.stats
+  assert st.host_blocks_offloaded > tier.num_slots  # it cycled
+  assert st.host_hits > 0
+  # The phases' seconds are parts of the tier's host time, once each.
+  assert set(tier.phase_s) == {"plan", "gather", "put", "free", "lookup",
+                               "load"}
+  assert min(tier.phase_s.values()) >= 0
+  assert sum(tier.phase_s.values()) <= st.host_transfer_s <= wall
+
+
+def test_plan_bounds_count_claims_extends_and_a_burst(model):
+  """A step's bound: its claims' whole prompts, one block per extended row,
+  and one burst's (`cdiv(decode_steps, page_size) + 1` blocks a row); a
+  burst's: two bursts'. A plan mirrors up to PLAN_HORIZON steps' and
+  bursts' worth, within both pools."""
+  from types import SimpleNamespace
+  from pkvattn.serving.host_tier import PLAN_HORIZON
+  cfg = dataclasses.replace(CFG, num_slots=4096, decode_steps=12,
+                            max_admit=2, host_kv_cache_bytes=1 << 30)
+  tier = Engine(model, cfg).host_tier
+  # page_size 8, 2 rows: a burst of 12 tokens takes 2 + 1 blocks a row.
+  assert tier.burst_blocks == 6 and tier.burst_bound() == 12
+  inputs = SimpleNamespace(admit_ids=np.array([-1, 1]),
+                           admit_lens=np.array([40, 17]),
+                           extend_ids=np.array([0, -1]))
+  assert tier.step_bound(inputs) == 3 + 1 + 6  # 17 tokens: 3 blocks
+  # A step: 2 claims of 16 pages (max_model_len 128) and 2 extends.
+  assert tier.max_plan == PLAN_HORIZON * (2 * 16 + 2 + 6)
+  small = Engine(model, dataclasses.replace(cfg, num_slots=64)).host_tier
+  assert small.max_plan == 64
+
+
+def test_a_prompt_partly_on_the_device_reloads_the_rest(model, rng):
+  """A returning prompt whose first blocks are still on the device reuses
+  those and looks up only the blocks after them (up to the one before its
+  last token's) on the host, reloading what it finds there."""
+  engine = Engine(model, dataclasses.replace(CFG,
+                                             host_kv_cache_bytes=HOST_BYTES))
+  st, sp = engine.stats, SamplingParams(max_new_tokens=1, ignore_eos=True)
+  prompt = [256] + rng.integers(0, 256, 47).tolist()  # 6 blocks of 8
+  engine.generate([prompt], sp)
+  # 13 blocks of another prompt in the 16-slot pool evict 3 of its 6.
+  engine.generate([[256] + rng.integers(0, 256, 103).tolist()], sp)
+  before = dataclasses.replace(st)
+  engine.generate([prompt], sp)
+  reused = st.reused_tokens - before.reused_tokens
+  hits = st.host_hits - before.host_hits
+  assert reused == 24
+  assert st.host_lookups - before.host_lookups == (48 - 1) // 8 - 3
+  assert hits >= 1
+  assert st.prefill_tokens - before.prefill_tokens == 48 - reused - 8 * hits
+  # A load from the first batch (rows -1: copied, then dropped); one that
+  # also names a host slot holding nothing raises (a bug, never skipped).
+  tier = engine.host_tier
+  rows, blocks = np.full(2, -1, np.int32), np.zeros(2, np.int32)
+  first = int(np.flatnonzero(tier._batch_of == 0)[0])  # noqa: SLF001
+  empty = int(np.flatnonzero(tier._batch_of < 0)[0])  # noqa: SLF001
+  engine.pool = tier.load(engine.pool, engine.state, rows, blocks,
+                          np.array([first, first]))
+  with pytest.raises(RuntimeError, match=rf"host slots \[{empty}\] hold"):
+    tier.load(engine.pool, engine.state, rows, blocks,
+              np.array([first, empty]))
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_rows_released_before_a_plan_are_mirrored(model, decode_steps, rng):
+  """A step or an unchained burst that may evict releases its finished rows
+  in a program of their own first, so the plan mirrors their blocks (a plan
+  made before the releasing program cannot see them); the tokens are those
+  without the tier."""
+  cfg = dataclasses.replace(CFG, decode_steps=decode_steps)
+  # After the turns, two prompts prefilled in one step: one ends with its
+  # first token while the other decodes (with bursts, the next program is
+  # a burst that releases it).
+  prompts = [[256] + rng.integers(0, 256, 14).tolist() for _ in range(2)]
+  params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 12)]
+  off = Engine(model, cfg)
+  expected = _multi_turn(off), off.generate(prompts, params)
+  engine = Engine(model, dataclasses.replace(cfg,
+                                             host_kv_cache_bytes=HOST_BYTES))
+  kinds, release_first = [], engine._release_first  # noqa: SLF001
+
+  def spy(scheduled, released):
+    kinds.append(scheduled.kind)
+    out = release_first(scheduled, released)
+    assert np.all(np.asarray(out.inputs.release_ids) == -1)
+    return out
+  engine._release_first = spy  # noqa: SLF001
+  assert (_multi_turn(engine), engine.generate(prompts, params)) == expected
+  assert "step" in kinds and (decode_steps == 1 or "burst" in kinds)
+  assert engine.stats.host_hits > 0
+  cache.validate(engine.state)
+
+
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_a_failed_release_first_loses_no_request(model, monkeypatch,
+                                                 failing_call, rng):
+  """The step that releases a finished row first and then admits: if the
+  release program raises before it runs, the step is undone with the row
+  still to be released; if the step's own program raises after the
+  release ran, the row is free and nothing is released twice. Either way
+  the request then completes as without the tier."""
+  cfg = dataclasses.replace(CFG, host_kv_cache_bytes=HOST_BYTES)
+  sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+  first = [256] + rng.integers(0, 256, 47).tolist()
+  second = [256] + rng.integers(0, 256, 103).tolist()  # evicts the first
+  off = Engine(model, CFG)
+  expected = off.generate([first], sp), off.generate([second], sp)
+  engine = Engine(model, cfg)
+  assert engine.generate([first], sp) == expected[0]
+  rid = engine.add_request(second, sp)
+  row_to_release = list(engine.scheduler.to_release)
+  assert row_to_release
+  run, calls, released_first = engine._run, [], []  # noqa: SLF001
+  release_first = engine._release_first  # noqa: SLF001
+
+  def flaky(scheduled, throw=True):
+    calls.append(scheduled.kind)
+    if len(calls) == failing_call:
+      raise RuntimeError("launch failed")
+    return run(scheduled, throw=throw)
+
+  def spy(scheduled, released):
+    released_first.append(list(released))
+    return release_first(scheduled, released)
+  monkeypatch.setattr(engine, "_run", flaky)
+  monkeypatch.setattr(engine, "_release_first", spy)
+  with pytest.raises(RuntimeError, match="launch failed"):
+    engine.step()
+  assert released_first == [row_to_release]
+  assert [r.request_id for r in engine.scheduler.waiting] == [rid]
+  assert engine.scheduler.to_release == (row_to_release if failing_call == 1
+                                         else [])
+  monkeypatch.undo()
+  while engine.has_unfinished():
+    engine.step()
+  assert engine.get_request(rid).output == expected[1][0]
+  engine.step()  # releases the last row
+  assert engine.scheduler.free_rows == list(range(cfg.max_seqs))
+  cache.validate(engine.state)
+  assert int(cache.stats(engine.state)["num_used"]) == 0
