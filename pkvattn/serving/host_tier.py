@@ -321,10 +321,10 @@ class HostTier:
     nb = -(-n // S)
     # At most one plan's batches wait in device memory besides these.
     excess = len(self._pending) - (-(-self.max_plan // S))
-    put_s = time.perf_counter()
+    t_put = time.perf_counter()
     if excess > 0:  # phase "put", counted in this call's total
       self.flush(batches=excess)
-    put_s = time.perf_counter() - put_s
+    put_s = time.perf_counter() - t_put
     idx = np.full(_pow2_at_least(nb) * S, -1, np.int32)
     idx[:n] = src
     self._memory_kind = _host_memory_kind(pool)
