@@ -69,7 +69,8 @@ def test_stop_ids_and_scope():
   for scope in (-2**31, 2**31 - 1, np.int64(7)):
     assert make_request([1], _sp(1), LIMITS, scope).reuse_scope == scope
   for scope in (-2**31 - 1, 2**31, True, 1.0):
-    with pytest.raises(ValueError, match="reuse_scope"):
+    with pytest.raises(ValueError, match=r"reuse_scope: expected an int in "
+                       rf"\[-2147483648, 2147483647\], got {scope!r}"):
       make_request([1], _sp(1), LIMITS, scope)
   with pytest.raises(ValueError, match="Invalid params"):
     make_request([1], {"max_new_tokens": 1}, LIMITS)
