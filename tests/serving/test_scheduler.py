@@ -117,13 +117,8 @@ def _burst_outputs(cfg, sched, scheduled, streams, preempt_at):
 def _serve(cfg, prompts, params, streams, preempt_at):
   """Runs the requests to the end; returns `(requests, stats, kinds)`."""
   stats = EngineStats()
-  sched = Scheduler(cfg, stats, pool_text="num_slots=64")
-  reqs = []
-  for i, (p, sp) in enumerate(zip(prompts, params)):
-    req = make_request(p, sp, _limits(cfg))
-    req.request_id = i
-    sched.add(req)
-    reqs.append(req)
+  sched = _queue(cfg, prompts, params, stats)
+  reqs = list(sched.waiting)
   kinds = []
   while sched.waiting or sched.running:
     assert len(kinds) < 1000, "the scheduler does not make progress"
@@ -295,11 +290,13 @@ def test_status_is_a_str_enum_and_bursts_cap_stop_ids():
   assert sched.burst_eligible()
 
 
-def _queue(cfg, prompts):
-  """A scheduler with one queued request per prompt (8 new tokens each)."""
-  sched = Scheduler(cfg, EngineStats(), pool_text="num_slots=64")
+def _queue(cfg, prompts, params=None, stats=None):
+  """A scheduler with one queued request per prompt, request ids 0, 1, ...
+  (`params[i]`; None: 8 new tokens each)."""
+  sched = Scheduler(cfg, stats or EngineStats(), pool_text="num_slots=64")
   for i, p in enumerate(prompts):
-    req = make_request(p, SamplingParams(max_new_tokens=8), _limits(cfg))
+    sp = SamplingParams(max_new_tokens=8) if params is None else params[i]
+    req = make_request(p, sp, _limits(cfg))
     req.request_id = i
     sched.add(req)
   return sched
@@ -462,13 +459,8 @@ def _admitted(cfg, prompts, params, reused=None):
   """A scheduler whose requests (one per prompt) were admitted in one step,
   their claims granted (`reused[i]` tokens reused); returns `(sched,
   requests)`."""
-  sched = Scheduler(cfg, EngineStats(), pool_text="num_slots=64")
-  reqs = []
-  for i, (p, sp) in enumerate(zip(prompts, params)):
-    req = make_request(p, sp, _limits(cfg))
-    req.request_id = i
-    sched.add(req)
-    reqs.append(req)
+  sched = _queue(cfg, prompts, params)
+  reqs = list(sched.waiting)
   scheduled = sched.schedule()
   assert list(scheduled.admitted) == reqs
   sched.take_released_rows()
