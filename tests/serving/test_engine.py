@@ -130,11 +130,41 @@ def test_bursts_release_finished_rows(model):
   engine.step()  # releases the last finished row
   cache.validate(engine.state)
   assert int(cache.stats(engine.state)["num_used"]) == 0
-  # Their blocks were published: the same prompt again reuses them.
+  # Their blocks were published: the same prompt again reuses them, and
+  # a next turn after an answer fed in bursts reuses every full block of
+  # prompt and answer (the third prompt's: 14 + 9 tokens, its second block
+  # ends with two answer tokens; it shares no block with another prompt).
   rid = engine.add_request(prompts[0], params[0])
+  turn = engine.add_request(prompts[2] + outs[2] + [7], params[0])
   while engine.has_unfinished():
     engine.step()
   assert engine.get_request(rid).num_reused > 0
+  fed = len(prompts[2]) + len(outs[2]) - 1  # the last token is not fed
+  assert fed // 8 == 2 and len(prompts[2]) < 16
+  assert engine.get_request(turn).num_reused == 16
+
+
+@pytest.mark.parametrize("max_new_tokens", [3, 12])
+def test_a_burst_reserves_the_tokens_it_feeds(model, max_new_tokens):
+  """A burst's reservation grows a row by the tokens it will feed after
+  the one the step before reserved: `min(decode_steps, remaining - 1)` (the
+  last token a request emits is sampled, never fed)."""
+  from pkvattn.serving import programs
+  cfg = dataclasses.replace(CFG, decode_steps=4)
+  engine = Engine(model, cfg)
+  prompt = [256] + list(range(40, 46))
+  engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens,
+                                            ignore_eos=True))
+  engine.step()  # admission
+  engine.step()  # prefill: one token out, the slot of the next reserved
+  (req,) = engine.scheduler.running
+  row = req.seq_id
+  assert int(engine.state.seq_lens[row]) == len(prompt) + 1
+  state = programs.reserve_burst(engine.state, engine.seq_tokens,
+                                 engine.scheduler.burst_inputs(),
+                                 decode_steps=4, commit=True)
+  grow = min(4, max_new_tokens - 1 - 1)
+  assert int(state.seq_lens[row]) == len(prompt) + 1 + grow
 
 
 def test_bursts_shrink_to_row_buckets(model):
@@ -216,6 +246,15 @@ def test_finished_row_is_published_with_its_own_tokens(model):
   while engine.has_unfinished():
     engine.step()
   assert again.num_reused == 16 and again.output == a.output
+  # Its row's token buffer holds the reused prompt (written at admission,
+  # not fed) and the decoded tokens (fed): the 25 tokens' third block,
+  # prompt and output, is published under them, so the conversation's next
+  # turn reuses 24 tokens.
+  turn = engine.get_request(engine.add_request(
+      prompt_a + again.output + [7], sp))
+  while engine.has_unfinished():
+    engine.step()
+  assert turn.num_reused == 24
   cache.validate(engine.state)
 
 
