@@ -384,7 +384,7 @@ class Engine:
     t2 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
-    self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
+    self._note_free(out.num_free)
     if self.host_tier is not None:
       self._host_reload(scheduled, out)
       self._flush_host_tier(t2 - t1)
@@ -505,8 +505,7 @@ class Engine:
     except Exception:
       self.scheduler.unschedule(scheduled, released)
       raise
-    # [groups] when hybrid; read on the host (the plan syncs anyway).
-    self._num_free = int(np.min(jax.device_get(out.num_free)))
+    self._note_free(jax.device_get(out.num_free))  # the plan syncs anyway
     if err is not None:
       try:
         err.throw()
@@ -536,8 +535,13 @@ class Engine:
     t0 = time.perf_counter()
     num_sampled = self.scheduler.update_from_output(scheduled, out)
     self.kv.record_usage(self.stats, out.used_slots)
-    self._num_free = int(np.min(out.num_free))  # [groups] when hybrid
+    self._note_free(out.num_free)
     return num_sampled, time.perf_counter() - t0
+
+  def _note_free(self, num_free) -> None:
+    """Keeps a program's free-slot count (host array; `[groups]` when
+    hybrid: the smallest group's) for the host tier's plans."""
+    self._num_free = int(np.min(num_free))
 
   def _flush_host_tier(self, program_s: float) -> None:
     """Queues the host tier's copies to the host (`HostTier.flush`) that

@@ -354,20 +354,18 @@ def release_only(cfg: EngineConfig, inp: StepInputs | BurstInputs
                  ) -> StepInputs:
   """A step of no tokens that only publishes and releases the finished
   rows of `inp` (a step's or a burst's host inputs: their `commit_*` and
-  `release_ids`), run by the `step[no tokens]` program."""
-  S, A = cfg.max_seqs, cfg.num_admit
-  none, zeros = np.full(S, -1, np.int32), np.zeros(S, np.int32)
-  return StepInputs(
-      tokens=np.zeros((0,), np.int32), q_indptr=np.zeros(S + 1, np.int32),
-      kv_lens=zeros, sample_rows=np.zeros(S, bool),
-      temperature=np.zeros(S, np.float32), top_k=zeros,
-      top_p=np.ones(S, np.float32), seeds=np.zeros(S, np.uint32),
-      gen_index=zeros, commit_ids=np.asarray(inp.commit_ids),
-      commit_lens=np.asarray(inp.commit_lens), prompt_commit_ids=none,
-      release_ids=np.asarray(inp.release_ids), extend_ids=none,
-      admit_ids=np.full(A, -1, np.int32),
-      admit_tokens=np.zeros((A, cfg.max_model_len), np.int32),
-      admit_lens=np.zeros(A, np.int32), admit_scope=np.zeros(A, np.int32))
+  `release_ids`), run by the `step[no tokens]` program: zeros of
+  `step_input_shapes`, no row to commit a prompt of, extend or admit (the
+  cache program reads no sampling field)."""
+  zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype),
+                       step_input_shapes(cfg, 0))
+  return zeros.replace(
+      commit_ids=np.asarray(inp.commit_ids),
+      commit_lens=np.asarray(inp.commit_lens),
+      release_ids=np.asarray(inp.release_ids),
+      prompt_commit_ids=np.full(cfg.max_seqs, -1, np.int32),
+      extend_ids=np.full(cfg.max_seqs, -1, np.int32),
+      admit_ids=np.full(cfg.num_admit, -1, np.int32))
 
 
 def without_release(inp: StepInputs | BurstInputs):
