@@ -8,7 +8,9 @@ generation ("Prefix-cache verification" in `cache/alloc.py`, whose helpers
 this module shares; `alloc` does not import it). Within one call the
 considered blocks are deduplicated by key and by slot, and a bucket's free
 ways go to new keys in row-major order: two stable sorts over the call's
-blocks.
+blocks. A block whose prefix another sequence published already (a twin)
+is skipped, and the sequence's chain goes on from the twin, so requests
+that computed a prefix together both leave their whole history reusable.
 """
 
 from __future__ import annotations
@@ -45,19 +47,23 @@ def commit(
   """Publishes the full blocks of live sequences for prefix reuse.
 
   For sequence `r`, blocks `i < min(lengths[r], seq_lens, max_len) //
-  page_size` are considered. Its leading blocks that are already published
-  (reused at claim, or committed before) are skipped; from the first
-  unpublished one, blocks are published in order until one cannot be:
-    * a published slot with the same key is identical (same tokens, scope,
-      parent and parent generation): it already serves this prefix;
+  page_size` are considered. Its leading blocks that need no publishing are
+  skipped: its own published slots (reused at claim, or committed before)
+  and twins, published slots with the block's tokens and scope whose parent
+  is the slot serving the block before, at that slot's generation (another
+  sequence computed and published the same prefix). As vLLM keeps caching
+  past a block another request already cached, the first block after them
+  is published as the child of the last one, and the blocks after it in
+  order, until one cannot be:
     * an earlier considered block of this call has the same key or the same
-      slot (first in row-major order wins);
+      slot (first in row-major order wins; for the later sequence that
+      block is a twin at its next commit, as at its release);
     * its hash bucket has no free way left (free ways go to this call's new
       keys in row-major order);
     * it is an SWA scratch block (no slot: -1 in the table). Its KV was
       overwritten by later layers, so neither it nor any later block of the
       sequence (whose chain needs it) is ever published.
-  A published slot with the same key that is not identical (an orphan whose
+  A published slot with the same key that is not a twin (an orphan whose
   parent was evicted, or a hash collision) is replaced: it leaves the cache.
 
   Args:
@@ -110,34 +116,51 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
   generation instead of the previous block (per-window-group caches,
   `cache/hybrid.py`); a block is then published on its own (no leading run:
   the anchor's chain vouches for the prefix) and only where its anchor
-  slot is `>= 0`."""
+  slot is `>= 0`.
+
+  One pass, no loop (a `while_loop` would cost every step program a
+  device-to-host sync on a GPU): twins are blocks published before the
+  call, and within the call the first block of a key wins."""
   cfg = state.config
-  ps = cfg.page_size
   n = _check_token_batch(seq_ids, tokens, lengths)
   max_len = tokens.shape[1]
-  nbt = min(max_len // ps, cfg.max_pages)
+  nbt = min(max_len // cfg.page_size, cfg.max_pages)
   if nbt == 0:
     return state
+  blocks = _block_view(tokens.astype(jnp.int32), cfg.page_size, nbt)
   idx, valid = _select(state, seq_ids, want_live=True)
+  scope = state.seq_scope[idx]
+  keys = hashing.block_keys(blocks, scope)
   valid &= lengths >= 0
   length = jnp.minimum(lengths.astype(jnp.int32), state.seq_lens[idx])
-  num_full = jnp.where(valid, jnp.minimum(length, max_len) // ps, 0)
-  blocks = _block_view(tokens.astype(jnp.int32), ps, nbt)
-  scope = state.seq_scope[idx]
+  num_full = jnp.where(valid, jnp.minimum(length, max_len) // cfg.page_size, 0)
   own = state.seq_slots[idx, :nbt]                           # [n, nbt]
   pos = jnp.arange(nbt)[None, :]
   in_range = pos < num_full[:, None]
   own_pub = state.slot_published[jnp.clip(own, 0)] & (own >= 0)
-  done = jnp.sum(_leading_run(own_pub & in_range), axis=1)   # [n]
-  # A published slot past the done run only arises after a hash collision
+  existing, bucket, ways = _find(state, keys)
+  content = _content_ok(state, existing, blocks, scope)
+  if anchor is None:
+    # The served run: leading blocks that need no publishing. Each is the
+    # sequence's own published slot (reused at claim, or committed before),
+    # or a twin: a published slot with its tokens and scope that is the
+    # child (at its generation) of the slot serving the block before.
+    serving = jnp.where(own_pub, own, existing)
+    prev = _shift_right(serving, -1)
+    twin = (in_range & ~own_pub & (own >= 0) & content
+            & _parent_ok(state, existing, prev,
+                         state.slot_gen[jnp.clip(prev, 0)]))
+    served = jnp.sum(_leading_run(in_range & (own_pub | twin)), axis=1)
+  else:
+    served = jnp.sum(_leading_run(in_range & own_pub), axis=1)
+  before = pos < served[:, None]
+  # A published slot past the served run only arises after a hash collision
   # replaced an entry; never re-publish it (it stops the run). Nor a scratch
   # block (-1 in the table): it stops the run too.
-  consider = in_range & (pos >= done[:, None]) & ~own_pub & (own >= 0)
-
-  keys = hashing.block_keys(blocks, scope)
-  existing, bucket, ways = _find(state, keys)
+  consider = in_range & ~before & ~own_pub & (own >= 0)
   if anchor is None:
-    parent = jnp.where(pos == 0, -1, _shift_right(own, -1))
+    # The first block after the run is the child of its last serving slot.
+    parent = _shift_right(jnp.where(before, serving, own), -1)
     prev_gen = state.slot_gen[jnp.clip(parent, 0)]
     # A parent published in this call gets generation + 1.
     parent_gen = jnp.where(
@@ -146,8 +169,9 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
   else:
     parent, parent_gen = anchor[0][:, :nbt], anchor[1][:, :nbt]
     consider &= parent >= 0
-  identical = (_content_ok(state, existing, blocks, scope)
-               & _parent_ok(state, existing, parent, parent_gen))
+  # Only an anchored block can be identical here: a twin would have extended
+  # the served run.
+  identical = content & _parent_ok(state, existing, parent, parent_gen)
 
   # Row-major first occurrence of each key and slot among considered blocks.
   size = n * nbt
@@ -185,9 +209,8 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
   has_way = rank < jnp.sum(free_way, axis=-1)
   block_ok = candidate & ((existing >= 0) | has_way)
   if anchor is None:
-    # Publish the leading run of publishable blocks after the done ones.
-    publish = _leading_run(jnp.where(consider, block_ok, pos < done[:, None]))
-    publish &= consider
+    # Publish the leading run of publishable blocks after the served run.
+    publish = _leading_run(jnp.where(consider, block_ok, before)) & consider
   else:
     publish = consider & block_ok
 

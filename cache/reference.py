@@ -294,44 +294,52 @@ class ReferenceCache:
       seq = self.seqs[ids[r]]
       num_full = min(lengths[r], seq.length, max_len) // ps
       own = seq.slots
-      done = 0
-      while (done < num_full and own[done] >= 0
-             and self.published[own[done]]):
-        done += 1
+      keys = self._block_keys(tokens[r], seq.scope, num_full)
+      tok = lambda i, r=r: tuple(tokens[r][i * ps:(i + 1) * ps])  # noqa: E731
+      # The served run: own published slots, and twins (published slots
+      # with the block's tokens and scope, children of the slot serving the
+      # block before).
+      served, serving = 0, -1
+      while served < num_full and own[served] >= 0:
+        e = self._find(keys[served])
+        if self.published[own[served]]:
+          serving = own[served]
+        elif (e >= 0 and self.tokens[e] == tok(served)
+              and self.scope[e] == seq.scope and self.parent[e] == serving
+              and (serving < 0 or self.parent_gen[e] == self.gen[serving])):
+          serving = e
+        else:
+          break
+        served += 1
       # Scratch blocks (-1) are never considered: they stop the run.
-      considered = [i for i in range(done, num_full)
+      considered = [i for i in range(served, num_full)
                     if own[i] >= 0 and not self.published[own[i]]]
       ok_block = {}
-      keys = self._block_keys(tokens[r], seq.scope, num_full)
       for i in considered:
         key = keys[i]
         existing = self._find(key)
-        parent = own[i - 1] if i > 0 else -1
+        # The first block after the served run is the child of its last
+        # serving slot; a parent published in this call gets generation + 1.
+        parent = serving if i == served else own[i - 1]
         parent_gen = (self.gen[parent] + (1 if (i - 1) in considered else 0)
                       if parent >= 0 else 0)
-        identical = (
-            existing >= 0
-            and self.tokens[existing] == tuple(tokens[r][i * ps:(i + 1) * ps])
-            and self.scope[existing] == seq.scope
-            and self.parent[existing] == parent
-            and (parent < 0 or self.parent_gen[existing] == parent_gen))
         dup = key in seen_keys or own[i] in seen_slots
         seen_keys.add(key)
         seen_slots.add(own[i])
-        ok_block[i] = (not identical and not dup, key, existing, parent,
-                       parent_gen)
-      for i in range(done, num_full):
+        ok_block[i] = (not dup, key, existing, parent, parent_gen, tok(i),
+                       seq.scope, own[i])
+      for i in range(served, num_full):
         if i not in ok_block or not ok_block[i][0]:
           break
-        plans.append((r, i, own[i]) + ok_block[i][1:])
-    for r, i, s, key, existing, parent, parent_gen in plans:
+        plans.append((i,) + ok_block[i][1:])
+    for i, key, existing, parent, parent_gen, tok, scope, s in plans:
       if existing >= 0:
         self._unpublish(existing)
       self.published[s] = True
       self.key[s] = key
       self.index[key] = s
-      self.tokens[s] = tuple(tokens[r][i * ps:(i + 1) * ps])
-      self.scope[s] = self.seqs[ids[r]].scope
+      self.tokens[s] = tok
+      self.scope[s] = scope
       self.parent[s] = parent
       self.parent_gen[s] = parent_gen
       self.gen[s] += 1

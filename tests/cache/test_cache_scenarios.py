@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import chex
 import jax
@@ -409,6 +410,78 @@ def test_in_batch_duplicates_publish_once_past_a_shorter_commit():
   np.testing.assert_array_equal(
       st.slot_published[st.seq_slots[1:4, 1]], [True, False, False])
   assert int(jnp.sum(st.slot_published)) == 2
+
+
+def test_twin_blocks_continue_the_chain():
+  """A and B hold the same 8-token prefix in their own slots (claimed
+  together, neither reused). Committed together, B's copies are in-batch
+  duplicates of A's, so B stops there. B's next commit finds them
+  published by A (twins): B's third block is published as the child of
+  A's second, and after B grows, its fourth as the child of its third (a
+  commit going on past its own published blocks after twins). C, asking
+  for B's 16 tokens + 1, reuses A's two blocks and B's two."""
+  cfg = _cfg(num_slots=16)
+  shared = _rand(60, 8)
+  a = shared + _rand(61, 5)
+  b = shared + _rand(62, 13)
+  st = cache.init_cache(cfg)
+  st, res = _claim(st, [0, 1], [a, b[:13]])
+  np.testing.assert_array_equal(res.num_reused_tokens, [0, 0])
+  st = cache.commit(st, jnp.asarray([0, 1], jnp.int32), _tok([a, b]),
+                    jnp.asarray([13, 13], jnp.int32))
+  np.testing.assert_array_equal(st.slot_published[st.seq_slots[0, :3]],
+                                [True, True, True])
+  assert not bool(jnp.any(st.slot_published[st.seq_slots[1, :3]]))
+  st = cache.commit(st, jnp.asarray([1], jnp.int32), _tok([b]),
+                    jnp.asarray([13], jnp.int32))
+  a_slots, b_slots = np.asarray(st.seq_slots[0]), np.asarray(st.seq_slots[1])
+  np.testing.assert_array_equal(st.slot_published[b_slots[:3]],
+                                [False, False, True])
+  assert int(st.slot_parent[b_slots[2]]) == a_slots[1]
+  assert int(st.slot_parent_gen[b_slots[2]]) == int(st.slot_gen[a_slots[1]])
+  st, _ = cache.extend(st, jnp.asarray([1], jnp.int32),
+                       jnp.asarray([8], jnp.int32))
+  st = cache.commit(st, jnp.asarray([1], jnp.int32), _tok([b]),
+                    jnp.asarray([21], jnp.int32))
+  b_slots = np.asarray(st.seq_slots[1])
+  assert bool(st.slot_published[b_slots[3]])
+  assert int(st.slot_parent[b_slots[3]]) == b_slots[2]
+  cache.validate(st)
+  st, rc = _claim(st, [2], [b[:17]])
+  assert int(rc.num_reused_tokens[0]) == 16
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[2])[:4],
+                                [a_slots[0], a_slots[1], b_slots[2],
+                                 b_slots[3]])
+  cache.validate(st)
+
+
+def test_orphan_is_not_a_twin():
+  """A publishes two blocks, then its head's slot moves to a new
+  generation (as a republish after an eviction does): A's second block
+  names it as parent at the old one, an orphan that claims skip. B reuses
+  the head and holds the second block in its own slot; committing it, B
+  does not take the orphan for a twin (a chain from it is unreachable) but
+  replaces it, so E, asking for the same tokens, reuses both blocks."""
+  cfg = _cfg(num_slots=8)
+  p = _rand(70, 9)
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [p])
+  st = _commit(st, [0], [p[:8]])
+  a0, a1 = (int(x) for x in st.seq_slots[0, :2])
+  st = _release(st, [0])
+  st = dataclasses.replace(st, slot_gen=st.slot_gen.at[a0].add(1))
+  st, rb = _claim(st, [1], [p])
+  assert int(rb.num_reused_tokens[0]) == 4
+  b1 = int(st.seq_slots[1, 1])
+  assert b1 != a1
+  st = _commit(st, [1], [p[:8]])
+  assert bool(st.slot_published[b1]) and not bool(st.slot_published[a1])
+  assert int(st.slot_parent[b1]) == a0
+  assert int(st.slot_parent_gen[b1]) == int(st.slot_gen[a0])
+  cache.validate(st)
+  st, re_ = _claim(st, [2], [p])
+  assert int(re_.num_reused_tokens[0]) == 8
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[2])[:2], [a0, b1])
 
 
 def test_full_hash_bucket_only_skips_publication():

@@ -258,6 +258,42 @@ def test_finished_row_is_published_with_its_own_tokens(model):
   cache.validate(engine.state)
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_requests_computing_one_prefix_together_publish_both_chains(
+    model, decode_steps):
+  # Two requests share 16 tokens (two pages of 8) and are admitted in the
+  # same step, so neither reuses the other's prefix: both compute it and
+  # commit it in the same step, where the first publishes the shared
+  # blocks. At the second's next commit its copies of them are twins, and
+  # its own blocks after them are published as their children. Both
+  # prompts asked again reuse every full block, and so does each
+  # conversation's next turn (prompt and answer, answers fed in steps or in
+  # bursts).
+  cfg = dataclasses.replace(CFG, decode_steps=decode_steps)
+  sp = SamplingParams(max_new_tokens=9, ignore_eos=True)
+  shared = [256] + list(range(40, 55))
+  prompts = [shared + list(range(60, 69)), shared + list(range(80, 91))]
+  engine = Engine(model, cfg)
+  ids = [engine.add_request(p, sp) for p in prompts]
+  while engine.has_unfinished():
+    engine.step()
+  firsts = [engine.get_request(i) for i in ids]
+  assert [r.num_reused for r in firsts] == [0, 0]
+  again = [engine.add_request(p, sp) for p in prompts]
+  turns = [engine.add_request(p + r.output + [7], sp)
+           for p, r in zip(prompts, firsts)]
+  while engine.has_unfinished():
+    engine.step()
+  for rid, p in zip(again, prompts):
+    req = engine.get_request(rid)
+    assert req.num_reused == (len(p) - 1) // 8 * 8, (len(p), req.num_reused)
+    assert req.output == firsts[ids.index(rid - 2)].output
+  for rid, p, r in zip(turns, prompts, firsts):
+    fed = len(p) + len(r.output) - 1  # the last token is not fed
+    assert engine.get_request(rid).num_reused == fed // 8 * 8
+  cache.validate(engine.state)
+
+
 def test_prompt_larger_than_pool_raises(model):
   # A request that can never fit the pool is refused when it is added
   # (nothing queued), not after steps.
