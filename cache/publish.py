@@ -147,9 +147,8 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
     # child (at its generation) of the slot serving the block before.
     serving = jnp.where(own_pub, own, existing)
     prev = _shift_right(serving, -1)
-    twin = (in_range & ~own_pub & (own >= 0) & content
-            & _parent_ok(state, existing, prev,
-                         state.slot_gen[jnp.clip(prev, 0)]))
+    twin = (own >= 0) & content & _parent_ok(
+        state, existing, prev, state.slot_gen[jnp.clip(prev, 0)])
     served = jnp.sum(_leading_run(in_range & (own_pub | twin)), axis=1)
   else:
     served = jnp.sum(_leading_run(in_range & own_pub), axis=1)
