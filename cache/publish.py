@@ -48,13 +48,14 @@ def commit(
 
   For sequence `r`, blocks `i < min(lengths[r], seq_lens, max_len) //
   page_size` are considered. Its leading blocks that need no publishing are
-  skipped: its own published slots (reused at claim, or committed before)
-  and twins, published slots with the block's tokens and scope whose parent
-  is the slot serving the block before, at that slot's generation (another
-  sequence computed and published the same prefix). As vLLM keeps caching
-  past a block another request already cached, the first block after them
-  is published as the child of the last one, and the blocks after it in
-  order, until one cannot be:
+  skipped, each the child of the slot serving the block before at that
+  slot's generation: its own published slots (reused at claim, or committed
+  before) and twins, published slots with the block's tokens and scope
+  (another sequence computed and published the same prefix). As vLLM keeps
+  caching past a block another request already cached, the first block
+  after them is published as the child of the last one, and the blocks
+  after it in order (own published ones again: their parent left the
+  cache), until one cannot be:
     * an earlier considered block of this call has the same key or the same
       slot (first in row-major order wins; for the later sequence that
       block is a twin at its next commit, as at its release);
@@ -141,22 +142,28 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
   existing, bucket, ways = _find(state, keys)
   content = _content_ok(state, existing, blocks, scope)
   if anchor is None:
-    # The served run: leading blocks that need no publishing. Each is the
+    # The served run: leading blocks that need no publishing, each the child
+    # (at its generation) of the slot serving the block before: the
     # sequence's own published slot (reused at claim, or committed before),
-    # or a twin: a published slot with its tokens and scope that is the
-    # child (at its generation) of the slot serving the block before.
+    # or a twin, a published slot with the block's tokens and scope.
     serving = jnp.where(own_pub, own, existing)
     prev = _shift_right(serving, -1)
-    twin = (own >= 0) & content & _parent_ok(
-        state, existing, prev, state.slot_gen[jnp.clip(prev, 0)])
-    served = jnp.sum(_leading_run(in_range & (own_pub | twin)), axis=1)
+    prev_gen = state.slot_gen[jnp.clip(prev, 0)]
+    kept = own_pub & _parent_ok(state, own, prev, prev_gen)
+    twin = (own >= 0) & content & _parent_ok(state, existing, prev, prev_gen)
+    served = jnp.sum(_leading_run(in_range & (kept | twin)), axis=1)
   else:
     served = jnp.sum(_leading_run(in_range & own_pub), axis=1)
   before = pos < served[:, None]
-  # A published slot past the served run only arises after a hash collision
-  # replaced an entry; never re-publish it (it stops the run). Nor a scratch
-  # block (-1 in the table): it stops the run too.
-  consider = in_range & ~before & ~own_pub & (own >= 0)
+  # A scratch block (-1 in the table) stops the run. An own published slot
+  # after the served run is stale (its parent left the cache, as a twin's
+  # source may, or was published again after a hash collision): it is
+  # published again under the chain's current parent, as the blocks after
+  # it must be (their parent's generation moves on). With an anchor, own
+  # published slots stay as they are.
+  consider = in_range & ~before & (own >= 0)
+  if anchor is not None:
+    consider &= ~own_pub
   if anchor is None:
     # The first block after the run is the child of its last serving slot.
     parent = _shift_right(jnp.where(before, serving, own), -1)

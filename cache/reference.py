@@ -296,24 +296,25 @@ class ReferenceCache:
       own = seq.slots
       keys = self._block_keys(tokens[r], seq.scope, num_full)
       tok = lambda i, r=r: tuple(tokens[r][i * ps:(i + 1) * ps])  # noqa: E731
-      # The served run: own published slots, and twins (published slots
-      # with the block's tokens and scope, children of the slot serving the
-      # block before).
+      # The served run: own published slots and twins (published slots with
+      # the block's tokens and scope), each the child of the slot serving
+      # the block before at its generation.
       served, serving = 0, -1
       while served < num_full and own[served] >= 0:
-        e = self._find(keys[served])
-        if self.published[own[served]]:
-          serving = own[served]
+        s, e = own[served], self._find(keys[served])
+        child = lambda x, p=serving: (  # noqa: E731
+            self.parent[x] == p and (p < 0 or self.parent_gen[x] == self.gen[p]))
+        if self.published[s] and child(s):
+          serving = s
         elif (e >= 0 and self.tokens[e] == tok(served)
-              and self.scope[e] == seq.scope and self.parent[e] == serving
-              and (serving < 0 or self.parent_gen[e] == self.gen[serving])):
+              and self.scope[e] == seq.scope and child(e)):
           serving = e
         else:
           break
         served += 1
-      # Scratch blocks (-1) are never considered: they stop the run.
-      considered = [i for i in range(served, num_full)
-                    if own[i] >= 0 and not self.published[own[i]]]
+      # Scratch blocks (-1) are never considered: they stop the run. Own
+      # published slots after the run are stale: published again.
+      considered = [i for i in range(served, num_full) if own[i] >= 0]
       ok_block = {}
       for i in considered:
         key = keys[i]

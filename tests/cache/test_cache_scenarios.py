@@ -455,6 +455,43 @@ def test_twin_blocks_continue_the_chain():
   cache.validate(st)
 
 
+def test_blocks_after_an_evicted_twin_are_published_again():
+  """B published its third block as the child of A's second (its twin).
+  A's blocks are then evicted. B's next commit publishes its own first
+  blocks, then its third again under its own second (the old parent left
+  the cache) and its new blocks after it: C, asking for B's tokens,
+  reuses all five blocks."""
+  cfg = _cfg(num_slots=10)
+  shared = _rand(80, 8)
+  a = shared + _rand(81, 5)
+  b = shared + _rand(82, 13)
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0, 1], [a, b[:13]])
+  st = cache.commit(st, jnp.asarray([0, 1], jnp.int32), _tok([a, b]),
+                    jnp.asarray([13, 13], jnp.int32))
+  st = _commit(st, [1], [b[:13]])
+  a_row, b2 = st.seq_slots[0, :3], int(st.seq_slots[1, 2])
+  assert bool(st.slot_published[b2]) and int(st.slot_parent[b2]) == a_row[1]
+  st = _release(st, [0])
+  st, rx = _claim(st, [2], [_rand(83, 24)])  # evicts A's three blocks
+  assert bool(rx.ok[0])
+  assert not bool(jnp.any(st.slot_published[a_row]))
+  st = _release(st, [2])
+  st, ext = cache.extend(st, jnp.asarray([1], jnp.int32),
+                         jnp.asarray([8], jnp.int32))
+  assert bool(ext.ok[0])
+  gen_b2 = int(st.slot_gen[b2])
+  st = _commit(st, [1], [b])
+  row = np.asarray(st.seq_slots[1])[:5]
+  np.testing.assert_array_equal(st.slot_published[row], [True] * 5)
+  np.testing.assert_array_equal(st.slot_parent[row], [-1, *row[:4]])
+  assert int(st.slot_gen[b2]) == gen_b2 + 1
+  cache.validate(st)
+  st, rc = _claim(st, [3], [b])
+  assert int(rc.num_reused_tokens[0]) == 20
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[3])[:5], row)
+
+
 def test_orphan_is_not_a_twin():
   """A publishes two blocks, then its head's slot moves to a new
   generation (as a republish after an eviction does): A's second block
