@@ -162,19 +162,17 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
   # it must be (their parent's generation moves on). With an anchor, own
   # published slots stay as they are.
   consider = in_range & ~before & (own >= 0)
-  if anchor is not None:
-    consider &= ~own_pub
   if anchor is None:
-    # The first block after the run is the child of its last serving slot.
+    # The first block after the run is the child of its last serving slot;
+    # a parent published in this call gets generation + 1.
     parent = _shift_right(jnp.where(before, serving, own), -1)
-    prev_gen = state.slot_gen[jnp.clip(parent, 0)]
-    # A parent published in this call gets generation + 1.
     parent_gen = jnp.where(
         parent < 0, 0,
-        prev_gen + _shift_right(consider, False).astype(jnp.int32))
+        state.slot_gen[jnp.clip(parent, 0)]
+        + _shift_right(consider, False).astype(jnp.int32))
   else:
     parent, parent_gen = anchor[0][:, :nbt], anchor[1][:, :nbt]
-    consider &= parent >= 0
+    consider &= ~own_pub & (parent >= 0)
   # Only an anchored block can be identical here: a twin would have extended
   # the served run.
   identical = content & _parent_ok(state, existing, parent, parent_gen)

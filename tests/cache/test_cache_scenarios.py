@@ -425,8 +425,10 @@ def test_twin_blocks_continue_the_chain():
   a = shared + _rand(61, 5)
   b = shared + _rand(62, 13)
   st = cache.init_cache(cfg)
-  st, res = _claim(st, [0, 1], [a, b[:13]])
+  # B claims first: its copies of the shared blocks are slots 0 and 1.
+  st, res = _claim(st, [1, 0], [b[:13], a])
   np.testing.assert_array_equal(res.num_reused_tokens, [0, 0])
+  np.testing.assert_array_equal(np.asarray(st.seq_slots[1])[:2], [0, 1])
   st = cache.commit(st, jnp.asarray([0, 1], jnp.int32), _tok([a, b]),
                     jnp.asarray([13, 13], jnp.int32))
   np.testing.assert_array_equal(st.slot_published[st.seq_slots[0, :3]],
