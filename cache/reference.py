@@ -303,7 +303,8 @@ class ReferenceCache:
       while served < num_full and own[served] >= 0:
         s, e = own[served], self._find(keys[served])
         child = lambda x, p=serving: (  # noqa: E731
-            self.parent[x] == p and (p < 0 or self.parent_gen[x] == self.gen[p]))
+            self.parent[x] == p
+            and (p < 0 or self.parent_gen[x] == self.gen[p]))
         if self.published[s] and child(s):
           serving = s
         elif (e >= 0 and self.tokens[e] == tok(served)
