@@ -540,6 +540,34 @@ def test_full_hash_bucket_only_skips_publication():
   cache.validate(st)
 
 
+def test_full_sliding_bucket_only_skips_publication():
+  """A sliding group's bucket holds blocks whose global anchors were evicted
+  (its own pool had room to keep them): a later prompt's global blocks take
+  the freed ways, its anchored sliding blocks find none and stay unpublished,
+  the entries in their way untouched."""
+  cfg = cache.HybridCacheConfig(
+      layer_windows=(-1, PS, -1), group_num_slots=(3, 8), page_size=PS,
+      max_seqs=3, max_pages=4, hash_ways=2, hash_buckets=1)
+  a, c = _rand(22, 9), _rand(23, 9)  # 2 full blocks each
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [a])
+  st = _commit(st, [0], [a])
+  st = _release(st, [0])
+  st, res = _claim(st, [1], [c])  # group 0 evicts both of A's blocks
+  assert bool(res.ok[0])
+  g0, g1 = st.groups
+  assert not bool(jnp.any(g0.slot_published))
+  assert int(jnp.sum(g1.slot_published)) == 2  # A's, anchors gone
+  st = _commit(st, [1], [c])
+  cache.validate(st)
+  n0, n1 = st.groups
+  np.testing.assert_array_equal(n0.slot_published[n0.seq_slots[1, :2]],
+                                [True, True])
+  np.testing.assert_array_equal(n1.slot_published[n1.seq_slots[1, :2]],
+                                [False, False])
+  np.testing.assert_array_equal(n1.hash_table, g1.hash_table)
+
+
 def test_bucket_ways_go_to_that_buckets_blocks(monkeypatch):
   """A commit's fresh blocks rank per bucket (row-major): blocks of other
   buckets do not use up a bucket's ways. Keys are set by hand: block `i` of
