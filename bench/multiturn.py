@@ -16,7 +16,9 @@ time to first token includes the wait for a row); the device pool holds
 about a quarter of the live histories (`--pool-frac`), so between turns most
 of a conversation's blocks are evicted from it. The same engine config runs
 with the host tier off and on (`EngineConfig.host_kv_cache_bytes`), in the
-same process, after `warmup()` (both share the step programs).
+same process, after `warmup()` (both share the step programs), one engine
+in device memory at a time: the tier-off engine runs both workloads and is
+dropped before the tier-on engine is built.
 
 Measured per request: time to first token (TTFT) = from its submission
 (`add_request`) to the end of the engine step that booked its first token
@@ -238,14 +240,18 @@ def main(argv=None):
         f"{num_slots * ps} tokens) vs live histories {live} tokens; host "
         f"tier {host_bytes / 2**30:.2f} GiB", flush=True)
 
-  rows, engines = [], {}
+  # One engine in device memory at a time: each holds its own weights and
+  # pool (an 8B shape's two engines did not fit an H100's 80 GB).
+  nr_len = min(max_len - answer - 1, 1024 if not small else 40)
+  n = max(2 * num_slots * ps // nr_len, 2 * max_seqs)
+  rows, answers, nr = [], {}, []
   for tier in (False, True):
     e = Engine(model, dataclasses.replace(
         cfg, host_kv_cache_bytes=host_bytes if tier else 0))
     t0 = time.perf_counter()
     e.warmup()
     warm = time.perf_counter() - t0
-    answers, ttft, wall, toks = _run_turns(
+    answers[tier], ttft, wall, toks = _run_turns(
         e, convs, turns, np.random.default_rng(1), hist0, user, answer,
         mcfg.vocab_size, sequential=args.arrival == "sequential")
     ret = [r["ttft_s"] for r in ttft if r["turn"] >= 1]
@@ -265,38 +271,37 @@ def main(argv=None):
         host_bytes_reloaded=st.host_bytes_reloaded,
         host_transfer_s=st.host_transfer_s,
         host_phase_s=dict(e.host_tier.phase_s) if tier else {}, ttft=ttft))
-    engines[tier] = (e, answers)
-  (off, a_off), (on, a_on) = engines[False], engines[True]
-  flat_off = [t for turn in a_off for o in turn for t in o]
-  flat_on = [t for turn in a_on for o in turn for t in o]
-  agree = float(np.mean(np.asarray(flat_off) == np.asarray(flat_on)))
-  cache.validate(on.state)
-  cache.validate_host_tier(on.host_tier.state)
-  if small:
-    assert a_on == a_off, "greedy answers differ with the host tier (f32)"
-  assert on.stats.host_hits > 0, "no host hit on a multi-turn workload"
-  roofs = _roofs(16 if small else 512)
-  reload_gbps = _reload_bandwidth(on, 64 if small else 1024)
-  # No reuse: distinct prompts, the pool filled (the tier mirrors evictions).
-  nr, tier = [], on.host_tier
-  for e in (off, on):
-    nr_len = min(max_len - answer - 1, 1024 if not small else 40)
-    n = max(2 * num_slots * ps // nr_len, 2 * max_seqs)
+    if tier:
+      on, host = e, e.host_tier
+      cache.validate(on.state)
+      cache.validate_host_tier(host.state)
+      assert on.stats.host_hits > 0, "no host hit on a multi-turn workload"
+      roofs = _roofs(16 if small else 512)
+      reload_gbps = _reload_bandwidth(on, 64 if small else 1024)
+    # No reuse: distinct prompts, the pool filled (the tier mirrors
+    # evictions).
     _no_reuse(e, max_seqs, nr_len, answer, np.random.default_rng(5),
               mcfg.vocab_size)  # fills the pool first
-    if e is on:  # the tier's work on this workload alone
-      plans, phases = tier.num_plans, dict(tier.phase_s)
+    if tier:  # the tier's work on this workload alone
+      plans, phases = host.num_plans, dict(host.phase_s)
       blocks = on.stats.host_blocks_offloaded
     _, tps = _no_reuse(e, n, nr_len, answer, np.random.default_rng(7),
                        mcfg.vocab_size)
     nr.append(tps)
+    del e
+  a_off, a_on = answers[False], answers[True]
+  flat_off = [t for turn in a_off for o in turn for t in o]
+  flat_on = [t for turn in a_on for o in turn for t in o]
+  agree = float(np.mean(np.asarray(flat_off) == np.asarray(flat_on)))
+  if small:
+    assert a_on == a_off, "greedy answers differ with the host tier (f32)"
   rows.append(dict(
       workload="no_reuse", prompts=n, prompt_len=nr_len,
       tokens_per_s_off=nr[0], tokens_per_s_on=nr[1], loss=1 - nr[1] / nr[0],
       host_blocks_offloaded=on.stats.host_blocks_offloaded - blocks,
-      host_plans=tier.num_plans - plans,
+      host_plans=host.num_plans - plans,
       host_phase_s={k: v - phases.get(k, 0.0)
-                    for k, v in tier.phase_s.items()}))
+                    for k, v in host.phase_s.items()}))
   r_off, r_on = rows[0], rows[1]
   extra = dict(
       config=dict(convs=convs, turns=turns, history=hist0, user=user,
