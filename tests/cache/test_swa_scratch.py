@@ -178,6 +178,27 @@ def test_prefix_reuse_never_finds_scratch_blocks():
   cache.validate(other)
 
 
+def test_commit_stops_at_scratch_whatever_slot_0_holds():
+  # A scratch block has no slot (-1): its commit run must not read slot 0's
+  # flags for it (here slot 0 is another prompt's published first block).
+  cfg = cache.CacheConfig(num_slots=32, page_size=8, num_layers=2, max_seqs=4,
+                          max_pages=12, layer_windows=(15, 15),
+                          enable_swa_scratch_reuse=True)
+  rng = np.random.default_rng(1)
+  first = rng.integers(0, 50, (1, 9)).astype(np.int32)
+  prompt = rng.integers(0, 50, (1, 32)).astype(np.int32)
+  st = cache.init_cache(cfg)
+  st, _ = cache.claim_batch(st, _i32([3]), _i32(first), _i32([9]))
+  st = cache.commit(st, _i32([3]), _i32(first), _i32([9]))
+  assert int(st.seq_slots[3, 0]) == 0 and bool(st.slot_published[0])
+  assert int(st.slot_parent[0]) == -1
+  st, _ = cache.claim_batch(st, _i32([0]), _i32(prompt), _i32([32]))
+  assert int(st.seq_scratch_count[0]) == 2  # blocks 0..1; 2..3 hold slots
+  st = cache.commit(st, _i32([0]), _i32(prompt), _i32([32]))
+  assert int(cache.stats(st)["num_published"]) == 1  # slot 0 alone
+  cache.validate(st)
+
+
 # ---------------------------------------------------------------------------
 # Random operations against the pure-Python model, scratch on.
 
