@@ -135,10 +135,9 @@ def _fork_prepare(state, parent_ids, child_ids):
   pidx = jnp.clip(parent_ids, 0, cfg.max_seqs - 1)
   p_ok = ((parent_ids >= 0) & (parent_ids < cfg.max_seqs)
           & state.seq_live[pidx])
+  # A child must be a new id, so never a (live) parent of the batch.
   cidx, c_ok = _select(state, child_ids, want_live=False)
-  is_parent = jnp.any(
-      (child_ids[:, None] == parent_ids[None, :]) & p_ok[None, :], axis=1)
-  valid = p_ok & c_ok & ~is_parent
+  valid = p_ok & c_ok
   length = state.seq_lens[pidx]
   num_full = length // ps
   partial = (length % ps) != 0

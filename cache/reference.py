@@ -361,15 +361,13 @@ class ReferenceCache:
 
   def _fork_requests(self, parent_ids, child_ids):
     """`(parent ids, child ids, valid, need)` of a fork batch: a live parent,
-    a dead child listed once that is no listed live parent; one new slot for
-    a partial last block."""
+    a dead child listed once (so no parent of the batch); one new slot for a
+    partial last block."""
     cfg, ps = self.cfg, self.cfg.page_size
     pids = [int(x) for x in parent_ids]
     cids, c_ok = self._ids(child_ids, want_live=False)
     p_ok = [0 <= p < cfg.max_seqs and p in self.seqs for p in pids]
-    live_parents = {p for p, o in zip(pids, p_ok) if o}
-    valid = [po and co and c not in live_parents
-             for po, co, c in zip(p_ok, c_ok, cids)]
+    valid = [po and co for po, co in zip(p_ok, c_ok)]
     need = [int(valid[r] and self.seqs[pids[r]].length % ps != 0)
             for r in range(len(pids))]
     return pids, cids, valid, need

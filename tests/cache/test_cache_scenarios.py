@@ -182,6 +182,11 @@ def test_invalid_requests_leave_state_unchanged():
   assert not np.asarray(fr.ok).any()
   assert (np.asarray(fr.src_pages) == -1).all()
   chex.assert_trees_all_equal(st, st0)
+  # A parent id one past the last row, with the last row (7) live.
+  st7, _ = _claim(st0, [7], [p])
+  st, fr = cache.fork(st7, jnp.array([8], jnp.int32), jnp.array([2], jnp.int32))
+  assert not bool(fr.ok[0])
+  chex.assert_trees_all_equal(st, st7)
 
 
 def test_reuse_scope_isolation_and_last_token_rule():
