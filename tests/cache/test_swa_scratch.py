@@ -140,11 +140,15 @@ def test_shared_mode_while_scratch_active_raises():
 # ---------------------------------------------------------------------------
 # (d) Prefix reuse after a scratch prefill.
 
+# A 16-token window over 8-token pages: a 32-token first chunk has 2 scratch
+# blocks.
+_CFG_W15 = cache.CacheConfig(num_slots=32, page_size=8, num_layers=2,
+                             max_seqs=4, max_pages=12, layer_windows=(15, 15),
+                             enable_swa_scratch_reuse=True)
+
 
 def test_prefix_reuse_never_finds_scratch_blocks():
-  cfg = cache.CacheConfig(num_slots=32, page_size=8, num_layers=2, max_seqs=4,
-                          max_pages=12, layer_windows=(15, 15),
-                          enable_swa_scratch_reuse=True)
+  cfg = _CFG_W15
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, 50, (1, 96)).astype(np.int32)
   st = cache.init_cache(cfg)
@@ -181,9 +185,7 @@ def test_prefix_reuse_never_finds_scratch_blocks():
 def test_commit_stops_at_scratch_whatever_slot_0_holds():
   # A scratch block has no slot (-1): its commit run must not read slot 0's
   # flags for it (here slot 0 is another prompt's published first block).
-  cfg = cache.CacheConfig(num_slots=32, page_size=8, num_layers=2, max_seqs=4,
-                          max_pages=12, layer_windows=(15, 15),
-                          enable_swa_scratch_reuse=True)
+  cfg = _CFG_W15
   rng = np.random.default_rng(1)
   first = rng.integers(0, 50, (1, 9)).astype(np.int32)
   prompt = rng.integers(0, 50, (1, 32)).astype(np.int32)
