@@ -173,9 +173,6 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
   else:
     parent, parent_gen = anchor[0][:, :nbt], anchor[1][:, :nbt]
     consider &= ~own_pub & (parent >= 0)
-  # Only an anchored block can be identical here: a twin would have extended
-  # the served run.
-  identical = content & _parent_ok(state, existing, parent, parent_gen)
 
   # Row-major first occurrence of each key and slot among considered blocks.
   size = n * nbt
@@ -194,7 +191,12 @@ def _commit_impl(state, seq_ids, tokens, lengths, anchor=None):
       _oob_scatter_index(consider, own, state.num_slots)].min(flat, mode="drop")
   slot_dup = first_of_slot[jnp.clip(own, 0)] != flat
 
-  candidate = consider & ~identical & ~key_dup & ~slot_dup
+  candidate = consider & ~key_dup & ~slot_dup
+  if anchor is not None:
+    # A published slot with the block's tokens, scope and anchor serves it
+    # already. (Without an anchor such a slot is a twin: it extended the
+    # served run.)
+    candidate &= ~(content & _parent_ok(state, existing, parent, parent_gen))
   fresh = candidate & (existing < 0)
   # Rank of each fresh block among the fresh blocks of its bucket, in
   # row-major order (so chain heads and earlier requests get the free ways).
