@@ -68,6 +68,9 @@ BATCH_BLOCKS = 32
 # A plan mirrors this many steps' worth of evictions ahead, so the steps
 # after it plan nothing (a plan reads its result on the host: a sync).
 PLAN_HORIZON = 4
+# Batches `warmup` copies to the host to time a copy (`flush` sizes its
+# copies by that speed).
+COPY_PROBE_BATCHES = 8
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots", "batch_blocks"))
@@ -506,16 +509,22 @@ class HostTier:
     # allocator hands a freed buffer out again cheaply. (On a CPU the
     # batches are plain arrays: nothing to reserve.)
     if not self._batches and kind != "device":
-      t0 = time.perf_counter()
       reserve = [jax.device_put(pages, host.sharding)
                  for _ in range(self.max_batches)]
       jax.block_until_ready(reserve)
-      # The copies' speed, for `flush` (a lower bound: the first use of
-      # each buffer page-locks it).
-      self.copy_bytes_per_s = (self.max_batches * self.batch_blocks
-                               * self.slot_bytes
-                               / max(time.perf_counter() - t0, 1e-9))
       del reserve
+      # The copies' speed, for `flush`, timed on buffers the allocator
+      # hands out again: the reservation's own time is mostly page-locking,
+      # many times slower than a copy, and `flush` sized by it queued one
+      # batch a program, so the batches left over were queued at the next
+      # plan, before a read, and stalled it.
+      n = min(COPY_PROBE_BATCHES, self.max_batches)
+      t0 = time.perf_counter()
+      probe = [jax.device_put(pages, host.sharding) for _ in range(n)]
+      jax.block_until_ready(probe)
+      self.copy_bytes_per_s = (n * self.batch_blocks * self.slot_bytes
+                               / max(time.perf_counter() - t0, 1e-9))
+      del probe
     pool = _scatter(pool, state.seq_slots, np.full(S, -1, np.int32),
                     np.zeros(S, np.int32), np.zeros(S, np.int32), dev,
                     num_slots=self.device_slots)
