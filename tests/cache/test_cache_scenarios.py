@@ -573,6 +573,58 @@ def test_full_sliding_bucket_only_skips_publication():
   np.testing.assert_array_equal(n1.hash_table, g1.hash_table)
 
 
+def test_sliding_block_under_another_anchor_is_not_reused(monkeypatch):
+  """Keys made by a block's own tokens (every equal block collides): a
+  sliding group's entry whose anchor is another prompt's global block is
+  not reused, though its key and tokens match and the global group serves
+  the prompt's own chain. A publishes both groups; its global blocks are
+  evicted, its sliding entries stay; D (another first block, A's second
+  block) publishes its global blocks only (its sliding ones fell out of the
+  window first); B, D's prefix, then reuses nothing: D's sliding blocks are
+  gone and A's answers only under A's anchor."""
+  def own_tokens_keys(block_tokens, scope):
+    t = block_tokens.astype(jnp.uint32)
+    w = jnp.arange(1, t.shape[-1] + 1, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(t * w, axis=-1) + scope.astype(jnp.uint32)[
+        :, None], t[..., 0] ^ (t[..., -1] << 8)], axis=-1)
+
+  monkeypatch.setattr(hashing, "block_keys", own_tokens_keys)
+  # A config used by no other test (the jitted ops trace the patched keys).
+  cfg = cache.HybridCacheConfig(
+      layer_windows=(-1, PS, -1), group_num_slots=(5, 8), page_size=PS,
+      max_seqs=4, max_pages=5, hash_ways=2, hash_buckets=1)
+  y = _rand(31, PS)
+  a, d = _rand(30, PS) + y + [7], _rand(32, PS) + y + [7]
+  st = cache.init_cache(cfg)
+  st, _ = _claim(st, [0], [a])
+  st = _commit(st, [0], [a])
+  st = _release(st, [0])
+  st, res = _claim(st, [1], [_rand(33, 17)])  # evicts A's global blocks
+  assert bool(res.ok[0])
+  st = _release(st, [1])
+  g0, g1 = st.groups
+  assert not bool(jnp.any(g0.slot_published))
+  assert int(jnp.sum(g1.slot_published)) == 2  # A's, anchors gone
+  st, res = _claim(st, [2], [d])
+  assert bool(res.ok[0]) and int(res.num_reused_tokens[0]) == 0
+  for _ in range(2):  # to 17 tokens: blocks 0 and 1 leave the window
+    st, res = cache.extend(st, jnp.array([2], jnp.int32),
+                           jnp.array([4], jnp.int32))
+    assert bool(res.ok[0])
+  d17 = d + _rand(34, 8)
+  st = _commit(st, [2], [d17])
+  cache.validate(st)
+  n0, n1 = st.groups
+  np.testing.assert_array_equal(n0.slot_published[n0.seq_slots[2, :2]],
+                                [True, True])
+  np.testing.assert_array_equal(n1.hash_table, g1.hash_table)  # A's entries
+  st = _release(st, [2])
+  st, res = _claim(st, [3], [d[:2 * PS] + [9]])
+  assert bool(res.ok[0])
+  assert int(res.num_reused_tokens[0]) == 0
+  cache.validate(st)
+
+
 def test_bucket_ways_go_to_that_buckets_blocks(monkeypatch):
   """A commit's fresh blocks rank per bucket (row-major): blocks of other
   buckets do not use up a bucket's ways. Keys are set by hand: block `i` of
