@@ -433,7 +433,8 @@ def scratch_page_indices(
   Returns:
     `i32[*batch, 2, max_scratch_blocks]`: row 0 the K pages, row 1 the V pages, for
     scratch blocks `0 .. max_scratch_blocks - 1`; `NULL_PAGE` past
-    `num_scratch_blocks`, where the scratch slot is `NULL_PAGE`, and for every block
+    `num_scratch_blocks` or past the `max_scratch_slots * L` blocks the slots
+    hold, where the scratch slot is `NULL_PAGE`, and for every block
     when `layer` is not in `group_layers` (e.g. a global layer of a mixed model: it
     never gets scratch).
 
