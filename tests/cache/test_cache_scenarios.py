@@ -322,19 +322,23 @@ def test_lookup_matches_the_whole_key_within_a_bucket(monkeypatch):
 
 def test_page_table_traced_layer_in_scan():
   cfg = _cfg(num_layers=3)
-  st, _ = _claim(cache.init_cache(cfg), [0, 1], [_rand(1, 9), _rand(2, 3)])
-  ids = jnp.array([1, -1, 0, 7], jnp.int32)
+  st, _ = _claim(cache.init_cache(cfg), [0, 1, 7],
+                 [_rand(1, 9), _rand(2, 3), _rand(3, 5)])
+  # Padding and ids past the last row (8, 12: max_seqs is 8, row 7 live)
+  # get NULL rows.
+  ids = jnp.array([1, -1, 0, 7, 8, 12], jnp.int32)
 
   def body(carry, layer):
     return carry, (cache.page_table(st, ids, layer),
                    cache.page_table(st, ids, layer, split=False))
 
   _, (split, shared) = jax.lax.scan(body, 0, jnp.arange(3))
-  chex.assert_shape(split, (3, 4, 2, cfg.max_pages))
-  chex.assert_shape(shared, (3, 4, cfg.max_pages))
+  chex.assert_shape(split, (3, 6, 2, cfg.max_pages))
+  chex.assert_shape(shared, (3, 6, cfg.max_pages))
   chex.assert_type(split, jnp.int32)
-  rows = np.asarray(st.seq_slots)[[1, 0, 0, 0]]
-  rows[1] = rows[3] = -1
+  rows = np.asarray(st.seq_slots)[[1, 0, 0, 7, 0, 0]]
+  rows[1] = rows[4] = rows[5] = -1
+  assert (rows[3] >= 0).any()
   for layer in range(3):
     q = np.where(rows >= 0, rows * 3 + layer, -1)
     np.testing.assert_array_equal(shared[layer], q)
