@@ -515,9 +515,9 @@ class HostTier:
       del reserve
       # The copies' speed, for `flush`, timed on buffers the allocator
       # hands out again: the reservation's own time is mostly page-locking,
-      # many times slower than a copy, and `flush` sized by it queued one
-      # batch a program, so the batches left over were queued at the next
-      # plan, before a read, and stalled it.
+      # many times slower than a copy, and a speed that low makes `flush`
+      # queue one batch a program, leaving the rest to be queued at the
+      # next plan, before a read, which then waits for them.
       n = min(COPY_PROBE_BATCHES, self.max_batches)
       t0 = time.perf_counter()
       probe = [jax.device_put(pages, host.sharding) for _ in range(n)]
