@@ -471,6 +471,63 @@ def _admitted(cfg, prompts, params, reused=None):
   return sched, reqs
 
 
+def test_sampling_fields_reach_step_and_burst_inputs(rng):
+  """Each sampling row carries its request's temperature, top-k, top-p and
+  seed, the seed taken modulo 2**32 (`SamplingParams`), in a step's inputs
+  and in a burst's."""
+  seeds = [int(rng.integers(1, 2**31)), -int(rng.integers(1, 2**31)),
+           2**32 + int(rng.integers(1, 2**31))]
+  params = [SamplingParams(max_new_tokens=8, temperature=float(t), top_k=k,
+                           top_p=float(p), seed=sd)
+            for t, k, p, sd in zip(rng.uniform(0.1, 2, 3),
+                                   rng.integers(1, VOCAB, 3),
+                                   rng.uniform(0.1, 1, 3), seeds)]
+  cfg = dataclasses.replace(CFG, decode_steps=4)
+  prompts = [rng.integers(0, VOCAB, 4).tolist() for _ in params]
+  sched, reqs = _admitted(cfg, prompts, params)
+  want = np.array([sd % 2**32 for sd in seeds], np.uint32)
+  scheduled = sched.schedule()  # the three prompts, each sampling
+  rows = [r.seq_id for r in reqs]
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(cfg, {r: EOS + 1 for r in rows}))
+  assert sched.burst_eligible()
+  burst = sched.schedule_burst()
+  for inp in (scheduled.inputs, burst.inputs):
+    np.testing.assert_array_equal(inp.seeds[rows], want)
+    np.testing.assert_allclose(inp.temperature[rows],
+                               [p.temperature for p in params], rtol=1e-6)
+    np.testing.assert_array_equal(inp.top_k[rows], [p.top_k for p in params])
+    np.testing.assert_allclose(inp.top_p[rows], [p.top_p for p in params],
+                               rtol=1e-6)
+
+
+def test_fail_leaves_the_queues_and_releases_a_held_row_once(rng):
+  """`fail` takes the request out of its queue and finishes it with the
+  error; a row it holds is released once, with nothing committed: not
+  again if it already waits for release, not at all if it is free."""
+  cases = ("row 0", "pending", "free", "waiting")
+  for case in cases:
+    sched, req = _decoding(CFG, rng, max_new_tokens=8)
+    assert req.seq_id == 0 and sched.running == [req]
+    if case == "pending":
+      sched.to_release.append((0, 5))
+    elif case == "free":  # its row already given back
+      sched.free_rows = sorted(sched.free_rows + [0])
+    elif case == "waiting":  # preempted: no row, at the queue's front
+      sched.running.remove(req)
+      req.seq_id = -1
+      sched.waiting.appendleft(req)
+      sched.free_rows = sorted(sched.free_rows + [0])
+    sched.fail(req, RuntimeError("boom"))
+    assert req not in sched.running and req not in sched.waiting, case
+    assert req.finish_reason == "error" and "boom" in req.error, case
+    assert req.seq_id == -1 and sched.take_finished() == [req], case
+    assert sched.to_release == {"row 0": [(0, 0)], "pending": [(0, 5)],
+                                "free": [], "waiting": []}[case], case
+    # Work left: only the release a program still has to run.
+    assert sched.has_work() == (case in ("row 0", "pending")), case
+
+
 @pytest.mark.parametrize("prefix_reuse", [True, False])
 def test_step_inputs_reserve_publish_and_pick_the_variant(prefix_reuse, rng):
   """A sampling row reserves the slot of the token it samples only if
