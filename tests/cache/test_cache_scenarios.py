@@ -296,18 +296,26 @@ def test_block_under_another_parent_is_not_reused(monkeypatch):
   cache.validate(st)
 
 
-def test_lookup_matches_the_whole_key_within_a_bucket(monkeypatch):
-  """Keys that share their first word (the bucket index) and differ in the
-  second sit in one bucket: a lookup must take the entry whose whole key
-  matches, so each prompt finds its own cached blocks."""
+@pytest.mark.parametrize("shared_word", [0, 1])
+def test_lookup_matches_the_whole_key_within_a_bucket(monkeypatch,
+                                                      shared_word):
+  """Keys in one bucket that share one word and differ in the other (the
+  first word's low bits are the bucket index: shared, or its high bits
+  differ): a lookup must take the entry whose whole key matches, so each
+  prompt finds its own cached blocks."""
   keys = hashing.block_keys
 
   def one_bucket(block_tokens, scope):
-    return keys(block_tokens, scope).at[..., 0].set(jnp.uint32(0))
+    k = keys(block_tokens, scope)
+    if shared_word == 0:
+      return k.at[..., 0].set(jnp.uint32(0))
+    return k.at[..., 0].set(k[..., 0] & jnp.uint32(0xFFFFFF00)).at[
+        ..., 1].set(jnp.uint32(0))
 
   monkeypatch.setattr(hashing, "block_keys", one_bucket)
   # A config used by no other test (the jitted ops trace the patched hash).
-  cfg = _cfg(num_slots=20, hash_ways=8, max_seqs=7)
+  cfg = _cfg(num_slots=20, hash_ways=8, max_seqs=7 - shared_word)
+  assert cfg.num_buckets <= 256
   prompts = [_rand(20 + i, 9) for i in range(3)]  # two full blocks each
   st = cache.init_cache(cfg)
   st, _ = _claim(st, [0, 1, 2], prompts)
