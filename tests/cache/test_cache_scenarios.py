@@ -207,6 +207,9 @@ def test_reuse_scope_isolation_and_last_token_rule():
   assert np.asarray(st.seq_slots[2])[2] != row0[2]
   s = cache.stats(st)
   assert int(s["num_hits"]) == 5 and int(s["num_lookups"]) == 2 + 2 + 2 + 3
+  assert float(s["hit_rate"]) == pytest.approx(5 / 9)
+  # No lookup yet: a hit rate of 0, not 0 / 0.
+  assert float(cache.stats(cache.init_cache(cfg))["hit_rate"]) == 0.0
   # A shared published block has refcount = number of holders.
   assert int(st.slot_refcount[row0[0]]) == 3
 
@@ -365,6 +368,29 @@ def test_config_errors():
       _cfg(num_slots=bad)
   with pytest.raises(ValueError, match="layer_windows"):
     _cfg(layer_windows=(-1,))
+  for bad in ((3, -2), (-2, -1)):  # one window below -1 is enough
+    with pytest.raises(ValueError, match="expected window_left >= -1"):
+      _cfg(layer_windows=bad)
+  with pytest.raises(ValueError, match="Invalid max_rewind_len"):
+    _cfg(max_rewind_len=-1)
+  # Pool pages are int32: num_slots * num_layers * 2 must stay below 2**31.
+  with pytest.raises(ValueError, match="overflow int32"):
+    _cfg(num_slots=2**29, num_layers=2)
+  assert _cfg(num_slots=2**29 - 1, num_layers=2).num_pool_pages == 2**31 - 4
+  with pytest.raises(ValueError, match="Invalid config: expected a CacheConfig"):
+    cache.init_cache(dataclasses.asdict(_cfg()))
+  # Scratch is active iff enabled and every layer slides (window 0 too).
+  for windows, active in (((0, 3), True), ((0, 0), True), ((3, -1), False),
+                          (None, False)):
+    cfg = _cfg(layer_windows=windows, enable_swa_scratch_reuse=True)
+    assert cfg.swa_scratch_active == active, windows
+    assert not _cfg(layer_windows=windows).swa_scratch_active
+  # One scratch slot serves num_layers scratch blocks: a sequence's scratch
+  # row holds cdiv(max_pages, num_layers) slots.
+  for max_pages, num_layers, width in ((6, 2, 3), (7, 2, 4), (5, 3, 2),
+                                       (2, 4, 1)):
+    cfg = _cfg(max_pages=max_pages, num_layers=num_layers)
+    assert cache.init_cache(cfg).seq_scratch_slots.shape == (8, width)
   for bad in (3, 12, 0, -8, 8.0, "8", True):
     with pytest.raises(ValueError, match="Invalid hash_buckets: expected a "
                        "power of two or None"):
