@@ -433,6 +433,19 @@ def test_block_keys_chain_and_scope():
         np.asarray(hashing.fmix32(jnp.asarray(x, jnp.uint32))), keys[:, i])
 
 
+def test_default_bucket_count_keeps_the_load_factor_at_most_a_quarter():
+  """`hash_buckets=None`: the smallest power of two `p` with `p * hash_ways
+  >= 4 * num_slots`; a given `hash_buckets` is kept."""
+  for num_slots in (1, 3, 8, 12, 17, 64, 100, 1000):
+    for ways in (1, 2, 3, 8, 16, 64, 4096):
+      p = 1
+      while p * ways < 4 * num_slots:
+        p *= 2
+      assert hashing.num_buckets(num_slots, ways, None) == p, (num_slots, ways)
+      assert hashing.num_buckets(num_slots, ways, 32) == 32
+  assert _cfg(num_slots=20, hash_ways=8).num_buckets == 16
+
+
 def test_in_batch_duplicates_publish_once_past_a_shorter_commit():
   """Three sequences hold the same prompt: block 0 reused from the cache,
   block 1 in a fresh slot each. Committing them in one batch with the
