@@ -35,6 +35,8 @@ from pkvattn.cache import claim
 from pkvattn.cache import forking
 from pkvattn.cache import publish
 from pkvattn.cache import reference
+from pkvattn.cache.validate import CacheInvariantError
+from pkvattn.cache.validate import validate as validate_flat
 
 CONFIGS = {
     # One windowed and one full layer: scratch stays inactive.
@@ -397,3 +399,222 @@ def test_validate_catches_corruption():
       1, 0].set(run.state.seq_slots[0, 2]))
   with pytest.raises(ValueError):
     cache.validate(stolen)
+
+
+def _published_state(rng):
+  """No windows: seq 0 (14 tokens, 3 full blocks published, a partial one),
+  seq 2 reusing its first 2 blocks (9 tokens), seq 1 released after
+  publishing its own tail (cached slots); seqs 1 and 3 dead."""
+  cfg = cache.CacheConfig(num_slots=10, page_size=4, num_layers=2, max_seqs=4,
+                          max_pages=5, hash_ways=4)
+  a = rng.integers(1, 100, 20)
+  b = np.concatenate([a[:8], rng.integers(100, 200, 12)])
+  toks = _i32(np.stack([a, b, a]))
+  st = cache.init_cache(cfg)
+  st, _ = cache.claim_batch(st, _i32([0]), toks[:1], _i32([14]))
+  st = cache.commit(st, _i32([0]), toks[:1], _i32([14]))
+  st, res = cache.claim_batch(st, _i32([1, 2]), toks[1:], _i32([20, 9]))
+  assert res.num_reused_tokens.tolist() == [8, 8]
+  st = cache.commit(st, _i32([1]), toks[1:2], _i32([20]))
+  return cache.release(st, _i32([1]))
+
+
+def _scratch_state(rng, windows=(3, 3), grow=13):
+  """Scratch active: seq 0 grown 6 -> 6 + grow tokens (with window 3 and
+  `grow=13`, scratch blocks [2, 4) in one slot), seq 1 live with 0 tokens, seq 2 at capacity (24 tokens,
+  scratch blocks [0, 5) in 3 slots); seq 3 dead."""
+  cfg = cache.CacheConfig(num_slots=12, page_size=4, num_layers=2, max_seqs=4,
+                          max_pages=6, hash_ways=4, layer_windows=windows,
+                          enable_swa_scratch_reuse=True)
+  st = cache.init_cache(cfg)
+  toks = _i32(rng.integers(1, 100, (3, 24)))
+  st, res = cache.claim_batch(st, _i32([0, 1, 2]), toks, _i32([6, 0, 24]))
+  assert res.ok.tolist() == [True] * 3
+  st, res = cache.extend(st, _i32([0]), _i32([grow]))
+  assert res.ok.tolist() == [True]
+  return st
+
+
+def test_validate_names_each_broken_invariant(rng):
+  """`validate` passes on valid states (edge lengths 0 and capacity, scratch
+  ranges, shared and cached blocks) and, on a state broken one invariant at a
+  time, raises naming that invariant."""
+  pub, scr = _published_state(rng), _scratch_state(rng)
+  for st in (pub, scr, cache.init_cache(pub.config)):
+    cache.validate(st)
+  assert scr.seq_scratch_first.tolist() == [2, 0, 0, 0]
+  assert scr.seq_scratch_count.tolist() == [2, 0, 5, 0]
+  assert scr.seq_lens.tolist() == [19, 0, 24, 0]
+  # Window 0: the step's last blocks are scratch ([2, 4) of 4 blocks).
+  w0 = _scratch_state(rng, windows=(0, 0), grow=10)
+  cache.validate(w0)
+  assert (int(w0.seq_scratch_first[0]), int(w0.seq_scratch_count[0]),
+          int(w0.seq_lens[0])) == (2, 2, 16)
+
+  row0, row2 = pub.seq_slots[0].tolist(), pub.seq_slots[2].tolist()
+  shared, partial0, partial2 = row0[1], row0[3], row2[2]
+  cached = [s for s in range(10) if bool(pub.slot_published[s])
+            and int(pub.slot_refcount[s]) == 0]
+  free = [s for s in range(10) if not bool(pub.slot_published[s])
+          and int(pub.slot_refcount[s]) == 0]
+  c0, c1 = cached[:2]
+  assert pub.config.num_buckets == 16
+  table = pub.hash_table.reshape(-1)
+  empty = int(np.flatnonzero(np.asarray(table) < 0)[0])
+  p1 = int(pub.slot_hash_pos[c1])
+  u32 = jnp.uint32
+
+  def at(st, name, index, value, add=False):
+    a = getattr(st, name).at[index]
+    return (st, {name: a.add(value) if add else a.set(value)})
+
+  def flat(value, pos=empty):
+    return (pub, {"hash_table": table.at[pos].set(value).reshape(
+        pub.hash_table.shape)})
+
+  cases = [
+      ((pub, {"slot_refcount": pub.slot_refcount.astype(jnp.float32)}),
+       r"slot_refcount: expected int32\[10\], got float32\[10\]"),
+      ((pub, {"seq_lens": pub.seq_lens[:3]}),
+       r"seq_lens: expected int32\[4\], got int32\[3\]"),
+      (at(pub, "seq_slots", (1, 4), free[0]),
+       "seq 1: dead but holds blocks or length 0"),
+      (at(pub, "seq_lens", 1, 4), "seq 1: dead but holds blocks or length 4"),
+      (at(pub, "seq_scratch_slots", (3, 2), free[0]),
+       "seq 3: dead but holds scratch"),
+      (at(pub, "seq_scratch_count", 3, 1), "seq 3: dead but holds scratch"),
+      (at(pub, "seq_scratch_first", 3, 1), "seq 3: dead but holds scratch"),
+      (at(pub, "seq_lens", 2, 21), r"seq 2: length 21 out of \[0, 20\]"),
+      (at(pub, "seq_lens", 2, -1), r"seq 2: length -1 out of \[0, 20\]"),
+      (at(pub, "seq_slots", (2, 1), -1),
+       "seq 2: invalid slot in its first 3 blocks"),
+      (at(pub, "seq_slots", (2, 2), 10),
+       "seq 2: invalid slot in its first 3 blocks"),
+      (at(pub, "seq_scratch_count", 0, 1),
+       r"seq 0: scratch count 1 \(scratch active: False\)"),
+      (at(pub, "seq_scratch_count", 0, -1), "seq 0: scratch count -1"),
+      (at(pub, "seq_scratch_slots", (0, 2), free[0]),
+       "seq 0: no scratch blocks but scratch"),
+      (at(pub, "seq_scratch_first", 0, 1),
+       "seq 0: no scratch blocks but scratch"),
+      (at(pub, "seq_slots", (2, 3), free[0]),
+       r"seq 2: blocks past cdiv\(len, page_size\)=3"),
+      (at(pub, "seq_slots", (2, 1), row2[0]), "seq 2: a slot appears twice"),
+      (at(pub, "slot_refcount", shared, 1, add=True),
+       f"slot {shared}: refcount 3 but 2 holders"),
+      ((pub, {"seq_slots": pub.seq_slots.at[2, 2].set(partial0),
+              "slot_refcount": pub.slot_refcount.at[partial0].add(1)
+                               .at[partial2].add(-1)}),
+       f"slot {partial0}: shared or published but the partial block 3 of "
+       "seq 0"),
+      (at(pub, "slot_published", partial2, True),
+       f"slot {partial2}: shared or published but the partial block 2 of "
+       "seq 2"),
+      (flat(10), rf"hash_table\[{empty}\] = 10 is not a slot id"),
+      (flat(free[0]),
+       rf"hash_table\[{empty}\] = slot {free[0]}, which is not published"),
+      (at(pub, "slot_hash_pos", c1, empty),
+       rf"slot {c1}: slot_hash_pos {empty} but in hash_table\[{p1}\]"),
+      # Bucket = key word 0 & (num_buckets - 1); hash_ways 4 per bucket.
+      (at(pub, "slot_key", (c1, 0), pub.slot_key[c1, 0] ^ u32(1)),
+       f"slot {c1}: key bucket {(int(pub.slot_key[c1, 0]) ^ 1) % 16} but "
+       f"stored in bucket {p1 // 4}"),
+      (flat(-1, p1), f"slot {c1}: published but in the hash table 0 times"),
+      (flat(c1), f"slot {c1}: published but in the hash table 2 times"),
+      (at(pub, "slot_hash_pos", free[0], 3),
+       f"slot {free[0]}: unpublished with slot_hash_pos 3"),
+      (at(pub, "slot_key", c0, pub.slot_key[c1]),
+       "two published slots share a key"),
+      (at(pub, "slot_parent", c1, -2), "published slot with an invalid parent"),
+      (at(pub, "slot_parent", c1, 10), "published slot with an invalid parent"),
+      (at(pub, "slot_depth", c1, 5), "published slot with an invalid depth"),
+      (at(pub, "slot_depth", c1, -1), "published slot with an invalid depth"),
+      (at(pub, "slot_depth", row0[0], 1), "published slot with an invalid depth"),
+      (at(pub, "slot_depth", shared, 0), "published slot with an invalid depth"),
+      ((pub, {"num_hits": pub.num_lookups + 1}), "counters"),
+      ((pub, {"num_hits": jnp.int32(-1)}), "counters"),
+      ((pub, {"num_lookups": jnp.int32(-1), "num_hits": jnp.int32(-2)}),
+       "counters"),
+      (at(pub, "slot_refcount", free[0], -1), "negative refcount"),
+      # Scratch: seq 0 holds blocks [0, 5) of 19 tokens, window 3: blocks
+      # 0-3 are out of every later query's window, block 4 is not.
+      (at(scr, "seq_slots", (0, 4), -1),
+       "seq 0: invalid slot in its first 5 blocks"),
+      (at(scr, "seq_scratch_first", 0, 1),
+       r"seq 0: scratch blocks \[1, 3\) not -1 blocks of its 5"),
+      (at(scr, "seq_scratch_first", 0, -1),
+       r"seq 0: scratch blocks \[-1, 1\) not -1 blocks of its 5"),
+      (at(w0, "seq_scratch_first", 0, 3),
+       r"seq 0: scratch blocks \[3, 5\) not -1 blocks of its 4"),
+      (at(scr, "seq_lens", 0, 17),
+       r"seq 0: scratch blocks \[2, 4\) visible to a query at or after 17"),
+      (at(scr, "seq_scratch_slots", (0, 1), 8),
+       "seq 0: expected 1 distinct scratch slots"),
+      (at(scr, "seq_scratch_slots", (0, 0), -1),
+       "seq 0: expected 1 distinct scratch slots"),
+      (at(scr, "seq_scratch_slots", (0, 0), 12),
+       "seq 0: expected 1 distinct scratch slots"),
+      (at(scr, "seq_scratch_slots", (2, 1), -1),
+       "seq 2: expected 3 distinct scratch slots"),
+      (at(scr, "seq_scratch_slots", (2, 1), 12),
+       "seq 2: expected 3 distinct scratch slots"),
+      (at(scr, "seq_scratch_slots", (2, 1), int(scr.seq_scratch_slots[2, 0])),
+       "seq 2: expected 3 distinct scratch slots"),
+      ((scr, {"seq_scratch_slots": scr.seq_scratch_slots.at[2, 0].set(
+          int(scr.seq_scratch_slots[0, 0])),
+              "slot_refcount": scr.slot_refcount.at[
+                  scr.seq_scratch_slots[0, 0]].add(1).at[
+                      scr.seq_scratch_slots[2, 0]].add(-1)}),
+       f"slot {int(scr.seq_scratch_slots[0, 0])}: a scratch slot shared"),
+      # A scratch slot that is also another sequence's normal block.
+      ((scr, {"seq_scratch_slots": scr.seq_scratch_slots.at[2, 0].set(
+          int(scr.seq_slots[0, 0])),
+              "slot_refcount": scr.slot_refcount.at[scr.seq_slots[0, 0]].add(
+                  1).at[scr.seq_scratch_slots[2, 0]].add(-1)}),
+       f"slot {int(scr.seq_slots[0, 0])}: a scratch slot shared"),
+      (at(scr, "slot_published", int(scr.seq_scratch_slots[0, 0]), True),
+       f"slot {int(scr.seq_scratch_slots[0, 0])}: a scratch slot shared or "
+       "published"),
+  ]
+  for (st, change), message in cases:
+    with pytest.raises(CacheInvariantError, match=message):
+      cache.validate(dataclasses.replace(st, **change))
+
+
+def test_validate_window_holes_and_anchors(rng):
+  """A sliding group's state (`allow_window_holes`) may hold -1 exactly at
+  the blocks no later query sees: `(b + 1) * page_size <= length -
+  max_rewind_len - max(layer_windows)`, only when every layer is windowed;
+  with `anchor_num_slots`, a published slot's parent is an anchor slot id in
+  `[0, anchor_num_slots)`."""
+  for windows, holes in (((0, 6), {0, 1}), ((6, -1), set())):
+    # 16 tokens, rewind 2, widest window 6: blocks 0, 1 end at or before 8.
+    cfg = cache.CacheConfig(num_slots=8, page_size=4, num_layers=2,
+                            max_seqs=2, max_pages=5, layer_windows=windows,
+                            max_rewind_len=2)
+    st, _ = cache.claim_batch(cache.init_cache(cfg), _i32([0]),
+                              _i32(rng.integers(1, 100, (1, 20))), _i32([16]))
+    for b in range(4):
+      s = int(st.seq_slots[0, b])
+      hole = dataclasses.replace(
+          st, seq_slots=st.seq_slots.at[0, b].set(-1),
+          slot_refcount=st.slot_refcount.at[s].add(-1))
+      with pytest.raises(CacheInvariantError, match="invalid slot"):
+        cache.validate(hole)
+      if b in holes:
+        validate_flat(hole, allow_window_holes=True)
+      else:
+        with pytest.raises(CacheInvariantError, match="invalid slot"):
+          validate_flat(hole, allow_window_holes=True)
+
+  pub = _published_state(rng)
+  published = np.flatnonzero(np.asarray(pub.slot_published))
+  parents = pub.slot_parent.at[published].set(5).at[published[0]].set(0)
+  anchored = dataclasses.replace(pub, slot_parent=parents)
+  validate_flat(anchored, anchor_num_slots=6)
+  for parent in (-1, 6):
+    bad = dataclasses.replace(
+        anchored, slot_parent=parents.at[published[1]].set(parent))
+    with pytest.raises(CacheInvariantError,
+                       match="published slot with an invalid anchor"):
+      validate_flat(bad, anchor_num_slots=6)
