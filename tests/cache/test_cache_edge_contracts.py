@@ -130,12 +130,17 @@ def test_hybrid_extend_num_computed_as_list_and_refused(rng):
     cache.extend(st, ids, one, num_computed=jnp.zeros((k,), jnp.float32))
 
 
+@pytest.mark.parametrize("evict,head_of_line", [(True, True), (False, False),
+                                                (False, True), (True, False)])
 @pytest.mark.parametrize("windows,slots", [((-1,), (5,)), ((-1, 3), (5, 9))])
-def test_hybrid_claim_counts_the_cached_blocks_it_takes(windows, slots):
+def test_hybrid_claim_counts_the_cached_blocks_it_takes(windows, slots, evict,
+                                                        head_of_line):
   """A claim that reuses evictable cached blocks takes them out of the
   supply its new blocks come from: with a 5-slot global group and 2 cached
   blocks reused, 3 new blocks fit and 4 do not (2 + 4 > 5), and the
-  refused claim leaves the state as it was."""
+  refused claim leaves the state as it was. Without eviction the supply is
+  the 3 free slots, which the reused blocks do not take from: 3 new blocks
+  fit there too, in either admission order."""
   cfg = cache.HybridCacheConfig(windows, slots, page_size=4, max_seqs=4,
                                 max_pages=6)
   tokens = np.arange(24, dtype=np.int32)[None] + 1
@@ -144,9 +149,12 @@ def test_hybrid_claim_counts_the_cached_blocks_it_takes(windows, slots):
   assert bool(res.ok[0])
   st = cache.release(cache.commit(st, jnp.array([0]), tokens, jnp.array([9])),
                      jnp.array([0]))   # 2 published blocks, now evictable
-  new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([24]))
+  kw = dict(evict=evict, head_of_line=head_of_line)
+  new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([24]),
+                               **kw)
   assert not bool(res.ok[0])
   _same_state(new, st)
-  new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([20]))
+  new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([20]),
+                               **kw)
   assert bool(res.ok[0])
   assert int(res.num_reused_tokens[0]) == 8
