@@ -177,7 +177,8 @@ def test_small_tier_frees_whole_batches(model, runs):
 
 
 @pytest.mark.parametrize("batches", ["many", "few"])
-def test_copy_speed_timed_after_the_reservation(model, monkeypatch, batches):
+def test_copy_speed_timed_after_the_reservation(model, runs, monkeypatch,
+                                                batches):
   """`warmup` reserves the tier's pinned memory, whose first use of each
   buffer page-locks it (slow), then times the copies' speed (`flush` sizes
   its copies by it) on at most `COPY_PROBE_BATCHES` buffers already
@@ -185,11 +186,10 @@ def test_copy_speed_timed_after_the_reservation(model, monkeypatch, batches):
   1 ms, the speed is that of the later copies, and no copy goes past the
   reserved buffers (a tier of fewer batches than the probe's)."""
   from pkvattn.serving import host_tier as ht
+  (off, _), _ = runs
   nbytes = HOST_BYTES
   if batches == "few":  # 4 batches of one slot
-    slot = Engine(model, dataclasses.replace(
-        CFG, host_kv_cache_bytes=HOST_BYTES)).host_tier.slot_bytes
-    nbytes = 4 * slot
+    nbytes = 4 * off.kv.block_bytes * 2  # 2 layers
   engine = Engine(model, dataclasses.replace(CFG, host_kv_cache_bytes=nbytes))
   tier = engine.host_tier
   assert (tier.max_batches >= ht.COPY_PROBE_BATCHES) == (batches == "many")
