@@ -81,6 +81,22 @@ def test_layouts_reuse_and_budget_give_the_same_tokens(model):
           + tight_engine.stats.num_preemptions) > 0
 
 
+def test_scratch_in_the_sliding_groups_gives_the_same_tokens(model):
+  # SWA scratch blocks live for one step, so with scratch in the sliding
+  # groups the engine prefills each prompt in one step (a budget that holds
+  # each prompt and its output); chunked, the sliding layers would lose
+  # the blocks of a prompt's earlier chunks.
+  prompts = _prompts(0, model.cfg.vocab_size)
+  flat, _ = _run(model, dataclasses.replace(
+      BASE, kv_groups=False, enable_prefix_reuse=False), prompts)
+  cfg = dataclasses.replace(BASE, enable_swa_scratch_reuse=True,
+                            max_num_tokens=128, token_buckets=(128,))
+  scratch, engine = _run(model, cfg, prompts)
+  assert isinstance(engine.cache_config, cache.HybridCacheConfig)
+  assert engine.cache_config.enable_swa_scratch_reuse
+  assert scratch == flat
+
+
 def test_group_budget_and_flags_are_validated():
   model = load_model("tiny-gemma2")
   with pytest.raises(ValueError, match="group_num_slots"):
