@@ -158,3 +158,40 @@ def test_hybrid_claim_counts_the_cached_blocks_it_takes(windows, slots, evict,
                                **kw)
   assert bool(res.ok[0])
   assert int(res.num_reused_tokens[0]) == 8
+
+
+@pytest.mark.parametrize("windows,slots", [((-1,), (5,)), ((-1, 3), (5, 9))])
+def test_hybrid_claims_in_order_share_the_cached_blocks_they_take(windows,
+                                                                 slots):
+  """Admitting in order (`head_of_line=False`, evicting): a request's cached
+  blocks count once against the supply, by the first admitted request that
+  takes them. Global group of 5 slots, 2 cached evictable blocks of tokens
+  1-8 and 3 free slots. Request A (tokens 1-8) reuses block 0 (its last
+  token is computed) and takes 1 new block: 2 of the 5. Request B (tokens
+  1-8 and on) reuses blocks 0 and 1; block 1 is B's to count: 16 tokens (2
+  new blocks) fit, 2 + 2 + 1 = 5, and 20 tokens (3 new) do not."""
+  cfg = cache.HybridCacheConfig(windows, slots, page_size=4, max_seqs=4,
+                                max_pages=6)
+  base = np.arange(24, dtype=np.int32) + 1
+  st = cache.init_cache(cfg)
+  st, res = cache.claim_batch(st, jnp.array([0]), base[None], jnp.array([8]))
+  assert bool(res.ok[0])
+  st = cache.release(cache.commit(st, jnp.array([0]), base[None],
+                                  jnp.array([8])), jnp.array([0]))
+  tokens = np.stack([base, base])
+  for b_len, b_ok in ((16, True), (20, False)):
+    new, res = cache.claim_batch(st, jnp.array([1, 2]), tokens,
+                                 jnp.array([8, b_len]), evict=True,
+                                 head_of_line=False)
+    assert [bool(x) for x in res.ok] == [True, b_ok], b_len
+    assert [int(x) for x in res.num_reused_tokens[:1]] == [4]
+    cache.validate(new)
+  # A request reusing nothing after A: A's 2 blocks leave 3 (the cached
+  # block 1 is evictable), so 3 new blocks fit and 4 do not.
+  other = np.stack([base, base + 100])
+  for b_len, b_ok in ((12, True), (16, False)):
+    new, res = cache.claim_batch(st, jnp.array([1, 2]), other,
+                                 jnp.array([8, b_len]), evict=True,
+                                 head_of_line=False)
+    assert [bool(x) for x in res.ok] == [True, b_ok], b_len
+    cache.validate(new)
