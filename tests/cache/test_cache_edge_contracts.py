@@ -195,3 +195,34 @@ def test_hybrid_claims_in_order_share_the_cached_blocks_they_take(windows,
                                  head_of_line=False)
     assert [bool(x) for x in res.ok] == [True, b_ok], b_len
     cache.validate(new)
+
+
+@pytest.mark.parametrize("rewind,computed,reused", [
+    (2, 9, 8), (2, 11, 0), (0, 11, 8)])
+def test_hybrid_reuse_keeps_the_window_of_a_rewound_first_query(
+    rewind, computed, reused):
+  """A prompt reusing cached blocks may be rewound `max_rewind_len` tokens
+  before its first computed one: its sliding group must still hold what
+  that query sees. Window 4, page 4: a 9-token prompt reusing 2 blocks
+  queries first at 8, or with a 2-token rewind at 7, which sees position 3
+  (block 0). A cached request that had computed 11 tokens when its blocks
+  were published had dropped block 0 from its sliding layers (no query of
+  its own at 11 - 2 or later sees it), so with the rewind nothing is
+  reused, and without it both blocks are; at 9 computed it still held
+  block 0."""
+  cfg = cache.HybridCacheConfig((4, -1), (16, 16), page_size=4, max_seqs=4,
+                                max_pages=6, max_rewind_len=rewind)
+  tokens = np.arange(24, dtype=np.int32)[None] + 1
+  st = cache.init_cache(cfg)
+  st, res = cache.claim_batch(st, jnp.array([0]), tokens, jnp.array([9]))
+  assert bool(res.ok[0])
+  # `num_computed` counts tokens already in the cache (at most its length).
+  for done in (9, computed):
+    st, res = cache.extend(st, jnp.array([0]), jnp.array([2]),
+                           num_computed=jnp.array([done]))
+    assert bool(res.ok[0])
+  st = cache.commit(st, jnp.array([0]), tokens, jnp.array([13]))
+  st, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([9]))
+  assert bool(res.ok[0])
+  assert int(res.num_reused_tokens[0]) == reused
+  cache.validate(st)
