@@ -1,6 +1,8 @@
 """Edges of the cache API: a fork of an empty batch, `page_table`'s `layer`,
-a per-window-group `extend`'s `num_computed`, and a per-window-group claim
-at the edge of its pool with cached blocks reused.
+a per-window-group `extend`'s `num_computed`, per-window-group claims at
+the edge of their pool with cached blocks reused (alone, and admitted in
+order within one batch), a reusing prompt's rewound first query in the
+sliding layers, and `validate` naming a group out of step with group 0.
 
 `fork(state, [], [])` returns an empty `ForkResult` and the state unchanged,
 on a flat and on a per-window-group cache alike. `page_table`'s `layer`: a
@@ -13,6 +15,8 @@ built from random claims.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +25,7 @@ from jax.experimental import checkify
 
 import pkvattn
 from pkvattn import cache
+from pkvattn.cache.validate import CacheInvariantError
 
 FLAT = cache.CacheConfig(num_slots=16, page_size=4, num_layers=3, max_seqs=4,
                          max_pages=6)
@@ -226,3 +231,21 @@ def test_hybrid_reuse_keeps_the_window_of_a_rewound_first_query(
   assert bool(res.ok[0])
   assert int(res.num_reused_tokens[0]) == reused
   cache.validate(st)
+
+
+@pytest.mark.parametrize("name", ["seq_live", "seq_lens", "seq_scope"])
+def test_hybrid_validate_names_a_group_out_of_step(name, rng):
+  """Every group tracks the same sequences: their liveness, lengths and
+  reuse scopes equal group 0's. A state that breaks it in one group is
+  named; the intact state validates."""
+  st, k = _state(HYBRID, rng)
+  cache.validate(st)
+  g1 = st.groups[1]
+  field = getattr(g1, name)
+  changed = field.at[k - 1].set(~field[k - 1] if field.dtype == jnp.bool_
+                                else field[k - 1] + 1)
+  bad = dataclasses.replace(st, groups=(
+      st.groups[0], dataclasses.replace(g1, **{name: changed})))
+  with pytest.raises(CacheInvariantError,
+                     match=f"group 1: {name} differs from group 0"):
+    cache.validate(bad)
