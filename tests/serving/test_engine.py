@@ -56,6 +56,12 @@ def test_greedy_batching_full_pool_and_stop_tokens(model):
   assert compiled <= set(engine.programs())
   assert {k.num_tokens for k in compiled if k.kind == "step"} == {0, 4, 32}
   assert engine.stats.num_compiles == len(compiled)
+  # Compiled on first use: the compile time is its own, not the steps'.
+  st = engine.stats
+  assert min(st.compile_time_s, st.prefill_time_s, st.decode_time_s,
+             st.host_time_s) > 0
+  assert sum(engine.compile_times.values()) == pytest.approx(
+      st.compile_time_s)
   cache.validate(engine.state)
   assert [len(o) for o in expected] == [16] * len(prompts)
   st = engine.stats
