@@ -65,3 +65,21 @@ def test_admission_records_the_prompt_before_it_is_fed(model):
   tokens = np.asarray(engine.seq_tokens)
   for row, p in enumerate(prompts):
     np.testing.assert_array_equal(tokens[row, :len(p)], p)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_programs_are_jitted_with_the_backends_compiler_options(
+    monkeypatch, model, backend):
+  made = []
+  monkeypatch.setattr(programs.jax, "default_backend", lambda: backend)
+  monkeypatch.setattr(programs.jax, "jit",
+                      lambda fn, **kw: made.append(kw) or fn)
+  # Uncached (`__wrapped__`): the stand-in jit must not reach the cache.
+  for kind in ("step", "step_cache", "reserve", "burst"):
+    programs.jitted_program.__wrapped__(model.cfg, CFG, None, kind, True,
+                                        rows=2)
+  options = programs.compiler_options()
+  assert bool(options) == (backend == "gpu")
+  # Every program gets the GPU options; elsewhere none are passed.
+  assert [kw["compiler_options"] for kw in made] == [options or None] * 4
+  assert all(kw["donate_argnums"] == (1, 2, 3) for kw in made)
