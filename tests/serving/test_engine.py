@@ -312,6 +312,23 @@ def test_prompt_larger_than_pool_raises(model):
   assert not engine.has_unfinished()
 
 
+def test_finished_history_keeps_the_latest_and_names_what_it_dropped(model):
+  engine = Engine(model, dataclasses.replace(CFG, finished_history=1))
+  ids = []
+  for prompt in _prompts(2, seed=4):
+    ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=2)))
+    while engine.has_unfinished():
+      engine.step()
+  assert ids == [0, 1]
+  assert len(engine.get_request(1).output) == 2   # the latest is kept
+  with pytest.raises(KeyError, match="Request 0 finished and was dropped"):
+    engine.get_request(0)
+  for unknown in (2, -1, "0"):
+    with pytest.raises(KeyError, match=r"Unknown request_id: expected an id "
+                       r"in \[0, 2\)"):
+      engine.get_request(unknown)
+
+
 def test_sampling_is_seeded_per_request(model):
   prompts = _prompts(4, seed=3)
   sp = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.95,
