@@ -196,15 +196,16 @@ class Engine:
     """`jax.stages.Lowered` of program `key` (HLO checks in tests, bench)."""
     return self.compiler.lower(key, self._buffers())
 
-  def _run(self, scheduled: ScheduledStep, throw: bool = True):
+  def _run(self, scheduled: ScheduledStep):
     """Runs the programs of `scheduled` (`Compiler.sequence`: a model program
     and a cache program) on the engine's buffers (donated) and keeps their
-    new buffers; returns `(outputs, seconds spent compiling them)`, or with
-    `throw=False` `(outputs, seconds, checkify error or None)`. A step's
-    outputs are its cache program's with the model program's `sampled`; a
-    burst's are its model program's. Both programs are compiled before
-    either runs. Checked mode: raises the first contract violation
-    (`checkify.JaxRuntimeError`) after the calls (unless `throw=False`)."""
+    new buffers; returns `(outputs, seconds spent compiling them, checkify
+    error or None)`. A step's outputs are its cache program's with the
+    model program's `sampled`; a burst's are its model program's. Both
+    programs are compiled before either runs. Checked mode: the error is
+    the first contract violation of the calls, which the caller raises
+    (`err.throw()`: a `checkify.JaxRuntimeError`) once it has kept the new
+    buffers and booked or undone the step."""
     key = self.compiler.key(scheduled.kind, scheduled.num_tokens,
                             scheduled.greedy_only)
     self.last_program = key
@@ -228,11 +229,7 @@ class Engine:
     at = model_position(key)
     if at is not None and at != len(outs) - 1:  # a step: its cache program last
       out = out.replace(sampled=outs[at])
-    if not throw:
-      return out, compile_s, err
-    if err is not None:
-      err.throw()
-    return out, compile_s
+    return out, compile_s, err
 
   # ------------------------------------------------------------------ API
   def _enqueue(self, req: Request) -> int:
@@ -376,7 +373,7 @@ class Engine:
                              self.stats)
     t1 = time.perf_counter()
     try:
-      out, compile_s, err = self._run(scheduled, throw=False)
+      out, compile_s, err = self._run(scheduled)
     except Exception:
       self.scheduler.unschedule(scheduled, released)
       raise
@@ -462,7 +459,7 @@ class Engine:
                              self.stats)
     t1 = time.perf_counter()
     try:
-      out, compile_s, err = self._run(scheduled, throw=False)
+      out, compile_s, err = self._run(scheduled)
     except Exception:  # it did not run: the burst before it stays to read
       self.scheduler.unschedule(scheduled, self.scheduler.burst_taken)
       self._inflight = prev
@@ -501,7 +498,7 @@ class Engine:
                                                 scheduled.inputs),
                          greedy_only=True)
     try:
-      out, _, err = self._run(only, throw=False)
+      out, _, err = self._run(only)
     except Exception:
       self.scheduler.unschedule(scheduled, released)
       raise

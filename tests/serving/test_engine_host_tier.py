@@ -520,11 +520,11 @@ def test_a_failed_release_first_loses_no_request(model, monkeypatch,
   run, calls, released_first = engine._run, [], []  # noqa: SLF001
   release_first = engine._release_first  # noqa: SLF001
 
-  def flaky(scheduled, throw=True):
+  def flaky(scheduled):
     calls.append(scheduled.kind)
     if len(calls) == failing_call:
       raise RuntimeError("launch failed")
-    return run(scheduled, throw=throw)
+    return run(scheduled)
 
   def spy(scheduled, released):
     released_first.append(list(released))
