@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -38,6 +39,14 @@ def _logit_rows(text, vocab):
 def test_a_burst_computes_over_its_row_bucket(model, rows):
   engine = Engine(model, CFG)
   assert CFG.burst_buckets == (2, 4)
+  # Its outputs keep every row, whatever its bucket.
+  fn = programs.jitted_program(model.cfg, CFG, None, "burst", False,
+                               rows=rows)
+  out = jax.eval_shape(fn, *engine._buffers(),
+                       programs.burst_input_shapes(CFG))[3]
+  S, k = CFG.max_seqs, CFG.decode_steps
+  assert (out.tokens.shape, out.preempted.shape) == ((k, S), (S,))
+  assert {a.shape for a in jax.tree.leaves(out.carry)} == {(S,)}
   text = engine._lower(ProgramKey("burst", rows, False)).as_text()
   # The [hidden, vocab] LM head aside, every [n, vocab] tensor is the
   # bucket's rows' logits.
