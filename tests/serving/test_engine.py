@@ -316,7 +316,8 @@ def test_finished_history_keeps_the_latest_and_names_what_it_dropped(model):
   engine = Engine(model, dataclasses.replace(CFG, finished_history=1))
   ids = []
   for prompt in _prompts(2, seed=4):
-    ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=2)))
+    ids.append(engine.add_request(prompt, SamplingParams(
+        max_new_tokens=2, ignore_eos=True)))
     while engine.has_unfinished():
       engine.step()
   assert ids == [0, 1]

@@ -1,8 +1,9 @@
 """The engine on hybrid sliding-window models: per-window-group slot spaces.
 
 Greedy tokens must not depend on the KV layout (one slot space vs one per
-window group), on prefix reuse, or on how tight the sliding group's budget
-is (refusals and preemptions recompute, outputs unchanged); the per-group
+window group), on prefix reuse, on SWA scratch in the sliding groups, or on
+how tight the sliding group's budget is (refusals and preemptions
+recompute, outputs unchanged); the per-group
 layout must hold fewer KV bytes than the flat one once prompts outgrow the
 window. CPU, xla path, f32.
 """
