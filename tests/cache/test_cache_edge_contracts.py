@@ -48,6 +48,18 @@ def _state(cfg, rng):
   return st, k
 
 
+def _cached(cfg, length):
+  """A fresh cache where sequence 0 claimed tokens 1, 2, ... (`length` of
+  them), published its whole blocks and was released: they are cached and
+  evictable. Returns the state and the token row (24 tokens)."""
+  tokens = np.arange(24, dtype=np.int32)[None] + 1
+  st, res = cache.claim_batch(cache.init_cache(cfg), jnp.array([0]), tokens,
+                              jnp.array([length]))
+  assert bool(res.ok[0])
+  st = cache.commit(st, jnp.array([0]), tokens, jnp.array([length]))
+  return cache.release(st, jnp.array([0])), tokens
+
+
 def _same_state(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -148,12 +160,7 @@ def test_hybrid_claim_counts_the_cached_blocks_it_takes(windows, slots, evict,
   fit there too, in either admission order."""
   cfg = cache.HybridCacheConfig(windows, slots, page_size=4, max_seqs=4,
                                 max_pages=6)
-  tokens = np.arange(24, dtype=np.int32)[None] + 1
-  st = cache.init_cache(cfg)
-  st, res = cache.claim_batch(st, jnp.array([0]), tokens, jnp.array([9]))
-  assert bool(res.ok[0])
-  st = cache.release(cache.commit(st, jnp.array([0]), tokens, jnp.array([9])),
-                     jnp.array([0]))   # 2 published blocks, now evictable
+  st, tokens = _cached(cfg, 9)   # 2 published blocks, now evictable
   kw = dict(evict=evict, head_of_line=head_of_line)
   new, res = cache.claim_batch(st, jnp.array([1]), tokens, jnp.array([24]),
                                **kw)
@@ -177,12 +184,8 @@ def test_hybrid_claims_in_order_share_the_cached_blocks_they_take(windows,
   new blocks) fit, 2 + 2 + 1 = 5, and 20 tokens (3 new) do not."""
   cfg = cache.HybridCacheConfig(windows, slots, page_size=4, max_seqs=4,
                                 max_pages=6)
-  base = np.arange(24, dtype=np.int32) + 1
-  st = cache.init_cache(cfg)
-  st, res = cache.claim_batch(st, jnp.array([0]), base[None], jnp.array([8]))
-  assert bool(res.ok[0])
-  st = cache.release(cache.commit(st, jnp.array([0]), base[None],
-                                  jnp.array([8])), jnp.array([0]))
+  st, row = _cached(cfg, 8)
+  base = row[0]
   tokens = np.stack([base, base])
   for b_len, b_ok in ((16, True), (20, False)):
     new, res = cache.claim_batch(st, jnp.array([1, 2]), tokens,

@@ -9,6 +9,8 @@ their definitions (a block = a page of K and V of one layer).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,8 +31,7 @@ CFG = EngineConfig(page_size=8, num_slots=40, max_seqs=4, max_num_tokens=64,
 
 
 def _manager(model_cfg=LLAMA, dtype=jnp.float32, **kw):
-  fields = dict(CFG.__dict__, **kw)
-  return KVCacheManager(EngineConfig(**fields), model_cfg, dtype)
+  return KVCacheManager(dataclasses.replace(CFG, **kw), model_cfg, dtype)
 
 
 @pytest.mark.parametrize("impl,fp8_storage", [

@@ -18,7 +18,6 @@ import pytest
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
 from pkvattn.serving import programs
-from pkvattn.serving.compiler import ProgramKey
 
 CFG = EngineConfig(page_size=8, num_slots=40, max_seqs=4, max_num_tokens=32,
                    max_model_len=64, decode_steps=2, burst_rows=(2,),
@@ -30,38 +29,42 @@ def model():
   return load_model("tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def buffers(model):
+  """An engine's `(params, pool, state, seq_tokens)`, for lowering."""
+  return Engine(model, CFG)._buffers()
+
+
 def _logit_rows(text, vocab):
   """Row counts of the `[rows, vocab]` f32 tensors in a lowered module."""
   return {int(m) for m in re.findall(rf"tensor<(\d+)x{vocab}xf32>", text)}
 
 
 @pytest.mark.parametrize("rows", [2, 4])
-def test_a_burst_computes_over_its_row_bucket(model, rows):
-  engine = Engine(model, CFG)
+def test_a_burst_computes_over_its_row_bucket(model, buffers, rows):
   assert CFG.burst_buckets == (2, 4)
-  # Its outputs keep every row, whatever its bucket.
   fn = programs.jitted_program(model.cfg, CFG, None, "burst", False,
                                rows=rows)
-  out = jax.eval_shape(fn, *engine._buffers(),
-                       programs.burst_input_shapes(CFG))[3]
+  inputs = programs.burst_input_shapes(CFG)
+  # Its outputs keep every row, whatever its bucket.
+  out = jax.eval_shape(fn, *buffers, inputs)[3]
   S, k = CFG.max_seqs, CFG.decode_steps
   assert (out.tokens.shape, out.preempted.shape) == ((k, S), (S,))
   assert {a.shape for a in jax.tree.leaves(out.carry)} == {(S,)}
-  text = engine._lower(ProgramKey("burst", rows, False)).as_text()
+  text = fn.lower(*buffers, inputs).as_text()
   # The [hidden, vocab] LM head aside, every [n, vocab] tensor is the
   # bucket's rows' logits.
   found = _logit_rows(text, model.cfg.vocab_size) - {model.cfg.hidden_size}
   assert found == {rows}
 
 
-def test_burst_rows_are_checked_when_traced(model):
+def test_burst_rows_are_checked_when_traced(model, buffers):
   for rows in (0, 5):
     fn = programs.jitted_program(model.cfg, CFG, None, "burst", True,
                                  rows=rows)
-    engine = Engine(model, CFG)
     with pytest.raises(ValueError, match=r"Invalid rows: expected an int in "
                        rf"\[1, 4\], got {rows}"):
-      fn.lower(*engine._buffers(), programs.burst_input_shapes(CFG))
+      fn.lower(*buffers, programs.burst_input_shapes(CFG))
 
 
 def test_admission_records_the_prompt_before_it_is_fed(model):

@@ -30,11 +30,7 @@ def model():
 
 
 def _per_layer(params):
-  layers = params["layers"]
-  if isinstance(layers, (tuple, list)):
-    return list(layers)
-  n = jax.tree.leaves(layers)[0].shape[0]
-  return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
+  return list(unstack_layers(params)["layers"])
 
 
 def _check_fused(prepared, original):
