@@ -3,7 +3,8 @@
 Parity with transformers lives in test_models_hf.py; here: a full pool
 (requests wait / are preempted and recomputed, outputs unchanged), stop tokens,
 seeded sampling independent of batch composition, one compile for all steps,
-donation of the pool (the sampler itself: tests/test_sampling.py).
+donation of the pool, the split of step time into prefill, decode and host
+time (a scripted clock) (the sampler itself: tests/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -420,6 +421,111 @@ def test_profile_reports_split(model):
   while burst.has_unfinished():
     burst.step()
   assert len(burst.get_request(0).output) == 6
+
+
+# Scripted durations, s (binary fractions: sums are exact): scheduling a
+# step or burst, running its programs, compiling one, booking its outputs.
+SCHED, RUN, COMPILE, BOOK = 2.0**-4, 1.0, 8.0, 2.0**-6
+
+
+class _ScriptedClock:
+  """The engine module's `time`: it advances only where the test's hooks
+  say the work took time."""
+
+  def __init__(self):
+    self.now = 0.0
+    self.compiled = 0.0  # scripted compile seconds handed to the engine
+    self.host = 0.0      # scripted scheduling and booking seconds
+    self.unfed = 0.0     # steps that fed no tokens (admissions only)
+
+  def perf_counter(self):
+    return self.now
+
+
+def _script(engine, monkeypatch):
+  """Patches `engine` so host work, programs and compiles take the scripted
+  durations on a `_ScriptedClock`; returns the clock."""
+  import pkvattn.serving.engine as engine_mod  # pylint: disable=import-outside-toplevel
+  clock = _ScriptedClock()
+  monkeypatch.setattr(engine_mod, "time", clock)
+  sched = engine.scheduler
+
+  def advancing(fn, dt):
+    def wrapped(*a, **kw):
+      clock.now += dt
+      clock.host += dt
+      return fn(*a, **kw)
+    return wrapped
+
+  for name, dt in (("schedule", SCHED), ("schedule_burst", SCHED),
+                   ("update_from_output", BOOK)):
+    monkeypatch.setattr(sched, name, advancing(getattr(sched, name), dt))
+  run = engine._run
+
+  def scripted_run(scheduled):
+    out, compile_s, err = run(scheduled)
+    compile_s = COMPILE if compile_s > 0 else 0.0  # compiled on first use
+    clock.now += RUN + compile_s
+    clock.compiled += compile_s
+    if scheduled.kind == "step" and not scheduled.rows:
+      clock.unfed += SCHED + RUN + BOOK  # its scheduling, run and booking
+    return out, compile_s, err
+
+  monkeypatch.setattr(engine, "_run", scripted_run)
+  return clock
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_step_time_goes_to_prefill_decode_and_host(model, monkeypatch,
+                                                    decode_steps):
+  # Every step's wall time, less its compiles, is prefill time if the step
+  # carried prompt tokens and decode time otherwise (bursts, drains), unless
+  # it fed no tokens (admissions only: neither); the host's share is its
+  # scheduling and booking. Six prompts on four rows: later prompts are
+  # admitted beside decoding rows (mixed steps); one more arrives while a
+  # burst is in flight (the next call reads it before its step).
+  engine = Engine(model, dataclasses.replace(CFG, decode_steps=decode_steps))
+  clock = _script(engine, monkeypatch)
+  prompts = _prompts(7)
+  ids = [engine.add_request(p, SamplingParams(max_new_tokens=5 + 3 * i,
+                                              ignore_eos=True))
+         for i, p in enumerate(prompts[:-1])]
+  st = engine.stats
+  calls = prefill_calls = mixed_calls = 0
+  while engine.has_unfinished():
+    if engine._inflight is not None and len(ids) < len(prompts):
+      ids.append(engine.add_request(prompts[-1], SamplingParams(
+          max_new_tokens=4, ignore_eos=True)))
+    before = _counters(engine, clock, ids)
+    n = engine.step()
+    d = {k: v - before[k] for k, v in _counters(engine, clock, ids).items()}
+    calls += 1
+    assert n == d["booked"]
+    # The whole call is booked once, compiles excluded; its host time is
+    # its scheduling and booking, not its programs.
+    assert d["prefill_s"] + d["decode_s"] == (
+        d["clock"] - d["compiled"] - d["unfed"])
+    assert d["host_s"] == d["host_work"]
+    if d["prefill_tokens"]:  # a step that carried prompt tokens
+      prefill_calls += 1
+      mixed_calls += d["decode_tokens"] > 0
+      assert d["prefill_s"] == SCHED + RUN + BOOK
+    else:
+      assert d["prefill_s"] == 0
+  assert 0 < mixed_calls <= prefill_calls < calls
+  assert len(ids) == len(prompts) or decode_steps == 1
+  assert st.decode_time_s > 0 and clock.compiled > 0 and clock.unfed > 0
+
+
+def _counters(engine, clock, ids) -> dict:
+  """The scripted clock's sums and `engine.stats`' times and token counts,
+  with the tokens booked into the outputs of requests `ids`."""
+  st = engine.stats
+  return dict(clock=clock.now, compiled=clock.compiled, host_work=clock.host,
+              unfed=clock.unfed, prefill_tokens=st.prefill_tokens,
+              decode_tokens=st.decode_tokens, prefill_s=st.prefill_time_s,
+              decode_s=st.decode_time_s, host_s=st.host_time_s,
+              booked=sum(len(engine.get_request(i).output) for i in ids))
 
 
 def test_builtin_gemma2_model_runs():
