@@ -406,6 +406,35 @@ def test_public_plan_reused_across_layers():
     _public(case, p, q, q_indptr, sinks, "pallas", plan=other)
 
 
+@pytest.mark.parametrize("gpu", [dispatch.HOPPER, dispatch.AMPERE],
+                         ids=["hopper", "ampere"])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)])
+def test_public_plan_is_run_as_given(gpu, heads, monkeypatch):
+  """On every GPU's dispatch, `pkvattn.plan_prefill` makes the plan that
+  `paged_prefill(plan=...)` runs: the call plans nothing itself (a plan of
+  another tile size would be replaced in every layer, silently). Traced
+  on the CPU with the GPU's dispatch."""
+  from pkvattn import _checks  # pylint: disable=import-outside-toplevel
+  from pkvattn.pallas_kernels import plan_mgpu  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(dispatch, "_detected_gpu", lambda: gpu)
+  monkeypatch.setattr(_checks, "is_gpu", lambda: True)
+  hq, hkv = heads
+  t, d, ps, n, b = 70, 64, 16, 16, 2
+  sds = jax.ShapeDtypeStruct
+  q_indptr, kv_lens = sds((b + 1,), jnp.int32), sds((b,), jnp.int32)
+  plan = jax.eval_shape(lambda i, n: pkvattn.plan_prefill(
+      i, n, num_tokens=t, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+      dtype=jnp.bfloat16), q_indptr, kv_lens)
+  planned = []
+  for mod, name in ((plan_lib, "plan_prefill"),
+                    (plan_mgpu, "plan_prefill_mgpu")):
+    monkeypatch.setattr(mod, name, lambda *a, **k: planned.append(a))
+  jax.jit(lambda *a: pkvattn.paged_prefill(*a[:-1], plan=a[-1])).trace(
+      sds((t, hq, d), jnp.bfloat16), sds((n, 2, ps, hkv, d), jnp.bfloat16),
+      sds((b, n // b), jnp.int32), q_indptr, kv_lens, plan)
+  assert not planned
+
+
 @pytest.mark.parametrize("soft_cap,fast", [(None, True), (30.0, True),
                                            (None, False)])
 def test_kernel_lowers_to_triton(soft_cap, fast):

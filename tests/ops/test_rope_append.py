@@ -417,6 +417,27 @@ def test_impl_picks_the_kernel_or_xla(op):
     assert ("pallas_call" in names) == want, (impl, sorted(names))
 
 
+@pytest.mark.parametrize("rope", ROPES[:4], ids=lambda r: f"{r.style}-{r.rotary_dim}")
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_no_sequence_rotates_q_and_writes_nothing(rope, impl, rng):
+  # A page table of no rows (every token padding, as in an idle engine
+  # step): nothing can be written, q is still rotated in the rope's style.
+  t, hq, hkv, d = 5, 4, 2, 64
+  pos = rng.integers(0, 100, t).astype(np.int32)
+  q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.float32)
+  cache = tuple(jnp.full((4, 8, hkv, d), jnp.nan, jnp.float32) for _ in range(2))
+  q_out, out = pkvattn.apply_rope_and_append(
+      q, k, k, jnp.full((t,), -1, jnp.int32), jnp.asarray(pos), cache,
+      jnp.zeros((0, 2), jnp.int32), rope, impl=impl)
+  inv = np_inv_freq(d, rope.theta, rope.rotary_dim, rope.scaling)
+  np.testing.assert_allclose(np.asarray(q_out),
+                             np_rope(np.asarray(q), pos, inv, rope.style),
+                             atol=5e-5, rtol=0)
+  for a in out:
+    assert np.isnan(np.asarray(a)).all()
+
+
 def test_append_errors():
   k = jnp.ones((4, 2, 64))
   pair = (jnp.zeros((8, 8, 2, 64)), jnp.zeros((8, 8, 2, 64)))
