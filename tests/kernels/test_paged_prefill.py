@@ -422,8 +422,8 @@ def test_public_plan_is_run_as_given(gpu, heads, monkeypatch):
   t, d, ps, n, b = 70, 64, 16, 16, 2
   sds = jax.ShapeDtypeStruct
   q_indptr, kv_lens = sds((b + 1,), jnp.int32), sds((b,), jnp.int32)
-  plan = jax.eval_shape(lambda i, n: pkvattn.plan_prefill(
-      i, n, num_tokens=t, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+  plan = jax.eval_shape(lambda indptr, lens: pkvattn.plan_prefill(
+      indptr, lens, num_tokens=t, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
       dtype=jnp.bfloat16), q_indptr, kv_lens)
   planned = []
   for mod, name in ((plan_lib, "plan_prefill"),
