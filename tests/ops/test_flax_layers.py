@@ -271,3 +271,19 @@ def test_attention_fn_hook_in_linen_multihead_attention():
   np.testing.assert_allclose(np.asarray(actual), np.asarray(expected),
                              atol=2e-5, rtol=2e-5)
   assert (~np.isnan(np.asarray(hook.kv_cache)).all(axis=(1, 2, 3))).sum() == 4
+
+
+def test_qk_norm_matches_numpy_and_keeps_zero_heads_zero(rng):
+  # Gemma 3's QK-norm over each head: f32 statistics, `x * (1 + w)`, the
+  # epsilon inside the square root, so a head of zeros (a padding row)
+  # stays zero instead of becoming NaN.
+  from pkvattn.flax import _head_rms_norm  # pylint: disable=import-outside-toplevel
+  x = rng.standard_normal((3, 4, D)).astype(np.float32)
+  x[1, 2] = 0.0
+  w = rng.standard_normal(D).astype(np.float32)
+  eps = 1e-6
+  x64 = x.astype(np.float64)
+  want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * (1 + w)
+  got = np.asarray(_head_rms_norm(jnp.asarray(x), jnp.asarray(w), eps))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(got[1, 2], 0.0)
