@@ -11,26 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-
-# XLA:CPU flags of the test run: most of the suite's time is compiling.
-# LLVM -O0 without the expensive passes compiles small programs much faster
-# (the suite took about 20% less CPU time); it runs large ones slower, so
-# the real-model engine test sets `OPTIMIZED_CPU_OPTIONS` on its programs.
-# XLA:CPU's older loop emitters instead of its MLIR fusion emitters, and
-# copy insertion without region analysis, compile the engine's programs
-# about a third faster again (jaxlib 0.10.2, 2-core machine) and run the
-# real-model tests no slower.
-FAST_CPU_FLAGS = ("--xla_backend_optimization_level=0",
-                  "--xla_llvm_disable_expensive_passes=true",
-                  "--xla_cpu_use_fusion_emitters=false",
-                  "--xla_cpu_copy_insertion_use_region_analysis=false")
-OPTIMIZED_CPU_OPTIONS = {"xla_backend_optimization_level": 2,
-                         "xla_llvm_disable_expensive_passes": False}
-# XLA's defaults for the two codegen flags above: tests that read the
-# compiled program's structure (an in-place scatter, no pool-sized copy)
-# compile with them, so they check what a user's XLA:CPU builds.
-DEFAULT_CODEGEN_OPTIONS = {"xla_cpu_use_fusion_emitters": True,
-                           "xla_cpu_copy_insertion_use_region_analysis": True}
+from cpu_options import FAST_CPU_FLAGS  # noqa: E402  (after the path insert)
 
 
 def _fast_cpu_compile_flags():

@@ -73,15 +73,15 @@ TEXTS = [
 @pytest.fixture(scope="module", autouse=True)
 def _optimized_engine_programs():
   """The engine's programs here run a 270M model: compile them with LLVM's
-  optimizations, which the test run turns off (conftest.FAST_CPU_FLAGS)."""
-  import conftest  # noqa: PLC0415
+  optimizations, which the test run turns off (cpu_options.FAST_CPU_FLAGS)."""
+  import cpu_options  # noqa: PLC0415
   from pkvattn.serving import programs  # noqa: PLC0415
   if shutil.which("nvidia-smi"):
     yield
     return
   before = programs.compiler_options
   programs.compiler_options = lambda: {**before(),
-                                       **conftest.OPTIMIZED_CPU_OPTIONS}
+                                       **cpu_options.OPTIMIZED_CPU_OPTIONS}
   yield
   programs.compiler_options = before
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-import conftest
+import cpu_options
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +68,7 @@ def test_fp8_append_never_widens_the_pool():
   pool = jnp.zeros((512, 16, 2, 64), jnp.float8_e4m3fn)
   qkv = jnp.ones((4, 8 * 64), jnp.float32)
   text = jax.jit(_append_and_attend, donate_argnums=1).lower(
-      qkv, pool).compile(conftest.DEFAULT_CODEGEN_OPTIONS).as_text()
+      qkv, pool).compile(cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
   ops = _materialized(text, pool.size)
   assert any("scatter" in op for op in ops), ops
   wide = [op for op in ops if op.split()[0] not in ALLOWED
@@ -102,7 +102,7 @@ def test_decoder_step_on_fp8_bytes_updates_in_place(scan):
                                         impl="xla")
   pool = jnp.zeros(cfg.pool_shape(8, 16), jnp.uint8)
   text = jax.jit(step, donate_argnums=1).lower(params, pool).compile(
-      conftest.DEFAULT_CODEGEN_OPTIONS).as_text()
+      cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
   ops = _materialized(text, pool.size)
   assert any("scatter" in op for op in ops), ops
   passes = [op for op in ops

@@ -31,11 +31,6 @@ SMALL_POOL = EngineConfig(page_size=8, num_slots=8, max_seqs=4,
                           token_buckets=(32,))
 
 
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
-
-
 def _prompts(n=6, seed=0):
   rng = np.random.default_rng(seed)
   shared = rng.integers(0, 256, 12).tolist()

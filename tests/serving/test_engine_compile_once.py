@@ -20,7 +20,7 @@ import pytest
 
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
-from pkvattn.models import decoder, load_model
+from pkvattn.models import decoder
 from pkvattn.serving import compile_cache, compiler, programs
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -29,11 +29,6 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 # refused and decodes preempted; bursts of 4 decode steps.
 CFG = EngineConfig(page_size=8, num_slots=12, max_seqs=4, max_num_tokens=32,
                    max_model_len=64, decode_steps=4, check=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
 
 
 @contextlib.contextmanager

@@ -21,17 +21,12 @@ import pytest
 from pkvattn import _checks
 from pkvattn import _kv
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
-from pkvattn.models import calibrate, load_model
+from pkvattn.models import calibrate
 from test_engine_compile_once import count_compiles
 
 CFG = EngineConfig(page_size=8, num_slots=24, max_seqs=2, max_num_tokens=32,
                    max_model_len=64, kv_cache_dtype="fp8",
                    calibration_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")

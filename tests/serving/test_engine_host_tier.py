@@ -25,11 +25,6 @@ CFG = EngineConfig(page_size=8, num_slots=16, max_seqs=2, max_num_tokens=32,
 HOST_BYTES = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
-
-
 def _multi_turn(engine, turns=3, convs=4, seed=0):
   """Runs `turns` rounds; each turn appends a user message to each
   conversation's history (prompt + previous answer). Returns the answers."""

@@ -13,18 +13,12 @@ from hypothesis import strategies as st
 
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
-from pkvattn.models import load_model
 
 # One config for every example (its programs compile once per process): a
 # pool of 6 slots of 8 tokens for 3 rows of up to 40 tokens, so claims are
 # refused, decodes preempted and cached blocks evicted.
 CFG = EngineConfig(page_size=8, num_slots=6, max_seqs=3, max_num_tokens=16,
                    max_model_len=40, decode_steps=2, check=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
 
 
 def test_two_cached_requests_that_each_fit_both_complete(model):

@@ -16,17 +16,11 @@ import numpy as np
 import pytest
 
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
-from pkvattn.models import load_model
 from pkvattn.serving import programs
 
 CFG = EngineConfig(page_size=8, num_slots=40, max_seqs=4, max_num_tokens=32,
                    max_model_len=64, decode_steps=2, burst_rows=(2,),
                    impl="xla")
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")

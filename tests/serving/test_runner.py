@@ -17,16 +17,11 @@ import numpy as np
 import pytest
 
 from pkvattn import parallel
-from pkvattn.models import load_model, unstack_layers
+from pkvattn.models import unstack_layers
 from pkvattn.serving.config import EngineConfig
 from pkvattn.serving.runner import prepare_model, run_program
 
 CFG = EngineConfig(impl="xla")
-
-
-@pytest.fixture(scope="module")
-def model():
-  return load_model("tiny-llama")
 
 
 def _per_layer(params):

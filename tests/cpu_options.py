@@ -1,0 +1,27 @@
+"""XLA:CPU compile settings of the test run, importable by tests.
+
+Most of the suite's time is compiling. LLVM -O0 without the expensive passes
+compiles small programs much faster (the suite took about 20% less CPU
+time); it runs large ones slower, so the real-model engine test sets
+`OPTIMIZED_CPU_OPTIONS` on its programs. XLA:CPU's older loop emitters
+instead of its MLIR fusion emitters, and copy insertion without region
+analysis, compile the engine's programs about a third faster again (jaxlib
+0.10.2, 2-core machine) and run the real-model tests no slower.
+`conftest.py` puts `FAST_CPU_FLAGS` in XLA_FLAGS.
+
+A module of its own, not `conftest.py`: pytest imports every folder's
+`conftest.py` under the one module name `conftest`, so `import conftest`
+in a test would find whichever it loaded last.
+"""
+
+FAST_CPU_FLAGS = ("--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true",
+                  "--xla_cpu_use_fusion_emitters=false",
+                  "--xla_cpu_copy_insertion_use_region_analysis=false")
+OPTIMIZED_CPU_OPTIONS = {"xla_backend_optimization_level": 2,
+                         "xla_llvm_disable_expensive_passes": False}
+# XLA's defaults for the two codegen flags above: tests that read the
+# compiled program's structure (an in-place scatter, no pool-sized copy)
+# compile with them, so they check what a user's XLA:CPU builds.
+DEFAULT_CODEGEN_OPTIONS = {"xla_cpu_use_fusion_emitters": True,
+                           "xla_cpu_copy_insertion_use_region_analysis": True}
