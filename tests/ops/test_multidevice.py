@@ -212,6 +212,36 @@ for tp in (2, 4):
         parallel.greedy_tokens(x, mesh).tolist(),
         jnp.argmax(x, -1).tolist()]
 
+# row_parallel_dense on bf16 shards with a random bias: the all-reduce's
+# dtype as asked, the bias added once after the sum, against float64.
+from jax.sharding import PartitionSpec as P
+from pkvattn.flax import row_parallel_dense
+seed = int(np.random.SeedSequence().entropy % 2**32)
+r = np.random.default_rng(seed)
+x = jnp.asarray(r.standard_normal((64, 256)), jnp.bfloat16)
+k = jnp.asarray(r.standard_normal((256, 96)) / 16, jnp.bfloat16)
+bias = jnp.asarray(r.standard_normal(96), jnp.bfloat16)
+f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+to_bf16 = lambda a: f64(jnp.asarray(np.asarray(a, np.float32), jnp.bfloat16))
+# The sum rounded to bf16 once, then the bias added (one more rounding).
+expected = to_bf16(to_bf16(f64(x) @ f64(k)) + f64(bias))
+res["row_parallel"] = {"seed": seed}
+for red in ("float32", None):
+  fn = jax.jit(parallel.shard_map(
+      lambda p, x: row_parallel_dense(
+          p, x, parallel.TP_AXIS, jnp.bfloat16,
+          reduce_dtype=None if red is None else jnp.dtype(red)),
+      mesh=parallel.make_mesh(2),
+      in_specs=({"kernel": P(parallel.TP_AXIS, None), "bias": P()},
+                P(None, parallel.TP_AXIS)), out_specs=P()))
+  params = {"kernel": k, "bias": bias}
+  y = fn(params, x)
+  res["row_parallel"][str(red)] = {
+      "dtype": str(y.dtype),
+      "equal": float(np.mean(f64(y) == expected)),
+      "max_err": float(np.max(np.abs(f64(y) - expected))),
+      "collectives": lowered_collectives(fn.lower(params, x).as_text())}
+
 # pmap: 2 independent groups of 2 equal-length prompts, vs the engine.
 groups = np.array([[tok.encode("abcd"), tok.encode("wxyz")],
                    [tok.encode("1234"), tok.encode("hi!!")]], np.int32)
@@ -331,6 +361,26 @@ def test_tp_step_collectives_in_the_activation_dtype(results):
   # The cond's false branch (every row greedy) gathers the words alone.
   assert sorted(c["gathers_bf16"]) == [["f32", [rows, c["vocab_size"]], 1],
                                        ["s32", [2, 2, rows], 0]]
+
+
+def test_row_parallel_dense_sums_in_its_reduce_dtype_then_adds_the_bias(results):
+  """A bf16 row-parallel layer: partials all-reduced in f32 where asked, in
+  bf16 by default; either way the bias (random, replicated) is added once,
+  after the sum. The f32 sum rounds once, so nearly every element equals the
+  float64 sum rounded to bf16; XLA:CPU sums bf16 partials in f32 too, so
+  the default's values agree as well, and its dtype shows in the program."""
+  rp = results["row_parallel"]
+  seed = rp["seed"]
+  for red, reduced in (("float32", "f32"), ("None", "bf16")):
+    r = rp[red]
+    assert r["dtype"] == "bfloat16", (seed, red, r)
+    assert r["collectives"] == [["all_reduce", f"tensor<64x96x{reduced}>"]], \
+        (seed, red, r["collectives"])
+    # A rounding apart at most, and equal almost everywhere (f32 partial
+    # sums can flip a bf16 rounding; a bias subtracted or added per shard
+    # would miss by about |bias|).
+    assert r["equal"] > 0.98, (seed, red, r)
+    assert r["max_err"] <= 0.125, (seed, red, r)
 
 
 def test_greedy_tokens_match_argmax(results):
