@@ -196,25 +196,17 @@ def test_a_program_that_raises_loses_no_request(model, monkeypatch,
   assert int(cache.stats(engine.state)["num_used"]) == 0
 
 
-def test_generate_warns_of_each_request_that_failed(model):
+def test_generate_warns_of_each_request_that_failed(model, exploding_params):
   """A request finished with "error" (here: its sampling fields raise while
   a step's inputs are prepared, as a bug would) comes back from `generate`
   with the tokens it had, named in a RuntimeWarning; the others complete."""
   engine = Engine(model, EngineConfig(page_size=8, num_slots=40, max_seqs=4,
                                       max_num_tokens=32, max_model_len=64))
 
-  class Exploding:
-    max_new_tokens, ignore_eos, stop_token_ids, seed, top_k, top_p = (
-        8, True, None, 0, 0, 1.0)
-
-    @property
-    def temperature(self):
-      raise RuntimeError("boom")
-
   def progress(_):
     for req in engine.scheduler.running:
       if req.request_id == 1:
-        req.params = Exploding()
+        req.params = exploding_params(8)
 
   sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
   with pytest.warns(RuntimeWarning) as caught:

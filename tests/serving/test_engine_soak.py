@@ -201,17 +201,10 @@ def test_soak(engine, prompts, oracle, seed, bad_rate):
 
 @pytest.mark.parametrize("bad", [0, 1])  # the failing request's row
 def test_a_request_failing_in_a_step_fails_alone(engine, prompts, oracle,
-                                                 bad):
-  class Exploding:  # reading its sampling fields raises, as a bug would
-    max_new_tokens, ignore_eos, stop_token_ids = 4, True, None
-
-    @property
-    def temperature(self):
-      raise RuntimeError("boom")
-
+                                                 bad, exploding_params):
   sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
   ids = [engine.add_request(p, sp) for p in prompts[:4]]
-  engine.get_request(ids[bad]).params = Exploding()
+  engine.get_request(ids[bad]).params = exploding_params(4)
   engine.get_request(ids[2]).prompt = [1, 2**40]  # fails its admission
   reqs = [engine.get_request(i) for i in ids]
   while engine.has_unfinished():

@@ -347,7 +347,8 @@ def test_a_burst_stays_in_flight_only_if_a_request_outlives_it(waiting, rng):
     assert sched.can_chain() is chains, left
 
 
-def test_a_request_failing_beside_a_pending_release_frees_its_row():
+def test_a_request_failing_beside_a_pending_release_frees_its_row(
+    exploding_params):
   """A request that fails while another row waits to be released (its
   request ended in the step before) queues its own row for release too."""
   cfg = dataclasses.replace(CFG, max_seqs=2)
@@ -371,13 +372,7 @@ def test_a_request_failing_beside_a_pending_release_frees_its_row():
   step()  # both prompts: A samples its one token and ends
   assert reqs[0].finish_reason == "length" and sched.to_release
 
-  class Exploding:  # B's next sampling step raises, as a bug would
-    max_new_tokens, ignore_eos, stop_token_ids = 8, False, None
-
-    @property
-    def temperature(self):
-      raise RuntimeError("boom")
-  reqs[1].params = Exploding()
+  reqs[1].params = exploding_params(8)  # B's next sampling step raises
   step()
   assert reqs[1].finish_reason == "error"
   step()  # the rows queued for release are released
