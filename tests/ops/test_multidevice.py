@@ -363,7 +363,7 @@ def test_tp_step_collectives_in_the_activation_dtype(results):
                                        ["s32", [2, 2, rows], 0]]
 
 
-def test_row_parallel_dense_sums_in_its_reduce_dtype_then_adds_the_bias(results):
+def test_row_parallel_dense_reduce_dtype_and_bias(results):
   """A bf16 row-parallel layer: partials all-reduced in f32 where asked, in
   bf16 by default; either way the bias (random, replicated) is added once,
   after the sum. The f32 sum rounds once, so nearly every element equals the
