@@ -21,8 +21,10 @@ runs well on a CPU or on GPUs without the Pallas kernels:
   the diagonal are never gathered, and the loop's trip count is that range.
 * Masking inside a block: keys past `kv_lens[b]`, after a query (causal) or
   before its window, and rows past the tile's tokens give `-inf` logits;
-  V rows past `kv_lens[b]` are zeroed before the `P @ V` matmul, so the NaN
-  or garbage that unowned pages and tail rows hold never reaches an output.
+  V rows past `kv_lens[b]` and before the tile's window start (a block may
+  begin on pages a window released) are zeroed before the `P @ V` matmul,
+  so the NaN or garbage that unowned pages and tail rows hold never reaches
+  an output.
 * FP8 pages: the loops read the pool as its `uint8` bytes and a gathered
   block is converted to f32 (only gathered values convert, never the pool:
   with a float8_e4m3fn loop operand XLA's CPU backend, which has no FP8
@@ -202,6 +204,7 @@ def paged_prefill(
       v = gather(v_pool, v_row, kb)
       k_pos = kb * bk + jnp.arange(bk, dtype=jnp.int32)
       key_ok = k_pos < kv_len
+      v_ok = key_ok & (k_pos >= lo)
       s = jnp.einsum("krd,skd->krs", qt, k,
                      precision=lax.Precision.HIGHEST)  # [Hkv, R, bk]
       if logits_soft_cap is not None:
@@ -216,7 +219,10 @@ def paged_prefill(
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
       alpha = jnp.exp(m - m_safe)                # 0 while m is -inf
       p = jnp.exp(s - m_safe[..., None])         # 0 where masked
-      v = jnp.where(key_ok[:, None, None], v, 0.0)
+      # A masked key's weight is 0, but 0 * NaN is NaN: zero V past the
+      # sequence and before the tile's window (those pages need not be valid:
+      # a window's released pages), where no row of the tile looks.
+      v = jnp.where(v_ok[:, None, None], v, 0.0)
       l = alpha * l + jnp.sum(p, axis=-1)
       acc = alpha[..., None] * acc + jnp.einsum(
           "krs,skd->krd", p, v, precision=lax.Precision.HIGHEST)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import pkvattn
+from pkvattn import xla_attention
 from attention_utils import FORMATS, assert_close, assert_lse_close, dense_attention, make_paged
 from attention_utils import primitive_names
 
@@ -143,3 +144,157 @@ def test_static_arguments_given_as_arrays(rng):
                      (np.float32(0.1), np.float32(4.0))):
     np.testing.assert_allclose(np.asarray(run(scale, cap)), want, rtol=1e-6,
                                atol=1e-7)
+
+
+# ------------------------------------------------- the flash-style prefill
+# `pkvattn.xla_attention.paged_prefill`, called directly with small tiles
+# and key blocks (or through `pkvattn.paged_prefill` with its default ones).
+
+
+def _xla_prefill(p, q, q_lens, *, sinks=None, **kw):
+  """`xla_attention.paged_prefill` over `make_paged`'s cache `p` (sm_scale
+  `d ** -0.5`): `(out, lse, q_indptr)`."""
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  view = pkvattn._kv.make_view(p.kv_cache, jnp.asarray(p.page_table))
+  out, lse = xla_attention.paged_prefill(
+      jnp.asarray(q), view.k_pool, view.v_pool, view.k_table, view.v_table,
+      jnp.asarray(indptr), jnp.asarray(p.kv_lens, np.int32),
+      None if sinks is None else jnp.asarray(sinks),
+      sm_scale=q.shape[-1]**-0.5, **kw)
+  return out, lse, indptr
+
+
+def _check_prefill(out, lse, q, p, indptr, *, causal=True, window_left=-1,
+                   sinks=None):
+  """Each sequence's tokens against `dense_attention` (its new tokens are
+  its last positions); padding tokens past `q_indptr[-1]`: zeros, -inf."""
+  for b, n in enumerate(p.kv_lens):
+    lo, hi = indptr[b], indptr[b + 1]
+    if hi == lo:
+      continue
+    pos = np.arange(n - (hi - lo), n)
+    want, want_lse = dense_attention(q[lo:hi], p.k[b], p.v[b], pos, n,
+                                     causal=causal, window_left=window_left,
+                                     sm_scale=q.shape[-1]**-0.5, sinks=sinks)
+    assert_close(out[lo:hi], want, jnp.float32, f"b={b}")
+    assert_lse_close(lse[lo:hi], want_lse, jnp.float32, f"lse b={b}")
+  np.testing.assert_array_equal(np.asarray(out[indptr[-1]:]), 0.0)
+  assert np.isneginf(np.asarray(lse[indptr[-1]:])).all()
+
+
+def test_prefill_block_sizes_rule_over_many_shapes():
+  """`xla_attention.block_sizes` against its documented rule, for every
+  token count up to 1100: `block_q` is at most `num_tokens`; where less, it
+  is the even share `num_tokens // batch_size` rounded up to a power of two
+  and clamped to `[MIN_BLOCK_Q, BLOCK_Q]` (so at least the share, up to
+  `BLOCK_Q`, and under twice it unless clamped up to `MIN_BLOCK_Q`);
+  `batch_size` defaults to one sequence. `block_k` is whole pages, at most
+  `max(min(BLOCK_K, max_keys), page_size)`. Spot checks alone pass
+  with off-by-one bounds, a wrong default or a wrong rounding (a share of
+  2^k + 1 rounded down)."""
+  bs = xla_attention.block_sizes
+  lo, hi = xla_attention.MIN_BLOCK_Q, xla_attention.BLOCK_Q
+  for bound in (lo, hi):
+    assert bound & (bound - 1) == 0, bound  # the clamps keep powers of two
+  for n in range(1, 1100):
+    assert bs(n, 16) == bs(n, 16, batch_size=1), n
+    for batch in (1, 3, 8, 40):
+      bq = bs(n, 16, batch_size=batch)[0]
+      share = max(1, n // batch)
+      assert 1 <= bq <= n, (n, batch, bq)
+      if bq < n:
+        assert bq & (bq - 1) == 0, (n, batch, bq)
+        assert lo <= bq <= hi, (n, batch, bq)
+        assert bq >= min(share, hi), (n, batch, bq)
+        assert bq < 2 * share or bq == lo, (n, batch, bq)
+  for ps in (8, 16, 128):
+    for max_keys in (1, 5, 64, 100, 4096):
+      bk = bs(64, ps, max_keys=max_keys)[1]
+      assert bk % ps == 0 and ps <= bk <= max(min(xla_attention.BLOCK_K,
+                                                   max_keys), ps)
+
+
+def test_prefill_wide_table_default_blocks(rng):
+  """The public op's default sizes over a table of 80 pages of 8 keys (640
+  keys, more than `page_size ** 2` pages and more than `BLOCK_K` keys): the
+  key block is `min(BLOCK_K, max_pages * page_size)` keys, whole pages; a
+  sequence of 600 keys walks two such blocks, the second one past the
+  table's end (padded with never-visible pages)."""
+  lens, q_lens = [600, 30, 9], [40, 30, 1]
+  p = make_paged(rng, lens, page_size=8, num_kv_heads=2, head_dim=64,
+                 dtype=jnp.float32, fmt="pair", max_pages=80)
+  q = rng.standard_normal((sum(q_lens) + 3, 4, 64)).astype(np.float32)
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  assert xla_attention.block_sizes(len(q), 8, batch_size=3,
+                                   max_keys=640)[1] == xla_attention.BLOCK_K
+  out, lse = pkvattn.paged_prefill(
+      jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table),
+      jnp.asarray(indptr), jnp.asarray(lens), impl="xla", return_lse=True)
+  _check_prefill(out, lse, q, p, indptr)
+
+
+@pytest.mark.parametrize("q_lens, block_q", [
+    ([4, 0, 0, 4, 0, 8], 4),  # whole tiles beside idle rows: 4 of 8 tiles
+    ([9, 1, 17, 1], 8),       # one token past whole tiles: 7 of 7 tiles
+])
+def test_prefill_tile_budget_met_exactly(q_lens, block_q, rng):
+  """No padding token, so the tile budget `min(T, (T + B (block_q - 1)) //
+  block_q)` is at its smallest: a chunk of whole tiles or an idle row counted
+  one tile too many, or a budget one short, maps the last sequence's tokens
+  past the last tile (whose rows are then another tile's)."""
+  lens = [20, 5, 30, 9, 3, 30][:len(q_lens)]
+  lens = [max(n, k) for n, k in zip(lens, q_lens)]
+  p = make_paged(rng, lens, page_size=8, num_kv_heads=2, head_dim=64,
+                 dtype=jnp.float32, fmt="pair")
+  q = rng.standard_normal((sum(q_lens), 4, 64)).astype(np.float32)
+  out, lse, indptr = _xla_prefill(p, q, q_lens, block_q=block_q, block_k=8)
+  _check_prefill(out, lse, q, p, indptr)
+
+
+def test_prefill_one_token_rows_not_causal(rng):
+  """Non-causal, one token per sequence (`num_tokens == batch_size`): the
+  public op takes the prefill route, with tiles of `num_tokens` rows and a
+  budget of exactly one tile per sequence."""
+  lens = [9, 1, 17, 8, 30]
+  p = make_paged(rng, lens, page_size=8, num_kv_heads=2, head_dim=64,
+                 dtype=jnp.float32, fmt="flashinfer")
+  q = rng.standard_normal((len(lens), 8, 64)).astype(np.float32)
+  indptr = np.arange(len(lens) + 1, dtype=np.int32)
+  out, lse = pkvattn.paged_prefill(
+      jnp.asarray(q), p.kv_cache, jnp.asarray(p.page_table),
+      jnp.asarray(indptr), jnp.asarray(lens), impl="xla", return_lse=True,
+      causal=False)
+  _check_prefill(out, lse, q, p, indptr, causal=False)
+
+
+@pytest.mark.parametrize("block_k", [8, None])
+@pytest.mark.parametrize("window_left, causal", [(0, True), (9, True),
+                                                 (9, False)])
+def test_prefill_pages_before_the_window_are_never_read(window_left, causal,
+                                                        block_k, rng):
+  """Sliding window: a sequence's pages wholly before its first query's
+  window need not be valid (the contract checks pages from there on; SWA
+  scratch reuse frees them). Their table entries here point at a NaN page,
+  and no NaN may reach an output (a masked key's weight is 0, and 0 * NaN
+  is NaN). With one page per key block (`block_k == page_size`) blocks
+  before a tile's window are never gathered; with the default blocks (the
+  table's 88 keys in one block) the first block gathers those pages, whose
+  V rows must be zeroed. `window_left=0`: each query sees itself alone."""
+  lens, q_lens = [70, 30, 45, 20], [37, 1, 3, 20]
+  p = make_paged(rng, lens, page_size=8, num_kv_heads=2, head_dim=64,
+                 dtype=jnp.float32, fmt="pool", max_pages=11)
+  table = p.page_table.copy()
+  spare = sorted(set(range(p.kv_cache.shape[0])) - set(table[table >= 0]))[0]
+  assert np.isnan(np.asarray(p.kv_cache[spare])).all()
+  for b, (n, k) in enumerate(zip(lens, q_lens)):
+    free = max(n - k - window_left, 0) // 8  # pages wholly before the window
+    table[b, :, :free] = spare
+  assert (table == spare).any()
+  p.page_table = table
+  q = rng.standard_normal((sum(q_lens) + 4, 6, 64)).astype(np.float32)
+  sinks = rng.standard_normal(6).astype(np.float32)
+  out, lse, indptr = _xla_prefill(p, q, q_lens, sinks=sinks, block_q=8,
+                                  block_k=block_k, window_left=window_left,
+                                  causal=causal)
+  _check_prefill(out, lse, q, p, indptr, causal=causal,
+                 window_left=window_left, sinks=sinks)
