@@ -164,3 +164,27 @@ def test_mma_splits_nearest_power_of_two_with_two_rounds_each(
       if s < 64 and 4 * s <= rounds:  # not capped: the nearest power of two
         assert max(want, 1) / 2 ** 0.5 <= s <= max(want, 1) * 2 ** 0.5, case
 
+
+
+@pytest.mark.parametrize("gpu", ["hopper", "ampere", "interpret"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_prefill_plan_fields_ignore_the_window(gpu, dtype):
+  """A model of local and global layers plans each step once, for one of
+  its windows (`models.decoder`), and every layer's call takes that plan:
+  so over 16-bit pages the window changes none of the config fields a plan
+  is checked against (`paged_prefill` re-plans a call whose config differs
+  in them), only how the layer runs it (`persistent` at head_dim 128)."""
+  def plan_fields(window_left, **kw):
+    c = dispatch.prefill(gpu=dispatch.GPUS[gpu], dtype=dtype, kv_dtype=None,
+                         window_left=window_left, **kw).config
+    return (c.block_q, c.short_block_q, c.plan_align, c.split_decode_rows,
+            c.decode_rows_per_seq)
+  for head_dim in (64, 128, 256):
+    for group_size in (1, 2, 4, 8):
+      for num_tokens, batch_size in ((16, 1), (4096, 1), (4096, 256),
+                                     (8192, 8), (512, 64), (20000, 2)):
+        kw = dict(head_dim=head_dim, group_size=group_size, page_size=None,
+                  num_tokens=num_tokens, batch_size=batch_size)
+        for window_left in (0, 511, 4095):
+          assert plan_fields(window_left, **kw) == plan_fields(-1, **kw), (
+              kw, window_left)

@@ -349,7 +349,9 @@ def _forward(params, cfg: DecoderConfig, tokens, kv_cache, plan: AttentionPlan,
   _checks.check_shape(tokens, (plan.num_tokens,), "tokens")
   dtype = params["embed"].dtype
   if plan.kernel_plan is None and _uses_pallas(impl):
-    # Plan once per step, run per layer (FlashInfer's plan/run split).
+    # Plan once per step, run per layer (FlashInfer's plan/run split). One
+    # window serves local and global layers alike: it only orders the tiles,
+    # whose sizes do not depend on it over 16-bit pages.
     plan = plan.replace(kernel_plan=_attention.plan_prefill(
         plan.q_indptr, plan.kv_lens, num_tokens=plan.num_tokens,
         num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads,
