@@ -211,7 +211,7 @@ def check_scales(pool, k_scale, v_scale, pool_name: str = "kv_cache",
   Args:
     pool: the K (or shared) page pool.
     k_scale, v_scale: for an FP8 pool, each one scale per tensor (a Python
-      float or int, a 0-d or 1-element array) or, with `num_kv_heads`
+      float or int, a 0-d or `(1,)` array) or, with `num_kv_heads`
       given, one per KV head (`f32[num_kv_heads]`, vLLM's per-head KV
       scales); arrays may be traced. None for other pools.
     num_kv_heads: the pool's KV heads, where per-head scales are accepted.
