@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 
@@ -178,9 +179,11 @@ def parse_size(text: str) -> int | None:
     value = float(num)
   except ValueError:
     return None
-  if unit not in _UNITS or not value == value or value == float("inf"):
+  size = value * _UNITS[unit] if unit in _UNITS else math.nan
+  # Not a number, or beyond a float (+-inf, or finite times a unit).
+  if not math.isfinite(size):
     return None
-  return int(value * _UNITS[unit])
+  return int(size)
 
 
 def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
@@ -386,10 +389,12 @@ def _rate(tokens: int, seconds: float) -> float | None:
 def _fmt_rate(rate: float | None) -> str:
   """A rate with the digits it has: "n/a" where nothing was timed, three
   significant digits below 1000 (a slow rate never rounds to "0.0"), whole
-  numbers with thousands separators above."""
+  numbers with thousands separators from there (from 999.5, which three
+  digits would print as "1e+03")."""
   if rate is None:
     return "n/a"
-  return f"{rate:,.0f}" if rate >= 1000 else f"{rate:.3g}"
+  # From 999.5 three significant digits would round to "1e+03".
+  return f"{rate:,.0f}" if rate >= 999.5 else f"{rate:.3g}"
 
 
 def main(argv=None) -> int:
