@@ -243,7 +243,9 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensors: dict) -> dict:
       read off the tensors).
 
   Raises:
-    ValueError: an unsupported architecture or RoPE scaling, or missing keys.
+    ValueError: an unsupported architecture or RoPE scaling, missing keys,
+      or per-layer values (KV head counts, Gemma 3's sliding flags) that do
+      not fit the layers.
   """
   arch = metadata.get("general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
@@ -328,10 +330,21 @@ def hf_config_from_gguf(metadata: dict[str, Any], tensors: dict) -> dict:
         model_type="gemma3_text",
         hidden_activation="gelu_pytorch_tanh",
         sliding_window=key("attention.sliding_window"),
-        sliding_window_pattern=int(key("attention.sliding_window_pattern", 6)),
         rope_local_base_freq=10000.0,
         query_pre_attn_scalar=head_dim,
     )
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+      # The key's other form (gguf's writer, llama.cpp's swa_layers): a flag
+      # per layer, true where the layer slides.
+      if len(pattern) != num_layers:
+        raise ValueError(
+            f"Invalid GGUF model: {arch}.attention.sliding_window_pattern "
+            f"has {len(pattern)} per-layer flags, expected {num_layers}")
+      hf["layer_types"] = ["sliding_attention" if bool(x) else
+                           "full_attention" for x in pattern]
+    else:
+      hf["sliding_window_pattern"] = int(pattern)
   return hf
 
 

@@ -182,6 +182,26 @@ def test_gemma3_layer_pattern_and_ropes(pattern, tmp_path):
   assert cfg.embed_scale == pytest.approx(math.sqrt(64))
 
 
+def test_gemma3_per_layer_sliding_flags(tmp_path, rng):
+  """`sliding_window_pattern` as a flag per layer (the key's array form,
+  llama.cpp's `swa_layers`): layer i slides where its flag is true, and
+  sliding layers take the local RoPE base; a flag count other than the
+  layer count is refused."""
+  layers, window = 7, 8
+  flags = [bool(x) for x in rng.integers(0, 2, layers)]
+  flags[0], flags[-1] = True, False  # both kinds present
+  meta = dict(block_count=layers, embedding_length=64, head_count=2,
+              key_length=16, rope_freq_base=1e6, sliding_window=window)
+  cfg = _config(tmp_path / "g.gguf", arch="gemma3",
+                meta=dict(meta, sliding_window_pattern=flags))
+  assert cfg.windows == tuple(window - 1 if f else -1 for f in flags)
+  assert cfg.rope.theta == 1e6 and cfg.rope_local.theta == 10000.0
+  with pytest.raises(ValueError, match=r"sliding_window_pattern has 6 "
+                     r"per-layer flags, expected 7"):
+    _config(tmp_path / "h.gguf", arch="gemma3",
+            meta=dict(meta, sliding_window_pattern=flags[:6]))
+
+
 def test_unpermute_qk_rows_rejects_uneven_heads():
   """Rows that do not split into `num_heads` heads of an even size, or no
   heads at all, are rejected."""
