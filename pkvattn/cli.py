@@ -393,7 +393,6 @@ def _fmt_rate(rate: float | None) -> str:
   digits would print as "1e+03")."""
   if rate is None:
     return "n/a"
-  # From 999.5 three significant digits would round to "1e+03".
   return f"{rate:,.0f}" if rate >= 999.5 else f"{rate:.3g}"
 
 
