@@ -13,6 +13,7 @@ import pytest
 
 from pkvattn import cli
 from pkvattn.engine import EngineStats
+from test_cli import _error_line
 
 MAX_SEED = 2**32 - 1  # the help: seeds are in [0, 4294967295]
 
@@ -22,18 +23,6 @@ def _checked(argv) -> tuple[list[str], object]:
   parser = cli._parser()
   args = parser.parse_args(argv)
   return cli._check_flags(parser, args), args
-
-
-def _error_line(capsys, argv) -> str:
-  """Runs the CLI expecting a usage error; returns its one `error:` line."""
-  with pytest.raises(SystemExit) as exc:
-    cli.main(argv)
-  assert exc.value.code == 2
-  err = capsys.readouterr().err
-  assert "Traceback" not in err and err.startswith("usage: pkvattn-generate")
-  lines = [l for l in err.splitlines() if "error:" in l]
-  assert len(lines) == 1 and lines[0].startswith("pkvattn-generate: error: ")
-  return lines[0]
 
 
 @pytest.mark.parametrize("argv", [
