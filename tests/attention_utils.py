@@ -304,3 +304,14 @@ def primitive_names(jaxpr) -> set[str]:
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       out |= primitive_names(sub)
   return out
+
+
+def runs_a_kernel(fn) -> bool:
+  """Whether `fn()` runs a Pallas kernel: a `pallas_call` in its jaxpr (the
+  Triton kernels, and every kernel interpreted on a CPU) or, on a GPU, a
+  Mosaic-GPU kernel in its lowering (jax 0.11 traces `pl.kernel` into
+  primitives of its own, without a `pallas_call`)."""
+  if "pallas_call" in primitive_names(jax.make_jaxpr(fn)().jaxpr):
+    return True
+  return (jax.default_backend() == "gpu"
+          and "mosaic_gpu" in jax.jit(fn).lower().as_text())

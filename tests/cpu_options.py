@@ -25,3 +25,12 @@ OPTIMIZED_CPU_OPTIONS = {"xla_backend_optimization_level": 2,
 # compile with them, so they check what a user's XLA:CPU builds.
 DEFAULT_CODEGEN_OPTIONS = {"xla_cpu_use_fusion_emitters": True,
                            "xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+def to_cpu(tree):
+  """`tree`'s arrays committed to the CPU, so that a jit of them compiles
+  for XLA:CPU whatever the default backend: tests that read XLA:CPU's
+  compiled programs run on any machine (a GPU backend knows neither the
+  options above nor XLA:CPU's codegen)."""
+  import jax  # noqa: PLC0415  (conftest imports this before it sets XLA_FLAGS)
+  return jax.device_put(tree, jax.devices("cpu")[0])

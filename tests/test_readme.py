@@ -103,9 +103,10 @@ def test_python_block_runs(code, capsys):
   expected = _expected_output(code)
   if MULTI_DEVICE in code:
     # The test run's XLA flags (conftest: faster compiles) and two devices
-    # for blocks that keep flags already set.
+    # for blocks that keep flags already set; the CPU's, as the blocks say,
+    # on a machine with GPUs too.
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + f" {MULTI_DEVICE}=2")
+               + f" {MULTI_DEVICE}=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -522,6 +522,11 @@ def _spm_vocab():
 
 def test_sentencepiece_vocab_matches_transformers(tmp_path):
   transformers = pytest.importorskip("transformers")
+  if tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 25):
+    # 5.17 (the GPU image's) adds no BOS here and splits runs of spaces
+    # into other pieces.
+    pytest.skip("checked against transformers' GGUF SentencePiece vocabulary"
+                " from 5.25")
   tokens, types, scores = _spm_vocab()
   path = tmp_path / "spm.gguf"
   _write(path, "llama", {"w": (np.zeros((2, 2), np.float32), None)}, dict(

@@ -65,8 +65,9 @@ def test_fp8_append_never_widens_the_pool():
   """No unfused op of the compiled append + attention makes a pool-sized
   array but the in-place byte scatter (and free bitcasts): no f16 copy
   around an FP8 scatter."""
-  pool = jnp.zeros((512, 16, 2, 64), jnp.float8_e4m3fn)
-  qkv = jnp.ones((4, 8 * 64), jnp.float32)
+  pool, qkv = cpu_options.to_cpu((
+      jnp.zeros((512, 16, 2, 64), jnp.float8_e4m3fn),
+      jnp.ones((4, 8 * 64), jnp.float32)))
   text = jax.jit(_append_and_attend, donate_argnums=1).lower(
       qkv, pool).compile(cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
   ops = _materialized(text, pool.size)
@@ -98,9 +99,10 @@ def test_decoder_step_on_fp8_bytes_updates_in_place(scan):
       layer_page_tables(jnp.asarray(table), cfg.num_layers),
       np.arange(batch + 1, dtype=np.int32), np.full(batch, 9, np.int32), batch)
   tokens = jnp.arange(batch, dtype=jnp.int32)
+  params, plan, tokens, pool = cpu_options.to_cpu(
+      (params, plan, tokens, jnp.zeros(cfg.pool_shape(8, 16), jnp.uint8)))
   step = lambda p, pool: models.forward(p, cfg, tokens, pool, plan,  # noqa: E731
                                         impl="xla")
-  pool = jnp.zeros(cfg.pool_shape(8, 16), jnp.uint8)
   text = jax.jit(step, donate_argnums=1).lower(params, pool).compile(
       cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
   ops = _materialized(text, pool.size)

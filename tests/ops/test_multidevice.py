@@ -365,10 +365,12 @@ def test_tp_step_collectives_in_the_activation_dtype(results):
 
 def test_row_parallel_dense_reduce_dtype_and_bias(results):
   """A bf16 row-parallel layer: partials all-reduced in f32 where asked, in
-  bf16 by default; either way the bias (random, replicated) is added once,
-  after the sum. The f32 sum rounds once, so nearly every element equals the
-  float64 sum rounded to bf16; XLA:CPU sums bf16 partials in f32 too, so
-  the default's values agree as well, and its dtype shows in the program."""
+  bf16 by default (the dtype shows in the program); either way the bias
+  (random, replicated) is added once, after the sum. The f32 sum rounds
+  once, so nearly every element equals the float64 sum rounded to bf16. The
+  default's values are a rounding or two from it: equal almost everywhere
+  with jaxlib 0.10.2 (XLA:CPU keeps the partials in f32), about three
+  quarters of them with 0.11.2 (the partials rounded to bf16)."""
   rp = results["row_parallel"]
   seed = rp["seed"]
   for red, reduced in (("float32", "f32"), ("None", "bf16")):
@@ -376,11 +378,10 @@ def test_row_parallel_dense_reduce_dtype_and_bias(results):
     assert r["dtype"] == "bfloat16", (seed, red, r)
     assert r["collectives"] == [["all_reduce", f"tensor<64x96x{reduced}>"]], \
         (seed, red, r["collectives"])
-    # A rounding apart at most, and equal almost everywhere (f32 partial
-    # sums can flip a bf16 rounding; a bias subtracted or added per shard
-    # would miss by about |bias|).
-    assert r["equal"] > 0.98, (seed, red, r)
+    # A bias subtracted or added per shard would miss by about |bias|.
     assert r["max_err"] <= 0.125, (seed, red, r)
+  # f32 partial sums can flip a bf16 rounding, rarely.
+  assert rp["float32"]["equal"] > 0.98, (seed, rp["float32"])
 
 
 def test_greedy_tokens_match_argmax(results):

@@ -18,12 +18,18 @@ import dataclasses
 import math
 
 import cpu_options
+import jax
 import jax.numpy as jnp
 import pytest
 
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
 from test_fp8_pool_traffic import ALLOWED, _materialized
+
+# The engine's programs compile for its device; XLA:CPU's are the ones read
+# (on a GPU the kernels append in place: test_rope_append_mgpu.py).
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="reads XLA:CPU's engine programs")
 
 CFG = EngineConfig(page_size=8, num_slots=32, max_seqs=4, max_num_tokens=32,
                    max_model_len=64, token_buckets=(32,))

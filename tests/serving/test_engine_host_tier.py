@@ -113,8 +113,13 @@ def test_no_compile_after_warmup(model):
   with count_compiles() as events:
     engine.warmup()
   assert events                       # the proof that compiles are counted
-  # On a CPU the batches stay in its own memory: no copies to time or pace.
-  assert engine.host_tier.copy_bytes_per_s == float("inf")
+  # On a CPU the batches stay in its own memory: no copies to time or pace;
+  # on a GPU warmup times the copies to the host.
+  speed = engine.host_tier.copy_bytes_per_s
+  if jax.default_backend() == "cpu":
+    assert speed == float("inf")
+  else:
+    assert 0 < speed < float("inf")
   with count_compiles() as events:
     _multi_turn(engine, turns=2, seed=1)
   assert engine.stats.host_hits > 0

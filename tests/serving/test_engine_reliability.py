@@ -212,6 +212,8 @@ def test_generate_warns_of_each_request_that_failed(model, exploding_params):
   with pytest.warns(RuntimeWarning) as caught:
     out = engine.generate([[256, 1, 2], [256, 3, 4, 5], [256, 6]], sp,
                           progress=progress)
-  assert [str(w.message) for w in caught] == [
+  # (On a GPU jax 0.11 also warns of the Pallas-Triton deprecation.)
+  assert [str(w.message) for w in caught
+          if w.category is RuntimeWarning] == [
       "prompts[1] (request 1) failed: RuntimeError: boom"]
   assert [len(o) for o in out[::2]] == [8, 8] and len(out[1]) < 8
