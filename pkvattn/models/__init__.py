@@ -206,6 +206,8 @@ def load_config_and_tokenizer(name_or_path: str):
     hf = json.load(f)
   if "text_config" in hf and "num_hidden_layers" not in hf:
     hf = {**hf["text_config"], "model_type": hf.get("model_type")}
+  if hf.get("model_type") == "gemma3":  # as load_hf_checkpoint reads it
+    hf = {**hf, "model_type": "gemma3_text"}
   return _hf_tokenizer(name_or_path, config_from_hf(hf))
 
 

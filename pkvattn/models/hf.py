@@ -26,6 +26,10 @@ from pkvattn.rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text",
                          "gemma3")
+# transformers' `ACT2FN` names -> `DecoderConfig.activation`: SiLU ("swish"
+# is its other name) and GELU's tanh approximation.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu",
+                "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def config_from_hf(hf: dict) -> DecoderConfig:
@@ -35,7 +39,8 @@ def config_from_hf(hf: dict) -> DecoderConfig:
   `i` see key `j` iff `i - j < W`, i.e. `window_left = W - 1`.
 
   Raises:
-    NotImplementedError: an unsupported `model_type` or RoPE type.
+    NotImplementedError: an unsupported `model_type`, RoPE type or MLP
+      activation (`hidden_activation`, else `hidden_act`).
   """
   mt = hf.get("model_type")
   if mt not in SUPPORTED_MODEL_TYPES:
@@ -56,6 +61,9 @@ def config_from_hf(hf: dict) -> DecoderConfig:
                     for t in layer_types)
   elif mt == "gemma2":  # older configs: even layers are local
     windows = tuple(sw - 1 if i % 2 == 0 else -1 for i in range(L))
+  elif mt == "qwen2":  # layers from max_window_layers on are local
+    first = hf.get("max_window_layers", 28)
+    windows = tuple(sw - 1 if i >= first else -1 for i in range(L))
   elif mt in _GEMMA3:  # layer i is global iff (i + 1) % pattern == 0
     pattern = int(hf.get("sliding_window_pattern")
                   or hf.get("_sliding_window_pattern") or 6)
@@ -72,6 +80,10 @@ def config_from_hf(hf: dict) -> DecoderConfig:
       RopeConfig.from_hf_config(hf), None)
   bias = bool(hf.get("attention_bias", False))
   act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+  if act not in _ACTIVATIONS:
+    raise NotImplementedError(
+        f"activation {act!r} is not supported; expected one of "
+        f"{tuple(_ACTIVATIONS)}")
   return DecoderConfig(
       vocab_size=hf["vocab_size"],
       hidden_size=hf["hidden_size"],
@@ -88,7 +100,7 @@ def config_from_hf(hf: dict) -> DecoderConfig:
       qkv_bias=True if mt == "qwen2" else bias,
       o_bias=False if mt == "qwen2" else bias,
       mlp_bias=bool(hf.get("mlp_bias", False)),
-      activation="gelu_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else "silu",
+      activation=_ACTIVATIONS[act],
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
       embed_scale=math.sqrt(hf["hidden_size"]) if gemma else None,
       sm_scale=(hf["query_pre_attn_scalar"] ** -0.5
@@ -388,6 +400,11 @@ def _token_text(value) -> str | None:
 
 
 def _read_chat_template(path: str, config: dict) -> str | None:
+  # As in transformers, a chat_template.jinja file wins over the config's.
+  jinja_path = os.path.join(path, "chat_template.jinja")
+  if os.path.isfile(jinja_path):
+    with open(jinja_path) as f:
+      return f.read()
   template = config.get("chat_template")
   if isinstance(template, list):  # named templates: use the default one
     named = {t.get("name"): t.get("template") for t in template
@@ -395,8 +412,4 @@ def _read_chat_template(path: str, config: dict) -> str | None:
     template = named.get("default")
   if isinstance(template, str):
     return template
-  jinja_path = os.path.join(path, "chat_template.jinja")
-  if os.path.isfile(jinja_path):
-    with open(jinja_path) as f:
-      return f.read()
   return None
