@@ -39,6 +39,7 @@ from pkvattn.models.gguf_tokenizer import GGUFTokenizer as GGUFTokenizer
 from pkvattn.models.hf import HFTokenizer as HFTokenizer
 from pkvattn.models.hf import config_from_hf as config_from_hf
 from pkvattn.models.hf import load_hf_checkpoint as load_hf_checkpoint
+from pkvattn.models.hf import read_hf_config
 from pkvattn.models.tiny import TINY_CONFIGS as TINY_CONFIGS
 from pkvattn.models.tiny import ByteTokenizer as ByteTokenizer
 from pkvattn.models.tiny import tiny_model as tiny_model
@@ -197,18 +198,8 @@ def load_config_and_tokenizer(name_or_path: str):
   if _is_gguf(name_or_path):
     return load_gguf_config(name_or_path)
   _check_checkpoint_dir(name_or_path)
-  import json
-  cfg_path = os.path.join(name_or_path, "config.json")
-  if not os.path.isfile(cfg_path):
-    raise ValueError(
-        f"Invalid checkpoint path: no config.json in {name_or_path!r}")
-  with open(cfg_path) as f:
-    hf = json.load(f)
-  if "text_config" in hf and "num_hidden_layers" not in hf:
-    hf = {**hf["text_config"], "model_type": hf.get("model_type")}
-  if hf.get("model_type") == "gemma3":  # as load_hf_checkpoint reads it
-    hf = {**hf, "model_type": "gemma3_text"}
-  return _hf_tokenizer(name_or_path, config_from_hf(hf))
+  return _hf_tokenizer(name_or_path,
+                       config_from_hf(read_hf_config(name_or_path)))
 
 
 def _check_checkpoint_dir(path: str) -> None:

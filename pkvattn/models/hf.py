@@ -32,6 +32,26 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu",
                 "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
+def read_hf_config(path: str) -> dict:
+  """The text model's `config.json` dict of checkpoint directory `path`:
+  a multimodal wrapper's `text_config` (without its own layer count), and
+  the Gemma 3 wrapper's model type read as its text model's, "gemma3_text".
+
+  Raises:
+    ValueError: no config.json in `path`.
+  """
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.isfile(cfg_path):
+    raise ValueError(f"Invalid checkpoint path: no config.json in {path!r}")
+  with open(cfg_path) as f:
+    hf = json.load(f)
+  if "text_config" in hf and "num_hidden_layers" not in hf:
+    hf = {**hf["text_config"], "model_type": hf.get("model_type")}
+  if hf.get("model_type") == "gemma3":  # the multimodal wrapper's text model
+    hf = {**hf, "model_type": "gemma3_text"}
+  return hf
+
+
 def config_from_hf(hf: dict) -> DecoderConfig:
   """`DecoderConfig` from a Hugging Face `config.json` dict.
 
@@ -167,16 +187,7 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32):
     ValueError: no config.json / safetensors, or a missing weight.
     NotImplementedError: unsupported architecture.
   """
-  cfg_path = os.path.join(path, "config.json")
-  if not os.path.isfile(cfg_path):
-    raise ValueError(f"Invalid checkpoint path: no config.json in {path!r}")
-  with open(cfg_path) as f:
-    hf = json.load(f)
-  if "text_config" in hf and "num_hidden_layers" not in hf:
-    hf = {**hf["text_config"], "model_type": hf.get("model_type")}
-  if hf.get("model_type") == "gemma3":  # the multimodal wrapper's text model
-    hf = {**hf, "model_type": "gemma3_text"}
-  cfg = config_from_hf(hf)
+  cfg = config_from_hf(read_hf_config(path))
   with contextlib.ExitStack() as files:
     tensors = _open_tensors(path, files)
 
