@@ -69,7 +69,7 @@ def test_fp8_append_never_widens_the_pool():
       jnp.zeros((512, 16, 2, 64), jnp.float8_e4m3fn),
       jnp.ones((4, 8 * 64), jnp.float32)))
   text = jax.jit(_append_and_attend, donate_argnums=1).lower(
-      qkv, pool).compile(cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
+      qkv, pool).compile(cpu_options.default_codegen_options()).as_text()
   ops = _materialized(text, pool.size)
   assert any("scatter" in op for op in ops), ops
   wide = [op for op in ops if op.split()[0] not in ALLOWED
@@ -104,7 +104,7 @@ def test_decoder_step_on_fp8_bytes_updates_in_place(scan):
   step = lambda p, pool: models.forward(p, cfg, tokens, pool, plan,  # noqa: E731
                                         impl="xla")
   text = jax.jit(step, donate_argnums=1).lower(params, pool).compile(
-      cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
+      cpu_options.default_codegen_options()).as_text()
   ops = _materialized(text, pool.size)
   assert any("scatter" in op for op in ops), ops
   passes = [op for op in ops

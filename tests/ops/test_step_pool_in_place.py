@@ -44,7 +44,7 @@ def _pool_passes(engine, key):
   """The unfused pool-sized ops of program `key` that are neither views nor
   scatters; asserts the pool is aliased and scattered into."""
   text = engine._lower(key).compile(
-      cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
+      cpu_options.default_codegen_options()).as_text()
   assert "input_output_alias" in text, key
   ops = _materialized(text, math.prod(engine.pool.shape))
   assert any("scatter" in op for op in ops), (key, ops)
@@ -65,7 +65,7 @@ def test_steps_update_the_pool_in_place(model, kv_cache_dtype):
   admit = engine.last_program
   assert admit.num_tokens == 0
   text = engine._lower(admit).compile(
-      cpu_options.DEFAULT_CODEGEN_OPTIONS).as_text()
+      cpu_options.default_codegen_options()).as_text()
   assert "input_output_alias" in text
   assert all(op.split()[0] in ALLOWED  # the pool passes through untouched
              for op in _materialized(text, math.prod(engine.pool.shape)))
