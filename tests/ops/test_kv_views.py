@@ -19,48 +19,22 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
+from attention_utils import FORMATS, FP8, make_paged
 from pkvattn import _kv
-
-FORMATS = ("pair", "pool", "flashinfer")
-FP8 = jnp.float8_e4m3fn
-
 
 def _cache(rng, fmt, *, batch=3, max_pages=4, page_size=8, heads=2,
            head_dim=64, dtype=jnp.float32):
-  """A random cache of `fmt` with a random table (page 0 always owned, -1
-  in unused entries); unowned pages are NaN. Returns `(cache, table, k, v)`
-  with `k[b][i]` / `v[b][i]` the K / V page of block `i` of sequence `b`."""
-  ids_per_block = 2 if fmt == "pool" else 1
-  used = [int(rng.integers(1, max_pages + 1)) for _ in range(batch)]
-  num_pages = sum(used) * ids_per_block + 2
-  ids = rng.permutation(num_pages)
-  ids = np.concatenate([[0], ids[ids != 0]])  # page 0 is owned
-  shape = (num_pages, page_size, heads, head_dim)
-  pages = np.full((2,) + shape, np.nan, np.float32)
-  table = np.full((batch, 2, max_pages) if fmt == "pool" else
-                  (batch, max_pages), -1, np.int32)
-  k, v, cursor = [], [], 0
-  for b, n in enumerate(used):
-    k.append([]), v.append([])
-    for i in range(n):
-      kv = rng.standard_normal((2,) + shape[1:]).astype(np.float32)
-      if fmt == "pool":
-        kp, vp = ids[cursor:cursor + 2]
-        table[b, :, i] = kp, vp
-        pages[0, kp], pages[0, vp] = kv
-      else:
-        kp = vp = ids[cursor]
-        table[b, i] = kp
-        pages[:, kp] = kv
-      cursor += ids_per_block
-      k[b].append(kv[0]), v[b].append(kv[1])
-  if fmt == "pair":
-    cache = (jnp.asarray(pages[0], dtype), jnp.asarray(pages[1], dtype))
-  elif fmt == "pool":
-    cache = jnp.asarray(pages[0], dtype)
-  else:
-    cache = jnp.asarray(np.stack([pages[0], pages[1]], axis=1), dtype)
-  return cache, table, k, v
+  """`attention_utils.make_paged` of whole pages: 1 to `max_pages` blocks
+  a sequence, -1 in unused table entries, unowned pages NaN. Returns
+  `(cache, table, k, v)` with `k[b][i]` / `v[b][i]` the K / V page of block
+  `i` of sequence `b`."""
+  used = rng.integers(1, max_pages + 1, batch)
+  paged = make_paged(rng, used * page_size, page_size=page_size,
+                     num_kv_heads=heads, head_dim=head_dim, dtype=dtype,
+                     fmt=fmt, max_pages=max_pages, extra_pages=2)
+  pages = lambda x: list(x.reshape(-1, page_size, heads, head_dim))  # noqa: E731
+  return (paged.kv_cache, paged.page_table, [pages(x) for x in paged.k],
+          [pages(x) for x in paged.v])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
