@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from pkvattn import cache
 from pkvattn.cache import hybrid
 from pkvattn.cache import reference_hybrid
-from test_cache_model import assert_same as assert_same_group
+from cache_asserts import assert_same as assert_same_group
 
 _COMMON = dict(page_size=4, max_seqs=5, max_pages=6, hash_ways=20)
 CONFIGS = {

@@ -3,13 +3,14 @@
 Three configs, all with `enable_swa_scratch_reuse` on: one mixed (a windowed
 and a full layer: scratch inactive, the plain path), two all-windowed (scratch
 active; one with three windows and `max_rewind_len`). After every step: the
-device state equals the model slot for slot (tables, lengths, refcounts,
-publication, LRU clocks, generations, scratch), `cache.validate` passes,
-per-request results agree, every reused block really holds the request's
-prefix, and a visibility oracle built from the attention semantics alone
-holds (`_check_visibility`): every block a current or future query can see is
-mapped to a slot holding that sequence's tokens; scratch blocks are mapped
-only while their step runs, to pages no one else holds.
+device state equals the model slot for slot (`cache_asserts.assert_same`:
+tables, lengths, refcounts, publication, LRU clocks, generations, scratch),
+`cache.validate` passes, per-request results agree, every reused block
+really holds the request's prefix, and a visibility oracle built from the
+attention semantics alone holds (`_check_visibility`): every block a current
+or future query can see is mapped to a slot holding that sequence's tokens;
+scratch blocks are mapped only while their step runs, to pages no one else
+holds.
 
 Arguments of each operation come from a numpy generator seeded by a drawn
 integer (two hypothesis draws per operation keep an example cheap); the
@@ -37,6 +38,7 @@ from pkvattn.cache import publish
 from pkvattn.cache import reference
 from pkvattn.cache.validate import CacheInvariantError
 from pkvattn.cache.validate import validate as validate_flat
+from cache_asserts import assert_same
 
 CONFIGS = {
     # One windowed and one full layer: scratch stays inactive.
@@ -106,46 +108,6 @@ def _i32(x):
 
 def _cdiv(a, b):
   return -(-a // b)
-
-
-def assert_same(state: cache.CacheState, ref: reference.ReferenceCache,
-                with_stats: bool = False, invariants: bool = True):
-  """Device state == model, slot for slot (`invariants`: `cache.validate`
-  first; a caller checking a per-window-group cache validates it whole)."""
-  cfg = state.config
-  if invariants:
-    cache.validate(state)
-  h = jax.device_get(state)  # one transfer, then numpy comparisons
-  for sid in range(cfg.max_seqs):
-    live = sid in ref.seqs
-    assert h.seq_slots[sid].tolist() == ref.seq_row(sid), (sid, h.seq_slots)
-    assert bool(h.seq_live[sid]) == live
-    assert int(h.seq_lens[sid]) == (ref.seqs[sid].length if live else 0)
-    if live:
-      assert int(h.seq_scope[sid]) == ref.seqs[sid].scope
-    slots, first, count = ref.scratch_row(sid)
-    assert h.seq_scratch_slots[sid].tolist() == slots, sid
-    assert (int(h.seq_scratch_first[sid]),
-            int(h.seq_scratch_count[sid])) == (first, count), sid
-  assert h.slot_refcount.tolist() == ref.refcount
-  assert h.slot_published.tolist() == ref.published
-  assert h.slot_last_use.tolist() == ref.last_use
-  assert h.slot_gen.tolist() == ref.gen
-  for s in np.nonzero(ref.published)[0]:
-    assert int(h.slot_parent[s]) == ref.parent[s]
-    assert int(h.slot_parent_gen[s]) == ref.parent_gen[s]
-    assert int(h.slot_depth[s]) == ref.depth[s]
-    assert tuple(h.slot_tokens[s].tolist()) == ref.tokens[s]
-    assert int(h.slot_scope[s]) == ref.scope[s]
-  if with_stats:
-    got = {k: int(v) for k, v in jax.device_get(cache.stats(state)).items()
-           if k != "hit_rate"}
-    want = ref.stats()
-    for k, v in want.items():
-      assert got[k] == v, (k, got, want)
-    assert (got["num_free"] + got["num_used"] + got["num_cached"]
-            == cfg.num_slots)
-  assert int(h.clock) == ref.clock
 
 
 class _Run:

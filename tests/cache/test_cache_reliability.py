@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pkvattn import cache
 from pkvattn.cache import reference
-from test_cache_model import assert_same
+from cache_asserts import assert_same
 
 CFG = cache.CacheConfig(num_slots=8, page_size=4, num_layers=1, max_seqs=6,
                         max_pages=4, hash_ways=8)

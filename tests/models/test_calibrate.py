@@ -2,7 +2,7 @@
 
 The prefill's K (after RoPE) / V amax, the calibrated scales and the
 saturation counts are checked against the float64 numpy decoder of
-`test_decoder` (`_np_forward`, written from the formulas) and the
+`decoder_oracle` (`np_forward`, written from the formulas) and the
 docstrings' rules: scale = amax * headroom / 448 (1.0 for a layer or head
 that saw only zeros), saturated = `|x| > 448 * scale`, the batch cut to the
 first `max_prompts` prompts and `num_tokens` tokens. The model's weights
@@ -23,7 +23,7 @@ import pytest
 import pkvattn
 from pkvattn.models import calibrate
 from pkvattn.models import decoder
-from test_decoder import _np_forward
+from decoder_oracle import np_forward
 
 CFG = decoder.DecoderConfig(
     vocab_size=48, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -51,7 +51,7 @@ def _prompts(rng, lens):
 def _np_abs_kv(params, prompts):
   """`|K|` and `|V|` of every prompt's prefill (float64 oracle), as
   `[L, 2, H, values]`: the values of all the prompts' tokens and dims."""
-  kvs = [_np_forward(params, CFG, p)[1] for p in prompts]
+  kvs = [np_forward(params, CFG, p)[1] for p in prompts]
   return np.stack([np.stack([
       np.concatenate([np.abs(kv[l][i]).transpose(1, 0, 2).reshape(H, -1)
                       for kv in kvs], axis=1) for i in (0, 1)])

@@ -10,7 +10,7 @@ kernel's launch order). These tests build the decoder's own configs (every
 optional term on, norm weights and biases random, epsilon comparable to the
 activations' mean square) and compare the whole forward, scanned, unstacked
 and fused, logits and written K/V, with a numpy oracle that shares no code
-with it (RoPE from `rope_utils`, attention from
+with it (`decoder_oracle`: RoPE from `rope_utils`, attention from
 `attention_utils.dense_attention`); the MLP and RMSNorm alone at tighter
 tolerances; and the static config logic directly.
 """
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import pkvattn
-from attention_utils import dense_attention
 from attention_utils import prompt_prefill_inputs
-from rope_utils import np_inv_freq
-from rope_utils import np_rope
+from decoder_oracle import np_act
+from decoder_oracle import np_forward
+from decoder_oracle import np_norm
 from pkvattn.models import decoder
 from pkvattn.models.decoder import DecoderConfig
 
@@ -81,77 +81,6 @@ def _params(cfg, rng, dtype):
   return jax.tree_util.tree_map_with_path(perturb, p)
 
 
-def _np_norm(x, w, eps, plus_one):
-  x = np.asarray(x, np.float64)
-  w = np.asarray(w, np.float64)
-  y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
-  return y * (1.0 + w) if plus_one else y * w
-
-
-def _np_dense(p, x):
-  y = x @ np.asarray(p["kernel"], np.float64)
-  if "bias" in p:
-    y = y + np.asarray(p["bias"], np.float64)
-  return y
-
-
-def _np_act(a, activation):
-  if activation == "silu":
-    return a / (1.0 + np.exp(-a))
-  return 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a ** 3)))
-
-
-def _np_forward(params, cfg, tokens):
-  """float64 logits of one sequence prefilled from an empty cache, and the
-  keys (after QK-norm and RoPE) and values of every layer."""
-  f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-  params = jax.tree.map(f64, params)
-  norm = lambda x, w: _np_norm(x, w, cfg.rms_norm_eps, cfg.norm_plus_one)
-  n, d = len(tokens), cfg.head_dim
-  pos = np.arange(n)
-  kvs = []
-  x = params["embed"][np.asarray(tokens)]
-  if cfg.embed_scale is not None:
-    x = x * cfg.embed_scale
-  for l in range(cfg.num_layers):
-    lp = jax.tree.map(lambda a, l=l: a[l], params["layers"])
-    at = lp["attn"]
-    h = norm(x, lp["attn_norm"])
-    q = _np_dense(at["q_proj"], h).reshape(n, cfg.num_qo_heads, d)
-    k = _np_dense(at["k_proj"], h).reshape(n, cfg.num_kv_heads, d)
-    v = _np_dense(at["v_proj"], h).reshape(n, cfg.num_kv_heads, d)
-    if cfg.qk_norm:  # Gemma 3: always the (1 + w) form, per head
-      q = _np_norm(q, at["q_norm"], cfg.rms_norm_eps, True)
-      k = _np_norm(k, at["k_norm"], cfg.rms_norm_eps, True)
-    window = cfg.windows[l]
-    rope = cfg.rope_local if (cfg.rope_local and window >= 0) else cfg.rope
-    inv = np_inv_freq(d, rope.theta, scaling=rope.scaling)
-    q, k = np_rope(q, pos, inv, rope.style), np_rope(k, pos, inv, rope.style)
-    kvs.append((k, v))
-    o, _ = dense_attention(q, k, v, pos, n, window_left=window,
-                           sm_scale=cfg.sm_scale or d ** -0.5,
-                           logits_soft_cap=cfg.attn_logit_softcap)
-    a = _np_dense(at["o_proj"], o.reshape(n, -1))
-    if cfg.sandwich_norms:
-      a = norm(a, lp["post_attn_norm"])
-    x = x + a
-    mp = lp["mlp"]
-    h = norm(x, lp["mlp_norm"])
-    m = _np_dense(mp["down_proj"], _np_act(_np_dense(mp["gate_proj"], h),
-                                           cfg.activation)
-                  * _np_dense(mp["up_proj"], h))
-    if cfg.sandwich_norms:
-      m = norm(m, lp["post_mlp_norm"])
-    x = x + m
-  x = norm(x, params["final_norm"])
-  head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-  logits = x @ head
-  if cfg.final_logit_softcap:
-    c = cfg.final_logit_softcap
-    logits = c * np.tanh(logits / c)
-  return logits, kvs
-
-
 def _pool_rows(pool, plan, layer, b, n, page_size):
   """Rows 0..n-1 of sequence b's K and V pages of `layer` in the pool."""
   table = np.asarray(plan.page_table)[layer, b]  # [2, max_pages]
@@ -195,7 +124,7 @@ def test_forward_matches_numpy_decoder(name, layout, rng):
                                   impl="xla")
   assert new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
   for b, p in enumerate(prompts):
-    want, kvs = _np_forward(params, cfg, p)
+    want, kvs = np_forward(params, cfg, p)
     what = f"{name} {layout} prompt {b}"
     np.testing.assert_allclose(
         np.asarray(logits[q_indptr[b]:q_indptr[b + 1]]), want,
@@ -221,8 +150,8 @@ def test_rms_norm_matches_numpy(plus_one, dtype, rng):
   wj = jnp.asarray(w, dtype)
   got = decoder.rms_norm(xj, wj, eps, plus_one)
   assert got.dtype == xj.dtype and got.shape == xj.shape
-  want = _np_norm(np.asarray(xj.astype(jnp.float32)),
-                  np.asarray(wj.astype(jnp.float32)), eps, plus_one)
+  want = np_norm(np.asarray(xj.astype(jnp.float32)),
+                 np.asarray(wj.astype(jnp.float32)), eps, plus_one)
   dt = np.dtype(dtype)
   tol = {np.dtype(jnp.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}[dt]
   np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want,
@@ -245,7 +174,7 @@ def test_mlp_matches_numpy(activation, fused, rng):
                                ("up_proj", (h, i), 0.5),
                                ("down_proj", (i, h), 0.3))}
   m = lambda name, a: a @ p[name]["kernel"] + p[name]["bias"]  # noqa: E731
-  want = m("down_proj", _np_act(m("gate_proj", x), activation)
+  want = m("down_proj", np_act(m("gate_proj", x), activation)
            * m("up_proj", x))
   pj = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)
   if fused:

@@ -11,9 +11,6 @@ over a pool 64 times larger may access only a few bytes more.
 
 from __future__ import annotations
 
-import math
-import re
-
 import cpu_options
 import jax
 import jax.numpy as jnp
@@ -25,27 +22,8 @@ from pkvattn import _kv
 from pkvattn import models
 from pkvattn.flax import AttentionPlan, layer_page_tables
 from pkvattn.models import calibrate
-
-
-def _materialized(text: str, num_elements: int) -> list[str]:
-  """Instructions of a compiled module's unfused computations (the entry,
-  loop bodies) whose result holds `num_elements` elements, as `"opcode
-  name"`. Ops inside fusions are left out: a convert fused into a gather
-  runs per gathered element."""
-  blocks = text.split("\n\n")
-  fused = set(re.findall(r"fusion\(.*?calls=(%[\w.-]+)", text))
-  found = []
-  for block in blocks:
-    head = block.lstrip().split(" ", 2)
-    name = head[1] if head[0] == "ENTRY" else head[0]
-    if not name.startswith("%") or name in fused:
-      continue
-    for line in block.splitlines()[1:]:
-      m = re.match(r"\s*(?:ROOT )?(%\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(", line)
-      if m and m.group(2) and math.prod(
-          int(x) for x in m.group(2).split(",")) == num_elements:
-        found.append(f"{m.group(3)} {m.group(1)}")
-  return found
+from hlo_text import VIEW_OPS
+from hlo_text import materialized
 
 
 def _append_and_attend(qkv, pool):
@@ -70,15 +48,11 @@ def test_fp8_append_never_widens_the_pool():
       jnp.ones((4, 8 * 64), jnp.float32)))
   text = jax.jit(_append_and_attend, donate_argnums=1).lower(
       qkv, pool).compile(cpu_options.default_codegen_options()).as_text()
-  ops = _materialized(text, pool.size)
+  ops = materialized(text, pool.size)
   assert any("scatter" in op for op in ops), ops
-  wide = [op for op in ops if op.split()[0] not in ALLOWED
+  wide = [op for op in ops if op.split()[0] not in VIEW_OPS
           and "bitcast-convert" not in op and "scatter" not in op]
   assert not wide, wide
-
-
-# Ops that make no pass over the pool: views and the loop carry.
-ALLOWED = ("parameter", "bitcast", "get-tuple-element", "tuple", "while")
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -105,10 +79,10 @@ def test_decoder_step_on_fp8_bytes_updates_in_place(scan):
                                         impl="xla")
   text = jax.jit(step, donate_argnums=1).lower(params, pool).compile(
       cpu_options.default_codegen_options()).as_text()
-  ops = _materialized(text, pool.size)
+  ops = materialized(text, pool.size)
   assert any("scatter" in op for op in ops), ops
   passes = [op for op in ops
-            if op.split()[0] not in ALLOWED and "scatter" not in op]
+            if op.split()[0] not in VIEW_OPS and "scatter" not in op]
   assert not passes, passes
   got, new_pool = jax.jit(step)(params, pool)
   want, want_pool = jax.jit(step)(params, _kv.from_bytes(pool))

@@ -24,7 +24,8 @@ import pytest
 
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
-from test_fp8_pool_traffic import ALLOWED, _materialized
+from hlo_text import VIEW_OPS
+from hlo_text import materialized
 
 # The engine's programs compile for its device; XLA:CPU's are the ones read
 # (on a GPU the kernels append in place: test_rope_append_mgpu.py).
@@ -46,10 +47,10 @@ def _pool_passes(engine, key):
   text = engine._lower(key).compile(
       cpu_options.default_codegen_options()).as_text()
   assert "input_output_alias" in text, key
-  ops = _materialized(text, math.prod(engine.pool.shape))
+  ops = materialized(text, math.prod(engine.pool.shape))
   assert any("scatter" in op for op in ops), (key, ops)
   return [op for op in ops
-          if op.split()[0] not in ALLOWED and "scatter" not in op]
+          if op.split()[0] not in VIEW_OPS and "scatter" not in op]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -67,8 +68,8 @@ def test_steps_update_the_pool_in_place(model, kv_cache_dtype):
   text = engine._lower(admit).compile(
       cpu_options.default_codegen_options()).as_text()
   assert "input_output_alias" in text
-  assert all(op.split()[0] in ALLOWED  # the pool passes through untouched
-             for op in _materialized(text, math.prod(engine.pool.shape)))
+  assert all(op.split()[0] in VIEW_OPS  # the pool passes through untouched
+             for op in materialized(text, math.prod(engine.pool.shape)))
   engine.step()
   prefill = engine.last_program
   assert " while(" in engine._lower(prefill).as_text(dialect="hlo")

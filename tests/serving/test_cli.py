@@ -21,6 +21,7 @@ from pkvattn import _version
 from pkvattn import cli
 from pkvattn.engine import Engine, EngineStats
 from pkvattn.models import ByteTokenizer
+from cli_errors import error_line
 
 # With `Engine.warmup` every program compiles before the first step and the
 # prefill is timed; without it the prefill runs in the first, compiling step.
@@ -32,23 +33,6 @@ TINY = ["--model", "tiny-llama", "--page-size", "8", "--num-slots", "32",
         "--max-model-len", "64"]
 PROMPTS = ["--prompt", "Hello, paged world",
            "--prompt", "Hello, paged universe"]
-
-
-def _error_line(capsys, argv) -> str:
-  """Runs the CLI expecting a usage error; returns its one `error:` line."""
-  with pytest.raises(SystemExit) as exc:
-    cli.main(argv)
-  assert exc.value.code == 2
-  captured = capsys.readouterr()
-  assert "Traceback" not in captured.err and not captured.out
-  # Only a closed progress bar (its own line) may come before the usage.
-  bar, usage, rest = captured.err.partition("usage: pkvattn-generate")
-  assert usage and (not bar or bar.startswith("\rgenerating:") and
-                    bar.endswith("\n")), captured.err
-  lines = [l for l in rest.splitlines() if "error:" in l]
-  assert len(lines) == 1, captured.err
-  assert lines[0].startswith("pkvattn-generate: error: ")
-  return lines[0]
 
 
 # --------------------------------------------------------- flags and inputs
@@ -90,31 +74,31 @@ def _error_line(capsys, argv) -> str:
                                   "without --kv-cache-dtype fp8"),
 ])
 def test_bad_flag_is_an_error_line(capsys, argv, expected):
-  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a"] + argv)
+  line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a"] + argv)
   assert expected in line
 
 
 def test_bad_prompts_are_error_lines(capsys, tmp_path):
   base = ["--model", "tiny-llama"]
-  assert "no prompt given: pass --prompt TEXT" in _error_line(capsys, base)
+  assert "no prompt given: pass --prompt TEXT" in error_line(capsys, base)
   assert "argument --prompt: expected non-blank text, got ' \\t'" in (
-      _error_line(capsys, base + ["--prompt", " \t"]))
+      error_line(capsys, base + ["--prompt", " \t"]))
   missing = tmp_path / "missing.txt"
-  line = _error_line(capsys, base + ["--prompts-file", str(missing)])
+  line = error_line(capsys, base + ["--prompts-file", str(missing)])
   assert f"argument --prompts-file: cannot read '{missing}'" in line
   assert "No such file" in line
-  assert "argument --prompts-file: cannot read" in _error_line(
+  assert "argument --prompts-file: cannot read" in error_line(
       capsys, base + ["--prompts-file", str(tmp_path)])  # a directory
   for content in ("", "\n\n", "  \n\t\n \n"):
     blank = tmp_path / "blank.txt"
     blank.write_text(content)
-    line = _error_line(capsys, base + ["--prompt", "a",
-                                       "--prompts-file", str(blank)])
+    line = error_line(capsys, base + ["--prompt", "a",
+                                      "--prompts-file", str(blank)])
     assert ("argument --prompts-file: expected a file with at least one "
             "non-blank line") in line
   latin1 = tmp_path / "latin1.txt"
   latin1.write_bytes("café\n".encode("latin-1"))
-  assert "argument --prompts-file: expected UTF-8 text" in _error_line(
+  assert "argument --prompts-file: expected UTF-8 text" in error_line(
       capsys, base + ["--prompts-file", str(latin1)])
 
 
@@ -125,20 +109,20 @@ def test_lengths_checked_against_the_model_before_its_weights(
   from pkvattn import models
   monkeypatch.setattr(models, "load_model", _no_weights)
   tiny = ["--model", "tiny-llama", "--page-size", "8"]
-  line = _error_line(capsys, tiny + ["--prompt", "x" * 4095])
+  line = error_line(capsys, tiny + ["--prompt", "x" * 4095])
   assert ("prompt 0 is 4096 tokens; expected fewer than the model's "
           "max_position_embeddings (4096)") in line
-  line = _error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 40,
-                                     "--max-model-len", "41"])
+  line = error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 40,
+                                    "--max-model-len", "41"])
   assert "prompt 1 is 41 tokens; expected fewer than --max-model-len 41" in line
-  line = _error_line(capsys, tiny + ["--prompt", "a",
-                                     "--max-model-len", "5000"])
+  line = error_line(capsys, tiny + ["--prompt", "a",
+                                    "--max-model-len", "5000"])
   assert ("argument --max-model-len: expected <= 4096 (the model's "
           "max_position_embeddings), got 5000") in line
   # 20 + 30 tokens: the cache holds at most 49 of them = 7 pages of 8.
-  line = _error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 19,
-                                     "--max-new-tokens", "30",
-                                     "--num-slots", "6"])
+  line = error_line(capsys, tiny + ["--prompt", "a", "--prompt", "x" * 19,
+                                    "--max-new-tokens", "30",
+                                    "--num-slots", "6"])
   assert ("argument --num-slots: expected >= 7, got 6: prompt 1 (20 tokens) + "
           "30 new tokens need 7 pages of 8 tokens; raise --num-slots to 7"
           ) in line
@@ -168,9 +152,9 @@ def _no_weights(*args, **kwargs):
 
 
 def test_model_errors_are_error_lines(capsys, monkeypatch, tmp_path):
-  line = _error_line(capsys, ["--model", "no-such-model", "--prompt", "a"])
+  line = error_line(capsys, ["--model", "no-such-model", "--prompt", "a"])
   assert "argument --model: Invalid model" in line and "no-such-model" in line
-  line = _error_line(capsys, ["--model", str(tmp_path), "--prompt", "a"])
+  line = error_line(capsys, ["--model", str(tmp_path), "--prompt", "a"])
   assert "argument --model: Invalid checkpoint path: no config.json" in line
   # A built-in model whose package is missing: pkvattn.models says how to
   # install it in a ValueError.
@@ -184,11 +168,11 @@ def test_model_errors_are_error_lines(capsys, monkeypatch, tmp_path):
   monkeypatch.setattr(models, "load_model", missing)
   monkeypatch.setattr(models, "load_config_and_tokenizer", missing,
                       raising=False)
-  assert _error_line(capsys, ["--prompt", "a"]).endswith(
+  assert error_line(capsys, ["--prompt", "a"]).endswith(
       f"error: argument --model: {message}")
   monkeypatch.undo()
-  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
-                              "--tp", "64"])
+  line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                             "--tp", "64"])
   assert "argument --tp: Invalid tp: expected an int in [1, " in line
 
 
@@ -196,8 +180,8 @@ def test_pool_too_small_for_scratch_reuse_is_an_error_line(capsys):
   # With --swa-scratch-reuse the pool check is left to the engine, whose
   # refusal (when the request is added, before anything compiles) must still
   # end as an error line naming the flag.
-  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
-                              "--swa-scratch-reuse", "--num-slots", "2"])
+  line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                             "--swa-scratch-reuse", "--num-slots", "2"])
   assert "error: argument --num-slots: prompt 0: " in line
   assert line.endswith("but the pool has num_slots=2")
 
@@ -446,10 +430,10 @@ def test_cli_hf_checkpoint_prompts_file_sampling_json(tmp_path, capsys):
 
 
 def test_host_kv_cache_gb_flag(capsys):
-  line = _error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "-1"])
+  line = error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "-1"])
   assert "argument --host-kv-cache-gb: expected a number of GB >= 0" in line
   # Below one slot of the model: the engine's error, as a usage error.
-  line = _error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "1e-9"])
+  line = error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "1e-9"])
   assert "argument --host-kv-cache-gb: Invalid host_kv_cache_bytes" in line
   # On: the summary reports the tier.
   assert cli.main(TINY + PROMPTS + ["--host-kv-cache-gb", "0.001",

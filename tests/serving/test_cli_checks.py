@@ -13,7 +13,7 @@ import pytest
 
 from pkvattn import cli
 from pkvattn.engine import EngineStats
-from test_cli import _error_line
+from cli_errors import error_line
 
 MAX_SEED = 2**32 - 1  # the help: seeds are in [0, 4294967295]
 
@@ -49,15 +49,15 @@ def test_seed_plus_prompt_index_reaches_the_top_seed(capsys):
   second gets the top seed), 2**32 - 1 does not."""
   argv = ["--prompt", "a", "--prompt", "b", "--seed"]
   assert _checked(argv + [str(MAX_SEED - 1)])[0] == ["a", "b"]
-  line = _error_line(capsys, ["--model", "tiny-llama"] + argv + [str(MAX_SEED)])
+  line = error_line(capsys, ["--model", "tiny-llama"] + argv + [str(MAX_SEED)])
   assert f"argument --seed: expected <= {MAX_SEED - 1} " in line
 
 
 @pytest.mark.parametrize("value", ["inf", "nan"])
 def test_host_kv_cache_gb_must_be_finite(capsys, value):
   """`--host-kv-cache-gb` is a number of GB >= 0: inf and nan are errors."""
-  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
-                              "--host-kv-cache-gb", value])
+  line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                             "--host-kv-cache-gb", value])
   assert "argument --host-kv-cache-gb: expected a number of GB >= 0" in line
 
 
@@ -84,8 +84,8 @@ def test_parse_size_rejects_non_sizes(text):
 def test_kv_cache_memory_beyond_a_float_is_an_error_line(capsys):
   """A size that overflows once its unit applies is refused like any other
   non-size, with the CLI's error line (not a traceback)."""
-  line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
-                              "--kv-cache-memory=1e308TiB"])
+  line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                             "--kv-cache-memory=1e308TiB"])
   assert line.endswith("argument --kv-cache-memory: expected a positive "
                        "size such as 8GiB, 512MiB or 1000000000, got "
                        "'1e308TiB'")
@@ -101,8 +101,8 @@ def test_prompts_file_lines_are_prompts(tmp_path):
 def test_unreadable_prompts_file_names_the_path_once(capsys, tmp_path):
   """The error names the file once, then why it cannot be read."""
   missing = str(tmp_path / "missing.txt")
-  line = _error_line(capsys, ["--model", "tiny-llama",
-                              "--prompts-file", missing])
+  line = error_line(capsys, ["--model", "tiny-llama",
+                             "--prompts-file", missing])
   assert f"argument --prompts-file: cannot read {missing!r}: " in line
   assert line.count(missing) == 1
 
@@ -115,8 +115,8 @@ def test_kv_cache_memory_flag(capsys):
         1].kv_cache_memory == size
   assert _checked(["--prompt", "a"])[1].kv_cache_memory is None
   for text in ("lots", "0", "-1GiB"):
-    line = _error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
-                                f"--kv-cache-memory={text}"])
+    line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a",
+                               f"--kv-cache-memory={text}"])
     assert line.endswith("argument --kv-cache-memory: expected a positive "
                          "size such as 8GiB, 512MiB or 1000000000, got "
                          f"{text!r}")

@@ -1,12 +1,12 @@
 """Compile once: after `Engine.warmup()` no workload compiles anything.
 
 Compilations are counted with a `jax.monitoring` listener on XLA's backend
-compile event; the last test proves the counter sees a compile by forcing one.
+compile event (`compile_events.count_compiles`); the last test proves the
+counter sees a compile by forcing one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -22,28 +22,12 @@ from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, RequestStatus, SamplingParams
 from pkvattn.models import decoder
 from pkvattn.serving import compile_cache, compiler, programs
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+from compile_events import count_compiles
 
 # Small pool (12 slots of 8 tokens for 4 rows of up to 64 tokens): claims are
 # refused and decodes preempted; bursts of 4 decode steps.
 CFG = EngineConfig(page_size=8, num_slots=12, max_seqs=4, max_num_tokens=32,
                    max_model_len=64, decode_steps=4, check=True)
-
-
-@contextlib.contextmanager
-def count_compiles():
-  events = []
-
-  def listener(name, secs, **kwargs):
-    del secs, kwargs
-    if name == BACKEND_COMPILE:
-      events.append(name)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_program_list_is_small_and_known():

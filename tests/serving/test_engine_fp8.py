@@ -22,7 +22,7 @@ from pkvattn import _checks
 from pkvattn import _kv
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import calibrate
-from test_engine_compile_once import count_compiles
+from compile_events import count_compiles
 
 CFG = EngineConfig(page_size=8, num_slots=24, max_seqs=2, max_num_tokens=32,
                    max_model_len=64, kv_cache_dtype="fp8",

@@ -16,7 +16,7 @@ import pytest
 from pkvattn import cache
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
-from test_engine_compile_once import count_compiles
+from compile_events import count_compiles
 
 # 16 slots x 8 tokens; 4 conversations of up to ~90 tokens: every turn evicts
 # the others' histories from the device.
