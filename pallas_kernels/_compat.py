@@ -1,4 +1,4 @@
-"""Version shims for Pallas-Triton across jax 0.10.2 .. 0.12.
+"""Version shims for Pallas (Triton and Mosaic GPU) across jax 0.10.2 .. 0.12.
 
 Pallas-Triton is deprecated since jax 0.11.0 but still shipped; a GPU
 `pallas_call` without explicit Triton compiler params goes to Mosaic GPU, so
@@ -11,6 +11,7 @@ compile, outside the filter (the test run ignores it: pyproject.toml).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 from jax.experimental import pallas as pl
@@ -44,6 +45,19 @@ def mosaic_gpu():
   """Imports Mosaic GPU Pallas lazily (only the Hopper kernels need it)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   return plgpu
+
+
+def ref_type(*, write: bool = True):
+  """`plgpu.RefType` of an `inline_mgpu` argument, saying whether the
+  inline code writes the ref. jax 0.12's `pl.kernel` refuses a kernel whose
+  inline code may write an input passed as an array, and learns from
+  `write=False` that it does not; before 0.12 a RefType has no such field
+  (every ref counts as read and written, and nothing checks inputs)."""
+  plgpu = mosaic_gpu()
+  fields = {f.name for f in dataclasses.fields(plgpu.RefType)}
+  if not write and "write" in fields:
+    return plgpu.RefType(write=False)
+  return plgpu.RefType()
 
 
 def mgpu_load(ref, layout):

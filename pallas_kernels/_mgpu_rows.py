@@ -95,9 +95,10 @@ def load_q_rows(q_ref, q_smem, sinks_ref, sink_smem, *, index, t0, kv_head,
   col_tiles = row_chunks // tile_chunks
   stage_bytes = ROWS * head_dim * itemsize
   has_sinks = sinks_ref is not None
-  refs = (plgpu.RefType(), plgpu.RefType(transforms=transforms))
+  read = _compat.ref_type(write=False)
+  refs = (read, plgpu.RefType(transforms=transforms))
   if has_sinks:
-    refs += (plgpu.RefType(), plgpu.RefType())
+    refs += (read, plgpu.RefType())
 
   @plgpu.inline_mgpu(arg_types=(*refs, *[_mlir.splat()] * 3))
   def _load(ctx, q, stage, *rest):
@@ -185,7 +186,8 @@ def store_rows(o_smem, lse_smem, out_ref, lse_ref, *, index, t0, kv_head,
   row_chunks, rows_per_pass, passes = _geometry(head_dim, itemsize)
   stage_bytes = ROWS * head_dim * itemsize
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (_mlir.splat(),) * 5)
+  @plgpu.inline_mgpu(arg_types=(_compat.ref_type(write=False),) * 2
+                     + (plgpu.RefType(),) * 2 + (_mlir.splat(),) * 5)
   def _store(ctx, o_s, lse_s, out, lse, index_v, t0_v, head_v, lo_v, hi_v):
     del ctx
     c, i64 = _mlir.const_i32, _mlir.int_type(64)
@@ -266,7 +268,8 @@ def store_lse(lse_smem, lse_ref, *, index, t0, head, row_lo, row_hi):
   plgpu = _compat.mosaic_gpu()
   num_qo_heads = lse_ref.shape[1]
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (_mlir.splat(),) * 5)
+  @plgpu.inline_mgpu(arg_types=(_compat.ref_type(write=False),
+                                plgpu.RefType()) + (_mlir.splat(),) * 5)
   def _store(ctx, lse_s, lse, index_v, t0_v, head_v, lo_v, hi_v):
     del ctx
     c, i64 = _mlir.const_i32, _mlir.int_type(64)

@@ -1133,8 +1133,10 @@ def paged_decode_mma(
                               COLS * NT), jnp.float32)]
   splat = plgpu.Layout.WG_SPLAT(shape=())
   n_refs = len(inputs) + len(refs) + len(out_type) + 1
+  # The inputs are read only; the in-place Refs, outputs and scratch written.
   inline = plgpu.inline_mgpu(
-      arg_types=(splat,) + (plgpu.RefType(),) * n_refs)(body)
+      arg_types=(splat,) + (_compat.ref_type(write=False),) * len(inputs)
+      + (plgpu.RefType(),) * (n_refs - len(inputs)))(body)
   # Per warp: acc [regs][lane]; then (m, l) [warp][2][8].
   smem_words = (WARPS * (head_dim // 4) * 32 + WARPS * 2 * COLS) * NT
   if q_in_smem:

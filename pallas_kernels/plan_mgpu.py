@@ -390,8 +390,10 @@ def plan_prefill_mgpu(
       short_block_q=short_block_q, split_decode_rows=split_decode_rows,
       decode_rows_per_seq=rows_per_seq)
   n_refs = 2 + len(out_type) + 1
+  # q_indptr and kv_lens are read only; the outputs and the scratch written.
   inline = plgpu.inline_mgpu(
-      arg_types=(_mlir.splat(),) + (plgpu.RefType(),) * n_refs)(body)
+      arg_types=(_mlir.splat(),) + (_compat.ref_type(write=False),) * 2
+      + (plgpu.RefType(),) * (n_refs - 2))(body)
   s = batch_size + 1
   smem_words = (5 * s + -(-num_tiles // 4) * 4 + -(-batch_size // 4) * 4
                 + WARPS)

@@ -592,9 +592,11 @@ def rope_append_mgpu(
       itemsize=itemsize, fp8=scales is not None)
   n_refs = len(inputs) + len(refs) + len(out_type)
   splat = plgpu.Layout.WG_SPLAT(shape=())
-  inline = plgpu.inline_mgpu(
-      arg_types=(splat, splat) + (plgpu.RefType(),) * n_refs)(body)
   n_in = len(inputs)
+  # The inputs are read only; q_out and the pools written.
+  inline = plgpu.inline_mgpu(
+      arg_types=(splat, splat) + (_compat.ref_type(write=False),) * n_in
+      + (plgpu.RefType(),) * (n_refs - n_in))(body)
 
   def kernel(*all_refs):
     # Inputs, the pool Refs, then q_out: `_body` takes q_out before the
