@@ -9,6 +9,7 @@ not use pallas_kernels/reference.py, which is itself under test).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -304,6 +305,23 @@ def primitive_names(jaxpr) -> set[str]:
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       out |= primitive_names(sub)
   return out
+
+
+@contextlib.contextmanager
+def cuda_target(device_kind: str = "NVIDIA H100 80GB HBM3"):
+  """Lowering for CUDA on a machine without a GPU, as for `device_kind`.
+  jax 0.11 and later take the compute capability a Pallas-Triton kernel is
+  lowered for from the default device or the abstract mesh's device, and
+  refuse a CPU ("No supported GPU devices found"); jax 0.10 needed no device.
+  On a GPU machine the GPU itself is the target."""
+  if jax.default_backend() == "gpu":
+    yield
+    return
+  device = jax.sharding.AbstractDevice(device_kind=device_kind,
+                                       num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    yield
 
 
 def runs_a_kernel(fn) -> bool:

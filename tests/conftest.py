@@ -45,6 +45,15 @@ SEED_ENV = "PKVATTN_TEST_SEED"
 
 
 @pytest.fixture
+def cuda_lowering():
+  """The test's lowerings for CUDA run on a machine without a GPU under
+  every supported jax (`attention_utils.cuda_target`)."""
+  import attention_utils  # noqa: PLC0415  (imports jax: after XLA_FLAGS)
+  with attention_utils.cuda_target():
+    yield
+
+
+@pytest.fixture
 def rng(request):
   """A `np.random.Generator` with a fresh seed each run, so the inputs vary
   from run to run; a failing test's report names its seed, and

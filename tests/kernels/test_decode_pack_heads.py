@@ -188,7 +188,7 @@ def test_pack_heads_bad_config():
 
 @pytest.mark.parametrize("k_splits, scale_shape", [(1, ()), (2, ()),
                                                    (2, (8,))])
-def test_packed_kernel_lowers_for_cuda(k_splits, scale_shape):
+def test_packed_kernel_lowers_for_cuda(k_splits, scale_shape, cuda_lowering):
   """Cross-lowered for CUDA on any host (the Triton lowering, not interpret
   mode): the packed kernel, its block-diagonal q load and its 3-D output
   select lower with this jax, into a kernel whose pools are 128 wide; with

@@ -345,7 +345,8 @@ def test_default_config_heuristics():
 
 @pytest.mark.parametrize("gpu,kernel_name", [
     (dispatch.HOPPER, "mosaic_gpu"), (dispatch.AMPERE, "paged_decode_g4")])
-def test_default_follows_current_gpu(fake_gpu, gpu, kernel_name):
+def test_default_follows_current_gpu(fake_gpu, gpu, kernel_name,
+                                     cuda_lowering):
   """With `config=None` the kernel asks `dispatch.current_gpu` (faked here)
   and runs `dispatch.decode`'s choice: cross-lowered for CUDA on any host,
   the per-warp Mosaic-GPU kernel on Hopper, the Triton one elsewhere."""

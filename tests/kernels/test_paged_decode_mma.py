@@ -432,7 +432,7 @@ def _check_rows(p, q, out0, lse0, rows, keys, sinks, kw, out, lse, d):
         dispatch.current_gpu().interpret, reason="needs a GPU")),
     pytest.param(1, 2, True, marks=pytest.mark.skipif(
         dispatch.current_gpu().interpret, reason="needs a GPU"))])
-def test_decode_rows_triton_and_errors(k_splits, pack, gpu):
+def test_decode_rows_triton_and_errors(k_splits, pack, gpu, cuda_lowering):
   """`paged_decode_rows` on the Triton kernel (interpret mode, and on a GPU
   where there is one): the named
   rows of a token-major q decoded into `out` / `lse` (in place with one

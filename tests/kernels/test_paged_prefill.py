@@ -437,7 +437,7 @@ def test_public_plan_is_run_as_given(gpu, heads, monkeypatch):
 
 @pytest.mark.parametrize("soft_cap,fast", [(None, True), (30.0, True),
                                            (None, False)])
-def test_kernel_lowers_to_triton(soft_cap, fast):
+def test_kernel_lowers_to_triton(soft_cap, fast, cuda_lowering):
   """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): the
   inline-PTX exp2 of `fast_exp2` (which interpret mode never runs) must be
   accepted by the Triton lowering, and absent when switched off."""

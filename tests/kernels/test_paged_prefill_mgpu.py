@@ -186,7 +186,7 @@ def test_default_head_dim_128_persistent_where_spare_tiles_dominate():
   np.testing.assert_array_equal(np.asarray(pa.tiles), np.asarray(pb.tiles))
 
 
-def test_fp8_pages_in_kernel_run_two_consumers():
+def test_fp8_pages_in_kernel_run_two_consumers(cuda_lowering):
   """A 192-token (three-consumer) config on FP8 pages read in the kernel
   runs the two-consumer kernel: the lowering for CUDA must succeed (the
   three-consumer kernel refuses FP8 pages)."""
@@ -725,7 +725,7 @@ def test_head_dim_256_default_on_hopper(fake_gpu, fp8):
   assert not re.search(r"paged_prefill_bq\d+", text)
 
 
-def test_mosaic_path_has_no_pool_copies():
+def test_mosaic_path_has_no_pool_copies(cuda_lowering):
   """Cross-lowered for CUDA, the mosaic path (main launch, short launch,
   decode rows) hands the pool to its kernels as is: no op other than a call
   or a kernel custom call touches a pool-shaped tensor."""

@@ -352,7 +352,7 @@ def test_decode_default_fp8_pairs_rule(batch_size, max_pages):
         head_dim, hkv, kv_dtype=jnp.bfloat16, gpu=dispatch.AMPERE)
 
 
-def test_decode_kernel_fp8_pairs_lowers_for_cuda(fake_gpu):
+def test_decode_kernel_fp8_pairs_lowers_for_cuda(fake_gpu, cuda_lowering):
   """Cross-lowered for CUDA on any host, `fp8_convert="pairs"` puts the
   byte permute and the e4m3x2 -> f16x2 PTX into the Triton kernel (and
   "loaded" does not); on a GPU below compute capability 8.9 it is refused

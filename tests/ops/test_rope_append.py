@@ -469,7 +469,7 @@ def test_append_errors():
                           (False, 128, False, True, False, False),
                           (False, 128, False, False, True, True)])
 def test_kernel_lowers_to_triton(interleaved, rot, one_head, fused, unroll,
-                                 paged):
+                                 paged, cuda_lowering):
   """Cross-lowers the kernel for CUDA on the CPU (Pallas -> Triton IR): catches
   indexers or ops the Triton lowering rejects without a GPU. Checks the pool
   outputs alias the pool operands."""
