@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pkvattn.sampling import SamplingParams
 from pkvattn.sampling import sample
 
 
@@ -169,3 +172,52 @@ def test_inverse_cdf_at_the_edges(rng):
       want = above[0] if len(above) else last
       assert kept[r, want] > 0
       assert got[r, j] == want, (r, u)
+
+
+def test_sampling_params_defaults_are_a_plain_greedy_request():
+  """`SamplingParams()` as declared: 32 greedy tokens (temperature 0), no
+  top-k or top-p cut (0 and 1 = off), seed 0, stopped by the model's EOS ids
+  (None) and not made to ignore them."""
+  p = SamplingParams()
+  assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (
+      32, 0.0, 0, 1.0, 0)
+  assert p.stop_token_ids is None and p.ignore_eos is False
+  # A checked request stays as checked: its fields cannot be reassigned.
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    p.top_k = -1
+
+
+@pytest.mark.parametrize("impl,backend", [(None, None), ("pallas", "triton"),
+                                          ("xla", "xla")])
+def test_kept_floor_asks_the_dispatch_rule_about_the_rows(impl, backend, rng,
+                                                          monkeypatch):
+  """`kept_floor` hands the dispatch rule the probabilities' dtype and row
+  length (the vocabulary, not the number of rows: the kernel's block is
+  sized from it) and `impl` as the rule's backend override."""
+  from pkvattn import sampling
+  from pkvattn.pallas_kernels import dispatch
+  rows, vocab = rng.choice(np.arange(2, 40), 2, replace=False)
+  asked = []
+  rule = dispatch.sample_floor
+
+  def spy(**kw):
+    asked.append(kw)
+    return rule(**kw)
+
+  monkeypatch.setattr(dispatch, "sample_floor", spy)
+  probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(rows, vocab)),
+                                     jnp.float32))
+  sampling.kept_floor(probs, jnp.zeros(rows, jnp.int32), jnp.ones(rows),
+                      jnp.ones(rows, bool), impl)
+  assert len(asked) == 1
+  assert asked[0]["vocab_size"] == vocab
+  assert asked[0]["dtype"] == jnp.float32
+  assert asked[0]["backend"] == backend
+  assert asked[0]["gpu"] == dispatch.current_gpu()
+
+
+def test_stop_token_ids_start_at_zero():
+  """Token ids are in [0, 2**31 - 1]: -1 (one below) is refused, 0 taken."""
+  with pytest.raises(ValueError, match="Invalid stop_token_ids: expected"):
+    SamplingParams(stop_token_ids=(3, -1))
+  assert SamplingParams(stop_token_ids=(0,)).stop_token_ids == (0,)
