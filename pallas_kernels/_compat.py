@@ -60,6 +60,19 @@ def ref_type(*, write: bool = True):
   return plgpu.RefType()
 
 
+def mgpu_store_any_layout(ref, value):
+  """`ref[...] = value` from registers of any layout into shared memory
+  whatever its transforms: jax 0.12 refuses such a store where it has no
+  conflict-free ("optimized") form unless asked with
+  `plgpu.store(optimized=False)`; jax 0.10 / 0.11 store it either way
+  (`plgpu.store` is new in 0.12)."""
+  plgpu = mosaic_gpu()
+  if hasattr(plgpu, "store"):
+    plgpu.store(ref, value, optimized=False)
+  else:
+    ref[...] = value
+
+
 def mgpu_load(ref, layout):
   """`plgpu.load` of a whole (already indexed) shared-memory ref into
   registers of `layout`: jax 0.10 takes the index as a second argument,
