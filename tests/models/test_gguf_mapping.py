@@ -30,11 +30,11 @@ from pkvattn.models import gguf as pk_gguf  # noqa: E402
 from pkvattn.models.hf import config_from_hf  # noqa: E402
 from pkvattn.rope import LinearRopeScaling  # noqa: E402
 from pkvattn.rope import Llama3RopeScaling  # noqa: E402
-from test_models_gguf import _hf_weights  # noqa: E402
-from test_models_gguf import _llama3_rope_freqs  # noqa: E402
-from test_models_gguf import _random_k_blocks  # noqa: E402
-from test_models_gguf import _write  # noqa: E402
-from test_models_gguf import _write_gguf_model  # noqa: E402
+from model_files import hf_weights  # noqa: E402
+from model_files import llama3_rope_freqs  # noqa: E402
+from model_files import random_k_blocks  # noqa: E402
+from model_files import write_gguf  # noqa: E402
+from model_files import write_gguf_model  # noqa: E402
 
 V = gguf.GGUFValueType
 VOCAB = 40
@@ -53,7 +53,7 @@ def _config(path, arch="llama", meta=None, typed=None, tensors=None,
   if embed:
     all_tensors["token_embd.weight"] = (rng.standard_normal(
         (VOCAB, meta.get("embedding_length") or 8)).astype(np.float32), None)
-  _write(path, arch, all_tensors,
+  write_gguf(path, arch, all_tensors,
          {k: v for k, v in meta.items() if v is not None}, typed)
   return pk_gguf.config_from_gguf(pk_gguf.open_gguf(str(path)))
 
@@ -119,7 +119,7 @@ def test_llama3_rope_freqs_cover_the_rotary_pairs(rotary, tmp_path):
   """Llama 3 `rope_freqs` has one factor per rotated pair: head_dim / 2
   without rope.dimension_count, rotary / 2 with a partial one."""
   head_dim = 32
-  freqs = _llama3_rope_freqs(theta=500000.0, head_dim=rotary or head_dim)
+  freqs = llama3_rope_freqs(theta=500000.0, head_dim=rotary or head_dim)
   cfg = _config(tmp_path / "m.gguf", meta=dict(
       key_length=head_dim, rope_freq_base=500000.0,
       rope_dimension_count=rotary),
@@ -228,7 +228,7 @@ def test_dequantize_in_two_chunks_or_one(chunk, monkeypatch, tmp_path, rng):
   values = rng.standard_normal((2, 4 * 32)).astype(np.float32)  # 8 blocks
   stored = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
   path = tmp_path / "q.gguf"
-  _write(path, "llama", {"w": (stored, gguf.GGMLQuantizationType.Q8_0)})
+  write_gguf(path, "llama", {"w": (stored, gguf.GGMLQuantizationType.Q8_0)})
   (tensor,) = gguf.GGUFReader(str(path)).tensors
   monkeypatch.setattr(pk_gguf, "DEQUANT_CHUNK_BLOCKS", chunk)
   got = pk_gguf.dequantize_tensor(tensor)
@@ -254,8 +254,8 @@ def test_load_gguf_timings_are_wall_seconds_added(tmp_path, rng):
   every phase grows by at least 0 and at most the call's wall time."""
   import time
   path = tmp_path / "m.gguf"
-  _write_gguf_model(path, "qwen2",
-                    _hf_weights("qwen2", rng))
+  write_gguf_model(path, "qwen2",
+                    hf_weights("qwen2", rng))
   phases = ("read", "config", "tokenizer", "dequantize", "host_copy",
             "device_transfer")
   timings = {k: 100.0 for k in phases}
@@ -270,9 +270,9 @@ def test_load_gguf_timings_are_wall_seconds_added(tmp_path, rng):
 def test_bad_tokenizer_is_reported_before_bad_weights(tmp_path, rng):
   """A file with both an unsupported tokenizer and an unsupported tensor
   type reports the tokenizer (as when it was read before the weights)."""
-  q3k = _random_k_blocks(rng, gguf.GGMLQuantizationType.Q3_K, 4).reshape(4, -1)
+  q3k = random_k_blocks(rng, gguf.GGMLQuantizationType.Q3_K, 4).reshape(4, -1)
   path = tmp_path / "m.gguf"
-  _write_gguf_model(path, "qwen2", _hf_weights("qwen2", rng), tokenizer="bert",
+  write_gguf_model(path, "qwen2", hf_weights("qwen2", rng), tokenizer="bert",
                     extra={"blk.0.ffn_up.weight": (
                         q3k, gguf.GGMLQuantizationType.Q3_K)})
   with pytest.raises(ValueError, match=r"'bert'"):

@@ -25,18 +25,18 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from pkvattn.models.gguf_tokenizer import GGUFTokenizer  # noqa: E402
-from test_models_gguf import _byte_level_vocab  # noqa: E402
-from test_models_gguf import _spm_vocab  # noqa: E402
+from model_files import byte_level_vocab  # noqa: E402
+from model_files import spm_vocab  # noqa: E402
 
 SP = "\u2581"  # SentencePiece's space
 
 
 def _gpt2(**kw):
-  """A "gpt2" vocabulary (test_models_gguf's): `<|endoftext|>` (0),
+  """A "gpt2" vocabulary (model_files'): `<|endoftext|>` (0),
   `<|im_start|>` (1), `<|im_end|>` (2) control, then the 256 byte symbols,
   "Ġt" (259), "he" (260), "Ġthe" (261), unused tokens; `kw` keys are
   `tokenizer.ggml.<key>`."""
-  tokens, types, merges = _byte_level_vocab()
+  tokens, types, merges = byte_level_vocab()
   meta = {"model": "gpt2", "tokens": tokens, "token_type": types,
           "merges": merges, **kw}
   return GGUFTokenizer.from_metadata(
@@ -45,13 +45,13 @@ def _gpt2(**kw):
 
 def _sym(text):
   """Id of a byte-level symbol in `_gpt2`'s vocabulary."""
-  return _byte_level_vocab()[0].index(text)
+  return byte_level_vocab()[0].index(text)
 
 
 def _spm_meta(tokens=None, types=None, **kw):
-  """`tokenizer.ggml.*` of test_models_gguf's SentencePiece vocabulary
+  """`tokenizer.ggml.*` of model_files' SentencePiece vocabulary
   (`<unk>` 0, `<s>` 1, `</s>` 2, byte tokens, pieces scored by length)."""
-  t, ty, scores = _spm_vocab()
+  t, ty, scores = spm_vocab()
   meta = {"model": "llama", "tokens": tokens or t, "token_type": types or ty,
           "scores": scores, "bos_token_id": 1, "eos_token_id": 2,
           "unknown_token_id": 0, **kw}
@@ -63,12 +63,12 @@ def _spm(tokens=None, types=None, **kw):
 
 
 def _spm_id(piece):
-  return _spm_vocab()[0].index(piece)
+  return spm_vocab()[0].index(piece)
 
 
 # -------------------------------------------------------------------- errors
 def test_invalid_metadata_raises():
-  tokens, types, merges = _byte_level_vocab()
+  tokens, types, merges = byte_level_vocab()
   gpt2 = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
           "tokenizer.ggml.merges": merges}
   with pytest.raises(ValueError, match="no tokenizer.ggml.tokens"):
@@ -108,7 +108,7 @@ def test_bos_and_eos_flags():
   assert _gpt2(bos_token_id=0, add_bos_token=True).encode(" the") == [0, 261]
   assert _gpt2(eos_token_id=0, add_eos_token=True).encode(" the") == [261, 0]
   assert _gpt2(add_bos_token=True, add_eos_token=True).encode(" the") == [261]
-  n = len(_byte_level_vocab()[0])
+  n = len(byte_level_vocab()[0])
   for bad in (n, -1):
     tok = _gpt2(bos_token_id=bad, eos_token_id=bad, add_bos_token=True,
                 add_eos_token=True)
@@ -146,7 +146,7 @@ def test_llama_adds_bos_unless_told_not_to():
 def test_control_and_user_defined_tokens():
   """Control tokens are matched whole and skipped by decode; user-defined
   ones are matched whole and kept."""
-  tokens, types, merges = _byte_level_vocab()
+  tokens, types, merges = byte_level_vocab()
   tokens[-1], types[-1] = "<tool>", 4
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
           "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges}
@@ -160,7 +160,7 @@ def test_control_and_user_defined_tokens():
 def test_without_token_types_all_tokens_are_normal():
   """No token_type: every token is normal, so `<|im_start|>` is not matched
   whole (no merge builds it) and not skipped by decode."""
-  tokens, _, merges = _byte_level_vocab()
+  tokens, _, merges = byte_level_vocab()
   tok = GGUFTokenizer.from_metadata({
       "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
       "tokenizer.ggml.merges": merges})
@@ -172,7 +172,7 @@ def test_without_token_types_all_tokens_are_normal():
 # --------------------------------------------------------- pre-tokenizers
 def _digits_gpt2(pre):
   """`_gpt2` plus digit merges "3 4" (first), "1 2", "12 3"."""
-  tokens, types, merges = _byte_level_vocab()
+  tokens, types, merges = byte_level_vocab()
   extra = ["3 4", "1 2", "12 3"]
   for i, m in enumerate(extra):
     tokens[262 + i] = m.replace(" ", "")
@@ -187,7 +187,7 @@ def test_digit_splits_by_pre_tokenizer():
   """"1234" under GPT-2's split is one piece ("34" merges first, then
   "12"); SmolLM splits every digit; Llama 3 splits 3 digits at a time
   ("123" + "4")."""
-  tokens = _byte_level_vocab()[0]
+  tokens = byte_level_vocab()[0]
   n12, n34, n123 = 263, 262, 264
   assert _digits_gpt2("default").encode("1234") == [n12, n34]
   assert _digits_gpt2("gpt-2").encode(" the1234") == [261, n12, n34]
@@ -201,7 +201,7 @@ def test_digit_splits_by_pre_tokenizer():
 def test_tokens_of_spaces_spelled_as_spaces():
   """A converter that stores "▁▁" as two spaces gives the same tokenizer
   (SentencePiece spells spaces "▁")."""
-  tokens = _spm_vocab()[0]
+  tokens = spm_vocab()[0]
   spaced = [t.replace(SP, " ") if not t.strip(SP) else t for t in tokens]
   assert spaced != tokens
   for text in ["a  b", "hello   world", "  a"]:
@@ -214,7 +214,7 @@ def test_tokens_of_spaces_spelled_as_spaces():
 def test_user_defined_tokens_keep_their_spelling():
   """A user-defined token of two spaces is matched on the raw text (not
   respelled "▁▁"), and decodes to its spaces."""
-  tokens, types, _ = _spm_vocab()
+  tokens, types, _ = spm_vocab()
   i = _spm_id(SP + SP)
   tokens[i], types[i] = "  ", 4
   tok = _spm(tokens, types)
@@ -243,7 +243,7 @@ def test_space_prefix_and_decode():
 def test_unknown_characters_without_byte_tokens():
   """No `<0xXX>` tokens: a run of unknown characters is one `<unk>`
   (SentencePiece merges continuous runs of unknown pieces)."""
-  tokens, types, scores = _spm_vocab()
+  tokens, types, scores = spm_vocab()
   keep = [i for i, ty in enumerate(types) if ty != 6]
   tokens = [tokens[i] for i in keep]
   tok = GGUFTokenizer.from_metadata(_spm_meta(

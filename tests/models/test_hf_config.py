@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")  # test_models_gguf's helpers import it
+gguf = pytest.importorskip("gguf")  # model_files imports it
 
 from pkvattn import models  # noqa: E402
 from pkvattn.models import HFTokenizer  # noqa: E402
@@ -36,12 +36,12 @@ from pkvattn.models.hf import build_params  # noqa: E402
 from pkvattn.models.hf import config_from_hf  # noqa: E402
 from pkvattn.models.hf import load_hf_checkpoint  # noqa: E402
 from pkvattn.rope import LinearRopeScaling  # noqa: E402
-from test_models_gguf import HEAD_DIM  # noqa: E402
-from test_models_gguf import HIDDEN  # noqa: E402
-from test_models_gguf import LAYERS  # noqa: E402
-from test_models_gguf import _hf_config  # noqa: E402
-from test_models_gguf import _hf_weights  # noqa: E402
-from test_models_gguf import _save_hf_dir  # noqa: E402
+from model_files import HEAD_DIM  # noqa: E402
+from model_files import HIDDEN  # noqa: E402
+from model_files import LAYERS  # noqa: E402
+from model_files import hf_config  # noqa: E402
+from model_files import hf_weights  # noqa: E402
+from model_files import save_hf_dir  # noqa: E402
 
 
 def _cfg(model_type="llama", **kw):
@@ -271,8 +271,8 @@ def test_weights_land_transposed_in_their_slots(arch, tmp_path):
   """Each layer's weights in its slot of the stacks, `[out, in]` weights as
   `[in, out]` kernels; Llama's lm_head too, Qwen2's q/k/v biases, Gemma 2's
   four norms (post-attention, pre- and post-feedforward)."""
-  t = _hf_weights(arch, np.random.default_rng(0))
-  _save_hf_dir(tmp_path / "hf", arch, t)
+  t = hf_weights(arch, np.random.default_rng(0))
+  save_hf_dir(tmp_path / "hf", arch, t)
   cfg, params = load_hf_checkpoint(str(tmp_path / "hf"))
   _check_params(params, t, arch)
   assert ("lm_head" in params) == (arch == "llama")
@@ -288,8 +288,8 @@ def test_weights_land_transposed_in_their_slots(arch, tmp_path):
 def test_bfloat16_load_casts_every_weight(tmp_path):
   """dtype=bfloat16: every parameter is bf16, equal to the f32 weight
   rounded to bf16."""
-  t = _hf_weights("llama", np.random.default_rng(1))
-  _save_hf_dir(tmp_path / "hf", "llama", t)
+  t = hf_weights("llama", np.random.default_rng(1))
+  save_hf_dir(tmp_path / "hf", "llama", t)
   _, params = load_hf_checkpoint(str(tmp_path / "hf"), jnp.bfloat16)
   bf16 = {k: np.asarray(v).astype(jnp.bfloat16) for k, v in t.items()}
   _check_params(params, bf16, "llama")
@@ -312,8 +312,8 @@ def test_build_params_casts_aligned_sources_and_aliases_f32(tmp_path):
   on the CPU, handed to the device without a copy (the module's "aliased,
   not copied")."""
   t = {k.removeprefix("model."): _aligned(v) for k, v in
-       _hf_weights("llama", np.random.default_rng(8)).items()}
-  cfg = config_from_hf(_hf_config("llama"))
+       hf_weights("llama", np.random.default_rng(8)).items()}
+  cfg = config_from_hf(hf_config("llama"))
   _, params = build_params(cfg, t.__getitem__, t.__contains__, jnp.bfloat16)
   assert params["embed"].dtype == params["lm_head"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(params["embed"],
@@ -341,9 +341,9 @@ def test_aligned_empty_is_aligned_for_any_allocation():
 def test_untied_config_without_lm_head_is_tied(tmp_path):
   """A config that unties but has no lm_head.weight: tied (build_params'
   docstring: some checkpoints tie without saying so)."""
-  t = _hf_weights("llama", np.random.default_rng(2))
+  t = hf_weights("llama", np.random.default_rng(2))
   del t["lm_head.weight"]
-  _save_hf_dir(tmp_path / "hf", "llama", t)
+  save_hf_dir(tmp_path / "hf", "llama", t)
   cfg, params = load_hf_checkpoint(str(tmp_path / "hf"))
   assert cfg.tie_word_embeddings and "lm_head" not in params
 
@@ -352,16 +352,16 @@ def test_untied_config_without_lm_head_is_tied(tmp_path):
 def test_other_name_prefixes(prefix, tmp_path):
   """Weights named without `model.` or under the multimodal wrapper's
   `language_model.model.` load the same."""
-  t = _hf_weights("qwen2", np.random.default_rng(3))
+  t = hf_weights("qwen2", np.random.default_rng(3))
   renamed = {prefix + k.removeprefix("model."): v for k, v in t.items()}
-  _save_hf_dir(tmp_path / "hf", "qwen2", renamed)
+  save_hf_dir(tmp_path / "hf", "qwen2", renamed)
   _, params = load_hf_checkpoint(str(tmp_path / "hf"))
   _check_params(params, renamed, "qwen2", prefix)
 
 
 def _gemma3_weights(rng):
   """Gemma 2's weights plus Gemma 3's per-head q / k norms."""
-  t = _hf_weights("gemma2", rng)
+  t = hf_weights("gemma2", rng)
   for i in range(LAYERS):
     for n in "qk":
       t[f"model.layers.{i}.self_attn.{n}_norm.weight"] = rng.standard_normal(
@@ -374,10 +374,10 @@ def test_gemma3_wrapper_loads_its_text_model(tmp_path):
   `language_model.model.`): its text model as "gemma3_text", with the
   q / k norms in their slots."""
   t = _gemma3_weights(np.random.default_rng(4))
-  text = {**_hf_config("gemma2"), "model_type": "gemma3_text",
+  text = {**hf_config("gemma2"), "model_type": "gemma3_text",
           "layer_types": ["sliding_attention", "full_attention"]}
   path = tmp_path / "hf"
-  _save_hf_dir(path, "gemma2", {"language_model." + k: v for k, v in t.items()})
+  save_hf_dir(path, "gemma2", {"language_model." + k: v for k, v in t.items()})
   (path / "config.json").write_text(json.dumps(
       {"model_type": "gemma3", "text_config": text}))
   cfg, params = load_hf_checkpoint(str(path))
@@ -396,33 +396,33 @@ def test_gemma3_wrapper_loads_its_text_model(tmp_path):
 def test_top_level_config_wins_over_text_config(tmp_path):
   """A config with its own num_hidden_layers is the text model's even when it
   also has a `text_config`."""
-  t = _hf_weights("qwen2", np.random.default_rng(5))
+  t = hf_weights("qwen2", np.random.default_rng(5))
   path = tmp_path / "hf"
-  _save_hf_dir(path, "qwen2", t)
+  save_hf_dir(path, "qwen2", t)
   (path / "config.json").write_text(json.dumps(
-      {**_hf_config("qwen2"), "text_config": {"model_type": "llama"}}))
+      {**hf_config("qwen2"), "text_config": {"model_type": "llama"}}))
   cfg, _ = load_hf_checkpoint(str(path))
   assert cfg.model_type == "qwen2" and cfg.qkv_bias
 
 
 def test_missing_files_and_weights_raise(tmp_path):
-  t = _hf_weights("qwen2", np.random.default_rng(6))
+  t = hf_weights("qwen2", np.random.default_rng(6))
   with pytest.raises(ValueError, match="no config.json"):
     load_hf_checkpoint(str(tmp_path))
-  (tmp_path / "config.json").write_text(json.dumps(_hf_config("qwen2")))
+  (tmp_path / "config.json").write_text(json.dumps(hf_config("qwen2")))
   with pytest.raises(ValueError, match=r"no \*\.safetensors"):
     load_hf_checkpoint(str(tmp_path))
   del t["model.layers.1.mlp.up_proj.weight"]
-  _save_hf_dir(tmp_path / "hf", "qwen2", t)
+  save_hf_dir(tmp_path / "hf", "qwen2", t)
   with pytest.raises(ValueError, match="missing weight 'layers.1.mlp.up_proj"):
     load_hf_checkpoint(str(tmp_path / "hf"))
 
 
 def test_wrong_shape_raises(tmp_path):
-  t = _hf_weights("qwen2", np.random.default_rng(7))
+  t = hf_weights("qwen2", np.random.default_rng(7))
   t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, HIDDEN),
                                                          np.float32)
-  _save_hf_dir(tmp_path / "hf", "qwen2", t)
+  save_hf_dir(tmp_path / "hf", "qwen2", t)
   with pytest.raises(ValueError, match=r"expected shape \(32, 64\), got "
                                        r"\(8, 64\)"):
     load_hf_checkpoint(str(tmp_path / "hf"))

@@ -8,8 +8,9 @@
   quantized by it; the K-quants are random raw blocks.
 * Tiny random llama / qwen2 / gemma2 models written as GGUF (q/k rows
   permuted as llama.cpp's converter does for llama, Gemma norms stored as
-  `1 + w`) and as a transformers checkpoint directory: both loaders must give
-  the same config and bit-identical parameters.
+  `1 + w`) and as a transformers checkpoint directory (both by
+  `model_files`): both loaders must give the same config and bit-identical
+  parameters.
 * Errors: unsupported architecture / tensor type / tokenizer, the built-in
   model's package missing.
 * SentencePiece-style ("llama") GGUF vocabularies against transformers'
@@ -30,8 +31,17 @@ gguf = pytest.importorskip("gguf")
 
 import pkvattn.models as models  # noqa: E402
 from pkvattn.models import gguf as pk_gguf  # noqa: E402
-
-Q = gguf.GGMLQuantizationType
+from model_files import HEAD_DIM  # noqa: E402
+from model_files import HEADS  # noqa: E402
+from model_files import Q  # noqa: E402
+from model_files import hf_weights  # noqa: E402
+from model_files import llama3_rope_freqs  # noqa: E402
+from model_files import llama_cpp_permute  # noqa: E402
+from model_files import random_k_blocks  # noqa: E402
+from model_files import save_hf_dir  # noqa: E402
+from model_files import spm_vocab  # noqa: E402
+from model_files import write_gguf  # noqa: E402
+from model_files import write_gguf_model  # noqa: E402
 
 
 # ---------------------------------------------------------------- decoders
@@ -148,36 +158,6 @@ DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
             "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def _random_k_blocks(rng, qtype, num_blocks):
-  """Random raw K-quant blocks with finite, moderate f16 super-block scales."""
-  block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-  raw = rng.integers(0, 256, (num_blocks, block_bytes), dtype=np.uint8)
-  scale = lambda: rng.uniform(0.001, 0.1, (num_blocks, 1)).astype(
-      np.float16).view(np.uint8)
-  if qtype == Q.Q6_K:
-    raw[:, 208:210] = scale()
-  else:
-    raw[:, 0:2], raw[:, 2:4] = scale(), scale()
-  return raw
-
-
-def _write(path, arch, tensors, metadata=None, typed=None):
-  """A GGUF with `tensors` = {name: (array, raw_dtype or None)}, metadata
-  through the writer's `add_<key>` methods, and `typed` = {key: (value,
-  GGUFValueType)} written as given."""
-  w = gguf.GGUFWriter(str(path), arch)
-  for key, value in (metadata or {}).items():
-    getattr(w, f"add_{key}")(value)
-  for key, (value, vtype) in (typed or {}).items():
-    w.add_key_value(key, value, vtype)
-  for name, (array, raw_dtype) in tensors.items():
-    w.add_tensor(name, array, raw_dtype=raw_dtype)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-
-
 @pytest.mark.parametrize("type_name", pk_gguf.SUPPORTED_TENSOR_TYPES)
 def test_dequantize_matches_block_layout(type_name, tmp_path):
   rng = np.random.default_rng(pk_gguf.SUPPORTED_TENSOR_TYPES.index(type_name))
@@ -198,14 +178,14 @@ def test_dequantize_matches_block_layout(type_name, tmp_path):
     block_len, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     num_blocks = rows * cols // block_len
     if type_name.endswith("_K"):  # the package has no K-quant quantizer
-      stored = _random_k_blocks(rng, qtype, num_blocks).reshape(rows, -1)
+      stored = random_k_blocks(rng, qtype, num_blocks).reshape(rows, -1)
     else:
       stored = gguf.quants.quantize(values, qtype)
     expected = DECODERS[type_name](stored.reshape(num_blocks, block_bytes))
     expected = expected.reshape(rows, cols)
   raw_dtype = None if type_name in ("F32", "F16") else qtype
   path = tmp_path / f"{type_name}.gguf"
-  _write(path, "llama", {"w": (stored, raw_dtype)})
+  write_gguf(path, "llama", {"w": (stored, raw_dtype)})
   (tensor,) = gguf.GGUFReader(str(path)).tensors
   actual = pk_gguf.dequantize_tensor(tensor)
   assert actual.dtype == np.float32 and actual.shape == (rows, cols)
@@ -226,155 +206,15 @@ def test_dequantize_matches_block_layout(type_name, tmp_path):
 
 def test_unsupported_tensor_type_raises(tmp_path):
   rng = np.random.default_rng(0)
-  raw = _random_k_blocks(rng, Q.Q2_K, 2)
+  raw = random_k_blocks(rng, Q.Q2_K, 2)
   path = tmp_path / "q2k.gguf"
-  _write(path, "llama", {"w": (raw, Q.Q2_K)})
+  write_gguf(path, "llama", {"w": (raw, Q.Q2_K)})
   (tensor,) = gguf.GGUFReader(str(path)).tensors
   with pytest.raises(ValueError, match=r"Q2_K.*expected one of.*Q4_K"):
     pk_gguf.dequantize_tensor(tensor)
 
 
 # --------------------------------------------------- synthetic tiny models
-VOCAB = 300
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 2, 4, 2, 16
-
-
-def _byte_level_vocab():
-  """A 'gpt2' vocabulary: specials (ids 0-2), the 256 byte symbols, merges."""
-  from tokenizers import pre_tokenizers
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-  merges = ["Ġ t", "h e", "Ġt he"]
-  tokens = specials + alphabet + [m.replace(" ", "") for m in merges]
-  types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
-  tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
-  types += [5] * (VOCAB - len(types))
-  return tokens, types, merges
-
-
-def _hf_weights(arch, rng):
-  """Random weights in transformers naming and layout ([out, in]), on a
-  2**-16 grid so that Gemma's stored `1 + w` is exact in f32."""
-  w = lambda *s: (np.round(0.1 * rng.standard_normal(s) * 2**16)
-                  / 2**16).astype(np.float32)
-  qd, kd = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-  t = {"model.embed_tokens.weight": w(VOCAB, HIDDEN),
-       "model.norm.weight": 1 + w(HIDDEN)}
-  for i in range(LAYERS):
-    p = f"model.layers.{i}."
-    t.update({
-        p + "self_attn.q_proj.weight": w(qd, HIDDEN),
-        p + "self_attn.k_proj.weight": w(kd, HIDDEN),
-        p + "self_attn.v_proj.weight": w(kd, HIDDEN),
-        p + "self_attn.o_proj.weight": w(HIDDEN, qd),
-        p + "mlp.gate_proj.weight": w(INTER, HIDDEN),
-        p + "mlp.up_proj.weight": w(INTER, HIDDEN),
-        p + "mlp.down_proj.weight": w(HIDDEN, INTER),
-        p + "input_layernorm.weight": 1 + w(HIDDEN),
-        p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
-    })
-    if arch == "qwen2":
-      for n, d in (("q", qd), ("k", kd), ("v", kd)):
-        t[p + f"self_attn.{n}_proj.bias"] = w(d)
-    if arch == "gemma2":
-      t[p + "pre_feedforward_layernorm.weight"] = w(HIDDEN)
-      t[p + "post_feedforward_layernorm.weight"] = w(HIDDEN)
-  if arch == "llama":
-    t["lm_head.weight"] = w(VOCAB, HIDDEN)
-  return t
-
-
-LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                      high_freq_factor=4.0,
-                      original_max_position_embeddings=8192)
-
-
-def _llama3_rope_freqs(theta=50000.0, head_dim=HEAD_DIM, factor=8.0, low=1.0,
-                       high=4.0, old_context=8192):
-  """`rope_freqs` as llama.cpp's converter writes it for Llama 3 scaling: the
-  factor dividing each pair's frequency."""
-  freqs = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-  out = []
-  for f in freqs:
-    wavelen = 2 * np.pi / f
-    if wavelen < old_context / high:
-      out.append(1.0)
-    elif wavelen > old_context / low:
-      out.append(factor)
-    else:
-      smooth = (old_context / wavelen - low) / (high - low)
-      out.append(1 / ((1 - smooth) / factor + smooth))
-  return np.asarray(out, np.float32)
-
-
-def _hf_config(arch):
-  cfg = dict(model_type=arch, vocab_size=VOCAB, hidden_size=HIDDEN,
-             intermediate_size=INTER, num_hidden_layers=LAYERS,
-             num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-             head_dim=HEAD_DIM, rope_theta=50000.0, rms_norm_eps=2.0 ** -16,  # exact in the f32 GGUF field
-             max_position_embeddings=512, bos_token_id=1, eos_token_id=0,
-             tie_word_embeddings=arch != "llama")
-  if arch == "llama3":
-    cfg.update(model_type="llama", rope_scaling=LLAMA3_SCALING,
-               tie_word_embeddings=False)
-  if arch == "gemma2":
-    cfg.update(hidden_activation="gelu_pytorch_tanh", sliding_window=16,
-               query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=50.0,
-               final_logit_softcapping=30.0)
-  return cfg
-
-
-def _llama_cpp_permute(w, n_head):
-  """llama.cpp's converter permutation of Llama q/k rows (HF -> GGUF)."""
-  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
-
-
-def _write_gguf_model(path, arch, hf_tensors, *, tokenizer="gpt2",
-                      qtype=None, extra=None):
-  names = gguf.get_tensor_name_map(
-      {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], LAYERS)
-  tensors = {}
-  for hf_name, w in hf_tensors.items():
-    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-    if arch == "llama" and ".attn_q." in name:
-      w = _llama_cpp_permute(w, HEADS)
-    elif arch == "llama" and ".attn_k." in name:
-      w = _llama_cpp_permute(w, KV_HEADS)
-    if arch == "gemma2" and name.endswith("norm.weight"):
-      w = w + 1  # llama.cpp stores Gemma's (1 + w)
-    if qtype is not None and w.ndim == 2:
-      tensors[name] = (gguf.quants.quantize(w, qtype), qtype)
-    else:
-      tensors[name] = (w, None)
-  tensors.update(extra or {})
-  meta = dict(block_count=LAYERS, context_length=512, embedding_length=HIDDEN,
-              feed_forward_length=INTER, head_count=HEADS,
-              head_count_kv=KV_HEADS, key_length=HEAD_DIM,
-              value_length=HEAD_DIM, rope_freq_base=50000.0,
-              layer_norm_rms_eps=2.0 ** -16, rope_dimension_count=HEAD_DIM)
-  if arch == "gemma2":
-    meta.update(sliding_window=16, attn_logit_softcapping=50.0,
-                final_logit_softcapping=30.0)
-  if tokenizer == "gpt2":
-    tokens, types, merges = _byte_level_vocab()
-    meta.update(tokenizer_model="gpt2", tokenizer_pre="default",
-                token_list=tokens, token_types=types, token_merges=merges,
-                bos_token_id=1, eos_token_id=0, add_bos_token=False,
-                chat_template="{% for m in messages %}<|im_start|>"
-                              "{{ m['content'] }}<|im_end|>{% endfor %}")
-  elif tokenizer is not None:
-    meta.update(tokenizer_model=tokenizer, token_list=["a"] * VOCAB)
-  _write(path, arch, tensors, meta)
-
-
-def _save_hf_dir(path, arch, hf_tensors):
-  from safetensors.numpy import save_file
-  path.mkdir()
-  (path / "config.json").write_text(json.dumps(_hf_config(arch)))
-  save_file(hf_tensors, str(path / "model.safetensors"))
-
-
 @pytest.mark.parametrize("variant", ["llama", "llama3", "qwen2", "gemma2"])
 def test_gguf_matches_checkpoint_dir(variant, tmp_path):
   """Same weights as GGUF and as a HF checkpoint: same config, same params.
@@ -385,13 +225,13 @@ def test_gguf_matches_checkpoint_dir(variant, tmp_path):
   test_models_hf). "llama3" adds Llama 3 RoPE scaling, stored in the GGUF as
   the `rope_freqs` factors."""
   arch = "llama" if variant == "llama3" else variant
-  hf_tensors = _hf_weights(arch, np.random.default_rng(7))
-  _save_hf_dir(tmp_path / "hf", variant, hf_tensors)
+  hf_tensors = hf_weights(arch, np.random.default_rng(7))
+  save_hf_dir(tmp_path / "hf", variant, hf_tensors)
   extra = None
   if variant == "llama3":
-    extra = {"rope_freqs.weight": (_llama3_rope_freqs(), None)}
-    assert 1.0 < _llama3_rope_freqs()[5] < 8.0  # one pair in the smooth band
-  _write_gguf_model(tmp_path / "m.gguf", arch, hf_tensors, extra=extra)
+    extra = {"rope_freqs.weight": (llama3_rope_freqs(), None)}
+    assert 1.0 < llama3_rope_freqs()[5] < 8.0  # one pair in the smooth band
+  write_gguf_model(tmp_path / "m.gguf", arch, hf_tensors, extra=extra)
   expected = models.load_model(str(tmp_path / "hf"))
   actual = models.load_model(str(tmp_path / "m.gguf"))
   assert actual.name == "m"
@@ -413,7 +253,7 @@ def test_gguf_matches_checkpoint_dir(variant, tmp_path):
     # The permutation is not the identity here, so skipping the un-permute
     # would have failed above.
     q = hf_tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert not np.array_equal(_llama_cpp_permute(q, HEADS), q)
+    assert not np.array_equal(llama_cpp_permute(q, HEADS), q)
   if variant == "llama3":
     assert actual.cfg.rope.scaling is not None
   cfg, tok = models.load_config_and_tokenizer(str(tmp_path / "m.gguf"))
@@ -424,9 +264,9 @@ def test_gguf_matches_checkpoint_dir(variant, tmp_path):
 
 
 def test_rope_freqs_other_than_llama3_raise(tmp_path):
-  hf_tensors = _hf_weights("llama", np.random.default_rng(0))
-  freqs = _llama3_rope_freqs(low=2.0)  # band limits unlike Llama 3's
-  _write_gguf_model(tmp_path / "m.gguf", "llama", hf_tensors,
+  hf_tensors = hf_weights("llama", np.random.default_rng(0))
+  freqs = llama3_rope_freqs(low=2.0)  # band limits unlike Llama 3's
+  write_gguf_model(tmp_path / "m.gguf", "llama", hf_tensors,
                     extra={"rope_freqs.weight": (freqs, None)})
   with pytest.raises(ValueError, match="rope_freqs"):
     models.load_config_and_tokenizer(str(tmp_path / "m.gguf"))
@@ -435,8 +275,8 @@ def test_rope_freqs_other_than_llama3_raise(tmp_path):
 def test_quantized_gguf_loads_dequantized_weights(tmp_path):
   """A Q8_0 model: every weight equals the dequantized stored blocks (bf16)."""
   import jax.numpy as jnp
-  hf_tensors = _hf_weights("qwen2", np.random.default_rng(3))
-  _write_gguf_model(tmp_path / "q8.gguf", "qwen2", hf_tensors, qtype=Q.Q8_0)
+  hf_tensors = hf_weights("qwen2", np.random.default_rng(3))
+  write_gguf_model(tmp_path / "q8.gguf", "qwen2", hf_tensors, qtype=Q.Q8_0)
   model = models.load_model(str(tmp_path / "q8.gguf"), dtype=jnp.bfloat16)
   w = hf_tensors["model.layers.1.mlp.down_proj.weight"]
   q = gguf.quants.quantize(w, Q.Q8_0)
@@ -459,8 +299,8 @@ def _flatten(tree, prefix=""):
 
 
 def test_unsupported_architecture_raises(tmp_path):
-  hf_tensors = _hf_weights("qwen2", np.random.default_rng(0))
-  _write_gguf_model(tmp_path / "p.gguf", "qwen2", hf_tensors)
+  hf_tensors = hf_weights("qwen2", np.random.default_rng(0))
+  write_gguf_model(tmp_path / "p.gguf", "qwen2", hf_tensors)
   # Same file, another architecture name.
   data = (tmp_path / "p.gguf").read_bytes().replace(b"qwen2", b"phi42")
   (tmp_path / "phi.gguf").write_bytes(data)
@@ -470,16 +310,16 @@ def test_unsupported_architecture_raises(tmp_path):
 
 def test_unsupported_tensor_type_in_model_raises(tmp_path):
   rng = np.random.default_rng(0)
-  q3k = _random_k_blocks(rng, Q.Q3_K, 4).reshape(4, -1)  # 4 rows of 256
-  _write_gguf_model(tmp_path / "m.gguf", "qwen2", _hf_weights("qwen2", rng),
+  q3k = random_k_blocks(rng, Q.Q3_K, 4).reshape(4, -1)  # 4 rows of 256
+  write_gguf_model(tmp_path / "m.gguf", "qwen2", hf_weights("qwen2", rng),
                     extra={"blk.0.ffn_up.weight": (q3k, Q.Q3_K)})
   with pytest.raises(ValueError, match=r"\['Q3_K'\].*expected one of"):
     models.load_model(str(tmp_path / "m.gguf"))
 
 
 def test_unsupported_tokenizer_raises(tmp_path):
-  hf_tensors = _hf_weights("qwen2", np.random.default_rng(0))
-  _write_gguf_model(tmp_path / "t.gguf", "qwen2", hf_tensors,
+  hf_tensors = hf_weights("qwen2", np.random.default_rng(0))
+  write_gguf_model(tmp_path / "t.gguf", "qwen2", hf_tensors,
                     tokenizer="bert")
   with pytest.raises(ValueError, match=r"'bert'.*\('gpt2', 'llama'\)"):
     models.load_config_and_tokenizer(str(tmp_path / "t.gguf"))
@@ -504,22 +344,6 @@ def test_unknown_model_name_raises():
 
 
 # ----------------------------------------------------------- tokenizers
-def _spm_vocab():
-  """A small SentencePiece-style vocabulary: specials, bytes, pieces."""
-  pieces = ["\u2581", "a", "b", "c", "d", "e", "h", "l", "o", "t", "w", "r",
-            "\u2581t", "he", "\u2581the", "ll", "\u2581he", "llo", "\u2581hello",
-            "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "ab", "\u2581a",
-            "\u2581ab", "\u2581\u2581", "\u2581\u2581\u2581"]
-  tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-  types = [2, 3, 3] + [6] * 256
-  scores = [0.0, 0.0, 0.0] + [0.0] * 256
-  for i, p in enumerate(pieces):  # longer pieces score higher
-    tokens.append(p)
-    types.append(1)
-    scores.append(-100.0 + 10 * len(p) + 0.01 * i)
-  return tokens, types, scores
-
-
 def test_sentencepiece_vocab_matches_transformers(tmp_path):
   transformers = pytest.importorskip("transformers")
   if tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 25):
@@ -527,9 +351,9 @@ def test_sentencepiece_vocab_matches_transformers(tmp_path):
     # into other pieces.
     pytest.skip("checked against transformers' GGUF SentencePiece vocabulary"
                 " from 5.25")
-  tokens, types, scores = _spm_vocab()
+  tokens, types, scores = spm_vocab()
   path = tmp_path / "spm.gguf"
-  _write(path, "llama", {"w": (np.zeros((2, 2), np.float32), None)}, dict(
+  write_gguf(path, "llama", {"w": (np.zeros((2, 2), np.float32), None)}, dict(
       tokenizer_model="llama", token_list=tokens, token_types=types,
       token_scores=scores, bos_token_id=1, eos_token_id=2, unk_token_id=0))
   from pkvattn.models.gguf_tokenizer import GGUFTokenizer

@@ -25,7 +25,7 @@ from pkvattn.models import gguf as pk_gguf  # noqa: E402
 from pkvattn.models import gguf_tokenizer  # noqa: E402
 from pkvattn.models.gguf_reader import GGUFFile  # noqa: E402
 from pkvattn.models.hf import aligned_empty  # noqa: E402
-from test_models_gguf import _write  # noqa: E402
+from model_files import write_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 BLOCK_TYPES = [t for t in pk_gguf.SUPPORTED_TENSOR_TYPES
@@ -72,7 +72,7 @@ def test_parser_matches_gguf_reader(tmp_path):
           rng.standard_normal((2, 64)).astype(np.float32), Q.Q8_0), Q.Q8_0),
   }
   path = tmp_path / "m.gguf"
-  _write(path, "llama", tensors, typed=metadata)
+  write_gguf(path, "llama", tensors, typed=metadata)
   ours = GGUFFile(str(path))
   ref = gguf.GGUFReader(str(path))
   expected = {k: f.contents() for k, f in ref.fields.items()
