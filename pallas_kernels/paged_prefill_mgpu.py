@@ -695,8 +695,11 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
         # threads lse_smem (a warpgroup barrier).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.commit_smem()
-      if packed:
-        # A plain row-major tile, for the per-thread row stores.
+      if packed or out_in_q:
+        # A plain row-major tile (for the per-thread row stores, or the
+        # q tile's union member): an unoptimized store, which jax 0.12's
+        # layout inference needs here (asked for an optimized one into the
+        # union, it does not finish).
         _compat.mgpu_store_any_layout(o_smem, out.astype(out_ref.dtype))
       else:
         o_smem[...] = out.astype(out_ref.dtype)
