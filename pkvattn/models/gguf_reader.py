@@ -16,6 +16,11 @@ shaped view `GGUFReader` gives) and `metadata` (`{key: value}`, arrays as
 lists, strings decoded; numeric arrays as lists too, so a value compares
 equal to `GGUFReader`'s `field.contents()`).
 
+Every count read from the header (a string's length, an array's) is checked
+against the bytes left before it sizes a slice or a list: a cut or corrupt
+header is a `ValueError` ("truncated header"; `gguf.GGUFReader` returns a
+shortened last string instead).
+
 Big-endian files are not parsed here; `open_gguf` falls back to
 `gguf.GGUFReader` for them.
 """
@@ -158,9 +163,19 @@ class GGUFFile:
     self._pos += struct.calcsize(fmt)
     return out
 
+  def _need(self, n_bytes: int, what: str):
+    """`struct.error` (a truncated header) unless `n_bytes` more bytes
+    follow the read position: a count read from a cut or corrupt file is
+    not trusted to size a slice or a list."""
+    left = len(self._buf) - self._pos
+    if n_bytes > left:
+      raise struct.error(f"{what} of {n_bytes} bytes at byte {self._pos}, "
+                         f"{left} left")
+
   def _string(self) -> str:
-    n, = struct.unpack_from("<Q", self._buf, self._pos)
-    lo = self._pos + 8
+    n, = self._unpack("<Q")
+    self._need(n, "a string")
+    lo = self._pos
     self._pos = lo + n
     return str(self._buf[lo:lo + n], "utf-8", "replace")
 
@@ -174,17 +189,23 @@ class GGUFFile:
       raise ValueError(f"unknown GGUF value type {vtype}")
     itype, n = self._unpack("<IQ")
     if itype == _STRING:
+      self._need(8 * n, f"an array of {n} strings")
       buf, pos, out = self._buf, self._pos, [None] * n
       unpack = struct.Struct("<Q").unpack_from
       for i in range(n):
         m, = unpack(buf, pos)
+        if pos + 8 + m > len(buf):
+          raise struct.error(f"string {i} of {n} runs past the end")
         out[i] = str(buf[pos + 8:pos + 8 + m], "utf-8", "replace")
         pos += 8 + m
       self._pos = pos
       return out
     if itype in _NUMPY:
       dt = np.dtype(_NUMPY[itype]).newbyteorder("<")
+      self._need(n * dt.itemsize, f"an array of {n} {dt.name}")
       arr = np.frombuffer(self._buf, dt, count=n, offset=self._pos)
       self._pos += n * dt.itemsize
       return arr.tolist()
-    return [self._value(itype) for _ in range(n)]  # nested arrays
+    # Nested arrays: each element takes at least one byte.
+    self._need(n, f"an array of {n} values")
+    return [self._value(itype) for _ in range(n)]

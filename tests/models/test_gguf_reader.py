@@ -257,3 +257,30 @@ def test_malformed_headers_are_refused(tmp_path, rng):
   long, _, _ = _gguf([("key", V.STRING, "v" * 64)])
   with pytest.raises(ValueError, match="truncated header"):
     _open(tmp_path, long[:40], "trunc.gguf")
+
+
+@pytest.mark.parametrize("case", ["string", "string array", "numeric array"])
+def test_a_header_cut_inside_its_last_value_is_refused(case, tmp_path):
+  """A file with no tensors cut inside its last value (its count says more
+  bytes than the file has) is a truncated header; cut right after that
+  value, it parses."""
+  key, vtype, value = {
+      "string": ("k", V.STRING, "v" * 64),
+      "string array": ("k", V.ARRAY, (V.STRING, ["ab", "c" * 40])),
+      "numeric array": ("k", V.ARRAY, (V.UINT32, list(range(16))))}[case]
+  blob, _, _ = _gguf([(key, vtype, value)], trailing_pad=False)
+  end = 24 + len(_str(key)) + 4 + len(_value(vtype, value))
+  whole = _open(tmp_path, blob[:end], "whole.gguf")
+  assert whole.metadata[key] == (value if vtype == V.STRING else value[1])
+  with pytest.raises(ValueError, match="truncated header"):
+    _open(tmp_path, blob[:end - 5], "cut.gguf")
+
+
+@pytest.mark.parametrize("etype", [V.STRING, V.UINT64, V.ARRAY])
+def test_huge_counts_are_refused_before_they_are_used(etype, tmp_path):
+  """An array count of 2**62 in a short file (a corrupt header) is a
+  truncated header, found before a list or buffer of that size is made."""
+  blob = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _str("k")
+          + struct.pack("<IIQ", V.ARRAY, etype, 2**62) + bytes(64))
+  with pytest.raises(ValueError, match="truncated header"):
+    _open(tmp_path, blob)
