@@ -440,3 +440,29 @@ def test_host_kv_cache_gb_flag(capsys):
                                     "--max-new-tokens", "2",
                                     "--no-progress"]) == 0
   assert "host KV tier: " in capsys.readouterr().out
+
+
+def test_prompt_i_samples_with_seed_plus_i(capsys, monkeypatch):
+  """`--seed S`: prompt i samples with seed S + i: the same two prompts in
+  the other order with seed S - 1 give the first prompt (now second) the
+  same tokens, the other prompt other ones. The tiny model's weights, which
+  `--seed` also seeds, are held at seed 0 here."""
+  from pkvattn import models
+  load_model = models.load_model
+  monkeypatch.setattr(models, "load_model", lambda name, dtype, seed:
+                      load_model(name, dtype, 0))
+  a, b = PROMPTS[1], PROMPTS[3]
+  sampled = ["--temperature", "1", "--max-new-tokens", "12", "--ignore-eos"]
+
+  def run(prompts, seed):
+    argv = [x for p in prompts for x in ("--prompt", p)]
+    assert cli.main(TINY + argv + sampled + ["--seed", str(seed), "--json",
+                                             "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"]
+    assert [o["prompt"] for o in out] == list(prompts)
+    return {o["prompt"]: o["token_ids"] for o in out}
+
+  first = run((a, b), 5)    # a: seed 5, b: seed 6
+  swapped = run((b, a), 4)  # b: seed 4, a: seed 5
+  assert first[a] == swapped[a]
+  assert first[b] != swapped[b]
