@@ -466,3 +466,51 @@ def test_prompt_i_samples_with_seed_plus_i(capsys, monkeypatch):
   swapped = run((b, a), 4)  # b: seed 4, a: seed 5
   assert first[a] == swapped[a]
   assert first[b] != swapped[b]
+
+
+class _Built(Exception):
+  """Raised by the stand-in engine once the CLI has built its config."""
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], dict(max_num_tokens=16, max_seqs=2, compile_cache_dir="DEFAULT",
+              decode_steps="BACKEND", enable_swa_scratch_reuse=False)),
+    # Scratch reuse prefills a request in one step: the budget holds the
+    # longest (BOS + 40 bytes + 5 new tokens).
+    (["--swa-scratch-reuse"], dict(max_num_tokens=46,
+                                   enable_swa_scratch_reuse=True)),
+    (["--swa-scratch-reuse", "--max-num-tokens", "64"],
+     dict(max_num_tokens=64)),
+    (["--max-seqs", "1", "--decode-steps", "3"],
+     dict(max_seqs=1, decode_steps=3)),
+    (["--compile-cache-dir", "CACHE"], dict(compile_cache_dir="CACHE")),
+    (["--no-compile-cache", "--compile-cache-dir", "CACHE"],
+     dict(compile_cache_dir=None)),
+])
+def test_engine_config_from_flags(argv, want, monkeypatch, tmp_path):
+  """The `EngineConfig` the CLI builds from its flags (the engine itself
+  stood in for: nothing compiles)."""
+  import jax
+  from pkvattn import engine as engine_mod
+  from pkvattn.serving import compile_cache
+  seen = []
+
+  def fake_engine(model, config, mesh=None):
+    seen.append(config)
+    raise _Built
+
+  monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+  argv = [str(tmp_path) if a == "CACHE" else a for a in argv]
+  with pytest.raises(_Built):
+    cli.main(["--model", "tiny-gemma3", "--page-size", "8", "--num-slots",
+              "32", "--max-num-tokens", "16", "--max-new-tokens", "5",
+              "--prompt", "a", "--prompt", "x" * 40] + argv)
+  config, = seen
+  for name, value in want.items():
+    if value == "DEFAULT":
+      value = compile_cache.default_dir()
+    elif value == "CACHE":
+      value = str(tmp_path)
+    elif value == "BACKEND":  # 8 decode steps a call on a GPU, else 1
+      value = 8 if jax.default_backend() == "gpu" else 1
+    assert getattr(config, name) == value, name
