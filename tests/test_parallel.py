@@ -1,0 +1,431 @@
+"""`pkvattn.parallel`'s layout helpers, replica meshes and drivers.
+
+Parameter layouts (`fuse_projections`, `param_specs`, the kv-head
+replication and tied head of `shard_model`) are checked against numpy
+slicing and the documented specs; `generate_on_replicas` with stand-in
+engines; the argument checks in-process (one CPU device). What needs several
+devices (real replica meshes, a tp=2 forward) runs once in a subprocess with
+4 forced host devices, as `tests/ops/test_multidevice.py` does (the device
+count is fixed when jax initialises its backend), which prints one JSON
+object the tests assert on.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pkvattn import parallel
+from pkvattn.flax import AttentionPlan, layer_page_tables
+from pkvattn.models import TINY_CONFIGS, forward, init_params
+from pkvattn.models.tiny import replace
+
+_SCRIPT = r'''
+import dataclasses
+import json
+import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+from pkvattn import parallel
+from pkvattn.flax import AttentionPlan, layer_page_tables
+from pkvattn.models import Model, TINY_CONFIGS, forward, init_params
+from pkvattn.models import unstack_layers
+from pkvattn.models.tiny import replace
+
+assert len(jax.devices()) == 4, jax.devices()
+seed = int(sys.argv[1])
+res = {"seed": seed}
+ids = lambda m: [d.id for d in m.devices.flat]
+devs = jax.devices()
+
+# Replica meshes: replica r holds devices [r * tp, (r + 1) * tp).
+res["replicas"] = {
+    "2x2": [ids(m) for m in parallel.replica_meshes(2, 2)],
+    "4x1": [ids(m) for m in parallel.replica_meshes(4)],
+    "1x4": [ids(m) for m in parallel.replica_meshes(1, 4)],
+    "1x1": [ids(m) for m in parallel.replica_meshes(1)],
+    "tail": [ids(m) for m in parallel.replica_meshes(2, 1, devs[2:])],
+    "axis": [list(m.axis_names)
+             for m in parallel.replica_meshes(2, 2, axis="x")],
+    "want_ids": [d.id for d in devs],
+}
+
+mesh = parallel.make_mesh(2)
+
+def spec(a):
+  return [None if s is None else str(s) for s in a.sharding.spec]
+
+# A vocabulary that does not divide by tp (321 columns, tp=2): the head is
+# replicated and so are the logits, which match one device's.
+# Its one kv head is replicated on both devices.
+cfg = replace(TINY_CONFIGS["tiny-llama"], vocab_size=321)
+m = Model("odd", cfg, init_params(cfg, jax.random.key(seed), scale=0.08),
+          None)
+sm = parallel.shard_model(m, mesh)
+ps, b, n, mp = 8, 2, 5, 2
+rng = np.random.default_rng(seed)
+tables = layer_page_tables(
+    jnp.asarray(rng.permutation(b * mp).reshape(b, mp), jnp.int32),
+    cfg.num_layers)
+toks = jnp.asarray(rng.integers(0, cfg.vocab_size, b * n), jnp.int32)
+plan = AttentionPlan.create(tables, jnp.array([0, n, 2 * n], jnp.int32),
+                            jnp.array([n, n], jnp.int32), b * n)
+expected = forward(m.params, m.cfg, toks,
+                   jnp.zeros(cfg.pool_shape(b * mp, ps)), plan)[0]
+actual = jax.jit(lambda p, kv: parallel.tp_forward(
+    p, sm.cfg, toks, kv, plan, mesh))(
+        sm.params, jnp.zeros(sm.cfg.pool_shape(b * mp, ps)))[0]
+# The same model given unstacked (a tuple of per-layer trees) is laid out
+# as the stacked one is, layer by layer.
+try:
+  su = parallel.shard_model(
+      dataclasses.replace(m, params=unstack_layers(m.params)), mesh)
+  want = unstack_layers(sm.params)
+  assert jax.tree.structure(su.params) == jax.tree.structure(want)
+  res["unstacked"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                         zip(jax.tree.leaves(su.params), jax.tree.leaves(want)))
+except Exception as e:  # pylint: disable=broad-except
+  res["unstacked"] = f"{type(e).__name__}: {e}"
+res["odd_vocab"] = {
+    "head_spec": spec(sm.params["lm_head"]),
+    "shape": list(actual.shape), "logits_spec": spec(actual),
+    "max_err": float(jnp.max(jnp.abs(actual - expected)))}
+
+# greedy_tokens asks for a vocabulary that divides by tp.
+try:
+  parallel.greedy_tokens(jnp.zeros((3, 6)), parallel.make_mesh(4))
+  res["greedy_error"] = None
+except ValueError as e:
+  res["greedy_error"] = str(e)
+print("RESULT" + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=4").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  # Fresh inputs each run; `PKVATTN_TEST_SEED` replays a failing run's.
+  seed = int(os.environ.get("PKVATTN_TEST_SEED")
+             or np.random.SeedSequence().entropy) % 2**31
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(seed)], env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+  return json.loads(line[len("RESULT"):])
+
+
+def test_replica_meshes_split_the_devices_in_order(results):
+  r = results["replicas"]
+  d = r["want_ids"]
+  assert r["2x2"] == [d[0:2], d[2:4]]
+  assert r["4x1"] == [[x] for x in d]  # tp defaults to 1
+  assert r["1x4"] == [d]
+  assert r["1x1"] == [d[:1]]
+  assert r["tail"] == [[d[2]], [d[3]]]  # of the devices given
+  assert r["axis"] == [["x"], ["x"]]
+
+
+def test_tp_forward_odd_vocab_keeps_the_head_replicated(results):
+  """A vocabulary that does not divide by tp: `shard_model` leaves the LM
+  head replicated and `tp_forward` returns replicated logits of the full
+  vocabulary, as one device computes them."""
+  r = results["odd_vocab"]
+  assert all(s is None for s in r["head_spec"]), r
+  assert all(s is None for s in r["logits_spec"]), r
+  assert r["shape"] == [10, 321]
+  assert r["max_err"] < 1e-4, (results["seed"], r)
+
+
+def test_shard_model_unstacked_with_replicated_kv_heads(results):
+  """`shard_model` (so `Engine(..., mesh=...)`) takes a model given with
+  unstacked layers when its kv heads are replicated (tp=2, one kv head)."""
+  assert results["unstacked"] == 0.0, results["unstacked"]
+
+
+def test_greedy_tokens_rejects_indivisible_vocab(results):
+  assert "Invalid shape of logits" in results["greedy_error"]
+
+
+def _projections(rng, num_layers, hidden, cols, bias):
+  """q/k/v, gate/up, o/down projections of random values: stacked layers
+  (leading `num_layers` axis), `cols` columns each (name -> count)."""
+  def dense(fan_in, fan_out):
+    p = {"kernel": rng.standard_normal((num_layers, fan_in, fan_out))}
+    if bias:
+      p["bias"] = rng.standard_normal((num_layers, fan_out))
+    return {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+  attn = {n: dense(hidden, cols[n]) for n in ("q_proj", "k_proj", "v_proj")}
+  attn["o_proj"] = dense(cols["q_proj"], hidden)
+  mlp = {n: dense(hidden, cols[n]) for n in ("gate_proj", "up_proj")}
+  mlp["down_proj"] = dense(cols["gate_proj"], hidden)
+  return {"embed": jnp.asarray(rng.standard_normal((7, hidden)), jnp.float32),
+          "layers": {"attn": attn, "mlp": mlp,
+                     "attn_norm": jnp.ones((num_layers, hidden))}}
+
+
+def _shard_major(parts, tp):
+  """numpy: for each shard i, its column block of every part, side by side."""
+  parts = [np.asarray(p) for p in parts]
+  blocks = []
+  for i in range(tp):
+    for p in parts:
+      c = p.shape[-1] // tp
+      blocks.append(p[..., i * c:(i + 1) * c])
+  return np.concatenate(blocks, axis=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_fuse_projections_is_shard_major(rng, tp, stacked):
+  cols = {"q_proj": 12, "k_proj": 6, "v_proj": 6, "gate_proj": 18,
+          "up_proj": 18}
+  params = _projections(rng, 2, 6, cols, bias=True)
+  layers = [jax.tree.map(lambda a, i=i: a[i], params["layers"])
+            for i in range(2)]
+  given = params if stacked else dict(params, layers=tuple(layers))
+  fused = parallel.fuse_projections(given, tp)
+  got = fused["layers"]
+  assert isinstance(got, dict) == stacked
+  per_layer = [got] if stacked else list(got)
+  want = [params["layers"]] if stacked else layers
+  for g, w in zip(per_layer, want):
+    for group, names, name in (("attn", ("q_proj", "k_proj", "v_proj"),
+                                "qkv_proj"),
+                               ("mlp", ("gate_proj", "up_proj"),
+                                "gate_up_proj")):
+      assert set(g[group]) == {name, ("o_proj" if group == "attn"
+                                      else "down_proj")}
+      for k in ("kernel", "bias"):
+        np.testing.assert_array_equal(
+            np.asarray(g[group][name][k]),
+            _shard_major([w[group][n][k] for n in names], tp))
+    np.testing.assert_array_equal(np.asarray(g["attn"]["o_proj"]["kernel"]),
+                                  np.asarray(w["attn"]["o_proj"]["kernel"]))
+  np.testing.assert_array_equal(np.asarray(fused["embed"]),
+                                np.asarray(params["embed"]))
+  # Idempotent.
+  again = parallel.fuse_projections(fused, tp)
+  assert jax.tree.structure(again) == jax.tree.structure(fused)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(fused)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fuse_projections_rejects_indivisible_columns(rng):
+  # 3 layers of [6, 5]: every axis but the columns divides by tp=3.
+  params = _projections(rng, 3, 6, {"q_proj": 5, "k_proj": 5, "v_proj": 5,
+                                    "gate_proj": 6, "up_proj": 6}, bias=False)
+  with pytest.raises(ValueError, match="Invalid projection"):
+    parallel.fuse_projections(params, 3)
+
+
+def _spec_tree(params, **kw):
+  specs = parallel.param_specs(params, "model", **kw)
+  return jax.tree.map(tuple, specs,
+                      is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+
+
+def test_param_specs_stacked_and_unstacked(rng):
+  """Column-parallel kernels and biases split on their last axis,
+  row-parallel kernels on their input axis (biases replicated), the LM
+  head on its vocabulary columns where `tp` divides them; stacked layers
+  keep their leading axis unsplit."""
+  cols = {"q_proj": 4, "k_proj": 2, "v_proj": 2, "gate_proj": 8,
+          "up_proj": 8}
+  params = _projections(rng, 2, 4, cols, bias=True)
+  params["final_norm"] = jnp.ones((4,))
+  params["lm_head"] = jnp.zeros((4, 12))
+  layers = params["layers"]
+  fused = parallel.fuse_projections(params, 2)
+  for tree in (params, fused):
+    s = _spec_tree(tree, tp=4)
+    for group, projs in s["layers"].items():
+      if group == "attn_norm":
+        assert projs == ()
+        continue
+      for name, p in projs.items():
+        if name in ("o_proj", "down_proj"):
+          assert p == {"kernel": (None, "model", None), "bias": ()}, name
+        else:
+          assert p == {"kernel": (None, None, "model"),
+                       "bias": (None, "model")}, name
+    assert s["lm_head"] == (None, "model")
+    assert s["embed"] == () and s["final_norm"] == ()
+  assert _spec_tree(params, tp=5)["lm_head"] == ()  # 12 % 5
+  assert _spec_tree(params)["lm_head"] == ()        # no tp given
+
+  # Unstacked: a tuple of per-layer trees, no leading layer axis.
+  per_layer = tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+                    for i in range(2))
+  s = _spec_tree(dict(params, layers=per_layer), tp=3)
+  assert s["lm_head"] == (None, "model")
+  for lp in s["layers"]:
+    assert lp["attn"]["q_proj"] == {"kernel": (None, "model"),
+                                    "bias": ("model",)}
+    assert lp["mlp"]["up_proj"] == {"kernel": (None, "model"),
+                                    "bias": ("model",)}
+    assert lp["attn"]["o_proj"] == {"kernel": ("model", None), "bias": ()}
+    assert lp["mlp"]["down_proj"] == {"kernel": ("model", None), "bias": ()}
+    assert lp["attn_norm"] == ()
+
+
+def test_vocab_parallel_and_configs():
+  cfg = replace(TINY_CONFIGS["tiny-llama"], num_qo_heads=4, num_kv_heads=2,
+                vocab_size=320)
+  # 320 = 2**6 * 5.
+  assert [tp for tp in range(1, 11) if parallel.vocab_parallel(cfg, tp)] == [
+      1, 2, 4, 5, 8, 10]
+  assert parallel.tp_config(cfg, 2) == cfg   # tp == num_kv_heads
+  assert parallel.tp_config(cfg, 4).num_kv_heads == 4
+  local = parallel.shard_config(parallel.tp_config(cfg, 4), 4)
+  assert (local.num_qo_heads, local.num_kv_heads,
+          local.intermediate_size) == (1, 1, cfg.intermediate_size // 4)
+
+
+def test_make_mesh_rejects_bad_tp():
+  devices = jax.devices()
+  assert parallel.make_mesh(1).devices.tolist() == devices[:1]
+  for tp in (0, -1, 1.0, len(devices) + 1):
+    with pytest.raises(ValueError, match="Invalid tp"):
+      parallel.make_mesh(tp)
+
+
+def _model(**kw):
+  cfg = replace(TINY_CONFIGS["tiny-llama"], **kw)
+  from pkvattn.models import Model
+  return Model("t", cfg, init_params(cfg, jax.random.key(0), scale=0.08), None)
+
+
+def test_shard_model_unties_a_vocab_parallel_head():
+  """A tied head whose vocabulary divides by tp (any, at tp=1) becomes its
+  own `lm_head = embed.T`; the projections stay unfused unless asked."""
+  mesh = parallel.make_mesh(1)
+  m = _model(tie_word_embeddings=True)
+  sm = parallel.shard_model(m, mesh)
+  assert sm.cfg == dataclasses.replace(m.cfg, tie_word_embeddings=False)
+  np.testing.assert_array_equal(np.asarray(sm.params["lm_head"]),
+                                np.asarray(m.params["embed"]).T)
+  assert "q_proj" in sm.params["layers"]["attn"]  # fuse defaults to False
+  assert "qkv_proj" in parallel.shard_model(
+      m, mesh, fuse=True).params["layers"]["attn"]
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_tp_layout_replicates_kv_heads(rng, stacked):
+  """`shard_model`'s layout program with kv heads replicated: kv head k's
+  k/v columns (kernel and bias) repeated `reps` times, head-major (copy j
+  of head k at k * reps + j); the other weights untouched."""
+  cfg = replace(TINY_CONFIGS["tiny-llama"], num_qo_heads=4, num_kv_heads=2,
+                head_dim=8, hidden_size=16)
+  params = _projections(rng, 2, 16, {"q_proj": 32, "k_proj": 16,
+                                     "v_proj": 16, "gate_proj": 8,
+                                     "up_proj": 8}, bias=True)
+  layers = params["layers"]
+  if not stacked:
+    params = dict(params, layers=tuple(
+        jax.tree.map(lambda a, i=i: a[i], layers) for i in range(2)))
+  out = parallel._tp_layout(params, cfg, 3, False, None)  # noqa: SLF001
+  got = out["layers"]
+  if not stacked:
+    got = jax.tree.map(lambda *a: jnp.stack(a), *got)
+  for name in ("k_proj", "v_proj"):
+    for k, a in layers["attn"][name].items():
+      a = np.asarray(a)
+      heads = a.reshape(*a.shape[:-1], 2, 1, 8)
+      want = np.repeat(heads, 3, axis=-2).reshape(*a.shape[:-1], 48)
+      np.testing.assert_array_equal(np.asarray(got["attn"][name][k]), want)
+  for group, name in (("attn", "q_proj"), ("attn", "o_proj"),
+                      ("mlp", "gate_proj"), ("mlp", "down_proj")):
+    np.testing.assert_array_equal(np.asarray(got[group][name]["kernel"]),
+                                  np.asarray(layers[group][name]["kernel"]))
+  assert "lm_head" not in out
+
+
+def test_generate_on_replicas_round_robin(rng):
+  class Engine:
+    def __init__(self, name):
+      self.name = name
+
+    def generate(self, prompts, params):
+      if not isinstance(params, list):
+        params = [params] * len(prompts)
+      assert len(params) == len(prompts)
+      return [[self.name, sp, *p] for p, sp in zip(prompts, params)]
+
+  engines = [Engine(e) for e in range(3)]
+  prompts = [rng.integers(0, 100, rng.integers(1, 4)).tolist()
+             for _ in range(7)]
+  per = rng.integers(0, 100, 7).tolist()
+  for params in (per, tuple(per)):
+    assert parallel.generate_on_replicas(engines, prompts, params) == [
+        [i % 3, per[i], *p] for i, p in enumerate(prompts)]
+  assert parallel.generate_on_replicas(iter(engines), prompts, -1) == [
+      [i % 3, -1, *p] for i, p in enumerate(prompts)]
+  assert parallel.generate_on_replicas(engines[:1], prompts[:2], 5) == [
+      [0, 5, *p] for p in prompts[:2]]
+  with pytest.raises(ValueError, match="Invalid engines"):
+    parallel.generate_on_replicas([], prompts, 0)
+  with pytest.raises(ValueError, match="Invalid params"):
+    parallel.generate_on_replicas(engines, prompts, per[:-1])
+
+  class Broken(Engine):
+    def generate(self, prompts, params):
+      raise RuntimeError(f"engine {self.name} failed")
+  with pytest.raises(RuntimeError, match="engine 1 failed"):
+    parallel.generate_on_replicas([Engine(0), Broken(1)], prompts, 0)
+
+
+def test_replica_meshes_errors():
+  fake = [object()] * 4  # checked before any mesh is made
+  for num_replicas, tp in ((0, 1), (1, 0), (-1, 1), (1, -1), (3, 2), (5, 1),
+                           (1, 5), (2.0, 1), (1, 2.0)):
+    with pytest.raises(ValueError, match="Invalid num_replicas"):
+      parallel.replica_meshes(num_replicas, tp, fake)
+
+
+def test_tp_forward_rejects_pool_of_other_heads():
+  m = _model()
+  pool = jnp.zeros((8, 4, m.cfg.num_kv_heads + 1, m.cfg.head_dim))
+  tables = layer_page_tables(jnp.zeros((1, 1), jnp.int32), m.cfg.num_layers)
+  plan = AttentionPlan.create(tables, jnp.array([0, 1], jnp.int32),
+                              jnp.array([1], jnp.int32), 1)
+  with pytest.raises(ValueError, match="Invalid shape of kv_cache"):
+    parallel.tp_forward(m.params, m.cfg, jnp.zeros((1,), jnp.int32), pool,
+                        plan, parallel.make_mesh(1))
+
+
+def test_pmap_greedy_generate_one_group_one_token(rng):
+  """One group on the one device, one token: each prompt's greedy next
+  token, as `forward` gives it for that prompt alone."""
+  m = _model()
+  b, n = 2, 5
+  prompts = rng.integers(0, m.cfg.vocab_size, (1, b, n)).astype(np.int32)
+  actual = parallel.pmap_greedy_generate(m.params, m.cfg, prompts, 1)
+  assert actual.shape == (1, b, 1)
+  tables = layer_page_tables(jnp.array([[3, 1]], jnp.int32),
+                             m.cfg.num_layers)
+  for i in range(b):
+    plan = AttentionPlan.create(tables, jnp.array([0, n], jnp.int32),
+                                jnp.array([n], jnp.int32), n)
+    logits = forward(m.params, m.cfg, jnp.asarray(prompts[0, i]),
+                     jnp.zeros(m.cfg.pool_shape(4, 8)), plan)[0]
+    assert actual[0, i, 0] == int(jnp.argmax(logits[-1])), i
+
+
+def test_pmap_greedy_generate_errors():
+  m = _model()
+  ndev = len(jax.local_devices())
+  for shape in ((1, 4), (ndev + 1, 1, 1), (0, 1, 4), (1, 1, 1, 4)):
+    with pytest.raises(ValueError, match="Invalid shape of prompts"):
+      parallel.pmap_greedy_generate(m.params, m.cfg, np.zeros(shape), 2)
+  with pytest.raises(ValueError, match="Invalid max_new_tokens"):
+    parallel.pmap_greedy_generate(m.params, m.cfg, np.zeros((1, 1, 4)), 0)
