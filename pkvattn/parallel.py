@@ -210,7 +210,8 @@ def shard_config(cfg: _decoder.DecoderConfig, tp: int) -> _decoder.DecoderConfig
 
 
 def _replicate_kv_heads(params, cfg: _decoder.DecoderConfig, reps: int):
-  """Repeats each kv head's k/v projection columns `reps` times (head-major)."""
+  """Repeats each kv head's k/v projection columns `reps` times (head-major);
+  stacked or unstacked layers."""
   d, nk = cfg.head_dim, cfg.num_kv_heads
 
   def rep(a):  # [..., nk * d] -> [..., nk * reps * d]
@@ -218,11 +219,16 @@ def _replicate_kv_heads(params, cfg: _decoder.DecoderConfig, reps: int):
     a = jnp.broadcast_to(a, (*a.shape[:-2], reps, d))
     return a.reshape(*a.shape[:-3], nk * reps * d)
 
-  attn = dict(params["layers"]["attn"])
-  for name in ("k_proj", "v_proj"):
-    attn[name] = jax.tree.map(rep, attn[name])
-  layers = dict(params["layers"], attn=attn)
-  return dict(params, layers=layers)
+  def layer(lp):
+    attn = dict(lp["attn"])
+    for name in ("k_proj", "v_proj"):
+      attn[name] = jax.tree.map(rep, attn[name])
+    return dict(lp, attn=attn)
+
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return dict(params, layers=tuple(map(layer, layers)))
+  return dict(params, layers=layer(layers))
 
 
 # Sliced parameters: column-parallel (last axis) and row-parallel (axis -2).
