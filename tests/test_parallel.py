@@ -11,10 +11,7 @@ object the tests assert on.
 """
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +22,7 @@ from pkvattn import parallel
 from pkvattn.flax import AttentionPlan, layer_page_tables
 from pkvattn.models import TINY_CONFIGS, forward, init_params
 from pkvattn.models.tiny import replace
+from cpu_devices import run_script
 
 _SCRIPT = r'''
 import dataclasses
@@ -110,18 +108,10 @@ print("RESULT" + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=4").strip()
-  env["JAX_PLATFORMS"] = "cpu"
   # Fresh inputs each run; `PKVATTN_TEST_SEED` replays a failing run's.
   seed = int(os.environ.get("PKVATTN_TEST_SEED")
              or np.random.SeedSequence().entropy) % 2**31
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(seed)], env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return run_script(_SCRIPT, str(seed), timeout=300)
 
 
 def test_replica_meshes_split_the_devices_in_order(results):

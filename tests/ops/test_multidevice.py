@@ -7,16 +7,12 @@ that prints one JSON object; the tests assert on its parts. Config errors need
 no devices and run in-process.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from pkvattn import parallel
 from pkvattn.models import TINY_CONFIGS
 from pkvattn.models.tiny import replace
+from cpu_devices import run_script
 
 _SCRIPT = r'''
 import dataclasses
@@ -268,15 +264,7 @@ print("RESULT" + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=4").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return run_script(_SCRIPT)
 
 
 def test_tp_logits_and_pool_match_one_device(results):
