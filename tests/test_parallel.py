@@ -419,3 +419,55 @@ def test_pmap_greedy_generate_errors():
       parallel.pmap_greedy_generate(m.params, m.cfg, np.zeros(shape), 2)
   with pytest.raises(ValueError, match="Invalid max_new_tokens"):
     parallel.pmap_greedy_generate(m.params, m.cfg, np.zeros((1, 1, 4)), 0)
+
+
+def test_pmap_greedy_generate_decodes_across_pages(rng, monkeypatch):
+  """Several tokens, the sequences crossing a page boundary: each request's
+  greedy continuation, recomputed here from scratch (the whole sequence
+  through `forward` each step, a fresh pool). The pool holds
+  ceil((prompt_len + max_new_tokens) / page_size) pages per request, and
+  every step's pool argument is donated (deleted after the step; the
+  prefill's host pool is put on the devices here, so that its donation
+  shows too)."""
+  m = _model()
+  b, ps, t = 2, 8, 5
+  n = int(rng.integers(4, 8))  # n + t in [9, 12]: two pages of 8
+  prompts = rng.integers(0, m.cfg.vocab_size, (1, b, n)).astype(np.int32)
+  pmap, pools, shapes = jax.pmap, [], []
+  prefill = parallel._greedy_prefill  # noqa: SLF001
+
+  def spy_prefill(params, pool, *args, **kw):
+    shapes.append(pool.shape)
+    return prefill(params, pool, *args, **kw)
+
+  def spy_pmap(fn, **kw):
+    f = pmap(fn, **kw)
+    def call(params, pool, *args):
+      if isinstance(pool, np.ndarray):  # the prefill's: on device first
+        pool = pmap(lambda x: x)(pool)
+      out = f(params, pool, *args)
+      pools.append(pool)
+      return out
+    return call
+
+  monkeypatch.setattr(parallel, "_greedy_prefill", spy_prefill)
+  monkeypatch.setattr(jax, "pmap", spy_pmap)
+  actual = parallel.pmap_greedy_generate(m.params, m.cfg, prompts, t,
+                                         page_size=ps)
+  monkeypatch.undo()
+  assert actual.shape == (1, b, t)
+  assert shapes == [m.cfg.pool_shape(b * int(np.ceil((n + t) / ps)), ps)]
+  assert len(pools) == t  # the prefill's, then t - 1 decodes
+  assert [p.is_deleted() for p in pools] == [True] * t
+  for i in range(b):
+    seq = list(prompts[0, i])
+    tables = layer_page_tables(
+        jnp.asarray(rng.permutation(2)[None], jnp.int32), m.cfg.num_layers)
+    for _ in range(t):
+      k = len(seq)
+      plan = AttentionPlan.create(tables, jnp.array([0, k], jnp.int32),
+                                  jnp.array([k], jnp.int32), k)
+      logits = forward(m.params, m.cfg, jnp.asarray(seq, jnp.int32),
+                       jnp.zeros(m.cfg.pool_shape(2, ps)), plan)[0]
+      seq.append(int(jnp.argmax(logits[-1])))
+    np.testing.assert_array_equal(actual[0, i], seq[n:], err_msg=str(i))
