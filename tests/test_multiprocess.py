@@ -7,7 +7,6 @@ with 2 forced host devices at tp=2 and without a mesh. The three processes
 run concurrently, each under a timeout.
 """
 
-import json
 import os
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import sys
 import pytest
 
 from pkvattn import distributed
+from cpu_devices import result_of, xla_flags
 
 _SCRIPT = r'''
 import json, os, sys
@@ -67,22 +67,16 @@ def _result(proc, timeout=240):
     out, err = proc.communicate()
     pytest.fail(f"timed out: {err[-3000:]}")
   assert proc.returncode == 0, err[-4000:]
-  line = [l for l in out.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
-
-
-def _flags(count):
-  return (os.environ.get("XLA_FLAGS", "") +
-          f" --xla_force_host_platform_device_count={count}").strip()
+  return result_of(out)
 
 
 def test_two_processes_match_one():
   port = _free_port()
-  workers = [_start("tp2", XLA_FLAGS=_flags(1),
+  workers = [_start("tp2", XLA_FLAGS=xla_flags(1),
                     PKVATTN_COORDINATOR=f"127.0.0.1:{port}",
                     PKVATTN_NUM_PROCESSES="2", PKVATTN_PROCESS_ID=str(i))
              for i in range(2)]
-  single = _start("none,tp2", XLA_FLAGS=_flags(2))
+  single = _start("none,tp2", XLA_FLAGS=xla_flags(2))
   expected = _result(single)
   got = [_result(w) for w in workers]
   assert expected["devices"] == 2 and expected["local"] == 2
