@@ -505,7 +505,11 @@ class PagedAttentionFn:
   D]`). This object appends `key`/`value` to its pool, attends through the
   plan, and keeps the updated pool on `self.kv_cache` (read it back in the same
   trace, e.g. at the end of your jitted step). `mask`/`bias` are ignored: the
-  plan defines the (causal, windowed) visibility. Dropout is not supported.
+  plan defines the (causal, windowed) visibility. Dropout is not supported: a
+  call that would apply it (`dropout_rate > 0` and not `deterministic`, which
+  defaults to False as in Flax's `dot_product_attention`) raises
+  NotImplementedError. Both are named parameters because linen passes an
+  `attention_fn` only the keyword arguments its signature names.
 
   Example:
     >>> hook = PagedAttentionFn(pool, plan)
@@ -527,9 +531,11 @@ class PagedAttentionFn:
     self.logits_soft_cap = logits_soft_cap
     self.impl = impl
 
-  def __call__(self, query, key, value, bias=None, mask=None, **kwargs):
-    del bias, mask
-    if kwargs.get("dropout_rate", 0.0) and not kwargs.get("deterministic", True):
+  def __call__(self, query, key, value, bias=None, mask=None, *,
+               dropout_rate: float = 0.0, deterministic: bool = False,
+               **kwargs):
+    del bias, mask, kwargs
+    if dropout_rate and not deterministic:
       raise NotImplementedError("PagedAttentionFn does not support dropout")
     lead = query.shape[:-2]
     flat = lambda a: a.reshape(-1, *a.shape[-2:])

@@ -287,3 +287,43 @@ def test_qk_norm_matches_numpy_and_keeps_zero_heads_zero(rng):
   got = np.asarray(_head_rms_norm(jnp.asarray(x), jnp.asarray(w), eps))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(got[1, 2], 0.0)
+
+
+def test_attention_fn_hook_refuses_dropout():
+  """Dropout is not supported, so the hook raises wherever Flax's attention
+  would apply it: `dropout_rate > 0` and not `deterministic` (False unless
+  given, as in Flax's `dot_product_attention`), called from nnx and from
+  linen, which passes an `attention_fn` only the keyword arguments its
+  signature names. Deterministic calls attend as the modules' own causal
+  attention does."""
+  import flax.linen as nn
+  n = 10
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(1, n, HIDDEN)),
+                  jnp.float32)
+  table, pool = _layout([n])
+  plan = AttentionPlan.create(table, np.array([0, n], np.int32),
+                              np.array([n], np.int32), n)
+  causal = nn.make_causal_mask(jnp.ones((1, n)))
+  close = lambda a, b: np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+  mha = nnx.MultiHeadAttention(NKV, HIDDEN, qkv_features=NKV * D, decode=False,
+                               dropout_rate=0.5, rngs=nnx.Rngs(0))
+  expected = mha(x, mask=causal, deterministic=True)
+  mha.attention_fn = PagedAttentionFn(pool, plan, impl="xla")
+  close(mha(x, deterministic=True), expected)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    mha(x, deterministic=False, rngs=nnx.Rngs(dropout=1))
+  kw = dict(num_heads=NKV, qkv_features=NKV * D, dropout_rate=0.5)
+  variables = nn.MultiHeadDotProductAttention(**kw).init(
+      jax.random.key(0), x, deterministic=True)
+  expected = nn.MultiHeadDotProductAttention(**kw).apply(
+      variables, x, mask=causal, deterministic=True)
+  paged = nn.MultiHeadDotProductAttention(
+      **kw, attention_fn=PagedAttentionFn(pool, plan, impl="xla"))
+  close(paged.apply(variables, x, deterministic=True), expected)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    paged.apply(variables, x, deterministic=False,
+                rngs={"dropout": jax.random.key(1)})
+  q = jnp.zeros((n, NKV, D), jnp.float32)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    PagedAttentionFn(pool, plan, impl="xla")(q, q, q, dropout_rate=0.5)
