@@ -42,8 +42,15 @@ def _dense_attention(q, k, v, window_left=-1):
   return np.einsum("hqk,khd->qhd", p, v)
 
 
-def _reference(params, x_seqs, rope, window_left=-1):
-  """Per-sequence dense self-attention with the layer's projections."""
+def _rms_norm64(x, w, eps):
+  """Gemma's RMSNorm over the last axis in float64: `x / rms(x) * (1 + w)`."""
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + w)
+
+
+def _reference(params, x_seqs, rope, window_left=-1, qk_norm_eps=None):
+  """Per-sequence dense self-attention with the layer's projections (and
+  QK-norm before RoPE with `qk_norm_eps`; no RoPE with `rope=None`)."""
   outs = []
   for x in x_seqs:
     proj = lambda name: np.asarray(x @ params[name]["kernel"] + params[name].get(
@@ -51,8 +58,12 @@ def _reference(params, x_seqs, rope, window_left=-1):
     q = proj("q_proj").reshape(len(x), NQ, D)
     k = proj("k_proj").reshape(len(x), NKV, D)
     v = proj("v_proj").reshape(len(x), NKV, D)
-    pos = jnp.arange(len(x), dtype=jnp.int32)
-    q, k = pkvattn.apply_rope(jnp.asarray(q), jnp.asarray(k), pos, rope)
+    if qk_norm_eps is not None:
+      q = _rms_norm64(q, params["q_norm"], qk_norm_eps).astype(np.float32)
+      k = _rms_norm64(k, params["k_norm"], qk_norm_eps).astype(np.float32)
+    if rope is not None:
+      pos = jnp.arange(len(x), dtype=jnp.int32)
+      q, k = pkvattn.apply_rope(jnp.asarray(q), jnp.asarray(k), pos, rope)
     o = _dense_attention(np.asarray(q), np.asarray(k), v, window_left)
     outs.append(o.reshape(len(x), NQ * D) @ np.asarray(params["o_proj"]["kernel"])
                 + np.asarray(params["o_proj"].get("bias", 0.0)))
@@ -287,6 +298,177 @@ def test_qk_norm_matches_numpy_and_keeps_zero_heads_zero(rng):
   got = np.asarray(_head_rms_norm(jnp.asarray(x), jnp.asarray(w), eps))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(got[1, 2], 0.0)
+
+
+def _random_params(rng, *, qkv_bias=True, o_bias=True, qk_norm=False):
+  """Split q/k/v/o projections in Flax's `kernel [in, out]` layout."""
+  params = {}
+  for name, i, o in (("q_proj", HIDDEN, NQ * D), ("k_proj", HIDDEN, NKV * D),
+                     ("v_proj", HIDDEN, NKV * D), ("o_proj", NQ * D, HIDDEN)):
+    params[name] = {"kernel": rng.normal(size=(i, o)).astype(np.float32) * 0.2}
+    if (o_bias if name == "o_proj" else qkv_bias):
+      params[name]["bias"] = rng.normal(size=(o,)).astype(np.float32) * 0.2
+  if qk_norm:
+    params["q_norm"] = rng.normal(size=(D,)).astype(np.float32) * 0.5
+    params["k_norm"] = rng.normal(size=(D,)).astype(np.float32) * 0.5
+  return params
+
+
+def _fused(params):
+  """`params` with q/k/v concatenated into `qkv_proj` (`fuse_projections`)."""
+  out = {k: v for k, v in params.items()
+         if k not in ("q_proj", "k_proj", "v_proj")}
+  out["qkv_proj"] = {
+      k: np.concatenate([params[n][k] for n in ("q_proj", "k_proj", "v_proj")],
+                        axis=-1) for k in params["q_proj"]}
+  return out
+
+
+@pytest.mark.parametrize("rope,qk_norm_eps", [(None, None), (ROPE, 1e-6)],
+                         ids=["no_rope", "qk_norm"])
+def test_attention_block_fused_qkv_sliced_apart(rng, rope, qk_norm_eps):
+  """Fused `qkv_proj` weights that RoPE + append cannot read in place (no
+  RoPE, or Gemma 3's QK-norm between the projection and RoPE) are sliced
+  into q, k, v: outputs and pool writes match split weights, and both match
+  the numpy oracle (QK-norm before RoPE). The spec's window is left at its
+  default, full attention, and the spec is a jit static (hashable)."""
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  lens, num_tokens = [7, 4], 12
+  params = _random_params(rng, qk_norm=qk_norm_eps is not None)
+  xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
+  x = np.zeros((num_tokens, HIDDEN), np.float32)
+  x[:7], x[7:11] = xs
+  expected = _reference(params, xs, rope, qk_norm_eps=qk_norm_eps)
+  spec = AttentionSpec(NQ, NKV, D, rope=rope, use_qkv_bias=True,
+                       use_o_bias=True, qk_norm_eps=qk_norm_eps)
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 7, 11], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  step = jax.jit(attention_block, static_argnames=("spec", "impl"))
+  out_split, pool_split = step(params, jnp.asarray(x), pool, plan, spec=spec,
+                               impl="xla")
+  out_fused, pool_fused = step(_fused(params), jnp.asarray(x), pool, plan,
+                               spec=spec, impl="xla")
+  for out in (out_split, out_fused):
+    np.testing.assert_allclose(np.asarray(out[:7]), expected[0],
+                               atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(np.asarray(out[7:11]), expected[1],
+                               atol=2e-4, rtol=2e-4)
+  np.testing.assert_allclose(np.asarray(pool_fused), np.asarray(pool_split),
+                             atol=5e-5, rtol=5e-5)  # NaN where none wrote
+
+
+def test_bare_op_and_hook_defaults(rng):
+  """`paged_attention` and `PagedAttentionFn` left at their defaults attend
+  causally over each whole sequence with `1 / sqrt(head_dim)` (no RoPE), as
+  the float64 oracle does; the hook takes `[num_tokens, heads, head_dim]` as
+  well as a leading batch axis `[1, num_tokens, ...]` and returns the shape it
+  was given; padding tokens give zeros."""
+  from pkvattn.flax import paged_attention
+  lens, num_tokens = [6, 9], 17
+  q = rng.normal(size=(num_tokens, NQ, D)).astype(np.float32)
+  k = rng.normal(size=(num_tokens, NKV, D)).astype(np.float32)
+  v = rng.normal(size=(num_tokens, NKV, D)).astype(np.float32)
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 6, 15], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  assert (plan.num_tokens, plan.batch_size) == (num_tokens, 2)
+  f64 = lambda a: np.asarray(a, np.float64)
+  expected = np.concatenate([
+      _dense_attention(f64(q[a:b]), f64(k[a:b]), f64(v[a:b]))
+      for a, b in ((0, 6), (6, 15))])
+  out, new_pool = jax.jit(paged_attention)(q, k, v, pool, plan)
+  hook = PagedAttentionFn(pool, plan)
+  flat = hook(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  hook_pool = hook.kv_cache
+  batched = PagedAttentionFn(pool, plan)(q[None], k[None], v[None])
+  assert flat.shape == (num_tokens, NQ, D)
+  assert batched.shape == (1, num_tokens, NQ, D)
+  for got in (out, flat, batched[0]):
+    np.testing.assert_allclose(np.asarray(got[:15]), expected,
+                               atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got[15:]), 0.0)
+  np.testing.assert_array_equal(np.asarray(hook_pool), np.asarray(new_pool))
+
+
+@pytest.mark.parametrize("kw", [{}, {"use_qkv_bias": True},
+                                {"use_o_bias": True}],
+                         ids=["default", "qkv_bias", "o_bias"])
+def test_parameter_layout(kw):
+  """Both layers hold Flax's `Linear` / `Dense` parameters: `kernel [in,
+  out]` for q/k/v/o, and a `bias [out]` only where asked (none by
+  default, as in Llama)."""
+  qkv_bias, o_bias = kw.get("use_qkv_bias", False), kw.get("use_o_bias", False)
+  want = {"q_proj": (HIDDEN, NQ * D), "k_proj": (HIDDEN, NKV * D),
+          "v_proj": (HIDDEN, NKV * D), "o_proj": (NQ * D, HIDDEN)}
+  layer = PagedAttention(HIDDEN, NQ, NKV, D, rngs=nnx.Rngs(0), **kw)
+  table, pool = _layout([3])
+  plan = AttentionPlan.create(table, np.array([0, 3], np.int32),
+                              np.array([3], np.int32), 4)
+  x = jnp.zeros((4, HIDDEN), jnp.float32)
+  linen = jax.eval_shape(LinenPagedAttention(HIDDEN, NQ, NKV, D, **kw).init,
+                         jax.random.key(0), x, pool, plan)["params"]
+  assert set(linen) == set(want)
+  for name, (i, o) in want.items():
+    bias = o_bias if name == "o_proj" else qkv_bias
+    lin = getattr(layer, name)
+    assert lin.kernel[...].shape == (i, o)
+    assert (lin.bias is not None) == bias
+    assert linen[name]["kernel"].shape == (i, o)
+    assert set(linen[name]) == ({"kernel", "bias"} if bias else {"kernel"})
+    if bias:
+      assert lin.bias[...].shape == linen[name]["bias"].shape == (o,)
+
+
+def test_nnx_layer_compute_dtype(rng):
+  """`dtype=bfloat16` with float32 parameters and inputs (a bfloat16 pool):
+  the projections and attention run in bfloat16 and the output is bfloat16,
+  within bfloat16 rounding of the float32 oracle."""
+  lens, num_tokens = [5, 3], 8
+  layer = PagedAttention(HIDDEN, NQ, NKV, D, rope=ROPE, dtype=jnp.bfloat16,
+                         impl="xla", rngs=nnx.Rngs(0))
+  xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 5, 8], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  out, new_pool = layer(jnp.asarray(np.concatenate(xs)),
+                        pool.astype(jnp.bfloat16), plan)
+  assert out.dtype == new_pool.dtype == jnp.bfloat16
+  expected = np.concatenate(_reference(_nnx_params(layer), xs, ROPE))
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected,
+                             atol=5e-2, rtol=5e-2)
+
+
+def test_attention_block_fused_decode_step_checked(rng):
+  """A decode-sized fused step (tokens <= sequences: RoPE + append take each
+  token's table row, the token as its own sequence) with an idle sequence
+  and a padding token keeps the append's contract, so it runs in checked
+  mode (batch indices in `[-1, batch_size)`), and its outputs and pool
+  writes equal those of split weights."""
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  params = _random_params(rng)
+  spec = AttentionSpec(NQ, NKV, D, rope=ROPE, use_qkv_bias=True,
+                       use_o_bias=True)
+  table, pool = _layout([3, 9])
+  # Cached prefixes: 3 and 8 tokens written by a split-weights prefill.
+  pre = AttentionPlan.create(table, np.array([0, 3, 11], np.int32),
+                             np.array([3, 8], np.int32), 12)
+  _, pool = attention_block(params, jnp.asarray(
+      rng.normal(size=(12, HIDDEN)), jnp.float32), pool, pre, spec, impl="xla")
+  # Sequence 0 idle, one token of sequence 1, one padding token.
+  plan = AttentionPlan.create(table, np.array([0, 0, 1], np.int32),
+                              np.array([3, 9], np.int32), 2)
+  x = jnp.asarray(rng.normal(size=(2, HIDDEN)), jnp.float32)
+  want, want_pool = attention_block(params, x, pool, plan, spec, impl="xla")
+  with pkvattn.checked():
+    out, new_pool = attention_block(_fused(params), x, pool, plan, spec,
+                                    impl="xla")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want),
+                             atol=5e-5, rtol=5e-5)
+  np.testing.assert_allclose(np.asarray(new_pool), np.asarray(want_pool),
+                             atol=5e-5, rtol=5e-5)  # NaN where none wrote
 
 
 def test_attention_fn_hook_refuses_dropout():
