@@ -138,9 +138,9 @@ def swa_scratch_plan(
   an array (traced or concrete), every field is an int32 array of the broadcast shape,
   so it runs inside `jax.jit` and is vectorised over a batch of sequences (or under
   `jax.vmap`). On that path values are not checked (no host sync); out-of-range values
-  are clamped: `capacity < history_len` plans no new blocks, a negative
-  `capacity - max_rewind_len` plans no scratch, and `window_left < 0` means full
-  attention.
+  are clamped: a negative `history_len` counts as 0, `capacity < history_len` plans
+  no new blocks, a negative `capacity - max_rewind_len` plans no scratch, and
+  `window_left < 0` means full attention.
 
   Args:
     history_len: tokens cached before the chunk, `>= 0`.

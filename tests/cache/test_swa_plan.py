@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import chex
@@ -165,6 +166,49 @@ def test_jnp_broadcasts_scalar_window():
   assert plan.num_step_slots.tolist() == [5, 5, 6]  # block 3 holds history: 27 + 5
 
 
+@pytest.mark.parametrize("page_size,num_layers", [(1, 2), (2, 1), (3, 3), (4, 2)])
+def test_small_cases_exhaustive_both_paths(page_size, num_layers):
+  """Every small case against the brute force, on the Python path, and the jnp path
+  (one jitted call over all of them) against the Python path.
+
+  The off-by-ones hide at the edges the random cases rarely reach: an empty sequence
+  (`history_len = capacity = 0`), a first chunk (`history_len = 0`) under full
+  attention, a window wider than what the binding query sees (the stale count's clamp
+  at 0, a whole block when `page_size` is 1), and `page_size` 1 itself.
+  """
+  grid = np.array(list(itertools.product(range(8), range(8), range(-1, 9), (0, 1, 3))),
+                  np.int32)  # history_len, chunk_len, window_left, max_rewind_len
+  history_len, capacity = grid[:, 0], grid[:, 0] + grid[:, 1]
+  window_left, max_rewind_len = grid[:, 2], grid[:, 3]
+  batched = jax.jit(lambda h, c, w, r: window.swa_scratch_plan(
+      h, c, page_size, w, num_layers, r))(history_len, capacity, window_left,
+                                          max_rewind_len)
+  batched = np.stack([np.asarray(f) for f in batched], axis=1)
+  for k in range(len(grid)):
+    expected = assert_plan_matches(int(history_len[k]), int(capacity[k]), page_size,
+                                   int(window_left[k]), num_layers,
+                                   int(max_rewind_len[k]))
+    assert tuple(batched[k].tolist()) == tuple(expected), grid[k]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_jnp_path_clamps_out_of_range_values(page_size):
+  """The jnp path checks nothing (no host sync) and clamps instead, as its docstring
+  says: `capacity < history_len` plans no new blocks, a rewind past the start plans
+  no scratch, `window_left < -1` is full attention, and a negative `history_len`
+  counts as 0 (with `page_size` 1 an unclamped `cdiv` would make block -1 the first
+  new block). Expected plans are the Python path's for the clamped values."""
+  plan = lambda *a: tuple(int(f) for f in window.swa_scratch_plan(
+      *(jnp.int32(x) for x in a[:2]), page_size, jnp.int32(a[2]), 3, jnp.int32(a[3])))
+  first = -(-50 // page_size)
+  assert plan(50, 20, 7, 0) == (first, first, first, first, 0, 0, 0, 0)
+  assert plan(0, 40, 5, 100) == window.swa_scratch_plan(0, 40, page_size, 5, 3, 40)
+  assert plan(0, 40, -7, 0) == window.swa_scratch_plan(0, 40, page_size, -1, 3, 0)
+  for history_len in (-1, -3):
+    assert plan(history_len, 40, 5, 0) == window.swa_scratch_plan(
+        0, 40, page_size, 5, 3, 0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(history_len=10, capacity=5), "capacity"),
     (dict(history_len=-1), "history_len"),
@@ -256,11 +300,41 @@ def test_scratch_page_indices_mixed_groups():
                                   group_layers=bad, max_scratch_blocks=6)
 
 
+def test_scratch_page_indices_width_one_and_null_slots():
+  """A width of one block is allowed (zero is refused); a scratch block whose slot
+  entry is `NULL_PAGE` gets `NULL_PAGE` even when `num_scratch_blocks` counts it
+  (the docstring's "where the scratch slot is NULL_PAGE")."""
+  one = window.scratch_page_indices(jnp.array([[5]], jnp.int32), jnp.array([1]), 0,
+                                    num_layers=2, max_scratch_blocks=1)
+  assert one.tolist() == [[[(5 * 2 + 0) * 2], [(5 * 2 + 0) * 2 + 1]]]
+  with pytest.raises(ValueError, match="max_scratch_blocks"):
+    window.scratch_page_indices(jnp.array([[5]], jnp.int32), 1, 0, num_layers=2,
+                                max_scratch_blocks=0)
+  # Two layers per slot: blocks 0, 1 in slot 7, blocks 2, 3 in the NULL entry.
+  pages = np.asarray(window.scratch_page_indices(
+      jnp.array([7, window.NULL_PAGE], jnp.int32), 4, 1, num_layers=2,
+      max_scratch_blocks=4))
+  for i in range(2):  # block i of layer 1: sub-page (i + 1) % 2 of slot 7
+    assert pages[:, i].tolist() == [(7 * 2 + (i + 1) % 2) * 2,
+                                    (7 * 2 + (i + 1) % 2) * 2 + 1]
+  assert (pages[:, 2:] == window.NULL_PAGE).all()
+
+
 def test_per_layer_page_indices():
   slots = jnp.array([[3, window.NULL_PAGE, 0]], jnp.int32)
   pages = window.per_layer_page_indices(slots, jnp.int32(2), 4)
   assert pages.tolist() == [[[(3 * 4 + 2) * 2, (3 * 4 + 2) * 2 + 1], [-1, -1],
                              [2 * 2, 2 * 2 + 1]]]
+
+
+def test_per_layer_page_indices_one_layer_and_zero_layers():
+  """With one layer per slot a slot's pages are `2 * slot + r`; a pool of zero
+  layers per slot is refused."""
+  slots = jnp.array([2, window.NULL_PAGE, 0], jnp.int32)
+  assert window.per_layer_page_indices(slots, 0, 1).tolist() == [
+      [4, 5], [-1, -1], [0, 1]]
+  with pytest.raises(ValueError, match="num_layers"):
+    window.per_layer_page_indices(slots, 0, 0)
 
 
 def test_layer_groups_alternating_gives_global_layers_no_scratch():
@@ -295,6 +369,29 @@ def test_layer_groups_none_and_errors():
   assert plans[0] == window.swa_scratch_plan(0, 1024, 32, 0, 2)
   assert plans[0].num_scratch_blocks > 0
   assert plans[1].num_scratch_blocks == 0
+
+
+def test_layer_groups_single_layer_and_bad_arguments():
+  """One layer is a model (its group holds it); zero layers and a window below -1
+  (only -1 means full attention) are refused."""
+  assert window.layer_groups([5], 1) == (window.LayerGroup(5, (0,)),)
+  assert window.layer_groups(None, 1) == (window.LayerGroup(-1, (0,)),)
+  with pytest.raises(ValueError, match="num_layers"):
+    window.layer_groups(None, 0)
+  with pytest.raises(ValueError, match="num_layers"):
+    window.layer_groups([], 0)
+  with pytest.raises(ValueError, match=r"layer_windows\[0\]"):
+    window.layer_groups([-2, 3], 2)
+
+
+def test_layer_group_is_immutable_and_hashable():
+  """`LayerGroup` is a frozen value: a config's cached groups cannot be changed
+  through it, and equal groups hash alike (usable as dict keys or static jit
+  arguments)."""
+  group = window.LayerGroup(127, (0, 2))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    group.window_left = 3
+  assert {group: 1}[window.LayerGroup(127, (0, 2))] == 1
 
 
 def test_page_index_mode():
