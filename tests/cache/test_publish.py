@@ -1,0 +1,210 @@
+"""`commit` (`cache/publish.py`) on scripted batches, against the
+pure-Python model and the prefix-caching semantics it implements.
+
+As in vLLM's prefix caching only full blocks are published: block `i` of
+sequence `r` when `i < min(lengths[r], seq_lens, max_len) // page_size`,
+each the child of the block before (`slot_parent`, at that parent's
+generation `slot_parent_gen`) at depth `i`. Checked here: each of the three
+bounds on the published blocks (a token row one block wide included); rows
+wider than `max_pages * page_size`; a second commit going on from the chain
+published by the first; two sequences with one prefix in one call (the
+first in row-major order wins, the other is a twin at its next commit); a
+full hash bucket (the blocks without a way, and every later block of their
+sequence, stay unpublished; free ways go to earlier requests first);
+refused ids leaving the state unchanged; and a later claim of a committed
+prompt reusing its blocks (the hash table was written). Each step is also
+compared with `cache/reference.py` slot for slot
+(`cache_asserts.assert_same`).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pkvattn import cache
+from pkvattn.cache import reference
+from cache_asserts import assert_same
+
+PS = 4
+CFG = cache.CacheConfig(num_slots=16, page_size=PS, num_layers=2, max_seqs=4,
+                        max_pages=4)
+WIDTH = PS * CFG.max_pages
+
+
+def _i32(x):
+  return jnp.asarray(np.asarray(x, np.int32))
+
+
+def _prompt(seed):
+  return np.random.default_rng(seed).integers(1, 1000, WIDTH).astype(np.int32)
+
+
+class _Pair:
+  """The jitted cache and the model, driven in step (`model=False`: a
+  config the model does not cover, with hash buckets that can overflow;
+  then `cache.validate` only)."""
+
+  def __init__(self, cfg=CFG, model=True):
+    self.cfg = cfg
+    self.state = cache.init_cache(cfg)
+    self.ref = reference.ReferenceCache(cfg) if model else None
+
+  def _check(self):
+    if self.ref is None:
+      cache.validate(self.state)
+    else:
+      assert_same(self.state, self.ref)
+
+  def claim(self, ids, tokens, lengths):
+    tokens = np.asarray(tokens, np.int32)
+    self.state, res = cache.claim_batch(self.state, _i32(ids), _i32(tokens),
+                                        _i32(lengths))
+    if self.ref is not None:
+      want = self.ref.claim_batch(ids, tokens, lengths)
+      assert np.asarray(res.ok).tolist() == want["ok"]
+    self._check()
+    return res
+
+  def commit(self, ids, tokens, lengths):
+    tokens = np.asarray(tokens, np.int32)
+    self.state = cache.commit(self.state, _i32(ids), _i32(tokens),
+                              _i32(lengths))
+    if self.ref is not None:
+      self.ref.commit(ids, tokens, lengths)
+    self._check()
+
+  def release(self, ids):
+    self.state = cache.release(self.state, _i32(ids))
+    if self.ref is not None:
+      self.ref.release(ids)
+    self._check()
+
+  def host(self):
+    return jax.device_get(self.state)
+
+
+def _published(st, sid):
+  """Published flags of sequence `sid`'s blocks (its row up to the first
+  -1)."""
+  row = [int(s) for s in st.seq_slots[sid] if s >= 0]
+  return [bool(st.slot_published[s]) for s in row]
+
+
+def _assert_chain(st, sid, num_blocks):
+  """Blocks `0..num_blocks-1` of `sid` form a published chain: depth `i`,
+  parent the slot of block `i - 1` (-1 for the first) at its generation."""
+  row = [int(s) for s in st.seq_slots[sid]]
+  for i in range(num_blocks):
+    s = row[i]
+    assert bool(st.slot_published[s]), (sid, i)
+    assert int(st.slot_depth[s]) == i, (sid, i)
+    want_parent = row[i - 1] if i else -1
+    assert int(st.slot_parent[s]) == want_parent, (sid, i)
+    if i:
+      assert int(st.slot_parent_gen[s]) == int(st.slot_gen[want_parent])
+
+
+def test_commit_publishes_full_blocks_only():
+  """Three bounds on the published blocks: `lengths`, the sequence's
+  length and the token row's width; a partial block is never published.
+  A later commit with more tokens goes on from the published chain."""
+  pair = _Pair()
+  p = _prompt(0)
+  pair.claim([0], p[None], [14])        # blocks 0..2 full, block 3 partial
+  pair.commit([0], p[None], [PS - 1])   # lengths: a partial block only
+  assert _published(pair.host(), 0) == [False] * 4
+  pair.commit([0], p[None, :PS + 2], [14])       # width: one full block
+  assert _published(pair.host(), 0) == [True, False, False, False]
+  pair.commit([0], p[None], [2 * PS + 1])        # lengths: two full blocks
+  assert _published(pair.host(), 0) == [True, True, False, False]
+  pair.commit([0], p[None], [40])       # capped at seq_lens = 14: three
+  st = pair.host()
+  assert _published(st, 0) == [True, True, True, False]
+  _assert_chain(st, 0, 3)
+
+
+def test_commit_token_rows_wider_than_a_sequence():
+  """Token rows wider than `max_pages * page_size` (a caller's padded
+  batch) publish the same blocks as rows of the exact width: every full
+  block of the sequence, none past its length."""
+  pair = _Pair()
+  p = _prompt(6)
+  wide = np.concatenate([p, np.full(2 * PS + 1, 7, np.int32)])
+  pair.claim([0], p[None], [WIDTH])
+  pair.commit([0], wide[None], [WIDTH + PS])
+  st = pair.host()
+  assert _published(st, 0) == [True] * CFG.max_pages
+  _assert_chain(st, 0, CFG.max_pages)
+
+
+def test_commit_one_prefix_twice_in_one_call():
+  """Two sequences with the same two full blocks in one call: the first in
+  row-major order publishes them, the other's own slots stay unpublished
+  (one key, one slot). At its next commit they are twins: still not
+  published, and its third block goes on from the twin chain."""
+  pair = _Pair()
+  p = _prompt(1)
+  q = p.copy()
+  q[2 * PS:] += 1                       # same first two blocks only
+  pair.claim([0, 1], np.stack([p, q]), [8, 8])
+  pair.commit([1, 0], np.stack([q, p]), [8, 8])
+  st = pair.host()
+  assert _published(st, 1) == [True, True]
+  assert _published(st, 0) == [False, False]
+  pair.release([0])
+  pair.claim([0], q[None], [12])        # reuses 1's two blocks, one new
+  pair.commit([0], q[None], [12])
+  st = pair.host()
+  assert _published(st, 0) == [True, True, True]
+  _assert_chain(st, 0, 3)
+
+
+def test_commit_full_bucket():
+  """One bucket of three ways. Free ways go to the considered blocks only,
+  in row-major order: the first request's two full blocks (its blocks past
+  `lengths` take none), then the second request's first block; its later
+  blocks find no way and stay unpublished (its chain stops there)."""
+  cfg = cache.CacheConfig(num_slots=16, page_size=PS, num_layers=2,
+                          max_seqs=4, max_pages=4, hash_ways=3,
+                          hash_buckets=1)
+  pair = _Pair(cfg, model=False)
+  p, q = _prompt(2), _prompt(3)
+  pair.claim([0, 1], np.stack([p, q]), [16, 16])
+  pair.commit([1, 0], np.stack([q, p]), [2 * PS, 16])
+  st = pair.host()
+  assert _published(st, 1) == [True, True, False, False]
+  assert _published(st, 0) == [True, False, False, False]
+  _assert_chain(st, 1, 2)
+  _assert_chain(st, 0, 1)
+  assert sorted(st.hash_table[0].tolist()) == sorted(
+      st.seq_slots[1, :2].tolist() + [int(st.seq_slots[0, 0])])
+
+
+def test_commit_refused_ids_leave_state_unchanged():
+  """Dead, out of range, duplicated and padding ids, and a negative length,
+  publish nothing."""
+  pair = _Pair()
+  p = _prompt(4)
+  pair.claim([0, 1], np.stack([p, p + 1]), [8, 8])
+  before = pair.state
+  rows = np.stack([p] * 5)
+  pair.commit([2, CFG.max_seqs, 0, 0, 1], rows, [8, 8, 8, 8, -1])
+  chex.assert_trees_all_equal(pair.state, before)
+  pair.commit([-1], p[None], [8])
+  chex.assert_trees_all_equal(pair.state, before)
+
+
+def test_committed_prompt_is_reused():
+  """After commit and release, claiming the same prompt reuses its
+  committed full blocks (found through the hash table written by commit),
+  but not its partial block."""
+  pair = _Pair()
+  p = _prompt(5)
+  pair.claim([0], p[None], [11])
+  pair.commit([0], p[None], [11])
+  pair.release([0])
+  res = pair.claim([1], p[None], [11])
+  assert int(res.num_reused_tokens[0]) == 2 * PS
