@@ -6,12 +6,15 @@ slot.
 LRU clocks, generations, parents, scratch). The random-operation tests of
 one cache (`test_cache_model.py`), of its admission
 (`test_cache_reliability.py`) and of every window group of a hybrid cache
-(`test_cache_hybrid_model.py`) run it after their operations.
+(`test_cache_hybrid_model.py`) run it after their operations; `Lockstep`
+drives the two through scripted operations for the tests of one op
+(`test_claim.py`, `test_forking.py`, `test_publish.py`).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pkvattn import cache
@@ -56,3 +59,77 @@ def assert_same(state: cache.CacheState, ref: reference.ReferenceCache,
     assert (got["num_free"] + got["num_used"] + got["num_cached"]
             == cfg.num_slots)
   assert int(h.clock) == ref.clock
+
+
+def i32(x):
+  """`x` as an int32 jax array."""
+  return jnp.asarray(np.asarray(x, np.int32))
+
+
+class Lockstep:
+  """The jitted cache and the model driven in step: each op runs on both, its
+  results are compared field by field with the model's and the states slot
+  for slot (`assert_same`; the stats counters too under `with_stats`).
+
+  `model=False` is for a config the model does not cover (hash buckets that
+  can overflow): the jitted cache alone, `cache.validate` after each op.
+  """
+
+  def __init__(self, cfg: cache.CacheConfig, *, model: bool = True,
+               with_stats: bool = False):
+    self.state = cache.init_cache(cfg)
+    self.ref = reference.ReferenceCache(cfg) if model else None
+    self.with_stats = with_stats
+
+  def _check(self):
+    if self.ref is None:
+      cache.validate(self.state)
+    else:
+      assert_same(self.state, self.ref, with_stats=self.with_stats)
+
+  def host(self) -> cache.CacheState:
+    return jax.device_get(self.state)
+
+  def claim(self, ids, tokens, lengths) -> dict[str, list]:
+    """`claim_batch` on both; the jitted result's fields as lists."""
+    tokens = np.asarray(tokens, np.int32)
+    self.state, res = cache.claim_batch(self.state, i32(ids), i32(tokens),
+                                        i32(lengths))
+    got = {k: np.asarray(v).tolist() for k, v in res._asdict().items()}
+    if self.ref is not None:
+      want = self.ref.claim_batch(ids, tokens, lengths)
+      assert got == want, (got, want)
+    self._check()
+    return got
+
+  def commit(self, ids, tokens, lengths):
+    tokens = np.asarray(tokens, np.int32)
+    self.state = cache.commit(self.state, i32(ids), i32(tokens), i32(lengths))
+    if self.ref is not None:
+      self.ref.commit(ids, tokens, lengths)
+    self._check()
+
+  def release(self, ids):
+    self.state = cache.release(self.state, i32(ids))
+    if self.ref is not None:
+      self.ref.release(ids)
+    self._check()
+
+  def publish(self, ids, tokens, lengths):
+    """Claims, commits and releases the prompts: their blocks end cached."""
+    res = self.claim(ids, tokens, lengths)
+    assert all(res["ok"]), res
+    self.commit(ids, tokens, lengths)
+    self.release(ids)
+
+  def fork(self, parents, children, head_of_line: bool = True):
+    """`fork` on both (needs the model); returns the jitted result's fields
+    as lists and the model's result (its `copies`: `(src, dst)` slots or
+    None per request)."""
+    self.state, res = cache.fork(self.state, i32(parents), i32(children),
+                                 head_of_line=head_of_line)
+    want = self.ref.fork(parents, children, head_of_line=head_of_line)
+    got = {k: np.asarray(v).tolist() for k, v in res._asdict().items()}
+    assert got["ok"] == want["ok"], (got["ok"], want["ok"])
+    self._check()
+    return got, want

@@ -12,12 +12,10 @@ generation.
 from __future__ import annotations
 
 import chex
-import jax.numpy as jnp
 import numpy as np
 
 from pkvattn import cache
-from pkvattn.cache import reference
-from cache_asserts import assert_same
+from cache_asserts import Lockstep
 
 PS = 4
 
@@ -29,10 +27,6 @@ def _cfg(**kw):
   return cache.CacheConfig(**base)
 
 
-def _i32(x):
-  return jnp.asarray(np.asarray(x, np.int32))
-
-
 def _rows(prompts, width):
   out = np.zeros((len(prompts), width), np.int32)
   for r, p in enumerate(prompts):
@@ -40,47 +34,12 @@ def _rows(prompts, width):
   return out
 
 
-class _Both:
-  """The device state and the model in lockstep; every op compares them."""
-
-  def __init__(self, cfg):
-    self.state = cache.init_cache(cfg)
-    self.ref = reference.ReferenceCache(cfg)
-
-  def claim(self, ids, tokens, lengths):
-    self.state, res = cache.claim_batch(self.state, _i32(ids), _i32(tokens),
-                                        _i32(lengths))
-    want = self.ref.claim_batch(ids, tokens, lengths)
-    got = {k: np.asarray(getattr(res, k)).tolist() for k in want}
-    assert got == want, (got, want)
-    assert_same(self.state, self.ref, with_stats=True)
-    return got
-
-  def commit(self, ids, tokens, lengths):
-    self.state = cache.commit(self.state, _i32(ids), _i32(tokens),
-                              _i32(lengths))
-    self.ref.commit(ids, tokens, lengths)
-    assert_same(self.state, self.ref, with_stats=True)
-
-  def release(self, ids):
-    self.state = cache.release(self.state, _i32(ids))
-    self.ref.release(ids)
-    assert_same(self.state, self.ref, with_stats=True)
-
-  def publish(self, ids, tokens, lengths):
-    """Claims, commits and releases the prompts: their blocks end cached."""
-    res = self.claim(ids, tokens, lengths)
-    assert all(res["ok"]), res
-    self.commit(ids, tokens, lengths)
-    self.release(ids)
-
-
 def test_empty_prompt_is_admitted_and_looks_nothing_up():
   """A 0-token prompt is a valid claim (`0 <= lengths[r]`): admitted with no
   slot, nothing reused or missed (`(lengths - 1) // page_size` reusable
   blocks is read as 0, not -1), and no lookup is counted; a cached prefix
   that its (ignored) token row happens to hold is not reused."""
-  both = _Both(_cfg())
+  both = Lockstep(_cfg(), with_stats=True)
   a = list(range(1, 13))
   both.publish([0], _rows([a], 12), [12])
   lookups = int(cache.stats(both.state)["num_lookups"])
@@ -102,7 +61,7 @@ def test_prompt_as_long_as_it_may_be_is_admitted():
   rng = np.random.default_rng(0)
   for width in (cap - 3, cap, cap + 5):
     limit = min(width, cap)
-    both = _Both(cfg)
+    both = Lockstep(cfg, with_stats=True)
     tokens = rng.integers(1, 50, (2, width))
     res = both.claim([0, -1], tokens, [limit, 0])
     assert res["ok"] == [True, False]
@@ -117,7 +76,7 @@ def test_one_whole_block_in_the_token_row_is_reused():
   """A token row of `page_size + 1` tokens holds one whole block, and a
   prompt of that length reuses it (`(5 - 1) // 4 = 1` reusable block): the
   sequence's first slot is the cached one."""
-  both = _Both(_cfg())
+  both = Lockstep(_cfg(), with_stats=True)
   p = [7, 8, 9, 10, 11]
   both.publish([0], _rows([p], 5), [5])
   cached = int(both.ref.index[both.ref._block_keys(p, 0, 1)[0]])
@@ -130,7 +89,7 @@ def test_one_whole_block_in_the_token_row_is_reused():
 def test_token_row_narrower_than_a_page():
   """A token row shorter than one page holds no whole block: prompts are
   admitted with one new block each and nothing reusable."""
-  both = _Both(_cfg())
+  both = Lockstep(_cfg(), with_stats=True)
   p = [[1, 2, 3], [1, 2, 3]]
   both.publish([0], _rows(p[:1], 3), [3])
   res = both.claim([1, 2], _rows(p, 3), [3, 2])
@@ -143,7 +102,7 @@ def test_refused_requests_report_zeros_and_count_no_lookups():
   every field and its reusable blocks count as neither lookups nor hits,
   though its prefix is cached; the admitted request before it counts its
   own."""
-  both = _Both(_cfg(num_slots=4))
+  both = Lockstep(_cfg(num_slots=4), with_stats=True)
   a, b = list(range(1, 10)), list(range(20, 29))
   both.publish([0], _rows([a], 9), [9])  # 2 blocks of a cached, 2 free
   st = cache.stats(both.state)
@@ -162,7 +121,7 @@ def test_chain_check_uses_the_parent_slots_generation():
   generation of the slot serving block 0, here slot 0. Built so that slot
   1's generation differs from slot 0's: reading another slot's generation
   would break the chain and reuse one block instead of two."""
-  both = _Both(_cfg(num_slots=4))
+  both = Lockstep(_cfg(num_slots=4), with_stats=True)
   a = list(range(1, 10))    # 2 whole blocks + 1 token
   b = list(range(30, 42))   # 3 whole blocks
   both.publish([0], _rows([a], 12), [9])   # a0 -> slot 0, a1 -> slot 1

@@ -23,45 +23,32 @@ import numpy as np
 import pytest
 
 from pkvattn import cache
-from pkvattn.cache import reference
-from cache_asserts import assert_same
+from cache_asserts import Lockstep
 
 CFG = cache.CacheConfig(num_slots=12, page_size=4, num_layers=2, max_seqs=6,
                         max_pages=4)
 MAX_LEN = CFG.page_size * CFG.max_pages
 
 
-def _i32(x):
-  return jnp.asarray(np.asarray(x, np.int32))
-
-
-class _Pair:
-  """The jitted cache and the model, driven in step."""
+class _Pair(Lockstep):
+  """`Lockstep` on `CFG`, with prompts made up from their lengths and the
+  fork's copies checked against the model's."""
 
   def __init__(self):
-    self.state = cache.init_cache(CFG)
-    self.ref = reference.ReferenceCache(CFG)
+    super().__init__(CFG)
 
   def claim(self, ids, lengths):
     tokens = np.arange(len(ids) * MAX_LEN, dtype=np.int32).reshape(
         len(ids), MAX_LEN) % 7
-    self.state, res = cache.claim_batch(self.state, _i32(ids), _i32(tokens),
-                                        _i32(lengths))
-    want = self.ref.claim_batch(ids, tokens, lengths)
-    assert np.asarray(res.ok).tolist() == want["ok"] == [True] * len(ids)
-    assert_same(self.state, self.ref)
+    assert super().claim(ids, tokens, lengths)["ok"] == [True] * len(ids)
 
   def fork(self, parents, children, head_of_line=True):
     """Forks on both; checks `ok`, the copies and the state against the
     model; returns `ok`."""
-    self.state, res = cache.fork(self.state, _i32(parents), _i32(children),
-                                 head_of_line=head_of_line)
-    want = self.ref.fork(parents, children, head_of_line=head_of_line)
-    assert np.asarray(res.ok).tolist() == want["ok"]
-    assert_same(self.state, self.ref)
+    got, want = super().fork(parents, children, head_of_line)
     nl2 = CFG.num_layers * 2
-    src = np.asarray(res.src_pages).reshape(len(parents), nl2)
-    dst = np.asarray(res.dst_pages).reshape(len(parents), nl2)
+    src = np.asarray(got["src_pages"]).reshape(len(parents), nl2)
+    dst = np.asarray(got["dst_pages"]).reshape(len(parents), nl2)
     for r, copy in enumerate(want["copies"]):
       if copy is None:
         assert (src[r] == -1).all() and (dst[r] == -1).all(), r

@@ -20,13 +20,10 @@ compared with `cache/reference.py` slot for slot
 from __future__ import annotations
 
 import chex
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pkvattn import cache
-from pkvattn.cache import reference
-from cache_asserts import assert_same
+from cache_asserts import Lockstep
 
 PS = 4
 CFG = cache.CacheConfig(num_slots=16, page_size=PS, num_layers=2, max_seqs=4,
@@ -34,56 +31,8 @@ CFG = cache.CacheConfig(num_slots=16, page_size=PS, num_layers=2, max_seqs=4,
 WIDTH = PS * CFG.max_pages
 
 
-def _i32(x):
-  return jnp.asarray(np.asarray(x, np.int32))
-
-
 def _prompt(seed):
   return np.random.default_rng(seed).integers(1, 1000, WIDTH).astype(np.int32)
-
-
-class _Pair:
-  """The jitted cache and the model, driven in step (`model=False`: a
-  config the model does not cover, with hash buckets that can overflow;
-  then `cache.validate` only)."""
-
-  def __init__(self, cfg=CFG, model=True):
-    self.cfg = cfg
-    self.state = cache.init_cache(cfg)
-    self.ref = reference.ReferenceCache(cfg) if model else None
-
-  def _check(self):
-    if self.ref is None:
-      cache.validate(self.state)
-    else:
-      assert_same(self.state, self.ref)
-
-  def claim(self, ids, tokens, lengths):
-    tokens = np.asarray(tokens, np.int32)
-    self.state, res = cache.claim_batch(self.state, _i32(ids), _i32(tokens),
-                                        _i32(lengths))
-    if self.ref is not None:
-      want = self.ref.claim_batch(ids, tokens, lengths)
-      assert np.asarray(res.ok).tolist() == want["ok"]
-    self._check()
-    return res
-
-  def commit(self, ids, tokens, lengths):
-    tokens = np.asarray(tokens, np.int32)
-    self.state = cache.commit(self.state, _i32(ids), _i32(tokens),
-                              _i32(lengths))
-    if self.ref is not None:
-      self.ref.commit(ids, tokens, lengths)
-    self._check()
-
-  def release(self, ids):
-    self.state = cache.release(self.state, _i32(ids))
-    if self.ref is not None:
-      self.ref.release(ids)
-    self._check()
-
-  def host(self):
-    return jax.device_get(self.state)
 
 
 def _published(st, sid):
@@ -111,7 +60,7 @@ def test_commit_publishes_full_blocks_only():
   """Three bounds on the published blocks: `lengths`, the sequence's
   length and the token row's width; a partial block is never published.
   A later commit with more tokens goes on from the published chain."""
-  pair = _Pair()
+  pair = Lockstep(CFG)
   p = _prompt(0)
   pair.claim([0], p[None], [14])        # blocks 0..2 full, block 3 partial
   pair.commit([0], p[None], [PS - 1])   # lengths: a partial block only
@@ -130,7 +79,7 @@ def test_commit_token_rows_wider_than_a_sequence():
   """Token rows wider than `max_pages * page_size` (a caller's padded
   batch) publish the same blocks as rows of the exact width: every full
   block of the sequence, none past its length."""
-  pair = _Pair()
+  pair = Lockstep(CFG)
   p = _prompt(6)
   wide = np.concatenate([p, np.full(2 * PS + 1, 7, np.int32)])
   pair.claim([0], p[None], [WIDTH])
@@ -145,7 +94,7 @@ def test_commit_one_prefix_twice_in_one_call():
   row-major order publishes them, the other's own slots stay unpublished
   (one key, one slot). At its next commit they are twins: still not
   published, and its third block goes on from the twin chain."""
-  pair = _Pair()
+  pair = Lockstep(CFG)
   p = _prompt(1)
   q = p.copy()
   q[2 * PS:] += 1                       # same first two blocks only
@@ -170,7 +119,7 @@ def test_commit_full_bucket():
   cfg = cache.CacheConfig(num_slots=16, page_size=PS, num_layers=2,
                           max_seqs=4, max_pages=4, hash_ways=3,
                           hash_buckets=1)
-  pair = _Pair(cfg, model=False)
+  pair = Lockstep(cfg, model=False)
   p, q = _prompt(2), _prompt(3)
   pair.claim([0, 1], np.stack([p, q]), [16, 16])
   pair.commit([1, 0], np.stack([q, p]), [2 * PS, 16])
@@ -186,7 +135,7 @@ def test_commit_full_bucket():
 def test_commit_refused_ids_leave_state_unchanged():
   """Dead, out of range, duplicated and padding ids, and a negative length,
   publish nothing."""
-  pair = _Pair()
+  pair = Lockstep(CFG)
   p = _prompt(4)
   pair.claim([0, 1], np.stack([p, p + 1]), [8, 8])
   before = pair.state
@@ -201,10 +150,10 @@ def test_committed_prompt_is_reused():
   """After commit and release, claiming the same prompt reuses its
   committed full blocks (found through the hash table written by commit),
   but not its partial block."""
-  pair = _Pair()
+  pair = Lockstep(CFG)
   p = _prompt(5)
   pair.claim([0], p[None], [11])
   pair.commit([0], p[None], [11])
   pair.release([0])
   res = pair.claim([1], p[None], [11])
-  assert int(res.num_reused_tokens[0]) == 2 * PS
+  assert res["num_reused_tokens"][0] == 2 * PS
