@@ -93,6 +93,30 @@ def _nnx_params(layer):
   return out
 
 
+def _random_params(rng, *, qkv_bias=True, o_bias=True, qk_norm=False):
+  """Split q/k/v/o projections in Flax's `kernel [in, out]` layout."""
+  params = {}
+  for name, i, o in (("q_proj", HIDDEN, NQ * D), ("k_proj", HIDDEN, NKV * D),
+                     ("v_proj", HIDDEN, NKV * D), ("o_proj", NQ * D, HIDDEN)):
+    params[name] = {"kernel": rng.normal(size=(i, o)).astype(np.float32) * 0.2}
+    if (o_bias if name == "o_proj" else qkv_bias):
+      params[name]["bias"] = rng.normal(size=(o,)).astype(np.float32) * 0.2
+  if qk_norm:
+    params["q_norm"] = rng.normal(size=(D,)).astype(np.float32) * 0.5
+    params["k_norm"] = rng.normal(size=(D,)).astype(np.float32) * 0.5
+  return params
+
+
+def _fused(params):
+  """`params` with q/k/v concatenated into `qkv_proj` (`fuse_projections`)."""
+  out = {k: v for k, v in params.items()
+         if k not in ("q_proj", "k_proj", "v_proj")}
+  out["qkv_proj"] = {
+      k: np.concatenate([params[n][k] for n in ("q_proj", "k_proj", "v_proj")],
+                        axis=-1) for k in params["q_proj"]}
+  return out
+
+
 @pytest.mark.parametrize("window_left", [-1, 5])
 def test_nnx_layer_chunked_prefill_and_decode(window_left):
   layer = PagedAttention(HIDDEN, NQ, NKV, D, rope=ROPE, use_qkv_bias=True,
@@ -143,15 +167,8 @@ def test_attention_block_fused_qkv_matches_split(impl):
   from pkvattn.flax import attention_block
   lens = [14, 8]
   rng = np.random.default_rng(7)
-  params = {name: {"kernel": rng.normal(size=(i, o)).astype(np.float32) * 0.2,
-                   "bias": rng.normal(size=(o,)).astype(np.float32) * 0.2}
-            for name, i, o in (("q_proj", HIDDEN, NQ * D),
-                               ("k_proj", HIDDEN, NKV * D),
-                               ("v_proj", HIDDEN, NKV * D),
-                               ("o_proj", NQ * D, HIDDEN))}
-  fused = {"o_proj": params["o_proj"], "qkv_proj": {
-      k: np.concatenate([params[n][k] for n in ("q_proj", "k_proj", "v_proj")],
-                        axis=-1) for k in ("kernel", "bias")}}
+  params = _random_params(rng)
+  fused = _fused(params)
   xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
   expected = _reference(params, xs, ROPE)
   spec = AttentionSpec(NQ, NKV, D, rope=ROPE, use_qkv_bias=True)
@@ -293,35 +310,10 @@ def test_qk_norm_matches_numpy_and_keeps_zero_heads_zero(rng):
   x[1, 2] = 0.0
   w = rng.standard_normal(D).astype(np.float32)
   eps = 1e-6
-  x64 = x.astype(np.float64)
-  want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * (1 + w)
+  want = _rms_norm64(x, w, eps)
   got = np.asarray(_head_rms_norm(jnp.asarray(x), jnp.asarray(w), eps))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(got[1, 2], 0.0)
-
-
-def _random_params(rng, *, qkv_bias=True, o_bias=True, qk_norm=False):
-  """Split q/k/v/o projections in Flax's `kernel [in, out]` layout."""
-  params = {}
-  for name, i, o in (("q_proj", HIDDEN, NQ * D), ("k_proj", HIDDEN, NKV * D),
-                     ("v_proj", HIDDEN, NKV * D), ("o_proj", NQ * D, HIDDEN)):
-    params[name] = {"kernel": rng.normal(size=(i, o)).astype(np.float32) * 0.2}
-    if (o_bias if name == "o_proj" else qkv_bias):
-      params[name]["bias"] = rng.normal(size=(o,)).astype(np.float32) * 0.2
-  if qk_norm:
-    params["q_norm"] = rng.normal(size=(D,)).astype(np.float32) * 0.5
-    params["k_norm"] = rng.normal(size=(D,)).astype(np.float32) * 0.5
-  return params
-
-
-def _fused(params):
-  """`params` with q/k/v concatenated into `qkv_proj` (`fuse_projections`)."""
-  out = {k: v for k, v in params.items()
-         if k not in ("q_proj", "k_proj", "v_proj")}
-  out["qkv_proj"] = {
-      k: np.concatenate([params[n][k] for n in ("q_proj", "k_proj", "v_proj")],
-                        axis=-1) for k in params["q_proj"]}
-  return out
 
 
 @pytest.mark.parametrize("rope,qk_norm_eps", [(None, None), (ROPE, 1e-6)],
