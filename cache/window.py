@@ -139,8 +139,9 @@ def swa_scratch_plan(
   so it runs inside `jax.jit` and is vectorised over a batch of sequences (or under
   `jax.vmap`). On that path values are not checked (no host sync); out-of-range values
   are clamped: a negative `history_len` counts as 0, `capacity < history_len` plans
-  no new blocks, a negative `capacity - max_rewind_len` plans no scratch, and
-  `window_left < 0` means full attention.
+  no new blocks, a negative `max_rewind_len` counts as 0, a negative
+  `capacity - max_rewind_len` plans no scratch, and `window_left < 0` means full
+  attention.
 
   Args:
     history_len: tokens cached before the chunk, `>= 0`.
@@ -196,6 +197,7 @@ def _plan_jnp(history_len, capacity, page_size, window_left, num_layers,
       jnp.asarray(x, jnp.int32)
       for x in (history_len, capacity, window_left, max_rewind_len))
   history_len = jnp.maximum(history_len, 0)
+  max_rewind_len = jnp.maximum(max_rewind_len, 0)
   first_new = _cdiv(history_len, page_size)
   end_new = jnp.maximum(first_new, _cdiv(jnp.maximum(capacity, 0), page_size))
   num_stale = jnp.where(

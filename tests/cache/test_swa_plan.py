@@ -197,7 +197,9 @@ def test_jnp_path_clamps_out_of_range_values(page_size):
   says: `capacity < history_len` plans no new blocks, a rewind past the start plans
   no scratch, `window_left < -1` is full attention, and a negative `history_len`
   counts as 0 (with `page_size` 1 an unclamped `cdiv` would make block -1 the first
-  new block). Expected plans are the Python path's for the clamped values."""
+  new block), as does a negative `max_rewind_len` (unclamped, it would plan blocks
+  the last queries still see as scratch). Expected plans are the Python path's for
+  the clamped values."""
   plan = lambda *a: tuple(int(f) for f in window.swa_scratch_plan(
       *(jnp.int32(x) for x in a[:2]), page_size, jnp.int32(a[2]), 3, jnp.int32(a[3])))
   first = -(-50 // page_size)
@@ -206,6 +208,9 @@ def test_jnp_path_clamps_out_of_range_values(page_size):
   assert plan(0, 40, -7, 0) == window.swa_scratch_plan(0, 40, page_size, -1, 3, 0)
   for history_len in (-1, -3):
     assert plan(history_len, 40, 5, 0) == window.swa_scratch_plan(
+        0, 40, page_size, 5, 3, 0)
+  for max_rewind_len in (-1, -16, -40):
+    assert plan(0, 40, 5, max_rewind_len) == window.swa_scratch_plan(
         0, 40, page_size, 5, 3, 0)
 
 
