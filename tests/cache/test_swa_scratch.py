@@ -23,6 +23,8 @@ from pkvattn import cache
 from pkvattn.cache import reference
 from pkvattn.cache import window
 
+from cache_asserts import Lockstep
+
 
 def _i32(x):
   return jnp.asarray(np.asarray(x, np.int32))
@@ -77,6 +79,28 @@ def test_issue_figures_through_claim_batch(window_left, scratch, slots):
 
 def _replace_cfg(cfg, **kw):
   return dataclasses.replace(cfg, **kw)
+
+
+def test_window_zero_scratch_spans_the_whole_table(rng):
+  """`window_left = 0` and a prompt of exactly `max_pages` blocks: every new
+  block is stale for the next query (`swa_scratch_plan`), so the running
+  step's scratch range is the whole table, its last block included; every
+  layer's table (ids -1..max_seqs) is the reference model's."""
+  cfg = cache.CacheConfig(num_slots=8, page_size=4, num_layers=2, max_seqs=2,
+                          max_pages=4, layer_windows=(0, 0),
+                          enable_swa_scratch_reuse=True)
+  run = Lockstep(cfg)
+  n = cfg.page_size * cfg.max_pages
+  res = run.claim([1, -1], rng.integers(0, 1000, (2, n)), [n, 0])
+  assert res["ok"][0], res
+  assert (int(run.state.seq_scratch_first[1]),
+          int(run.state.seq_scratch_count[1])) == (0, cfg.max_pages)
+  ids = np.arange(-1, cfg.max_seqs + 1)
+  for layer in range(cfg.num_layers):
+    for split in (True, False):
+      np.testing.assert_array_equal(
+          cache.page_table(run.state, _i32(ids), layer, split=split),
+          run.ref.page_table(ids, layer, split=split))
 
 
 # ---------------------------------------------------------------------------
