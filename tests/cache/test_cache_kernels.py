@@ -69,6 +69,32 @@ def test_copy_pages_errors():
     pkvattn.copy_pages(pool, jnp.array([0.0]), jnp.array([2]))
 
 
+@pytest.mark.parametrize("fmt", ["pool", "pair", "flashinfer"])
+def test_copy_pages_crosses_k_v_and_the_pool_ends(fmt, rng):
+  """A numpy gather-then-scatter in split numbering (the docstring): K->V and
+  V->K copies, the first and last pages swapped (all reads before all
+  writes), padding. Every page that is no valid source is NaN-poisoned: a
+  stray read puts NaN into a destination, a stray write replaces a NaN. The
+  pool has more shared pages than page_size or head_dim."""
+  n = 12
+  last = 2 * n - 1
+  a, b, c, d, e, f, g, h, x, y = rng.permutation(np.arange(1, n - 1))
+  pairs = [(0, last), (last, 0),  # K->V and V->K, a swap of the pool's ends
+           (2 * a, 2 * b + 1), (2 * c + 1, 2 * d),  # K->V, V->K
+           (2 * e, 2 * f), (2 * g + 1, 2 * h + 1),  # K->K, V->V
+           (-1, 2 * x), (2 * y + 1, -1), (-1, -1)]  # padding: skipped
+  src, dst = np.array(pairs, np.int32)[rng.permutation(len(pairs))].T
+  ok = (src >= 0) & (dst >= 0)
+  pool = rng.standard_normal((2 * n, 4, 2, 3)).astype(np.float32)
+  pool[[p for p in range(2 * n) if p not in src[ok]]] = np.nan
+  expected = pool.copy()
+  expected[dst[ok]] = pool[src[ok]]
+  assert np.isfinite(expected[dst[ok]]).all()
+  kv = _formats(jnp.asarray(pool))[fmt]
+  actual = pkvattn.copy_pages(kv, jnp.asarray(src), jnp.asarray(dst))
+  np.testing.assert_array_equal(_as_pool(actual, fmt), expected)
+
+
 @pytest.mark.parametrize("fmt", ["pool", "pair"])
 def test_fork_copy_on_write(fmt):
   st = cache.init_cache(CFG)
