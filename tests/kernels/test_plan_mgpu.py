@@ -209,3 +209,64 @@ def test_unpacked_call_on_hopper_has_no_triton_launch(fake_gpu, t, b, hq, hkv,
   assert "triton" not in text
   for op in ("sort", "scatter", "gather"):
     assert f"stablehlo.{op}" not in text
+
+
+def test_supports_at_its_bounds():
+  """`supports`'s documented limits, each at its edge: `MAX_ROWS` tiles
+  (`plan.max_tiles` with `min_tokens`) and `MAX_ROWS - 1` sequences are
+  taken, one more of either is not; `align` a power of two."""
+  n = plan_mgpu.MAX_ROWS
+  # 8 tokens a tile, one sequence: num_tokens // 8 + 1 + 1 tiles.
+  assert plan_mgpu.supports(num_tokens=8 * (n - 2), batch_size=1, block_q=8,
+                            align=1) is None
+  assert "exceed" in plan_mgpu.supports(num_tokens=8 * (n - 1), batch_size=1,
+                                        block_q=8, align=1)
+  # min_tokens bounds the sequences with tiles: 1.5n tokens in 1.5n-token
+  # tiles, n - 1 sequences: 1 + (n - 1) + 1 tiles (min_tokens 1, the
+  # default), or with 2 tokens or more a sequence 1 + 0.75n + 1.
+  kw = dict(num_tokens=3 * n // 2, batch_size=n - 1, block_q=3 * n // 2,
+            align=1)
+  assert "exceed" in plan_mgpu.supports(**kw)
+  assert plan_mgpu.supports(**kw, min_tokens=2) is None
+  assert plan_mgpu.supports(num_tokens=1, batch_size=n - 1, block_q=8,
+                            align=1) is None
+  assert "exceed" in plan_mgpu.supports(num_tokens=1, batch_size=n,
+                                        block_q=8, align=1)
+  for align in (1, 2, 4, 8, 64, 128):
+    assert plan_mgpu.supports(num_tokens=64, batch_size=3, block_q=128,
+                              align=align) is None
+  for align in (0, -1, -4, 3, 6, 12, 24):
+    assert "power of two" in plan_mgpu.supports(
+        num_tokens=64, batch_size=3, block_q=128, align=align)
+
+
+@pytest.mark.parametrize("kw", OPTIONS + [dict(
+    short_block_q=1, split_decode_rows=True, decode_rows_per_seq=2)], ids=str)
+def test_plan_shapes_as_the_jnp_plan(kw):
+  """Traced on the CPU (no launch): the kernel's plan has the fields,
+  shapes, dtypes and static sizes of `plan.plan_prefill`'s for the same
+  arguments, and rejects what it documents."""
+  sds = jax.ShapeDtypeStruct
+  for b, num_tokens, block_q in ((1, 1, 42), (7, 300, 16), (130, 900, 128)):
+    args = (sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
+    got = jax.eval_shape(lambda qi, kl, n=num_tokens, q=block_q: (
+        plan_mgpu.plan_prefill_mgpu(qi, kl, num_tokens=n, block_q=q, **kw)),
+                         *args)
+    want = jax.eval_shape(lambda qi, kl, n=num_tokens, q=block_q: (
+        plan_lib.plan_prefill(qi, kl, num_tokens=n, block_q=q, **kw)), *args)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)
+  lens = sds((4,), jnp.int32)
+  for bad in (sds((4,), jnp.int32), sds((6,), jnp.int32)):
+    with pytest.raises(ValueError, match="q_indptr shape"):
+      jax.eval_shape(lambda qi, kl: plan_mgpu.plan_prefill_mgpu(
+          qi, kl, num_tokens=8, block_q=8, **kw), bad, lens)
+  for rows in (0, -1):
+    with pytest.raises(ValueError, match="decode_rows_per_seq"):
+      jax.eval_shape(lambda qi, kl, r=rows: plan_mgpu.plan_prefill_mgpu(
+          qi, kl, num_tokens=8, block_q=8,
+          **{**kw, "decode_rows_per_seq": r}), sds((5,), jnp.int32), lens)
+  with pytest.raises(ValueError, match="Invalid case"):
+    jax.eval_shape(lambda qi, kl: plan_mgpu.plan_prefill_mgpu(
+        qi, kl, num_tokens=8 * plan_mgpu.MAX_ROWS, block_q=8, **kw),
+                   sds((5,), jnp.int32), lens)
