@@ -8,7 +8,8 @@ one cache (`test_cache_model.py`), of its admission
 (`test_cache_reliability.py`) and of every window group of a hybrid cache
 (`test_cache_hybrid_model.py`) run it after their operations; `Lockstep`
 drives the two through scripted operations for the tests of one op
-(`test_claim.py`, `test_forking.py`, `test_publish.py`).
+(`test_claim.py`, `test_forking.py`, `test_publish.py`), a per-window-group
+cache against `reference_hybrid` too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from pkvattn import cache
 from pkvattn.cache import reference
+from pkvattn.cache import reference_hybrid
 
 
 def assert_same(state: cache.CacheState, ref: reference.ReferenceCache,
@@ -73,17 +75,27 @@ class Lockstep:
 
   `model=False` is for a config the model does not cover (hash buckets that
   can overflow): the jitted cache alone, `cache.validate` after each op.
+  A `cache.HybridCacheConfig` runs against
+  `reference_hybrid.ReferenceHybridCache`: `cache.validate` on the whole
+  state, then each window group slot for slot (no `with_stats`).
   """
 
-  def __init__(self, cfg: cache.CacheConfig, *, model: bool = True,
-               with_stats: bool = False):
+  def __init__(self, cfg, *, model: bool = True, with_stats: bool = False):
+    self.hybrid = isinstance(cfg, cache.HybridCacheConfig)
+    assert not (self.hybrid and with_stats)
     self.state = cache.init_cache(cfg)
-    self.ref = reference.ReferenceCache(cfg) if model else None
+    model_cls = (reference_hybrid.ReferenceHybridCache if self.hybrid
+                 else reference.ReferenceCache)
+    self.ref = model_cls(cfg) if model else None
     self.with_stats = with_stats
 
   def _check(self):
     if self.ref is None:
       cache.validate(self.state)
+    elif self.hybrid:
+      cache.validate(self.state)
+      for st_g, ref_g in zip(self.state.groups, self.ref.groups):
+        assert_same(st_g, ref_g, invariants=False)
     else:
       assert_same(self.state, self.ref, with_stats=self.with_stats)
 
@@ -98,6 +110,16 @@ class Lockstep:
     got = {k: np.asarray(v).tolist() for k, v in res._asdict().items()}
     if self.ref is not None:
       want = self.ref.claim_batch(ids, tokens, lengths)
+      assert got == want, (got, want)
+    self._check()
+    return got
+
+  def extend(self, ids, num_new_tokens) -> dict[str, list]:
+    """`extend` on both; the jitted result's fields as lists."""
+    self.state, res = cache.extend(self.state, i32(ids), i32(num_new_tokens))
+    got = {k: np.asarray(v).tolist() for k, v in res._asdict().items()}
+    if self.ref is not None:
+      want = self.ref.extend(ids, num_new_tokens)
       assert got == want, (got, want)
     self._check()
     return got

@@ -11,10 +11,13 @@ published by the first; two sequences with one prefix in one call (the
 first in row-major order wins, the other is a twin at its next commit); a
 full hash bucket (the blocks without a way, and every later block of their
 sequence, stay unpublished; free ways go to earlier requests first);
-refused ids leaving the state unchanged; and a later claim of a committed
-prompt reusing its blocks (the hash table was written). Each step is also
-compared with `cache/reference.py` slot for slot
-(`cache_asserts.assert_same`).
+refused ids leaving the state unchanged; a later claim of a committed
+prompt reusing its blocks (the hash table was written); an orphan (its
+parent evicted) published again in place, taking no free way, in slot 0
+(a slot like any other: -1 is the no-block id); and a sliding group of a
+hybrid cache leaving its own published slots as they are. Each step is
+also compared with `cache/reference.py` (`reference_hybrid.py`) slot for
+slot (`cache_asserts.assert_same`).
 """
 
 from __future__ import annotations
@@ -157,3 +160,87 @@ def test_committed_prompt_is_reused():
   pair.release([0])
   res = pair.claim([1], p[None], [11])
   assert res["num_reused_tokens"][0] == 2 * PS
+
+
+def _orphan_in_slot_0(pair, p, q):
+  """Sequence 0 (prompt `q`, 16 tokens) with its block 2 in slot 0,
+  published as the child of the twin it found for block 1 (sequence 1's,
+  prompt `p`: the same first two blocks), then that twin evicted: slot 0 is
+  an orphan still held by sequence 0, whose blocks 0, 1 are unpublished and
+  block 0's twin (sequence 1's block 0) stays cached. Free slots go lowest
+  index first, a cached chain loses its deepest block first."""
+  pair.claim([3], _prompt(20)[None], [PS])           # slot 0, to free later
+  pair.claim([1, 0], np.stack([p, q]), [2 * PS, 2 * PS])
+  pair.commit([1, 0], np.stack([p, q]), [2 * PS, 2 * PS])
+  pair.release([3])
+  pair.extend([0], [2 * PS])                         # blocks 2, 3
+  pair.commit([0], q[None], [3 * PS])                # block 2: child of a twin
+  st = pair.host()
+  twin = (st.groups[0] if pair.hybrid else st).seq_slots[1, :2].tolist()
+  pair.release([1])
+  pair.claim([2], _prompt(21)[None], [3 * PS])       # evicts the twin's block 1
+  st = pair.host()
+  st = st.groups[0] if pair.hybrid else st
+  row = st.seq_slots[0].tolist()
+  assert row[2] == 0 and int(st.slot_parent[0]) == twin[1]
+  assert bool(st.slot_published[0]) and bool(st.slot_published[twin[0]])
+  assert not bool(st.slot_published[twin[1]])
+  return twin, row
+
+
+def test_commit_replaces_an_orphan_in_slot_0():
+  """Slot 0 is a slot like any other (-1 is the no-block id). An own
+  published block after the served run whose parent left the cache is
+  published again under the chain's current parent, in place: it takes no
+  free way, which go to the new keys only (blocks 1 and 3 here, the
+  bucket's last two free ways; a padding row before it holds none), and
+  every published slot stays where the table says."""
+  cfg = cache.CacheConfig(num_slots=8, page_size=PS, num_layers=2,
+                          max_seqs=4, max_pages=4, hash_ways=4,
+                          hash_buckets=1)
+  pair = Lockstep(cfg, model=False)
+  p = _prompt(22)
+  q = p.copy()
+  q[2 * PS:] += 1
+  twin, row = _orphan_in_slot_0(pair, p, q)
+  assert (pair.host().hash_table[0] >= 0).sum() == 2      # twin[0], slot 0
+  gen0 = int(pair.host().slot_gen[0])
+  pair.commit([-1, 0], np.stack([p, q]), [4 * PS, 4 * PS])   # padding first
+  st = pair.host()
+  assert _published(st, 0) == [False, True, True, True]
+  assert int(st.slot_parent[row[1]]) == twin[0]
+  for i in (2, 3):
+    assert int(st.slot_parent[row[i]]) == row[i - 1], i
+    assert int(st.slot_parent_gen[row[i]]) == int(st.slot_gen[row[i - 1]])
+    assert int(st.slot_depth[row[i]]) == i
+  assert int(st.slot_gen[0]) == gen0 + 1
+  assert sorted(st.hash_table[0].tolist()) == sorted([twin[0]] + row[1:])
+  for s in row[1:] + [twin[0]]:
+    assert int(st.hash_table.reshape(-1)[st.slot_hash_pos[s]]) == s, s
+
+
+def test_hybrid_commit_keeps_own_published_sliding_slots():
+  """A sliding group publishes a held block on its own, anchored to group
+  0's slot of that block at its generation, and leaves its own published
+  slots as they are. Here group 0 publishes block 2 (slot 0 of both groups)
+  again under its new parent (the orphan of
+  `test_commit_replaces_an_orphan_in_slot_0`, generation + 1) while the
+  sliding group's slot 0 keeps its anchor at the old generation; every step
+  against `reference_hybrid`."""
+  cfg = cache.HybridCacheConfig(layer_windows=(-1, 15), group_num_slots=(8, 8),
+                                page_size=PS, max_seqs=4, max_pages=4,
+                                hash_ways=8)
+  pair = Lockstep(cfg)
+  p = _prompt(23)
+  q = p.copy()
+  q[2 * PS:] += 1
+  _, row = _orphan_in_slot_0(pair, p, q)
+  g1 = pair.host().groups[1]
+  assert g1.seq_slots[0, 2] == 0 and bool(g1.slot_published[0])
+  assert int(g1.slot_parent[0]) == row[2]
+  kept = (int(g1.slot_gen[0]), int(g1.slot_parent_gen[0]))
+  pair.commit([0], q[None], [4 * PS])
+  g0, g1 = pair.host().groups
+  assert int(g0.slot_gen[0]) == kept[1] + 1      # group 0 published it again
+  assert (int(g1.slot_gen[0]), int(g1.slot_parent_gen[0])) == kept
+  assert _published(g1, 0) == [False, True, True, True]
