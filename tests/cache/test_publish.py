@@ -11,21 +11,25 @@ published by the first; two sequences with one prefix in one call (the
 first in row-major order wins, the other is a twin at its next commit); a
 full hash bucket (the blocks without a way, and every later block of their
 sequence, stay unpublished; free ways go to earlier requests first);
+two keys equal in one u32 lane only (distinct keys, both published);
 refused ids leaving the state unchanged; a later claim of a committed
 prompt reusing its blocks (the hash table was written); an orphan (its
-parent evicted) published again in place, taking no free way, in slot 0
-(a slot like any other: -1 is the no-block id); and a sliding group of a
-hybrid cache leaving its own published slots as they are. Each step is
-also compared with `cache/reference.py` (`reference_hybrid.py`) slot for
-slot (`cache_asserts.assert_same`).
+parent evicted) in slot 0 (a slot like any other: -1 is the no-block id)
+published again in place, taking no free way, then its chain committed
+again and served whole; and a sliding group of a hybrid cache leaving its
+own published slots as they are. Each step is also compared with
+`cache/reference.py` (`reference_hybrid.py`) slot for slot
+(`cache_asserts.assert_same`).
 """
 
 from __future__ import annotations
 
 import chex
+import jax.numpy as jnp
 import numpy as np
 
 from pkvattn import cache
+from pkvattn.cache import hashing
 from cache_asserts import Lockstep
 
 PS = 4
@@ -135,6 +139,22 @@ def test_commit_full_bucket():
       st.seq_slots[1, :2].tolist() + [int(st.seq_slots[0, 0])])
 
 
+def test_commit_keys_equal_in_one_lane_only():
+  """A key is both u32 lanes: two blocks whose keys share lane 0 only (a
+  pair found by a birthday search over `hashing.block_keys`, checked here
+  first) are different keys, both published in one call."""
+  rows = np.array([[837, 403, 708, 237], [866, 819, 443, 851]], np.int32)
+  keys = np.asarray(hashing.block_keys(jnp.asarray(rows[:, None]),
+                                       jnp.zeros((2,), jnp.int32)))[:, 0]
+  assert keys[0, 0] == keys[1, 0] and keys[0, 1] != keys[1, 1]
+  pair = Lockstep(CFG)
+  pair.claim([0, 1], rows, [PS, PS])
+  assert pair.host().seq_scope[:2].tolist() == [0, 0]
+  pair.commit([0, 1], rows, [PS, PS])
+  st = pair.host()
+  assert _published(st, 0) == [True] and _published(st, 1) == [True]
+
+
 def test_commit_refused_ids_leave_state_unchanged():
   """Dead, out of range, duplicated and padding ids, and a negative length,
   publish nothing."""
@@ -194,7 +214,8 @@ def test_commit_replaces_an_orphan_in_slot_0():
   published again under the chain's current parent, in place: it takes no
   free way, which go to the new keys only (blocks 1 and 3 here, the
   bucket's last two free ways; a padding row before it holds none), and
-  every published slot stays where the table says."""
+  every published slot stays where the table says. Committed again, the
+  chain is served whole."""
   cfg = cache.CacheConfig(num_slots=8, page_size=PS, num_layers=2,
                           max_seqs=4, max_pages=4, hash_ways=4,
                           hash_buckets=1)
@@ -217,6 +238,11 @@ def test_commit_replaces_an_orphan_in_slot_0():
   assert sorted(st.hash_table[0].tolist()) == sorted([twin[0]] + row[1:])
   for s in row[1:] + [twin[0]]:
     assert int(st.hash_table.reshape(-1)[st.slot_hash_pos[s]]) == s, s
+  # The same commit again: every block is served (block 0 by its twin, the
+  # others by their own slots, block 3 the child of slot 0), none published.
+  before = pair.state
+  pair.commit([0], q[None], [4 * PS])
+  chex.assert_trees_all_equal(pair.state, before)
 
 
 def test_hybrid_commit_keeps_own_published_sliding_slots():
