@@ -16,10 +16,11 @@ refused ids leaving the state unchanged; a later claim of a committed
 prompt reusing its blocks (the hash table was written); an orphan (its
 parent evicted) in slot 0 (a slot like any other: -1 is the no-block id)
 published again in place, taking no free way, then its chain committed
-again and served whole; and a sliding group of a hybrid cache leaving its
-own published slots as they are. Each step is also compared with
-`cache/reference.py` (`reference_hybrid.py`) slot for slot
-(`cache_asserts.assert_same`).
+again and served whole, or replaced by another sequence's blocks; and a
+sliding group of a hybrid cache leaving its own published slots as they
+are. Each step is also compared with `cache/reference.py`
+(`reference_hybrid.py`) slot for slot (`cache_asserts.assert_same`), or,
+where a bucket can overflow, checked by `cache.validate`.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def test_commit_token_rows_wider_than_a_sequence():
 def test_commit_one_prefix_twice_in_one_call():
   """Two sequences with the same two full blocks in one call: the first in
   row-major order publishes them, the other's own slots stay unpublished
-  (one key, one slot). At its next commit they are twins: still not
-  published, and its third block goes on from the twin chain."""
+  (one key, one slot). At its next commit they are twins (its block 0 is
+  slot 0, a slot like any other): nothing is published. Claimed again with
+  one more block, its third block goes on from the twin chain."""
   pair = Lockstep(CFG)
   p = _prompt(1)
   q = p.copy()
@@ -110,6 +112,10 @@ def test_commit_one_prefix_twice_in_one_call():
   st = pair.host()
   assert _published(st, 1) == [True, True]
   assert _published(st, 0) == [False, False]
+  assert int(st.seq_slots[0, 0]) == 0
+  before = pair.state
+  pair.commit([0], p[None], [8])
+  chex.assert_trees_all_equal(pair.state, before)
   pair.release([0])
   pair.claim([0], q[None], [12])        # reuses 1's two blocks, one new
   pair.commit([0], q[None], [12])
@@ -182,23 +188,36 @@ def test_committed_prompt_is_reused():
   assert res["num_reused_tokens"][0] == 2 * PS
 
 
-def _orphan_in_slot_0(pair, p, q):
+# Eight slots, one bucket of four ways (can overflow: no model).
+ONE_BUCKET = cache.CacheConfig(num_slots=8, page_size=PS, num_layers=2,
+                               max_seqs=4, max_pages=4, hash_ways=4,
+                               hash_buckets=1)
+
+
+def _orphan_in_slot_0(pair, p, q, num_blocks=3):
   """Sequence 0 (prompt `q`, 16 tokens) with its block 2 in slot 0,
-  published as the child of the twin it found for block 1 (sequence 1's,
-  prompt `p`: the same first two blocks), then that twin evicted: slot 0 is
-  an orphan still held by sequence 0, whose blocks 0, 1 are unpublished and
-  block 0's twin (sequence 1's block 0) stays cached. Free slots go lowest
-  index first, a cached chain loses its deepest block first."""
+  published (with its blocks up to `num_blocks`) as the child of the twin
+  it found for block 1 (sequence 1's, prompt `p`: the same first two
+  blocks), then that twin evicted: slot 0 is an orphan still held by
+  sequence 0, whose blocks 0, 1 are unpublished and block 0's twin
+  (sequence 1's block 0) stays cached. Free slots go lowest index first, a
+  cached chain loses its deepest block first."""
   pair.claim([3], _prompt(20)[None], [PS])           # slot 0, to free later
   pair.claim([1, 0], np.stack([p, q]), [2 * PS, 2 * PS])
   pair.commit([1, 0], np.stack([p, q]), [2 * PS, 2 * PS])
   pair.release([3])
   pair.extend([0], [2 * PS])                         # blocks 2, 3
-  pair.commit([0], q[None], [3 * PS])                # block 2: child of a twin
+  pair.commit([0], q[None], [num_blocks * PS])       # block 2: child of a twin
   st = pair.host()
   twin = (st.groups[0] if pair.hybrid else st).seq_slots[1, :2].tolist()
   pair.release([1])
-  pair.claim([2], _prompt(21)[None], [3 * PS])       # evicts the twin's block 1
+  # One block more than the free slots: evicts the twin's block 1.
+  st = pair.host()
+  st = st.groups[0] if pair.hybrid else st
+  need = int(np.sum((st.slot_refcount == 0) & ~st.slot_published)) + 1
+  ids = [2, 3][:-(-need // 4)]
+  lens = [min(need - 4 * i, 4) * PS for i in range(len(ids))]
+  pair.claim(ids, np.stack([_prompt(40 + i) for i in ids]), lens)
   st = pair.host()
   st = st.groups[0] if pair.hybrid else st
   row = st.seq_slots[0].tolist()
@@ -216,10 +235,7 @@ def test_commit_replaces_an_orphan_in_slot_0():
   bucket's last two free ways; a padding row before it holds none), and
   every published slot stays where the table says. Committed again, the
   chain is served whole."""
-  cfg = cache.CacheConfig(num_slots=8, page_size=PS, num_layers=2,
-                          max_seqs=4, max_pages=4, hash_ways=4,
-                          hash_buckets=1)
-  pair = Lockstep(cfg, model=False)
+  pair = Lockstep(ONE_BUCKET, model=False)
   p = _prompt(22)
   q = p.copy()
   q[2 * PS:] += 1
@@ -270,3 +286,30 @@ def test_hybrid_commit_keeps_own_published_sliding_slots():
   assert int(g0.slot_gen[0]) == kept[1] + 1      # group 0 published it again
   assert (int(g1.slot_gen[0]), int(g1.slot_parent_gen[0])) == kept
   assert _published(g1, 0) == [False, True, True, True]
+
+
+def test_commit_replaces_orphans_of_another_sequence():
+  """A published slot with the block's key that is not a twin is replaced
+  and leaves the cache. Sequence 0's blocks 2 and 3 (slot 0 and the next)
+  are published as the children of a twin that is then evicted; sequence 1
+  claims the same prompt (block 0 reused), and its commit publishes blocks
+  1..3 as its own chain in place of sequence 0's (still held, no longer
+  published): the replaced slots keep their ways, the bucket's last free
+  way goes to block 1."""
+  pair = Lockstep(ONE_BUCKET, model=False)
+  p = _prompt(24)
+  q = p.copy()
+  q[2 * PS:] += 1
+  twin, row = _orphan_in_slot_0(pair, p, q, num_blocks=4)
+  pair.release([2])
+  res = pair.claim([1], q[None], [4 * PS])
+  assert res["num_reused_tokens"] == [PS]
+  pair.commit([1], q[None], [4 * PS])
+  st = pair.host()
+  assert _published(st, 1) == [True] * 4
+  _assert_chain(st, 1, 4)
+  assert int(st.seq_slots[1, 0]) == twin[0]
+  assert st.seq_slots[0].tolist() == row
+  assert _published(st, 0) == [False] * 4
+  assert sorted(st.hash_table[0].tolist()) == sorted(
+      st.seq_slots[1].tolist())
