@@ -16,9 +16,9 @@ refused ids leaving the state unchanged; a later claim of a committed
 prompt reusing its blocks (the hash table was written); an orphan (its
 parent evicted) in slot 0 (a slot like any other: -1 is the no-block id)
 published again in place, taking no free way, then its chain committed
-again and served whole, or replaced by another sequence's blocks; and a
-sliding group of a hybrid cache leaving its own published slots as they
-are. Each step is also compared with `cache/reference.py`
+again and served whole, or replaced by another sequence's blocks (in a
+hybrid cache's sliding group too); and a sliding group leaving its own
+published slots as they are. Each step is also compared with `cache/reference.py`
 (`reference_hybrid.py`) slot for slot (`cache_asserts.assert_same`), or,
 where a bucket can overflow, checked by `cache.validate`.
 """
@@ -193,6 +193,11 @@ ONE_BUCKET = cache.CacheConfig(num_slots=8, page_size=PS, num_layers=2,
                                max_seqs=4, max_pages=4, hash_ways=4,
                                hash_buckets=1)
 
+# A global group and a sliding one whose window (15) never drops a block.
+HYBRID = cache.HybridCacheConfig(layer_windows=(-1, 15),
+                                 group_num_slots=(8, 8), page_size=PS,
+                                 max_seqs=4, max_pages=4, hash_ways=8)
+
 
 def _orphan_in_slot_0(pair, p, q, num_blocks=3):
   """Sequence 0 (prompt `q`, 16 tokens) with its block 2 in slot 0,
@@ -269,10 +274,7 @@ def test_hybrid_commit_keeps_own_published_sliding_slots():
   `test_commit_replaces_an_orphan_in_slot_0`, generation + 1) while the
   sliding group's slot 0 keeps its anchor at the old generation; every step
   against `reference_hybrid`."""
-  cfg = cache.HybridCacheConfig(layer_windows=(-1, 15), group_num_slots=(8, 8),
-                                page_size=PS, max_seqs=4, max_pages=4,
-                                hash_ways=8)
-  pair = Lockstep(cfg)
+  pair = Lockstep(HYBRID)
   p = _prompt(23)
   q = p.copy()
   q[2 * PS:] += 1
@@ -288,6 +290,20 @@ def test_hybrid_commit_keeps_own_published_sliding_slots():
   assert _published(g1, 0) == [False, True, True, True]
 
 
+def _orphans_replaced(pair):
+  """The orphan scenario with blocks 2 and 3 published, then sequence 1
+  claiming and committing the same prompt."""
+  p = _prompt(24)
+  q = p.copy()
+  q[2 * PS:] += 1
+  twin, row = _orphan_in_slot_0(pair, p, q, num_blocks=4)
+  pair.release([2])
+  res = pair.claim([1], q[None], [4 * PS])
+  assert res["num_reused_tokens"] == [PS]
+  pair.commit([1], q[None], [4 * PS])
+  return twin, row
+
+
 def test_commit_replaces_orphans_of_another_sequence():
   """A published slot with the block's key that is not a twin is replaced
   and leaves the cache. Sequence 0's blocks 2 and 3 (slot 0 and the next)
@@ -297,14 +313,7 @@ def test_commit_replaces_orphans_of_another_sequence():
   published): the replaced slots keep their ways, the bucket's last free
   way goes to block 1."""
   pair = Lockstep(ONE_BUCKET, model=False)
-  p = _prompt(24)
-  q = p.copy()
-  q[2 * PS:] += 1
-  twin, row = _orphan_in_slot_0(pair, p, q, num_blocks=4)
-  pair.release([2])
-  res = pair.claim([1], q[None], [4 * PS])
-  assert res["num_reused_tokens"] == [PS]
-  pair.commit([1], q[None], [4 * PS])
+  twin, row = _orphans_replaced(pair)
   st = pair.host()
   assert _published(st, 1) == [True] * 4
   _assert_chain(st, 1, 4)
@@ -313,3 +322,14 @@ def test_commit_replaces_orphans_of_another_sequence():
   assert _published(st, 0) == [False] * 4
   assert sorted(st.hash_table[0].tolist()) == sorted(
       st.seq_slots[1].tolist())
+
+
+def test_hybrid_commit_replaces_orphans_of_another_sequence():
+  """The same in a hybrid cache: the sliding group's slots of sequence 0's
+  blocks 2 and 3 hold the same tokens but are anchored to group 0's old
+  slots, so sequence 1's blocks replace them there too."""
+  pair = Lockstep(HYBRID)
+  _orphans_replaced(pair)
+  for g in pair.host().groups:
+    assert _published(g, 1) == [True] * 4
+    assert _published(g, 0) == [False] * 4
