@@ -11,7 +11,9 @@ published by the first; two sequences with one prefix in one call (the
 first in row-major order wins, the other is a twin at its next commit); a
 full hash bucket (the blocks without a way, and every later block of their
 sequence, stay unpublished; free ways go to earlier requests first);
-two keys equal in one u32 lane only (distinct keys, both published);
+two keys equal in one u32 lane only (distinct keys, both published); SWA
+scratch blocks stopping a chain even where another sequence published
+their tokens;
 refused ids leaving the state unchanged; a later claim of a committed
 prompt reusing its blocks (the hash table was written); an orphan (its
 parent evicted) in slot 0 (a slot like any other: -1 is the no-block id)
@@ -333,3 +335,26 @@ def test_hybrid_commit_replaces_orphans_of_another_sequence():
   for g in pair.host().groups:
     assert _published(g, 1) == [True] * 4
     assert _published(g, 0) == [False] * 4
+
+
+def test_commit_stops_at_scratch_blocks_with_a_twin():
+  """An SWA scratch block is never published nor serves a chain, even where
+  another sequence published the same tokens: sequence 0's prompt has
+  blocks 0..2 scratch (window 3: out of reach of every later query), and
+  sequence 1 publishes those three blocks one step at a time; committing
+  sequence 0 then publishes nothing (its block 3 included)."""
+  cfg = cache.CacheConfig(num_slots=16, page_size=PS, num_layers=2,
+                          max_seqs=4, max_pages=4, layer_windows=(3, 3),
+                          enable_swa_scratch_reuse=True)
+  pair = Lockstep(cfg)
+  p = _prompt(9)
+  pair.claim([0, 1], np.stack([p, p]), [WIDTH, PS])
+  assert pair.host().seq_slots[0].tolist()[:3] == [-1] * 3
+  pair.commit([1], p[None], [PS])
+  for n in (2, 3):
+    pair.extend([1], [PS])
+    pair.commit([1], p[None], [n * PS])
+  assert _published(pair.host(), 1) == [True] * 3
+  before = pair.state
+  pair.commit([0], p[None], [WIDTH])
+  chex.assert_trees_all_equal(pair.state, before)
