@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from pkvattn import distributed
@@ -99,3 +100,55 @@ def test_initialize_launch_errors(monkeypatch):
   monkeypatch.setenv(distributed.NUM_PROCESSES_ENV, "two")
   with pytest.raises(ValueError, match="PKVATTN_NUM_PROCESSES"):
     distributed.initialize()
+
+
+def _fake_jax_launch(monkeypatch):
+  """Records what `initialize` asks of jax instead of joining a cluster."""
+  calls = []
+  monkeypatch.setattr(jax.config, "update",
+                      lambda *a: calls.append(("update",) + a))
+  monkeypatch.setattr(jax.distributed, "initialize",
+                      lambda *a, **k: calls.append(("initialize", a, k)))
+  return calls
+
+
+def _set_launch_env(monkeypatch, coordinator, num_processes, process_id):
+  for name, value in ((distributed.COORDINATOR_ENV, coordinator),
+                      (distributed.NUM_PROCESSES_ENV, num_processes),
+                      (distributed.PROCESS_ID_ENV, process_id)):
+    monkeypatch.setenv(name, value)
+
+
+def test_initialize_joins_from_the_environment(monkeypatch):
+  calls = _fake_jax_launch(monkeypatch)
+  _set_launch_env(monkeypatch, "10.0.0.1:777", " 3 ", "2")  # last process
+  assert distributed.initialize() is True
+  assert calls == [
+      ("update", "jax_cpu_collectives_implementation", "gloo"),
+      ("initialize", ("10.0.0.1:777",), dict(num_processes=3, process_id=2))]
+
+
+def test_initialize_arguments_win_over_the_environment(monkeypatch):
+  calls = _fake_jax_launch(monkeypatch)
+  _set_launch_env(monkeypatch, "10.0.0.1:777", "3", "2")
+  assert distributed.initialize("127.0.0.1:5", num_processes=1, process_id=0,
+                                local_device_ids=(1, 0)) is True
+  assert calls[-1] == ("initialize", ("127.0.0.1:5",),
+                       dict(num_processes=1, process_id=0,
+                            local_device_ids=[1, 0]))
+  # Each value falls back to its own variable only.
+  calls.clear()
+  assert distributed.initialize(process_id=0)
+  assert calls[-1] == ("initialize", ("10.0.0.1:777",),
+                       dict(num_processes=3, process_id=0))
+
+
+def test_initialize_rejects_out_of_range_launches(monkeypatch):
+  calls = _fake_jax_launch(monkeypatch)
+  for n, pid in ((0, 0), (2, -1), (2, 2), (1, 1), (-1, -1)):
+    with pytest.raises(ValueError, match="Invalid process_id"):
+      distributed.initialize("127.0.0.1:1", num_processes=n, process_id=pid)
+  assert calls == []
+  # Blank variables count as unset: one process.
+  _set_launch_env(monkeypatch, "", "  ", "")
+  assert distributed.initialize() is False and calls == []
