@@ -102,24 +102,27 @@ class Lockstep:
   def host(self) -> cache.CacheState:
     return jax.device_get(self.state)
 
-  def claim(self, ids, tokens, lengths) -> dict[str, list]:
-    """`claim_batch` on both; the jitted result's fields as lists."""
+  def claim(self, ids, tokens, lengths, **kw) -> dict[str, list]:
+    """`claim_batch` on both (`kw`: `evict`, `head_of_line`); the jitted
+    result's fields as lists."""
     tokens = np.asarray(tokens, np.int32)
     self.state, res = cache.claim_batch(self.state, i32(ids), i32(tokens),
-                                        i32(lengths))
+                                        i32(lengths), **kw)
     got = {k: np.asarray(v).tolist() for k, v in res._asdict().items()}
     if self.ref is not None:
-      want = self.ref.claim_batch(ids, tokens, lengths)
+      want = self.ref.claim_batch(ids, tokens, lengths, **kw)
       assert got == want, (got, want)
     self._check()
     return got
 
-  def extend(self, ids, num_new_tokens) -> dict[str, list]:
-    """`extend` on both; the jitted result's fields as lists."""
-    self.state, res = cache.extend(self.state, i32(ids), i32(num_new_tokens))
+  def extend(self, ids, num_new_tokens, **kw) -> dict[str, list]:
+    """`extend` on both (`kw`: `evict`, `head_of_line`, and `num_computed`
+    for a hybrid cache); the jitted result's fields as lists."""
+    self.state, res = cache.extend(self.state, i32(ids), i32(num_new_tokens),
+                                   **kw)
     got = {k: np.asarray(v).tolist() for k, v in res._asdict().items()}
     if self.ref is not None:
-      want = self.ref.extend(ids, num_new_tokens)
+      want = self.ref.extend(ids, num_new_tokens, **kw)
       assert got == want, (got, want)
     self._check()
     return got
