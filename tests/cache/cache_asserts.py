@@ -68,6 +68,15 @@ def i32(x):
   return jnp.asarray(np.asarray(x, np.int32))
 
 
+def token_rows(prompts, width: int) -> np.ndarray:
+  """Token lists as an `i32[len(prompts), width]` token row each, zero past
+  its end (a list longer than `width` raises)."""
+  out = np.zeros((len(prompts), width), np.int32)
+  for r, p in enumerate(prompts):
+    out[r, :len(p)] = p
+  return out
+
+
 class Lockstep:
   """The jitted cache and the model driven in step: each op runs on both, its
   results are compared field by field with the model's and the states slot

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -12,22 +13,17 @@ import pytest
 
 from pkvattn import cache
 from pkvattn.cache import hashing
+from cache_asserts import token_rows
 
 PS = 4
 
 
-def _cfg(**kw):
-  base = dict(num_slots=8, page_size=PS, num_layers=2, max_seqs=8,
-              max_pages=6, hash_ways=8)
-  base.update(kw)
-  return cache.CacheConfig(**base)
+_cfg = functools.partial(cache.CacheConfig, num_slots=8, page_size=PS,
+                         num_layers=2, max_seqs=8, max_pages=6, hash_ways=8)
 
 
 def _tok(rows, width=24):
-  out = np.zeros((len(rows), width), np.int32)
-  for r, row in enumerate(rows):
-    out[r, :len(row)] = row
-  return jnp.asarray(out)
+  return jnp.asarray(token_rows(rows, width))
 
 
 def _claim(state, ids, prompts, lengths=None, scopes=None):

@@ -11,27 +11,19 @@ generation.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import numpy as np
 
 from pkvattn import cache
-from cache_asserts import Lockstep
+from cache_asserts import Lockstep, token_rows
 
 PS = 4
 
 
-def _cfg(**kw):
-  base = dict(num_slots=8, page_size=PS, num_layers=1, max_seqs=4,
-              max_pages=4, hash_ways=8)
-  base.update(kw)
-  return cache.CacheConfig(**base)
-
-
-def _rows(prompts, width):
-  out = np.zeros((len(prompts), width), np.int32)
-  for r, p in enumerate(prompts):
-    out[r, :len(p)] = p[:width]
-  return out
+_cfg = functools.partial(cache.CacheConfig, num_slots=8, page_size=PS,
+                         num_layers=1, max_seqs=4, max_pages=4, hash_ways=8)
 
 
 def test_empty_prompt_is_admitted_and_looks_nothing_up():
@@ -41,9 +33,9 @@ def test_empty_prompt_is_admitted_and_looks_nothing_up():
   that its (ignored) token row happens to hold is not reused."""
   both = Lockstep(_cfg(), with_stats=True)
   a = list(range(1, 13))
-  both.publish([0], _rows([a], 12), [12])
+  both.publish([0], token_rows([a], 12), [12])
   lookups = int(cache.stats(both.state)["num_lookups"])
-  res = both.claim([1, 2], _rows([a, []], 12), [0, 0])
+  res = both.claim([1, 2], token_rows([a, []], 12), [0, 0])
   assert res == dict(ok=[True, True], num_reused_tokens=[0, 0],
                      num_new_blocks=[0, 0], num_missed_blocks=[0, 0])
   assert int(cache.stats(both.state)["num_lookups"]) == lookups
@@ -78,9 +70,9 @@ def test_one_whole_block_in_the_token_row_is_reused():
   sequence's first slot is the cached one."""
   both = Lockstep(_cfg(), with_stats=True)
   p = [7, 8, 9, 10, 11]
-  both.publish([0], _rows([p], 5), [5])
+  both.publish([0], token_rows([p], 5), [5])
   cached = int(both.ref.index[both.ref._block_keys(p, 0, 1)[0]])
-  res = both.claim([1], _rows([p], 5), [5])
+  res = both.claim([1], token_rows([p], 5), [5])
   assert res == dict(ok=[True], num_reused_tokens=[PS], num_new_blocks=[1],
                      num_missed_blocks=[0])
   assert int(both.state.seq_slots[1, 0]) == cached
@@ -91,8 +83,8 @@ def test_token_row_narrower_than_a_page():
   admitted with one new block each and nothing reusable."""
   both = Lockstep(_cfg(), with_stats=True)
   p = [[1, 2, 3], [1, 2, 3]]
-  both.publish([0], _rows(p[:1], 3), [3])
-  res = both.claim([1, 2], _rows(p, 3), [3, 2])
+  both.publish([0], token_rows(p[:1], 3), [3])
+  res = both.claim([1, 2], token_rows(p, 3), [3, 2])
   assert res == dict(ok=[True, True], num_reused_tokens=[0, 0],
                      num_new_blocks=[1, 1], num_missed_blocks=[0, 0])
 
@@ -104,11 +96,11 @@ def test_refused_requests_report_zeros_and_count_no_lookups():
   own."""
   both = Lockstep(_cfg(num_slots=4), with_stats=True)
   a, b = list(range(1, 10)), list(range(20, 29))
-  both.publish([0], _rows([a], 9), [9])  # 2 blocks of a cached, 2 free
+  both.publish([0], token_rows([a], 9), [9])  # 2 blocks of a cached, 2 free
   st = cache.stats(both.state)
   lookups, hits = int(st["num_lookups"]), int(st["num_hits"])
   # b (3 new slots) then a (reuses 2, 1 new): b fits, a does not after it.
-  res = both.claim([1, 2], _rows([b, a], 9), [9, 9])
+  res = both.claim([1, 2], token_rows([b, a], 9), [9, 9])
   assert res == dict(ok=[True, False], num_reused_tokens=[0, 0],
                      num_new_blocks=[3, 0], num_missed_blocks=[2, 0])
   st = cache.stats(both.state)
@@ -124,11 +116,11 @@ def test_chain_check_uses_the_parent_slots_generation():
   both = Lockstep(_cfg(num_slots=4), with_stats=True)
   a = list(range(1, 10))    # 2 whole blocks + 1 token
   b = list(range(30, 42))   # 3 whole blocks
-  both.publish([0], _rows([a], 12), [9])   # a0 -> slot 0, a1 -> slot 1
-  both.publish([1], _rows([b], 12), [12])  # evicts a's tail (slot 1)
-  both.publish([2], _rows([a], 12), [9])   # a1 again, into another slot
+  both.publish([0], token_rows([a], 12), [9])   # a0 -> slot 0, a1 -> slot 1
+  both.publish([1], token_rows([b], 12), [12])  # evicts a's tail (slot 1)
+  both.publish([2], token_rows([a], 12), [9])   # a1 again, into another slot
   assert int(both.state.slot_gen[0]) != int(both.state.slot_gen[1])
-  res = both.claim([3], _rows([a], 12), [9])
+  res = both.claim([3], token_rows([a], 12), [9])
   assert res["ok"] == [True]
   assert res["num_reused_tokens"] == [2 * PS]
   assert int(both.state.seq_slots[3, 0]) == 0

@@ -13,28 +13,25 @@ cached block does not spend.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pkvattn import cache
-from cache_asserts import Lockstep
+from cache_asserts import Lockstep, token_rows
 
 PS = 4
 
 
-def _cfg(**kw):
-  # Group 0 (global) is the tight one: 4 slots; the sliding group (window 4)
-  # has room for every scenario.
-  base = dict(layer_windows=(-1, 4), group_num_slots=(4, 12), page_size=PS,
-              max_seqs=4, max_pages=3, hash_ways=12)
-  base.update(kw)
-  return cache.HybridCacheConfig(**base)
+# Group 0 (global) is the tight one: 4 slots; the sliding group (window 4)
+# has room for every scenario.
+_cfg = functools.partial(
+    cache.HybridCacheConfig, layer_windows=(-1, 4), group_num_slots=(4, 12),
+    page_size=PS, max_seqs=4, max_pages=3, hash_ways=12)
 
 
 def _rows(prompts, width=3 * PS):
-  out = np.zeros((len(prompts), width), np.int32)
-  for r, p in enumerate(prompts):
-    out[r, :len(p)] = p
-  return out
+  return token_rows(prompts, width)
 
 
 def _published(rng):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -12,11 +13,8 @@ import pytest
 from pkvattn import cache
 
 
-def _cfg(**kw):
-  base = dict(num_slots=64, page_size=4, num_layers=2, max_seqs=3,
-              max_pages=5)
-  base.update(kw)
-  return cache.CacheConfig(**base)
+_cfg = functools.partial(cache.CacheConfig, num_slots=64, page_size=4,
+                         num_layers=2, max_seqs=3, max_pages=5)
 
 
 def test_config_defaults_and_derived_sizes():
