@@ -36,7 +36,6 @@ from .alloc import _shift_right
 from .alloc import _step_plan
 from .alloc import _step_ranks
 from .alloc import _take_slots
-from .alloc import eviction_order
 from .state import CacheState
 
 

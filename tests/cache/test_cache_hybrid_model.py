@@ -179,7 +179,7 @@ class _Run:
 
   # --- operations ------------------------------------------------------------
   def claim(self, rng, live, dead):
-    cfg, ps = self.cfg, self.cfg.page_size
+    cfg = self.cfg
     max_len = cfg.max_seq_len
     ids = self._ids(rng, dead)
     lengths = rng.choice([max_len, 13, 9, 16, 5, 4, 1, 0, max_len + 2], BATCH)

@@ -402,8 +402,8 @@ def test_validate_names_each_broken_invariant(rng):
   ranges, shared and cached blocks) and, on a state broken one invariant at a
   time, raises naming that invariant."""
   pub, scr = _published_state(rng), _scratch_state(rng)
-  for st in (pub, scr, cache.init_cache(pub.config)):
-    cache.validate(st)
+  for state in (pub, scr, cache.init_cache(pub.config)):
+    cache.validate(state)
   assert scr.seq_scratch_first.tolist() == [2, 0, 0, 0]
   assert scr.seq_scratch_count.tolist() == [2, 0, 5, 0]
   assert scr.seq_lens.tolist() == [19, 0, 24, 0]
@@ -538,9 +538,9 @@ def test_validate_names_each_broken_invariant(rng):
        f"slot {int(scr.seq_scratch_slots[0, 0])}: a scratch slot shared or "
        "published"),
   ]
-  for (st, change), message in cases:
+  for (state, change), message in cases:
     with pytest.raises(CacheInvariantError, match=message):
-      cache.validate(dataclasses.replace(st, **change))
+      cache.validate(dataclasses.replace(state, **change))
 
 
 def test_validate_window_holes_and_anchors(rng):
