@@ -543,6 +543,39 @@ def test_validate_names_each_broken_invariant(rng):
       cache.validate(dataclasses.replace(state, **change))
 
 
+def test_validate_lists_only_the_broken_invariant(rng):
+  """One line per broken invariant: a single corruption, with the refcounts
+  following it, raises exactly that line; an invalid (-1) slot id is never
+  counted as a holder of some slot, and a scratch range starting before
+  block 0 is refused even when the blocks it covers are -1 and out of every
+  window."""
+  pub, scr = _published_state(rng), _scratch_state(rng)
+
+  def drop(st, name, index):
+    s = int(getattr(st, name)[index])
+    return dataclasses.replace(
+        st, **{name: getattr(st, name).at[index].set(-1),
+               "slot_refcount": st.slot_refcount.at[s].add(-1)})
+
+  assert scr.seq_scratch_count[2] == 5 and scr.seq_lens[2] == 24
+  cases = [
+      (drop(pub, "seq_slots", (2, 1)),
+       "seq 2: invalid slot in its first 3 blocks"),
+      (drop(scr, "seq_scratch_slots", (0, 0)),
+       "seq 0: expected 1 distinct scratch slots"),
+      # Seq 2's scratch blocks [0, 5) are all -1 and out of the window, so
+      # only the range's own bound catches a first of -1.
+      (dataclasses.replace(scr, seq_scratch_first=scr.seq_scratch_first
+                           .at[2].set(-1)),
+       "seq 2: scratch blocks [-1, 4) not -1 blocks of its 6"),
+  ]
+  for state, line in cases:
+    with pytest.raises(CacheInvariantError) as e:
+      validate_flat(state)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
 def test_validate_window_holes_and_anchors(rng):
   """A sliding group's state (`allow_window_holes`) may hold -1 exactly at
   the blocks no later query sees: `(b + 1) * page_size <= length -
