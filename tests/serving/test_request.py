@@ -109,3 +109,30 @@ def test_check_stop():
   assert named.stop_ids == {2} and check_stop(named) is None
   assert check_stop(req([5, 2, 2], 3, ignore_eos=True)) == "length"
   assert req([4], 3).tokens == [1, 4]
+
+
+def test_a_new_request_holds_nothing_yet():
+  """A fresh `Request` is WAITING with no row (`seq_id` -1), nothing
+  computed, reused, generated or preempted, no finish reason, error or first
+  token, in the default prefix-cache scope 0: the scope `make_request`,
+  `make_requests` (`Engine.generate`) and `Engine.add_request` default to,
+  so a batch shares its prefixes with default-scope requests."""
+  rng = np.random.default_rng()
+  prompt = rng.integers(0, 100, size=int(rng.integers(1, 20))).tolist()
+  req = Request(int(rng.integers(0, 1000)), prompt, _sp(3), frozenset())
+  assert (req.status, req.seq_id, req.output) == (RequestStatus.WAITING, -1, [])
+  assert (req.num_computed, req.num_reused, req.num_preemptions) == (0, 0, 0)
+  assert req.finish_reason is None and req.error is None
+  assert req.first_token_step is None and not req.done
+  assert req.reuse_scope == 0 and req.tokens == prompt
+  assert make_request(prompt, _sp(3), LIMITS).reuse_scope == 0
+  assert [r.reuse_scope for r in make_requests([prompt, [1]], _sp(3),
+                                               LIMITS)] == [0, 0]
+
+
+def test_limits_are_frozen():
+  """`RequestLimits` is a frozen value: an engine's limits cannot be
+  changed under its queued requests, and equal limits hash alike."""
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    LIMITS.max_model_len = 1000
+  assert hash(LIMITS) == hash(dataclasses.replace(LIMITS))
