@@ -159,3 +159,21 @@ def test_record_usage_of_one_space():
   assert (stats.peak_group_slots, stats.peak_used_slots) == ((6,), 6)
   assert stats.peak_kv_bytes == 6 * LLAMA.num_layers * kv.block_bytes
   assert stats.flat_peak_kv_bytes is None
+
+
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 32), (4, 16)])
+def test_sizes_scale_with_kv_heads(kv_heads, head_dim):
+  """A block is a page of K and V of one layer: 2 * page_size * kv_heads *
+  head_dim items, an exact int of bytes (the tiny models have one KV head,
+  which hides how the heads enter)."""
+  model_cfg = tiny.replace(LLAMA, num_qo_heads=kv_heads,
+                           num_kv_heads=kv_heads, head_dim=head_dim)
+  kv = _manager(model_cfg, dtype=jnp.bfloat16)
+  assert type(kv.block_bytes) is int
+  assert kv.block_bytes == 2 * 8 * kv_heads * head_dim * 2
+  assert kv.pool_shape == (40 * LLAMA.num_layers * 2, 8, kv_heads, head_dim)
+  stats = EngineStats()
+  kv.start_stats(stats)
+  kv.record_usage(stats, np.int32(3))
+  assert stats.peak_kv_bytes == 3 * LLAMA.num_layers * kv.block_bytes
+  assert stats.kv_cache_bytes == kv.pool_shape[0] * kv.block_bytes // 2
