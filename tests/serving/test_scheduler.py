@@ -115,11 +115,12 @@ def _burst_outputs(cfg, sched, scheduled, streams, preempt_at):
 
 
 def _serve(cfg, prompts, params, streams, preempt_at):
-  """Runs the requests to the end; returns `(requests, stats, kinds)`."""
+  """Runs the requests to the end; returns `(requests, stats, kinds,
+  sampled)`, `sampled` the sum of what `update_from_output` returned."""
   stats = EngineStats()
   sched = _queue(cfg, prompts, params, stats)
   reqs = list(sched.waiting)
-  kinds = []
+  kinds, sampled = [], 0
   while sched.waiting or sched.running:
     assert len(kinds) < 1000, "the scheduler does not make progress"
     if sched.burst_eligible():
@@ -130,19 +131,19 @@ def _serve(cfg, prompts, params, streams, preempt_at):
       sched.take_released_rows()
       out = _step_outputs(cfg, scheduled, streams, preempt_at)
     kinds.append(scheduled.kind)
-    sched.update_from_output(scheduled, out)
-  return reqs, stats, kinds
+    sampled += sched.update_from_output(scheduled, out)
+  return reqs, stats, kinds, sampled
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_steps_and_bursts_book_stops_lengths_and_preemptions_alike(seed):
   rng = np.random.default_rng(1000 + seed)
   prompts, params, streams, preempt_at = _random_requests(rng, 7)
-  steps, step_stats, step_kinds = _serve(CFG, prompts, params, streams,
-                                         preempt_at)
+  steps, step_stats, step_kinds, step_sampled = _serve(
+      CFG, prompts, params, streams, preempt_at)
   burst_cfg = dataclasses.replace(CFG, decode_steps=4)
-  bursts, burst_stats, burst_kinds = _serve(burst_cfg, prompts, params,
-                                            streams, preempt_at)
+  bursts, burst_stats, burst_kinds, burst_sampled = _serve(
+      burst_cfg, prompts, params, streams, preempt_at)
   assert set(step_kinds) == {"step"} and "burst" in burst_kinds
   for a, b, p, sp, stream in zip(steps, bursts, prompts, params, streams):
     stop_ids = {EOS} if sp.stop_token_ids is None else set(sp.stop_token_ids)
@@ -153,8 +154,11 @@ def test_steps_and_bursts_book_stops_lengths_and_preemptions_alike(seed):
       assert req.status is RequestStatus.FINISHED and req.done
       assert req.num_computed == len(p) + len(output) - 1
     assert a.num_preemptions == b.num_preemptions
-  for st in (step_stats, burst_stats):
-    assert st.generated_tokens == sum(len(r.output) for r in steps)
+  for st, reqs, sampled in ((step_stats, steps, step_sampled),
+                             (burst_stats, bursts, burst_sampled)):
+    assert st.generated_tokens == sampled == sum(len(r.output) for r in reqs)
+    assert st.num_preemptions == sum(r.num_preemptions for r in reqs)
+    assert st.prompt_tokens >= sum(len(p) for p in prompts)
   assert step_stats.num_preemptions == burst_stats.num_preemptions
   assert step_stats.decode_tokens == burst_stats.decode_tokens
   assert step_stats.prefill_tokens == burst_stats.prefill_tokens
@@ -236,6 +240,7 @@ def test_one_token_step_equals_one_token_burst(seed):
       assert sched.to_release == [(0, computed + 1)]
       if case == "preempted":
         assert req.status == "waiting" and req.num_preemptions == 1
+        assert sched.stats.num_preemptions == 1
         assert list(sched.waiting) == [req] and req.seq_id == -1
         assert req.num_computed == 0 and req.finish_reason is None
       else:
@@ -318,12 +323,23 @@ def test_admissions_stop_at_max_admit_rows_and_backlog(rng):
   for second, admitted in ((11, [0, 1, 2]), (12, [0, 1])):
     lens = (20, second, 3)
     sched = _queue(CFG, [rng.integers(0, VOCAB, n).tolist() for n in lens])
-    assert [r.request_id for r in sched.schedule().admitted] == admitted
+    scheduled = sched.schedule()
+    assert [r.request_id for r in scheduled.admitted] == admitted
+    # Unused admission slots are padding: id -1, no tokens.
+    pad = CFG.num_admit - len(admitted)
+    np.testing.assert_array_equal(scheduled.inputs.admit_ids,
+                                  admitted + [-1] * pad)
+    np.testing.assert_array_equal(scheduled.inputs.admit_lens,
+                                  list(lens[:len(admitted)]) + [0] * pad)
 
 
 def test_no_burst_while_a_waiting_request_could_take_a_row(rng):
   """Bursts start only when nothing but decoding can happen: once a
   request waits with a row free, the next program is a step (it admits)."""
+  for k in (1, 2):  # bursts of two steps are bursts; "one step" is a step
+    cfg = dataclasses.replace(CFG, max_seqs=2, decode_steps=k)
+    sched, _ = _decoding(cfg, rng, max_new_tokens=8)
+    assert sched.burst_eligible() is (k > 1), k
   cfg = dataclasses.replace(CFG, max_seqs=2, decode_steps=4)
   sched, _ = _decoding(cfg, rng, max_new_tokens=8)
   assert sched.burst_eligible()  # one decoding request, nothing waiting
@@ -345,6 +361,9 @@ def test_a_burst_stays_in_flight_only_if_a_request_outlives_it(waiting, rng):
       sched.add(make_request([1], SamplingParams(max_new_tokens=1),
                              _limits(cfg)))
     assert sched.can_chain() is chains, left
+    # Checked mode reads every burst's errors before the next one.
+    sched.config = dataclasses.replace(cfg, check=True)
+    assert not sched.can_chain(), left
 
 
 def test_a_request_failing_beside_a_pending_release_frees_its_row(
@@ -413,6 +432,9 @@ def test_prefill_chunks_fill_the_budget_and_start_after_reused_tokens(
     assert fed == [(0, 4, True), (2, 3, True)]
   else:
     assert fed == [(0, 4, True), (1, 12, False)]
+  assert [r.seq_id for r in reqs] == [0, 1, 2]
+  # The rows whose fed tokens end their prompt sample.
+  np.testing.assert_array_equal(inp.sample_rows, [True, False, one_step])
   assert inp.q_indptr[-1] == sum(n for _, n, _ in fed)
   assert inp.kv_lens[0] == 12 and inp.q_indptr[1] == 4
   np.testing.assert_array_equal(inp.tokens[:4], reqs[0].tokens[8:12])
@@ -447,6 +469,7 @@ def test_claims_count_the_slots_scratch_saved():
   sched.update_from_output(scheduled, out.replace(
       claim_reused=reused, claim_new_blocks=new_blocks))
   assert req.num_computed == 4 and stats.reused_tokens == 4
+  assert stats.prompt_tokens == 10
   assert stats.slots_saved_by_scratch == 1
 
 
@@ -536,6 +559,7 @@ def test_step_inputs_reserve_publish_and_pick_the_variant(prefix_reuse, rng):
   sched, reqs = _admitted(cfg, prompts, params)
   scheduled = sched.schedule()  # the three prompts, each sampling
   inp = scheduled.inputs
+  np.testing.assert_array_equal(inp.sample_rows, [True] * 3)
   np.testing.assert_array_equal(inp.extend_ids, [-1, 1, 2])
   np.testing.assert_array_equal(inp.prompt_commit_ids,
                                 [0, 1, 2] if prefix_reuse else [-1] * 3)
@@ -578,6 +602,12 @@ def test_release_inputs_commit_each_row_once_at_its_longest():
   np.testing.assert_array_equal(commit_ids, [0, 2, -1])
   np.testing.assert_array_equal(commit_lens, [3, 9, 0])
   np.testing.assert_array_equal(release_ids, [2, 0, 2])
+  # A failed request's row (`fail`: nothing committed) alone: padding after.
+  sched.to_release = [(1, 0)]
+  commit_ids, commit_lens, release_ids = sched.release_inputs()
+  np.testing.assert_array_equal(commit_lens, [0, 0, 0])
+  np.testing.assert_array_equal(commit_ids[1:], [-1, -1])
+  np.testing.assert_array_equal(release_ids, [1, -1, -1])
 
 
 def test_unschedule_gives_back_admissions_and_released_rows(rng):
@@ -624,6 +654,8 @@ def test_burst_variant_rows_and_chaining_read_every_running_request(rng):
   reqs[1].params = SamplingParams(max_new_tokens=9, temperature=0.7)
   assert not sched.burst_greedy()
   assert sched.burst_rows() == 4  # rows 0-2 run
+  # No row above any running one to hold: the smallest bucket.
+  assert Scheduler(cfg, EngineStats()).burst_rows() == 1
   sched.running.remove(reqs[2])
   assert sched.burst_rows() == 2
   sched.running.remove(reqs[0])  # row 1 alone still needs 2 rows
@@ -638,3 +670,124 @@ def test_burst_variant_rows_and_chaining_read_every_running_request(rng):
   assert not sched.can_chain()
   reqs[0].params = SamplingParams(max_new_tokens=6)  # 5 and 8 left
   assert sched.can_chain()
+
+
+def test_step_and_burst_kinds_and_their_padded_sizes():
+  """A step's size is its token bucket (0 when it feeds no token: the
+  program of its cache ops alone), its tokens laid out in row order; a
+  burst's is its row bucket. A scheduled step is a frozen value."""
+  cfg = dataclasses.replace(CFG, max_seqs=8, decode_steps=4,
+                            burst_rows=(1, 2, 4))
+  sched = _queue(cfg, [[5, 6]])
+  req = sched.waiting[0]
+  scheduled = sched.schedule()  # the admission alone
+  assert scheduled.kind == "step" and scheduled.num_tokens == 0
+  assert scheduled.inputs.tokens.shape == (0,)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    scheduled.rows = ()
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _claims(cfg, ok=[True]))
+  scheduled = sched.schedule()  # 2 prompt tokens: the bucket of 3
+  assert scheduled.kind == "step" and scheduled.num_tokens == 3
+  np.testing.assert_array_equal(scheduled.inputs.tokens, [5, 6, 0])
+  sched.take_released_rows()
+  sched.update_from_output(scheduled, _sampled(cfg, {0: EOS + 1}))
+  assert req.status == "decode" and sched.burst_eligible()
+  burst = sched.schedule_burst()
+  assert burst.kind == "burst" and burst.num_tokens == burst.burst_rows == 1
+
+
+def test_burst_inputs_carry_each_decoding_request(rng):
+  """A burst's row of a request: its last sampled token, the tokens in the
+  cache, the tokens it may still emit, its output length, and its stop ids
+  (sorted, -1 padded; none with `ignore_eos`); rows without a request are
+  inactive with no stop id."""
+  stops = sorted(int(t) for t in rng.choice(VOCAB, 2, replace=False))
+  params = [SamplingParams(max_new_tokens=10, stop_token_ids=tuple(stops)),
+            SamplingParams(max_new_tokens=9, ignore_eos=True)]
+  cfg = dataclasses.replace(CFG, decode_steps=4)
+  prompts = [rng.integers(0, VOCAB, int(n)).tolist()
+             for n in rng.integers(1, 8, 2)]
+  sched, reqs = _admitted(cfg, prompts, params)
+  not_stop = [t for t in range(VOCAB) if t not in stops and t != EOS]
+  for _ in range(3):  # the prompts, then two decode steps
+    scheduled = sched.schedule()
+    sched.take_released_rows()
+    toks = {r.seq_id: int(rng.choice(not_stop)) for r in reqs}
+    sched.update_from_output(scheduled, _sampled(cfg, toks))
+  assert all(len(r.output) == 3 for r in reqs) and sched.burst_eligible()
+  inp = sched.burst_inputs()
+  for req, p, sp in zip(reqs, prompts, params):
+    r = req.seq_id
+    assert inp.active[r] and inp.last[r] == req.output[-1]
+    assert inp.computed[r] == len(p) + 2 == req.num_computed
+    assert inp.remaining[r] == sp.max_new_tokens - 3
+    assert inp.gen_index[r] == 3
+  pad = [-1] * (MAX_STOP_IDS - 2)
+  np.testing.assert_array_equal(inp.stop_ids[reqs[0].seq_id], stops + pad)
+  np.testing.assert_array_equal(inp.stop_ids[reqs[1].seq_id], [-1] * (
+      MAX_STOP_IDS))
+  assert not inp.active[2] and (inp.stop_ids[2] == -1).all()
+
+
+def _assert_cleared(inp, row, fields):
+  """Row `row` of `inp` holds the values of a row without a request."""
+  for name, v in fields.items():
+    assert getattr(inp, name)[row] == v, name
+
+
+def test_a_row_failing_in_a_step_or_burst_is_cleared_from_its_inputs(
+    exploding_params):
+  """A request whose inputs raise while a step or a burst is prepared is
+  failed alone and its row cleared (module docstring): the program sees a
+  row without a request, the other request's row is unchanged."""
+  cleared = dict(kv_lens=0, sample_rows=False, temperature=0, top_k=0,
+                 top_p=1, seeds=0, gen_index=0, extend_ids=-1,
+                 prompt_commit_ids=-1)
+  cleared_burst = dict(active=False, last=0, computed=0, remaining=0,
+                       temperature=0, top_k=0, top_p=1, seeds=0, gen_index=0)
+  for kind in ("step", "burst"):
+    cfg = dataclasses.replace(CFG, decode_steps=4)
+    params = [SamplingParams(max_new_tokens=8)] * 2
+    sched, reqs = _admitted(cfg, [[1, 2, 3], [4, 5]], params)
+    scheduled = sched.schedule()
+    sched.take_released_rows()
+    sched.update_from_output(scheduled, _sampled(cfg, {0: 9, 1: 9}))
+    reqs[1].params = exploding_params(8)
+    if kind == "step":
+      scheduled = sched.schedule()
+      inp = scheduled.inputs
+      assert [row.request for row in scheduled.rows] == [reqs[0]]
+      np.testing.assert_array_equal(np.diff(inp.q_indptr), [1, 0, 0])
+      _assert_cleared(inp, 1, cleared)
+      assert inp.sample_rows[0] and inp.kv_lens[0] == 4
+      assert scheduled.greedy_only
+    else:
+      inp = sched.burst_inputs()
+      _assert_cleared(inp, 1, cleared_burst)
+      assert (inp.stop_ids[1] == -1).all()
+      assert inp.active[0] and inp.computed[0] == 3 and inp.remaining[0] == 7
+    assert reqs[1].finish_reason == "error" and sched.running == [reqs[0]]
+    assert sched.to_release == [(1, 0)], kind
+
+
+def test_a_failing_admission_leaves_its_slot_as_padding(rng):
+  """An admission whose inputs raise fails that request alone; the step's
+  admission inputs are those of a queue without it (padding: id -1, no
+  tokens), and it takes no row."""
+  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (10, 3, 5)]
+  sched = _queue(CFG, prompts)
+  bad = [sched.waiting[0], sched.waiting[2]]
+  for req in bad:
+    req.reuse_scope = "not an int"  # raises when written to the inputs
+  scheduled = sched.schedule()
+  inp = scheduled.inputs
+  assert [r.request_id for r in scheduled.admitted] == [1]
+  assert all(r.finish_reason == "error" for r in bad)
+  want_tokens = np.zeros((CFG.num_admit, CFG.max_model_len), np.int32)
+  want_tokens[0, :3] = prompts[1]
+  np.testing.assert_array_equal(inp.admit_tokens, want_tokens)
+  np.testing.assert_array_equal(inp.admit_ids, [0, -1, -1])
+  np.testing.assert_array_equal(inp.admit_lens, [3, 0, 0])
+  np.testing.assert_array_equal(inp.admit_scope, [0, 0, 0])
+  assert sched.free_rows == [1, 2] and not sched.to_release
