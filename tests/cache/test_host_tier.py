@@ -316,6 +316,14 @@ def test_config_validation():
   for good in (1, 2, 64):
     assert cache.HostTierConfig(num_slots=4, page_size=4,
                                 hash_buckets=good).num_buckets == good
+  # 16 ways by default: the smallest power of two >= 4 * num_slots / 16.
+  assert [cache.HostTierConfig(num_slots=n, page_size=4).num_buckets
+          for n in (64, 68)] == [16, 32]
+  # Hashable and immutable: a jit static argument.
+  cfg = cache.HostTierConfig(num_slots=4, page_size=4)
+  assert hash(cfg) == hash(dataclasses.replace(cfg))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.num_slots = 8
   with pytest.raises(ValueError, match="page_size"):
     cache.host_offload_plan(cache.init_cache(CFG), cache.init_host_tier(
         cache.HostTierConfig(num_slots=4, page_size=8)), 1, max_blocks=2)
@@ -498,26 +506,155 @@ def test_plan_never_overwrites_an_entry_it_refreshed(rng):
     assert n.tolist() == [hits]
 
 
-def test_plan_replaces_an_entry_whose_key_collides(rng):
-  """An entry with a picked block's key but other tokens (a collision, made
-  by editing host slot 0) leaves the table before the block gets a slot:
-  one entry per key, and the block is found afterwards."""
+@pytest.mark.parametrize("edit", [0, 1])
+def test_plan_replaces_an_entry_whose_key_collides(rng, edit):
+  """Host {Z, A, free}. An entry with a picked block's key but other tokens
+  (a collision, made by editing host slot `edit`) leaves the table before
+  the block gets a slot: one entry per key, and the block is found
+  afterwards."""
   cfg = cache.CacheConfig(num_slots=8, page_size=2, num_layers=1, max_seqs=1,
                           max_pages=4)
-  a = rng.integers(1, 10**6, 2).tolist()
-  state = _published(cache.init_cache(cfg), 0, a)
-  host = cache.init_host_tier(cache.HostTierConfig(num_slots=2, page_size=2))
+  blocks = [rng.integers(1, 10**6, 2).tolist() for _ in range(2)]
+  state = _published(_published(cache.init_cache(cfg), 0, blocks[0]), 0,
+                     blocks[1])
+  host = cache.init_host_tier(cache.HostTierConfig(num_slots=3, page_size=2))
   host, _, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
-  assert np.asarray(dst).tolist() == [0, -1, -1, -1]
-  host = dataclasses.replace(host, tokens=host.tokens.at[0, 0].add(1))
-  _, n, _ = cache.host_lookup(host, [a + [0]], [3], [0])
+  assert np.asarray(dst).tolist() == [0, 1, -1, -1]        # Z, A
+  host = dataclasses.replace(host, tokens=host.tokens.at[edit, 0].add(1))
+  _, n, _ = cache.host_lookup(host, [blocks[edit] + [0]], [3], [0])
   assert n.tolist() == [0]                                 # not a hit
   host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
   cache.validate_host_tier(host)                           # one entry a key
-  assert int(cache.host_tier_stats(host)["num_valid"]) == 1
+  assert int(cache.host_tier_stats(host)["num_valid"]) == 2
   assert int((np.asarray(src) >= 0).sum()) == 1
-  _, n, _ = cache.host_lookup(host, [a + [0]], [3], [0])
-  assert n.tolist() == [1]
+  for toks in blocks:
+    _, n, _ = cache.host_lookup(host, [toks + [0]], [3], [0])
+    assert n.tolist() == [1]
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_plan_takes_a_free_slot_then_the_lru_never_a_refreshed_entry(
+    rng, num_slots):
+  """Host {A, B} (and a free slot when `num_slots` is 3), stored by one
+  plan; B is then held on the device, so the next plan picks A (on the host:
+  refreshed) and a new block C. C takes the free slot if there is one, else
+  the least recently used entry, B's, never A's. Every plan and lookup bumps
+  the clock; the entries a plan stores or refreshes take it as `last_use`."""
+  cfg = cache.CacheConfig(num_slots=8, page_size=2, num_layers=1, max_seqs=2,
+                          max_pages=4)
+  a, b, c = (rng.integers(1, 10**6, 2).tolist() for _ in range(3))
+  state = _published(_published(cache.init_cache(cfg), 0, a), 0, b)
+  host = cache.init_host_tier(cache.HostTierConfig(num_slots=num_slots,
+                                                   page_size=2))
+  clock = int(host.clock)
+  host, _, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  assert np.asarray(dst).tolist() == [0, 1, -1, -1]        # A, B
+  assert int(host.clock) > clock
+  clock = int(host.clock)
+  assert np.asarray(host.last_use[:2]).tolist() == [clock, clock]
+  state, res = cache.claim_batch(state, [0], [b + [7]], [3])   # holds B
+  assert int(res.num_reused_tokens[0]) == 2
+  state = _published(state, 1, c)
+  host, src, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  cache.validate_host_tier(host)
+  assert int(host.clock) > clock
+  clock = int(host.clock)
+  src, dst = np.asarray(src), np.asarray(dst)
+  assert dst.tolist() == [num_slots - 1, -1, -1, -1]
+  assert np.asarray(state.slot_tokens)[src[0]].tolist() == c
+  assert int(host.last_use[0]) == int(host.last_use[dst[0]]) == clock
+  for toks, hits in ((a, 1), (b, int(num_slots == 3)), (c, 1)):
+    host, n, _ = cache.host_lookup(host, [toks + [0]], [3], [0])
+    assert n.tolist() == [hits]
+    assert int(host.clock) > clock
+    clock = int(host.clock)
+
+
+def test_plan_takes_the_free_slot_then_evicts_the_lru_entry(rng):
+  """Host {A, free}; a plan of two new blocks gives the free slot to the
+  first and A's slot to the second: A leaves the table, both are found."""
+  host_cfg = cache.HostTierConfig(num_slots=2, page_size=2)
+  state, host, _, dst, a = _offloaded(rng, host_cfg, 3)    # 1 full block
+  assert dst[:2].tolist() == [0, -1]
+  toks = rng.integers(1, 10**6, 5).tolist()                # 2 full blocks
+  state = _published(cache.init_cache(state.config), 0, toks)
+  host, _, dst = cache.host_offload_plan(state, host, 8, max_blocks=4)
+  cache.validate_host_tier(host)
+  assert np.asarray(dst).tolist() == [1, 0, -1, -1]
+  for prompt, hits in ((a, 0), (toks, 2)):
+    _, n, _ = cache.host_lookup(host, [prompt], [len(prompt)], [0])
+    assert n.tolist() == [hits]
+
+
+def test_plan_pads_its_result_to_max_blocks(rng):
+  """`max_blocks` past the device's slot count: the result is still
+  `max_blocks` wide, the plan's copies first, then -1."""
+  host_cfg = cache.HostTierConfig(num_slots=8, page_size=2)
+  state, _, src8, dst8, _ = _offloaded(rng, host_cfg, 9)  # 8 device slots
+  _, src, dst = cache.host_offload_plan(
+      state, cache.init_host_tier(host_cfg), 8, max_blocks=11)
+  for x, x8 in ((src, src8), (dst, dst8)):
+    x = np.asarray(x)
+    assert x.shape == (11,) and (x[4:] == -1).all()
+    np.testing.assert_array_equal(x[:8], x8)
+
+
+def test_lookup_of_prompts_narrower_than_a_block(rng):
+  """Prompts narrower than one block have no block to look up: no hits,
+  and `slots` is `max_len // page_size = 0` wide."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2)
+  _, host, _, _, toks = _offloaded(rng, host_cfg, 7)
+  _, n, slots = cache.host_lookup(host, [toks[:1], toks[1:2]], [1, 1],
+                                  [0, 0])
+  assert n.tolist() == [0, 0] and slots.shape == (2, 0)
+
+
+def test_lookup_skips_padding_rows_and_a_lone_last_block(rng):
+  """A row of length 0 (padding) looks nothing up, and a prompt whose first
+  block holds its last token counts no block, both with the very tokens of
+  blocks on the host."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2)
+  _, host, _, _, toks = _offloaded(rng, host_cfg, 7)      # 3 full blocks
+  rows = np.asarray([toks + [0]] * 3, np.int32)
+  before = cache.host_tier_stats(host)
+  host, n, slots = cache.host_lookup(host, rows, [0, 2, 7], [0, 0, 0])
+  after = cache.host_tier_stats(host)
+  assert n.tolist() == [0, 0, 3] and (np.asarray(slots[:2]) < 0).all()
+  assert int(after["num_lookups"] - before["num_lookups"]) == 3
+  assert int(after["num_hits"] - before["num_hits"]) == 3
+
+
+def test_init_host_tier_is_empty():
+  """Every host slot free and out of the table (-1 throughout), counters 0."""
+  host = cache.init_host_tier(HOST)
+  assert not np.asarray(host.valid).any()
+  assert (np.asarray(host.hash_pos) == -1).all()
+  assert (np.asarray(host.hash_table) == -1).all()
+  stats = {k: int(v) for k, v in cache.host_tier_stats(host).items()}
+  assert stats == dict(num_slots=HOST.num_slots, num_valid=0,
+                       num_free=HOST.num_slots, num_offloaded=0,
+                       num_lookups=0, num_hits=0)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    host.clock = host.clock + 1
+
+
+def test_plan_stores_each_block_as_the_device_holds_it(rng):
+  """A copied block's entry holds its device slot's key, tokens and scope,
+  `is_first` iff it heads its chain, and its parent's key (0 if first)."""
+  host_cfg = cache.HostTierConfig(num_slots=8, page_size=2)
+  state, host, src, dst, _ = _offloaded(rng, host_cfg, 9)  # 4 full blocks
+  n = int((src >= 0).sum())
+  assert n == 4
+  dev = {k: np.asarray(getattr(state, k))
+         for k in ("slot_key", "slot_tokens", "slot_scope", "slot_parent")}
+  for s, h in zip(src[:n], dst[:n]):
+    first = dev["slot_parent"][s] < 0
+    parent_key = [0, 0] if first else dev["slot_key"][dev["slot_parent"][s]]
+    assert bool(host.is_first[h]) == first
+    np.testing.assert_array_equal(host.parent_key[h], parent_key)
+    np.testing.assert_array_equal(host.key[h], dev["slot_key"][s])
+    np.testing.assert_array_equal(host.tokens[h], dev["slot_tokens"][s])
+    assert int(host.scope[h]) == dev["slot_scope"][s]
 
 
 def test_lookup_counts_and_refusals(rng):
@@ -554,6 +691,19 @@ def test_invalidate_skips_slot_ids_out_of_range(rng):
   cache.validate_host_tier(after)
   for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(after)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_invalidating_a_free_slot_changes_nothing(rng):
+  """Freeing a free host slot is a no-op, the table's last position (taken)
+  included: one bucket of 3 ways, 3 entries, one host slot free."""
+  host_cfg = cache.HostTierConfig(num_slots=4, page_size=2, hash_ways=3,
+                                  hash_buckets=1)
+  _, host, _, _, _ = _offloaded(rng, host_cfg, 7)         # 3 full blocks
+  valid = np.asarray(host.valid)
+  assert int(valid.sum()) == 3 and int(host.hash_table[0, -1]) >= 0
+  free = int(np.flatnonzero(~valid)[0])
+  _assert_same_state(host, cache.host_invalidate(
+      host, np.array([free], np.int32)))
 
 
 def test_validate_names_each_broken_invariant(rng):
