@@ -159,7 +159,7 @@ def _roofs(mb: int):
   kinds = {m.kind for m in dev.addressable_memories()} \
       if hasattr(dev, "addressable_memories") else set()
   if "pinned_host" in kinds and "device" in kinds:
-    s = jax.sharding.SingleDeviceSharding(dev)
+    s = jax.sharding.make_single_device_sharding(dev)
     pinned = jax.device_put(x, s.with_memory_kind("pinned_host"))
     pinned.block_until_ready()
     out["pinned_h2d_gbps"] = timed(lambda: jax.device_put(

@@ -437,7 +437,7 @@ class _Step:
         rows, max_pages)
     shape = cfg.pool_shape(slot_table.size, page_size)
     sharding = (parallel.pool_sharding(mesh) if mesh is not None
-                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                else jax.sharding.make_single_device_sharding(jax.devices()[0]))
     self.pool = jax.jit(lambda: jnp.zeros(shape, dtype),
                         out_shardings=sharding)()
     num_tokens = rows * q_len

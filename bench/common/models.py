@@ -76,7 +76,7 @@ def init_params_on_devices(cfg: DecoderConfig, key, dtype, mesh=None, *,
   shapes = jax.eval_shape(
       lambda k: unstack_layers(init_params(cfg, k, dtype, scale=scale)), key)
   if mesh is None:
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.make_single_device_sharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, shapes)
   else:
     tp = parallel.tp_size(mesh)

@@ -111,7 +111,7 @@ class KVCacheManager:
       # Committed to the device, as the programs' outputs are, so every
       # program (the steps, the host tier's) sees one placement and
       # compiles once.
-      shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      shardings = jax.sharding.make_single_device_sharding(jax.devices()[0])
     else:
       from pkvattn import parallel as _parallel  # parallel imports models
       replicated = _parallel.replicated(mesh)
