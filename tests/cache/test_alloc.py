@@ -178,3 +178,36 @@ def test_greedy_extend_skips_a_refusal_without_cost():
   res = run.extend([0, 1, 2, 3], [4, 8, 4, 4], head_of_line=False)
   assert res["ok"] == [True, False, True, False]
   assert res["num_new_blocks"] == [1, 0, 1, 0]
+
+
+def test_a_child_of_a_republished_slot_0_is_never_matched(rng):
+  """A block whose parent slot was evicted is never matched again, even
+  when the parent's tokens come back in the same slot (`eviction_order`:
+  `slot_parent_gen`). The parent here is slot 0, the bound of the check."""
+  cfg = cache.CacheConfig(num_slots=4, page_size=4, num_layers=1, max_seqs=3,
+                          max_pages=3, hash_ways=4)
+  run = Lockstep(cfg, with_stats=True)
+  x = rng.integers(1, 50, (1, 9))
+  # P holds x0 in slot 0, Q x0 x1 and a partial block in slots 1-3 (nothing
+  # cached yet). P publishes x0 first; Q's x0 is then a twin of slot 0, so
+  # Q publishes only x1: slot 2, a child of slot 0.
+  run.claim([0], x[:, :4], [4])
+  run.claim([1], x, [9])
+  assert run.host().seq_slots[1].tolist() == [1, 2, 3]
+  run.commit([0], x[:, :4], [4])
+  run.commit([1], x, [9])
+  run.release([0])
+  run.release([1])  # slot 0 released before slot 2; slots 1, 3 free
+  # Three unrelated blocks take free slots 1 and 3, then evict slot 0 (least
+  # recently released): slot 2 stays cached with its parent gone.
+  res = run.claim([2], rng.integers(50, 99, (1, 12)), [12])
+  assert res["ok"] == [True] and run.host().seq_slots[2].tolist() == [1, 3, 0]
+  run.release([2])
+  # x0 again, published in slot 0 (the lowest free slot): a new generation.
+  run.claim([0], x[:, :4], [4])
+  assert run.host().seq_slots[0].tolist()[:1] == [0]
+  run.commit([0], x[:, :4], [4])
+  run.release([0])
+  # x's lookup reaches 2 blocks: only x0 is reused, x1's slot is stale.
+  res = run.claim([1], x, [9])
+  assert res["ok"] == [True] and res["num_reused_tokens"] == [4]
