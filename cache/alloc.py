@@ -231,6 +231,11 @@ def _admit(state: CacheState, valid, need, *, evict: bool = True,
   budget = jnp.sum(free, dtype=jnp.int32)
   if evict:
     budget += jnp.sum(evictable, dtype=jnp.int32)
+  # Kept out of the fusions below: XLA:GPU (jaxlib 0.12) fuses these slot
+  # reductions with the per-block gathers of `cand` into one Triton fusion and
+  # then fails to tile the gathers' flattened `[n, nbt]` index ("Reshape is
+  # non-contiguous [2, 2] -> [4]", n = nbt = 2). A scalar: no cost.
+  budget = jax.lax.optimization_barrier(budget)
   need = jnp.where(valid, need, 0).astype(jnp.int32)
   if cand is None or cand.shape[1] == 0:
     cand = jnp.zeros((n, 0), jnp.int32)
