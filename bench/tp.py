@@ -492,7 +492,6 @@ def _pool_bytes(cfg, rows, context, page_size, tp, dtype_bytes) -> float:
 def _run_grid(*, args, mcfg, dtype, impl, tps, name):
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from bench.common import timing as _timing
   from bench.common.models import init_params_on_devices
   from pkvattn import parallel
