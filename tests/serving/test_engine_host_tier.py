@@ -545,3 +545,38 @@ def test_a_failed_release_first_loses_no_request(model, monkeypatch,
   assert engine.scheduler.free_rows == list(range(cfg.max_seqs))
   cache.validate(engine.state)
   assert int(cache.stats(engine.state)["num_used"]) == 0
+
+
+def test_one_block_reloads_and_an_empty_tier_looks_nothing_up(model, rng):
+  """Before any block was mirrored, admissions look nothing up on the host;
+  a returning prompt of two blocks, evicted whole, looks up and reloads its
+  first (the second holds its last token, always computed), and `reload`
+  reports that block's tokens for it. A new prompt of 9 tokens looks up
+  its first block alone."""
+  engine = Engine(model, dataclasses.replace(CFG,
+                                             host_kv_cache_bytes=HOST_BYTES))
+  st, sp = engine.stats, SamplingParams(max_new_tokens=1, ignore_eos=True)
+  tier, reported = engine.host_tier, []
+  reload = tier.reload
+
+  def spy(*args):
+    pool, done = reload(*args)
+    reported.append(done)
+    return pool, done
+  tier.reload = spy
+  prompt = [256] + rng.integers(0, 256, 15).tolist()  # 2 blocks of 8
+  engine.generate([prompt], sp)
+  assert st.host_blocks_offloaded == 0 and st.host_lookups == 0
+  assert all(done == {} for done in reported)
+  # 128 tokens: the whole 16-slot pool, every block of the first evicted.
+  engine.generate([[256] + rng.integers(0, 256, 126).tolist()], sp)
+  assert st.host_blocks_offloaded > 0
+  before, reported[:] = dataclasses.replace(st), []
+  engine.generate([prompt], sp)
+  assert st.reused_tokens == before.reused_tokens
+  assert st.host_lookups - before.host_lookups == 1
+  assert st.host_hits - before.host_hits == 1
+  assert st.prefill_tokens - before.prefill_tokens == 16 - 8
+  assert [list(done.values()) for done in reported if done] == [[8]]
+  engine.generate([[256] + rng.integers(0, 256, 8).tolist()], sp)
+  assert st.host_lookups - before.host_lookups == 2
