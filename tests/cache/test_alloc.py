@@ -211,3 +211,19 @@ def test_a_child_of_a_republished_slot_0_is_never_matched(rng):
   # x's lookup reaches 2 blocks: only x0 is reused, x1's slot is stale.
   res = run.claim([1], x, [9])
   assert res["ok"] == [True] and res["num_reused_tokens"] == [4]
+
+
+def test_checked_extend_reads_the_row_of_the_id_it_names():
+  """Checked mode (`extend`'s `check`) with only the last id, 2, live at 6
+  tokens (ids 0 and 1 dead, 0 tokens): growing id 2 to exactly the capacity
+  (beside a padding row, whose count is ignored) passes and is granted; one
+  token more raises and names its 6 tokens. Both checks must read id 2's
+  own liveness and length."""
+  st = cache.init_cache(CFG)
+  st, res = cache.claim_batch(st, [2], np.ones((1, LEN), np.int32), [6])
+  assert np.asarray(res.ok).tolist() == [True]
+  _, res = cache.extend(st, [-1, 2], [LEN + 5, LEN - 6], check=True)
+  assert np.asarray(res.ok).tolist() == [False, True]
+  with pytest.raises(ValueError, match=r"num_new_tokens\[0\] = 11 for a "
+                     r"sequence of 6 tokens"):
+    cache.extend(st, [2], [LEN - 5], check=True)
