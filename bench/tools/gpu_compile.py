@@ -198,6 +198,9 @@ def main(argv=None):
   env = results_lib.environment()
   code = pytest.main(["-q", "-p", "no:cacheprovider", *args.tests, *extra],
                      plugins=[sys.modules[__name__]])
+  if not _checks:  # pytest stopped before configuring (its usage error)
+    ap.error(f"pytest refused its arguments (exit {int(code)}): "
+             f"{' '.join([*args.tests, *extra])}")
   check = _checks[-1]
   env.update(device=TARGET, platform="cuda (compile only, on the CPU)")
   name = f"gpu_compile_{TARGET.replace(' ', '_')}"

@@ -1,5 +1,6 @@
 """`bench.tools.gpu_compile`: programs a pytest run jits, compiled for an H100
-with no GPU. Runs where jax's CUDA plugin is installed (skipped otherwise)."""
+with no GPU (where jax's CUDA plugin is installed; skipped otherwise), and
+its command line."""
 
 import importlib.util
 import json
@@ -23,7 +24,7 @@ def _cuda_plugin() -> bool:
     return False
 
 
-pytestmark = pytest.mark.skipif(
+needs_cuda_plugin = pytest.mark.skipif(
     not _cuda_plugin(), reason="needs jax's CUDA plugin (jax[cuda13])")
 
 # One program XLA:GPU compiles, one it must refuse (a custom call that no GPU
@@ -43,15 +44,29 @@ PROGRAMS = textwrap.dedent("""
     """)
 
 
-def test_counts_programs_and_reports_a_refused_one(tmp_path):
-  (tmp_path / "test_programs.py").write_text(PROGRAMS)
+def _run_tool(*args):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
              + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run(
-      [sys.executable, "-m", "bench.tools.gpu_compile", "--out",
-       str(tmp_path / "out"), str(tmp_path / "test_programs.py"), "--",
-       "--rootdir", str(tmp_path)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  return subprocess.run([sys.executable, "-m", "bench.tools.gpu_compile",
+                         *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+def test_pytest_usage_error_is_an_argparse_error(tmp_path):
+  proc = _run_tool("--out", str(tmp_path), "tests/cache/test_state.py", "--",
+                   "--no-such-pytest-flag")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "error: pytest refused its arguments" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not list(tmp_path.iterdir())
+
+
+@needs_cuda_plugin
+def test_counts_programs_and_reports_a_refused_one(tmp_path):
+  (tmp_path / "test_programs.py").write_text(PROGRAMS)
+  proc = _run_tool("--out", str(tmp_path / "out"),
+                   str(tmp_path / "test_programs.py"), "--", "--rootdir",
+                   str(tmp_path))
   assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
   res = json.loads((tmp_path / "out"
                     / "gpu_compile_NVIDIA_H100_80GB_HBM3.json").read_text())
