@@ -93,13 +93,16 @@ class GpuCompileCheck:
     self.device = topo.devices[0]
     self.device_list = _jax.DeviceList((self.device,))
     self.failures: list[dict] = []
-    self.programs = 0
     self.test = "?"
     self._seen: set[str] = set()
     self._busy = False
     self._pxla = pxla
     self._lower = pxla.lower_sharding_computation
     pxla.lower_sharding_computation = self._lower_and_check
+
+  @property
+  def programs(self) -> int:
+    return len(self._seen)
 
   def close(self):
     self._pxla.lower_sharding_computation = self._lower
@@ -137,7 +140,6 @@ class GpuCompileCheck:
     if key in self._seen:
       return
     self._seen.add(key)
-    self.programs += 1
     options = compiler.get_compile_options(
         1, 1, device_assignment=np.array([[0]]))
     try:
