@@ -103,16 +103,16 @@ TRITON_ITEMS_PER_SM = 3
 def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
            page_size: int, batch_size: int, num_kv_heads: int,
            max_pages: int, window_left: int = -1, q_tokens_per_seq: int = 1,
-           head_scales: bool = False, backend: str | None = None,
+           backend: str | None = None,
            num_sms: int = DECODE_NUM_SMS) -> Choice:
   """The decode kernel and its config for one call (static facts only).
 
   Rules, first match wins:
 
-  1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones with
-     per-tensor scales (it reads one scale per tensor), and a case
-     `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups 1..8,
-     pages of 8..128 tokens), except 16-token pages of 16 bits at head_dim
+  1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones (scales
+     per tensor or per KV head), and a case `paged_decode_mma.supports`
+     (head_dim 64 / 128 / 256, groups 1..8, pages of 8..128 tokens),
+     except 16-token pages of 16 bits at head_dim
      <= 128 with one query row per sequence and at least
      `TRITON_ITEMS_PER_SM` (row, kv head) items per SM (those take rule
      3): the per-warp Mosaic-GPU kernel
@@ -123,8 +123,8 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      nearest it, each split keeping >= 2 rounds of the four warps' steps,
      at most 64.
   2. FP8 pages on a GPU that converts e4m3 pairs in one instruction
-     (compute capability >= 8.9; on Hopper, those with per-KV-head scales
-     and cases the per-warp kernel does not take): the Triton kernel
+     (compute capability >= 8.9; on Hopper, cases the per-warp kernel does
+     not take): the Triton kernel
      reading both tiles as column pairs (`fp8_convert="pairs"`) on 2
      warps, 3 stages. Head_dim 64 packs two kv heads per program where
      their number is even (`pack_heads=2`: 128-byte rows); an odd number
@@ -166,8 +166,6 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       kernels skip pages outside the window at run time.
     q_tokens_per_seq: decode rows per sequence (`paged_decode_rows`);
       the splits count `batch_size * q_tokens_per_seq` rows.
-    head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`),
-      which only the Triton kernel reads: rule 1 is skipped.
     backend: None (the rules above), or "triton" / "mosaic_mma" to take
       that backend's config for the shape whatever the GPU (benchmarks,
       tests).
@@ -193,13 +191,13 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   fp8 = jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
   rows = batch_size * q_tokens_per_seq
 
-  # 1. Hopper: the per-warp Mosaic-GPU kernel (per-tensor scales only), not
-  # for many one-token rows over 16-bit pages.
+  # 1. Hopper: the per-warp Mosaic-GPU kernel, not for many one-token rows
+  # over 16-bit pages.
   many_rows = (not fp8 and head_dim <= 128 and page_size == 16 and
                q_tokens_per_seq == 1 and
                rows * num_kv_heads >= TRITON_ITEMS_PER_SM * num_sms)
-  if backend == "mosaic_mma" or backend is None and gpu.is_hopper and not (
-      fp8 and head_scales) and not many_rows and (paged_decode_mma.supports(
+  if backend == "mosaic_mma" or backend is None and gpu.is_hopper and (
+      not many_rows) and (paged_decode_mma.supports(
           dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
           page_size=page_size, group_size=group_size) is None):
     tiles = (2 if fp8 and head_dim <= 128
@@ -309,9 +307,10 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   (`fp8_pages="dequantize"`) from `paged_prefill.DEQUANTIZE_MIN_ROWS` query
   rows (tokens x group) per sequence, twice that with a window, where the
   gather's fixed cost per key is repaid; read in the kernel (`"kernel"`) below
-  (`paged_prefill.dequantize_pays`). With per-KV-head scales always
-  dequantized (the gather scales each head; the kernels read one scale per
-  tensor).
+  (`paged_prefill.dequantize_pays`). With per-KV-head scales the
+  Pallas-Triton kernel's pages are always dequantized (the gather scales
+  each head; its tiles read one scale per tensor); the Mosaic-GPU kernel
+  reads them in the kernel, each item its kv head's.
 
   Rules, first match wins:
 
@@ -369,7 +368,7 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
     batch_size: sequences in the step.
     window_left: the sliding window (-1 = none).
     head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`):
-      `fp8_pages="dequantize"` whatever the rows.
+      `fp8_pages="dequantize"` whatever the rows under rule 2.
     backend: None (the rules above), or "triton" / "mosaic" to take that
       backend's config for the shape whatever the GPU (benchmarks, tests).
 
@@ -389,8 +388,9 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
                      f"'mosaic', got {backend!r}")
   kv_dtype = dtype if kv_dtype is None else kv_dtype
   fp8_pages = "auto"  # 16-bit pages: no FP8 to read
-  if jnp.dtype(kv_dtype) == jnp.float8_e4m3fn:
-    fp8_pages = "dequantize" if head_scales or paged_prefill.dequantize_pays(
+  fp8 = jnp.dtype(kv_dtype) == jnp.float8_e4m3fn
+  if fp8:
+    fp8_pages = "dequantize" if paged_prefill.dequantize_pays(
         num_tokens=num_tokens, batch_size=batch_size,
         group_size=group_size, window_left=window_left) else "kernel"
   # Multi-token decode: sequences of up to this many new tokens run apart
@@ -428,7 +428,9 @@ def prefill(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       config = dataclasses.replace(config, persistent=spare)
     return Choice("mosaic", config)
 
-  # 2. The Pallas-Triton kernel.
+  # 2. The Pallas-Triton kernel (one scale per tensor in its tiles).
+  if fp8 and head_scales:
+    fp8_pages = "dequantize"
   wide = jnp.dtype(dtype).itemsize >= 4
   rows = 64 if wide else 128
   if head_dim <= 128:

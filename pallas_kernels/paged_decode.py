@@ -42,8 +42,8 @@ Backends: `paged_decode` runs this module's Pallas-Triton kernel
 (`TritonConfig`) or the per-warp Mosaic-GPU kernel (`MmaConfig`,
 `paged_decode_mma`: `mma.sync` on fragments loaded straight from the pages).
 `pallas_kernels.dispatch.decode` picks one per call: the per-warp kernel on
-Hopper for bf16 / f16 q over pages of that dtype or FP8 ones with per-tensor
-scales, Triton for f32, per-KV-head scales, other GPUs, interpret mode and
+Hopper for bf16 / f16 q over pages of that dtype or FP8 ones, Triton for
+f32, other GPUs, interpret mode and
 Hopper's many one-token rows over 16-token pages of 16 bits (an engine's
 decode step). Both read a prefill call's decode rows in place
 (`paged_decode_rows`).
@@ -685,8 +685,9 @@ def paged_decode(
       traced: a stored value `x` of kv head `h` means `x * scale[h]`. Read
       in the kernel: the Triton kernel multiplies each query row's logits
       by its kv head's K scale and its output by the V scale (per-tensor
-      scales fold into the logits scale); the per-warp kernel takes
-      per-tensor scales only.
+      scales fold into the logits scale); the per-warp kernel's CTA, of
+      one kv head, folds that head's into its logits scale and output
+      normalisation.
     interleaved_kv: static; `k_table` names page pairs of one pool (`k_pool
       is v_pool`'s pages): K block `i` is `k_pool[2 t]`, V block `i`
       `k_pool[2 t + 1]` for `t = k_table[b, i]` (FlashInfer's `[num_pages,
@@ -703,10 +704,9 @@ def paged_decode(
       128, 256}, a page_size that is not a power of two in [8, 128], other
       dtypes).
     ValueError: `config` of neither class; an `MmaConfig` in interpret mode,
-      on a case `paged_decode_mma` does not serve (its errors), or with
-      per-KV-head scales; a scale neither of one value nor of shape
-      `(num_kv_heads,)`; an `MmaConfig` or `fp8_convert="pairs"` with FP8
-      pages where
+      or on a case `paged_decode_mma` does not serve (its errors); a scale
+      neither of one value nor of shape `(num_kv_heads,)`; an `MmaConfig`
+      or `fp8_convert="pairs"` with FP8 pages where
       `dispatch.current_gpu` is a GPU below compute capability 8.9 (no e4m3
       pair conversion; without a GPU, e.g. lowering for CUDA on a CPU host,
       it lowers); `pack_heads` that does not divide num_kv_heads or makes
@@ -733,12 +733,10 @@ def _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
                     page_size=k_pool.shape[1])
   if reason is not None:
     raise NotImplementedError(f"paged_decode kernel: {reason}")
-  head_scales = _fp8.is_per_head(k_scale, v_scale, k_pool.shape[2])
   if config is None:
     config = _default_config(q, k_pool, k_table, interpret,
-                             num_rows=kv_lens.shape[0],
-                             head_scales=head_scales)
-  _check_config(config, k_scale, interpret, head_scales=head_scales)
+                             num_rows=kv_lens.shape[0])
+  _check_config(config, k_scale, interpret)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   run = _mma_decode if isinstance(config, MmaConfig) else _triton_decode
@@ -802,12 +800,11 @@ def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
 
 
 def _default_config(q, k_pool, k_table, interpret: bool,
-                    num_rows: int | None = None, *,
-                    head_scales: bool = False) -> TritonConfig | MmaConfig:
+                    num_rows: int | None = None
+                    ) -> TritonConfig | MmaConfig:
   """`dispatch.decode`'s config for a call with these q heads, pages and
   tables on `dispatch.current_gpu(interpret)`: `k_table`'s rows are the
-  sequences, each with `num_rows / rows` query rows (None: one);
-  `head_scales`: the FP8 scales are per KV head."""
+  sequences, each with `num_rows / rows` query rows (None: one)."""
   batch_size, max_pages = k_table.shape
   q_tokens_per_seq = 1
   if num_rows is not None and batch_size:
@@ -819,7 +816,7 @@ def _default_config(q, k_pool, k_table, interpret: bool,
       kv_dtype=k_pool.dtype, head_dim=head_dim,
       group_size=num_qo_heads // num_kv_heads, page_size=page_size,
       batch_size=batch_size, num_kv_heads=num_kv_heads, max_pages=max_pages,
-      q_tokens_per_seq=q_tokens_per_seq, head_scales=head_scales).config
+      q_tokens_per_seq=q_tokens_per_seq).config
 
 
 def _has_row(q_rows, num_tokens: int):
@@ -827,11 +824,9 @@ def _has_row(q_rows, num_tokens: int):
   return (q_rows >= 0) & (q_rows < num_tokens)
 
 
-def _check_config(config, k_scale, interpret: bool, *,
-                  head_scales: bool = False) -> None:
-  """Raises ValueError for a config of neither class, an `MmaConfig` with
-  per-KV-head scales (`head_scales`: the per-warp kernel reads one scale
-  per tensor), and where FP8 pages would take a conversion the GPU lacks:
+def _check_config(config, k_scale, interpret: bool) -> None:
+  """Raises ValueError for a config of neither class, and where FP8 pages
+  would take a conversion the GPU lacks:
   the per-warp kernel and `fp8_convert="pairs"` convert e4m3 pairs with
   `cvt.rn.f16x2.e4m3x2` (compute capability >= 8.9). Without a GPU
   (interpret mode, or lowering for CUDA on a CPU host) no conversion is
@@ -840,11 +835,6 @@ def _check_config(config, k_scale, interpret: bool, *,
     raise ValueError(f"Invalid config: expected a TritonConfig or an "
                      f"MmaConfig, got {config!r}")
   mma = isinstance(config, MmaConfig)
-  if mma and head_scales:
-    raise ValueError(
-        "Invalid config: MmaConfig (backend 'mosaic_mma') reads one k_scale "
-        "/ v_scale per tensor, got per-KV-head scales (a TritonConfig reads "
-        "them)")
   if k_scale is None or not (mma or config.fp8_convert == "pairs"):
     return
   gpu = dispatch.current_gpu(interpret)

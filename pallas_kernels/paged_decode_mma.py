@@ -64,7 +64,8 @@ So the body is per-thread code written through `plgpu.inline_mgpu` (MLIR
   is token n // G's head n % G, each column masked to its own keys, so the
   T rows read the sequence's pages once rather than T times.
 
-FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): the same
+FP8 pages (float8_e4m3fn, `k_scale` / `v_scale` per tensor or per KV
+head, a CTA reading its head's): the same
 loads carry twice the keys' columns. The matmuls run in f16 (every e4m3
 value is an f16 one; q is clamped to +-65504 and rounded to f16 once, as
 the Triton kernel's FP8 path does), each 32-bit word of K converting to
@@ -76,8 +77,8 @@ are 8 bytes a lane. `dispatch.decode` takes steps of 32 keys there at
 head_dim <= 128 (measured: docs/performance.md).
 
 `dispatch.decode` sends a Hopper call with bf16 / f16 q over pages of that
-dtype or FP8 pages with per-tensor scales here (`paged_decode.MmaConfig`);
-f32, per-KV-head scales, other GPUs, interpret mode and many one-token rows
+dtype or FP8 pages here (`paged_decode.MmaConfig`);
+f32, other GPUs, interpret mode and many one-token rows
 over 16-token pages of 16 bits (`dispatch.TRITON_ITEMS_PER_SM`) take the
 Triton kernel (`supports` says why a case is not taken here).
 """
@@ -93,6 +94,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pkvattn.pallas_kernels import _compat
+from pkvattn.pallas_kernels import _fp8
 from pkvattn.pallas_kernels import _mlir
 from pkvattn.pallas_kernels._compat import pl
 from pkvattn.pallas_kernels._mlir import arith, asm
@@ -306,10 +308,12 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
           sm_scale, window_left, logits_soft_cap, same_table, dtype_name,
           late_loads, load_hint, q_in_smem, fp8, num_tokens,
           rows_per_seq: int = 1, tokens_per_item: int = 1,
-          n_tiles: int = 1, interleaved_kv: bool = False):
+          n_tiles: int = 1, interleaved_kv: bool = False,
+          head_scales: bool = False):
   """Per-thread body (inside `inline_mgpu`); see the module docstring.
   `refs`: kv_lens, [q_rows with `num_tokens`], q, k_pool, v_pool, k_table,
-  v_table, [k_scale, v_scale with `fp8`], [sinks], out, lse, smem; `mode`:
+  v_table, [k_scale, v_scale with `fp8`: f32[1], or f32[num_kv_heads]
+  with `head_scales`], [sinks], out, lse, smem; `mode`:
   "final" (the output) or "partial" (per-split partials). `num_tokens`
   (None: q has one row per sequence): q's rows, of which sequence b's
   query is `q_rows[b]` (none outside `[0, num_tokens)`); its pages are
@@ -593,8 +597,9 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
                         arith.cmpi(lt, key, col_kv[col]))
 
   def scalar_f32(ref):
-    return arith.bitcast(o.f32, o.load_i32(gaddr(ref, _mlir.const_i64(0),
-                                                4)))
+    """The CTA's scale: the tensor's, or its kv head's."""
+    at = wide(kv_head) if head_scales else _mlir.const_i64(0)
+    return arith.bitcast(o.f32, o.load_i32(gaddr(ref, at, 4)))
 
   # FP8 pages: K's scale joins the logits' scale, V's the output's.
   k_scale = scalar_f32(k_scale_ref) if fp8 else None
@@ -888,8 +893,8 @@ def paged_decode_mma(
     sm_scale: float,
     window_left: int = -1,
     logits_soft_cap: float | None = None,
-    k_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
-    v_scale: jax.Array | float | None = None,  # f32[]: FP8 pages
+    k_scale: jax.Array | float | None = None,  # f32[] | f32[Hkv]: FP8
+    v_scale: jax.Array | float | None = None,  # f32[] | f32[Hkv]: FP8
     k_splits: int = 1,
     tiles: int | None = None,
     final: bool = True,
@@ -923,9 +928,11 @@ def paged_decode_mma(
     sinks: optional `f32[num_qo_heads]` logits (natural-log units) joining
       the softmax denominator only (not the LSE); only with `final`.
     sm_scale, window_left, logits_soft_cap: static, as `paged_decode`.
-    k_scale, v_scale: f32 scalars (traced) of FP8 pages, as `paged_decode`:
-      a stored value `x` means `x * scale`. The matmuls then run in f16
-      (q clamped to +-65504 and rounded to f16, as `_fp8.query_for_dots`).
+    k_scale, v_scale: traced f32 scales of FP8 pages, as `paged_decode`:
+      a stored value `x` of kv head `h` means `x * scale[h]`, each one
+      scalar (per tensor) or `f32[num_kv_heads]` (per KV head; a scalar
+      beside a per-head one is broadcast). The matmuls then run in f16 (q
+      clamped to +-65504 and rounded to f16, as `_fp8.query_for_dots`).
     k_splits: static, splits of each sequence's visible steps (one CTA
       each).
     tiles: static, 16-key m-tiles per warp step (1, 2 or 4); None =
@@ -979,8 +986,8 @@ def paged_decode_mma(
     ValueError: a case `supports` rejects, `k_splits < 1`, `tiles` not in
       (1, 2, 4), `final=True` with `k_splits > 1`, sinks with `final=False`
       or of another shape, an unknown `load_hint`, FP8 pages without both
-      scales (or scales with 16-bit pages), a scale of more than one value
-      (per-KV-head scales), `q_rows` not of `(batch_size,)` or tables
+      scales (or scales with 16-bit pages), a scale of neither one nor
+      `num_kv_heads` values, `q_rows` not of `(batch_size,)` or tables
       whose rows do not divide it (or, without `q_rows`, tables of other
       than `batch_size` rows), or `into` without
       `q_rows` and `final` (or of shapes or dtypes other than q's rows),
@@ -1034,11 +1041,7 @@ def paged_decode_mma(
         f"{jnp.dtype(k_pool.dtype).name}, k_scale "
         f"{'set' if k_scale is not None else 'None'}, v_scale "
         f"{'set' if v_scale is not None else 'None'}")
-  for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-    if x is not None and jnp.size(x) != 1:
-      raise ValueError(
-          f"Invalid shape of {name}: expected one scale per tensor (per-KV-"
-          f"head scales run the Triton kernel), got {jnp.shape(x)}")
+  head_scales = _fp8.is_per_head(k_scale, v_scale, num_kv_heads)
   if k_splits < 1:
     raise ValueError(f"Invalid k_splits: expected >= 1, got {k_splits}")
   if tiles is None:
@@ -1101,7 +1104,8 @@ def paged_decode_mma(
       dtype_name="bf16" if jnp.dtype(dtype) == jnp.bfloat16 else "f16",
       late_loads=late_loads, load_hint=load_hint, q_in_smem=q_in_smem,
       fp8=fp8, num_tokens=num_tokens, rows_per_seq=rows_per_seq,
-      tokens_per_item=T, n_tiles=NT, interleaved_kv=interleaved_kv)
+      tokens_per_item=T, n_tiles=NT, interleaved_kv=interleaved_kv,
+      head_scales=head_scales)
   tables = [k_table.astype(jnp.int32)]
   tables.append(tables[0] if same_table else v_table.astype(jnp.int32))
   inputs = [kv_lens.astype(jnp.int32)]
@@ -1109,10 +1113,12 @@ def paged_decode_mma(
     inputs.append(q_rows.astype(jnp.int32))
   inputs += [q, k_pool, v_pool, *tables]
   if fp8:
-    # Two f32[1] inputs (free reshapes), not one stacked pair (one more
-    # small XLA kernel per call).
-    inputs += [jnp.asarray(x, jnp.float32).reshape(1)
-               for x in (k_scale, v_scale)]
+    # Two inputs (free reshapes), not one stacked pair (one more small XLA
+    # kernel per call): f32[1] each, or f32[num_kv_heads] each with
+    # per-head scales (a scalar beside them broadcast).
+    shape = (num_kv_heads,) if head_scales else (1,)
+    inputs += [jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(-1),
+                                shape) for x in (k_scale, v_scale)]
   if has_sinks:
     inputs.append(sinks.astype(jnp.float32))
   refs = []

@@ -158,12 +158,13 @@ class PrefillConfig:
       (`paged_decode_mma.row_packing`).
     fp8_pages: FP8 pages only: "kernel" reads them in the kernels (tiles
       converted to f16 there, scales folded into the logits and the
-      output; per-tensor scales only); "dequantize" first gathers the
-      pages the tables name into a compact pool in q's dtype, scaled per
-      tensor or per KV head (`_fp8.dequantize_pages`, one fused XLA
-      gather), and runs the 16-bit kernels on it; "auto" dequantizes where
-      `dequantize_pays`, and always with per-KV-head scales (the rule
-      `dispatch.prefill` applies).
+      output; per-KV-head scales only where `reads_head_scales`);
+      "dequantize" first gathers the pages the tables name into a compact
+      pool in q's dtype, scaled per tensor or per KV head
+      (`_fp8.dequantize_pages`, one fused XLA gather), and runs the 16-bit
+      kernels on it; "auto" dequantizes where `dequantize_pays`, and with
+      per-KV-head scales where the kernels read one scale per tensor (the
+      rule `dispatch.prefill` applies).
   """
   backend: ClassVar[str]
   block_q: int = 16
@@ -208,11 +209,11 @@ class PrefillConfig:
                       group_size: int, head_scales: bool = False,
                       window_left: int = -1) -> bool:
     """Whether a call on FP8 pages runs on dequantized pages (`fp8_pages`;
-    "auto": with per-KV-head scales, `head_scales`, or where
-    `dequantize_pays`)."""
+    "auto": with per-KV-head scales, `head_scales`, the kernels do not
+    read (`reads_head_scales`), or where `dequantize_pays`)."""
     if self.fp8_pages != "auto":
       return self.fp8_pages == "dequantize"
-    return head_scales or dequantize_pays(
+    return head_scales and not self.reads_head_scales or dequantize_pays(
         num_tokens=num_tokens, batch_size=batch_size, group_size=group_size,
         window_left=window_left)
 
@@ -221,6 +222,14 @@ class PrefillConfig:
     """`plan.plan_prefill(align=...)`: where tiles may start (1: at any
     token)."""
     return 1
+
+  @property
+  def reads_head_scales(self) -> bool:
+    """Whether every launch of the call reads per-KV-head FP8 scales in its
+    kernel: the Mosaic-GPU kernel and the decode kernels do, the
+    Pallas-Triton tiles (a `TritonConfig`'s main launch, any short
+    launch) read one scale per tensor."""
+    return self.backend == "mosaic" and self.short_block_q == 0
 
   @property
   def tile_min_tokens(self) -> int:
@@ -761,7 +770,8 @@ def paged_prefill(
       a `MosaicConfig` in interpret mode or one whose tiles do not fit the
       group (`MosaicConfig.validate`); a scale neither of one value nor of
       shape `(num_kv_heads,)`; per-KV-head scales with
-      `config.fp8_pages="kernel"`.
+      `config.fp8_pages="kernel"` where the config's launches read one
+      scale per tensor (`reads_head_scales`).
     NotImplementedError: tile sizes Triton cannot run (dot operands < 16).
   """
   num_tokens, num_qo_heads, head_dim = q.shape
@@ -778,10 +788,14 @@ def paged_prefill(
         num_tokens=num_tokens, batch_size=kv_lens.shape[0],
         head_scales=head_scales).config
   config.validate(group_size)
-  if head_scales and config.fp8_pages == "kernel":
+  if head_scales and config.fp8_pages == "kernel" and (
+      not config.reads_head_scales):
     raise ValueError(
-        "Invalid config.fp8_pages: 'kernel' reads one k_scale / v_scale per "
-        "tensor, got per-KV-head scales (expected 'dequantize' or 'auto')")
+        f"Invalid config.fp8_pages: 'kernel' reads one k_scale / v_scale per "
+        f"tensor in a {type(config).__name__} with short_block_q="
+        f"{config.short_block_q}, got per-KV-head scales (expected "
+        f"'dequantize' or 'auto', or a MosaicConfig without a short "
+        f"launch)")
   if fp8 and config.dequantizes_fp8(num_tokens=num_tokens,
                                     batch_size=kv_lens.shape[0],
                                     group_size=group_size,
@@ -797,8 +811,8 @@ def paged_prefill(
     # defaults have two there already: `dispatch.prefill`).
     config = dataclasses.replace(
         config, block_q=config.tile_q(2, group_size), schedule="pingpong")
-  scales = None
-  if fp8:
+  scales = None  # the Pallas-Triton tiles': per tensor only
+  if fp8 and not head_scales:
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
   if config.backend == "mosaic" and interpret:

@@ -66,10 +66,11 @@ each other's softmax) over FlashInfer's paged, ragged layout:
   (`_mgpu_rows.store_lse`: a TMA box needs >= 16 bytes in its minor
   dimension), so no XLA scatter follows the launch.
 
-FP8 pages (float8_e4m3fn, per-tensor `k_scale` / `v_scale`): TMA fills an
-FP8 staging ring and the producer warpgroup converts each staged tile to f16
-into the stage the consumers read (`_fp8_producer`); q is converted to f16
-once per item; K's scale multiplies the logits and V's the output. 128-key
+FP8 pages (float8_e4m3fn, `k_scale` / `v_scale` per tensor or per KV
+head): TMA fills an FP8 staging ring and the producer warpgroup converts
+each staged tile to f16 into the stage the consumers read
+(`_fp8_producer`); q is converted to f16 once per item; the item's kv
+head's K scale multiplies its logits and V's scale its output. 128-key
 steps (64 at head_dim 256) with one staging stage is what fits in 227 KiB
 of shared memory (the reduction scratch, unused by the row reductions of
 the WGMMA layout, is given up for it). FP8 pages run two consumers: the
@@ -208,8 +209,10 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   tq = BLOCK_Q // pack_group
   rest = list(rest)
   sinks_ref = rest.pop(0) if has_sinks else None
-  # FP8 pages: f32[2] = (k_scale, v_scale), read as scalars.
+  # FP8 pages: f32[2 H] = (k_scale, v_scale) of H = 1 (per tensor) or
+  # num_kv_heads (per KV head) values each, read as scalars per item.
   scales_ref = rest.pop(0) if fp8_stages else None
+  n_scales = scales_ref.shape[0] // 2 if fp8_stages else 0
   out_ref, lse_ref, scoped = rest
   bufs, bars, free, sched, *fp8_bars = scoped
   if out_in_q:
@@ -279,6 +282,16 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
                                              jnp.array(ALIGN, i32))
         if hinted:
           self.origin = pl.multiple_of(self.origin, ALIGN)
+      # FP8 pages: the scales of the item's kv head (K's on the raw
+      # logits, V's on the output).
+      self.logit_scale = self.v_scale = None
+      if scales_ref is not None:
+        kvh = jnp.array(0, i32)
+        if n_scales > 1:
+          kvh = self.head if packed else lax.div(
+              self.head, jnp.array(group_size, i32))
+        self.logit_scale = scales_ref[kvh]
+        self.v_scale = scales_ref[n_scales + kvh]
       # With a window, the item's steps start at the block of the first
       # key its first token sees (`kv_first`; every consumer walks from
       # there, and steps count from that block); else at key 0.
@@ -337,10 +350,6 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     plgpu.barrier_arrive(sched.at[lax.rem(wg + 1, n_cons)])
 
   qk_scale = sm_scale * _LOG2E
-  logit_scale = None  # FP8 pages: K's scale, on the raw logits
-  if scales_ref is not None:
-    logit_scale = scales_ref[0]
-    qk_scale = qk_scale * logit_scale
 
   # The K/V ring runs on across a CTA's items: step i of an item whose
   # first step is global step g uses stage (g + i) % num_stages.
@@ -353,12 +362,14 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     accumulator)."""
     if logits_soft_cap is not None:
       cap_scale = sm_scale / logits_soft_cap
-      if logit_scale is not None:
-        cap_scale = cap_scale * logit_scale
+      if it.logit_scale is not None:
+        cap_scale = cap_scale * it.logit_scale
       s = jnp.tanh(s * cap_scale) * (logits_soft_cap * _LOG2E)
       scale = 1.0
     else:
       scale = qk_scale
+      if it.logit_scale is not None:
+        scale = scale * it.logit_scale
     if masked:
       shape = (BLOCK_Q, block_kv)
       row = plgpu.broadcasted_iota(i32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -686,7 +697,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       else:
         scale_out = jnp.where(ok, 1.0 / jnp.where(ok, l, 1.0), 0.0)
       if scales_ref is not None:
-        scale_out = scale_out * scales_ref[1]  # V's scale
+        scale_out = scale_out * it.v_scale
       out = acc * lax.broadcast_in_dim(scale_out, acc.shape, [0])
       lse = jnp.where(ok, (m + jnp.log(jnp.where(ok, l, 1.0)) * _LOG2E)
                       * _LN2, -jnp.inf)
@@ -932,8 +943,8 @@ def paged_prefill_mgpu(
     logits_soft_cap: float | None = None,
     block_kv: int = 128,
     num_stages: int = 2,
-    k_scale=None,  # f32[]: FP8 pages
-    v_scale=None,  # f32[]: FP8 pages
+    k_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
+    v_scale=None,  # f32[] | f32[num_kv_heads]: FP8 pages
     fp8_stages: int = 1,
     num_consumers: int = 2,
     schedule: str = "pingpong",
@@ -965,9 +976,11 @@ def paged_prefill_mgpu(
     block_kv: static, keys per step (64 or 128; 64 at head_dim 256, where
       the output tiles take the q tiles' shared memory).
     num_stages: static, shared-memory stages of the K/V ring (>= 2).
-    k_scale, v_scale: f32 scalars (may be traced) of float8_e4m3fn pages
-      (stored value = x / scale): K's scale multiplies the logits and V's
-      the output (exact for per-tensor scales).
+    k_scale, v_scale: f32 scales (may be traced) of float8_e4m3fn pages
+      (stored value = x / scale), each a scalar (per tensor) or
+      `f32[num_kv_heads]` (per KV head; a scalar beside it is broadcast):
+      the item's kv head's K scale multiplies its logits and V's its
+      output.
     fp8_stages: static, FP8 pages: stages of the FP8 staging ring that TMA
       fills and the producer warpgroup converts from (`_fp8_producer`).
     num_consumers: static, consumer warpgroups per CTA: 2, or 3 at head_dim
@@ -995,7 +1008,8 @@ def paged_prefill_mgpu(
 
   Raises:
     ValueError: an unsupported dtype, head_dim or page_size (see `supports`;
-      the GPU model is not checked here), an unsupported
+      the GPU model is not checked here), a scale neither of one value nor
+      of shape `(num_kv_heads,)`, an unsupported
       (num_consumers, schedule, pages dtype), or a head_dim-256 build past
       the shared memory (packed tiles, 128-key steps, two FP8 staging
       stages).
@@ -1016,6 +1030,7 @@ def paged_prefill_mgpu(
         f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
   if fp8 and fp8_stages < 1:
     raise ValueError(f"Invalid fp8_stages: expected >= 1, got {fp8_stages}")
+  head_scales = _fp8.is_per_head(k_scale, v_scale, num_kv_heads)
   if head_dim not in HEAD_DIMS:
     raise ValueError(
         f"Invalid head_dim: expected one of {HEAD_DIMS}, got {head_dim}")
@@ -1131,8 +1146,10 @@ def paged_prefill_mgpu(
   if sinks is not None:
     args.append(sinks.astype(jnp.float32))
   if fp8:
-    args.append(jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()),
-                           jnp.asarray(v_scale, jnp.float32).reshape(())]))
+    n_scales = num_kv_heads if head_scales else 1
+    args.append(jnp.concatenate([
+        jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(-1),
+                         (n_scales,)) for x in (k_scale, v_scale)]))
   out, lse = plgpu.kernel(
       entry,
       out_type=[

@@ -98,27 +98,6 @@ def test_every_op_has_a_table():
     assert table_rows(op)
 
 
-@pytest.mark.parametrize("head_dim, num_kv_heads, pack", [(128, 8, 1),
-                                                          (64, 8, 2)])
-def test_per_head_scales_skip_the_mosaic_decode_kernel(head_dim, num_kv_heads,
-                                                       pack):
-  """A bf16 query over FP8 pages on Hopper: the per-warp Mosaic-GPU kernel
-  with per-tensor scales, the Triton kernel reading column pairs with
-  per-KV-head scales (the Mosaic-GPU kernel reads one scale per tensor)."""
-  kw = dict(gpu=dispatch.HOPPER, dtype=jnp.bfloat16,
-            kv_dtype=jnp.float8_e4m3fn, head_dim=head_dim, group_size=4,
-            page_size=16, batch_size=64, num_kv_heads=num_kv_heads,
-            max_pages=256)
-  assert dispatch.decode(**kw).backend == "mosaic_mma"
-  choice = dispatch.decode(**kw, head_scales=True)
-  assert choice.backend == "triton", choice
-  assert choice.config.fp8_convert == "pairs"
-  assert choice.config.pack_heads == pack
-  # 16-bit pages have no scales: the flag changes nothing there.
-  bf16 = dict(kw, kv_dtype=jnp.bfloat16)
-  assert dispatch.decode(**bf16, head_scales=True) == dispatch.decode(**bf16)
-
-
 def _is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 

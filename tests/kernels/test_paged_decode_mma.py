@@ -186,13 +186,17 @@ def test_split_rule(b, hkv, log_ps, max_pages, d, num_sms):
     (9, 3, 64, 16, "flashinfer", dict(sinks=True), 1, None, True),
     (32, 8, 128, 8, "pair", dict(logits_soft_cap=30.0), 4, 2, True),
     (4, 1, 256, 32, "pool", dict(window_left=100), 2, None, True),
+    (9, 3, 64, 16, "flashinfer", {}, 2, None, "head"),   # per-KV-head scales
+    (8, 2, 256, 16, "pair", dict(sinks=True), 1, None, "head"),
 ])
 def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
                               tiles, fp8):
   """Pallas -> Mosaic GPU cross-lowering for CUDA (no GPU needed): the
   kernel's MLIR is built and verified for each table kind and option, on
   bf16 and FP8 pages (FlashInfer's cache through its one interleaved
-  table, as `pkvattn.paged_decode` calls the kernel)."""
+  table, as `pkvattn.paged_decode` calls the kernel), the FP8 scales per
+  tensor or per KV head (`fp8="head"`: the kernel takes `f32[hkv]`
+  vectors)."""
   rng = np.random.default_rng(0)
   p = make_paged(rng, [5, 40], page_size=page_size, num_kv_heads=hkv,
                  head_dim=d, dtype=jnp.bfloat16, fmt=fmt)
@@ -212,13 +216,23 @@ def test_lowers_to_mosaic_gpu(hq, hkv, d, page_size, fmt, kw, k_splits,
     return kernel.paged_decode(q, kp, vp, kt, vt, n, s, sm_scale=d ** -0.5,
                                config=cfg, interleaved_kv=interleaved,
                                **scales, **kw)
+  scales = (jnp.float32(0.5), jnp.float32(2.0))
+  if fp8 == "head":
+    scales = (jnp.linspace(0.5, 1.0, hkv, dtype=jnp.float32),
+              jnp.linspace(2.0, 3.0, hkv, dtype=jnp.float32))
   text = jax.jit(f).trace(
       q, view.k_pool, view.v_pool, k_table, v_table,
-      jnp.asarray(p.kv_lens), sinks, jnp.float32(0.5),
-      jnp.float32(2.0)).lower(lowering_platforms=("cuda",)).as_text()
+      jnp.asarray(p.kv_lens), sinks,
+      *scales).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
   # FP8 pages: the e4m3 -> f16 conversions are in the kernel's PTX.
-  assert ("cvt.rn.f16x2.e4m3x2" in text) == fp8
+  assert ("cvt.rn.f16x2.e4m3x2" in text) == bool(fp8)
+  # The scales enter the kernel as f32[1] each, or f32[hkv] per head.
+  if fp8:
+    call = next(ln for ln in text.splitlines()
+                if "stablehlo.custom_call @mosaic_gpu" in ln)
+    n = hkv if fp8 == "head" else 1
+    assert call.count(f"tensor<{n}xf32>") >= 2, call
   # One split: the kernel stores the output, sinks added (no combine).
   assert (k_splits > 1) == ("exponential" in text)
   assert ("_il" in text) == (fmt == "flashinfer")  # the interleaved table

@@ -343,6 +343,10 @@ def test_backend_choice_and_errors():
         # ... with FP8 pages: one 64-key staging stage, 128-column converts.
         (512, 16, 256, True, None, True, True, 2, "pingpong", 0, 0, -1),
         (300, 8, 256, False, 50.0, False, True, 2, "ring", 0, 1, 511),
+        # ... with per-KV-head scales, read per item.
+        (384, 64, 128, True, 50.0, False, "head", 2, "pingpong", 1, 1, -1),
+        (300, 8, 64, True, None, True, "head", 2, "pingpong", 0, 0, 7),
+        (300, 8, 256, False, 50.0, False, "head", 2, "ring", 0, 1, 511),
     ])
 def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                                      soft_cap, sinks, fp8, consumers,
@@ -350,7 +354,8 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
   """Cross-lowers the kernel for CUDA on the CPU: every TMA slice, layout and
   barrier of the Mosaic-GPU lowering (and the per-thread row copies of
   packed tiles) must be accepted, and (FP8, three consumers) the buffers
-  must fit in shared memory."""
+  must fit in shared memory. FP8 scales per tensor or (`fp8="head"`) per
+  KV head."""
   hq, hkv, b, pages = 8, 2, 3, 64
   sds = jax.ShapeDtypeStruct
   kv_dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
@@ -367,7 +372,9 @@ def test_kernel_lowers_to_mosaic_gpu(num_tokens, page_size, head_dim, causal,
                 window_left=window_left,
                 block_kv=64 if head_dim == 256 else 128)
   if fp8:
-    scales.update(k_scale=sds((), jnp.float32), v_scale=sds((), jnp.float32))
+    shape = (hkv,) if fp8 == "head" else ()
+    scales.update(k_scale=sds(shape, jnp.float32),
+                  v_scale=sds(shape, jnp.float32))
   lowered = mgpu.paged_prefill_mgpu.trace(
       *args, causal=causal, sm_scale=head_dim ** -0.5,
       logits_soft_cap=soft_cap, **scales).lower(lowering_platforms=("cuda",))

@@ -7,10 +7,11 @@ steps. Pages are quantized per head in numpy; the attention oracle is
 NaN in every page no sequence owns and every row past `kv_lens`: the public
 ops (both impls), the Triton decode kernel itself in interpret mode (one or
 two kv heads per program, "loaded" and "pairs" conversion, splits, window,
-soft cap, sinks, an f32 query) and the prefill path that dequantizes pages
-per head (its oracle reads the pages as it does: rounded once to q's dtype).
-The append ops are checked against the numpy storage rule per head, and the
-kernels that read one scale per tensor refuse per-head ones.
+soft cap, sinks, an f32 query), the per-warp Mosaic-GPU decode kernel (on a
+Hopper GPU) and the prefill path that dequantizes pages per head (its
+oracle reads the pages as it does: rounded once to q's dtype). The append
+ops are checked against the numpy storage rule per head, and the prefill
+kernels' FP8 tiles, which read one scale per tensor, refuse per-head ones.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 import attention_utils as au
 import pkvattn
 from pkvattn import _kv
+from pkvattn.pallas_kernels import dispatch
 from pkvattn.pallas_kernels import paged_decode as decode_kernel
 from pkvattn.pallas_kernels import paged_prefill as prefill_kernel
 import rope_utils
@@ -35,16 +37,23 @@ HKV = 2
 MAGNITUDE = np.array([1.0, 40.0])  # per KV head
 
 
-def _per_head_paged(rng, lens, *, page_size, head_dim, fmt, round_to=None):
+def _per_head_paged(rng, lens, *, page_size, head_dim, fmt, round_to=None,
+                    shared=None):
   """FP8 pages quantized per head: (paged, kv_cache, dequantized K / V
   truths per sequence, k_scale f32[HKV], v_scale f32[HKV]). With
   `round_to` (a dtype), each truth value is `value * scale` in f32 rounded
-  once to it, as `_fp8.dequantize_pages` writes the pages."""
+  once to it, as `_fp8.dequantize_pages` writes the pages. `shared` ("k" or
+  "v"): that tensor's heads share one scale (its vector's equal values),
+  the largest head's."""
   p = au.make_paged(rng, lens, page_size=page_size, num_kv_heads=HKV,
                     head_dim=head_dim, dtype=jnp.float32, fmt=fmt)
   mag = MAGNITUDE[None, None, :, None]
   ks = (MAGNITUDE * 3.0 / 448).astype(np.float32)
   vs = (MAGNITUDE * 2.5 / 448).astype(np.float32)
+  if shared == "k":
+    ks = np.full_like(ks, ks.max())
+  elif shared == "v":
+    vs = np.full_like(vs, vs.max())
   if fmt == "pair":
     k_pool, v_pool = (np.asarray(x) * mag for x in p.kv_cache)
   else:  # flashinfer: [pages, 2, page_size, heads, dim]
@@ -138,16 +147,20 @@ def test_decode_kernel_per_head_scales(fmt, pack, convert, k_splits, kw,
                            sinks=sinks)
 
 
+HOPPER = dispatch.current_gpu().is_hopper
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_prefill_per_head_scales_mixed_batch(impl, rng):
-  """Chunks beside decode rows: the pallas path dequantizes the pages per
-  head into bf16 (the oracle reads them so) and runs the 16-bit kernels;
-  the xla path scales q and the output per head in f32. Errors in
+  """Chunks beside decode rows: off Hopper the pallas path dequantizes the
+  pages per head into bf16 (the oracle reads them so) and runs the 16-bit
+  kernels, on Hopper the Mosaic-GPU kernel reads them (exact dequantized
+  values); the xla path scales q and the output per head in f32. Errors in
   `_in_head_units` (bf16 `P @ V`)."""
   g, d, lens, q_lens = 2, 64, [40, 1, 29, 9], [17, 1, 29, 1]
   p, cache, tk, tv, ks, vs = _per_head_paged(
       rng, lens, page_size=8, head_dim=d, fmt="pair",
-      round_to=jnp.bfloat16 if impl == "pallas" else None)
+      round_to=jnp.bfloat16 if impl == "pallas" and not HOPPER else None)
   indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   q = np.asarray(jnp.asarray(rng.standard_normal((int(indptr[-1]) + 3,
                                                   g * HKV, d)),
@@ -162,27 +175,112 @@ def test_prefill_per_head_scales_mixed_batch(impl, rng):
                             sm_scale=d**-0.5)
 
 
-def test_one_scale_per_tensor_kernels_refuse_per_head_scales():
-  """The per-warp Mosaic-GPU decode kernel and the prefill kernels' FP8
-  tiles read one scale per tensor: per-head scales are refused there
-  (trace time), not applied as one."""
+@pytest.mark.skipif(not dispatch.current_gpu().is_hopper,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fmt, g, d, k_splits, kw, per_head", [
+    ("pair", 3, 64, 1, {}, "both"),
+    ("flashinfer", 4, 128, 2, dict(logits_soft_cap=8.0), "both"),
+    ("pair", 2, 256, 1, dict(sinks=True, window_left=20), "k"),
+    ("flashinfer", 1, 64, 4, dict(sinks=True, window_left=40), "v")])
+def test_mma_decode_kernel_per_head_scales_gpu(fmt, g, d, k_splits, kw,
+                                               per_head, rng):
+  """The per-warp Mosaic-GPU kernel reads each CTA's kv head's scales (the
+  heads are 40x apart: one head's scale for both would be 40x off); a
+  scalar beside a per-head vector is broadcast. One split stores the
+  output itself, several go through the combine. Errors in
+  `_in_head_units`."""
+  lens = [1, 7, 33, 0, 70]
+  shared = {"both": None, "k": "v", "v": "k"}[per_head]
+  p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=16,
+                                             head_dim=d, fmt=fmt,
+                                             shared=shared)
+  view = _kv.make_view(cache, jnp.asarray(p.page_table))
+  k_table, v_table, interleaved = view.decode_tables()
+  q, sinks, kw = au.query_and_sinks(rng, len(lens), g * HKV, d, kw)
+  # The shared tensor's scale as a Python scalar beside the other's vector.
+  k_arg = float(ks[0]) if shared == "k" else jnp.asarray(ks)
+  v_arg = float(vs[0]) if shared == "v" else jnp.asarray(vs)
+  out, lse = decode_kernel.paged_decode(
+      jnp.asarray(q, jnp.bfloat16), view.k_pool, view.v_pool, k_table,
+      v_table, jnp.asarray(lens),
+      None if sinks is None else jnp.asarray(sinks), sm_scale=d**-0.5,
+      config=decode_kernel.MmaConfig(k_splits=k_splits), k_scale=k_arg,
+      v_scale=v_arg, interleaved_kv=interleaved, **kw)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  out, tv = _in_head_units(out, tv, g)
+  au.assert_decode_matches(out, lse, q, tk, tv, lens, jnp.bfloat16,
+                           sm_scale=d**-0.5,
+                           window_left=kw.get("window_left", -1),
+                           logits_soft_cap=kw.get("logits_soft_cap"),
+                           sinks=sinks)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("g, d, kw", [
+    (3, 64, {}),                                 # packed GQA, persistent
+    (4, 128, dict(logits_soft_cap=8.0)),         # a query head per CTA
+    (2, 256, dict(window_left=20)),
+    (1, 128, dict(window_left=50, logits_soft_cap=20.0))])
+def test_mosaic_prefill_per_head_scales_gpu(g, d, kw, rng):
+  """The Mosaic-GPU prefill kernel reads FP8 pages with each item's kv
+  head's scales (heads 40x apart: one head's scale for both would be 40x
+  off), and the call's decode rows the decode kernel's; the default config
+  reads them in the kernel (checked), so the oracle takes the exact
+  dequantized values. Chunks, whole prompts, multi-token decode and decode
+  rows in one call; NaN in unowned pages. Errors in `_in_head_units`."""
+  lens, q_lens = [40, 1, 29, 9, 130, 3], [17, 1, 29, 3, 70, 3]
+  p, cache, tk, tv, ks, vs = _per_head_paged(rng, lens, page_size=16,
+                                             head_dim=d, fmt="pair")
+  indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = np.asarray(jnp.asarray(rng.standard_normal((int(indptr[-1]) + 3,
+                                                  g * HKV, d)),
+                             jnp.bfloat16).astype(jnp.float32))
+  choice = dispatch.prefill(
+      gpu=dispatch.current_gpu(), dtype=jnp.bfloat16, kv_dtype=FP8,
+      head_dim=d, group_size=g, page_size=16, num_tokens=q.shape[0],
+      batch_size=len(lens), window_left=kw.get("window_left", -1),
+      head_scales=True)
+  assert choice.backend == "mosaic", choice
+  assert not choice.config.dequantizes_fp8(
+      num_tokens=q.shape[0], batch_size=len(lens), group_size=g,
+      head_scales=True, window_left=kw.get("window_left", -1)), choice
+  out, lse = pkvattn.paged_prefill(
+      jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(p.page_table),
+      jnp.asarray(indptr), jnp.asarray(lens), return_lse=True,
+      impl="pallas", k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs), **kw)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  out, tv = _in_head_units(out, tv, g)
+  au.assert_prefill_matches(out, lse, q, tk, tv, indptr, lens, jnp.bfloat16,
+                            sm_scale=d**-0.5,
+                            window_left=kw.get("window_left", -1),
+                            logits_soft_cap=kw.get("logits_soft_cap"))
+
+
+def test_prefill_fp8_tiles_refuse_per_head_scales():
+  """The Pallas-Triton prefill tiles read one scale per tensor: per-head
+  scales with `fp8_pages="kernel"` are refused (trace time), not applied
+  as one, in a `TritonConfig` and in a `MosaicConfig` with a (Triton)
+  short launch; a `MosaicConfig` without one reads them (here it stops
+  only at the GPU it needs)."""
   cache = jnp.zeros((4, 8, HKV, 64), FP8)
   table, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
   q = jnp.zeros((1, 4, 64), jnp.bfloat16)
   heads = jnp.ones((HKV,), jnp.float32)
-  with pytest.raises(ValueError, match=r"Invalid config: MmaConfig .* "
-                     r"per-KV-head scales"):
-    decode_kernel.paged_decode(
-        q, cache, cache, table, table, lens, sm_scale=0.125,
-        config=decode_kernel.MmaConfig(k_splits=1), k_scale=heads,
-        v_scale=1.0)
-  cfg = prefill_kernel.TritonConfig(block_q=16, fp8_pages="kernel")
-  with pytest.raises(ValueError, match=r"Invalid config.fp8_pages: 'kernel' "
-                     r".*per-KV-head scales"):
-    prefill_kernel.paged_prefill(
-        q, cache, cache, table, table, jnp.asarray([0, 1]), lens,
-        sm_scale=0.125, interpret=True, config=cfg, k_scale=1.0,
-        v_scale=heads)
+  run = lambda cfg: prefill_kernel.paged_prefill(  # noqa: E731
+      q, cache, cache, table, table, jnp.asarray([0, 1]), lens,
+      sm_scale=0.125, interpret=True, config=cfg, k_scale=1.0,
+      v_scale=heads)
+  for cfg in (prefill_kernel.TritonConfig(block_q=16, fp8_pages="kernel"),
+              prefill_kernel.MosaicConfig(short_block_q=8,
+                                          fp8_pages="kernel")):
+    assert not cfg.reads_head_scales
+    with pytest.raises(ValueError, match=r"Invalid config.fp8_pages: "
+                       r"'kernel' .*per-KV-head scales"):
+      run(cfg)
+  cfg = prefill_kernel.MosaicConfig(fp8_pages="kernel")
+  assert cfg.reads_head_scales
+  with pytest.raises(ValueError, match=r"mosaic backend needs a GPU"):
+    run(cfg)
 
 
 def test_equal_head_scales_match_the_tensor_scale(rng):
