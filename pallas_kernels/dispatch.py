@@ -252,7 +252,8 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
 
 
 def _pow2_at_least(x: int) -> int:
-  return 1 << max(0, (int(x) - 1).bit_length())
+  """The smallest power of two >= `x` (1 for `x <= 1`)."""
+  return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _pow2_at_most(x: int) -> int:

@@ -102,6 +102,14 @@ def _is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
+def test_pow2_at_least_is_the_smallest_power_of_two_not_below():
+  for x in range(-3, 300):
+    want = 1
+    while want < x:
+      want *= 2
+    assert dispatch._pow2_at_least(x) == want, x  # noqa: SLF001
+
+
 @pytest.mark.parametrize("per_sm", [2, 4])
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4, 8])
 def test_decode_splits_keep_two_steps_each(per_sm, pages_per_block):
