@@ -83,6 +83,9 @@ def test_per_layer_kv_head_counts(tmp_path):
   cfg = _config(tmp_path / "u.gguf",
                 meta=dict(head_count=4, head_count_kv=[2, 2]))
   assert cfg.num_qo_heads == 4 and cfg.num_kv_heads == 2
+  one = _config(tmp_path / "one.gguf",
+                meta=dict(block_count=1, head_count=4, head_count_kv=[2]))
+  assert one.num_layers == 1 and one.num_kv_heads == 2
   with pytest.raises(ValueError,
                      match=r"per-layer KV head counts \[1, 2\] are not"):
     _config(tmp_path / "v.gguf", meta=dict(head_count=4, head_count_kv=[2, 1]))
@@ -247,6 +250,31 @@ def test_open_gguf_reuses_the_parse_of_an_unchanged_file(tmp_path):
   cfg = _config(path, meta=dict(block_count=5, context_length=77))
   assert cfg.num_layers == 5
   assert pk_gguf.open_gguf(str(path)) is not first
+
+
+def test_open_gguf_caches_only_the_last_file(tmp_path):
+  """Only the last file's parse is kept: after another file is opened, the
+  first is parsed again."""
+  a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+  _config(a)
+  _config(b)
+  first = pk_gguf.open_gguf(str(a))
+  assert pk_gguf.open_gguf(str(b)) is not first
+  assert pk_gguf.open_gguf(str(a)) is not first
+
+
+@pytest.mark.parametrize("cpus, workers, want", [
+    (4, None, 4), (1, None, 1), (64, None, 8), (None, None, 1), (4, 1, 1),
+    (4, 3, 3)])
+def test_dequantize_pool_size(cpus, workers, want, monkeypatch):
+  """The pool has `workers` threads, by default one per core, at least 1
+  (also when the core count is unknown) and at most 8."""
+  monkeypatch.setattr(pk_gguf.os, "cpu_count", lambda: cpus)
+  pool = pk_gguf._pool.__wrapped__(workers)  # a new pool, not the cached one
+  try:
+    assert pool._max_workers == want
+  finally:
+    pool.shutdown()
 
 
 def test_load_gguf_timings_are_wall_seconds_added(tmp_path, rng):

@@ -259,7 +259,8 @@ def test_malformed_headers_are_refused(tmp_path, rng):
     _open(tmp_path, long[:40], "trunc.gguf")
 
 
-@pytest.mark.parametrize("case", ["string", "string array", "numeric array"])
+@pytest.mark.parametrize("case", ["string", "string array", "numeric array",
+                                  "empty strings"])
 def test_a_header_cut_inside_its_last_value_is_refused(case, tmp_path):
   """A file with no tensors cut inside its last value (its count says more
   bytes than the file has) is a truncated header; cut right after that
@@ -267,7 +268,10 @@ def test_a_header_cut_inside_its_last_value_is_refused(case, tmp_path):
   key, vtype, value = {
       "string": ("k", V.STRING, "v" * 64),
       "string array": ("k", V.ARRAY, (V.STRING, ["ab", "c" * 40])),
-      "numeric array": ("k", V.ARRAY, (V.UINT32, list(range(16))))}[case]
+      "numeric array": ("k", V.ARRAY, (V.UINT32, list(range(16)))),
+      # 8 bytes a string (its length) and no more: the least a count of
+      # strings can take.
+      "empty strings": ("k", V.ARRAY, (V.STRING, ["", "", ""]))}[case]
   blob, _, _ = _gguf([(key, vtype, value)], trailing_pad=False)
   end = 24 + len(_str(key)) + 4 + len(_value(vtype, value))
   whole = _open(tmp_path, blob[:end], "whole.gguf")
@@ -283,4 +287,13 @@ def test_huge_counts_are_refused_before_they_are_used(etype, tmp_path):
   blob = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _str("k")
           + struct.pack("<IIQ", V.ARRAY, etype, 2**62) + bytes(64))
   with pytest.raises(ValueError, match="truncated header"):
+    _open(tmp_path, blob)
+
+
+def test_array_of_an_unknown_element_type_is_refused(tmp_path):
+  """An array whose element type is none of the spec's 0-12 (13 here) is
+  refused, though its bytes would read as two 8-byte values."""
+  blob = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _str("k")
+          + struct.pack("<IIQ", V.ARRAY, 13, 2) + bytes(16))
+  with pytest.raises(ValueError, match="unknown GGUF value type 13"):
     _open(tmp_path, blob)

@@ -66,6 +66,14 @@ def _spm_id(piece):
   return spm_vocab()[0].index(piece)
 
 
+def test_token_type_values_are_llama_cpps():
+  """The token type constants are llama.cpp's (the `gguf` package's
+  `TokenType`)."""
+  from pkvattn.models import gguf_tokenizer as gt
+  for t in gguf.TokenType:
+    assert getattr(gt, t.name) == t.value, t.name
+
+
 # -------------------------------------------------------------------- errors
 def test_invalid_metadata_raises():
   tokens, types, merges = byte_level_vocab()
@@ -167,6 +175,20 @@ def test_without_token_types_all_tokens_are_normal():
   ids = tok.encode("<|im_start|>")
   assert ids == [_sym(c) for c in "<|im_start|>"]
   assert tok.decode(ids) == "<|im_start|>"
+
+
+def test_a_merge_line_splits_at_its_first_space():
+  """A merge line is split at its first space only (llama.cpp's loader):
+  "x  y" is the pair ("x", " y") of the vocabulary's "x y", and the
+  tokenizer builds and encodes as before (split at every space, the line
+  would be three parts and refused)."""
+  tokens, types, merges = byte_level_vocab()
+  tokens[262:264], types[262:264] = [" y", "x y"], [1, 1]
+  tok = GGUFTokenizer.from_metadata({
+      "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+      "tokenizer.ggml.token_type": types,
+      "tokenizer.ggml.merges": merges + ["x  y"]})
+  assert tok.encode(" the") == [261]
 
 
 # --------------------------------------------------------- pre-tokenizers
