@@ -43,9 +43,8 @@ Backends: `paged_decode` runs this module's Pallas-Triton kernel
 `paged_decode_mma`: `mma.sync` on fragments loaded straight from the pages).
 `pallas_kernels.dispatch.decode` picks one per call: the per-warp kernel on
 Hopper for bf16 / f16 q over pages of that dtype or FP8 ones, Triton for
-f32, other GPUs, interpret mode and
-Hopper's many one-token rows over 16-token pages of 16 bits (an engine's
-decode step). Both read a prefill call's decode rows in place
+f32, other GPUs, interpret mode and Hopper's many one-token rows over
+16-token pages of 16 bits (an engine's decode step). Both read a prefill call's decode rows in place
 (`paged_decode_rows`).
 The per-warp kernel, not a TMA / wgmma pipeline, serves Hopper because a
 page of a decode cache is a few KiB: a descriptor-driven copy and a

@@ -65,10 +65,10 @@ So the body is per-thread code written through `plgpu.inline_mgpu` (MLIR
   T rows read the sequence's pages once rather than T times.
 
 FP8 pages (float8_e4m3fn, `k_scale` / `v_scale` per tensor or per KV
-head, a CTA reading its head's): the same
-loads carry twice the keys' columns. The matmuls run in f16 (every e4m3
-value is an f16 one; q is clamped to +-65504 and rounded to f16 once, as
-the Triton kernel's FP8 path does), each 32-bit word of K converting to
+head, a CTA reading its head's): the same loads carry twice the keys'
+columns. The matmuls run in f16 (every e4m3 value is an f16 one; q is
+clamped to +-65504 and rounded to f16 once, as the Triton kernel's FP8
+path does), each 32-bit word of K converting to
 two f16 pairs by `cvt.rn.f16x2.e4m3x2` just before its `mma`; V's words of
 two keys are byte-interleaved by one `prmt` per pair of columns, then
 converted the same way. K's scale joins the logits' scale and V's the
@@ -77,10 +77,10 @@ are 8 bytes a lane. `dispatch.decode` takes steps of 32 keys there at
 head_dim <= 128 (measured: docs/performance.md).
 
 `dispatch.decode` sends a Hopper call with bf16 / f16 q over pages of that
-dtype or FP8 pages here (`paged_decode.MmaConfig`);
-f32, other GPUs, interpret mode and many one-token rows
-over 16-token pages of 16 bits (`dispatch.TRITON_ITEMS_PER_SM`) take the
-Triton kernel (`supports` says why a case is not taken here).
+dtype or FP8 pages here (`paged_decode.MmaConfig`); f32, other GPUs,
+interpret mode and many one-token rows over 16-token pages of 16 bits
+(`dispatch.TRITON_ITEMS_PER_SM`) take the Triton kernel (`supports` says
+why a case is not taken here).
 """
 
 from __future__ import annotations
