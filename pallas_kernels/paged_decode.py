@@ -43,8 +43,9 @@ Backends: `paged_decode` runs this module's Pallas-Triton kernel
 `paged_decode_mma`: `mma.sync` on fragments loaded straight from the pages).
 `pallas_kernels.dispatch.decode` picks one per call: the per-warp kernel on
 Hopper for bf16 / f16 q over pages of that dtype or FP8 ones, Triton for
-f32, other GPUs, interpret mode and Hopper's many one-token rows over
-16-token pages of 16 bits (an engine's decode step). Both read a prefill call's decode rows in place
+f32, other GPUs, interpret mode, per-KV-head FP8 scales past head_dim 64
+and Hopper's many one-token rows over 16-token pages of 16 bits (an
+engine's decode step). Both read a prefill call's decode rows in place
 (`paged_decode_rows`).
 The per-warp kernel, not a TMA / wgmma pipeline, serves Hopper because a
 page of a decode cache is a few KiB: a descriptor-driven copy and a
@@ -733,8 +734,9 @@ def _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
   if reason is not None:
     raise NotImplementedError(f"paged_decode kernel: {reason}")
   if config is None:
-    config = _default_config(q, k_pool, k_table, interpret,
-                             num_rows=kv_lens.shape[0])
+    config = _default_config(
+        q, k_pool, k_table, interpret, num_rows=kv_lens.shape[0],
+        head_scales=_fp8.is_per_head(k_scale, v_scale, k_pool.shape[2]))
   _check_config(config, k_scale, interpret)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
@@ -799,11 +801,12 @@ def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
 
 
 def _default_config(q, k_pool, k_table, interpret: bool,
-                    num_rows: int | None = None
-                    ) -> TritonConfig | MmaConfig:
+                    num_rows: int | None = None, *,
+                    head_scales: bool = False) -> TritonConfig | MmaConfig:
   """`dispatch.decode`'s config for a call with these q heads, pages and
   tables on `dispatch.current_gpu(interpret)`: `k_table`'s rows are the
-  sequences, each with `num_rows / rows` query rows (None: one)."""
+  sequences, each with `num_rows / rows` query rows (None: one);
+  `head_scales`: the FP8 scales are per KV head."""
   batch_size, max_pages = k_table.shape
   q_tokens_per_seq = 1
   if num_rows is not None and batch_size:
@@ -815,7 +818,7 @@ def _default_config(q, k_pool, k_table, interpret: bool,
       kv_dtype=k_pool.dtype, head_dim=head_dim,
       group_size=num_qo_heads // num_kv_heads, page_size=page_size,
       batch_size=batch_size, num_kv_heads=num_kv_heads, max_pages=max_pages,
-      q_tokens_per_seq=q_tokens_per_seq).config
+      q_tokens_per_seq=q_tokens_per_seq, head_scales=head_scales).config
 
 
 def _has_row(q_rows, num_tokens: int):
