@@ -111,9 +111,8 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
 
   1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones (scales
      per tensor, or per KV head at head_dim 64), and a case
-     `paged_decode_mma.supports`
-     (head_dim 64 / 128 / 256, groups 1..8, pages of 8..128 tokens),
-     except 16-token pages of 16 bits at head_dim <= 128 with one query
+     `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups 1..8,
+     pages of 8..128 tokens), except 16-token pages of 16 bits at head_dim <= 128 with one query
      row per sequence and at least `TRITON_ITEMS_PER_SM` (row, kv head)
      items per SM (those take rule 3): the per-warp Mosaic-GPU kernel
      (`"mosaic_mma"`, `paged_decode.MmaConfig`). Steps of 16 keys, 32 for
@@ -126,10 +125,10 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      (compute capability >= 8.9; on Hopper, those with per-KV-head scales
      at head_dim 128 / 256, where this kernel is the faster, and cases the
      per-warp kernel does not take): the Triton kernel reading both tiles
-     as column pairs
-     (`fp8_convert="pairs"`) on 2 warps, 3 stages. Head_dim 64 packs two kv heads per program where
-     their number is even (`pack_heads=2`: 128-byte rows); an odd number
-     keeps one, with 64-token steps and splits for 4 programs per SM.
+     as column pairs (`fp8_convert="pairs"`) on 2 warps, 3 stages.
+     Head_dim 64 packs two kv heads per program where their number is
+     even (`pack_heads=2`: 128-byte rows); an odd number keeps one, with
+     64-token steps and splits for 4 programs per SM.
      Otherwise steps of 64 tokens, 32 at head_dim 256 or with > 4 programs
      per SM, and splits for 2 programs per SM; page ids a step ahead where
      a step covers <= 64 tokens.
