@@ -213,6 +213,9 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   # num_kv_heads (per KV head) values each, read as scalars per item.
   scales_ref = rest.pop(0) if fp8_stages else None
   n_scales = scales_ref.shape[0] // 2 if fp8_stages else 0
+  # Per-tensor scales are read once per CTA; per-head ones per item.
+  tensor_scales = ((scales_ref[0], scales_ref[1]) if n_scales == 1
+                   else None)
   out_ref, lse_ref, scoped = rest
   bufs, bars, free, sched, *fp8_bars = scoped
   if out_in_q:
@@ -285,11 +288,11 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       # FP8 pages: the scales of the item's kv head (K's on the raw
       # logits, V's on the output).
       self.logit_scale = self.v_scale = None
-      if scales_ref is not None:
-        kvh = jnp.array(0, i32)
-        if n_scales > 1:
-          kvh = self.head if packed else lax.div(
-              self.head, jnp.array(group_size, i32))
+      if tensor_scales is not None:
+        self.logit_scale, self.v_scale = tensor_scales
+      elif n_scales > 1:
+        kvh = self.head if packed else lax.div(
+            self.head, jnp.array(group_size, i32))
         self.logit_scale = scales_ref[kvh]
         self.v_scale = scales_ref[n_scales + kvh]
       # With a window, the item's steps start at the block of the first
