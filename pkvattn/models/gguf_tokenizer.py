@@ -162,8 +162,7 @@ def _byte_level_bpe(metadata, tokens):
     raise ValueError(
         "Invalid GGUF tokenizer: a 'gpt2' vocabulary needs tokenizer.ggml.merges")
   vocab = {t: i for i, t in enumerate(tokens)}
-  # Byte-level tokens spell spaces as "Ġ", so a merge line splits at its one space.
-  pairs = [tuple(m.split(" ", 1)) for m in merges]
+  pairs = [p for p in map(_merge_pair, merges) if p is not None]
   tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=split in _IGNORE_MERGES))
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
                                         use_regex=split in ("gpt2", "digits+gpt2"))
@@ -213,6 +212,16 @@ def _sentencepiece_bpe(metadata, tokens, types):
     steps.append(decoders.Strip(" ", 1, 0))
   tok.decoder = decoders.Sequence(steps)
   return tok
+
+
+def _merge_pair(line: str) -> tuple[str, str] | None:
+  """A `tokenizer.ggml.merges` line as its pair, split as llama.cpp's loader
+  splits it: at the first space from the second character on, so a left
+  half may itself be a space (byte-level vocabularies spell spaces "Ġ",
+  others keep them). A line with no such space names no pair (llama.cpp
+  ranks an empty pair that never matches): None."""
+  pos = line.find(" ", 1)
+  return (line[:pos], line[pos + 1:]) if pos > 0 else None
 
 
 def _spm_merges(tokens, vocab, scores, mergeable):

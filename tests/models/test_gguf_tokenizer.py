@@ -25,6 +25,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from pkvattn.models.gguf_tokenizer import GGUFTokenizer  # noqa: E402
+from pkvattn.models.gguf_tokenizer import _merge_pair  # noqa: E402
 from model_files import byte_level_vocab  # noqa: E402
 from model_files import spm_vocab  # noqa: E402
 
@@ -189,6 +190,24 @@ def test_a_merge_line_splits_at_its_first_space():
       "tokenizer.ggml.token_type": types,
       "tokenizer.ggml.merges": merges + ["x  y"]})
   assert tok.encode(" the") == [261]
+
+
+def test_a_merge_line_may_start_with_a_space():
+  """llama.cpp splits a merge line at its first space from the second
+  character on: "  x" is the pair (" ", "x"), not ("", " x") (a token ""
+  the vocabulary lacks). A line without such a space names no pair and is
+  skipped; the tokenizer still loads and encodes as before."""
+  tokens, types, merges = byte_level_vocab()
+  tokens[262:265], types[262:265] = [" ", "x", " x"], [1, 1, 1]
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.token_type": types}
+  tok = GGUFTokenizer.from_metadata(
+      {**meta, "tokenizer.ggml.merges": merges + ["  x", "xy"]})
+  assert tok.encode(" the") == [261]
+  assert _merge_pair("  x") == (" ", "x")
+  assert _merge_pair("Ġ t") == ("Ġ", "t")
+  assert _merge_pair("x  y") == ("x", " y")
+  assert _merge_pair("xy") is None and _merge_pair(" ") is None
 
 
 # --------------------------------------------------------- pre-tokenizers
