@@ -601,8 +601,11 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     at = wide(kv_head) if head_scales else _mlir.const_i64(0)
     return arith.bitcast(o.f32, o.load_i32(gaddr(ref, at, 4)))
 
-  # FP8 pages: K's scale joins the logits' scale, V's the output's.
+  # FP8 pages: K's scale joins the logits' scale, V's the output's. Both
+  # are loaded here, before the key loop: a load in the merge would put its
+  # latency on the kernel's tail.
   k_scale = scalar_f32(k_scale_ref) if fp8 else None
+  v_scale = scalar_f32(v_scale_ref) if fp8 else None
   if logits_soft_cap is not None:
     cap_in = cf(sm_scale / logits_soft_cap)
     if fp8:
@@ -814,7 +817,7 @@ def _body(ctx, item_v, *refs, batch_size, num_kv_heads, group_size,
     weights.append(wts)
     inv.append(o.sel(den_pos, o.rcp(o.sel(den_pos, den, cf(1.0))), cf(0.0)))
     if fp8:
-      inv[-1] = arith.mulf(inv[-1], scalar_f32(v_scale_ref))
+      inv[-1] = arith.mulf(inv[-1], v_scale)
     lse.append(o.sel(pos, arith.mulf(arith.addf(use, o.lg2(safe)),
                                      cf(_LN2)), neg_inf))
 
