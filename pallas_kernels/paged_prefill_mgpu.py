@@ -265,9 +265,11 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
   class Item:
     """This CTA's item t: its head, tile and the tile's plan row (`fetch`).
     `hinted`: alignment hints on its offsets (`pl.multiple_of`), which
-    single-warp code (the producer's) does not lower."""
+    single-warp code (the producer's) does not lower. `scales`: read the
+    item's FP8 scales (per-head ones are two loads; the producer and the
+    next item's q load never use them)."""
 
-    def __init__(self, t, row, hinted: bool = True):
+    def __init__(self, t, row, hinted: bool = True, scales: bool = True):
       w = cta + t * num_ctas
       self.head = lax.rem(w, jnp.array(grid_heads, i32))
       self.tile = lax.div(w, jnp.array(grid_heads, i32))
@@ -290,7 +292,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       self.logit_scale = self.v_scale = None
       if tensor_scales is not None:
         self.logit_scale, self.v_scale = tensor_scales
-      elif n_scales > 1:
+      elif n_scales > 1 and scales:
         kvh = self.head if packed else lax.div(
             self.head, jnp.array(group_size, i32))
         self.logit_scale = scales_ref[kvh]
@@ -657,7 +659,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
         @pl.when(t + 1 < my_items)
         def _():
-          load_q(Item(t + 1, row_next), 1 - buf, True)
+          load_q(Item(t + 1, row_next, scales=False), 1 - buf, True)
       elif packed:
         load_q(it, buf, False)
         plgpu.commit_smem()
@@ -748,7 +750,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
       pl.when(wg == n_cons - 1)(give)
     first_rows = (fetch(0), fetch(1))
     if packed and q_buffers == 2:
-      load_q(Item(0, first_rows[0]), 0, True)
+      load_q(Item(0, first_rows[0], scales=False), 0, True)
     lax.fori_loop(0, my_items, run_item, (jnp.array(0, i32), *first_rows))
     if schedule == "ring":
       pl.when(wg == 0)(take)
@@ -806,7 +808,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
     if fp8_stages:
       def produce_fp8(t, carry):
         g, row = carry
-        it = Item(t, row)
+        it = Item(t, row, scales=False)
         row_next = fetch(t + 1)
         pages, copy = item_loads(it)
 
@@ -825,7 +827,7 @@ def _kernel(tiles_ref, q_ref, k_pool_ref, v_pool_ref, k_table_ref,
 
     def produce(t, carry):
       g, row = carry
-      it = Item(t, row, hinted=False)
+      it = Item(t, row, hinted=False, scales=False)
       row_next = fetch(t + 1)
       pages, copy = item_loads(it)
 
