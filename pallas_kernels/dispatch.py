@@ -110,7 +110,7 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   Rules, first match wins:
 
   1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones (scales
-     per tensor, or per KV head at head_dim 64), and a case
+     per tensor or per KV head), and a case
      `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups 1..8,
      pages of 8..128 tokens), except 16-token pages of 16 bits at head_dim <= 128 with one query
      row per sequence and at least `TRITON_ITEMS_PER_SM` (row, kv head)
@@ -122,9 +122,8 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      nearest it, each split keeping >= 2 rounds of the four warps' steps,
      at most 64.
   2. FP8 pages on a GPU that converts e4m3 pairs in one instruction
-     (compute capability >= 8.9; on Hopper, those with per-KV-head scales
-     at head_dim 128 / 256, where this kernel is the faster, and cases the
-     per-warp kernel does not take): the Triton kernel reading both tiles
+     (compute capability >= 8.9; on Hopper, cases the per-warp kernel does
+     not take): the Triton kernel reading both tiles
      as column pairs (`fp8_convert="pairs"`) on 2 warps, 3 stages.
      Head_dim 64 packs two kv heads per program where their number is
      even (`pack_heads=2`: 128-byte rows); an odd number keeps one, with
@@ -166,8 +165,9 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       kernels skip pages outside the window at run time.
     q_tokens_per_seq: decode rows per sequence (`paged_decode_rows`);
       the splits count `batch_size * q_tokens_per_seq` rows.
-    head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`):
-      rule 1 takes them at head_dim 64 only.
+    head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`).
+      No rule reads it: both kernels read a CTA's (program's) head's scale
+      in place, at the per-tensor time.
     backend: None (the rules above), or "triton" / "mosaic_mma" to take
       that backend's config for the shape whatever the GPU (benchmarks,
       tests).
@@ -185,7 +185,7 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   import jax.numpy as jnp  # noqa: PLC0415
   from pkvattn.pallas_kernels import paged_decode  # noqa: PLC0415
   from pkvattn.pallas_kernels import paged_decode_mma  # noqa: PLC0415
-  del window_left
+  del window_left, head_scales
   if backend not in (None, "triton", "mosaic_mma"):
     raise ValueError(f"Invalid backend: expected None, 'triton' or "
                      f"'mosaic_mma', got {backend!r}")
@@ -194,15 +194,14 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   rows = batch_size * q_tokens_per_seq
 
   # 1. Hopper: the per-warp Mosaic-GPU kernel, not for many one-token rows
-  # over 16-bit pages, nor per-head FP8 scales past head_dim 64.
+  # over 16-bit pages.
   many_rows = (not fp8 and head_dim <= 128 and page_size == 16 and
                q_tokens_per_seq == 1 and
                rows * num_kv_heads >= TRITON_ITEMS_PER_SM * num_sms)
   if backend == "mosaic_mma" or backend is None and gpu.is_hopper and (
-      not many_rows) and not (fp8 and head_scales and head_dim > 64) and (
-          paged_decode_mma.supports(
-              dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
-              page_size=page_size, group_size=group_size) is None):
+      not many_rows) and (paged_decode_mma.supports(
+          dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim,
+          page_size=page_size, group_size=group_size) is None):
     tiles = (2 if fp8 and head_dim <= 128
              else paged_decode_mma.default_tiles(head_dim))
     ctas_per_sm = MMA_CTAS_PER_SM / (2 if head_dim > 128 and not fp8 else 1)

@@ -42,10 +42,10 @@ Backends: `paged_decode` runs this module's Pallas-Triton kernel
 (`TritonConfig`) or the per-warp Mosaic-GPU kernel (`MmaConfig`,
 `paged_decode_mma`: `mma.sync` on fragments loaded straight from the pages).
 `pallas_kernels.dispatch.decode` picks one per call: the per-warp kernel on
-Hopper for bf16 / f16 q over pages of that dtype or FP8 ones, Triton for
-f32, other GPUs, interpret mode, per-KV-head FP8 scales past head_dim 64
-and Hopper's many one-token rows over 16-token pages of 16 bits (an
-engine's decode step). Both read a prefill call's decode rows in place
+Hopper for bf16 / f16 q over pages of that dtype or FP8 ones (scales per
+tensor or per KV head), Triton for f32, other GPUs, interpret mode and
+Hopper's many one-token rows over 16-token pages of 16 bits (an engine's
+decode step). Both read a prefill call's decode rows in place
 (`paged_decode_rows`).
 The per-warp kernel, not a TMA / wgmma pipeline, serves Hopper because a
 page of a decode cache is a few KiB: a descriptor-driven copy and a

@@ -142,11 +142,11 @@ def paged_decode(
       in checked mode. The kernels read FP8 pages and dequantize on the
       fly (K's scale folded into the logits scale, V's into the output);
       accumulation is f32 and `q` keeps its dtype. Per-head scales are
-      read per KV head: the Triton decode kernel multiplies each query
+      read per KV head: each decode and prefill kernel multiplies a query
       row's logits by its kv head's K scale and its output by the V scale
-      (on Hopper, per-head decode runs that kernel: the Mosaic-GPU one
-      reads one scale per tensor), and the xla path dequantizes each
-      head's pages by its own scales.
+      (the Triton prefill tiles, which read one scale per tensor, run on
+      pages dequantized first), and the xla path dequantizes each head's
+      pages by its own scales.
 
   Returns:
     `out [batch_size, num_qo_heads, head_dim]` in `q.dtype`, and `lse` if
