@@ -166,8 +166,8 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
     q_tokens_per_seq: decode rows per sequence (`paged_decode_rows`);
       the splits count `batch_size * q_tokens_per_seq` rows.
     head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`).
-      No rule reads it: both kernels read a CTA's (program's) head's scale
-      in place, at the per-tensor time.
+      No rule reads it: both kernels read each CTA's (program's) kv head's
+      scale in place, as fast as a per-tensor one.
     backend: None (the rules above), or "triton" / "mosaic_mma" to take
       that backend's config for the shape whatever the GPU (benchmarks,
       tests).
