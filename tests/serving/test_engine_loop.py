@@ -1,7 +1,6 @@
 """The engine loop's bookkeeping at its edges (CPU, xla path, f32): a step
 with nothing to do, the step counter, profiling while a burst is in flight
-and the host tier's release-first program only where a plan needs it (each
-found untested by a mutation pass over `serving/engine.py`)."""
+and the host tier's release-first program only where a plan needs it."""
 
 from __future__ import annotations
 
