@@ -103,18 +103,19 @@ TRITON_ITEMS_PER_SM = 3
 def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
            page_size: int, batch_size: int, num_kv_heads: int,
            max_pages: int, window_left: int = -1, q_tokens_per_seq: int = 1,
-           head_scales: bool = False, backend: str | None = None,
+           backend: str | None = None,
            num_sms: int = DECODE_NUM_SMS) -> Choice:
   """The decode kernel and its config for one call (static facts only).
 
   Rules, first match wins:
 
   1. Hopper, a bf16 / f16 q over pages of that dtype or FP8 ones (scales
-     per tensor or per KV head), and a case
-     `paged_decode_mma.supports` (head_dim 64 / 128 / 256, groups 1..8,
-     pages of 8..128 tokens), except 16-token pages of 16 bits at head_dim <= 128 with one query
-     row per sequence and at least `TRITON_ITEMS_PER_SM` (row, kv head)
-     items per SM (those take rule 3): the per-warp Mosaic-GPU kernel
+     per tensor or per KV head), and a case `paged_decode_mma.supports`
+     (head_dim 64 / 128 / 256, groups 1..8, pages of 8..128 tokens),
+     except 16-token pages of 16 bits at head_dim
+     <= 128 with one query row per sequence and at least
+     `TRITON_ITEMS_PER_SM` (row, kv head) items per SM (those take rule
+     3): the per-warp Mosaic-GPU kernel
      (`"mosaic_mma"`, `paged_decode.MmaConfig`). Steps of 16 keys, 32 for
      FP8 pages at head_dim <= 128 (half the bytes per key, half the
      registers in flight); splits for about `MMA_CTAS_PER_SM` CTAs per SM
@@ -123,11 +124,11 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
      at most 64.
   2. FP8 pages on a GPU that converts e4m3 pairs in one instruction
      (compute capability >= 8.9; on Hopper, cases the per-warp kernel does
-     not take): the Triton kernel reading both tiles
-     as column pairs (`fp8_convert="pairs"`) on 2 warps, 3 stages.
-     Head_dim 64 packs two kv heads per program where their number is
-     even (`pack_heads=2`: 128-byte rows); an odd number keeps one, with
-     64-token steps and splits for 4 programs per SM.
+     not take): the Triton kernel
+     reading both tiles as column pairs (`fp8_convert="pairs"`) on 2
+     warps, 3 stages. Head_dim 64 packs two kv heads per program where
+     their number is even (`pack_heads=2`: 128-byte rows); an odd number
+     keeps one, with 64-token steps and splits for 4 programs per SM.
      Otherwise steps of 64 tokens, 32 at head_dim 256 or with > 4 programs
      per SM, and splits for 2 programs per SM; page ids a step ahead where
      a step covers <= 64 tokens.
@@ -165,9 +166,6 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
       kernels skip pages outside the window at run time.
     q_tokens_per_seq: decode rows per sequence (`paged_decode_rows`);
       the splits count `batch_size * q_tokens_per_seq` rows.
-    head_scales: FP8 pages with per-KV-head scales (`f32[num_kv_heads]`).
-      No rule reads it: both kernels read each CTA's (program's) kv head's
-      scale in place, as fast as a per-tensor one.
     backend: None (the rules above), or "triton" / "mosaic_mma" to take
       that backend's config for the shape whatever the GPU (benchmarks,
       tests).
@@ -185,7 +183,7 @@ def decode(*, gpu: Gpu, dtype, kv_dtype, head_dim: int, group_size: int,
   import jax.numpy as jnp  # noqa: PLC0415
   from pkvattn.pallas_kernels import paged_decode  # noqa: PLC0415
   from pkvattn.pallas_kernels import paged_decode_mma  # noqa: PLC0415
-  del window_left, head_scales
+  del window_left
   if backend not in (None, "triton", "mosaic_mma"):
     raise ValueError(f"Invalid backend: expected None, 'triton' or "
                      f"'mosaic_mma', got {backend!r}")

@@ -734,9 +734,8 @@ def _decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks, k_scale,
   if reason is not None:
     raise NotImplementedError(f"paged_decode kernel: {reason}")
   if config is None:
-    config = _default_config(
-        q, k_pool, k_table, interpret, num_rows=kv_lens.shape[0],
-        head_scales=_fp8.is_per_head(k_scale, v_scale, k_pool.shape[2]))
+    config = _default_config(q, k_pool, k_table, interpret,
+                             num_rows=kv_lens.shape[0])
   _check_config(config, k_scale, interpret)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
@@ -801,12 +800,11 @@ def _triton_decode(q, k_pool, v_pool, k_table, v_table, kv_lens, sinks,
 
 
 def _default_config(q, k_pool, k_table, interpret: bool,
-                    num_rows: int | None = None, *,
-                    head_scales: bool = False) -> TritonConfig | MmaConfig:
+                    num_rows: int | None = None
+                    ) -> TritonConfig | MmaConfig:
   """`dispatch.decode`'s config for a call with these q heads, pages and
   tables on `dispatch.current_gpu(interpret)`: `k_table`'s rows are the
-  sequences, each with `num_rows / rows` query rows (None: one);
-  `head_scales`: the FP8 scales are per KV head."""
+  sequences, each with `num_rows / rows` query rows (None: one)."""
   batch_size, max_pages = k_table.shape
   q_tokens_per_seq = 1
   if num_rows is not None and batch_size:
@@ -818,7 +816,7 @@ def _default_config(q, k_pool, k_table, interpret: bool,
       kv_dtype=k_pool.dtype, head_dim=head_dim,
       group_size=num_qo_heads // num_kv_heads, page_size=page_size,
       batch_size=batch_size, num_kv_heads=num_kv_heads, max_pages=max_pages,
-      q_tokens_per_seq=q_tokens_per_seq, head_scales=head_scales).config
+      q_tokens_per_seq=q_tokens_per_seq).config
 
 
 def _has_row(q_rows, num_tokens: int):

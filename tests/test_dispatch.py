@@ -102,29 +102,6 @@ def _is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
-@pytest.mark.parametrize("head_dim, num_kv_heads",
-                         [(128, 8), (256, 4), (64, 8), (64, 3)])
-def test_per_head_scales_on_hopper(head_dim, num_kv_heads):
-  """A bf16 query over FP8 pages on Hopper: the per-warp Mosaic-GPU kernel
-  with the same config whether the scales are per tensor or per KV head
-  (a CTA reads its head's scale); off Hopper (Ada) the Triton kernel
-  reading column pairs, again with one config for both."""
-  kw = dict(gpu=dispatch.HOPPER, dtype=jnp.bfloat16,
-            kv_dtype=jnp.float8_e4m3fn, head_dim=head_dim, group_size=4,
-            page_size=16, batch_size=64, num_kv_heads=num_kv_heads,
-            max_pages=256)
-  choice = dispatch.decode(**kw, head_scales=True)
-  assert choice.backend == "mosaic_mma", choice
-  assert choice == dispatch.decode(**kw)
-  ada = dict(kw, gpu=dispatch.ADA)
-  choice = dispatch.decode(**ada, head_scales=True)
-  assert choice.backend == "triton" and choice.config.fp8_convert == "pairs"
-  assert choice == dispatch.decode(**ada)
-  # 16-bit pages have no scales: the flag changes nothing there.
-  bf16 = dict(kw, kv_dtype=jnp.bfloat16)
-  assert dispatch.decode(**bf16, head_scales=True) == dispatch.decode(**bf16)
-
-
 def test_pow2_at_least_is_the_smallest_power_of_two_not_below():
   for x in range(-3, 300):
     want = 1
