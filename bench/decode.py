@@ -35,7 +35,8 @@ Modes:
 * `--fp8`: the pages quantized to float8_e4m3fn with per-tensor scales
   (amax / 448), every arm on the same FP8 bytes (FlashInfer with its
   `k_scale` / `v_scale`), plus `pkvattn per-head scales` (the same scales
-  passed as `[num_kv_heads]` vectors: the cost of the per-head path) and
+  passed to the call as `[num_kv_heads]` vectors, as a model's parameters
+  are: the cost of the per-head path) and
   `pkvattn bf16 pages` for `x_bf16_pages` (the FP8 arm's time / bf16
   pages' time).
 * `--layers L`: decode as a model runs it: L layers in one program, each
@@ -78,15 +79,10 @@ from bench.common import timing  # noqa: E402
 DEP = 1e-3  # q_l' = q_l + DEP * out_{l-1} in a multi-layer program
 
 
-def pkvattn_fn(fp8: bool, num_kv_heads: int = 0):
+def pkvattn_fn(fp8: bool):
   """The public call: `f(q, kv_cache, page_table, kv_lens[, k_scale,
-  v_scale])`; with `num_kv_heads`, the scales passed as `[num_kv_heads]`
-  vectors (each head the given scale)."""
+  v_scale])`, the scales scalars or `[num_kv_heads]` vectors."""
   import pkvattn  # pylint: disable=import-outside-toplevel
-  if num_kv_heads:
-    heads = lambda s: jnp.full((num_kv_heads,), s, jnp.float32)  # noqa: E731
-    return lambda q, c, t, n, ks, vs: pkvattn.paged_decode(
-        q, c, t, n, impl="pallas", k_scale=heads(ks), v_scale=heads(vs))
   if fp8:
     return lambda q, c, t, n, ks, vs: pkvattn.paged_decode(
         q, c, t, n, impl="pallas", k_scale=ks, v_scale=vs)
@@ -212,6 +208,10 @@ def run_spec(spec, args) -> list[dict]:
     kv_timed, ks, vs = specs_lib.fp8_pages(kv, table)
     scales = (ks, vs)
   scale_args = () if scales is None else tuple(jnp.float32(s) for s in scales)
+  # Per-head scales are inputs, as a model's parameters are: each head the
+  # per-tensor scale.
+  head_args = () if scales is None else tuple(
+      jnp.full((hkv,), s, jnp.float32) for s in scales)
   nbytes = specs_lib.decode_bytes(spec, 1 if fp8 else 2)
   q0 = q[0] if layers else q
   # The f32 reference on the pages the arms read (dequantized for FP8).
@@ -229,7 +229,7 @@ def run_spec(spec, args) -> list[dict]:
   arms = [("pkvattn", pkvattn_fn(fp8))]
   arms += kernel_arms(args.backend, spec, fp8)
   if fp8:
-    arms.append(("pkvattn per-head scales", pkvattn_fn(True, hkv)))
+    arms.append(("pkvattn per-head scales", pkvattn_fn(True)))
     arms.append(("pkvattn bf16 pages", pkvattn_fn(False)))
   if args.call_overhead:
     # The bare op as a user calls it in a Python loop (not under the
@@ -244,7 +244,8 @@ def run_spec(spec, args) -> list[dict]:
 
   def jax_row(label, call):
     bf16 = label == "pkvattn bf16 pages"
-    a = ((q, kv, jt, jl) if bf16 else (q, kv_timed, jt, jl) + scale_args)
+    a = ((q, kv, jt, jl) if bf16 else (q, kv_timed, jt, jl) + (
+        head_args if label == "pkvattn per-head scales" else scale_args))
     f = (layers_fn(call if not bf16 else (lambda q, c, t, n, *s: call(
         q, c, t, n)), layers, fp8) if layers
          else call if label == "pkvattn eager" else jax.jit(call))
