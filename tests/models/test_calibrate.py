@@ -4,8 +4,9 @@ The prefill's K (after RoPE) / V amax, the calibrated scales and the
 saturation counts are checked against the float64 numpy decoder of
 `decoder_oracle` (`np_forward`, written from the formulas) and the
 docstrings' rules: scale = amax * headroom / 448 (1.0 for a layer or head
-that saw only zeros), saturated = `|x| > 448 * scale`, the batch cut to the
-first `max_prompts` prompts and `num_tokens` tokens. The model's weights
+that saw only zeros; headroom 2 by default, docs/fp8.md), saturated =
+`|x| > 448 * scale` (a value exactly at the limit is not), the batch cut
+to the first `max_prompts` prompts and `num_tokens` tokens. The model's weights
 zero one layer's V and one layer's K of one KV head, so the all-zero rule
 shows per layer and per head. The parameter-tree helpers and
 `ScaleCheck.problems`' thresholds are checked on hand-made inputs.
@@ -105,14 +106,17 @@ def test_calibrate_maps_amax_to_fp8_max_over_headroom(per_head, rng):
   """Scales are `amax * headroom / 448` of the batch cut to `num_tokens`
   (the second prompt cut, the third dropped, one of the `max_prompts` slots
   left empty), 1.0 where a layer or head saw only zeros; a headroom of
-  exactly 1 is allowed."""
+  exactly 1 is allowed, and without one the largest value maps to 224
+  (docs/fp8.md: a factor of 2 of headroom)."""
   params = _params(rng)
   prompts = _prompts(rng, [7, 12, 5])
-  for headroom in (float(rng.uniform(1.5, 4.0)), 1.0):
+  amax = _np_abs_kv(params, _cut(prompts, 16, 4)).max(axis=-1)
+  for headroom in (float(rng.uniform(1.5, 4.0)), 1.0, None):
+    kw = {} if headroom is None else {"headroom": headroom}
     got = calibrate.calibrate_kv_scales(params, CFG, prompts, num_tokens=16,
-                                        max_prompts=4, headroom=headroom,
-                                        impl="xla", per_head=per_head)
-    amax = _np_abs_kv(params, _cut(prompts, 16, 4)).max(axis=-1)
+                                        max_prompts=4, impl="xla",
+                                        per_head=per_head, **kw)
+    headroom = 2.0 if headroom is None else headroom
     for g, a in zip(got, _per(amax, per_head)):
       assert g.dtype == np.float32 and g.shape == a.shape
       np.testing.assert_allclose(
@@ -120,6 +124,24 @@ def test_calibrate_maps_amax_to_fp8_max_over_headroom(per_head, rng):
   assert (got[1][1] == 1.0).all()  # layer 1's V is all zeros
   if per_head:
     assert got[0][0, 1] == 1.0  # layer 0, KV head 1: K all zeros
+
+
+def test_impl_is_the_prefills(rng):
+  """`impl` reaches the prefill's attention: `kv_amax`,
+  `calibrate_kv_scales` and `check_kv_scales` refuse a name that is not an
+  implementation."""
+  params = calibrate.set_kv_scales(_params(rng), 1.0, 1.0)
+  tokens = jnp.asarray(_prompts(rng, [8])[0], jnp.int32)
+  match = r"Invalid impl: expected one of \('pallas', 'xla'\), got 'cuda'"
+  for call in (
+      lambda: calibrate.kv_amax(params, CFG, tokens,
+                                jnp.asarray([0, 8], jnp.int32), impl="cuda"),
+      lambda: calibrate.calibrate_kv_scales(params, CFG, [tokens.tolist()],
+                                            impl="cuda"),
+      lambda: calibrate.check_kv_scales(params, CFG, [tokens.tolist()],
+                                        impl="cuda")):
+    with pytest.raises(ValueError, match=match):
+      call()
 
 
 def test_calibrate_rejects_headroom_below_one_and_no_tokens(rng):
@@ -180,6 +202,54 @@ def test_check_counts_values_past_448_times_scale(per_head, rng):
   assert check.values_per_layer == 19 * H * D
 
 
+def _scale_at_limit(a):
+  """An f32 scale whose f32 product with 448 is exactly `a`, or None where
+  no scale within a few steps of `a / 448` gives it."""
+  a = np.float32(a)
+  s = a / np.float32(FP8_MAX)
+  for _ in range(4):
+    s = np.nextafter(s, np.float32(0))
+  for _ in range(9):
+    if np.float32(FP8_MAX) * s == a:
+      return s
+    s = np.nextafter(s, np.float32(np.inf))
+  return None
+
+
+def test_value_at_exactly_448_times_scale_does_not_saturate(rng):
+  """A head's largest value equal to `448 * scale` (f32) is not counted,
+  only values past it are (`|x| > 448 * scale`): with the scale one f32 step
+  lower, the largest value is."""
+  params = _params(rng)
+  prompts = _prompts(rng, [9, 10])
+  # The batch's exact f32 amax, per layer and KV head, from the same check.
+  amax = calibrate.check_kv_scales(
+      calibrate.set_kv_scales(params, np.ones((L, H)), np.ones((L, H))), CFG,
+      prompts, num_tokens=24, max_prompts=2, impl="xla")
+  amax = np.stack([amax.k_amax, amax.v_amax], axis=1)  # [L, 2, H]
+  at = np.full(amax.shape, np.nan, np.float32)
+  for i in np.ndindex(amax.shape):
+    if amax[i] > 0 and (s := _scale_at_limit(amax[i])) is not None:
+      at[i] = s
+  exact = ~np.isnan(at)
+  assert exact.any()  # found for a nonzero head's amax with p ~ 0.9
+  # Heads without an exact scale get one that covers twice their amax.
+  at = np.where(exact, at, np.maximum(amax, 1.0) * 2 / FP8_MAX).astype(
+      np.float32)
+  below = np.where(exact, np.nextafter(at, np.float32(0)), at)
+  while (np.float32(FP8_MAX) * below >= amax)[exact].any():
+    below = np.where(exact & (np.float32(FP8_MAX) * below >= amax),
+                     np.nextafter(below, np.float32(0)), below)
+  for scales, want in ((at, np.zeros(amax.shape)), (below, exact)):
+    check = calibrate.check_kv_scales(
+        calibrate.set_kv_scales(params, scales[:, 0], scales[:, 1]), CFG,
+        prompts, num_tokens=24, max_prompts=2, impl="xla")
+    np.testing.assert_array_equal(check.k_amax, amax[:, 0])
+    np.testing.assert_array_equal(check.v_amax, amax[:, 1])
+    saturated = np.stack([check.k_saturated, check.v_saturated], axis=1)
+    np.testing.assert_array_equal(saturated > 0, want)
+
+
 @pytest.mark.parametrize("layout", ["stacked", "unstacked"])
 def test_set_and_get_kv_scales(layout, rng):
   """`set_kv_scales` writes per-layer, per-head or scalar scales into a new
@@ -208,6 +278,23 @@ def test_set_and_get_kv_scales(layout, rng):
   with pytest.raises(ValueError, match=r"Invalid params: expected attn\."
                      r"v_scale"):
     calibrate.get_kv_scales(only_k)
+  # Only V's scales: K's removed, V's where they belong.
+  only_v = calibrate.set_kv_scales(got, None, v)
+  with pytest.raises(ValueError, match=r"Invalid params: expected attn\."
+                     r"k_scale"):
+    calibrate.get_kv_scales(only_v)
+  if layout == "unstacked":
+    for i, lp in enumerate(only_v["layers"]):
+      assert "k_scale" not in lp["attn"]
+      np.testing.assert_array_equal(lp["attn"]["v_scale"], v[i])
+    # One layer without scales is enough to refuse the tree.
+    mixed = dict(got, layers=[got["layers"][0], params["layers"][1]])
+    with pytest.raises(ValueError, match=r"expected attn\.k_scale in every "
+                       "layer"):
+      calibrate.get_kv_scales(mixed)
+  else:
+    assert "k_scale" not in only_v["layers"]["attn"]
+    np.testing.assert_array_equal(only_v["layers"]["attn"]["v_scale"], v)
 
 
 @pytest.mark.parametrize("k, v, match", [
@@ -262,3 +349,8 @@ def test_problems_thresholds_per_head_and_per_layer():
   assert [p.split(":")[0] for p in check.problems()] == ["layer 1 K"]
   assert [p.split(":")[0] for p in check.problems(min_range_used=1.5)] == [
       "layer 1 K", "layer 1 K"]
+  # One value per scale, saturated: 1 of 1; a check of no values reports
+  # nothing.
+  (line,) = _check([1.0], [500.0], [1], 1).problems()
+  assert "saturates 1 of 1 values (100.00%;" in line, line
+  assert _check([1.0, 1.0], [0.0, 0.0], [0, 0], 0).problems() == []
