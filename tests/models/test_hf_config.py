@@ -53,11 +53,13 @@ def _cfg(model_type="llama", **kw):
 
 # ------------------------------------------------------------ config_from_hf
 def test_optional_keys_take_transformers_defaults():
-  """Without head_dim / num_key_value_heads / biases / activation / EOS:
-  head_dim = hidden / heads, no GQA, no biases, SiLU, untied, no windows;
-  none of Gemma's options and no second RoPE."""
+  """Without head_dim / num_key_value_heads / biases / activation / EOS /
+  rms_norm_eps: head_dim = hidden // heads (an int), no GQA, no biases,
+  SiLU, untied, no windows, epsilon 1e-6; none of Gemma's options and no
+  second RoPE."""
   cfg = config_from_hf(_cfg())
-  assert cfg.head_dim == 16 and cfg.num_kv_heads == 4
+  assert cfg.head_dim == 16 and type(cfg.head_dim) is int
+  assert cfg.num_kv_heads == 4 and cfg.rms_norm_eps == 1e-6
   assert not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias)
   assert cfg.activation == "silu" and not cfg.tie_word_embeddings
   assert cfg.layer_windows == () and cfg.eos_token_ids == ()
@@ -70,12 +72,15 @@ def test_optional_keys_take_transformers_defaults():
 
 def test_explicit_keys_are_taken():
   """Given head_dim (not hidden / heads), KV heads, Llama's attention_bias
-  (q/k/v and o), mlp_bias, a tanh-GELU hidden_act, EOS as a list."""
+  (q/k/v and o), mlp_bias, a tanh-GELU hidden_act, EOS as a list, the
+  RMSNorm epsilon."""
   cfg = config_from_hf(_cfg(
       head_dim=32, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
       hidden_act="gelu_pytorch_tanh", eos_token_id=[5, 7], bos_token_id=3,
-      max_position_embeddings=1000, tie_word_embeddings=True))
+      max_position_embeddings=1000, tie_word_embeddings=True,
+      rms_norm_eps=1e-5))
   assert cfg.head_dim == 32 and cfg.num_kv_heads == 2
+  assert cfg.rms_norm_eps == 1e-5
   assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
   assert cfg.activation == "gelu_tanh"
   assert cfg.eos_token_ids == (5, 7) and cfg.bos_token_id == 3
@@ -181,7 +186,9 @@ def test_non_gemma_ignores_gemma_keys():
 
 def test_gemma3_ropes_from_rope_parameters():
   """transformers 5's per-layer-type rope_parameters: the global RoPE
-  (scaled here) and the sliding one; without a sliding entry, 10,000."""
+  (scaled here) and the sliding one; without a sliding entry, 10,000,
+  unscaled even next to a leftover top-level rope_scaling (the per-type
+  parameters are the only ones read)."""
   full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
   cfg = config_from_hf(_cfg("gemma3_text", rope_parameters={
       "full_attention": full,
@@ -191,6 +198,12 @@ def test_gemma3_ropes_from_rope_parameters():
   assert cfg.rope_local.theta == 5e4 and cfg.rope_local.scaling is None
   cfg = config_from_hf(_cfg("gemma3_text",
                             rope_parameters={"full_attention": full}))
+  assert cfg.rope_local.theta == 1e4 and cfg.rope_local.scaling is None
+  cfg = config_from_hf(_cfg(
+      "gemma3_text", rope_scaling={"rope_type": "linear", "factor": 4.0},
+      rope_parameters={"full_attention": {"rope_type": "default",
+                                          "rope_theta": 1e6}}))
+  assert cfg.rope.theta == 1e6 and cfg.rope.scaling is None
   assert cfg.rope_local.theta == 1e4 and cfg.rope_local.scaling is None
 
 
@@ -448,6 +461,7 @@ def test_special_tokens_as_added_token_dicts(tmp_path):
       bos_token={"content": "<s>", "lstrip": False, "special": True},
       eos_token="</s>", pad_token=7)))
   tok = HFTokenizer(str(tmp_path), 0, (1,))
+  assert tok.bos_token_id == 0 and tok.eos_token_ids == (1,)
   assert tok.special_tokens_map == {"bos_token": "<s>", "eos_token": "</s>",
                                     "unk_token": None, "pad_token": None}
 
