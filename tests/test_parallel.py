@@ -89,6 +89,12 @@ try:
   assert jax.tree.structure(su.params) == jax.tree.structure(want)
   res["unstacked"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in
                          zip(jax.tree.leaves(su.params), jax.tree.leaves(want)))
+  # Its tp=2 forward (the per-layer loop under shard_map) gives the same
+  # logits as the unsharded model's.
+  got = jax.jit(lambda p, kv: parallel.tp_forward(
+      p, su.cfg, toks, kv, plan, mesh))(
+          su.params, jnp.zeros(su.cfg.pool_shape(b * mp, ps)))[0]
+  res["unstacked_forward_err"] = float(jnp.max(jnp.abs(got - expected)))
 except Exception as e:  # pylint: disable=broad-except
   res["unstacked"] = f"{type(e).__name__}: {e}"
 res["odd_vocab"] = {
@@ -140,6 +146,14 @@ def test_shard_model_unstacked_with_replicated_kv_heads(results):
   """`shard_model` (so `Engine(..., mesh=...)`) takes a model given with
   unstacked layers when its kv heads are replicated (tp=2, one kv head)."""
   assert results["unstacked"] == 0.0, results["unstacked"]
+
+
+def test_tp_forward_unstacked_matches_one_device(results):
+  """`tp_forward` of the unstacked sharded model (each layer's o_proj and
+  down_proj summed over the shards) gives one device's logits."""
+  assert results["unstacked"] == 0.0, results["unstacked"]
+  assert results["unstacked_forward_err"] < 1e-4, (
+      results["seed"], results["unstacked_forward_err"])
 
 
 def test_greedy_tokens_rejects_indivisible_vocab(results):

@@ -221,6 +221,87 @@ def test_config_defaults_are_plain_llama():
     cfg.num_layers = 3  # a jit static argument must not change
 
 
+def test_gemma_embed_scale_is_sqrt_hidden():
+  """Gemma scales its embeddings by `sqrt(hidden_size)` (so the Gemma
+  configs here run with a scale of 8)."""
+  for h in (64, 2304, 3584):
+    assert decoder.gemma_embed_scale(h) == pytest.approx(h ** 0.5, rel=1e-12)
+  assert CONFIGS["gemma2"].embed_scale == CONFIGS["gemma3"].embed_scale == 8.0
+
+
+def test_config_refuses_bad_heads_activation_and_windows():
+  """`DecoderConfig` refuses query heads that are not a positive multiple of
+  the KV heads, an activation other than SiLU / tanh-GELU, and a
+  `layer_windows` whose length is not `num_layers`."""
+  rope = pkvattn.RopeConfig()
+  for kw, match in (
+      (dict(num_qo_heads=3, num_kv_heads=2), "must be a positive multiple"),
+      (dict(num_kv_heads=0), "must be a positive multiple"),
+      (dict(activation="gelu"), r"Invalid activation: expected one of "
+       r"\('silu', 'gelu_tanh'\), got 'gelu'"),
+      (dict(layer_windows=(3, 3, 3)), r"Invalid layer_windows: expected 2 "
+       r"entries, got 3")):
+    with pytest.raises(ValueError, match=match):
+      DecoderConfig(rope=rope, **{**_SMALL, **kw})
+
+
+def test_unstack_stack_and_fuse_layouts(rng):
+  """`unstack_layers` gives one tree per layer (layer i's slice of every
+  stacked leaf) and is idempotent; `stack_layers` inverts it and leaves a
+  stacked tree as it is; `fuse_projections` fuses unstacked layers as it
+  fuses stacked ones, and is idempotent."""
+  cfg = CONFIGS["llama_biases"]
+  params = _params(cfg, rng, jnp.float32)
+  flat = dict(jax.tree_util.tree_leaves_with_path(params["layers"]))
+  un = decoder.unstack_layers(params)
+  assert isinstance(un["layers"], tuple) and len(un["layers"]) == cfg.num_layers
+  for i, lp in enumerate(un["layers"]):
+    got = dict(jax.tree_util.tree_leaves_with_path(lp))
+    assert got.keys() == flat.keys()
+    for path, a in got.items():
+      np.testing.assert_array_equal(a, flat[path][i])
+  assert decoder.unstack_layers(un)["layers"] is un["layers"]
+  for tree in (decoder.stack_layers(un), decoder.stack_layers(params)):
+    jax.tree.map(np.testing.assert_array_equal, tree, params)
+  fused = decoder.fuse_projections(params)
+  fused_un = decoder.fuse_projections(un)
+  assert isinstance(fused_un["layers"], tuple)
+  jax.tree.map(np.testing.assert_array_equal, decoder.stack_layers(fused_un),
+               fused)
+  jax.tree.map(np.testing.assert_array_equal,
+               decoder.fuse_projections(fused), fused)
+  qkv = fused["layers"]["attn"]["qkv_proj"]["kernel"]
+  np.testing.assert_array_equal(
+      qkv, jnp.concatenate([params["layers"]["attn"][n]["kernel"]
+                            for n in ("q_proj", "k_proj", "v_proj")], -1))
+
+
+def test_forward_checks_tokens_tables_and_layer_count(rng):
+  """`forward` refuses, at trace time, tokens that are not the plan's
+  `num_tokens`, a page table without one table per layer, and unstacked
+  params with another number of layers than the config."""
+  cfg = CONFIGS["llama_biases"]
+  params = _params(cfg, rng, jnp.float32)
+  tokens, _, plan = prompt_prefill_inputs(
+      [[1] * 5, [2] * 3], num_layers=cfg.num_layers, page_size=8,
+      num_slots=4, num_tokens=8)
+  pool = jax.ShapeDtypeStruct(cfg.pool_shape(4, 8), jnp.float32)
+
+  def trace(p, toks, pl):
+    return jax.eval_shape(lambda kv: decoder.forward(
+        p, cfg, jnp.asarray(toks), kv, pl, impl="xla"), pool)
+  trace(params, tokens, plan)  # the well-formed step traces
+  with pytest.raises(ValueError, match=r"Invalid shape of tokens: expected "
+                     r"\(8,\), got \(7,\)"):
+    trace(params, tokens[:7], plan)
+  with pytest.raises(ValueError, match=r"Invalid shape of plan\.page_table"):
+    trace(params, tokens, plan.replace(page_table=plan.page_table[:1]))
+  one = dict(params, layers=decoder.unstack_layers(params)["layers"][:1])
+  with pytest.raises(ValueError, match=r"Invalid params\['layers'\]: "
+                     r"expected 2 per-layer trees, got 1"):
+    trace(one, tokens, plan)
+
+
 @pytest.mark.parametrize("windows,period,sliding", [
     ((), 1, False),                          # all -1
     ((7, 7, 7, 7), 1, True),                 # Mistral
@@ -313,9 +394,11 @@ def test_pallas_forward_plans_the_kernel_once_per_step(impl, monkeypatch):
   plan/run split) for every layer: causal, for the step's shapes and
   dtypes, with no window when no layer has one and the widest window when
   every layer has one; a plan given in the step plan is reused; the xla
-  path plans nothing. Traced only (`jax.eval_shape`): the plan steers the
-  kernel's launch order, which no CPU result shows. (Mixed local / global
-  models get `max(windows)`, the local window; not pinned here.)"""
+  path plans nothing; the layers' attention runs the implementation asked
+  for, and the logits are f32 either way. Traced only (`jax.eval_shape`):
+  the plan steers the kernel's launch order, which no CPU result shows.
+  (Mixed local / global models get `max(windows)`, the local window; not
+  pinned here.)"""
   cfg = dataclasses.replace(CONFIGS["gemma3"], layer_windows=())
   calls = []
   real = decoder._attention.plan_prefill  # pylint: disable=protected-access
@@ -324,6 +407,13 @@ def test_pallas_forward_plans_the_kernel_once_per_step(impl, monkeypatch):
     calls.append(kw)
     return real(*args, **kw)
   monkeypatch.setattr(decoder._attention, "plan_prefill", spy)  # pylint: disable=protected-access
+  impls = []
+
+  def block_spy(*args, impl, **kw):
+    impls.append(impl)
+    return real_block(*args, impl=impl, **kw)
+  real_block = decoder.attention_block
+  monkeypatch.setattr(decoder, "attention_block", block_spy)
   params = decoder.init_params(cfg, jax.random.key(0), jnp.bfloat16)
   tokens, _, plan = prompt_prefill_inputs(
       [[1] * 9, [2] * 5], num_layers=cfg.num_layers, page_size=8,
@@ -333,7 +423,9 @@ def test_pallas_forward_plans_the_kernel_once_per_step(impl, monkeypatch):
       lambda p, kv: decoder.forward(p, cfg, jnp.asarray(tokens), kv, pl,
                                     impl=impl), params, pool)
   logits, _ = fwd(plan)
-  assert logits.shape == (16, cfg.vocab_size)
+  # f32 logits from bf16 weights (the head accumulates in f32).
+  assert logits.shape == (16, cfg.vocab_size) and logits.dtype == jnp.float32
+  assert impls and set(impls) == {impl}  # the scanned layer's attention
   if impl == "xla":
     assert calls == []
     return
