@@ -232,6 +232,9 @@ def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
   gb = args.host_kv_cache_gb
   if not 0.0 <= gb < float("inf"):  # also rejects nan
     bad("--host-kv-cache-gb", "a number of GB >= 0 (0 = no host tier)", gb)
+  if args.no_prefix_reuse and int(gb * 1e9):
+    bad("--host-kv-cache-gb", "0 with --no-prefix-reuse (the host tier keeps "
+        "prefix-cache blocks)", gb)
 
   prompts = []
   for text in args.prompt:

@@ -72,6 +72,8 @@ PROMPTS = ["--prompt", "Hello, paged world",
     (["--page-size", "x"], "argument --page-size: invalid int value: 'x'"),
     (["--kv-scales", "per-head"], "argument --kv-scales: expected per-tensor "
                                   "without --kv-cache-dtype fp8"),
+    (["--host-kv-cache-gb", "0.5", "--no-prefix-reuse"],
+     "argument --host-kv-cache-gb: expected 0 with --no-prefix-reuse"),
 ])
 def test_bad_flag_is_an_error_line(capsys, argv, expected):
   line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a"] + argv)
