@@ -7,6 +7,8 @@ not write, and page ids are shuffled.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +27,18 @@ HIDDEN, NQ, NKV, D, PS = 128, 4, 2, 64, 8
 ROPE = pkvattn.RopeConfig(theta=10000.0)
 
 
-def _dense_attention(q, k, v, window_left=-1):
-  """q [S, Hq, D], k/v [S, Hkv, D] for one sequence -> [S, Hq, D] (causal)."""
+def _dense_attention(q, k, v, window_left=-1, sm_scale=None,
+                     logits_soft_cap=None):
+  """q [S, Hq, D], k/v [S, Hkv, D] for one sequence -> [S, Hq, D] (causal;
+  logits scaled by `sm_scale`, default 1 / sqrt(D), then soft-capped)."""
   s, hq, d = q.shape
   g = hq // k.shape[1]
   k = np.repeat(k, g, axis=1)
   v = np.repeat(v, g, axis=1)
-  logits = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
+  scale = 1 / np.sqrt(d) if sm_scale is None else sm_scale
+  logits = np.einsum("qhd,khd->hqk", q, k) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
   i, j = np.arange(s)[:, None], np.arange(s)[None, :]
   mask = j <= i
   if window_left >= 0:
@@ -48,9 +55,11 @@ def _rms_norm64(x, w, eps):
   return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1 + w)
 
 
-def _reference(params, x_seqs, rope, window_left=-1, qk_norm_eps=None):
+def _reference(params, x_seqs, rope, window_left=-1, qk_norm_eps=None,
+               **statics):
   """Per-sequence dense self-attention with the layer's projections (and
-  QK-norm before RoPE with `qk_norm_eps`; no RoPE with `rope=None`)."""
+  QK-norm before RoPE with `qk_norm_eps`; no RoPE with `rope=None`;
+  `statics`: `sm_scale`, `logits_soft_cap`)."""
   outs = []
   for x in x_seqs:
     proj = lambda name: np.asarray(x @ params[name]["kernel"] + params[name].get(
@@ -64,7 +73,8 @@ def _reference(params, x_seqs, rope, window_left=-1, qk_norm_eps=None):
     if rope is not None:
       pos = jnp.arange(len(x), dtype=jnp.int32)
       q, k = pkvattn.apply_rope(jnp.asarray(q), jnp.asarray(k), pos, rope)
-    o = _dense_attention(np.asarray(q), np.asarray(k), v, window_left)
+    o = _dense_attention(np.asarray(q), np.asarray(k), v, window_left,
+                         **statics)
     outs.append(o.reshape(len(x), NQ * D) @ np.asarray(params["o_proj"]["kernel"])
                 + np.asarray(params["o_proj"].get("bias", 0.0)))
   return outs
@@ -93,12 +103,15 @@ def _nnx_params(layer):
   return out
 
 
-def _random_params(rng, *, qkv_bias=True, o_bias=True, qk_norm=False):
-  """Split q/k/v/o projections in Flax's `kernel [in, out]` layout."""
+def _random_params(rng, *, qkv_bias=True, o_bias=True, qk_norm=False,
+                   scale=0.2):
+  """Split q/k/v/o projections in Flax's `kernel [in, out]` layout (kernels
+  of standard deviation `scale`)."""
   params = {}
   for name, i, o in (("q_proj", HIDDEN, NQ * D), ("k_proj", HIDDEN, NKV * D),
                      ("v_proj", HIDDEN, NKV * D), ("o_proj", NQ * D, HIDDEN)):
-    params[name] = {"kernel": rng.normal(size=(i, o)).astype(np.float32) * 0.2}
+    params[name] = {
+        "kernel": rng.normal(size=(i, o)).astype(np.float32) * scale}
     if (o_bias if name == "o_proj" else qkv_bias):
       params[name]["bias"] = rng.normal(size=(o,)).astype(np.float32) * 0.2
   if qk_norm:
@@ -501,3 +514,315 @@ def test_attention_fn_hook_refuses_dropout():
   q = jnp.zeros((n, NKV, D), jnp.float32)
   with pytest.raises(NotImplementedError, match="dropout"):
     PagedAttentionFn(pool, plan, impl="xla")(q, q, q, dropout_rate=0.5)
+
+
+def _statics(rng) -> dict:
+  """Random non-default attention statics: scale, window and soft cap."""
+  return dict(sm_scale=float(rng.uniform(0.05, 0.3)),
+              window_left=int(rng.integers(2, 6)),
+              logits_soft_cap=float(rng.uniform(2.0, 8.0)))
+
+
+def test_layers_and_hook_apply_scale_window_and_soft_cap(rng):
+  """`sm_scale`, `window_left` and `logits_soft_cap` given to the nnx layer,
+  the linen layer or the `attention_fn` hook (each with RoPE) are applied as
+  the float64 oracle applies them; the layers' biases (random, not their
+  zero init) enter the projections."""
+  lens, num_tokens = [9, 5], 16
+  statics = _statics(rng)
+  xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
+  x = np.zeros((num_tokens, HIDDEN), np.float32)
+  x[:9], x[9:14] = xs
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 9, 14], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  kw = dict(rope=ROPE, use_qkv_bias=True, use_o_bias=True, impl="xla",
+            **statics)
+
+  def check(out, params):
+    expected = np.concatenate(_reference(params, xs, ROPE, **statics))
+    np.testing.assert_allclose(np.asarray(out[:14]), expected,
+                               atol=2e-4, rtol=2e-4)
+
+  params = _random_params(rng)
+  layer = PagedAttention(HIDDEN, NQ, NKV, D, rngs=nnx.Rngs(0), **kw)
+  for name, p in params.items():
+    getattr(layer, name).kernel[...] = p["kernel"]
+    getattr(layer, name).bias[...] = p["bias"]
+  check(layer(jnp.asarray(x), pool, plan)[0], params)
+  out, _ = LinenPagedAttention(HIDDEN, NQ, NKV, D, **kw).apply(
+      {"params": params}, jnp.asarray(x), pool, plan)
+  check(out, params)
+
+  q = rng.normal(size=(num_tokens, NQ, D)).astype(np.float32)
+  k = rng.normal(size=(num_tokens, NKV, D)).astype(np.float32)
+  v = rng.normal(size=(num_tokens, NKV, D)).astype(np.float32)
+  out = PagedAttentionFn(pool, plan, rope=ROPE, impl="xla", **statics)(
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  for a, b in ((0, 9), (9, 14)):
+    pos = jnp.arange(b - a, dtype=jnp.int32)
+    qr, kr = pkvattn.apply_rope(jnp.asarray(q[a:b]), jnp.asarray(k[a:b]), pos,
+                                ROPE)
+    want = _dense_attention(np.asarray(qr, np.float64),
+                            np.asarray(kr, np.float64),
+                            np.asarray(v[a:b], np.float64), **statics)
+    np.testing.assert_allclose(np.asarray(out[a:b]), want, atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_linen_layer_compute_dtype(rng):
+  """`dtype=bfloat16` with float32 parameters and inputs (a bfloat16 pool):
+  the linen layer, as the nnx one, computes in bfloat16 and returns
+  bfloat16, within bfloat16 rounding of the float32 oracle."""
+  lens, num_tokens = [5, 3], 8
+  xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 5, 8], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  # Kernels of the layers' init scale (lecun normal: 1 / sqrt(fan_in)).
+  params = _random_params(rng, qkv_bias=False, o_bias=False,
+                          scale=HIDDEN**-0.5)
+  out, new_pool = LinenPagedAttention(
+      HIDDEN, NQ, NKV, D, rope=ROPE, dtype=jnp.bfloat16, impl="xla").apply(
+          {"params": params}, jnp.asarray(np.concatenate(xs)),
+          pool.astype(jnp.bfloat16), plan)
+  assert out.dtype == new_pool.dtype == jnp.bfloat16
+  expected = np.concatenate(_reference(params, xs, ROPE))
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected,
+                             atol=5e-2, rtol=5e-2)
+
+
+def test_kernel_init_and_param_dtype(rng):
+  """Both layers create every projection kernel with `kernel_init`, and
+  every parameter in `param_dtype`."""
+  import flax.linen as nn
+  c = float(rng.uniform(0.5, 2.0))
+  table, pool = _layout([3])
+  plan = AttentionPlan.create(table, np.array([0, 3], np.int32),
+                              np.array([3], np.int32), 4)
+  kw = dict(param_dtype=jnp.bfloat16, use_qkv_bias=True, use_o_bias=True)
+  layer = PagedAttention(HIDDEN, NQ, NKV, D, rngs=nnx.Rngs(0),
+                         kernel_init=nnx.initializers.constant(c), **kw)
+  linen = LinenPagedAttention(HIDDEN, NQ, NKV, D,
+                              kernel_init=nn.initializers.constant(c), **kw)
+  variables = linen.init(jax.random.key(0), jnp.zeros((4, HIDDEN)), pool, plan)
+  for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    for kernel in (getattr(layer, name).kernel[...],
+                   variables["params"][name]["kernel"]):
+      assert kernel.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(kernel, np.float32),
+                                    np.float32(jnp.bfloat16(c)))
+    assert getattr(layer, name).bias[...].dtype == jnp.bfloat16
+    assert variables["params"][name]["bias"].dtype == jnp.bfloat16
+
+
+def test_plan_fields_are_int32(rng):
+  """`AttentionPlan.create` takes the lengths and the table as Python lists
+  or int64 arrays and holds every field as an int32 array."""
+  lens = [int(n) for n in rng.integers(1, 9, size=3)]
+  q_indptr = np.concatenate([[0], np.cumsum(lens)])  # int64
+  table = np.arange(3 * 2 * 2).reshape(3, 2, 2)      # int64
+  plan = AttentionPlan.create(table.tolist(), q_indptr.tolist(), lens, 32)
+  for field in ("page_table", "q_indptr", "kv_lens", "batch_indices",
+                "positions"):
+    value = getattr(plan, field)
+    assert isinstance(value, jax.Array) and value.dtype == jnp.int32, field
+  np.testing.assert_array_equal(np.asarray(plan.kv_lens), lens)
+  plan = AttentionPlan.create(table, q_indptr, np.asarray(lens), 32)
+  assert plan.kv_lens.dtype == plan.q_indptr.dtype == jnp.int32
+
+
+def test_shape_mismatches_are_errors_naming_the_array(rng):
+  """`q` must be `[num_tokens, num_qo_heads, head_dim]`, `k` and `v` of one
+  shape with `q`'s tokens and head_dim, the plan one batch index per token
+  (fused `qkv_proj` rows too): a mismatch is a ValueError naming the array,
+  raised when traced."""
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  from pkvattn.flax import paged_attention
+  table, pool = _layout([4])
+  plan = AttentionPlan.create(table, np.array([0, 4], np.int32),
+                              np.array([4], np.int32), 4)
+  q = jnp.asarray(rng.normal(size=(4, NQ, D)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(4, NKV, D)), jnp.float32)
+  cases = [((q.reshape(4, NQ * D), k, k, plan), "Invalid rank of q"),
+           ((q[None], k, k, plan), "Invalid rank of q"),
+           ((q, k[:3], k[:3], plan), "Invalid shape of k"),
+           ((q, k[..., :D // 2], k[..., :D // 2], plan), "Invalid shape of k"),
+           ((q, k, k[:, :1], plan), "Invalid shape of v"),
+           ((q[:3], k[:3], k[:3], plan), "Invalid shape of plan.batch_indices")]
+  for args, message in cases:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      paged_attention(*args[:3], pool, args[3])
+  spec = AttentionSpec(NQ, NKV, D, rope=ROPE)
+  fused = _fused(_random_params(rng))
+  x = jnp.asarray(rng.normal(size=(3, HIDDEN)), jnp.float32)
+  with pytest.raises(ValueError,
+                     match=re.escape("Invalid shape of plan.batch_indices")):
+    attention_block(fused, x, pool, plan, spec, impl="xla")
+
+
+def test_attention_block_sums_o_proj_in_reduce_dtype(rng):
+  """Under `shard_map` with `reduce_axis`, the `o_proj` partial products are
+  summed over that mesh axis in `reduce_dtype` (float32 here, for a
+  bfloat16 model; by default the activation dtype): on a one-device mesh the
+  output is the one-device block's, within bfloat16 rounding."""
+  from jax.sharding import PartitionSpec as P
+  from pkvattn import parallel
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  lens, num_tokens = [5, 3], 8
+  table, pool = _layout(lens)
+  pool = pool.astype(jnp.bfloat16)
+  plan = AttentionPlan.create(table, np.array([0, 5, 8], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16),
+                        _random_params(rng, scale=HIDDEN**-0.5))
+  x = jnp.asarray(rng.normal(size=(num_tokens, HIDDEN)), jnp.bfloat16)
+  spec = AttentionSpec(NQ, NKV, D, rope=ROPE)
+  want, _ = jax.jit(lambda p, x, pool: attention_block(
+      p, x, pool, plan, spec, impl="xla"))(params, x, pool)
+
+  def sums(jaxpr):
+    """The dtypes `psum` reduces in, nested jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name.startswith("psum"):
+        out += [v.aval.dtype for v in eqn.invars]
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        out += sums(sub)
+    return out
+
+  for reduce_dtype, summed in ((jnp.float32, jnp.float32),
+                               (None, jnp.bfloat16)):
+    fn = parallel.shard_map(
+        lambda p, x, pool, reduce_dtype=reduce_dtype: attention_block(
+            p, x, pool, plan, spec, impl="xla",
+            reduce_axis=parallel.TP_AXIS, reduce_dtype=reduce_dtype),
+        mesh=parallel.make_mesh(1), in_specs=(P(), P(), P()),
+        out_specs=(P(), P()))
+    assert sums(jax.make_jaxpr(fn)(params, x, pool).jaxpr) == [
+        jnp.dtype(summed)]
+  out, _ = jax.jit(fn)(params, x, pool)  # reduce_dtype None
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(want, np.float32), atol=5e-2,
+                             rtol=5e-2)
+
+
+def _num_kernels(fn, *args) -> int:
+  """Pallas kernels (`pallas_call`s, nested jaxprs included) in `fn(*args)`."""
+  def count(jaxpr):
+    return sum((eqn.primitive.name == "pallas_call") + sum(
+        count(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns)
+  return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_impl_reaches_the_append_and_the_attention(rng):
+  """`impl="pallas"` runs both the append (plain, with RoPE, or from fused
+  `qkv_proj` rows) and the attention as Pallas kernels in every front end:
+  each traces to the kernels of its append plus those of `paged_prefill`;
+  `impl="xla"` traces to none."""
+  from pkvattn import rope as rope_ops
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  from pkvattn.flax import paged_attention
+  lens, num_tokens = [6, 5], 12
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 6, 11], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  x = jnp.asarray(rng.normal(size=(num_tokens, HIDDEN)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(num_tokens, NQ, D)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(num_tokens, NKV, D)), jnp.float32)
+  qkv = jnp.concatenate([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
+                         k.reshape(num_tokens, -1)], axis=1)
+  idx = (plan.batch_indices, plan.positions)
+  params = _random_params(rng)
+  spec = AttentionSpec(NQ, NKV, D, rope=ROPE, use_qkv_bias=True,
+                       use_o_bias=True)
+  for impl in ("xla", "pallas"):
+    attend = _num_kernels(lambda q, pool: pkvattn.paged_prefill(
+        q, pool, plan.page_table, plan.q_indptr, plan.kv_lens, impl=impl),
+        q, pool)
+    append = {
+        None: _num_kernels(lambda k, pool: rope_ops.append_paged_kv(
+            k, k, *idx, pool, plan.page_table, impl=impl), k, pool),
+        "rope": _num_kernels(lambda q, k, pool: rope_ops.apply_rope_and_append(
+            q, k, k, *idx, pool, plan.page_table, ROPE, impl=impl), q, k,
+            pool),
+        "qkv": _num_kernels(lambda qkv, pool: (
+            rope_ops.apply_rope_and_append_qkv(
+                qkv, *idx, pool, plan.page_table, ROPE, impl=impl)), qkv,
+            pool)}
+    if impl == "xla":
+      assert attend == sum(append.values()) == 0
+    else:
+      assert attend >= 1 and min(append.values()) >= 1
+    nnx_layer = PagedAttention(HIDDEN, NQ, NKV, D, rope=ROPE, impl=impl,
+                               rngs=nnx.Rngs(0))
+    linen = LinenPagedAttention(HIDDEN, NQ, NKV, D, rope=ROPE, impl=impl)
+    variables = jax.eval_shape(linen.init, jax.random.key(0), x, pool, plan)
+    hook = PagedAttentionFn(pool, plan, impl=impl)
+    runs = {
+        None: [
+            lambda: paged_attention(q, k, k, pool, plan, impl=impl),
+            lambda: hook(q, k, k)],
+        "rope": [
+            lambda: paged_attention(q, k, k, pool, plan, rope=ROPE, impl=impl),
+            lambda: attention_block(params, x, pool, plan, spec, impl=impl),
+            lambda: nnx_layer(x, pool, plan),
+            lambda: linen.apply(jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype), variables), x, pool,
+                plan)],
+        "qkv": [
+            lambda: attention_block(_fused(params), x, pool, plan, spec,
+                                    impl=impl)]}
+    for kind, fns in runs.items():
+      for fn in fns:
+        assert _num_kernels(fn) == append[kind] + attend, (impl, kind)
+
+
+def test_for_layer_takes_that_layer_s_table(rng):
+  """A model's plan (per-layer tables from `layer_page_tables`) gives each
+  layer its own table with `for_layer`, the layer index static or traced
+  (as in `lax.scan` over the layers); the other fields stay the plan's."""
+  num_layers = 3
+  slots = rng.permutation(8)[:6].reshape(2, 3).astype(np.int32)
+  slots[1, 2] = -1
+  tables = layer_page_tables(jnp.asarray(slots), num_layers)
+  plan = AttentionPlan.create(tables, np.array([0, 5, 7], np.int32),
+                              np.array([5, 2], np.int32), 8)
+  fields = lambda p: (p.q_indptr, p.kv_lens, p.batch_indices, p.positions)
+  for layer in range(num_layers):
+    one = plan.for_layer(layer)
+    np.testing.assert_array_equal(np.asarray(one.page_table),
+                                  np.asarray(tables[layer]))
+    for got, want in zip(fields(one), fields(plan)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _, scanned = jax.lax.scan(lambda c, l: (c, plan.for_layer(l).page_table),
+                            0, jnp.arange(num_layers))
+  np.testing.assert_array_equal(np.asarray(scanned), np.asarray(tables))
+
+
+def test_attention_block_computes_in_the_input_dtype(rng):
+  """Without `dtype`, `attention_block` computes in `x`'s dtype: bfloat16
+  tokens with float32 parameters over a bfloat16 pool give bfloat16 outputs
+  and pool, within bfloat16 rounding of the float32 oracle."""
+  from pkvattn.flax import AttentionSpec
+  from pkvattn.flax import attention_block
+  lens, num_tokens = [6, 4], 10
+  params = _random_params(rng, scale=HIDDEN**-0.5)
+  xs = [rng.normal(size=(n, HIDDEN)).astype(np.float32) for n in lens]
+  table, pool = _layout(lens)
+  plan = AttentionPlan.create(table, np.array([0, 6, 10], np.int32),
+                              np.asarray(lens, np.int32), num_tokens)
+  spec = AttentionSpec(NQ, NKV, D, rope=ROPE)
+  x = jnp.asarray(np.concatenate(xs), jnp.bfloat16)
+  out, new_pool = attention_block(params, x, pool.astype(jnp.bfloat16), plan,
+                                  spec, impl="xla")
+  assert out.dtype == new_pool.dtype == jnp.bfloat16
+  expected = np.concatenate(_reference(params, [np.asarray(
+      jnp.asarray(a, jnp.bfloat16), np.float32) for a in xs], ROPE))
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected,
+                             atol=5e-2, rtol=5e-2)

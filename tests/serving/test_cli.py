@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -74,6 +75,12 @@ PROMPTS = ["--prompt", "Hello, paged world",
                                   "without --kv-cache-dtype fp8"),
     (["--host-kv-cache-gb", "0.5", "--no-prefix-reuse"],
      "argument --host-kv-cache-gb: expected 0 with --no-prefix-reuse"),
+    (["--impl", "cuda"], "argument --impl: invalid choice: 'cuda'"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--kv-cache-dtype", "int8"],
+     "argument --kv-cache-dtype: invalid choice: 'int8'"),
+    (["--kv-scales", "per-token"],
+     "argument --kv-scales: invalid choice: 'per-token'"),
 ])
 def test_bad_flag_is_an_error_line(capsys, argv, expected):
   line = error_line(capsys, ["--model", "tiny-llama", "--prompt", "a"] + argv)
@@ -307,10 +314,10 @@ def _run_json(capsys, argv):
 
 def _final_bar(err: str, summary: dict) -> tuple[int, int, str]:
   """`(n, total, percent)` of the progress bar's last render, whose rate must
-  be the summary's."""
+  be the summary's (the only rate it shows, after the elapsed time)."""
   last = err.replace("\r", "\n").strip().splitlines()[-1]
-  match = re.search(r"generating:\s+(\d+)%.*?\| (\d+)/(\d+) \[.*, (\S+) "
-                    r"tok/s outside compilation\]", last)
+  match = re.search(r"generating:\s+(\d+)%.*?\| (\d+)/(\d+) \[[\d:]+, "
+                    r"(\S+) tok/s outside compilation\]$", last)
   assert match, err
   assert match.group(4) == cli._fmt_rate(summary["generated_tokens_per_s"])
   return int(match.group(2)), int(match.group(3)), match.group(1)
@@ -437,11 +444,19 @@ def test_host_kv_cache_gb_flag(capsys):
   # Below one slot of the model: the engine's error, as a usage error.
   line = error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "1e-9"])
   assert "argument --host-kv-cache-gb: Invalid host_kv_cache_bytes" in line
-  # On: the summary reports the tier.
+  # On: the summary reports the tier: whole slots (one block of every layer,
+  # K and V) within its 10**6 bytes, and their size.
   assert cli.main(TINY + PROMPTS + ["--host-kv-cache-gb", "0.001",
                                     "--max-new-tokens", "2",
                                     "--no-progress"]) == 0
-  assert "host KV tier: " in capsys.readouterr().out
+  match = re.search(r"host KV tier: (\d+) slots, ([\d.]+) MiB",
+                    capsys.readouterr().out)
+  from pkvattn import models
+  cfg = models.TINY_CONFIGS["tiny-llama"]
+  slot = cfg.num_layers * 2 * 8 * cfg.num_kv_heads * cfg.head_dim * 4
+  slots = int(match.group(1))
+  assert 0 < slots * slot <= 10**6
+  assert abs(float(match.group(2)) - slots * slot / 2**20) <= 0.05
 
 
 def test_prompt_i_samples_with_seed_plus_i(capsys, monkeypatch):
@@ -476,7 +491,17 @@ class _Built(Exception):
 
 @pytest.mark.parametrize("argv, want", [
     ([], dict(max_num_tokens=16, max_seqs=2, compile_cache_dir="DEFAULT",
-              decode_steps="BACKEND", enable_swa_scratch_reuse=False)),
+              decode_steps="BACKEND", enable_swa_scratch_reuse=False,
+              page_size=8, num_slots=32, max_model_len=48, impl=None,
+              enable_prefix_reuse=True, kv_groups=None, kv_cache_dtype="auto",
+              kv_scales="per_tensor", kv_cache_memory=None,
+              host_kv_cache_bytes=0)),
+    (["--impl", "xla", "--no-prefix-reuse", "--no-kv-groups"],
+     dict(impl="xla", enable_prefix_reuse=False, kv_groups=False)),
+    (["--kv-cache-memory", "3MiB", "--kv-cache-dtype", "fp8", "--kv-scales",
+      "per-head"], dict(kv_cache_memory=3 * 2**20, kv_cache_dtype="FP8",
+                        kv_scales="per_head")),
+    (["--host-kv-cache-gb", "1.5"], dict(host_kv_cache_bytes=1_500_000_000)),
     # Scratch reuse prefills a request in one step: the budget holds the
     # longest (BOS + 40 bytes + 5 new tokens).
     (["--swa-scratch-reuse"], dict(max_num_tokens=46,
@@ -515,4 +540,331 @@ def test_engine_config_from_flags(argv, want, monkeypatch, tmp_path):
       value = str(tmp_path)
     elif value == "BACKEND":  # 8 decode steps a call on a GPU, else 1
       value = 8 if jax.default_backend() == "gpu" else 1
+    elif value == "FP8":  # the engine's name of --kv-cache-dtype fp8
+      value = engine_mod.EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype
     assert getattr(config, name) == value, name
+
+
+class _Recorder:
+  """Stands in for `Engine`: records what the CLI builds and submits, and
+  stops the run (`_Built`) where the engine would compile its programs."""
+
+  def __init__(self, model, config, mesh=None):
+    self.model, self.config, self.mesh, self.requests = model, config, mesh, []
+    _Recorder.last = self
+
+  def add_request(self, prompt, params):
+    self.requests.append((prompt, params))
+    return len(self.requests) - 1
+
+  def warmup(self, progress=False):
+    raise _Built
+
+
+def _recorded(monkeypatch, argv) -> _Recorder:
+  """The stand-in engine after `pkvattn-generate argv` built and fed it."""
+  from pkvattn import engine as engine_mod
+  monkeypatch.setattr(engine_mod, "Engine", _Recorder)
+  with pytest.raises(_Built):
+    cli.main(argv)
+  return _Recorder.last
+
+
+def test_tp_gives_the_engine_a_mesh_of_that_many_devices(monkeypatch):
+  """--tp N builds the engine on a mesh of N devices (`make_mesh(N)`, stood
+  in for here); --tp 1, the default, builds the one-device engine (no
+  mesh)."""
+  from pkvattn import parallel
+  monkeypatch.setattr(parallel, "make_mesh", lambda tp: ("mesh", tp))
+  argv = ["--model", "tiny-llama", "--page-size", "8", "--num-slots", "32",
+          "--prompt", "a"]
+  assert _recorded(monkeypatch, argv).mesh is None
+  assert _recorded(monkeypatch, argv + ["--tp", "1"]).mesh is None
+  assert _recorded(monkeypatch, argv + ["--tp", "2"]).mesh == ("mesh", 2)
+
+
+def test_gpu_backend_defaults(monkeypatch):
+  """On a GPU backend (stood in for: nothing runs) the defaults are
+  bfloat16 parameters and 8 decode iterations per device call."""
+  import jax
+  import jax.numpy as jnp
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  built = _recorded(monkeypatch, ["--model", "tiny-llama", "--page-size", "8",
+                                  "--num-slots", "32", "--prompt", "a"])
+  assert built.config.decode_steps == 8
+  dtypes = {x.dtype for x in jax.tree.leaves(built.model.params)}
+  assert dtypes == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_sampling_flags_reach_every_request(monkeypatch, rng):
+  """Each prompt becomes one request with the sampling flags as given and
+  its own seed (prompt i: --seed + i); it stops at the model's and the
+  tokenizer's end tokens, and at none with --ignore-eos. Without sampling
+  flags a request is greedy (temperature 0, top-k and top-p off, prompt i
+  with seed i)."""
+  from pkvattn import models
+  end_of_turn = int(rng.integers(0, 256))
+  monkeypatch.setattr(ByteTokenizer, "eos_token_ids",
+                      property(lambda self: (end_of_turn,)))
+  prompts = ["a", "bc", "def"]
+  temperature = float(rng.uniform(0.1, 2.0))
+  top_k = int(rng.integers(1, 50))
+  top_p = float(rng.uniform(0.1, 1.0))
+  seed = int(rng.integers(0, 2**32 - len(prompts)))
+  stop = sorted({end_of_turn,
+                 *models.TINY_CONFIGS["tiny-llama"].eos_token_ids})
+  base = ["--model", "tiny-llama", "--page-size", "8", "--num-slots", "32",
+          "--max-new-tokens", "5"]
+  base += [a for p in prompts for a in ("--prompt", p)]
+  built = _recorded(monkeypatch, base)
+  assert [(p.temperature, p.top_k, p.top_p, p.seed, p.ignore_eos)
+          for _, p in built.requests] == [(0, 0, 1, i, False)
+                                          for i in range(len(prompts))]
+  for ignore_eos in (False, True):
+    argv = base + ["--temperature", repr(temperature), "--top-k", str(top_k),
+                   "--top-p", repr(top_p), "--seed", str(seed)]
+    built = _recorded(monkeypatch,
+                      argv + (["--ignore-eos"] if ignore_eos else []))
+    assert [ids for ids, _ in built.requests] == [
+        ByteTokenizer().encode(p) for p in prompts]
+    for i, (_, params) in enumerate(built.requests):
+      assert (params.max_new_tokens, params.temperature, params.top_k,
+              params.top_p, params.seed, params.ignore_eos) == (
+                  5, temperature, top_k, top_p, seed + i, ignore_eos)
+      if ignore_eos:
+        assert params.stop_token_ids is None
+      else:
+        assert list(params.stop_token_ids) == stop
+
+
+def test_engine_refusals_name_their_flag(capsys, monkeypatch, tmp_path):
+  """The engine's refusal of a flag's value is an error line naming that
+  flag: a --kv-cache-memory too small for one request, a --compile-cache-dir
+  that cannot be created; any other refusal of the engine is --tp's (the
+  model's heads do not split over the devices)."""
+  line = error_line(capsys, TINY + PROMPTS + ["--kv-cache-memory", "1KiB"])
+  assert ("error: argument --kv-cache-memory: Invalid kv_cache_memory: 1024 "
+          in line)
+  not_a_dir = tmp_path / "file"
+  not_a_dir.write_text("")
+  line = error_line(capsys, TINY + PROMPTS + [
+      "--compile-cache-dir", str(not_a_dir / "cache")])
+  assert ("error: argument --compile-cache-dir: Invalid compile_cache_dir: "
+          "cannot create") in line
+  from pkvattn import engine as engine_mod
+  message = "Invalid tp: 2 devices do not split 1 KV head"
+
+  def refuse(model, config, mesh=None):
+    raise ValueError(message)
+
+  monkeypatch.setattr(engine_mod, "Engine", refuse)
+  line = error_line(capsys, TINY + PROMPTS)
+  assert line.endswith(f"error: argument --tp: {message}")
+
+
+def test_prompt_the_tokenizer_cannot_encode_is_an_error_line(capsys,
+                                                             monkeypatch):
+  """A prompt the tokenizer refuses, or encodes to no token at all, is an
+  error line naming the prompt, before any weights load."""
+  from pkvattn import models
+
+  class Picky(ByteTokenizer):
+    def encode(self, text):
+      if text == "refused":
+        raise ValueError("unknown symbol in 'refused'")
+      return [] if text == "nothing" else super().encode(text)
+
+  monkeypatch.setattr(models, "load_config_and_tokenizer", lambda name: (
+      models.TINY_CONFIGS["tiny-llama"], Picky()))
+  monkeypatch.setattr(models, "load_model", _no_weights)
+  line = error_line(capsys, ["--prompt", "a", "--prompt", "nothing"])
+  assert line.endswith("error: prompt 1: 'nothing' encodes to no token")
+  line = error_line(capsys, ["--prompt", "refused", "--prompt", "a"])
+  assert line.endswith("error: prompt 0: unknown symbol in 'refused'")
+
+
+def test_prompt_outside_the_vocabulary_is_an_error_line(capsys, monkeypatch):
+  """A prompt whose token ids the model cannot take (a tokenizer with ids
+  past the model's vocabulary) is an error line naming the prompt."""
+  from pkvattn import models
+  cfg = models.TINY_CONFIGS["tiny-llama"]
+
+  class Wide(ByteTokenizer):
+    def encode(self, text):
+      return [cfg.vocab_size] if text == "wide" else super().encode(text)
+
+  monkeypatch.setattr(models, "load_config_and_tokenizer",
+                      lambda name: (cfg, Wide()))
+  line = error_line(capsys, TINY + ["--prompt", "a", "--prompt", "wide"])
+  assert "error: prompt 1: Invalid prompt: token ids must be in [0, " in line
+  assert str(cfg.vocab_size) in line
+
+
+def test_weights_that_fail_to_load_are_an_error_line(capsys, monkeypatch):
+  """A model whose config and tokenizer read but whose weights do not load
+  is an error line naming the model and the failure."""
+  from pkvattn import models
+
+  def unreadable(name, dtype, seed=0):
+    raise OSError(f"cannot read the weights of {name}")
+
+  monkeypatch.setattr(models, "load_model", unreadable)
+  line = error_line(capsys, TINY + PROMPTS)
+  assert line.endswith("error: argument --model: cannot load 'tiny-llama': "
+                       "OSError: cannot read the weights of tiny-llama")
+
+
+def test_a_failing_step_is_a_num_slots_error_but_xla_failures_propagate(
+    capsys, monkeypatch):
+  """A step that refuses a request (RuntimeError: larger than the pool) is a
+  --num-slots error line; XLA's own runtime failure is not a usage error
+  and propagates."""
+  import jax
+  monkeypatch.setattr(Engine, "warmup", lambda self, progress=False: None)
+  for error in (RuntimeError("request 0 needs 9 slots, the pool has 8"),
+                jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no memory")):
+    calls = []
+
+    def fail(self, error=error, calls=calls):
+      # One refusal ends the run: a second step would be a bug.
+      assert not calls, "a step after the failure"
+      calls.append(1)
+      raise error
+
+    monkeypatch.setattr(Engine, "step", fail)
+    if isinstance(error, jax.errors.JaxRuntimeError):
+      with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE"):
+        cli.main(TINY + PROMPTS + ["--no-progress"])
+    else:
+      line = error_line(capsys, TINY + PROMPTS + ["--no-progress"])
+      assert line.endswith(f"error: argument --num-slots: {error}")
+
+
+def _figures(text: str) -> dict:
+  """The numbers of a text summary, by name."""
+  pattern = (
+      r", (?P<prompts>\d+) prompts?, (?P<steps>\d+) steps?\n"
+      r"  prefill: (?P<prefill>\d+) tokens?, (?P<prefill_rate>.*)\n"
+      r"  decode:  (?P<decode>\d+) tokens?, (?P<decode_rate>.*)\n"
+      r"  generated: (?P<generated>\d+) tokens?, \S+ tokens/s "
+      r"\((?P<timed_tokens>\d+) in (?P<timed_s>[\d.]+) s outside "
+      r"compilation\)(?:; (?P<capped>.*))?\n"
+      r"  prefix-cache hit rate: (?P<hit>[\d.]+)% \((?P<reused>\d+)/"
+      r"(?P<prompt_tokens>\d+) prompt tokens\)\n"
+      r"  peak slots: (?P<peak>.*); slots saved by scratch reuse: "
+      r"(?P<saved>\S+); preemptions: (?P<preemptions>\d+)\n"
+      r"  KV pool: (?P<pool_dtype>\w+), (?P<pool_mib>[\d.]+) MiB\n"
+      r"(?:  peak KV: (?P<peak_kv>[\d.]+) MiB, (?P<kv_saved>[\d.]+) MiB less "
+      r"than one slot space for every layer \((?P<flat_kv>[\d.]+) MiB\)\n)?"
+      r"  start-up: load (?P<load>[\d.]+) s, compile (?P<compile>[\d.]+) s "
+      r"ahead of time; wall (?P<wall>[\d.]+) s ")
+  match = re.search(pattern, text)
+  assert match, text
+  return match.groupdict()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_text_summary_states_the_json_figures(capsys, monkeypatch, name):
+  """The text summary states the figures `--json` gives for the same greedy
+  run: tokens, steps, prefix-cache hits, peak slots (per window group for a
+  model with sliding-window layers, and the KV bytes that saves) and the
+  pool's size; a prompt whose --max-model-len leaves fewer than
+  --max-new-tokens is reported as capped. Load, warmup and generation are
+  timed apart (their sum is within the call's wall time). Progress (the
+  warmup's and the generation's bars) goes to stderr unless --no-progress."""
+  from pkvattn import models
+  cfg = models.TINY_CONFIGS[name]
+  warmup, shown = Engine.warmup, []
+
+  def slow_warmup(self, progress=False, **kw):
+    shown.append(progress)
+    time.sleep(0.2)
+    return warmup(self, progress, **kw)
+
+  monkeypatch.setattr(Engine, "warmup", slow_warmup)
+  # Two sequences at a time (TINY's engine shape): the third prompt, which
+  # waits for a free row, reuses the first one's 3 full pages; its 60 tokens
+  # leave 4 new ones below --max-model-len 64.
+  shared = "p" * 23
+  prompts = [shared, "r" * 10, shared + "q" * 36]
+  argv = ["--model", name] + TINY[2:] + ["--max-seqs", "2",
+                                         "--max-new-tokens", "12"]
+  argv += [a for p in prompts for a in ("--prompt", p)]
+  runs = {}
+  for flags in (["--json"], ["--no-progress"]):
+    t0 = time.perf_counter()
+    assert cli.main(argv + flags) == 0
+    runs[flags[0]] = (time.perf_counter() - t0, capsys.readouterr())
+  elapsed, captured = runs["--json"]
+  summary = json.loads(captured.out)["summary"]
+  assert shown == [True, False]
+  # The progress: the compile notice, warmup's bar, then the generation's.
+  assert "pkvattn-generate: compiling the engine's programs ..." in (
+      captured.err)
+  bars = [r for r in captured.err.replace("\r", "\n").split("\n")
+          if r.startswith("generating:")]
+  assert "0%" in bars[0] and "n/a tok/s outside compilation" in bars[0]
+  assert _final_bar(captured.err, summary)[2] == "100"
+  # Timings: load, warmup (here >= 0.2 s) and generation do not overlap.
+  assert summary["warmup_s"] >= 0.2 and summary["load_s"] >= 0
+  assert summary["compile_s"] >= summary["warmup_s"]
+  assert summary["wall_s"] > 0
+  assert summary["load_s"] + summary["warmup_s"] + summary["wall_s"] <= elapsed
+  assert (summary["version"], summary["model"], summary["tp"]) == (
+      pkvattn.__version__, name, 1)
+  assert (summary["num_prompts"], summary["num_slots"],
+          summary["max_model_len"]) == (3, 32, 64)
+  assert summary["prompt_tokens"] == sum(
+      len(ByteTokenizer().encode(p)) for p in prompts)
+  assert summary["prefix_cache_hit_rate"] > 0
+  for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+    assert summary[key] is None or summary[key] > 0
+  # No host tier: nothing offloaded, reloaded or copied.
+  assert (summary["host_blocks_offloaded"], summary["host_blocks_reloaded"],
+          summary["host_hit_rate"], summary["host_transfer_s"]) == (0, 0, 0, 0)
+
+  text_elapsed, captured = runs["--no-progress"]
+  assert "generating" not in captured.err and "compiling" not in captured.err
+  got = _figures(captured.out)
+  mib = 2**20
+  assert int(got["prompts"]) == summary["num_prompts"]
+  for key, field in (("steps", "steps"), ("prefill", "prefill_tokens"),
+                     ("decode", "decode_tokens"),
+                     ("generated", "generated_tokens"),
+                     ("prompt_tokens", "prompt_tokens"),
+                     ("preemptions", "preemptions")):
+    assert int(got[key]) == summary[field], key
+  assert got["capped"] == "1 prompt capped by max_model_len=64"
+  assert got["hit"] == f"{100 * summary['prefix_cache_hit_rate']:.1f}"
+  assert int(got["reused"]) == round(
+      summary["prefix_cache_hit_rate"] * summary["prompt_tokens"])
+  assert got["saved"] == ("n/a" if summary["slots_saved_by_scratch"] is None
+                          else str(summary["slots_saved_by_scratch"]))
+  for key in ("prefill", "decode"):
+    rate = got[f"{key}_rate"]
+    assert rate.endswith(" tokens/s") and rate != "0.0 tokens/s", rate
+  load, compile_s, wall = (float(got[k]) for k in ("load", "compile", "wall"))
+  assert compile_s >= 0.2 and load + compile_s + wall <= text_elapsed + 0.15
+  # The generated tokens timed outside compilation, within the wall time.
+  assert int(got["timed_tokens"]) <= int(got["generated"])
+  assert float(got["timed_s"]) <= wall + 0.06  # rounded to .01 and .1 s
+  assert got["pool_dtype"] == "float32"
+  if not cfg.layer_windows:
+    # One slot space: every layer's K and V pages of 32 slots.
+    assert got["peak"] == f"{summary['peak_slots']}/32"
+    pool = 32 * cfg.num_layers * 2 * 8 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert abs(float(got["pool_mib"]) - pool / mib) <= 0.06
+    assert got["peak_kv"] is None and summary["kv_bytes_saved"] is None
+  else:
+    # One slot space per window group: its peak, its size and its window.
+    groups = re.findall(r"(\d+)/(\d+) \((global|window (\d+))\)", got["peak"])
+    assert [int(g[0]) for g in groups] == summary["peak_group_slots"]
+    windows = {w + 1 for w in cfg.layer_windows if w >= 0}
+    assert {g[2] for g in groups} == {"global"} | {
+        f"window {w}" for w in windows}
+    assert float(got["pool_mib"]) > 0
+    assert got["peak_kv"] == f"{summary['peak_kv_bytes'] / mib:.1f}"
+    assert got["kv_saved"] == f"{summary['kv_bytes_saved'] / mib:.1f}"
+    assert summary["kv_bytes_saved"] > 0
+    assert abs(float(got["flat_kv"]) - (summary["peak_kv_bytes"] +
+               summary["kv_bytes_saved"]) / mib) <= 0.1

@@ -141,6 +141,21 @@ def test_pool_check_counts_cached_tokens_exactly(capsys):
       capsys.readouterr().err)
 
 
+def test_pool_check_names_the_largest_request(capsys):
+  """The --num-slots error names the request that needs the most pages,
+  wherever it stands among the prompts."""
+  parser = cli._parser()
+  args = parser.parse_args(["--page-size", "8", "--max-new-tokens", "4",
+                            "--num-slots", "2"])
+  for lens in ([20, 3, 9], [3, 20, 9]):
+    with pytest.raises(SystemExit):
+      cli._plan_lengths(parser, args, [[1] * n for n in lens], 4096, False)
+    i = lens.index(20)  # 20 + 4 - 1 = 23 cached tokens: 3 pages of 8
+    assert (f"error: argument --num-slots: expected >= 3, got 2: prompt {i} "
+            "(20 tokens) + 4 new tokens need 3 pages of 8 tokens") in (
+                capsys.readouterr().err)
+
+
 def test_max_model_len_may_equal_max_position_embeddings():
   """`--max-model-len` is bounded by the model's max_position_embeddings,
   inclusive."""
@@ -165,6 +180,7 @@ def test_fmt_rate_switches_to_whole_numbers_at_1000():
   digits would round up to 1000 (never "1e+03")."""
   assert cli._fmt_rate(999.0) == "999"
   assert cli._fmt_rate(999.4) == "999"
+  assert cli._fmt_rate(999.5) == "1,000"
   assert cli._fmt_rate(999.6) == "1,000"
   assert cli._fmt_rate(0.01234) == "0.0123"
   assert cli._fmt_rate(1000.0) == "1,000"
@@ -177,7 +193,7 @@ def test_a_short_compilation_still_leaves_the_step_out():
   timed = cli._Timed()
   after = EngineStats(prefill_tokens=4, prefill_time_s=0.1,
                       generated_tokens=1, compile_time_s=0.2)
-  assert timed.add(EngineStats(), after, step_s=0.3, num_sampled=1)
+  assert timed.add(EngineStats(), after, step_s=0.3, num_sampled=1) is True
   assert (timed.generated_tokens, timed.prefill_tokens) == (0, 0)
   assert timed.compile_s == 0.2
 
@@ -188,7 +204,7 @@ def test_decode_rate_counts_each_step_s_own_time():
   timed = cli._Timed()
   before = EngineStats(decode_tokens=5, decode_time_s=0.25)
   after = EngineStats(decode_tokens=9, decode_time_s=0.75)
-  assert not timed.add(before, after, step_s=0.5, num_sampled=4)
+  assert timed.add(before, after, step_s=0.5, num_sampled=4) is False
   assert cli._rate(timed.decode_tokens, timed.decode_s) == 4 / 0.5
 
 
