@@ -1,5 +1,5 @@
 """Paged decode: `pkvattn.paged_decode` against FlashInfer 0.7.2's decode on
-the very same pages, with the copy roof.
+the very same pages, with the copy and read roofs.
 
 Run on a GPU:  `python -m bench.decode [--specs 0,4] [--fp8] [--layers 16]
 [--backend triton,mma] [--call-overhead]`
@@ -27,7 +27,9 @@ Timing, per arm: `per_call_us`, the wall time a call adds to a stream of
 back-to-back calls (`timing.pipelined_ms`); `kernel_us`, the summed GPU
 kernel time of one call from a profiler trace (launch gaps and host time
 out). `tbps` / `kernel_tbps`: bytes moved (q + touched K/V pages + out) per
-time; `x_flashinfer[_kernel]`: FlashInfer's faster mode's time / the arm's
+time (with `--layers`, `kernel_tbps` per layer: every layer reads the same
+pages, so where a layer's pages fit in L2 it can pass the HBM roof);
+`x_flashinfer[_kernel]`: FlashInfer's faster mode's time / the arm's
 (> 1: faster than FlashInfer).
 
 Modes:
@@ -317,6 +319,8 @@ def finish_rows(rows, spec, nbytes, layers, tol):
       for k in ("per_call_us", "kernel_us", "span_us"):
         if r.get(k):
           r[k.replace("_us", "_us_per_layer")] = r[k] / layers
+      if r.get("kernel_us") and r.get("correct"):
+        r["kernel_tbps"] = nbytes / (r["kernel_us_per_layer"] * 1e-6) / 1e12
     elif r["impl"] != "jax floor" and r.get("correct"):
       r["tbps"] = nbytes / (r["per_call_us"] * 1e-6) / 1e12
       if r.get("kernel_us"):
@@ -363,7 +367,8 @@ def main(argv=None):
                   help="also time impl='xla'")
   ap.add_argument("--no-flashinfer", action="store_true")
   ap.add_argument("--roof", action="store_true",
-                  help="measure the copy roof (torch copy_, else XLA)")
+                  help="measure the copy roof (torch copy_, else XLA) and "
+                  "the read-only roof (a reduction)")
   results.add_out_arg(ap)
   args = ap.parse_args(argv)
   args.backend = [b for b in args.backend.split(",") if b]
@@ -392,6 +397,8 @@ def main(argv=None):
   if args.roof:
     roof = timing.torch_copy_roof_gbps() or timing.copy_roof_gbps()
     extra["copy_roof_tbps"] = roof / 1e3
+    read = timing.read_roof_gbps()
+    extra["read_roof_tbps"] = {k: v and v / 1e3 for k, v in read.items()}
   rows = []
   for spec in chosen:
     print(spec.name, flush=True)
@@ -401,7 +408,8 @@ def main(argv=None):
           "x_flashinfer", "x_flashinfer_kernel", "err"]
   if args.layers:
     cols = ["spec", "impl", "per_call_us_per_layer", "span_us_per_layer",
-            "kernel_us_per_layer", "x_flashinfer", "x_flashinfer_span",
+            "kernel_us_per_layer", "kernel_tbps", "x_flashinfer",
+            "x_flashinfer_span",
             "x_flashinfer_kernel", "err"]
   if args.fp8:
     cols.insert(-1, "x_bf16_pages")
@@ -409,6 +417,9 @@ def main(argv=None):
     cols.insert(4, "host_us")
   print()
   timing.print_table(rows, cols)
+  if args.roof:
+    print(f"copy roof {extra['copy_roof_tbps']:.3f} TB/s, read roof "
+          f"{extra['read_roof_tbps']['best']:.3f} TB/s")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ the fixed cost of each sample cancelled by pairs of n and 2n calls. How a
 kernel is timed (`device_kernel_ms`, `kernel_groups`): the summed kernel and
 memcpy durations on the device's stream lines of a `jax.profiler` trace,
 launch gaps and host time excluded. Roofs: a device copy (`copy_roof_gbps`,
-`torch_copy_roof_gbps`) and a bf16 matmul (`matmul_roof_tflops`).
+`torch_copy_roof_gbps`), a read-only pass (`read_roof_gbps`) and a bf16
+matmul (`matmul_roof_tflops`).
 
 Units: times in milliseconds (`*_ms`), bandwidth in decimal GB/s / TB/s (1e9 / 1e12
 bytes per second), compute in TFLOP/s (1e12 FLOP per second).
@@ -269,6 +270,42 @@ def torch_copy_roof_gbps(num_bytes: int = 2 << 30) -> float | None:
     return 2 * num_bytes / (statistics.median(times) * 1e-3) / 1e9
   except Exception:  # noqa: BLE001  (no torch / no GPU: no torch roof)
     return None
+
+
+def read_roof_gbps(num_bytes: int = 2 << 30) -> dict:
+  """Measured read-only bandwidth, decimal GB/s: the bytes of one array
+  reduced to a scalar, best of XLA's reduction (`xla`) and, with torch +
+  CUDA, torch's (`torch`, CUDA events). A decode kernel reads its pages and
+  writes little, so this, not a copy (whose writes share the bus), is the
+  roof for its bytes.
+
+  Returns dict(best=..., xla=..., torch=...) (torch None without it).
+  """
+  n = num_bytes // 4
+  x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+  t = time_fn(jax.jit(jnp.max), x)
+  out = dict(xla=num_bytes / (t["median_ms"] * 1e-3) / 1e9, torch=None)
+  del x
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    if torch.cuda.is_available():
+      a = torch.rand(n, device="cuda", dtype=torch.float32)
+      times = []
+      for i in range(23):
+        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+        e0.record()
+        a.sum()
+        e1.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+          times.append(e0.elapsed_time(e1))
+      del a
+      torch.cuda.empty_cache()
+      out["torch"] = num_bytes / (statistics.median(times) * 1e-3) / 1e9
+  except Exception:  # noqa: BLE001  (no torch / no GPU: XLA's figure only)
+    pass
+  out["best"] = max(v for v in out.values() if v is not None)
+  return out
 
 
 def matmul_roof_tflops(n: int = 8192) -> float:
