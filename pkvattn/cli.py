@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 
@@ -267,26 +268,6 @@ def _check_flags(parser: argparse.ArgumentParser, args) -> list[str]:
   return prompts
 
 
-def _load_config_and_tokenizer(name_or_path: str, dtype, seed: int):
-  """`(cfg, tokenizer, model_or_None)`, without the weights where
-  `pkvattn.models` can read the config alone (then `model_or_None` is None);
-  otherwise the whole model is loaded and returned for reuse.
-
-  Raises:
-    ValueError, OSError: from `pkvattn.models` (unknown name, bad directory,
-      a missing package).
-  """
-  from pkvattn import models
-  loader = getattr(models, "load_config_and_tokenizer", None)
-  if loader is not None:
-    cfg, tok = loader(name_or_path)
-    return cfg, tok, None
-  if name_or_path in models.TINY_CONFIGS:
-    return models.TINY_CONFIGS[name_or_path], models.ByteTokenizer(), None
-  model = models.load_model(name_or_path, dtype, seed=seed)
-  return model.cfg, model.tokenizer, model
-
-
 # What `pkvattn.models` raises for a bad name, directory or checkpoint: an
 # unknown name or missing package (ValueError), an unreadable file (OSError),
 # an unsupported architecture (NotImplementedError), a config.json without a
@@ -299,6 +280,34 @@ def _model_error(parser, name_or_path: str, e: Exception):
     parser.error(f"argument --model: {e}")
   parser.error(f"argument --model: cannot load {name_or_path!r}: "
                f"{type(e).__name__}: {e}")
+
+
+# The flag that sets each `EngineConfig` field (or `Engine` argument) a
+# refusal can name: their messages start "Invalid <field>:".
+_FIELD_FLAGS = {
+    "page_size": "--page-size", "num_slots": "--num-slots",
+    "max_seqs": "--max-seqs", "max_num_tokens": "--max-num-tokens",
+    "max_model_len": "--max-model-len", "impl": "--impl",
+    "enable_prefix_reuse": "--no-prefix-reuse",
+    "enable_swa_scratch_reuse": "--swa-scratch-reuse",
+    "kv_groups": "--no-kv-groups", "kv_cache_dtype": "--kv-cache-dtype",
+    "kv_scales": "--kv-scales", "kv_cache_memory": "--kv-cache-memory",
+    "host_kv_cache_bytes": "--host-kv-cache-gb",
+    "decode_steps": "--decode-steps", "compile_cache_dir": "--compile-cache-dir",
+    "tp": "--tp",
+}
+
+
+def _engine_error(parser, e: ValueError):
+  """`parser.error` for a refusal of the `EngineConfig` or `Engine` built
+  from the flags: under the flag that sets the field it names; a refusal
+  naming no field is the model's heads not splitting over `--tp` devices
+  (`pkvattn.parallel`)."""
+  field = re.match(r"Invalid (\w+):", str(e))
+  if field is None:
+    parser.error(f"argument --tp: {e}")
+  flag = _FIELD_FLAGS.get(field.group(1))
+  parser.error(f"argument {flag}: {e}" if flag else str(e))
 
 
 def _encode(parser, args, tok, prompts: list[str]) -> tuple[list, bool]:
@@ -412,14 +421,13 @@ def main(argv=None) -> int:
 
   from pkvattn.engine import Engine, EngineConfig, SamplingParams
   from pkvattn.serving import compile_cache
-  from pkvattn.models import load_model
+  from pkvattn.models import load_config_and_tokenizer, load_model
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
   t0 = time.perf_counter()
-  try:
-    cfg, tok, model = _load_config_and_tokenizer(
-        args.model, jnp.dtype(dtype), args.seed)
+  try:  # metadata only: the prompts are checked before the weights load
+    cfg, tok = load_config_and_tokenizer(args.model)
   except _MODEL_ERRORS as e:
     _model_error(parser, args.model, e)
   if tok is None:
@@ -434,42 +442,34 @@ def main(argv=None) -> int:
       mesh = make_mesh(args.tp)
     except ValueError as e:
       parser.error(f"argument --tp: {e}")
-  if model is None:
-    try:
-      model = load_model(args.model, jnp.dtype(dtype), seed=args.seed)
-    except _MODEL_ERRORS as e:
-      _model_error(parser, args.model, e)
+  try:
+    model = load_model(args.model, jnp.dtype(dtype), seed=args.seed)
+  except _MODEL_ERRORS as e:
+    _model_error(parser, args.model, e)
 
   longest = max(len(x) + n for x, n in zip(ids, new_tokens))
   # With SWA scratch reuse a prompt (+ a recompute's output) is prefilled in
   # one step, so the budget must hold the longest request.
   max_num_tokens = max(args.max_num_tokens,
                        longest if args.swa_scratch_reuse else 0)
-  config = EngineConfig(
-      page_size=args.page_size, num_slots=args.num_slots,
-      max_seqs=min(args.max_seqs, len(prompts)),
-      max_num_tokens=max_num_tokens, max_model_len=max_model_len,
-      impl=args.impl, enable_prefix_reuse=not args.no_prefix_reuse,
-      enable_swa_scratch_reuse=args.swa_scratch_reuse,
-      kv_groups=False if args.no_kv_groups else None,
-      kv_cache_dtype=args.kv_cache_dtype,
-      kv_scales=args.kv_scales.replace("-", "_"),
-      kv_cache_memory=args.kv_cache_memory,
-      host_kv_cache_bytes=int(args.host_kv_cache_gb * 1e9),
-      decode_steps=args.decode_steps or (8 if on_gpu else 1),
-      compile_cache_dir=None if args.no_compile_cache else (
-          args.compile_cache_dir or compile_cache.default_dir()))
   try:
+    config = EngineConfig(
+        page_size=args.page_size, num_slots=args.num_slots,
+        max_seqs=min(args.max_seqs, len(prompts)),
+        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+        impl=args.impl, enable_prefix_reuse=not args.no_prefix_reuse,
+        enable_swa_scratch_reuse=args.swa_scratch_reuse,
+        kv_groups=False if args.no_kv_groups else None,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_scales=args.kv_scales.replace("-", "_"),
+        kv_cache_memory=args.kv_cache_memory,
+        host_kv_cache_bytes=int(args.host_kv_cache_gb * 1e9),
+        decode_steps=args.decode_steps or (8 if on_gpu else 1),
+        compile_cache_dir=None if args.no_compile_cache else (
+            args.compile_cache_dir or compile_cache.default_dir()))
     engine = Engine(model, config, mesh=mesh)
   except ValueError as e:
-    if "compile_cache_dir" in str(e):
-      parser.error(f"argument --compile-cache-dir: {e}")
-    if "kv_cache_memory" in str(e):
-      parser.error(f"argument --kv-cache-memory: {e}")
-    if "host_kv_cache_bytes" in str(e):
-      parser.error(f"argument --host-kv-cache-gb: {e}")
-    # the model's heads do not split over --tp devices
-    parser.error(f"argument --tp: {e}")
+    _engine_error(parser, e)
   load_s = time.perf_counter() - t0
 
   stop = tuple(sorted(set(cfg.eos_token_ids) |

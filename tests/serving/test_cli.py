@@ -662,6 +662,32 @@ def test_engine_refusals_name_their_flag(capsys, monkeypatch, tmp_path):
   assert line.endswith(f"error: argument --tp: {message}")
 
 
+@pytest.mark.parametrize("message,flag", [
+    ("Invalid decode_steps: expected an int >= 1, got 0", "--decode-steps"),
+    ("Invalid host_kv_cache_bytes: expected 0 without prefix reuse, got 5",
+     "--host-kv-cache-gb"),
+    ("Invalid kv_groups: expected None or False, got True", "--no-kv-groups"),
+    ("Invalid enable_prefix_reuse: expected a bool, got 1",
+     "--no-prefix-reuse"),
+    # A field no flag sets: the message alone.
+    ("Invalid calibration_tokens: expected a positive int, got 0", None),
+])
+def test_engine_config_refusals_name_their_flag(capsys, monkeypatch, message,
+                                                flag):
+  """`EngineConfig`'s own refusals (a rule the CLI's flag checks do not
+  restate) are error lines under the flag that sets the field they name,
+  not tracebacks; a field no flag sets gives the message alone."""
+  from pkvattn import engine as engine_mod
+
+  def refuse(**kwargs):
+    raise ValueError(message)
+
+  monkeypatch.setattr(engine_mod, "EngineConfig", refuse)
+  line = error_line(capsys, TINY + PROMPTS)
+  assert line.endswith(f"error: argument {flag}: {message}" if flag
+                       else f"error: {message}")
+
+
 def test_prompt_the_tokenizer_cannot_encode_is_an_error_line(capsys,
                                                              monkeypatch):
   """A prompt the tokenizer refuses, or encodes to no token at all, is an
