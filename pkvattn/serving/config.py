@@ -115,7 +115,9 @@ class EngineConfig:
       prefix blocks about to be evicted from the pool are copied to host
       slots (`host_kv_cache_bytes // (num_layers * 2 * page_size *
       num_kv_heads * head_dim * itemsize)` of them), and a later prompt that
-      matches them brings them back instead of recomputing. 0 = off. One
+      matches them brings them back instead of recomputing. 0 = off. At
+      most the machine's memory (the engine raises ValueError otherwise, as
+      vLLM does for a swap space it cannot hold). One
       flat slot space only: per-window-group caches and SWA scratch raise
       ValueError (pass `kv_groups=False`).
     finished_history: finished requests kept for `Engine.get_request` after

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import time
 
 import jax
@@ -138,6 +139,15 @@ def _pow2_at_least(x: int) -> int:
   return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def host_memory_bytes() -> int | None:
+  """The machine's physical memory in bytes (`sysconf`), or None where the
+  system does not say."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, ValueError, OSError):
+    return None
+
+
 def _host_memory_kind(pool) -> str:
   """`pinned_host` where the pool's device has it, else `unpinned_host`; on
   a CPU `device`: its memory is host memory already, so the batches stay
@@ -176,7 +186,10 @@ class HostTier:
                num_layers: int, block_bytes: int, *, hybrid: bool,
                scratch: bool, mesh: jax.sharding.Mesh | None = None):
     """Raises ValueError: per-window-group caches or SWA scratch (not
-    supported), or `host_kv_cache_bytes` below one slot."""
+    supported), or `host_kv_cache_bytes` below one slot or above the
+    machine's memory (`host_memory_bytes`; the batches are allocated as
+    blocks are offloaded, so a tier that cannot fit would fail mid-run) or
+    2**31 - 1 slots (the bookkeeping's int32 slot ids)."""
     if hybrid or scratch:
       raise ValueError(
           "Invalid host_kv_cache_bytes: the host tier supports one flat slot "
@@ -186,6 +199,15 @@ class HostTier:
           "host_kv_cache_bytes=0)")
     self.slot_bytes = num_layers * block_bytes
     slots = config.host_kv_cache_bytes // self.slot_bytes
+    memory = host_memory_bytes()
+    if memory is not None and config.host_kv_cache_bytes > memory:
+      raise ValueError(
+          f"Invalid host_kv_cache_bytes: expected at most the host's memory "
+          f"({memory} bytes), got {config.host_kv_cache_bytes}")
+    if slots > np.iinfo(np.int32).max:
+      raise ValueError(
+          f"Invalid host_kv_cache_bytes: expected at most 2**31 - 1 slots "
+          f"of {self.slot_bytes} bytes, got {slots}")
     if slots < 1:
       raise ValueError(
           f"Invalid host_kv_cache_bytes: expected at least one slot of "

@@ -444,6 +444,10 @@ def test_host_kv_cache_gb_flag(capsys):
   # Below one slot of the model: the engine's error, as a usage error.
   line = error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "1e-9"])
   assert "argument --host-kv-cache-gb: Invalid host_kv_cache_bytes" in line
+  # More than the machine holds (a zettabyte): the engine's error too.
+  line = error_line(capsys, TINY + PROMPTS + ["--host-kv-cache-gb", "1e12"])
+  assert ("argument --host-kv-cache-gb: Invalid host_kv_cache_bytes: "
+          "expected at most the host's memory") in line
   # On: the summary reports the tier: whole slots (one block of every layer,
   # K and V) within its 10**6 bytes, and their size.
   assert cli.main(TINY + PROMPTS + ["--host-kv-cache-gb", "0.001",

@@ -7,6 +7,7 @@ recomputing them; greedy tokens are the same as without it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from pkvattn import cache
+from pkvattn.serving import host_tier
 from pkvattn.engine import Engine, EngineConfig, SamplingParams
 from pkvattn.models import load_model
 from compile_events import count_compiles
@@ -146,6 +148,30 @@ def test_config_errors(model):
   with pytest.raises(ValueError, match="host_kv_cache_bytes.*kv_groups=False"):
     Engine(load_model("tiny-gemma3"), dataclasses.replace(
         CFG, host_kv_cache_bytes=HOST_BYTES))
+
+
+def test_tier_larger_than_the_machine_is_refused(model, monkeypatch):
+  """A tier the machine's memory cannot hold is refused when the engine is
+  built (its batches are allocated as blocks are offloaded, so it would
+  fail mid-run), as is one of more slots than int32 slot ids name; a tier
+  of exactly the machine's memory is not."""
+  memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  with pytest.raises(ValueError, match=(
+      rf"Invalid host_kv_cache_bytes: expected at most the host's memory "
+      rf"\({memory} bytes\), got {memory + 1}")):
+    Engine(model, dataclasses.replace(CFG, host_kv_cache_bytes=memory + 1))
+  slot_bytes = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=HOST_BYTES)).host_tier.slot_bytes
+  monkeypatch.setattr(host_tier, "host_memory_bytes", lambda: 1 << 62)
+  with pytest.raises(ValueError, match=rf"at most 2\*\*31 - 1 slots of "
+                     rf"{slot_bytes} bytes, got {2**31}"):
+    Engine(model, dataclasses.replace(
+        CFG, host_kv_cache_bytes=2**31 * slot_bytes))
+  # At the limit: built (the tier's batches are not allocated yet).
+  monkeypatch.setattr(host_tier, "host_memory_bytes", lambda: 4 * slot_bytes)
+  tier = Engine(model, dataclasses.replace(
+      CFG, host_kv_cache_bytes=4 * slot_bytes)).host_tier
+  assert tier.num_slots == 4
 
 
 def _check_batches(tier):
