@@ -118,7 +118,9 @@ class CacheConfig:
     total = self.num_slots * self.num_layers * 2
     if total >= 2**31:
       raise ValueError(
-          f"num_slots * num_layers * 2 = {total} pool pages overflow int32")
+          f"Invalid num_slots: expected num_slots * num_layers * 2 < 2**31 "
+          f"pool pages (int32 page ids), got {self.num_slots} * "
+          f"{self.num_layers} * 2 = {total}")
 
   @property
   def swa_scratch_active(self) -> bool:

@@ -310,6 +310,24 @@ def _engine_error(parser, e: ValueError):
   parser.error(f"argument {flag}: {e}" if flag else str(e))
 
 
+def _is_out_of_memory(e: Exception) -> bool:
+  """XLA's allocation failure (on the device, or the host on a CPU)."""
+  import jax  # noqa: PLC0415
+  return (isinstance(e, jax.errors.JaxRuntimeError)
+          and "RESOURCE_EXHAUSTED" in str(e))
+
+
+def _out_of_memory(parser, config, where: str, e: Exception):
+  """`parser.error` for an allocation that failed while the engine was
+  built, compiled or run: names the flags that size what it allocates, with
+  the values the engine got (`config`)."""
+  parser.error(
+      f"out of memory {where} (a step's buffers grow with --max-num-tokens "
+      f"{config.max_num_tokens} and --max-seqs {config.max_seqs}, the KV "
+      f"pool with --num-slots / --kv-cache-memory): "
+      f"{str(e).splitlines()[0]}")
+
+
 def _encode(parser, args, tok, prompts: list[str]) -> tuple[list, bool]:
   """Token ids per prompt (chat template applied unless `--no-chat` or the
   tokenizer has none) and whether the template was applied."""
@@ -470,6 +488,10 @@ def main(argv=None) -> int:
     engine = Engine(model, config, mesh=mesh)
   except ValueError as e:
     _engine_error(parser, e)
+  except RuntimeError as e:
+    if not _is_out_of_memory(e):
+      raise
+    _out_of_memory(parser, config, "building the engine", e)
   load_s = time.perf_counter() - t0
 
   stop = tuple(sorted(set(cfg.eos_token_ids) |
@@ -495,7 +517,12 @@ def main(argv=None) -> int:
       print("pkvattn-generate: compiling the engine's programs ...",
             file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    engine.warmup(progress=show)
+    try:
+      engine.warmup(progress=show)
+    except RuntimeError as e:
+      if not _is_out_of_memory(e):
+        raise
+      _out_of_memory(parser, config, "compiling the engine's programs", e)
     warmup_s = time.perf_counter() - t0
 
   timed = _Timed()
@@ -515,8 +542,9 @@ def main(argv=None) -> int:
       try:
         n = engine.step()
       except RuntimeError as e:  # a request larger than the whole pool
-        if isinstance(e, jax.errors.JaxRuntimeError):
-          raise                  # XLA's own failure: not the pool's size
+        if isinstance(e, jax.errors.JaxRuntimeError) and (
+            not _is_out_of_memory(e)):
+          raise                  # XLA's own failure: not a size
         failure = e              # (checked up front, except with SWA scratch
         break                    # reuse); reported once the bar is closed
       timed.add(before, engine.stats, time.perf_counter() - t_step, n)
@@ -529,6 +557,8 @@ def main(argv=None) -> int:
         bar.total -= pending.pop(rid) - len(engine.get_request(rid).output)
       bar.update(n)
   if failure is not None:
+    if _is_out_of_memory(failure):
+      _out_of_memory(parser, config, "generating", failure)
     parser.error(f"argument --num-slots: {failure}")
   wall_s = time.perf_counter() - t0
   requests = [engine.get_request(r) for r in request_ids]

@@ -286,11 +286,20 @@ def slots_for_memory(cfg: EngineConfig, model_cfg, pool_dtype) -> int:
   """`num_slots` of `cfg.kv_cache_memory` bytes (slots span every layer).
 
   Raises:
-    ValueError: the bytes do not hold one sequence of `max_model_len`.
+    ValueError: the bytes do not hold one sequence of `max_model_len`, or
+      hold more slots than the pool's int32 page ids name
+      (`num_slots * num_layers * 2 < 2**31`).
   """
   block = (2 * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim
            * jnp.dtype(pool_dtype).itemsize)
   slots = cfg.kv_cache_memory // (block * model_cfg.num_layers)
+  most = (2**31 - 1) // (2 * model_cfg.num_layers)
+  if slots > most:
+    raise ValueError(
+        f"Invalid kv_cache_memory: expected at most "
+        f"{most * block * model_cfg.num_layers} bytes ({most} slots of "
+        f"{model_cfg.num_layers} layers x {block} bytes: the pool's page ids "
+        f"are int32), got {cfg.kv_cache_memory}")
   if slots < cfg.max_pages:
     raise ValueError(
         f"Invalid kv_cache_memory: {cfg.kv_cache_memory} bytes hold {slots} "

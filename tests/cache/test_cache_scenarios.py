@@ -370,7 +370,9 @@ def test_config_errors():
   with pytest.raises(ValueError, match="Invalid max_rewind_len"):
     _cfg(max_rewind_len=-1)
   # Pool pages are int32: num_slots * num_layers * 2 must stay below 2**31.
-  with pytest.raises(ValueError, match="overflow int32"):
+  with pytest.raises(ValueError, match=(
+      r"Invalid num_slots: expected num_slots \* num_layers \* 2 < 2\*\*31 "
+      r"pool pages \(int32 page ids\), got 536870912 \* 2 \* 2 = 2147483648")):
     _cfg(num_slots=2**29, num_layers=2)
   assert _cfg(num_slots=2**29 - 1, num_layers=2).num_pool_pages == 2**31 - 4
   with pytest.raises(ValueError, match="Invalid config: expected a CacheConfig"):

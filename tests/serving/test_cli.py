@@ -666,6 +666,64 @@ def test_engine_refusals_name_their_flag(capsys, monkeypatch, tmp_path):
   assert line.endswith(f"error: argument --tp: {message}")
 
 
+def test_pool_sizes_past_int32_page_ids_name_their_flag(capsys):
+  """A pool of more pages than int32 page ids name is an error line under
+  the flag that sized it: --num-slots, or --kv-cache-memory with the most
+  bytes it may be."""
+  line = error_line(capsys, TINY + PROMPTS + ["--num-slots", "3000000000"])
+  assert ("argument --num-slots: Invalid num_slots: expected num_slots * "
+          "num_layers * 2 < 2**31 pool pages") in line
+  line = error_line(capsys, TINY + PROMPTS + ["--kv-cache-memory", "1000TiB"])
+  assert ("argument --kv-cache-memory: Invalid kv_cache_memory: expected at "
+          "most ") in line and f"got {1000 * 2**40}" in line
+
+
+@pytest.mark.parametrize("stage", ["build", "warmup", "step"])
+def test_out_of_memory_is_an_error_line(capsys, monkeypatch, stage):
+  """XLA's allocation failure while the engine is built, compiled or run is
+  an error line naming the flags that size its buffers, with the values
+  the engine got (--max-seqs capped at the prompt count); XLA's other
+  failures stay exceptions (a bug, not a size)."""
+  from pkvattn import engine as engine_mod
+  import jax
+  oom = jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory allocating 4136046878096 bytes.\n"
+      "details")
+  real = engine_mod.Engine
+
+  def patched(error):
+    def build(model, config, mesh=None):
+      if stage == "build":
+        raise error
+      engine = real(model, config, mesh=mesh)
+
+      def fail(*args, **kwargs):
+        raise error
+      # (The step's stage skips the warmup: nothing needs to compile.)
+      monkeypatch.setattr(engine, "warmup", fail if stage == "warmup"
+                          else lambda **kwargs: None)
+      if stage == "step":
+        monkeypatch.setattr(engine, "step", fail)
+      return engine
+    return build
+
+  monkeypatch.setattr(engine_mod, "Engine", patched(oom))
+  where = {"build": "building the engine",
+           "warmup": "compiling the engine's programs",
+           "step": "generating"}[stage]
+  line = error_line(capsys, TINY + PROMPTS + ["--max-num-tokens", "300",
+                                              "--no-progress"])
+  assert line.endswith(
+      f"error: out of memory {where} (a step's buffers grow with "
+      f"--max-num-tokens 300 and --max-seqs {len(PROMPTS) // 2}, the KV pool "
+      "with --num-slots / --kv-cache-memory): RESOURCE_EXHAUSTED: Out of "
+      "memory allocating 4136046878096 bytes.")
+  other = jax.errors.JaxRuntimeError("INTERNAL: a compiler bug")
+  monkeypatch.setattr(engine_mod, "Engine", patched(other))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    cli.main(TINY + PROMPTS + ["--no-progress"])
+
+
 @pytest.mark.parametrize("message,flag", [
     ("Invalid decode_steps: expected an int >= 1, got 0", "--decode-steps"),
     ("Invalid host_kv_cache_bytes: expected 0 without prefix reuse, got 5",
@@ -747,12 +805,13 @@ def test_weights_that_fail_to_load_are_an_error_line(capsys, monkeypatch):
 def test_a_failing_step_is_a_num_slots_error_but_xla_failures_propagate(
     capsys, monkeypatch):
   """A step that refuses a request (RuntimeError: larger than the pool) is a
-  --num-slots error line; XLA's own runtime failure is not a usage error
+  --num-slots error line; XLA's own runtime failure other than running out
+  of memory (`test_out_of_memory_is_an_error_line`) is not a usage error
   and propagates."""
   import jax
   monkeypatch.setattr(Engine, "warmup", lambda self, progress=False: None)
   for error in (RuntimeError("request 0 needs 9 slots, the pool has 8"),
-                jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no memory")):
+                jax.errors.JaxRuntimeError("INTERNAL: a kernel failed")):
     calls = []
 
     def fail(self, error=error, calls=calls):
@@ -763,7 +822,7 @@ def test_a_failing_step_is_a_num_slots_error_but_xla_failures_propagate(
 
     monkeypatch.setattr(Engine, "step", fail)
     if isinstance(error, jax.errors.JaxRuntimeError):
-      with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE"):
+      with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         cli.main(TINY + PROMPTS + ["--no-progress"])
     else:
       line = error_line(capsys, TINY + PROMPTS + ["--no-progress"])

@@ -208,6 +208,21 @@ def test_slots_for_memory(dtype, page_size, max_model_len):
                      f" slots .* max_model_len={max_model_len} needs "
                      rf"\({pages}\)"):
     slots(pages * slot_bytes - 1)
+  # The largest pool whose page ids fit int32 (num_slots * num_layers * 2 <
+  # 2**31), to the byte; one slot more is refused.
+  most = (2**31 - 1) // (2 * LLAMA.num_layers)
+  assert slots(most * slot_bytes + slot_bytes - 1) == most
+  with pytest.raises(ValueError, match=(
+      rf"Invalid kv_cache_memory: expected at most {most * slot_bytes} bytes "
+      rf"\({most} slots of {LLAMA.num_layers} layers x "
+      rf"{slot_bytes // LLAMA.num_layers} bytes: the pool's page ids are "
+      rf"int32\), got {(most + 1) * slot_bytes}")):
+    slots((most + 1) * slot_bytes)
+  pcache.CacheConfig(num_slots=most, page_size=page_size,
+                     num_layers=LLAMA.num_layers, max_seqs=1, max_pages=1)
+  with pytest.raises(ValueError, match="Invalid num_slots"):
+    pcache.CacheConfig(num_slots=most + 1, page_size=page_size,
+                       num_layers=LLAMA.num_layers, max_seqs=1, max_pages=1)
 
 
 def test_fp8_pages_hold_twice_the_slots_of_bf16():
