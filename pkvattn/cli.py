@@ -464,6 +464,11 @@ def main(argv=None) -> int:
     model = load_model(args.model, jnp.dtype(dtype), seed=args.seed)
   except _MODEL_ERRORS as e:
     _model_error(parser, args.model, e)
+  except RuntimeError as e:
+    if not _is_out_of_memory(e):
+      raise
+    parser.error(f"argument --model: out of memory loading its weights in "
+                 f"{dtype}: {str(e).splitlines()[0]}")
 
   longest = max(len(x) + n for x, n in zip(ids, new_tokens))
   # With SWA scratch reuse a prompt (+ a recompute's output) is prefilled in

@@ -678,6 +678,27 @@ def test_pool_sizes_past_int32_page_ids_name_their_flag(capsys):
           "most ") in line and f"got {1000 * 2**40}" in line
 
 
+def test_out_of_memory_loading_the_weights_is_an_error_line(capsys,
+                                                          monkeypatch):
+  """XLA's allocation failure while the weights load is a --model error
+  line naming the dtype; its other failures propagate."""
+  from pkvattn import models
+  import jax
+  for message in ("RESOURCE_EXHAUSTED: Out of memory allocating 99 bytes.",
+                  "INTERNAL: a transfer failed"):
+    def fail(*args, message=message, **kwargs):
+      raise jax.errors.JaxRuntimeError(message)
+    monkeypatch.setattr(models, "load_model", fail)
+    argv = TINY + PROMPTS + ["--dtype", "bfloat16", "--no-progress"]
+    if message.startswith("INTERNAL"):
+      with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        cli.main(argv)
+    else:
+      assert error_line(capsys, argv).endswith(
+          "error: argument --model: out of memory loading its weights in "
+          f"bfloat16: {message}")
+
+
 @pytest.mark.parametrize("stage", ["build", "warmup", "step"])
 def test_out_of_memory_is_an_error_line(capsys, monkeypatch, stage):
   """XLA's allocation failure while the engine is built, compiled or run is
