@@ -12,6 +12,7 @@ object the tests assert on.
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -102,12 +103,41 @@ res["odd_vocab"] = {
     "shape": list(actual.shape), "logits_spec": spec(actual),
     "max_err": float(jnp.max(jnp.abs(actual - expected)))}
 
+# tp_forward given the unsharded config (one kv head on two devices) asks
+# for shard_model's, before anything is traced.
+try:
+  parallel.tp_forward(m.params, cfg, toks,
+                      jnp.zeros(cfg.pool_shape(b * mp, ps)), plan, mesh)
+  res["cfg_error"] = None
+except ValueError as e:
+  res["cfg_error"] = str(e)
+
 # greedy_tokens asks for a vocabulary that divides by tp.
 try:
   parallel.greedy_tokens(jnp.zeros((3, 6)), parallel.make_mesh(4))
   res["greedy_error"] = None
 except ValueError as e:
   res["greedy_error"] = str(e)
+
+# pmap_greedy_generate on the devices given (the last three of four) runs
+# its two groups on the first two of them, devices 1 and 2 (a step left on
+# the default devices would put them on 0 and 1). jax.pmap is wrapped to
+# see where the steps' outputs are.
+pmap, steps = jax.pmap, []
+def spy_pmap(fn, **kw):
+  f = pmap(fn, **kw)
+  def call(*args):
+    out = f(*args)
+    steps.append(sorted(d.id for d in out[0].devices()))
+    return out
+  return call
+jax.pmap = spy_pmap
+groups = rng.integers(0, cfg.vocab_size, (2, 1, 3))
+res["pmap_devices"] = {
+    "tokens": parallel.pmap_greedy_generate(
+        m.params, cfg, groups, 2, page_size=8, devices=devs[1:]).tolist(),
+    "steps": steps, "want": [d.id for d in devs[1:3]]}
+jax.pmap = pmap
 print("RESULT" + json.dumps(res))
 '''
 
@@ -156,8 +186,27 @@ def test_tp_forward_unstacked_matches_one_device(results):
       results["seed"], results["unstacked_forward_err"])
 
 
+def test_tp_forward_rejects_an_unsharded_config(results):
+  """`tp_forward` with the model's own config where `shard_model` would
+  replicate its one kv head over tp=2: the documented ValueError naming
+  cfg, what it expects and the kv heads it got, not a sharding error from
+  inside `shard_map` (the pool's one head does split nowhere)."""
+  assert results["cfg_error"] == (
+      "Invalid cfg: expected num_kv_heads >= tp=2 (use "
+      "pkvattn.parallel.shard_model), got num_kv_heads=1")
+
+
 def test_greedy_tokens_rejects_indivisible_vocab(results):
   assert "Invalid shape of logits" in results["greedy_error"]
+
+
+def test_pmap_greedy_generate_runs_on_the_devices_given(results):
+  """`devices=` (not the default: the last three of four devices) for two
+  groups: the prefill and the decode step both run on the first two devices
+  given, one group each."""
+  r = results["pmap_devices"]
+  assert np.asarray(r["tokens"]).shape == (2, 1, 2)
+  assert r["steps"] == [r["want"]] * 2, r  # the prefill, one decode
 
 
 def _projections(rng, num_layers, hidden, cols, bias):
@@ -295,12 +344,39 @@ def test_vocab_parallel_and_configs():
           local.intermediate_size) == (1, 1, cfg.intermediate_size // 4)
 
 
+def test_tp_config_rejects_indivisible_mlp(rng):
+  """An MLP whose width does not divide by tp (the heads do) cannot be
+  column-split: a ValueError naming `intermediate_size` and tp, not a
+  per-shard config with the columns silently floored."""
+  cfg = replace(TINY_CONFIGS["tiny-llama"], num_qo_heads=4, num_kv_heads=2)
+  tp = int(rng.choice([2, 4]))
+  width = tp * int(rng.integers(8, 64)) + int(rng.integers(1, tp))
+  with pytest.raises(ValueError, match=re.escape(
+      f"intermediate_size={width} must be divisible by tp={tp}")):
+    parallel.tp_config(replace(cfg, intermediate_size=width), tp)
+
+
 def test_make_mesh_rejects_bad_tp():
   devices = jax.devices()
   assert parallel.make_mesh(1).devices.tolist() == devices[:1]
   for tp in (0, -1, 1.0, len(devices) + 1):
     with pytest.raises(ValueError, match="Invalid tp"):
       parallel.make_mesh(tp)
+
+
+def test_tp_size_rejects_a_mesh_without_the_axis(rng):
+  """`tp_size` (so `shard_model` and `tp_forward`) on a mesh that lacks the
+  axis: a ValueError naming the mesh, the axis asked for and the axes it
+  has, not a KeyError from `mesh.shape`."""
+  axis = f"ax{rng.integers(100)}"
+  mesh = parallel.make_mesh(1, axis=axis)
+  assert parallel.tp_size(mesh, axis) == 1
+  want = re.escape(f"Invalid mesh: expected an axis named 'tp', got axes "
+                   f"('{axis}',)")
+  with pytest.raises(ValueError, match=want):
+    parallel.tp_size(mesh)
+  with pytest.raises(ValueError, match=want):
+    parallel.shard_model(_model(), mesh)
 
 
 def _model(**kw):
@@ -407,13 +483,40 @@ def test_tp_forward_rejects_pool_of_other_heads():
                         plan, parallel.make_mesh(1))
 
 
+def test_tp_forward_passes_impl_and_logits_indices(rng):
+  """`tp_forward` hands `logits_indices` and `impl` to each shard's
+  `forward`: at tp=1 its logits are `forward`'s rows at the indices, and an
+  unknown impl raises the ValueError `forward` raises for it."""
+  m = _model()
+  b, n, ps = 2, 5, 8
+  tables = layer_page_tables(
+      jnp.asarray(rng.permutation(2 * b).reshape(b, 2), jnp.int32),
+      m.cfg.num_layers)
+  toks = jnp.asarray(rng.integers(0, m.cfg.vocab_size, b * n), jnp.int32)
+  plan = AttentionPlan.create(tables, jnp.array([0, n, 2 * n], jnp.int32),
+                              jnp.array([n, n], jnp.int32), b * n)
+  idx = jnp.asarray(rng.choice(b * n, 3, replace=False), jnp.int32)
+  pool = jnp.zeros(m.cfg.pool_shape(2 * b, ps))
+  mesh = parallel.make_mesh(1)
+  every = forward(m.params, m.cfg, toks, pool, plan)[0]
+  got = parallel.tp_forward(m.params, m.cfg, toks, pool, plan, mesh,
+                            logits_indices=idx, impl="xla")[0]
+  assert got.shape == (3, m.cfg.vocab_size)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(every)[np.asarray(idx)],
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="impl"):
+    parallel.tp_forward(m.params, m.cfg, toks, pool, plan, mesh, impl="bogus")
+
+
 def test_pmap_greedy_generate_one_group_one_token(rng):
   """One group on the one device, one token: each prompt's greedy next
-  token, as `forward` gives it for that prompt alone."""
+  token, as `forward` gives it for that prompt alone (the prompts given as
+  nested lists)."""
   m = _model()
   b, n = 2, 5
   prompts = rng.integers(0, m.cfg.vocab_size, (1, b, n)).astype(np.int32)
-  actual = parallel.pmap_greedy_generate(m.params, m.cfg, prompts, 1)
+  # Given as nested lists of Python ints, as the annotation's i32 array.
+  actual = parallel.pmap_greedy_generate(m.params, m.cfg, prompts.tolist(), 1)
   assert actual.shape == (1, b, 1)
   tables = layer_page_tables(jnp.array([[3, 1]], jnp.int32),
                              m.cfg.num_layers)
@@ -442,7 +545,7 @@ def test_pmap_greedy_generate_decodes_across_pages(rng, monkeypatch):
   ceil((prompt_len + max_new_tokens) / page_size) pages per request, and
   every step's pool argument is donated (deleted after the step; the
   prefill's host pool is put on the devices here, so that its donation
-  shows too)."""
+  shows too). The `impl` given reaches both steps' `forward`."""
   m = _model()
   b, ps, t = 2, 8, 5
   n = int(rng.integers(4, 8))  # n + t in [9, 12]: two pages of 8
@@ -464,11 +567,19 @@ def test_pmap_greedy_generate_decodes_across_pages(rng, monkeypatch):
       return out
     return call
 
+  decoder_forward, impls = parallel._decoder.forward, []  # noqa: SLF001
+
+  def spy_forward(*args, **kw):  # traced once per step program
+    impls.append(kw.get("impl"))
+    return decoder_forward(*args, **kw)
+
   monkeypatch.setattr(parallel, "_greedy_prefill", spy_prefill)
   monkeypatch.setattr(jax, "pmap", spy_pmap)
+  monkeypatch.setattr(parallel._decoder, "forward", spy_forward)  # noqa: SLF001
   actual = parallel.pmap_greedy_generate(m.params, m.cfg, prompts, t,
-                                         page_size=ps)
+                                         page_size=ps, impl="xla")
   monkeypatch.undo()
+  assert impls == ["xla"] * 2, impls  # the prefill's, the decode's
   assert actual.shape == (1, b, t)
   assert shapes == [m.cfg.pool_shape(b * int(np.ceil((n + t) / ps)), ps)]
   assert len(pools) == t  # the prefill's, then t - 1 decodes
