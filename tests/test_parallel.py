@@ -387,13 +387,19 @@ def _model(**kw):
 
 def test_shard_model_unties_a_vocab_parallel_head():
   """A tied head whose vocabulary divides by tp (any, at tp=1) becomes its
-  own `lm_head = embed.T`; the projections stay unfused unless asked."""
+  own `lm_head = embed.T`, placed vocab-sharded as `param_specs(..., tp=tp)`
+  lays it out (so each device holds 1 / tp of it, not a replica); the
+  projections stay unfused unless asked."""
   mesh = parallel.make_mesh(1)
   m = _model(tie_word_embeddings=True)
   sm = parallel.shard_model(m, mesh)
   assert sm.cfg == dataclasses.replace(m.cfg, tie_word_embeddings=False)
   np.testing.assert_array_equal(np.asarray(sm.params["lm_head"]),
                                 np.asarray(m.params["embed"]).T)
+  want = parallel.param_specs(sm.params, tp=1)
+  got = jax.tree.map(lambda a: a.sharding.spec, sm.params)
+  assert got == want
+  assert got["lm_head"] == jax.sharding.PartitionSpec(None, parallel.TP_AXIS)
   assert "q_proj" in sm.params["layers"]["attn"]  # fuse defaults to False
   assert "qkv_proj" in parallel.shard_model(
       m, mesh, fuse=True).params["layers"]["attn"]
@@ -449,6 +455,9 @@ def test_generate_on_replicas_round_robin(rng):
     assert parallel.generate_on_replicas(engines, prompts, params) == [
         [i % 3, per[i], *p] for i, p in enumerate(prompts)]
   assert parallel.generate_on_replicas(iter(engines), prompts, -1) == [
+      [i % 3, -1, *p] for i, p in enumerate(prompts)]
+  # Prompts from an iterator too (taken once, then dealt out).
+  assert parallel.generate_on_replicas(engines, iter(prompts), -1) == [
       [i % 3, -1, *p] for i, p in enumerate(prompts)]
   assert parallel.generate_on_replicas(engines[:1], prompts[:2], 5) == [
       [0, 5, *p] for p in prompts[:2]]
