@@ -1,12 +1,18 @@
 """`pkvattn.models.chat_template` against transformers' own Jinja environment
 (`transformers.utils.chat_template_utils._compile_jinja_template`, the one
 `apply_chat_template` renders with): block whitespace (`trim_blocks`,
-`lstrip_blocks`), `tojson` (no ASCII or HTML escaping, key order kept),
-loop controls, special tokens as variables, `add_generation_prompt`."""
+`lstrip_blocks`), `tojson` (no ASCII or HTML escaping, key order kept; its
+options), `strftime_now`, loop controls (also in a process without
+transformers), special tokens as variables, `add_generation_prompt`; the
+mixin's defaults."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -142,3 +148,86 @@ def test_apply_chat_template_is_one_user_turn_with_generation_prompt(rng):
   assert tok.apply_chat_template(prompt) == [ord(c) for c in want]
   with pytest.raises(ValueError, match="no chat template"):
     _CharTokenizer(None, tokens).apply_chat_template(prompt)
+
+
+def test_tojson_options_as_transformers(rng):
+  """`tojson`'s keyword arguments (`indent`, `separators`, `sort_keys`,
+  `ensure_ascii`) reach `json.dumps` as in transformers' filter (chat
+  templates dump tool schemas with them). Each changes the text of these
+  messages: keys out of sorted order, several keys, non-ASCII content."""
+  messages = _messages(rng, 2)
+  indent = int(rng.integers(1, 5))
+  template = (
+      "{% for m in messages %}"
+      "{{ m | tojson(indent=" + str(indent) + ") }}\n"
+      "{{ m | tojson(separators=(',', ':')) }}\n"
+      "{{ m | tojson(sort_keys=true) }}\n"
+      "{{ m | tojson(ensure_ascii=true) }}\n"
+      "{% endfor %}")
+  got = render_chat_template(template, messages)
+  assert got == _transformers_render(template, messages, True)
+  want = ""
+  for m in messages:
+    options = [json.dumps(m, ensure_ascii=False, indent=indent),
+               json.dumps(m, ensure_ascii=False, separators=(",", ":")),
+               json.dumps(m, ensure_ascii=False, sort_keys=True),
+               json.dumps(m)]
+    # Each option matters here: dropping it would change the text.
+    assert json.dumps(m, ensure_ascii=False) not in options
+    want += "".join(f"{o}\n" for o in options)
+  assert got == want
+
+
+def test_strftime_now_is_the_local_time(rng):
+  """`strftime_now(format)` formats the current local time, as transformers'
+  global does (templates stamp "Today Date: ..." into system prompts)."""
+  directives = ["%Y", "%m", "%d", "%H", "%M", "%b", "%B", "%a", "%j", "%y"]
+  fmt = " ".join(rng.choice(directives, 4))
+  template = "{{ strftime_now('" + fmt + "') }}"
+  render_chat_template(template, [])  # compiled before the clock is read
+  before = datetime.datetime.now().strftime(fmt)
+  got = render_chat_template(template, [])
+  want = _transformers_render(template, [], True)
+  after = datetime.datetime.now().strftime(fmt)
+  assert got in {before, after} and want in {before, after}
+
+
+class _BareTokenizer(ChatTemplateMixin):
+  """Implements nothing of the mixin's protocol."""
+
+
+def test_mixin_defaults_fail_loudly():
+  """A tokenizer that sets no `chat_template` gets the mixin's "no chat
+  template" ValueError (not an AttributeError), and one that does not
+  implement `encode_no_special` gets NotImplementedError rather than None
+  token ids."""
+  with pytest.raises(ValueError, match="_BareTokenizer has no chat template"):
+    _BareTokenizer().apply_chat_template("hi")
+  tok = _BareTokenizer()
+  tok.chat_template = "{{ messages[0]['content'] }}"
+  with pytest.raises(NotImplementedError):
+    tok.apply_chat_template("hi")
+
+
+def test_renders_in_a_process_that_never_imported_transformers(rng):
+  """The module imports what its environment uses (`jinja2.ext` for the
+  loop controls) itself: this test process has transformers, which imports
+  `jinja2.ext` as a side effect, but the CLI's process does not. A fresh
+  interpreter renders a `break` / `continue` template as transformers does
+  here."""
+  messages = _messages(rng, 4)
+  messages.insert(int(rng.integers(1, 4)), {"role": "stop", "content": "x"})
+  code = ("import json, sys\n"
+          "from pkvattn.models.chat_template import render_chat_template\n"
+          "args = json.load(sys.stdin)\n"
+          "print(render_chat_template(*args), end='')\n"
+          "assert 'transformers' not in sys.modules\n")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # conftest's; jaxlib logs a line about them
+  env["PYTHONIOENCODING"] = "utf-8"
+  proc = subprocess.run([sys.executable, "-c", code],
+                        input=json.dumps([TEMPLATE, messages]),
+                        capture_output=True, encoding="utf-8", timeout=120,
+                        env=env)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout == _transformers_render(TEMPLATE, messages, True)
