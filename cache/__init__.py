@@ -44,6 +44,7 @@ from .host_tier import validate_host_tier as validate_host_tier
 from .hybrid import HybridCacheConfig as HybridCacheConfig
 from .hybrid import HybridCacheState as HybridCacheState
 from .hybrid import layer_page_tables as _hybrid_layer_tables
+from .state import MAX_POOL_PAGES as MAX_POOL_PAGES
 from .state import NULL_PAGE as NULL_PAGE
 from .state import NULL_SEQ as NULL_SEQ
 from .state import CacheConfig as CacheConfig
@@ -110,6 +111,7 @@ __all__ = [
     "HostTierState",
   "HybridCacheConfig",
   "HybridCacheState",
+    "MAX_POOL_PAGES",
     "NULL_PAGE",
     "NULL_SEQ",
     "PageIndexMode",

@@ -76,7 +76,8 @@ from . import forking as _forking
 from . import publish as _publish
 from . import tables as _tables
 from . import validate as _validate
-from .state import NULL_PAGE, CacheConfig, CacheState, init_cache
+from .state import (MAX_POOL_PAGES, NULL_PAGE, CacheConfig, CacheState,
+                    init_cache)
 from .state import stats as _flat_stats
 from .window import FULL_ATTENTION, LayerGroup, PageIndexMode
 
@@ -124,7 +125,7 @@ class HybridCacheConfig:
           f"Invalid group_num_slots: expected positive ints, got {slots!r}")
     object.__setattr__(self, "group_num_slots", tuple(int(s) for s in slots))
     self.group_configs  # noqa: B018 -- validates the shared sizes
-    if self.num_pool_pages >= 2**31:
+    if self.num_pool_pages > MAX_POOL_PAGES:
       raise ValueError(
           f"Invalid group_num_slots: {self.num_pool_pages} pool pages overflow "
           "int32")

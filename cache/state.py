@@ -44,6 +44,9 @@ from . import hashing
 
 NULL_PAGE: Final = -1  # table entry with no block
 NULL_SEQ: Final = -1   # padding entry in seq_ids: no request
+# Most pages a pool may hold: page ids (num_slots * num_layers * 2 of them)
+# are int32.
+MAX_POOL_PAGES: Final = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,7 @@ class CacheConfig:
       raise ValueError(
           f"Invalid max_rewind_len: expected >= 0, got {self.max_rewind_len}")
     total = self.num_slots * self.num_layers * 2
-    if total >= 2**31:
+    if total > MAX_POOL_PAGES:
       raise ValueError(
           f"Invalid num_slots: expected num_slots * num_layers * 2 < 2**31 "
           f"pool pages (int32 page ids), got {self.num_slots} * "

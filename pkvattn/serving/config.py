@@ -288,12 +288,12 @@ def slots_for_memory(cfg: EngineConfig, model_cfg, pool_dtype) -> int:
   Raises:
     ValueError: the bytes do not hold one sequence of `max_model_len`, or
       hold more slots than the pool's int32 page ids name
-      (`num_slots * num_layers * 2 < 2**31`).
+      (`cache.MAX_POOL_PAGES`).
   """
   block = (2 * cfg.page_size * model_cfg.num_kv_heads * model_cfg.head_dim
            * jnp.dtype(pool_dtype).itemsize)
   slots = cfg.kv_cache_memory // (block * model_cfg.num_layers)
-  most = (2**31 - 1) // (2 * model_cfg.num_layers)
+  most = _cache.MAX_POOL_PAGES // (2 * model_cfg.num_layers)
   if slots > most:
     raise ValueError(
         f"Invalid kv_cache_memory: expected at most "
